@@ -1,0 +1,34 @@
+// Helpers shared by the C API translation units: the per-thread last error and the conversion of
+// absl::Status into moonepResult_t. No exception may cross the C boundary.
+#pragma once
+
+#include <exception>
+#include <string>
+
+#include "moonep/core/status.h"
+#include "moonep/moonep.h"
+
+namespace moonep::capi {
+
+// Records `status` as this thread's last error and returns its C result.
+moonepResult_t Report(const absl::Status& status);
+void ClearLastError();
+
+// Runs `body` (returning absl::Status), catching any exception as an internal error.
+template <typename Body>
+moonepResult_t Guard(const char* function, Body&& body) {
+  ClearLastError();
+  try {
+    absl::Status status = body();
+    if (status.ok()) return moonepSuccess;
+    return Report(Annotate(status, function));
+  } catch (const std::bad_alloc&) {
+    return Report(OutOfMemory("%s: out of host memory", function));
+  } catch (const std::exception& e) {
+    return Report(Internal("%s: unexpected exception: %s", function, e.what()));
+  } catch (...) {
+    return Report(Internal("%s: unexpected exception", function));
+  }
+}
+
+}  // namespace moonep::capi

@@ -1,0 +1,109 @@
+// The Plan: the planner's output and the contract every other part reads (transport, executor,
+// runtime, simulator). Plain data; for the same input it has identical bytes on every rank.
+//
+// Terms (see ../docs/planner.md):
+//   R ranks, E experts, epn = E / R home experts per rank, `slots` replica slots per rank.
+//   counts[src * E + e]: tokens of source rank `src` routed to expert `e` (once per top-k entry).
+//   Each rank computes G = epn + slots groups: its epn home experts (in increasing expert id),
+//   then its replica slots (slot s -> slot_expert[rank * slots + s], or -1 when unused).
+//   Canonical token order of (src, e): the tokens of rank src that chose e, by increasing token
+//   index. The split of (src, e) cuts that order into consecutive pieces, each computed on one
+//   destination rank.
+//   Inside a destination group, rows are ordered by source rank, then by canonical order; group g
+//   of rank d occupies rows [group_offset, group_offset + group_count) of d's compute layout and
+//   is followed by padding up to group_padded rows.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace moonep::planner {
+
+enum class Policy : int32_t {
+  kNone = 0,            // home placement only
+  kMoonEP = 1,          // perfect balance, fewest replicas, locality (default)
+  kMoonEPGreedy = 2,    // the published MoonEP greedy policy
+  kEplb = 3,            // DeepSeek EPLB on an average of past counts, re-planned every N steps
+  kFasterMoEShadow = 4, // FasterMoE dynamic shadowing
+  kTestForceReplicas = 5,  // tests only: fills replica slots and splits experts aggressively
+};
+
+const char* PolicyName(Policy policy);
+// Parses "none", "moonep", "moonep-greedy", "eplb", "fastermoe-shadow", "test-force-replicas".
+bool ParsePolicy(const std::string& name, Policy* policy);
+
+struct PlannerConfig {
+  int32_t num_ranks = 0;
+  int32_t num_experts = 0;
+  int32_t slots = -1;          // replica slots per rank; -1 means E / R
+  int32_t pad_multiple = 1;    // each group's rows padded to a multiple of this (GEMM alignment)
+  int32_t ranks_per_node = 0;  // 0: flat topology; else ranks [n*rpn, (n+1)*rpn) form node n
+  std::vector<int32_t> home;   // [E] home rank of each expert; empty means e / (E / R)
+  std::vector<double> speeds;  // [R] relative speeds (balance time, not tokens); empty: all 1
+  Policy policy = Policy::kMoonEP;
+  // Optional sizes so that stats can report bytes (0: stats report rows/experts only).
+  int64_t row_bytes = 0;       // bytes of one dispatched token row
+  int64_t expert_bytes = 0;    // bytes of one expert's parameters (prefetch = reduce size)
+  // eplb: re-plan every this many steps on the running average of past counts.
+  int32_t eplb_period = 1;
+  // fastermoe-shadow cost model (seconds per token of compute; seconds per byte of broadcast).
+  double shadow_compute_s_per_token = 1e-6;
+  double shadow_broadcast_s_per_byte = 1e-10;
+};
+
+struct PlanStats {
+  int64_t total_tokens = 0;       // sum(counts)
+  int64_t max_load_before = 0;    // max rank load with home placement only
+  int64_t max_load_after = 0;     // max rank load of this plan
+  double mean_load = 0.0;         // total_tokens / R
+  int32_t replicas = 0;           // replica slots in use, all ranks
+  int64_t rows_local = 0;         // token rows computed on their source rank
+  int64_t rows_travel_intra = 0;  // token rows (not deduplicated) sent inside a node
+  int64_t rows_travel_inter = 0;  // token rows sent across nodes (all, when flat)
+  int32_t prefetch_intra = 0;     // replicas whose home is on the same node
+  int32_t prefetch_inter = 0;     // replicas whose home is on another node
+  int64_t dispatch_bytes_intra = 0, dispatch_bytes_inter = 0;  // rows * row_bytes
+  int64_t prefetch_bytes_intra = 0, prefetch_bytes_inter = 0;  // replicas * expert_bytes
+  int64_t reduce_bytes_intra = 0, reduce_bytes_inter = 0;      // same as prefetch
+  double imbalance_before() const { return mean_load > 0 ? max_load_before / mean_load : 1.0; }
+  double imbalance_after() const { return mean_load > 0 ? max_load_after / mean_load : 1.0; }
+};
+
+struct Plan {
+  int32_t num_ranks = 0;
+  int32_t num_experts = 0;
+  int32_t experts_per_rank = 0;  // epn
+  int32_t slots = 0;
+  int32_t pad_multiple = 1;
+  int32_t ranks_per_node = 0;
+
+  std::vector<int32_t> home;           // [E]
+  std::vector<int32_t> local_experts;  // [R * epn] rank r's home group g is expert local_experts[r*epn+g]
+  std::vector<int64_t> alloc;          // [E * R] tokens of expert e computed on rank d: alloc[e*R + d]
+  std::vector<int32_t> slot_expert;    // [R * slots] expert in each replica slot, -1 if unused
+
+  // Compute layout, G = epn + slots groups per rank, indexed [rank * G + g].
+  std::vector<int64_t> group_offset;
+  std::vector<int64_t> group_count;
+  std::vector<int64_t> group_padded;
+  std::vector<int64_t> rank_rows;      // [R] sum of group_padded: rows rank d must hold
+
+  // Split of each (src, e): pieces split_begin[src*E+e] .. split_begin[src*E+e+1]-1, in canonical
+  // order. Piece p sends split_count[p] tokens to rank split_dest[p], landing at row split_row[p]
+  // of that rank's compute layout.
+  std::vector<int64_t> split_begin;    // [R * E + 1]
+  std::vector<int32_t> split_dest;
+  std::vector<int64_t> split_count;
+  std::vector<int64_t> split_row;
+
+  PlanStats stats;
+
+  int32_t num_groups() const { return experts_per_rank + slots; }
+  // Group index of expert e on rank d, or -1 when d does not compute e.
+  int32_t GroupOf(int32_t rank, int32_t expert) const;
+  // Expert computed by group g of rank d (-1 for an unused slot).
+  int32_t ExpertOfGroup(int32_t rank, int32_t group) const;
+};
+
+}  // namespace moonep::planner
