@@ -6,12 +6,15 @@
 //   counts[src * E + e]: tokens of source rank `src` routed to expert `e` (once per top-k entry).
 //   Each rank computes G = epn + slots groups: its epn home experts (in increasing expert id),
 //   then its replica slots (slot s -> slot_expert[rank * slots + s], or -1 when unused).
-//   Canonical token order of (src, e): the tokens of rank src that chose e, by increasing token
-//   index. The split of (src, e) cuts that order into consecutive pieces, each computed on one
-//   destination rank.
-//   Inside a destination group, rows are ordered by source rank, then by canonical order; group g
-//   of rank d occupies rows [group_offset, group_offset + group_count) of d's compute layout and
-//   is followed by padding up to group_padded rows.
+//   Canonical order of expert e: the tokens of all sources that chose e, sources in increasing
+//   rank, each source's tokens by increasing token index. Position p of that order belongs to
+//   source s when src_offset(s, e) <= p < src_offset(s, e) + counts[s][e], where src_offset is
+//   the prefix sum of counts[.][e] over sources (SourceOffsets() in plan_builder.h).
+//   The plan cuts each expert's canonical order into pieces, each computed on one rank. The rows
+//   of a group are that rank's pieces of the expert in increasing position, so they are ordered by
+//   source rank, then token index. Group g of rank d occupies rows
+//   [group_offset, group_offset + group_count) of d's compute layout, followed by padding up to
+//   group_padded rows. Nothing here grows with R * E: a plan is O(E + R * slots).
 #pragma once
 
 #include <cstdint>
@@ -80,6 +83,7 @@ struct Plan {
 
   std::vector<int32_t> home;           // [E]
   std::vector<int32_t> local_experts;  // [R * epn] rank r's home group g is expert local_experts[r*epn+g]
+  std::vector<int32_t> home_group;     // [E] group index of expert e on its home rank
   std::vector<int64_t> alloc;          // [E * R] tokens of expert e computed on rank d: alloc[e*R + d]
   std::vector<int32_t> slot_expert;    // [R * slots] expert in each replica slot, -1 if unused
 
@@ -89,13 +93,15 @@ struct Plan {
   std::vector<int64_t> group_padded;
   std::vector<int64_t> rank_rows;      // [R] sum of group_padded: rows rank d must hold
 
-  // Split of each (src, e): pieces split_begin[src*E+e] .. split_begin[src*E+e+1]-1, in canonical
-  // order. Piece p sends split_count[p] tokens to rank split_dest[p], landing at row split_row[p]
-  // of that rank's compute layout.
-  std::vector<int64_t> split_begin;    // [R * E + 1]
-  std::vector<int32_t> split_dest;
-  std::vector<int64_t> split_count;
-  std::vector<int64_t> split_row;
+  // Pieces of expert e: indices piece_begin[e] .. piece_begin[e+1]-1, in increasing start.
+  // Piece p: rank piece_dest[p] computes positions [piece_start[p], piece_start[p] + piece_count[p])
+  // of e's canonical order; the first of them lands at row piece_row[p] of that rank's compute
+  // layout. The pieces of an expert are disjoint and cover [0, total tokens of e) exactly.
+  std::vector<int32_t> piece_begin;    // [E + 1]
+  std::vector<int32_t> piece_dest;
+  std::vector<int64_t> piece_start;
+  std::vector<int64_t> piece_count;
+  std::vector<int64_t> piece_row;
 
   PlanStats stats;
 

@@ -1,0 +1,303 @@
+#include "planner/plan_builder.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "moonep/core/status.h"
+
+namespace moonep::planner {
+
+absl::Status ResolveConfig(const PlannerConfig& in, PlannerConfig* out) {
+  *out = in;
+  MOONEP_CHECK_ARG(in.num_ranks > 0, "num_ranks must be positive, got %d", in.num_ranks);
+  MOONEP_CHECK_ARG(in.num_experts > 0, "num_experts must be positive, got %d", in.num_experts);
+  MOONEP_CHECK_ARG(in.num_experts % in.num_ranks == 0,
+                   "num_experts (%d) must be divisible by num_ranks (%d)", in.num_experts,
+                   in.num_ranks);
+  const int32_t epn = in.num_experts / in.num_ranks;
+  if (out->slots < 0) out->slots = epn;
+  MOONEP_CHECK_ARG(in.slots >= -1, "slots must be >= 0 (or -1 for E/R), got %d", in.slots);
+  MOONEP_CHECK_ARG(out->slots <= in.num_experts, "slots (%d) must not exceed num_experts (%d)",
+                   out->slots, in.num_experts);
+  MOONEP_CHECK_ARG(in.pad_multiple >= 1, "pad_multiple must be >= 1, got %d", in.pad_multiple);
+  MOONEP_CHECK_ARG(in.ranks_per_node >= 0, "ranks_per_node must be >= 0, got %d", in.ranks_per_node);
+  MOONEP_CHECK_ARG(in.row_bytes >= 0 && in.expert_bytes >= 0, "row_bytes/expert_bytes must be >= 0");
+  if (out->home.empty()) {
+    out->home.resize(in.num_experts);
+    for (int32_t e = 0; e < in.num_experts; ++e) out->home[e] = e / epn;
+  } else {
+    MOONEP_CHECK_ARG(static_cast<int32_t>(in.home.size()) == in.num_experts,
+                     "home has %d entries, need num_experts = %d", in.home.size(), in.num_experts);
+    std::vector<int32_t> per_rank(in.num_ranks, 0);
+    for (int32_t e = 0; e < in.num_experts; ++e) {
+      MOONEP_CHECK_ARG(in.home[e] >= 0 && in.home[e] < in.num_ranks,
+                       "home[%d] = %d is not a rank in [0, %d)", e, in.home[e], in.num_ranks);
+      ++per_rank[in.home[e]];
+    }
+    for (int32_t r = 0; r < in.num_ranks; ++r) {
+      MOONEP_CHECK_ARG(per_rank[r] == epn, "home map gives rank %d %d experts, need E/R = %d", r,
+                       per_rank[r], epn);
+    }
+  }
+  if (!in.speeds.empty()) {
+    MOONEP_CHECK_ARG(static_cast<int32_t>(in.speeds.size()) == in.num_ranks,
+                     "speeds has %d entries, need num_ranks = %d", in.speeds.size(), in.num_ranks);
+    for (int32_t r = 0; r < in.num_ranks; ++r) {
+      MOONEP_CHECK_ARG(std::isfinite(in.speeds[r]) && in.speeds[r] > 0,
+                       "speeds[%d] = %g must be finite and positive", r, in.speeds[r]);
+    }
+  }
+  MOONEP_CHECK_ARG(in.eplb_period >= 1, "eplb_period must be >= 1, got %d", in.eplb_period);
+  return absl::OkStatus();
+}
+
+absl::Status CheckCounts(const PlannerConfig& resolved, absl::Span<const int64_t> counts) {
+  const size_t need = static_cast<size_t>(resolved.num_ranks) * resolved.num_experts;
+  MOONEP_CHECK_ARG(counts.size() == need, "counts has %d entries, need R*E = %d*%d = %d",
+                   counts.size(), resolved.num_ranks, resolved.num_experts, need);
+  for (size_t i = 0; i < counts.size(); ++i) {
+    if (counts[i] < 0) {
+      return InvalidArgument("counts[%d][%d] = %d is negative", i / resolved.num_experts,
+                             i % resolved.num_experts, counts[i]);
+    }
+  }
+  return absl::OkStatus();
+}
+
+void ComputeSourceOffsets(absl::Span<const int64_t> counts, int32_t num_ranks, int32_t num_experts,
+                          std::vector<int64_t>* offsets) {
+  const size_t E = num_experts;
+  offsets->resize((static_cast<size_t>(num_ranks) + 1) * E);
+  int64_t* out = offsets->data();
+  std::fill(out, out + E, 0);
+  for (int32_t s = 0; s < num_ranks; ++s) {
+    const int64_t* prev = out + s * E;
+    const int64_t* row = counts.data() + s * E;
+    int64_t* next = out + (s + 1) * E;
+    for (size_t e = 0; e < E; ++e) next[e] = prev[e] + row[e];
+  }
+}
+
+void InitPlan(const PlannerConfig& c, Plan* plan) {
+  const int32_t R = c.num_ranks, E = c.num_experts, epn = E / R, G = epn + c.slots;
+  plan->num_ranks = R;
+  plan->num_experts = E;
+  plan->experts_per_rank = epn;
+  plan->slots = c.slots;
+  plan->pad_multiple = c.pad_multiple;
+  plan->ranks_per_node = c.ranks_per_node;
+  plan->home.assign(c.home.begin(), c.home.end());
+  plan->local_experts.resize(static_cast<size_t>(R) * epn);
+  plan->home_group.resize(E);
+  std::vector<int32_t> filled(R, 0);
+  for (int32_t e = 0; e < E; ++e) {
+    const int32_t r = c.home[e];
+    plan->home_group[e] = filled[r];
+    plan->local_experts[static_cast<size_t>(r) * epn + filled[r]++] = e;
+  }
+  plan->alloc.assign(static_cast<size_t>(E) * R, 0);
+  plan->slot_expert.assign(static_cast<size_t>(R) * c.slots, -1);
+  plan->group_offset.assign(static_cast<size_t>(R) * G, 0);
+  plan->group_count.assign(static_cast<size_t>(R) * G, 0);
+  plan->group_padded.assign(static_cast<size_t>(R) * G, 0);
+  plan->rank_rows.assign(R, 0);
+  plan->piece_begin.assign(E + 1, 0);
+  plan->piece_dest.clear();
+  plan->piece_start.clear();
+  plan->piece_count.clear();
+  plan->piece_row.clear();
+  plan->stats = PlanStats{};
+}
+
+namespace {
+
+int64_t Overlap(int64_t a0, int64_t a1, int64_t b0, int64_t b1) {
+  return std::max<int64_t>(0, std::min(a1, b1) - std::max(a0, b0));
+}
+
+}  // namespace
+
+absl::Status FinalizePlan(const PlannerConfig& c, absl::Span<const int64_t> counts, Plan* plan,
+                          BuildScratch* scratch) {
+  const int32_t R = c.num_ranks, E = c.num_experts, epn = E / R, S = c.slots, G = epn + S;
+  ComputeSourceOffsets(counts, R, E, &scratch->src_offsets);
+  const int64_t* totals = scratch->src_offsets.data() + static_cast<size_t>(R) * E;
+
+  // Replicas per expert, by increasing rank; checks slot rules on the way.
+  scratch->replica_begin.assign(E + 1, 0);
+  for (int32_t d = 0; d < R; ++d) {
+    for (int32_t s = 0; s < S; ++s) {
+      const int32_t e = plan->slot_expert[static_cast<size_t>(d) * S + s];
+      if (e < 0) continue;
+      MOONEP_CHECK_ARG(e < E, "slot %d of rank %d holds expert %d, not in [0, %d)", s, d, e, E);
+      MOONEP_CHECK_ARG(plan->home[e] != d, "rank %d holds a replica of its own expert %d", d, e);
+      ++scratch->replica_begin[e + 1];
+    }
+  }
+  for (int32_t e = 0; e < E; ++e) scratch->replica_begin[e + 1] += scratch->replica_begin[e];
+  const int32_t num_replicas = scratch->replica_begin[E];
+  scratch->replica_rank.resize(num_replicas);
+  scratch->replica_start.resize(num_replicas);
+  scratch->replica_end.resize(num_replicas);
+  {
+    std::vector<int32_t>& cursor = scratch->replica_begin;  // reuse: shift back afterwards
+    for (int32_t d = 0; d < R; ++d) {
+      for (int32_t s = 0; s < S; ++s) {
+        const int32_t e = plan->slot_expert[static_cast<size_t>(d) * S + s];
+        if (e >= 0) scratch->replica_rank[cursor[e]++] = d;
+      }
+    }
+    for (int32_t e = E; e > 0; --e) cursor[e] = cursor[e - 1];
+    cursor[0] = 0;
+  }
+
+  // Conservation, capacity of slots, and layout counts.
+  const int32_t* rb = scratch->replica_begin.data();
+  for (int32_t e = 0; e < E; ++e) {
+    int64_t sum = 0;
+    for (int32_t d = 0; d < R; ++d) {
+      const int64_t a = plan->alloc[static_cast<size_t>(e) * R + d];
+      MOONEP_CHECK_ARG(a >= 0, "alloc[%d][%d] = %d is negative", e, d, a);
+      sum += a;
+    }
+    MOONEP_CHECK_ARG(sum == totals[e], "expert %d: alloc sums to %d but it has %d tokens", e, sum,
+                     totals[e]);
+    for (int32_t j = rb[e]; j < rb[e + 1]; ++j) {
+      for (int32_t i = rb[e]; i < j; ++i) {
+        MOONEP_CHECK_ARG(scratch->replica_rank[i] != scratch->replica_rank[j],
+                         "expert %d has two replicas on rank %d", e, scratch->replica_rank[j]);
+      }
+    }
+  }
+  for (int32_t d = 0; d < R; ++d) {
+    for (int32_t g = 0; g < G; ++g) {
+      const int32_t e = plan->ExpertOfGroup(d, g);
+      const int64_t n = e < 0 ? 0 : plan->alloc[static_cast<size_t>(e) * R + d];
+      plan->group_count[static_cast<size_t>(d) * G + g] = n;
+    }
+  }
+  // Every token of an expert must be computed by a rank that holds it.
+  for (int32_t e = 0; e < E; ++e) {
+    int64_t held = plan->alloc[static_cast<size_t>(e) * R + plan->home[e]];
+    for (int32_t j = rb[e]; j < rb[e + 1]; ++j) {
+      held += plan->alloc[static_cast<size_t>(e) * R + scratch->replica_rank[j]];
+    }
+    MOONEP_CHECK_ARG(held == totals[e],
+                     "expert %d: %d of its tokens are allocated to ranks that hold no copy of it",
+                     e, totals[e] - held);
+  }
+
+  // Layout: padded groups back to back.
+  for (int32_t d = 0; d < R; ++d) {
+    int64_t row = 0;
+    for (int32_t g = 0; g < G; ++g) {
+      const size_t i = static_cast<size_t>(d) * G + g;
+      const int64_t n = plan->group_count[i];
+      plan->group_offset[i] = row;
+      plan->group_padded[i] = (n + c.pad_multiple - 1) / c.pad_multiple * c.pad_multiple;
+      row += plan->group_padded[i];
+    }
+    plan->rank_rows[d] = row;
+  }
+
+  // Pieces.
+  plan->piece_dest.clear();
+  plan->piece_start.clear();
+  plan->piece_count.clear();
+  plan->piece_row.clear();
+  auto add_piece = [&](int32_t dest, int64_t start, int64_t count) {
+    if (count <= 0) return;
+    plan->piece_dest.push_back(dest);
+    plan->piece_start.push_back(start);
+    plan->piece_count.push_back(count);
+  };
+  for (int32_t e = 0; e < E; ++e) {
+    plan->piece_begin[e] = static_cast<int32_t>(plan->piece_dest.size());
+    const int64_t N = totals[e];
+    const int32_t first = rb[e], last = rb[e + 1];
+    int64_t cursor = 0;
+    for (int32_t j = first; j < last; ++j) {
+      const int32_t d = scratch->replica_rank[j];
+      const int64_t a = plan->alloc[static_cast<size_t>(e) * R + d];
+      const int64_t want = scratch->src_offsets[static_cast<size_t>(d) * E + e];
+      scratch->replica_start[j] = std::max(want, cursor);
+      scratch->replica_end[j] = scratch->replica_start[j] + a;
+      cursor = scratch->replica_end[j];
+    }
+    int64_t limit = N;  // shift left from the end when the replicas ran past N
+    for (int32_t j = last - 1; j >= first; --j) {
+      const int64_t a = scratch->replica_end[j] - scratch->replica_start[j];
+      if (scratch->replica_end[j] > limit) {
+        scratch->replica_end[j] = limit;
+        scratch->replica_start[j] = limit - a;
+      }
+      limit = scratch->replica_start[j];
+    }
+    int64_t pos = 0;
+    const int32_t h = plan->home[e];
+    for (int32_t j = first; j < last; ++j) {
+      add_piece(h, pos, scratch->replica_start[j] - pos);
+      add_piece(scratch->replica_rank[j], scratch->replica_start[j],
+                scratch->replica_end[j] - scratch->replica_start[j]);
+      pos = scratch->replica_end[j];
+    }
+    add_piece(h, pos, N - pos);
+  }
+  plan->piece_begin[E] = static_cast<int32_t>(plan->piece_dest.size());
+
+  // Rows of pieces, and stats.
+  PlanStats& st = plan->stats;
+  st = PlanStats{};
+  plan->piece_row.resize(plan->piece_dest.size());
+  for (int32_t e = 0; e < E; ++e) {
+    int64_t home_rows = 0;
+    for (int32_t p = plan->piece_begin[e]; p < plan->piece_begin[e + 1]; ++p) {
+      const int32_t d = plan->piece_dest[p];
+      const int32_t g = plan->GroupOf(d, e);
+      int64_t row = plan->group_offset[static_cast<size_t>(d) * G + g];
+      if (d == plan->home[e]) {
+        row += home_rows;
+        home_rows += plan->piece_count[p];
+      }
+      plan->piece_row[p] = row;
+      const int64_t p0 = plan->piece_start[p], p1 = p0 + plan->piece_count[p];
+      const int64_t* col = scratch->src_offsets.data() + e;
+      const int64_t local = Overlap(p0, p1, col[static_cast<size_t>(d) * E], col[static_cast<size_t>(d + 1) * E]);
+      int64_t same_node = local;
+      if (c.ranks_per_node > 0) {
+        const int32_t n0 = d / c.ranks_per_node * c.ranks_per_node;
+        const int32_t n1 = std::min(R, n0 + c.ranks_per_node);
+        same_node = Overlap(p0, p1, col[static_cast<size_t>(n0) * E], col[static_cast<size_t>(n1) * E]);
+      }
+      st.rows_local += local;
+      st.rows_travel_intra += same_node - local;
+      st.rows_travel_inter += plan->piece_count[p] - same_node;
+    }
+  }
+  for (int32_t e = 0; e < E; ++e) {
+    st.total_tokens += totals[e];
+    for (int32_t j = rb[e]; j < rb[e + 1]; ++j) {
+      if (NodeOf(*plan, scratch->replica_rank[j]) == NodeOf(*plan, plan->home[e])) {
+        ++st.prefetch_intra;
+      } else {
+        ++st.prefetch_inter;
+      }
+    }
+  }
+  st.replicas = num_replicas;
+  for (int32_t d = 0; d < R; ++d) {
+    int64_t before = 0, after = 0;
+    for (int32_t g = 0; g < epn; ++g) before += totals[plan->local_experts[static_cast<size_t>(d) * epn + g]];
+    for (int32_t g = 0; g < G; ++g) after += plan->group_count[static_cast<size_t>(d) * G + g];
+    st.max_load_before = std::max(st.max_load_before, before);
+    st.max_load_after = std::max(st.max_load_after, after);
+  }
+  st.mean_load = static_cast<double>(st.total_tokens) / R;
+  st.dispatch_bytes_intra = st.rows_travel_intra * c.row_bytes;
+  st.dispatch_bytes_inter = st.rows_travel_inter * c.row_bytes;
+  st.prefetch_bytes_intra = st.reduce_bytes_intra = st.prefetch_intra * c.expert_bytes;
+  st.prefetch_bytes_inter = st.reduce_bytes_inter = st.prefetch_inter * c.expert_bytes;
+  return absl::OkStatus();
+}
+
+}  // namespace moonep::planner

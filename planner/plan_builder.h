@@ -1,0 +1,54 @@
+// Everything of a Plan that follows from the placement decisions (alloc and replica slots): the
+// pieces of each expert's canonical order, the compute layouts and the stats. Every policy
+// decides alloc + slot_expert and then calls FinalizePlan, so all policies share one definition of
+// where a token lands.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "planner/plan.h"
+
+namespace moonep::planner {
+
+// Checks a config and fills defaults: slots (-1 -> E/R), home (empty -> e / (E/R)), speeds.
+absl::Status ResolveConfig(const PlannerConfig& in, PlannerConfig* out);
+
+// Checks counts against a resolved config: size R*E, no negative entry.
+absl::Status CheckCounts(const PlannerConfig& resolved, absl::Span<const int64_t> counts);
+
+// Prefix sums of counts over sources: offsets[s * E + e] = sum_{s' < s} counts[s' * E + e], for
+// s in [0, R] (so offsets has (R + 1) * E entries and row R holds each expert's total).
+void ComputeSourceOffsets(absl::Span<const int64_t> counts, int32_t num_ranks, int32_t num_experts,
+                          std::vector<int64_t>* offsets);
+
+// Reusable scratch for FinalizePlan (keeps steady-state planning free of allocation).
+struct BuildScratch {
+  std::vector<int64_t> src_offsets;      // (R + 1) * E
+  std::vector<int32_t> replica_begin;    // E + 1: replicas of e, by increasing rank
+  std::vector<int32_t> replica_rank;
+  std::vector<int64_t> replica_start, replica_end;
+  std::vector<int64_t> next_row;         // per (rank, group): next free row while laying pieces
+};
+
+// Prepares `plan` for a resolved config: sizes every array and fills home, local_experts and
+// home_group; alloc and slot_expert are zeroed / set to -1.
+void InitPlan(const PlannerConfig& resolved, Plan* plan);
+
+// Given plan->alloc and plan->slot_expert set by a policy, fills pieces, layouts and stats.
+// Placement rule: a replica on rank d takes the positions that start at source d's own tokens of
+// the expert and continue with the following sources (so its own tokens need not travel, and the
+// next ones come from neighbouring ranks, i.e. the same node first); replicas are laid in
+// increasing rank and shifted left when they would run past the end; the home rank keeps the rest.
+// Fails with InvalidArgument when the decisions are inconsistent (conservation, slots, capacity).
+absl::Status FinalizePlan(const PlannerConfig& resolved, absl::Span<const int64_t> counts,
+                          Plan* plan, BuildScratch* scratch);
+
+// Node of a rank for stats and topology rules (each rank its own node when ranks_per_node == 0).
+inline int32_t NodeOf(const Plan& plan, int32_t rank) {
+  return plan.ranks_per_node > 0 ? rank / plan.ranks_per_node : rank;
+}
+
+}  // namespace moonep::planner
