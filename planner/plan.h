@@ -53,6 +53,11 @@ struct PlannerConfig {
   // fastermoe-shadow cost model (seconds per token of compute; seconds per byte of broadcast).
   double shadow_compute_s_per_token = 1e-6;
   double shadow_broadcast_s_per_byte = 1e-10;
+  // eplb: redundant (extra physical) experts in total, spread over ranks (-1: R, one per rank),
+  // and expert groups for its hierarchical policy (0: one group per node when ranks_per_node is
+  // set, which selects the hierarchical policy; otherwise the global policy).
+  int32_t eplb_redundant = -1;
+  int32_t eplb_num_groups = 0;
 };
 
 struct PlanStats {
@@ -86,6 +91,8 @@ struct Plan {
   std::vector<int32_t> home_group;     // [E] group index of expert e on its home rank
   std::vector<int64_t> alloc;          // [E * R] tokens of expert e computed on rank d: alloc[e*R + d]
   std::vector<int32_t> slot_expert;    // [R * slots] expert in each replica slot, -1 if unused
+  std::vector<int64_t> slot_alloc;     // [R * slots] tokens computed in each slot (0 if unused);
+                                       // equals alloc[slot_expert * R + rank] (added for O(R*slots) readers)
 
   // Compute layout, G = epn + slots groups per rank, indexed [rank * G + g].
   std::vector<int64_t> group_offset;

@@ -97,6 +97,7 @@ void InitPlan(const PlannerConfig& c, Plan* plan) {
   }
   plan->alloc.assign(static_cast<size_t>(E) * R, 0);
   plan->slot_expert.assign(static_cast<size_t>(R) * c.slots, -1);
+  plan->slot_alloc.assign(static_cast<size_t>(R) * c.slots, 0);
   plan->group_offset.assign(static_cast<size_t>(R) * G, 0);
   plan->group_count.assign(static_cast<size_t>(R) * G, 0);
   plan->group_padded.assign(static_cast<size_t>(R) * G, 0);
@@ -169,11 +170,13 @@ absl::Status FinalizePlan(const PlannerConfig& c, absl::Span<const int64_t> coun
       }
     }
   }
+  plan->slot_alloc.resize(static_cast<size_t>(R) * S);
   for (int32_t d = 0; d < R; ++d) {
     for (int32_t g = 0; g < G; ++g) {
       const int32_t e = plan->ExpertOfGroup(d, g);
       const int64_t n = e < 0 ? 0 : plan->alloc[static_cast<size_t>(e) * R + d];
       plan->group_count[static_cast<size_t>(d) * G + g] = n;
+      if (g >= epn) plan->slot_alloc[static_cast<size_t>(d) * S + (g - epn)] = n;
     }
   }
   // Every token of an expert must be computed by a rank that holds it.

@@ -29,6 +29,15 @@ class Planner {
   // Plans one step from counts[R * E]. On error `plan` is unspecified.
   absl::Status MakePlan(absl::Span<const int64_t> counts, Plan* plan);
 
+  // Decisions only, from each expert's total tokens (row R of ComputeSourceOffsets): fills
+  // plan->alloc, slot_expert, slot_alloc and the load/replica stats (total_tokens, mean_load,
+  // max_load_before/after, replicas), and none of the pieces, layouts or row stats. Cost is
+  // O(E log E + R * slots) per call after the first for a given Plan (alloc is cleared sparsely,
+  // so pass the same Plan again, as filled by this library). Policies that look at per-source
+  // counts (fastermoe-shadow) assume each expert's tokens come evenly from all sources here.
+  // Advances the eplb step counter exactly like MakePlan. On error `plan` is unspecified.
+  absl::Status Decide(absl::Span<const int64_t> expert_totals, Plan* plan);
+
   const PlannerConfig& config() const;  // resolved (defaults filled in)
 
  private:
@@ -48,5 +57,13 @@ int64_t LoadLowerBound(const PlannerConfig& resolved, absl::Span<const int64_t> 
 
 // Canonical bytes of a plan (for determinism checks and the C API).
 std::string SerializePlan(const Plan& plan);
+
+// Integer rank capacities for perfect balance of `total` tokens: cap[d] is floor or ceil of
+// total * w_d / sum(w), where w are integer weights derived from config speeds (all 1 when none),
+// and sum(cap) == total. The ranks that get the ceiling are chosen to need the fewest moves:
+// first ranks whose home load is at least their ceiling, then ranks below their floor, then
+// ranks exactly at their floor; ties by rank. home_load has R entries.
+void BalancedCapacities(const PlannerConfig& resolved, absl::Span<const int64_t> home_load,
+                        int64_t total, std::vector<int64_t>* cap);
 
 }  // namespace moonep::planner

@@ -1,0 +1,354 @@
+// The Planner: checks input, runs the configured policy's decisions, then FinalizePlan.
+#include "planner/planner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "moonep/core/status.h"
+#include "planner/policy.h"
+
+namespace moonep::planner {
+
+struct Planner::State {
+  PlannerConfig config;  // resolved
+  PolicyInput input;
+  PolicyScratch scratch;
+  Decisions decisions;
+  BuildScratch build;
+  std::vector<int64_t> totals;
+};
+
+Planner::Planner() : state_(new State) {}
+Planner::~Planner() = default;
+
+const PlannerConfig& Planner::config() const { return state_->config; }
+
+absl::StatusOr<std::unique_ptr<Planner>> Planner::Create(const PlannerConfig& config) {
+  std::unique_ptr<Planner> planner(new Planner);
+  MOONEP_RETURN_IF_ERROR(ResolveConfig(config, &planner->state_->config));
+  const PlannerConfig& c = planner->state_->config;
+  MOONEP_CHECK_ARG(c.policy >= Policy::kNone && c.policy <= Policy::kTestForceReplicas,
+                   "policy %d is not a known policy", static_cast<int>(c.policy));
+  if (c.policy == Policy::kFasterMoEShadow) {
+    MOONEP_CHECK_ARG(std::isfinite(c.shadow_compute_s_per_token) && c.shadow_compute_s_per_token >= 0,
+                     "shadow_compute_s_per_token must be finite and >= 0, got %g",
+                     c.shadow_compute_s_per_token);
+    MOONEP_CHECK_ARG(std::isfinite(c.shadow_broadcast_s_per_byte) && c.shadow_broadcast_s_per_byte >= 0,
+                     "shadow_broadcast_s_per_byte must be finite and >= 0, got %g",
+                     c.shadow_broadcast_s_per_byte);
+  }
+  MOONEP_CHECK_ARG(c.eplb_redundant >= -1, "eplb_redundant must be >= -1, got %d", c.eplb_redundant);
+  if (c.policy == Policy::kEplb) {
+    const int32_t redundant = c.eplb_redundant < 0 ? c.num_ranks : c.eplb_redundant;
+    MOONEP_CHECK_ARG(redundant % c.num_ranks == 0,
+                     "eplb_redundant (%d) must be a multiple of num_ranks (%d)", redundant, c.num_ranks);
+  }
+  MOONEP_CHECK_ARG(c.eplb_num_groups >= 0, "eplb_num_groups must be >= 0, got %d", c.eplb_num_groups);
+  // Loads are summed in int64: reject shapes whose sizes overflow the index arithmetic.
+  MOONEP_CHECK_ARG(static_cast<int64_t>(c.num_ranks) * c.num_experts <= (int64_t{1} << 40),
+                   "num_ranks * num_experts = %d is too large",
+                   static_cast<int64_t>(c.num_ranks) * c.num_experts);
+  MOONEP_CHECK_ARG(static_cast<int64_t>(c.num_ranks) * c.slots <= (int64_t{1} << 31) - 1,
+                   "num_ranks * slots = %d is too large", static_cast<int64_t>(c.num_ranks) * c.slots);
+  return planner;
+}
+
+namespace {
+
+// Whether `plan` already has this config's shape, so only its nonzero alloc entries need clearing.
+bool SameShape(const PlannerConfig& c, const Plan& plan) {
+  const size_t R = c.num_ranks, E = c.num_experts, S = c.slots;
+  return plan.num_ranks == c.num_ranks && plan.num_experts == c.num_experts &&
+         plan.slots == c.slots && plan.pad_multiple == c.pad_multiple &&
+         plan.ranks_per_node == c.ranks_per_node && plan.alloc.size() == E * R &&
+         plan.slot_expert.size() == R * S && plan.slot_alloc.size() == R * S &&
+         plan.home.size() == E && plan.local_experts.size() == E && plan.home_group.size() == E &&
+         plan.group_offset.size() == R * (E / R + S) && plan.piece_begin.size() == E + 1 &&
+         std::equal(plan.home.begin(), plan.home.end(), c.home.begin());
+}
+
+void PreparePlan(const PlannerConfig& c, Plan* plan) {
+  if (!SameShape(c, *plan)) {
+    InitPlan(c, plan);
+    plan->slot_alloc.assign(static_cast<size_t>(c.num_ranks) * c.slots, 0);
+    return;
+  }
+  const int32_t R = c.num_ranks, E = c.num_experts, S = c.slots;
+  // A plan made by this library has nonzero alloc only at holders: home and filled slots.
+  for (int32_t e = 0; e < E; ++e) plan->alloc[static_cast<size_t>(e) * R + plan->home[e]] = 0;
+  for (int32_t d = 0; d < R; ++d) {
+    for (int32_t s = 0; s < S; ++s) {
+      const size_t i = static_cast<size_t>(d) * S + s;
+      const int32_t e = plan->slot_expert[i];
+      if (e >= 0 && e < E) plan->alloc[static_cast<size_t>(e) * R + d] = 0;
+      plan->slot_expert[i] = -1;
+      plan->slot_alloc[i] = 0;
+    }
+  }
+  plan->stats = PlanStats{};
+}
+
+void EmitDecisions(const PlannerConfig& c, const Decisions& dec, const PolicyInput& in,
+                   Plan* plan) {
+  const int32_t R = c.num_ranks, E = c.num_experts, S = c.slots, epn = E / R;
+  for (int32_t e = 0; e < E; ++e) {
+    plan->alloc[static_cast<size_t>(e) * R + plan->home[e]] = dec.home_keep[e];
+  }
+  std::copy(dec.slot_expert.begin(), dec.slot_expert.end(), plan->slot_expert.begin());
+  std::copy(dec.slot_amount.begin(), dec.slot_amount.end(), plan->slot_alloc.begin());
+  PlanStats& st = plan->stats;
+  st = PlanStats{};
+  st.total_tokens = in.total;
+  st.mean_load = static_cast<double>(in.total) / R;
+  for (int32_t d = 0; d < R; ++d) {
+    int64_t after = 0;
+    for (int32_t g = 0; g < epn; ++g) {
+      after += dec.home_keep[plan->local_experts[static_cast<size_t>(d) * epn + g]];
+    }
+    for (int32_t s = 0; s < S; ++s) {
+      const size_t i = static_cast<size_t>(d) * S + s;
+      const int32_t e = dec.slot_expert[i];
+      if (e < 0) continue;
+      plan->alloc[static_cast<size_t>(e) * R + d] = dec.slot_amount[i];
+      after += dec.slot_amount[i];
+      ++st.replicas;
+    }
+    st.max_load_before = std::max(st.max_load_before, in.home_load[d]);
+    st.max_load_after = std::max(st.max_load_after, after);
+  }
+}
+
+absl::Status RunPolicy(const PlannerConfig& c, const PolicyInput& in, PolicyScratch* scratch,
+                       Decisions* dec) {
+  dec->Reset(c.num_ranks, c.num_experts, c.slots, in.totals);
+  switch (c.policy) {
+    case Policy::kNone: return DecideNone(in, scratch, dec);
+    case Policy::kMoonEP: return DecideMoonEP(in, scratch, dec);
+    case Policy::kMoonEPGreedy: return DecideMoonEPGreedy(in, scratch, dec);
+    case Policy::kEplb: return DecideEplb(in, scratch, dec);
+    case Policy::kFasterMoEShadow: return DecideFasterMoEShadow(in, scratch, dec);
+    case Policy::kTestForceReplicas: return DecideTestForceReplicas(in, scratch, dec);
+  }
+  return InvalidArgument("policy %d is not a known policy", static_cast<int>(c.policy));
+}
+
+// Fills in.home_load and in.total from in.totals; fails on negative or overflowing totals.
+absl::Status SumLoads(const PlannerConfig& c, const Plan& plan, PolicyInput* in) {
+  const int32_t R = c.num_ranks, epn = c.num_experts / R;
+  in->home_load.assign(R, 0);
+  int64_t total = 0;
+  for (int32_t d = 0; d < R; ++d) {
+    int64_t load = 0;
+    for (int32_t g = 0; g < epn; ++g) {
+      const int32_t e = plan.local_experts[static_cast<size_t>(d) * epn + g];
+      const int64_t t = in->totals[e];
+      MOONEP_CHECK_ARG(t >= 0, "expert_totals[%d] = %d is negative", e, t);
+      MOONEP_CHECK_ARG(t <= (int64_t{1} << 52) - load, "token totals overflow: rank %d load exceeds 2^52",
+                       d);
+      load += t;
+    }
+    in->home_load[d] = load;
+    MOONEP_CHECK_ARG(load <= (int64_t{1} << 52) - total, "token totals overflow: sum exceeds 2^52");
+    total += load;
+  }
+  in->total = total;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status Planner::Decide(absl::Span<const int64_t> expert_totals, Plan* plan) {
+  MOONEP_CHECK_ARG(plan != nullptr, "plan is null");
+  State& st = *state_;
+  const PlannerConfig& c = st.config;
+  MOONEP_CHECK_ARG(static_cast<int32_t>(expert_totals.size()) == c.num_experts,
+                   "expert_totals has %d entries, need num_experts = %d", expert_totals.size(),
+                   c.num_experts);
+  PreparePlan(c, plan);
+  st.input.config = &c;
+  st.input.plan = plan;
+  st.input.totals = expert_totals;
+  st.input.counts = nullptr;
+  MOONEP_RETURN_IF_ERROR(SumLoads(c, *plan, &st.input));
+  MOONEP_RETURN_IF_ERROR(RunPolicy(c, st.input, &st.scratch, &st.decisions));
+  EmitDecisions(c, st.decisions, st.input, plan);
+  return absl::OkStatus();
+}
+
+absl::Status Planner::MakePlan(absl::Span<const int64_t> counts, Plan* plan) {
+  MOONEP_CHECK_ARG(plan != nullptr, "plan is null");
+  State& st = *state_;
+  const PlannerConfig& c = st.config;
+  const int32_t R = c.num_ranks, E = c.num_experts;
+  const size_t need = static_cast<size_t>(R) * E;
+  MOONEP_CHECK_ARG(counts.size() == need, "counts has %d entries, need R*E = %d*%d = %d",
+                   counts.size(), R, E, need);
+  // One pass over counts: totals per expert, negative entries and overflow rejected.
+  st.totals.assign(E, 0);
+  int64_t* totals = st.totals.data();
+  constexpr int64_t kMaxTokens = int64_t{1} << 52;
+  for (int32_t s = 0; s < R; ++s) {
+    const int64_t* row = counts.data() + static_cast<size_t>(s) * E;
+    int64_t row_min = 0, row_max = 0;
+    for (int32_t e = 0; e < E; ++e) {
+      row_min = std::min(row_min, row[e]);
+      row_max = std::max(row_max, row[e]);
+    }
+    if (row_min < 0 || row_max > kMaxTokens) {
+      for (int32_t e = 0; e < E; ++e) {
+        MOONEP_CHECK_ARG(row[e] >= 0, "counts[%d][%d] = %d is negative", s, e, row[e]);
+        MOONEP_CHECK_ARG(row[e] <= kMaxTokens, "counts[%d][%d] = %d exceeds 2^52", s, e, row[e]);
+      }
+    }
+    for (int32_t e = 0; e < E; ++e) totals[e] += row[e];
+    // Totals stay <= 2^52 at each check, so 1024 more rows of entries <= 2^52 cannot wrap.
+    if ((s & 1023) == 1023 || s == R - 1) {
+      for (int32_t e = 0; e < E; ++e) {
+        MOONEP_CHECK_ARG(totals[e] <= kMaxTokens, "counts of expert %d sum past 2^52", e);
+      }
+    }
+  }
+  PreparePlan(c, plan);
+  st.input.config = &c;
+  st.input.plan = plan;
+  st.input.totals = absl::MakeConstSpan(st.totals);
+  st.input.counts = counts.data();
+  MOONEP_RETURN_IF_ERROR(SumLoads(c, *plan, &st.input));
+  MOONEP_RETURN_IF_ERROR(RunPolicy(c, st.input, &st.scratch, &st.decisions));
+  EmitDecisions(c, st.decisions, st.input, plan);
+  const PlanStats decided = plan->stats;
+  MOONEP_RETURN_IF_ERROR(FinalizePlan(c, counts, plan, &st.build));
+  if (plan->stats.replicas != decided.replicas ||
+      plan->stats.max_load_after != decided.max_load_after) {
+    return Internal("planner: FinalizePlan stats disagree with the decisions");
+  }
+#ifndef NDEBUG
+  MOONEP_RETURN_IF_ERROR(Annotate(ValidatePlan(*plan, counts), "planner produced an invalid plan"));
+#endif
+  return absl::OkStatus();
+}
+
+void SpeedWeights(const PlannerConfig& c, std::vector<int64_t>* weights) {
+  weights->assign(c.num_ranks, 1);
+  if (c.speeds.empty()) return;
+  double max_speed = 0;
+  for (double s : c.speeds) max_speed = std::max(max_speed, s);
+  bool all_equal = true;
+  for (int32_t d = 0; d < c.num_ranks; ++d) {
+    (*weights)[d] = std::max<int64_t>(1, std::llround(c.speeds[d] / max_speed * (1 << 20)));
+    all_equal = all_equal && (*weights)[d] == (*weights)[0];
+  }
+  if (all_equal) weights->assign(c.num_ranks, 1);
+}
+
+void BalancedCapacities(const PlannerConfig& c, absl::Span<const int64_t> home_load, int64_t total,
+                        std::vector<int64_t>* cap) {
+  const int32_t R = c.num_ranks;
+  cap->assign(R, 0);
+  std::vector<int64_t> w;
+  SpeedWeights(c, &w);
+  __int128 W = 0;
+  for (int64_t x : w) W += x;
+  int64_t assigned = 0;
+  std::vector<char> has_frac(R, 0);
+  for (int32_t d = 0; d < R; ++d) {
+    const __int128 num = static_cast<__int128>(total) * w[d];
+    (*cap)[d] = static_cast<int64_t>(num / W);
+    has_frac[d] = num % W != 0;
+    assigned += (*cap)[d];
+  }
+  int64_t extra = total - assigned;  // < R: ranks that get their ceiling
+  if (extra == 0) return;
+  // Classes: 0 = home load at or above the ceiling (keeping one more token saves a move),
+  // 1 = below the floor (a receiver anyway), 2 = exactly at the floor (would receive only for it).
+  for (int cls = 0; cls < 3 && extra > 0; ++cls) {
+    for (int32_t d = 0; d < R && extra > 0; ++d) {
+      if (!has_frac[d]) continue;
+      const int64_t lo = (*cap)[d], hi = lo + 1;
+      const int k = home_load[d] >= hi ? 0 : home_load[d] < lo ? 1 : 2;
+      if (k != cls) continue;
+      (*cap)[d] = hi;
+      has_frac[d] = 0;
+      --extra;
+    }
+  }
+}
+
+int64_t LoadLowerBound(const PlannerConfig& c, absl::Span<const int64_t> counts) {
+  const int32_t R = c.num_ranks, E = c.num_experts, epn = E / R;
+  if (counts.size() != static_cast<size_t>(R) * E) return 0;
+  std::vector<int64_t> totals(E, 0), home_load(R, 0);
+  for (int32_t s = 0; s < R; ++s) {
+    for (int32_t e = 0; e < E; ++e) totals[e] += counts[static_cast<size_t>(s) * E + e];
+  }
+  int64_t total = 0, max_home = 0;
+  for (int32_t e = 0; e < E; ++e) {
+    home_load[c.home[e]] += totals[e];
+    total += totals[e];
+  }
+  for (int64_t l : home_load) max_home = std::max(max_home, l);
+  if (c.slots == 0 || R == 1) return max_home;
+  std::vector<int64_t> cap;
+  BalancedCapacities(c, home_load, total, &cap);
+  int64_t bound = *std::max_element(cap.begin(), cap.end());
+  if (c.speeds.empty()) {
+    // An expert can be split over its home and at most min(R - 1, R * slots) replicas.
+    const int64_t holders = 1 + std::min<int64_t>(R - 1, static_cast<int64_t>(R) * c.slots);
+    for (int32_t e = 0; e < E; ++e) bound = std::max(bound, (totals[e] + holders - 1) / holders);
+  }
+  (void)epn;
+  return bound;
+}
+
+namespace {
+
+template <typename T>
+void AppendVector(const std::vector<T>& v, std::string* out) {
+  const uint64_t n = v.size();
+  out->append(reinterpret_cast<const char*>(&n), sizeof(n));
+  if (n) out->append(reinterpret_cast<const char*>(v.data()), n * sizeof(T));
+}
+
+template <typename T>
+void AppendScalar(T x, std::string* out) {
+  out->append(reinterpret_cast<const char*>(&x), sizeof(x));
+}
+
+}  // namespace
+
+std::string SerializePlan(const Plan& p) {
+  std::string out;
+  out.append("MOONEPPLAN1");
+  for (int32_t x : {p.num_ranks, p.num_experts, p.experts_per_rank, p.slots, p.pad_multiple,
+                    p.ranks_per_node}) {
+    AppendScalar(x, &out);
+  }
+  AppendVector(p.home, &out);
+  AppendVector(p.local_experts, &out);
+  AppendVector(p.home_group, &out);
+  AppendVector(p.alloc, &out);
+  AppendVector(p.slot_expert, &out);
+  AppendVector(p.slot_alloc, &out);
+  AppendVector(p.group_offset, &out);
+  AppendVector(p.group_count, &out);
+  AppendVector(p.group_padded, &out);
+  AppendVector(p.rank_rows, &out);
+  AppendVector(p.piece_begin, &out);
+  AppendVector(p.piece_dest, &out);
+  AppendVector(p.piece_start, &out);
+  AppendVector(p.piece_count, &out);
+  AppendVector(p.piece_row, &out);
+  const PlanStats& s = p.stats;
+  for (int64_t x : {s.total_tokens, s.max_load_before, s.max_load_after, s.rows_local,
+                    s.rows_travel_intra, s.rows_travel_inter, s.dispatch_bytes_intra,
+                    s.dispatch_bytes_inter, s.prefetch_bytes_intra, s.prefetch_bytes_inter,
+                    s.reduce_bytes_intra, s.reduce_bytes_inter}) {
+    AppendScalar(x, &out);
+  }
+  for (int32_t x : {s.replicas, s.prefetch_intra, s.prefetch_inter}) AppendScalar(x, &out);
+  AppendScalar(s.mean_load, &out);
+  return out;
+}
+
+}  // namespace moonep::planner

@@ -1,0 +1,74 @@
+// Internal interface between the Planner and its policies. A policy reads per-expert totals (and,
+// where it needs locality, point look-ups of per-source counts) and writes Decisions: how many
+// tokens of each expert stay home and which expert each replica slot computes, with how many
+// tokens. Decisions are O(E + R * slots); the dense Plan::alloc is written from them afterwards.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "planner/plan.h"
+
+namespace moonep::planner {
+
+struct Decisions {
+  std::vector<int64_t> home_keep;    // [E] tokens of e computed on its home rank
+  std::vector<int32_t> slot_expert;  // [R * S] expert of each slot, -1 unused
+  std::vector<int64_t> slot_amount;  // [R * S] tokens of that expert computed in the slot
+  std::vector<int32_t> slots_used;   // [R] slots filled so far (slots fill in order)
+
+  void Reset(int32_t num_ranks, int32_t num_experts, int32_t slots,
+             absl::Span<const int64_t> totals);
+  // Adds `amount` tokens of `expert` on `rank` (merging with an existing replica of it there)
+  // and takes them from the home's share. Returns false when no slot is free.
+  bool Move(int32_t rank, int32_t expert, int64_t amount, int32_t slots);
+  // Slot of `expert` on `rank`, or -1.
+  int32_t SlotOf(int32_t rank, int32_t expert, int32_t slots) const;
+};
+
+// Everything a policy may read. `counts` is null when only totals are known (Planner::Decide).
+struct PolicyInput {
+  const PlannerConfig* config = nullptr;  // resolved
+  const Plan* plan = nullptr;             // home, local_experts, home_group filled
+  absl::Span<const int64_t> totals;       // [E]
+  const int64_t* counts = nullptr;        // [R * E] or null
+  int64_t total = 0;
+  std::vector<int64_t> home_load;         // [R]
+  // counts[src][e], or an even split of the total over sources when counts are unknown.
+  int64_t Count(int32_t src, int32_t expert) const;
+};
+
+// Reusable scratch of the policies (keeps steady-state planning free of allocation).
+struct PolicyScratch {
+  std::vector<int64_t> cap, room, excess, load;
+  std::vector<int32_t> order, order2, rank_order;
+  std::vector<int64_t> remaining;
+  struct Room {
+    int64_t room;
+    int32_t rank;
+  };
+  std::vector<Room> rooms;
+  struct Chunk {
+    int64_t amount;
+    int32_t expert;
+  };
+  std::vector<Chunk> chunks;
+  std::vector<int64_t> eplb_sum;    // running sum of totals since the last eplb re-plan
+  int64_t eplb_steps_summed = 0;
+  int64_t eplb_step = 0;
+  std::vector<int32_t> eplb_replica_begin, eplb_replica_rank;  // last eplb placement (CSR by expert)
+};
+
+absl::Status DecideNone(const PolicyInput& in, PolicyScratch* scratch, Decisions* out);
+absl::Status DecideMoonEP(const PolicyInput& in, PolicyScratch* scratch, Decisions* out);
+absl::Status DecideMoonEPGreedy(const PolicyInput& in, PolicyScratch* scratch, Decisions* out);
+absl::Status DecideEplb(const PolicyInput& in, PolicyScratch* scratch, Decisions* out);
+absl::Status DecideFasterMoEShadow(const PolicyInput& in, PolicyScratch* scratch, Decisions* out);
+absl::Status DecideTestForceReplicas(const PolicyInput& in, PolicyScratch* scratch, Decisions* out);
+
+// Integer speed weights (all 1 without speeds): round(speed / max_speed * 2^20), at least 1.
+void SpeedWeights(const PlannerConfig& resolved, std::vector<int64_t>* weights);
+
+}  // namespace moonep::planner

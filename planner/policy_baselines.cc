@@ -1,0 +1,177 @@
+// Decisions bookkeeping and the baseline policies: none, moonep-greedy (the published MoonEP
+// greedy), fastermoe-shadow and the test-only test-force-replicas.
+#include <algorithm>
+
+#include "moonep/core/status.h"
+#include "planner/planner.h"
+#include "planner/policy.h"
+
+namespace moonep::planner {
+
+void Decisions::Reset(int32_t R, int32_t E, int32_t S, absl::Span<const int64_t> totals) {
+  home_keep.assign(totals.begin(), totals.end());
+  (void)E;
+  slot_expert.assign(static_cast<size_t>(R) * S, -1);
+  slot_amount.assign(static_cast<size_t>(R) * S, 0);
+  slots_used.assign(R, 0);
+}
+
+int32_t Decisions::SlotOf(int32_t rank, int32_t expert, int32_t S) const {
+  const int32_t* slot = slot_expert.data() + static_cast<size_t>(rank) * S;
+  for (int32_t s = 0; s < slots_used[rank]; ++s) {
+    if (slot[s] == expert) return s;
+  }
+  return -1;
+}
+
+bool Decisions::Move(int32_t rank, int32_t expert, int64_t amount, int32_t S) {
+  int32_t s = SlotOf(rank, expert, S);
+  if (s < 0) {
+    if (slots_used[rank] >= S) return false;
+    s = slots_used[rank]++;
+    slot_expert[static_cast<size_t>(rank) * S + s] = expert;
+  }
+  slot_amount[static_cast<size_t>(rank) * S + s] += amount;
+  home_keep[expert] -= amount;
+  return true;
+}
+
+int64_t PolicyInput::Count(int32_t src, int32_t expert) const {
+  if (counts != nullptr) return counts[static_cast<size_t>(src) * config->num_experts + expert];
+  const int64_t R = config->num_ranks, t = totals[expert];
+  return t / R + (src < t % R ? 1 : 0);
+}
+
+absl::Status DecideNone(const PolicyInput&, PolicyScratch*, Decisions*) { return absl::OkStatus(); }
+
+// Published MoonEP greedy: the most overloaded home group gives exactly the room of the rank with
+// the most room; inside the group the quota goes to the experts with the most remaining tokens
+// first. Same perfect-balance capacities as `moonep`, so the two are compared on equal targets.
+absl::Status DecideMoonEPGreedy(const PolicyInput& in, PolicyScratch* sc, Decisions* dec) {
+  const PlannerConfig& c = *in.config;
+  const int32_t R = c.num_ranks, S = c.slots, epn = c.num_experts / R;
+  if (S == 0 || R == 1) return absl::OkStatus();
+  BalancedCapacities(c, in.home_load, in.total, &sc->cap);
+  sc->excess.assign(R, 0);
+  sc->room.assign(R, 0);
+  for (int32_t d = 0; d < R; ++d) {
+    const int64_t diff = in.home_load[d] - sc->cap[d];
+    if (diff > 0) sc->excess[d] = diff;
+    if (diff < 0) sc->room[d] = -diff;
+  }
+  sc->order.resize(epn);
+  while (true) {
+    int32_t h = -1, d = -1;
+    for (int32_t r = 0; r < R; ++r) {
+      if (sc->excess[r] > 0 && (h < 0 || sc->excess[r] > sc->excess[h])) h = r;
+      if (sc->room[r] > 0 && (d < 0 || sc->room[r] > sc->room[d])) d = r;
+    }
+    if (h < 0 || d < 0) break;
+    int64_t quota = std::min(sc->excess[h], sc->room[d]);
+    // The group's experts, most remaining tokens first (ties by expert id).
+    const int32_t* local = in.plan->local_experts.data() + static_cast<size_t>(h) * epn;
+    std::copy(local, local + epn, sc->order.begin());
+    std::sort(sc->order.begin(), sc->order.end(), [&](int32_t a, int32_t b) {
+      const int64_t ka = dec->home_keep[a], kb = dec->home_keep[b];
+      return ka != kb ? ka > kb : a < b;
+    });
+    for (int32_t i = 0; i < epn && quota > 0; ++i) {
+      const int32_t e = sc->order[i];
+      const int64_t a = std::min(quota, dec->home_keep[e]);
+      if (a <= 0) break;
+      if (!dec->Move(d, e, a, S)) {
+        sc->room[d] = 0;  // out of slots: this rank takes no more
+        break;
+      }
+      quota -= a;
+      sc->excess[h] -= a;
+      sc->room[d] -= a;
+    }
+  }
+  return absl::OkStatus();
+}
+
+// FasterMoE dynamic shadowing: broadcast the hottest experts to every rank, each rank then computes
+// its own tokens of a shadowed expert; keep adding while the modelled step time falls. Modelled
+// time = max rank load * compute_s_per_token + shadowed experts * expert_bytes * s_per_byte (a
+// pipelined broadcast costs about one expert's bytes over a link).
+absl::Status DecideFasterMoEShadow(const PolicyInput& in, PolicyScratch* sc, Decisions* dec) {
+  const PlannerConfig& c = *in.config;
+  const int32_t R = c.num_ranks, E = c.num_experts, S = c.slots;
+  if (S == 0 || R == 1) return absl::OkStatus();
+  sc->order.resize(E);
+  for (int32_t e = 0; e < E; ++e) sc->order[e] = e;
+  std::sort(sc->order.begin(), sc->order.end(), [&](int32_t a, int32_t b) {
+    return in.totals[a] != in.totals[b] ? in.totals[a] > in.totals[b] : a < b;
+  });
+  sc->load.assign(in.home_load.begin(), in.home_load.end());
+  sc->remaining.assign(R, 0);
+  const double broadcast_s = static_cast<double>(c.expert_bytes) * c.shadow_broadcast_s_per_byte;
+  int64_t max_load = *std::max_element(sc->load.begin(), sc->load.end());
+  double time = static_cast<double>(max_load) * c.shadow_compute_s_per_token;
+  for (int32_t k = 0; k < std::min(S, E); ++k) {
+    const int32_t e = sc->order[k];
+    const int32_t h = in.plan->home[e];
+    if (in.totals[e] == 0) break;
+    // Candidate loads: every other rank takes its own tokens of e.
+    int64_t new_max = 0;
+    for (int32_t d = 0; d < R; ++d) {
+      const int64_t own = d == h ? 0 : in.Count(d, e);
+      sc->remaining[d] = own;
+      int64_t l = sc->load[d] + own;
+      if (d == h) l -= in.totals[e] - in.Count(h, e);
+      new_max = std::max(new_max, l);
+    }
+    const double new_time = static_cast<double>(new_max) * c.shadow_compute_s_per_token +
+                            (k + 1) * broadcast_s;
+    if (!(new_time < time)) break;
+    time = new_time;
+    for (int32_t d = 0; d < R; ++d) {
+      if (d == h || sc->remaining[d] == 0) continue;
+      sc->load[d] += sc->remaining[d];
+      sc->load[h] -= sc->remaining[d];
+      if (!dec->Move(d, e, sc->remaining[d], S)) {
+        return Internal("fastermoe-shadow: rank %d ran out of slots", d);
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Tests only: every slot of every rank holds a distinct foreign expert (slot s of rank d takes
+// group s % epn of rank (d + 1 + s / epn) % R), and each expert's tokens are split evenly over
+// its home and all its replicas, so plans have many replicas and split experts for any counts.
+absl::Status DecideTestForceReplicas(const PolicyInput& in, PolicyScratch* sc, Decisions* dec) {
+  const PlannerConfig& c = *in.config;
+  const int32_t R = c.num_ranks, E = c.num_experts, S = c.slots, epn = E / R;
+  sc->remaining.assign(E, 1);  // holders per expert
+  for (int32_t d = 0; d < R; ++d) {
+    for (int32_t s = 0; s < S; ++s) {
+      if (s / epn >= R - 1) break;
+      const int32_t src = (d + 1 + s / epn) % R;
+      const int32_t e = in.plan->local_experts[static_cast<size_t>(src) * epn + s % epn];
+      const size_t i = static_cast<size_t>(d) * S + s;
+      dec->slot_expert[i] = e;
+      dec->slots_used[d] = s + 1;
+      ++sc->remaining[e];
+    }
+  }
+  // Shares: holder j of k gets t / k (+1 for the first t % k); the home is holder 0.
+  sc->order.assign(E, 1);  // next holder index per expert
+  for (int32_t e = 0; e < E; ++e) {
+    const int64_t t = in.totals[e], k = sc->remaining[e];
+    dec->home_keep[e] = t / k + (0 < t % k ? 1 : 0);
+  }
+  for (int32_t d = 0; d < R; ++d) {
+    for (int32_t s = 0; s < dec->slots_used[d]; ++s) {
+      const size_t i = static_cast<size_t>(d) * S + s;
+      const int32_t e = dec->slot_expert[i];
+      const int64_t t = in.totals[e], k = sc->remaining[e];
+      const int32_t j = sc->order[e]++;
+      dec->slot_amount[i] = t / k + (j < t % k ? 1 : 0);
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace moonep::planner

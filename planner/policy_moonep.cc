@@ -1,0 +1,240 @@
+// Policy `moonep`: perfect balance with the fewest replicas (heuristic; see docs/planner.md).
+//
+// Donors are ranks whose home load exceeds their capacity; receivers have room. Each step takes
+// the largest item on either side -- a donor chunk (the donor's excess, bounded by its largest
+// remaining expert) or a receiver's room -- and fits it best on the other side:
+//   * a room no larger than the largest chunk is filled whole by one replica, taken from the donor
+//     expert whose chunk fits it most tightly (exactly when possible: that closes both);
+//   * otherwise the largest chunk goes whole into the receiver whose room fits it most tightly.
+// Every step closes a chunk or a room, so replicas <= chunks + receivers - exact matches. Ties go
+// to the same node as the other side (topology), then to the lower rank. When the slot limit makes
+// the perfect capacities unreachable, a binary search finds the smallest maximum load the same
+// procedure reaches.
+#include <algorithm>
+
+#include "moonep/core/status.h"
+#include "planner/plan_builder.h"
+#include "planner/planner.h"
+#include "planner/policy.h"
+
+namespace moonep::planner {
+namespace {
+
+struct Balancer {
+  const PolicyInput& in;
+  PolicyScratch& sc;
+  Decisions& dec;
+  int32_t R, S, epn, rpn;
+  // Donors: sc.order2[i] = rank, sc.excess[i] = excess; their experts at sc.order[i*epn..],
+  // sorted by remaining tokens, descending.
+  int32_t num_donors = 0;
+
+  int32_t Node(int32_t rank) const { return rpn > 0 ? rank / rpn : rank; }
+  int64_t Remaining(int32_t e) const { return dec.home_keep[e]; }
+  int32_t* Experts(int32_t i) { return sc.order.data() + static_cast<size_t>(i) * epn; }
+  bool CanTake(int32_t d, int32_t e, bool closes_room) const {
+    const int32_t free = S - dec.slots_used[d];
+    if (dec.SlotOf(d, e, S) >= 0) return true;
+    // A replica that leaves room behind needs a second free slot for what fills the rest.
+    return closes_room ? free >= 1 : free >= 2;
+  }
+
+  void Init(absl::Span<const int64_t> cap) {
+    sc.order2.clear();
+    sc.excess.clear();
+    sc.rooms.clear();
+    for (int32_t d = 0; d < R; ++d) {
+      const int64_t diff = in.home_load[d] - cap[d];
+      if (diff > 0) {
+        sc.order2.push_back(d);
+        sc.excess.push_back(diff);
+      } else if (diff < 0 && S > 0) {
+        sc.rooms.push_back({-diff, d});
+      }
+    }
+    num_donors = static_cast<int32_t>(sc.order2.size());
+    sc.order.resize(static_cast<size_t>(num_donors) * epn);
+    for (int32_t i = 0; i < num_donors; ++i) {
+      const int32_t* local = in.plan->local_experts.data() + static_cast<size_t>(sc.order2[i]) * epn;
+      int32_t* ex = Experts(i);
+      std::copy(local, local + epn, ex);
+      std::sort(ex, ex + epn, [&](int32_t a, int32_t b) {
+        return in.totals[a] != in.totals[b] ? in.totals[a] > in.totals[b] : a < b;
+      });
+    }
+    std::sort(sc.rooms.begin(), sc.rooms.end(), RoomLess);
+  }
+
+  static bool RoomLess(const PolicyScratch::Room& a, const PolicyScratch::Room& b) {
+    return a.room != b.room ? a.room < b.room : a.rank < b.rank;
+  }
+
+  // Moves `amount` of donor i's expert at position j to receiver at rooms[k]; keeps orders.
+  bool Apply(int32_t i, int32_t j, size_t k, int64_t amount) {
+    int32_t* ex = Experts(i);
+    const int32_t e = ex[j];
+    const int32_t d = sc.rooms[k].rank;
+    if (!dec.Move(d, e, amount, S)) return false;
+    sc.excess[i] -= amount;
+    // Expert lost tokens: bubble it toward the end to keep the descending order.
+    for (int32_t p = j; p + 1 < epn; ++p) {
+      const int64_t a = Remaining(ex[p]), b = Remaining(ex[p + 1]);
+      if (a > b || (a == b && ex[p] < ex[p + 1])) break;
+      std::swap(ex[p], ex[p + 1]);
+    }
+    sc.rooms[k].room -= amount;
+    if (sc.rooms[k].room == 0) {
+      sc.rooms.erase(sc.rooms.begin() + k);
+    } else {
+      for (size_t p = k; p > 0 && RoomLess(sc.rooms[p], sc.rooms[p - 1]); --p) {
+        std::swap(sc.rooms[p], sc.rooms[p - 1]);
+      }
+    }
+    return true;
+  }
+
+  // Donor i's chunk: its excess, bounded by its largest remaining expert.
+  int64_t Chunk(int32_t i) { return std::min(sc.excess[i], Remaining(Experts(i)[0])); }
+
+  bool Run() {
+    while (true) {
+      int32_t best = -1;
+      int64_t best_chunk = 0;
+      for (int32_t i = 0; i < num_donors; ++i) {
+        if (sc.excess[i] == 0) continue;
+        const int64_t ch = Chunk(i);
+        if (ch > best_chunk) {
+          best = i;
+          best_chunk = ch;
+        }
+      }
+      if (best < 0) return true;  // all excess placed
+      if (sc.rooms.empty()) return false;
+      const PolicyScratch::Room top = sc.rooms.back();
+      if (best_chunk >= top.room) {
+        if (!FillRoom(sc.rooms.size() - 1)) return false;
+      } else {
+        if (!PlaceChunk(best, best_chunk)) return false;
+      }
+    }
+  }
+
+  // Fills the room at rooms[k] whole from the donor expert with the tightest chunk >= room.
+  bool FillRoom(size_t k) {
+    const int64_t y = sc.rooms[k].room;
+    const int32_t d = sc.rooms[k].rank;
+    int32_t bi = -1, bj = -1;
+    int64_t bv = 0;
+    bool b_close = false, b_node = false;
+    for (int32_t i = 0; i < num_donors; ++i) {
+      const int64_t x = sc.excess[i];
+      if (x < y) continue;
+      int32_t* ex = Experts(i);
+      // Last expert (smallest) whose remaining tokens are >= y.
+      int32_t lo = 0, hi = epn;  // invariant: Remaining(ex[p]) >= y for p < lo
+      while (lo < hi) {
+        const int32_t mid = (lo + hi) / 2;
+        if (Remaining(ex[mid]) >= y) lo = mid + 1; else hi = mid;
+      }
+      if (lo == 0) continue;
+      int32_t j = lo - 1;
+      // Prefer an expert d already holds (no new slot), else the tightest one.
+      for (int32_t p = 0; p < lo; ++p) {
+        if (dec.SlotOf(d, ex[p], S) >= 0) {
+          j = p;
+          break;
+        }
+      }
+      if (!CanTake(d, ex[j], true)) continue;
+      const int64_t v = std::min(x, Remaining(ex[j]));
+      const bool close = x == y;
+      const bool node = Node(sc.order2[i]) == Node(d);
+      if (bi < 0 || v < bv || (v == bv && (close > b_close || (close == b_close && node > b_node)))) {
+        bi = i;
+        bj = j;
+        bv = v;
+        b_close = close;
+        b_node = node;
+      }
+    }
+    if (bi < 0) return false;
+    return Apply(bi, bj, k, y);
+  }
+
+  // Places donor i's chunk whole into the receiver whose room fits it most tightly; when no room
+  // can take it whole, fills the largest room that can be closed by part of it.
+  bool PlaceChunk(int32_t i, int64_t chunk) {
+    const int32_t e = Experts(i)[0];
+    const int32_t h = sc.order2[i];
+    const PolicyScratch::Room key{chunk, -1};
+    const size_t first = std::lower_bound(sc.rooms.begin(), sc.rooms.end(), key, RoomLess) - sc.rooms.begin();
+    size_t pick = sc.rooms.size();
+    for (size_t k = first; k < sc.rooms.size(); ++k) {
+      if (pick < sc.rooms.size() && sc.rooms[k].room != sc.rooms[pick].room) break;
+      const bool closes = sc.rooms[k].room == chunk;
+      if (!CanTake(sc.rooms[k].rank, e, closes)) continue;
+      if (pick == sc.rooms.size()) {
+        pick = k;
+        if (Node(sc.rooms[k].rank) == Node(h)) break;
+      } else if (Node(sc.rooms[k].rank) == Node(h)) {
+        pick = k;
+        break;
+      }
+    }
+    if (pick < sc.rooms.size()) return Apply(i, 0, pick, chunk);
+    for (size_t k = first; k-- > 0;) {
+      if (CanTake(sc.rooms[k].rank, e, true)) return Apply(i, 0, k, sc.rooms[k].room);
+    }
+    return false;
+  }
+};
+
+bool TryBalance(const PolicyInput& in, absl::Span<const int64_t> cap, PolicyScratch* sc,
+                Decisions* dec) {
+  const PlannerConfig& c = *in.config;
+  dec->Reset(c.num_ranks, c.num_experts, c.slots, in.totals);
+  Balancer b{in, *sc, *dec, c.num_ranks, c.slots, c.num_experts / c.num_ranks, c.ranks_per_node};
+  b.Init(cap);
+  return b.Run();
+}
+
+}  // namespace
+
+absl::Status DecideMoonEP(const PolicyInput& in, PolicyScratch* sc, Decisions* dec) {
+  const PlannerConfig& c = *in.config;
+  const int32_t R = c.num_ranks;
+  if (R == 1 || c.slots == 0) return absl::OkStatus();
+  BalancedCapacities(c, in.home_load, in.total, &sc->cap);
+  if (TryBalance(in, sc->cap, sc, dec)) return absl::OkStatus();
+
+  // The slot limit blocks perfect balance: find the smallest cap of the fastest rank, L, such
+  // that capacities floor(L * w_d / w_max) are reachable.
+  std::vector<int64_t>& w = sc->load;
+  SpeedWeights(c, &w);
+  const int64_t w_max = *std::max_element(w.begin(), w.end());
+  int64_t lo = *std::max_element(sc->cap.begin(), sc->cap.end()), hi = lo;
+  for (int32_t d = 0; d < R; ++d) {
+    const __int128 need = (static_cast<__int128>(in.home_load[d]) * w_max + w[d] - 1) / w[d];
+    hi = std::max<int64_t>(hi, static_cast<int64_t>(need));
+  }
+  std::vector<int64_t>& cap = sc->remaining;
+  auto caps_for = [&](int64_t L) {
+    cap.resize(R);
+    for (int32_t d = 0; d < R; ++d) {
+      cap[d] = static_cast<int64_t>(static_cast<__int128>(L) * w[d] / w_max);
+    }
+  };
+  // Invariant: hi reachable (every capacity >= home load), lo - 1 not known reachable.
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    caps_for(mid);
+    if (TryBalance(in, cap, sc, dec)) hi = mid; else lo = mid + 1;
+  }
+  caps_for(hi);
+  if (!TryBalance(in, cap, sc, dec)) {
+    return Internal("moonep: no reachable capacity at L = %d", hi);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace moonep::planner
