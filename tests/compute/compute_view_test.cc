@@ -1,0 +1,362 @@
+// ComputeView construction from a plan, the replica buffer, and the executor's argument checks.
+#include "moonep/compute/compute_view.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "moonep/compute/cpu/cpu_executor.h"
+#include "moonep/core/status.h"
+#include "planner/plan_builder.h"
+#include "tests/compute/problem.h"
+
+namespace moonep::compute {
+namespace {
+
+using testing::Buffer;
+using testing::ErrorMeter;
+using testing::Problem;
+using testing::ProblemSpec;
+
+// Two ranks, four experts (two per rank), one replica slot per rank: expert 0 (home rank 0) is
+// split with a replica on rank 1; rank 0's slot stays unused.
+struct TwoRankPlan {
+  planner::PlannerConfig config;
+  planner::Plan plan;
+  std::vector<int64_t> counts = {10, 3, 0, 2,   // source rank 0
+                                 6, 1, 0, 5};   // source rank 1
+  absl::Status Build() {
+    planner::PlannerConfig in;
+    in.num_ranks = 2;
+    in.num_experts = 4;
+    in.slots = 1;
+    in.pad_multiple = 4;
+    MOONEP_RETURN_IF_ERROR(planner::ResolveConfig(in, &config));
+    planner::InitPlan(config, &plan);
+    const int R = 2;
+    plan.alloc[0 * R + 0] = 8;  // expert 0: 16 tokens, 8 at home, 8 on rank 1's replica
+    plan.alloc[0 * R + 1] = 8;
+    plan.alloc[1 * R + 0] = 4;
+    plan.alloc[3 * R + 1] = 7;
+    plan.slot_expert[1 * 1 + 0] = 0;
+    planner::BuildScratch scratch;
+    return planner::FinalizePlan(config, counts, &plan, &scratch);
+  }
+};
+
+struct ExpertStore {
+  std::vector<Buffer> w, g;  // per expert: gate, up, down
+  ExpertParams Weights(int e) { return {w[3 * e].view(), w[3 * e + 1].view(), w[3 * e + 2].view()}; }
+  ExpertParams Grads(int e) { return {g[3 * e].view(), g[3 * e + 1].view(), g[3 * e + 2].view()}; }
+};
+
+ExpertStore MakeExperts(int E, int64_t H, int64_t I, uint64_t seed) {
+  ExpertStore s;
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> uni(-0.5f, 0.5f);
+  for (int e = 0; e < E; ++e) {
+    for (int m = 0; m < 3; ++m) {
+      const int64_t rows = m == 2 ? I : H, cols = m == 2 ? H : I;
+      s.w.emplace_back(rows, cols, DType::kFloat32);
+      s.g.emplace_back(rows, cols, DType::kFloat32);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c) s.w.back().Set(r, c, uni(rng));
+    }
+  }
+  return s;
+}
+
+TEST(BuildComputeView, FollowsThePlanLayoutWithoutCopies) {
+  TwoRankPlan tp;
+  ASSERT_TRUE(tp.Build().ok());
+  const planner::Plan& plan = tp.plan;
+  const int64_t H = 11, I = 6;
+  ExpertStore experts = MakeExperts(4, H, I, 5);
+  auto replicas = ReplicaBuffer::Create(plan.slots, H, I, DType::kFloat32);
+  ASSERT_TRUE(replicas.ok());
+  // "Prefetch": rank 1's slot 0 receives expert 0's weights.
+  for (int m = 0; m < 3; ++m) {
+    const ExpertParams& slot = (*replicas)->weights()[0];
+    const TensorView& dst = m == 0 ? slot.gate : (m == 1 ? slot.up : slot.down);
+    std::memcpy(dst.data, experts.w[m].data(), experts.w[m].bytes());
+  }
+
+  for (int32_t rank = 0; rank < 2; ++rank) {
+    std::vector<ExpertParams> lw, lg;
+    for (int g = 0; g < plan.experts_per_rank; ++g) {
+      lw.push_back(experts.Weights(plan.local_experts[rank * 2 + g]));
+      lg.push_back(experts.Grads(plan.local_experts[rank * 2 + g]));
+    }
+    ComputeView view;
+    absl::Status st = BuildComputeView(plan, rank, lw, lg, (*replicas)->weights(),
+                                       (*replicas)->grads(), &view);
+    ASSERT_TRUE(st.ok()) << st;
+    ASSERT_EQ(view.groups.size(), 3u);
+    EXPECT_EQ(view.hidden, H);
+    EXPECT_EQ(view.intermediate, I);
+    EXPECT_EQ(view.total_rows, plan.rank_rows[rank]);
+    for (int g = 0; g < 3; ++g) {
+      const GroupView& gv = view.groups[g];
+      EXPECT_EQ(gv.row_offset, plan.group_offset[rank * 3 + g]);
+      EXPECT_EQ(gv.row_count, plan.group_count[rank * 3 + g]);
+      EXPECT_EQ(gv.padded_count, plan.group_padded[rank * 3 + g]);
+      EXPECT_EQ(gv.expert, plan.ExpertOfGroup(rank, g));
+      EXPECT_EQ(gv.replica, g >= 2);
+    }
+    EXPECT_EQ(view.groups[0].weights.gate.data, lw[0].gate.data);  // no copy
+    EXPECT_EQ(view.groups[1].grads.down.data, lg[1].down.data);
+    if (rank == 0) {
+      EXPECT_EQ(view.groups[2].expert, -1);
+      EXPECT_EQ(view.groups[2].row_count, 0);
+      EXPECT_EQ(view.groups[2].weights.gate.data, nullptr);
+    } else {
+      EXPECT_EQ(view.groups[2].expert, 0);
+      EXPECT_EQ(view.groups[2].row_count, 8);
+      EXPECT_EQ(view.groups[2].weights.gate.data, (*replicas)->slot_weights(0));
+      EXPECT_EQ(view.groups[2].grads.gate.data, (*replicas)->slot_grads(0));
+    }
+
+    // Rebuilding reuses the group storage.
+    const GroupView* before = view.groups.data();
+    ASSERT_TRUE(BuildComputeView(plan, rank, lw, lg, (*replicas)->weights(), (*replicas)->grads(),
+                                 &view).ok());
+    EXPECT_EQ(view.groups.data(), before);
+
+    // Run the view: every group's rows equal the reference FFN of the group's expert.
+    ExecutorConfig config{H, I, DType::kFloat32, view.total_rows, 2};
+    auto ex = cpu::CpuExecutor::Create(config);
+    ASSERT_TRUE(ex.ok());
+    Buffer x(view.total_rows, H, DType::kFloat32), y(view.total_rows, H, DType::kFloat32);
+    x.Fill(std::numeric_limits<float>::quiet_NaN());
+    std::mt19937_64 rng(rank);
+    std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+    for (const GroupView& gv : view.groups)
+      for (int64_t r = 0; r < gv.row_count; ++r)
+        for (int64_t h = 0; h < H; ++h) x.Set(gv.row_offset + r, h, uni(rng));
+    ASSERT_TRUE((*ex)->Forward(view, x.view(), y.view(), {}).ok());
+    reference::MoeShape shape{4, 1, H, I};
+    reference::ExpertWeights ref;
+    for (int e = 0; e < 4; ++e) {
+      for (int m = 0; m < 3; ++m) {
+        std::vector<double>& dst = m == 0 ? ref.wg : (m == 1 ? ref.wu : ref.wd);
+        Buffer& b = experts.w[3 * e + m];
+        for (int64_t r = 0; r < b.rows(); ++r)
+          for (int64_t c = 0; c < b.cols(); ++c) dst.push_back(b.Get(r, c));
+      }
+    }
+    ErrorMeter err;
+    std::vector<double> xr(H), out(H);
+    int64_t rows_checked = 0;
+    for (const GroupView& gv : view.groups) {
+      for (int64_t r = 0; r < gv.row_count; ++r, ++rows_checked) {
+        for (int64_t h = 0; h < H; ++h) xr[h] = x.Get(gv.row_offset + r, h);
+        reference::ExpertForward(shape, ref, gv.expert, xr.data(), out.data());
+        for (int64_t h = 0; h < H; ++h) err.Add(y.Get(gv.row_offset + r, h), out[h]);
+      }
+    }
+    EXPECT_EQ(rows_checked, rank == 0 ? 12 : 15);
+    EXPECT_LT(err.rel(), 1e-5);
+  }
+}
+
+TEST(BuildComputeView, RejectsBadArguments) {
+  TwoRankPlan tp;
+  ASSERT_TRUE(tp.Build().ok());
+  ExpertStore experts = MakeExperts(4, 8, 4, 6);
+  auto replicas = ReplicaBuffer::Create(1, 8, 4, DType::kFloat32);
+  ASSERT_TRUE(replicas.ok());
+  std::vector<ExpertParams> lw = {experts.Weights(0), experts.Weights(1)};
+  ComputeView view;
+  auto msg = [&](absl::Status st) { return std::string(st.message()); };
+
+  absl::Status st = BuildComputeView(tp.plan, 2, lw, {}, (*replicas)->weights(), {}, &view);
+  EXPECT_TRUE(absl::IsInvalidArgument(st));
+  EXPECT_NE(msg(st).find("rank"), std::string::npos) << st;
+
+  st = BuildComputeView(tp.plan, 0, absl::MakeSpan(lw).subspan(0, 1), {}, (*replicas)->weights(),
+                        {}, &view);
+  EXPECT_NE(msg(st).find("local_weights"), std::string::npos) << st;
+
+  st = BuildComputeView(tp.plan, 1, lw, {}, {}, {}, &view);
+  EXPECT_NE(msg(st).find("replica_weights"), std::string::npos) << st;
+
+  std::vector<ExpertParams> bad = lw;
+  bad[1].up = experts.w[2].view();  // down [4, 8] where up [8, 4] belongs
+  st = BuildComputeView(tp.plan, 0, bad, {}, (*replicas)->weights(), {}, &view);
+  EXPECT_NE(msg(st).find("group 1 up"), std::string::npos) << st;
+
+  // Replica slot with a wrong shape in the buffer (H mismatch).
+  auto wrong = ReplicaBuffer::Create(1, 9, 4, DType::kFloat32);
+  ASSERT_TRUE(wrong.ok());
+  st = BuildComputeView(tp.plan, 1, lw, {}, (*wrong)->weights(), {}, &view);
+  EXPECT_NE(msg(st).find("replica_weights"), std::string::npos) << st;
+  // ... but rank 0's slot is unused, so it is not read.
+  EXPECT_TRUE(BuildComputeView(tp.plan, 0, lw, {}, (*wrong)->weights(), {}, &view).ok());
+}
+
+TEST(ReplicaBuffer, LayoutAndSize) {
+  const int64_t H = 5, I = 7;
+  auto buf = ReplicaBuffer::Create(3, H, I, DType::kBFloat16);
+  ASSERT_TRUE(buf.ok());
+  ReplicaBuffer& b = **buf;
+  const size_t w = 3 * 3 * H * I * 2, g = 3 * 3 * H * I * 4;
+  EXPECT_EQ(b.total_bytes(), (w + 63) / 64 * 64 + (g + 63) / 64 * 64);
+  EXPECT_EQ(b.total_bytes(), ReplicaBuffer::BytesFor(3, H, I, DType::kBFloat16, DType::kFloat32));
+  EXPECT_EQ(b.slot_weight_bytes(), 3u * H * I * 2);
+  EXPECT_EQ(b.slot_grad_bytes(), 3u * H * I * 4);
+  for (int s = 0; s < 3; ++s) {
+    const ExpertParams& p = b.weights()[s];
+    char* block = static_cast<char*>(b.slot_weights(s));
+    EXPECT_EQ(p.gate.data, block);
+    EXPECT_EQ(p.up.data, block + H * I * 2);
+    EXPECT_EQ(p.down.data, block + 2 * H * I * 2);
+    EXPECT_EQ(p.down.shape[0], I);
+    EXPECT_EQ(p.gate.dtype, DType::kBFloat16);
+    EXPECT_EQ(b.grads()[s].up.dtype, DType::kFloat32);
+    EXPECT_EQ(b.grads()[s].up.data, static_cast<char*>(b.slot_grads(s)) + H * I * 4);
+    if (s > 0) {
+      EXPECT_EQ(block, static_cast<char*>(b.slot_weights(s - 1)) + b.slot_weight_bytes());
+    }
+  }
+  std::memset(b.slot_grads(0), 0xff, 3 * b.slot_grad_bytes());
+  b.ZeroGrads();
+  const char* gp = static_cast<const char*>(b.slot_grads(0));
+  EXPECT_TRUE(std::all_of(gp, gp + 3 * b.slot_grad_bytes(), [](char c) { return c == 0; }));
+
+  EXPECT_FALSE(ReplicaBuffer::Create(2, H, I, DType::kFloat32, DType::kBFloat16).ok());
+  EXPECT_FALSE(ReplicaBuffer::Create(-1, H, I, DType::kFloat32).ok());
+  EXPECT_FALSE(ReplicaBuffer::Create(2, 0, I, DType::kFloat32).ok());
+  auto bf = ReplicaBuffer::Create(2, H, I, DType::kBFloat16, DType::kBFloat16);
+  ASSERT_TRUE(bf.ok());
+  EXPECT_EQ((*bf)->grads()[1].gate.dtype, DType::kBFloat16);
+  auto empty = ReplicaBuffer::Create(0, H, I, DType::kFloat32);
+  ASSERT_TRUE(empty.ok());
+  EXPECT_TRUE((*empty)->weights().empty());
+}
+
+// Every malformed call is an InvalidArgument naming what is wrong, and writes nothing.
+class ExecutorArgs : public ::testing::Test {
+ protected:
+  ExecutorArgs() : p(Spec()) {
+    auto made = cpu::CpuExecutor::Create(ExecutorConfig{10, 6, DType::kFloat32, 64, 2});
+    ex = std::move(made).value();
+    y = Buffer(p.view.total_rows, 10, DType::kFloat32);
+    dx = Buffer(p.view.total_rows, 10, DType::kFloat32);
+  }
+  static ProblemSpec Spec() {
+    ProblemSpec s;
+    s.hidden = 10;
+    s.intermediate = 6;
+    s.counts = {3, 0, 9};
+    s.pad_multiple = 4;
+    return s;
+  }
+  void ExpectForwardError(const ComputeView& view, const TensorView& x, const TensorView& yv,
+                          const std::string& needle, const ForwardOptions& o = {}) {
+    absl::Status st = ex->Forward(view, x, yv, o);
+    EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
+    EXPECT_NE(std::string(st.message()).find(needle), std::string::npos)
+        << "'" << st.message() << "' lacks '" << needle << "'";
+  }
+  void ExpectBackwardError(const ComputeView& view, const TensorView& dxv,
+                           const std::string& needle, const BackwardOptions& o = {}) {
+    absl::Status st = ex->Backward(view, p.x.view(), p.dy.view(), dxv, o);
+    EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
+    EXPECT_NE(std::string(st.message()).find(needle), std::string::npos)
+        << "'" << st.message() << "' lacks '" << needle << "'";
+  }
+  Problem p;
+  std::unique_ptr<cpu::CpuExecutor> ex;
+  Buffer y, dx;
+};
+
+TEST_F(ExecutorArgs, RowsTensors) {
+  const int64_t R = p.view.total_rows;
+  ASSERT_TRUE(ex->Forward(p.view, p.x.view(), y.view(), {}).ok());
+  ExpectForwardError(p.view, TensorView::Contiguous(p.x.data(), DType::kFloat32, {R - 1, 10}),
+                     y.view(), "x_rows: expected shape");
+  ExpectForwardError(p.view, p.x.view(), TensorView::Contiguous(y.data(), DType::kFloat32, {R, 9}),
+                     "y_rows: expected shape");
+  ExpectForwardError(p.view, TensorView::Contiguous(p.x.data(), DType::kBFloat16, {R, 10}),
+                     y.view(), "x_rows: expected dtype");
+  ExpectForwardError(p.view, TensorView::Contiguous(nullptr, DType::kFloat32, {R, 10}), y.view(),
+                     "x_rows: null");
+  ExpectForwardError(p.view,
+                     TensorView::Contiguous(static_cast<char*>(p.x.data()) + 2, DType::kFloat32,
+                                            {R, 10}),
+                     y.view(), "x_rows: data pointer");
+  // y shifted by one row over x: overlap.
+  ExpectForwardError(p.view, p.x.view(),
+                     TensorView::Contiguous(static_cast<float*>(p.x.data()) + 10, DType::kFloat32,
+                                            {R, 10}),
+                     "y_rows overlaps x_rows");
+  ExpectForwardError(p.view, p.x.view(), TensorView::Contiguous(p.view.groups[0].weights.gate.data,
+                                                                DType::kFloat32, {R, 10}),
+                     "y_rows overlaps");
+  Buffer small(3, 12, DType::kFloat32);
+  ForwardOptions fo;
+  fo.preactivations = small.view();
+  ExpectForwardError(p.view, p.x.view(), y.view(), "options.preactivations", fo);
+  ExpectBackwardError(p.view, p.dy.view(), "dx_rows overlaps dy_rows");
+  ExpectBackwardError(p.view, p.x.view(), "dx_rows overlaps x_rows");
+}
+
+TEST_F(ExecutorArgs, ViewAgainstExecutorAndGroups) {
+  ComputeView v = p.view;
+  v.hidden = 11;
+  ExpectForwardError(v, p.x.view(), y.view(), "view: shape");
+  v = p.view;
+  v.dtype = DType::kBFloat16;
+  ExpectForwardError(v, p.x.view(), y.view(), "view: dtype");
+  v = p.view;
+  v.total_rows = 65;
+  ExpectForwardError(v, p.x.view(), y.view(), "max_rows");
+  v = p.view;
+  v.groups[2].padded_count = 40;
+  ExpectForwardError(v, p.x.view(), y.view(), "group 2: rows");
+  v = p.view;
+  v.groups[2].row_offset = 2;
+  ExpectForwardError(v, p.x.view(), y.view(), "overlap");
+  v = p.view;
+  v.groups[0].row_count = 5;
+  ExpectForwardError(v, p.x.view(), y.view(), "group 0: bad row segment");
+  v = p.view;
+  v.groups[2].weights.down.data = nullptr;
+  ExpectForwardError(v, p.x.view(), y.view(), "group 2 down: null");
+  v = p.view;
+  v.groups[0].weights.up = v.groups[0].weights.down;
+  ExpectForwardError(v, p.x.view(), y.view(), "group 0 up: expected shape");
+  v = p.view;
+  v.groups[0].weights.gate.data = static_cast<char*>(v.groups[0].weights.gate.data) + 1;
+  ExpectForwardError(v, p.x.view(), y.view(), "group 0 gate: data pointer");
+  // Backward needs gradients for non-empty groups, not sharing memory.
+  v = p.view;
+  v.groups[2].grads = ExpertParams{};
+  ExpectBackwardError(v, dx.view(), "group 2 grad gate");
+  v = p.view;
+  v.groups[2].grads.up = v.groups[0].grads.up;
+  ExpectBackwardError(v, dx.view(), "overlaps group 2 grad up");
+  v = p.view;
+  v.groups[0].grads.gate = v.groups[0].weights.gate;
+  ExpectBackwardError(v, dx.view(), "grad gate overlaps");
+  v = p.view;
+  v.groups[0].grads.gate = TensorView::Contiguous(p.x.data(), DType::kFloat32, {10, 6});
+  ExpectBackwardError(v, dx.view(), "overlap x_rows");
+  // Nothing was written by the rejected calls.
+  for (testing::Buffer& g : p.grads)
+    for (int64_t r = 0; r < g.rows(); ++r)
+      for (int64_t c = 0; c < g.cols(); ++c) ASSERT_EQ(g.Get(r, c), 0.0f);
+}
+
+TEST(ExecutorConfigCheck, RejectsBadConfig) {
+  EXPECT_FALSE(cpu::CpuExecutor::Create(ExecutorConfig{0, 4, DType::kFloat32, 8, 1}).ok());
+  EXPECT_FALSE(cpu::CpuExecutor::Create(ExecutorConfig{4, 4, DType::kFloat32, -1, 1}).ok());
+  EXPECT_FALSE(cpu::CpuExecutor::Create(ExecutorConfig{4, 4, static_cast<DType>(7), 8, 1}).ok());
+  EXPECT_FALSE(cpu::CpuExecutor::Create(ExecutorConfig{4, 4, DType::kFloat32, 8, -2}).ok());
+  auto ok = cpu::CpuExecutor::Create(ExecutorConfig{4, 4, DType::kFloat32, 0, 0});
+  ASSERT_TRUE(ok.ok());
+  EXPECT_GE((*ok)->num_threads(), 1);
+}
+
+}  // namespace
+}  // namespace moonep::compute

@@ -1,0 +1,266 @@
+// The CPU executor against the fp64 reference layer: forward per row = reference ExpertForward of
+// the row's group, backward dx and weight gradients = reference Backward with every row routed
+// (top-1, weight 1) to its group's expert.
+#include "moonep/compute/cpu/cpu_executor.h"
+#include "moonep/compute/cpu/gemm.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "moonep/reference/reference_moe.h"
+#include "tests/compute/problem.h"
+
+namespace moonep::compute {
+namespace {
+
+using testing::Buffer;
+using testing::ErrorMeter;
+using testing::Problem;
+using testing::ProblemSpec;
+
+std::unique_ptr<cpu::CpuExecutor> MakeExecutor(const Problem& p, int threads) {
+  ExecutorConfig config;
+  config.hidden = p.spec.hidden;
+  config.intermediate = p.spec.intermediate;
+  config.dtype = p.spec.dtype;
+  config.max_rows = p.view.total_rows;
+  config.num_threads = threads;
+  auto ex = cpu::CpuExecutor::Create(config);
+  EXPECT_TRUE(ex.ok()) << ex.status();
+  return std::move(ex).value();
+}
+
+double Tolerance(DType dtype) { return dtype == DType::kFloat32 ? 1e-5 : 1e-2; }
+
+// Forward error against the reference; also checks that non-data rows of y are zero.
+double ForwardError(Problem& p, Buffer& y) {
+  const int64_t H = p.spec.hidden;
+  ErrorMeter err;
+  std::vector<double> xr(H), out(H);
+  for (size_t j = 0; j < p.data_rows.size(); ++j) {
+    const int64_t r = p.data_rows[j];
+    for (int64_t h = 0; h < H; ++h) xr[h] = p.x.Get(r, h);
+    reference::ExpertForward(p.shape, p.ref, p.row_group[j], xr.data(), out.data());
+    for (int64_t h = 0; h < H; ++h) err.Add(y.Get(r, h), out[h]);
+  }
+  std::vector<bool> is_data(p.view.total_rows, false);
+  for (int64_t r : p.data_rows) is_data[r] = true;
+  for (int64_t r = 0; r < p.view.total_rows; ++r) {
+    if (is_data[r]) continue;
+    for (int64_t h = 0; h < H; ++h) EXPECT_EQ(y.Get(r, h), 0.0f) << "non-data row " << r;
+  }
+  return err.rel();
+}
+
+struct GradErrors {
+  double dx = 0, dwg = 0, dwu = 0, dwd = 0;
+};
+
+// Backward errors against `factor` times the reference gradients.
+GradErrors BackwardErrors(Problem& p, Buffer& dx, double factor) {
+  const int64_t H = p.spec.hidden, I = p.spec.intermediate;
+  const int64_t T = static_cast<int64_t>(p.data_rows.size());
+  std::vector<double> x(T * H), dy(T * H), weights(T, 1.0);
+  for (int64_t j = 0; j < T; ++j) {
+    for (int64_t h = 0; h < H; ++h) {
+      x[j * H + h] = p.x.Get(p.data_rows[j], h);
+      dy[j * H + h] = p.dy.Get(p.data_rows[j], h);
+    }
+  }
+  reference::BackwardResult ref;
+  absl::Status st = reference::Backward(p.shape, p.ref, T, x, p.row_group, weights, dy, &ref);
+  EXPECT_TRUE(st.ok()) << st;
+  GradErrors e;
+  ErrorMeter mdx, mg, mu, md;
+  for (int64_t j = 0; j < T; ++j) {
+    for (int64_t h = 0; h < H; ++h) mdx.Add(dx.Get(p.data_rows[j], h), ref.dx[j * H + h]);
+  }
+  for (size_t g = 0; g < p.view.groups.size(); ++g) {
+    for (int64_t a = 0; a < H; ++a) {
+      for (int64_t i = 0; i < I; ++i) {
+        mg.Add(p.grads[3 * g].Get(a, i), factor * ref.dwg[(g * H + a) * I + i]);
+        mu.Add(p.grads[3 * g + 1].Get(a, i), factor * ref.dwu[(g * H + a) * I + i]);
+        md.Add(p.grads[3 * g + 2].Get(i, a), factor * ref.dwd[(g * I + i) * H + a]);
+      }
+    }
+  }
+  std::vector<bool> is_data(p.view.total_rows, false);
+  for (int64_t r : p.data_rows) is_data[r] = true;
+  for (int64_t r = 0; r < p.view.total_rows; ++r) {
+    if (is_data[r]) continue;
+    for (int64_t h = 0; h < H; ++h) EXPECT_EQ(dx.Get(r, h), 0.0f) << "non-data row " << r;
+  }
+  return GradErrors{mdx.rel(), mg.rel(), mu.rel(), md.rel()};
+}
+
+struct Case {
+  const char* name;
+  ProblemSpec spec;
+};
+
+class ExecutorVsReference : public ::testing::TestWithParam<Case> {};
+
+TEST_P(ExecutorVsReference, ForwardAndBackward) {
+  Problem p(GetParam().spec);
+  auto ex = MakeExecutor(p, 2);
+  const double tol = Tolerance(p.spec.dtype);
+  Buffer y(p.view.total_rows, p.spec.hidden, p.spec.dtype);
+  y.Fill(7.0f);  // stale data that padding rows must not keep
+  ASSERT_TRUE(ex->Forward(p.view, p.x.view(), y.view(), ForwardOptions{}).ok());
+  const double fwd = ForwardError(p, y);
+  EXPECT_LT(fwd, tol);
+
+  Buffer dx(p.view.total_rows, p.spec.hidden, p.spec.dtype);
+  dx.Fill(7.0f);
+  absl::Status st = ex->Backward(p.view, p.x.view(), p.dy.view(), dx.view(), BackwardOptions{});
+  ASSERT_TRUE(st.ok()) << st;
+  GradErrors e1 = BackwardErrors(p, dx, 1.0);
+  // bf16 gradients are rounded at every accumulation, so they get the bf16 bar.
+  const double gtol = Tolerance(p.spec.grad_dtype == DType::kFloat32 && p.spec.dtype == DType::kFloat32
+                                    ? DType::kFloat32 : DType::kBFloat16);
+  EXPECT_LT(e1.dx, tol);
+  EXPECT_LT(e1.dwg, gtol);
+  EXPECT_LT(e1.dwu, gtol);
+  EXPECT_LT(e1.dwd, gtol);
+
+  // A second backward accumulates: the gradients become twice the reference.
+  ASSERT_TRUE(ex->Backward(p.view, p.x.view(), p.dy.view(), dx.view(), BackwardOptions{}).ok());
+  GradErrors e2 = BackwardErrors(p, dx, 2.0);
+  EXPECT_LT(e2.dwg, gtol);
+  EXPECT_LT(e2.dwu, gtol);
+  EXPECT_LT(e2.dwd, gtol);
+  std::printf("[ EXECUTOR ] %-28s fwd %.1e  dx %.1e  dWg %.1e  dWu %.1e  dWd %.1e  (2x: %.1e %.1e %.1e)\n",
+              GetParam().name, fwd, e1.dx, e1.dwg, e1.dwu, e1.dwd, e2.dwg, e2.dwu, e2.dwd);
+}
+
+ProblemSpec Spec(int64_t H, int64_t I, DType dtype, DType grad_dtype, std::vector<int64_t> counts,
+                 int64_t pad, uint64_t seed, int64_t gap = 0) {
+  ProblemSpec s;
+  s.hidden = H;
+  s.intermediate = I;
+  s.dtype = dtype;
+  s.grad_dtype = grad_dtype;
+  s.counts = std::move(counts);
+  s.pad_multiple = pad;
+  s.seed = seed;
+  s.gap = gap;
+  return s;
+}
+
+constexpr DType kF32 = DType::kFloat32;
+constexpr DType kBF16 = DType::kBFloat16;
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, ExecutorVsReference,
+    ::testing::Values(
+        // H, I not multiples of 8; empty groups; a group over two row blocks; padding and gaps.
+        Case{"fp32_skewed_H13_I7", Spec(13, 7, kF32, kF32, {5, 0, 17, 1, 300, 0}, 4, 1, 3)},
+        Case{"fp32_one_group_all_rows", Spec(40, 24, kF32, kF32, {0, 0, 513, 0}, 8, 2)},
+        Case{"fp32_single_row", Spec(9, 11, kF32, kF32, {1}, 1, 3)},
+        Case{"fp32_single_row_padded", Spec(5, 3, kF32, kF32, {0, 1, 0}, 16, 4)},
+        Case{"fp32_H300_I260", Spec(300, 260, kF32, kF32, {37, 3}, 1, 5)},
+        Case{"bf16_skewed_H13_I7", Spec(13, 7, kBF16, kF32, {5, 0, 17, 1, 300, 0}, 4, 6, 2)},
+        Case{"bf16_one_group_all_rows", Spec(40, 24, kBF16, kF32, {0, 513, 0}, 8, 7)},
+        Case{"bf16_single_row", Spec(9, 11, kBF16, kF32, {1}, 1, 8)},
+        // H, I above the bf16 conversion panel (256) and a weight-gradient tile (256).
+        Case{"bf16_H300_I260", Spec(300, 260, kBF16, kF32, {37, 3, 0}, 1, 9)},
+        Case{"bf16_bf16grads_H300_I260", Spec(300, 260, kBF16, kBF16, {29, 0, 6}, 2, 10)},
+        Case{"bf16_bf16grads_H31_I17", Spec(31, 17, kBF16, kBF16, {70, 2, 0, 1}, 4, 11)}),
+    [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+
+bool SameBytes(Buffer& a, Buffer& b) { return std::memcmp(a.data(), b.data(), a.bytes()) == 0; }
+
+// The schedule changes with the thread count, the arithmetic must not.
+class ThreadInvariance : public ::testing::TestWithParam<DType> {};
+
+TEST_P(ThreadInvariance, OneAndTwoThreadsAgreeBitwise) {
+  const DType dt = GetParam();
+  const ProblemSpec spec = Spec(36, 20, dt, dt, {700, 3, 0, 45, 260, 1}, 4, 21);
+  Problem p1(spec), p2(spec);
+  auto ex1 = MakeExecutor(p1, 1);
+  auto ex2 = MakeExecutor(p2, 2);
+  ASSERT_EQ(ex1->num_threads(), 1);
+  ASSERT_EQ(ex2->num_threads(), 2);
+  Buffer y1(p1.view.total_rows, spec.hidden, dt), y2(p2.view.total_rows, spec.hidden, dt);
+  Buffer dx1(p1.view.total_rows, spec.hidden, dt), dx2(p2.view.total_rows, spec.hidden, dt);
+  for (int rep = 0; rep < 2; ++rep) {
+    ASSERT_TRUE(ex1->Forward(p1.view, p1.x.view(), y1.view(), {}).ok());
+    ASSERT_TRUE(ex2->Forward(p2.view, p2.x.view(), y2.view(), {}).ok());
+    ASSERT_TRUE(ex1->Backward(p1.view, p1.x.view(), p1.dy.view(), dx1.view(), {}).ok());
+    ASSERT_TRUE(ex2->Backward(p2.view, p2.x.view(), p2.dy.view(), dx2.view(), {}).ok());
+  }
+  EXPECT_TRUE(SameBytes(y1, y2));
+  EXPECT_TRUE(SameBytes(dx1, dx2));
+  for (size_t k = 0; k < p1.grads.size(); ++k) EXPECT_TRUE(SameBytes(p1.grads[k], p2.grads[k])) << k;
+  EXPECT_LT(ForwardError(p1, y1), Tolerance(dt));
+}
+
+INSTANTIATE_TEST_SUITE_P(DTypes, ThreadInvariance, ::testing::Values(kF32, kBF16));
+
+// Keeping the pre-activations gives the same backward as recomputing them.
+TEST(Executor, KeptPreactivationsMatchRecompute) {
+  for (DType dt : {kF32, kBF16}) {
+    const ProblemSpec spec = Spec(21, 14, dt, DType::kFloat32, {33, 0, 290, 2}, 4, 31, 1);
+    Problem keep(spec), redo(spec);
+    auto ex = MakeExecutor(keep, 2);
+    Buffer y(keep.view.total_rows, spec.hidden, dt), y2(keep.view.total_rows, spec.hidden, dt);
+    Buffer pre(keep.view.total_rows, 2 * spec.intermediate, DType::kFloat32);
+    ForwardOptions fo;
+    fo.preactivations = pre.view();
+    ASSERT_TRUE(ex->Forward(keep.view, keep.x.view(), y.view(), fo).ok());
+    ASSERT_TRUE(ex->Forward(redo.view, redo.x.view(), y2.view(), {}).ok());
+    EXPECT_TRUE(SameBytes(y, y2));
+    Buffer dx(keep.view.total_rows, spec.hidden, dt), dx2(keep.view.total_rows, spec.hidden, dt);
+    BackwardOptions bo;
+    bo.preactivations = pre.view();
+    ASSERT_TRUE(ex->Backward(keep.view, keep.x.view(), keep.dy.view(), dx.view(), bo).ok());
+    ASSERT_TRUE(ex->Backward(redo.view, redo.x.view(), redo.dy.view(), dx2.view(), {}).ok());
+    EXPECT_TRUE(SameBytes(dx, dx2));
+    for (size_t k = 0; k < keep.grads.size(); ++k) EXPECT_TRUE(SameBytes(keep.grads[k], redo.grads[k]));
+    GradErrors e = BackwardErrors(keep, dx, 1.0);
+    EXPECT_LT(e.dx, Tolerance(dt));
+    EXPECT_LT(e.dwd, Tolerance(dt));
+  }
+}
+
+// Empty groups are legal with no tensors at all, and an all-empty view only zeroes the outputs.
+TEST(Executor, EmptyGroupsNeedNoTensors) {
+  Problem p(Spec(12, 10, kF32, kF32, {0, 6, 0}, 4, 41));
+  for (int g : {0, 2}) {
+    p.view.groups[g].weights = ExpertParams{};
+    p.view.groups[g].grads = ExpertParams{};
+  }
+  auto ex = MakeExecutor(p, 2);
+  Buffer y(p.view.total_rows, 12, kF32), dx(p.view.total_rows, 12, kF32);
+  ASSERT_TRUE(ex->Forward(p.view, p.x.view(), y.view(), {}).ok());
+  EXPECT_LT(ForwardError(p, y), 1e-5);
+  ASSERT_TRUE(ex->Backward(p.view, p.x.view(), p.dy.view(), dx.view(), {}).ok());
+
+  Problem none(Spec(12, 10, kF32, kF32, {0, 0}, 4, 42, 2));
+  Buffer y0(none.view.total_rows, 12, kF32);
+  y0.Fill(3.0f);
+  ASSERT_TRUE(ex->Forward(none.view, none.x.view(), y0.view(), {}).ok());
+  for (int64_t r = 0; r < none.view.total_rows; ++r) EXPECT_EQ(y0.Get(r, 0), 0.0f);
+}
+
+TEST(Executor, WorkspaceFollowsTheFormula) {
+  for (DType dt : {kF32, kBF16}) {
+    ExecutorConfig c;
+    c.hidden = 1000;
+    c.intermediate = 300;
+    c.dtype = dt;
+    c.max_rows = 5000;
+    c.num_threads = 3;
+    auto ex = cpu::CpuExecutor::Create(c);
+    ASSERT_TRUE(ex.ok());
+    const size_t rb = 256, H = 1000, I = 300, M = 1000, tw = 256, T = 3;
+    size_t per_thread = 3 * rb * I;
+    if (dt == kBF16) per_thread += 2 * rb * H + cpu::kPanelK * (tw + M) + tw * M;
+    per_thread = (per_thread + 15) / 16 * 16;
+    EXPECT_EQ((*ex)->WorkspaceBytes(), 4 * (T * per_thread + 3 * 5000 * I));
+  }
+}
+
+}  // namespace
+}  // namespace moonep::compute
