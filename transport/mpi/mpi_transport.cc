@@ -1,0 +1,1382 @@
+#include "transport/mpi/mpi_transport.h"
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "moonep/core/env.h"
+#include "moonep/core/logging.h"
+#include "moonep/core/status.h"
+#include "planner/plan_builder.h"
+#include "transport/layout.h"
+#include "transport/testing_hooks.h"
+
+namespace moonep::transport::mpi {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Message kinds inside one operation; the tag is (sequence mod N) * kSubTags + kind.
+constexpr int kSubTags = 4;
+constexpr int kSubMeta = 0, kSubData = 1, kSubScalar = 2;
+constexpr int kAbortTag = 1;
+// Expert tensors travel in chunks below MPI's int count limit.
+constexpr int64_t kMaxChunkBytes = int64_t{1} << 30;
+
+struct RowMeta {  // per dispatched row, sender -> receiver: its unique row and its top-k weight
+  int32_t unique;
+  float weight;
+};
+static_assert(sizeof(RowMeta) == 8, "RowMeta is sent as bytes");
+
+absl::Status MpiCheck(int rc, const char* what) {
+  if (rc == MPI_SUCCESS) return absl::OkStatus();
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, text, &len);
+  return SystemError("%s failed: %s", what, std::string(text, len));
+}
+
+std::string RankList(const std::vector<int>& ranks) { return absl::StrJoin(ranks, ","); }
+
+bool IsRowDType(DType d) { return d == DType::kFloat32 || d == DType::kBFloat16; }
+
+// A 2-D contiguous CPU matrix with at least `min_rows` rows and `cols` columns (cols < 0: any).
+absl::Status CheckRows(const TensorView& v, const char* name, int64_t min_rows, int64_t cols) {
+  MOONEP_CHECK_ARG(v.ndim == 2, "%s: expected a 2-D tensor, got %s", name, v.DebugString());
+  MOONEP_CHECK_ARG(v.device == Device::kCpu, "%s: the MPI transport needs host memory, got %s",
+                   name, v.DebugString());
+  MOONEP_CHECK_ARG(IsRowDType(v.dtype), "%s: dtype must be fp32 or bf16", name);
+  MOONEP_CHECK_ARG(v.shape[0] >= min_rows, "%s: has %d rows, needs at least %d", name, v.shape[0],
+                   min_rows);
+  MOONEP_CHECK_ARG(cols < 0 || v.shape[1] == cols, "%s: has %d columns, expected %d", name,
+                   v.shape[1], cols);
+  MOONEP_CHECK_ARG(v.is_contiguous(), "%s: tensor must be contiguous", name);
+  MOONEP_CHECK_ARG(v.numel() == 0 || v.data != nullptr, "%s: null data pointer", name);
+  MOONEP_CHECK_ARG(reinterpret_cast<uintptr_t>(v.data) % DTypeSize(v.dtype) == 0,
+                   "%s: data pointer is not aligned to its element size", name);
+  return absl::OkStatus();
+}
+
+class MpiTransport;
+
+// One operation in flight: a set of MPI requests, each tied to a peer, plus the steps that follow
+// arrivals (post the next receive, expand duplicates) and the final local work (accumulate).
+class MpiOp : public Request {
+ public:
+  MpiOp(MpiTransport* transport, OpKind kind, MPI_Comm comm, int64_t seq);
+  ~MpiOp() override;
+  absl::StatusOr<bool> Test() override;
+  absl::Status Wait() override;
+
+  // Runs the op's local start work; on error the op is failed (and the transport poisoned).
+  absl::Status Begin(absl::Status started);
+
+ protected:
+  struct Pending {
+    int peer = 0;
+    bool recv = false;
+    int kind = 0;            // op-specific meaning (e.g. metadata vs data)
+    int64_t expect = -1;     // bytes a receive must get (-1: any)
+  };
+  absl::Status PostSend(const void* buf, int count, MPI_Datatype type, int peer, int sub,
+                        int kind = 0);
+  absl::Status PostRecv(void* buf, int count, MPI_Datatype type, int peer, int sub,
+                        int64_t expect_bytes, int kind = 0);
+  // Bytes in chunks (expert tensors); receives check each chunk's size.
+  absl::Status SendBytes(const void* buf, int64_t bytes, int peer, int sub);
+  absl::Status RecvBytes(void* buf, int64_t bytes, int peer, int sub);
+  // A receive of request `index` completed (its size already checked).
+  virtual absl::Status OnReceived(size_t /*index*/) { return absl::OkStatus(); }
+  // All requests completed: the local work that remains.
+  virtual absl::Status Finish() { return absl::OkStatus(); }
+  // Size mismatches that every rank sees in the same operation (count exchange) are reported
+  // without poisoning; others are fatal.
+  virtual bool OnSizeMismatch(size_t /*index*/, int64_t /*got*/) { return false; }
+
+  MpiTransport* transport_;
+  OpKind kind_;
+  MPI_Comm comm_;
+  int tag_base_;
+  int me_;
+  OpCounters counters_;
+  std::vector<Pending> pending_;
+
+ private:
+  absl::Status Fail(absl::Status status);
+  void Cleanup();
+  absl::Status TimeoutStatus() const;
+
+  std::vector<MPI_Request> requests_;
+  std::vector<int> indices_;
+  std::vector<MPI_Status> statuses_;
+  int active_ = 0;
+  bool done_ = false;
+  absl::Status status_;
+  Clock::time_point deadline_;
+  int64_t timeout_ms_;
+};
+
+class MpiTransport : public Transport {
+ public:
+  ~MpiTransport() override;
+  static absl::StatusOr<std::unique_ptr<Transport>> Create(const TransportOptions& options);
+
+  const char* backend() const override { return "mpi"; }
+  int32_t rank() const override { return rank_; }
+  int32_t size() const override { return size_; }
+  int64_t timeout_ms() const override { return timeout_ms_; }
+
+  absl::StatusOr<RequestPtr> StartExchangeCounts(absl::Span<const int32_t> topk_ids,
+                                                 int64_t num_tokens, int32_t top_k,
+                                                 int32_t num_experts, int64_t recv_capacity_rows,
+                                                 DispatchHandle* handle) override;
+  absl::StatusOr<RequestPtr> StartDispatch(const planner::Plan& plan, const TensorView& x,
+                                           absl::Span<const float> topk_weights,
+                                           DispatchHandle* handle, const TensorView& recv_rows,
+                                           absl::Span<float> recv_weights) override;
+  absl::StatusOr<RequestPtr> StartCombine(DispatchHandle* handle, const TensorView& expert_rows,
+                                          const TensorView& y) override;
+  absl::StatusOr<RequestPtr> StartCombineBackward(DispatchHandle* handle, const TensorView& dy,
+                                                  const TensorView& dy_rows) override;
+  absl::StatusOr<RequestPtr> StartDispatchBackward(DispatchHandle* handle,
+                                                   const TensorView& dx_rows,
+                                                   const TensorView& dx) override;
+  absl::StatusOr<RequestPtr> StartTopkWeightGrad(DispatchHandle* handle,
+                                                 const TensorView& dy_rows,
+                                                 const TensorView& expert_rows,
+                                                 absl::Span<float> d_topk_weights) override;
+  absl::StatusOr<RequestPtr> StartPrefetch(const planner::Plan& plan,
+                                           const ExpertBlocks& params) override;
+  absl::StatusOr<RequestPtr> StartReduce(const planner::Plan& plan,
+                                         const ExpertBlocks& grads) override;
+
+  OpCounters counters(OpKind kind) const override { return counters_[static_cast<int>(kind)]; }
+  void ResetCounters() override { counters_.fill(OpCounters{}); }
+
+  // Shared with ops.
+  const TransportOptions& options() const { return options_; }
+  int TagBase(int64_t seq) const { return static_cast<int>(seq % tag_seq_modulus_) * kSubTags; }
+  void AddCounters(OpKind kind, const OpCounters& c);
+  // The transport is unusable after a failure that ranks did not agree on.
+  void Poison(const absl::Status& status);
+  absl::Status Usable() const;
+  // Tells every peer that this rank failed `kind` (they fail with RemoteError), then poisons.
+  absl::Status AbortPeers(OpKind kind, absl::Status status);
+  // Checks for a peer's abort notice.
+  absl::Status PollAbort();
+  int64_t reduce_staging_bytes = 0;
+  std::vector<char> reduce_staging;
+
+ private:
+  MpiTransport() = default;
+  // Checks that the handle is ready for an operation that needs a dispatch (local misuse aborts).
+  absl::Status CheckDispatched(OpKind kind, DispatchHandle* handle);
+  absl::Status CheckBlocks(const planner::Plan& plan, const ExpertBlocks& blocks,
+                           const char* name) const;
+  absl::StatusOr<RequestPtr> Skipped();
+  void EnsureRowStaging(DispatchHandle* handle) const;
+
+  TransportOptions options_;
+  int32_t rank_ = 0, size_ = 1;
+  int64_t timeout_ms_ = 0;
+  int64_t tag_seq_modulus_ = 1;
+  MPI_Comm rows_comm_ = MPI_COMM_NULL, weights_comm_ = MPI_COMM_NULL, abort_comm_ = MPI_COMM_NULL;
+  int64_t rows_seq_ = 0, weights_seq_ = 0;
+  MPI_Request abort_request_ = MPI_REQUEST_NULL;
+  std::array<int64_t, 2> abort_in_{};
+  std::array<int64_t, 2> abort_out_{};
+  absl::Status poisoned_;
+  std::array<OpCounters, static_cast<int>(OpKind::kNumKinds)> counters_{};
+};
+
+// ---------------------------------------------------------------------------------------------
+// MpiOp
+
+MpiOp::MpiOp(MpiTransport* transport, OpKind kind, MPI_Comm comm, int64_t seq)
+    : transport_(transport),
+      kind_(kind),
+      comm_(comm),
+      tag_base_(transport->TagBase(seq)),
+      me_(transport->rank()),
+      deadline_(Clock::now() + std::chrono::milliseconds(transport->timeout_ms())),
+      timeout_ms_(transport->timeout_ms()) {
+  counters_.calls = 1;
+}
+
+MpiOp::~MpiOp() {
+  if (!done_) {
+    Fail(InvalidUsage("%s: request destroyed before it completed", OpName(kind_))).IgnoreError();
+  }
+}
+
+absl::Status MpiOp::Begin(absl::Status started) {
+  if (!started.ok()) return Fail(started);
+  return absl::OkStatus();
+}
+
+absl::Status MpiOp::PostSend(const void* buf, int count, MPI_Datatype type, int peer, int sub,
+                             int kind) {
+  MPI_Request request;
+  MOONEP_RETURN_IF_ERROR(MpiCheck(
+      MPI_Isend(buf, count, type, peer, tag_base_ + sub, comm_, &request), "MPI_Isend"));
+  requests_.push_back(request);
+  pending_.push_back(Pending{peer, false, kind, -1});
+  ++active_;
+  ++counters_.messages_sent;
+  return absl::OkStatus();
+}
+
+absl::Status MpiOp::PostRecv(void* buf, int count, MPI_Datatype type, int peer, int sub,
+                             int64_t expect_bytes, int kind) {
+  MPI_Request request;
+  MOONEP_RETURN_IF_ERROR(MpiCheck(
+      MPI_Irecv(buf, count, type, peer, tag_base_ + sub, comm_, &request), "MPI_Irecv"));
+  requests_.push_back(request);
+  pending_.push_back(Pending{peer, true, kind, expect_bytes});
+  ++active_;
+  return absl::OkStatus();
+}
+
+absl::Status MpiOp::SendBytes(const void* buf, int64_t bytes, int peer, int sub) {
+  const char* p = static_cast<const char*>(buf);
+  do {
+    const int64_t n = std::min(bytes, kMaxChunkBytes);
+    MOONEP_RETURN_IF_ERROR(PostSend(p, static_cast<int>(n), MPI_BYTE, peer, sub));
+    p += n;
+    bytes -= n;
+  } while (bytes > 0);
+  return absl::OkStatus();
+}
+
+absl::Status MpiOp::RecvBytes(void* buf, int64_t bytes, int peer, int sub) {
+  char* p = static_cast<char*>(buf);
+  do {
+    const int64_t n = std::min(bytes, kMaxChunkBytes);
+    MOONEP_RETURN_IF_ERROR(PostRecv(p, static_cast<int>(n), MPI_BYTE, peer, sub, n));
+    p += n;
+    bytes -= n;
+  } while (bytes > 0);
+  return absl::OkStatus();
+}
+
+absl::Status MpiOp::TimeoutStatus() const {
+  std::vector<int> silent, unreceived;
+  for (size_t i = 0; i < requests_.size(); ++i) {
+    if (requests_[i] == MPI_REQUEST_NULL) continue;
+    std::vector<int>& list = pending_[i].recv ? silent : unreceived;
+    if (std::find(list.begin(), list.end(), pending_[i].peer) == list.end()) {
+      list.push_back(pending_[i].peer);
+    }
+  }
+  std::sort(silent.begin(), silent.end());
+  std::sort(unreceived.begin(), unreceived.end());
+  if (!silent.empty()) {
+    return Timeout("%s timed out after %d ms on rank %d: nothing heard from rank(s) %s", OpName(kind_),
+                   timeout_ms_, me_, RankList(silent));
+  }
+  return Timeout("%s timed out after %d ms on rank %d: rank(s) %s did not take their data",
+                 OpName(kind_), timeout_ms_, me_, RankList(unreceived));
+}
+
+absl::StatusOr<bool> MpiOp::Test() {
+  if (done_) {
+    if (!status_.ok()) return status_;
+    return true;
+  }
+  {
+    absl::Status usable = transport_->Usable();
+    if (usable.ok()) usable = transport_->PollAbort();
+    if (!usable.ok()) return Fail(usable);
+  }
+  while (active_ > 0) {
+    const int n = static_cast<int>(requests_.size());
+    indices_.resize(n);
+    statuses_.resize(n);
+    int outcount = 0;
+    const int rc = MPI_Testsome(n, requests_.data(), &outcount, indices_.data(), statuses_.data());
+    if (rc != MPI_SUCCESS && rc != MPI_ERR_IN_STATUS) return Fail(MpiCheck(rc, "MPI_Testsome"));
+    if (outcount == MPI_UNDEFINED || outcount == 0) break;
+    for (int j = 0; j < outcount; ++j) {
+      const size_t i = static_cast<size_t>(indices_[j]);
+      --active_;
+      const Pending& p = pending_[i];
+      const int err = rc == MPI_ERR_IN_STATUS ? statuses_[j].MPI_ERROR : MPI_SUCCESS;
+      if (p.recv) {
+        int64_t got = -1;
+        if (err == MPI_SUCCESS) {
+          MPI_Count bytes = 0;
+          MPI_Get_elements_x(&statuses_[j], MPI_BYTE, &bytes);
+          got = static_cast<int64_t>(bytes);
+        }
+        if ((err != MPI_SUCCESS && err != MPI_ERR_TRUNCATE) ||
+            (err == MPI_SUCCESS && p.expect >= 0 && got != p.expect) ||
+            err == MPI_ERR_TRUNCATE) {
+          if (err != MPI_SUCCESS && err != MPI_ERR_TRUNCATE) {
+            return Fail(Annotate(MpiCheck(err, "receive"), OpName(kind_)));
+          }
+          if (OnSizeMismatch(i, got)) continue;
+          return Fail(InvalidArgument(
+              "%s: rank %d sent %s bytes, rank %d expected %d (sizes differ across ranks?)",
+              OpName(kind_), p.peer, got < 0 ? std::string("more") : std::to_string(got), me_,
+              p.expect));
+        }
+        counters_.bytes_received += got;
+        absl::Status s = OnReceived(i);
+        if (!s.ok()) return Fail(s);
+      } else if (err != MPI_SUCCESS) {
+        return Fail(Annotate(MpiCheck(err, "send"), OpName(kind_)));
+      }
+    }
+  }
+  if (active_ == 0) {
+    absl::Status s = Finish();
+    if (!s.ok()) return Fail(s);
+    done_ = true;
+    transport_->AddCounters(kind_, counters_);
+    return true;
+  }
+  if (Clock::now() >= deadline_) return Fail(TimeoutStatus());
+  return false;
+}
+
+absl::Status MpiOp::Wait() {
+  while (true) {
+    absl::StatusOr<bool> r = Test();
+    if (!r.ok()) return r.status();
+    if (*r) return absl::OkStatus();
+    std::this_thread::yield();
+  }
+}
+
+absl::Status MpiOp::Fail(absl::Status status) {
+  if (done_) return status_;
+  done_ = true;
+  status_ = status;
+  Cleanup();
+  // Agreed errors (all ranks failed the same way, every message was consumed) keep the transport.
+  const bool remote = ToResult(status) == moonepRemoteError;
+  if (active_ != 0 ||
+      !(absl::IsInvalidArgument(status) || absl::IsResourceExhausted(status) || remote)) {
+    // Peers blocked on this rank learn at once, except on a timeout: each rank reports its own.
+    if (!remote && !absl::IsDeadlineExceeded(status)) {
+      transport_->AbortPeers(kind_, status).IgnoreError();
+    }
+    transport_->Poison(status);
+  }
+  return status;
+}
+
+void MpiOp::Cleanup() {
+  // Receives still posted would write into caller memory later: cancel them. Sends cannot be
+  // cancelled reliably; they are released and complete (or not) in the background.
+  for (size_t i = 0; i < requests_.size(); ++i) {
+    if (requests_[i] == MPI_REQUEST_NULL) continue;
+    if (pending_[i].recv) {
+      // A receive already matched cannot be cancelled and completes when its data arrives; give
+      // it a moment rather than block on a stuck peer.
+      MPI_Cancel(&requests_[i]);
+      const Clock::time_point until = Clock::now() + std::chrono::seconds(1);
+      int done = 0;
+      while (!done && Clock::now() < until) {
+        MPI_Test(&requests_[i], &done, MPI_STATUS_IGNORE);
+        if (!done) std::this_thread::yield();
+      }
+      if (!done) {
+        MOONEP_WARN("%s: a receive from rank %d could not be cancelled", OpName(kind_),
+                    pending_[i].peer);
+        MPI_Request_free(&requests_[i]);
+      }
+    } else {
+      MPI_Request_free(&requests_[i]);
+    }
+  }
+}
+
+class DoneRequest : public Request {
+ public:
+  absl::StatusOr<bool> Test() override { return true; }
+  absl::Status Wait() override { return absl::OkStatus(); }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Count exchange: [flag, T, K, E, capacity, counts[E]] to every peer.
+
+constexpr int kCountHeader = 5;
+
+class CountsOp : public MpiOp {
+ public:
+  CountsOp(MpiTransport* t, MPI_Comm comm, int64_t seq, DispatchHandle* handle)
+      : MpiOp(t, OpKind::kCounts, comm, seq), handle_(handle) {}
+
+  absl::Status Start(absl::Status local, absl::Span<const int32_t> ids, int64_t T, int32_t K,
+                     int32_t E, int64_t capacity) {
+    local_ = local;
+    E_ = E;
+    R_ = transport_->size();
+    const int64_t width = kCountHeader + E;
+    mine_.assign(static_cast<size_t>(width), 0);
+    mine_[0] = local.ok() ? 0 : 1;
+    mine_[1] = T;
+    mine_[2] = K;
+    mine_[3] = E;
+    mine_[4] = capacity;
+    if (local.ok()) CountRouting(ids, E, mine_.data() + kCountHeader);
+    all_.assign(static_cast<size_t>(R_) * width, 0);
+    std::copy(mine_.begin(), mine_.end(), all_.begin() + me_ * width);
+    mismatch_.assign(R_, 0);
+    for (int r = 0; r < R_; ++r) {
+      if (r == me_) continue;
+      MOONEP_RETURN_IF_ERROR(PostRecv(all_.data() + r * width, static_cast<int>(width),
+                                      MPI_INT64_T, r, kSubMeta, width * 8));
+    }
+    for (int r = 0; r < R_; ++r) {
+      if (r == me_) continue;
+      MOONEP_RETURN_IF_ERROR(
+          PostSend(mine_.data(), static_cast<int>(width), MPI_INT64_T, r, kSubMeta));
+      counters_.bytes_sent += width * 8;
+    }
+    if (local.ok()) {
+      handle_->topk_ids_.assign(ids.begin(), ids.end());
+      handle_->num_tokens_ = T;
+      handle_->top_k_ = K;
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  bool OnSizeMismatch(size_t index, int64_t) override {
+    mismatch_[pending_[index].peer] = 1;
+    return true;
+  }
+
+  absl::Status Finish() override {
+    handle_->counted_ = false;
+    handle_->dispatched_ = false;
+    const int64_t width = kCountHeader + E_;
+    std::vector<int> bad;
+    for (int r = 0; r < R_; ++r) {
+      if (r != me_ && mine_[0] == 0 && (mismatch_[r] || all_[r * width + 3] != E_)) {
+        return InvalidArgument("count exchange: rank %d uses a different num_experts than rank "
+                               "%d (%d)", r, me_, E_);
+      }
+      if (all_[r * width] != 0) bad.push_back(r);
+    }
+    if (!local_.ok()) return local_;
+    if (!bad.empty()) {
+      return RemoteError("count exchange: rank(s) %s rejected their routing input", RankList(bad));
+    }
+    handle_->rank_ = me_;
+    handle_->num_ranks_ = R_;
+    handle_->num_experts_ = E_;
+    handle_->counts_.resize(static_cast<size_t>(R_) * E_);
+    handle_->rank_tokens_.resize(R_);
+    handle_->rank_capacity_.resize(R_);
+    for (int r = 0; r < R_; ++r) {
+      const int64_t* row = all_.data() + r * width;
+      handle_->rank_tokens_[r] = row[1];
+      handle_->rank_capacity_[r] = row[4];
+      std::copy(row + kCountHeader, row + width, handle_->counts_.begin() + r * E_);
+    }
+    planner::ComputeSourceOffsets(handle_->counts_, R_, E_, &handle_->offsets_);
+    handle_->counted_ = true;
+    return absl::OkStatus();
+  }
+
+  DispatchHandle* handle_;
+  absl::Status local_;
+  int32_t E_ = 0, R_ = 0;
+  std::vector<int64_t> mine_, all_;
+  std::vector<char> mismatch_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Row ops. Helpers over the receive layout.
+
+template <typename Fn>
+void ForEachRowFrom(const ReceiveLayout& recv, int32_t s, Fn&& fn) {
+  int64_t i = 0;
+  for (int64_t r = recv.run_begin[s]; r < recv.run_begin[s + 1]; ++r) {
+    for (int64_t j = 0; j < recv.run_count[r]; ++j) fn(i++, recv.run_row[r] + j);
+  }
+}
+
+// Zeroes every row (and weight) of [0, capacity_rows) that no group fills.
+void ZeroUnfilledRows(const planner::Plan& plan, int32_t d, const TensorView& rows, float* weights) {
+  const int32_t G = plan.num_groups();
+  const size_t row_bytes = static_cast<size_t>(rows.shape[1]) * DTypeSize(rows.dtype);
+  auto zero = [&](int64_t a, int64_t b) {
+    if (b <= a) return;
+    std::memset(rows.row(a), 0, static_cast<size_t>(b - a) * row_bytes);
+    if (weights) std::fill(weights + a, weights + b, 0.0f);
+  };
+  int64_t end = 0;
+  for (int32_t g = 0; g < G; ++g) {
+    const size_t i = static_cast<size_t>(d) * G + g;
+    zero(end, plan.group_offset[i]);
+    zero(plan.group_offset[i] + plan.group_count[i], plan.group_offset[i] + plan.group_padded[i]);
+    end = plan.group_offset[i] + plan.group_padded[i];
+  }
+  zero(end, plan.rank_rows[d]);
+}
+
+// Dispatch (with per-row metadata) and combine-backward (the same movement of dy, metadata known).
+class DispatchOp : public MpiOp {
+ public:
+  DispatchOp(MpiTransport* t, OpKind kind, MPI_Comm comm, int64_t seq, DispatchHandle* h)
+      : MpiOp(t, kind, comm, seq), h_(h) {}
+
+  absl::Status Start(const TensorView& x, const TensorView& rows, float* weights) {
+    const bool forward = kind_ == OpKind::kDispatch;
+    const SendLayout& send = h_->send_;
+    const ReceiveLayout& recv = h_->recv_;
+    const planner::Plan& plan = h_->plan_;
+    const int32_t R = h_->num_ranks_;
+    rows_ = rows;
+    weights_ = weights;
+    row_bytes_ = static_cast<int64_t>(x.shape[1]) * DTypeSize(x.dtype);
+    const int64_t x_stride = row_bytes_;
+    ZeroUnfilledRows(plan, me_, rows, weights);
+
+    // Receives first, so that eager data finds them.
+    if (forward) {
+      h_->meta_recv_.resize(static_cast<size_t>(recv.rows_begin[R]) * sizeof(RowMeta));
+      h_->recv_unique_.assign(static_cast<size_t>(recv.rows_begin[R]), -1);
+      h_->landing_.assign(static_cast<size_t>(recv.rows_begin[R]), -1);
+      h_->unique_from_.assign(R, 0);
+    }
+    for (int32_t s = 0; s < R; ++s) {
+      const int64_t n = recv.rows_from(s);
+      if (s == me_ || n == 0) continue;
+      if (forward) {
+        MOONEP_RETURN_IF_ERROR(PostRecv(h_->meta_recv_.data() + recv.rows_begin[s] * sizeof(RowMeta),
+                                        static_cast<int>(n * sizeof(RowMeta)), MPI_BYTE, s,
+                                        kSubMeta, n * static_cast<int64_t>(sizeof(RowMeta)),
+                                        kSubMeta));
+      } else {
+        MOONEP_RETURN_IF_ERROR(PostRowsRecv(s));
+      }
+    }
+    // Sends: metadata (forward) and one row per unique token of each destination.
+    if (forward) h_->meta_send_.resize(send.entries.size() * sizeof(RowMeta));
+    std::vector<MPI_Aint> displs;
+    for (int32_t d = 0; d < R; ++d) {
+      const int64_t n = send.rows_to(d);
+      if (d == me_ || n == 0) continue;
+      if (forward) {
+        auto* meta = reinterpret_cast<RowMeta*>(h_->meta_send_.data()) + send.entry_begin[d];
+        for (int64_t i = 0; i < n; ++i) {
+          const int32_t entry = send.entries[send.entry_begin[d] + i];
+          meta[i].unique = send.entry_unique[send.entry_begin[d] + i];
+          meta[i].weight = h_->topk_weights_[entry];
+        }
+        MOONEP_RETURN_IF_ERROR(PostSend(meta, static_cast<int>(n * sizeof(RowMeta)), MPI_BYTE, d,
+                                        kSubMeta));
+        counters_.bytes_sent += n * static_cast<int64_t>(sizeof(RowMeta));
+      }
+      const int64_t u = send.unique_to(d);
+      displs.resize(static_cast<size_t>(u));
+      for (int64_t i = 0; i < u; ++i) {
+        displs[i] = static_cast<MPI_Aint>(send.unique_tokens[send.unique_begin[d] + i]) * x_stride;
+      }
+      MPI_Datatype type;
+      MOONEP_RETURN_IF_ERROR(MpiCheck(
+          MPI_Type_create_hindexed_block(static_cast<int>(u), static_cast<int>(row_bytes_),
+                                         displs.data(), MPI_BYTE, &type),
+          "MPI_Type_create_hindexed_block"));
+      MPI_Type_commit(&type);
+      absl::Status s = PostSend(x.data, 1, type, d, kSubData);
+      MPI_Type_free(&type);
+      MOONEP_RETURN_IF_ERROR(s);
+      counters_.rows_sent += u;
+      counters_.bytes_sent += u * row_bytes_;
+      counters_.rows_deduplicated += n - u;
+      counters_.bytes_deduplicated += (n - u) * row_bytes_;
+    }
+    // This rank's own rows: copied directly.
+    for (int64_t i = send.entry_begin[me_]; i < send.entry_begin[me_ + 1]; ++i) {
+      const int32_t entry = send.entries[i];
+      const int64_t row = send.dest_row[entry];
+      std::memcpy(rows.row(row), static_cast<const char*>(x.data) + (entry / send.top_k) * x_stride,
+                  static_cast<size_t>(row_bytes_));
+      if (forward) weights_[row] = h_->topk_weights_[entry];
+    }
+    counters_.rows_local += send.rows_to(me_);
+    return absl::OkStatus();
+  }
+
+ private:
+  // Unique rows of source s land at their first row; the receive datatype places them there.
+  absl::Status PostRowsRecv(int32_t s) {
+    const int64_t u = h_->unique_from_[s];
+    std::vector<MPI_Aint> displs(static_cast<size_t>(u));
+    const int64_t base = h_->recv_.rows_begin[s];
+    for (int64_t i = 0; i < u; ++i) displs[i] = static_cast<MPI_Aint>(h_->landing_[base + i]) * row_bytes_;
+    MPI_Datatype type;
+    MOONEP_RETURN_IF_ERROR(MpiCheck(
+        MPI_Type_create_hindexed_block(static_cast<int>(u), static_cast<int>(row_bytes_),
+                                       displs.data(), MPI_BYTE, &type),
+        "MPI_Type_create_hindexed_block"));
+    MPI_Type_commit(&type);
+    absl::Status st = PostRecv(rows_.data, 1, type, s, kSubData, u * row_bytes_, kSubData);
+    MPI_Type_free(&type);
+    return st;
+  }
+
+  absl::Status OnReceived(size_t index) override {
+    const int32_t s = pending_[index].peer;
+    const ReceiveLayout& recv = h_->recv_;
+    const int64_t base = recv.rows_begin[s];
+    const int64_t n = recv.rows_from(s);
+    if (pending_[index].kind == kSubMeta) {
+      const auto* meta = reinterpret_cast<const RowMeta*>(h_->meta_recv_.data()) + base;
+      int64_t unique = 0;
+      absl::Status bad;
+      ForEachRowFrom(recv, s, [&](int64_t i, int64_t row) {
+        const int32_t u = meta[i].unique;
+        if (u < 0 || u >= n) {
+          bad = InvalidArgument("dispatch: rank %d sent unique index %d for %d rows", s, u, n);
+          return;
+        }
+        h_->recv_unique_[base + i] = u;
+        weights_[row] = meta[i].weight;
+        if (h_->landing_[base + u] < 0) {
+          h_->landing_[base + u] = row;
+          ++unique;
+        }
+      });
+      MOONEP_RETURN_IF_ERROR(bad);
+      for (int64_t u = 0; u < unique; ++u) {
+        if (h_->landing_[base + u] < 0) {
+          return InvalidArgument("dispatch: rank %d's unique rows are not numbered densely", s);
+        }
+      }
+      h_->unique_from_[s] = unique;
+      return PostRowsRecv(s);
+    }
+    // Rows arrived: copy each unique row into the other rows it fills (dedup expansion).
+    int64_t copies = 0;
+    ForEachRowFrom(recv, s, [&](int64_t i, int64_t row) {
+      const int64_t landing = h_->landing_[base + h_->recv_unique_[base + i]];
+      if (landing != row) {
+        std::memcpy(rows_.row(row), rows_.row(landing), static_cast<size_t>(row_bytes_));
+        ++copies;
+      }
+    });
+    counters_.rows_received += n - copies;
+    return absl::OkStatus();
+  }
+
+  absl::Status Finish() override {
+    if (kind_ == OpKind::kDispatch) h_->dispatched_ = true;
+    return absl::OkStatus();
+  }
+
+  DispatchHandle* h_;
+  TensorView rows_;
+  float* weights_ = nullptr;
+  int64_t row_bytes_ = 0;
+};
+
+// Combine (weighted) and dispatch-backward (unweighted): rows back to their sources, summed.
+class CombineOp : public MpiOp {
+ public:
+  CombineOp(MpiTransport* t, OpKind kind, MPI_Comm comm, int64_t seq, DispatchHandle* h)
+      : MpiOp(t, kind, comm, seq), h_(h) {}
+
+  absl::Status Start(const TensorView& rows, const TensorView& y) {
+    const SendLayout& send = h_->send_;
+    const ReceiveLayout& recv = h_->recv_;
+    const int32_t R = h_->num_ranks_;
+    rows_ = rows;
+    y_ = y;
+    row_bytes_ = static_cast<int64_t>(rows.shape[1]) * DTypeSize(rows.dtype);
+    char* staging = h_->rows_staging_.data();
+    std::vector<MPI_Aint> displs;
+    std::vector<int> lengths;
+    // Receive each destination's rows straight into the staging slot of their (t, k) entry.
+    for (int32_t d = 0; d < R; ++d) {
+      const int64_t n = send.rows_to(d);
+      if (d == me_ || n == 0) continue;
+      displs.resize(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) {
+        displs[i] = static_cast<MPI_Aint>(send.entries[send.entry_begin[d] + i]) * row_bytes_;
+      }
+      MPI_Datatype type;
+      MOONEP_RETURN_IF_ERROR(MpiCheck(
+          MPI_Type_create_hindexed_block(static_cast<int>(n), static_cast<int>(row_bytes_),
+                                         displs.data(), MPI_BYTE, &type),
+          "MPI_Type_create_hindexed_block"));
+      MPI_Type_commit(&type);
+      absl::Status st = PostRecv(staging, 1, type, d, kSubData, n * row_bytes_);
+      MPI_Type_free(&type);
+      MOONEP_RETURN_IF_ERROR(st);
+    }
+    // Send each source its rows: the runs of the receive layout, in place.
+    for (int32_t s = 0; s < R; ++s) {
+      const int64_t n = recv.rows_from(s);
+      if (s == me_ || n == 0) continue;
+      const int64_t runs = recv.run_begin[s + 1] - recv.run_begin[s];
+      displs.resize(static_cast<size_t>(runs));
+      lengths.resize(static_cast<size_t>(runs));
+      for (int64_t r = 0; r < runs; ++r) {
+        displs[r] = static_cast<MPI_Aint>(recv.run_row[recv.run_begin[s] + r]) * row_bytes_;
+        lengths[r] = static_cast<int>(recv.run_count[recv.run_begin[s] + r] * row_bytes_);
+      }
+      MPI_Datatype type;
+      MOONEP_RETURN_IF_ERROR(MpiCheck(
+          MPI_Type_create_hindexed(static_cast<int>(runs), lengths.data(), displs.data(), MPI_BYTE,
+                                   &type),
+          "MPI_Type_create_hindexed"));
+      MPI_Type_commit(&type);
+      absl::Status st = PostSend(rows.data, 1, type, s, kSubData);
+      MPI_Type_free(&type);
+      MOONEP_RETURN_IF_ERROR(st);
+      counters_.rows_sent += n;
+      counters_.bytes_sent += n * row_bytes_;
+    }
+    counters_.rows_local += send.rows_to(me_);
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::Status OnReceived(size_t index) override {
+    counters_.rows_received += h_->send_.rows_to(pending_[index].peer);
+    return absl::OkStatus();
+  }
+
+  absl::Status Finish() override {
+    const SendLayout& send = h_->send_;
+    const bool weighted = kind_ == OpKind::kCombine;
+    const int64_t T = send.num_tokens, H = y_.shape[1];
+    const int32_t K = send.top_k;
+    acc_.resize(static_cast<size_t>(H));
+    const char* staging = h_->rows_staging_.data();
+    const size_t elems_per_row = static_cast<size_t>(H);
+    for (int64_t t = 0; t < T; ++t) {
+      std::fill(acc_.begin(), acc_.end(), 0.0f);
+      for (int32_t k = 0; k < K; ++k) {
+        const int64_t entry = t * K + k;
+        const int32_t d = send.dest_rank[entry];
+        if (d < 0) continue;
+        const void* src = d == me_ ? static_cast<const void*>(rows_.row(send.dest_row[entry]))
+                                   : static_cast<const void*>(staging + entry * row_bytes_);
+        const float w = weighted ? h_->topk_weights_[entry] : 1.0f;
+        if (rows_.dtype == DType::kFloat32) {
+          const float* v = static_cast<const float*>(src);
+          for (size_t h = 0; h < elems_per_row; ++h) acc_[h] += w * v[h];
+        } else {
+          const BFloat16* v = static_cast<const BFloat16*>(src);
+          for (size_t h = 0; h < elems_per_row; ++h) acc_[h] += w * v[h].ToFloat();
+        }
+      }
+      ConvertFromFloat(acc_.data(), y_.row(t), y_.dtype, elems_per_row);
+    }
+    return absl::OkStatus();
+  }
+
+  DispatchHandle* h_;
+  TensorView rows_, y_;
+  int64_t row_bytes_ = 0;
+  std::vector<float> acc_;
+};
+
+// d topk_weights: one dot product per row where the rows are, one float back per row.
+class TopkWeightGradOp : public MpiOp {
+ public:
+  TopkWeightGradOp(MpiTransport* t, MPI_Comm comm, int64_t seq, DispatchHandle* h)
+      : MpiOp(t, OpKind::kTopkWeightGrad, comm, seq), h_(h) {}
+
+  absl::Status Start(const TensorView& dy_rows, const TensorView& out_rows, float* dw) {
+    const SendLayout& send = h_->send_;
+    const ReceiveLayout& recv = h_->recv_;
+    const int32_t R = h_->num_ranks_;
+    const int64_t H = dy_rows.shape[1];
+    for (size_t i = 0; i < send.dest_rank.size(); ++i) {
+      if (send.dest_rank[i] < 0) dw[i] = 0.0f;
+    }
+    std::vector<MPI_Aint> displs;
+    for (int32_t d = 0; d < R; ++d) {
+      const int64_t n = send.rows_to(d);
+      if (d == me_ || n == 0) continue;
+      displs.resize(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) {
+        displs[i] = static_cast<MPI_Aint>(send.entries[send.entry_begin[d] + i]) * sizeof(float);
+      }
+      MPI_Datatype type;
+      MOONEP_RETURN_IF_ERROR(MpiCheck(
+          MPI_Type_create_hindexed_block(static_cast<int>(n), 1, displs.data(), MPI_FLOAT, &type),
+          "MPI_Type_create_hindexed_block"));
+      MPI_Type_commit(&type);
+      absl::Status st = PostRecv(dw, 1, type, d, kSubScalar, n * 4);
+      MPI_Type_free(&type);
+      MOONEP_RETURN_IF_ERROR(st);
+    }
+    std::vector<float>& dots = h_->scalar_staging_;
+    dots.resize(static_cast<size_t>(recv.rows_begin[R]));
+    std::vector<float> a(static_cast<size_t>(H)), b(static_cast<size_t>(H));
+    for (int32_t s = 0; s < R; ++s) {
+      ForEachRowFrom(recv, s, [&](int64_t i, int64_t row) {
+        ConvertToFloat(dy_rows.row(row), dy_rows.dtype, a.data(), a.size());
+        ConvertToFloat(out_rows.row(row), out_rows.dtype, b.data(), b.size());
+        double sum = 0.0;
+        for (int64_t h = 0; h < H; ++h) sum += static_cast<double>(a[h]) * b[h];
+        dots[recv.rows_begin[s] + i] = static_cast<float>(sum);
+      });
+      const int64_t n = recv.rows_from(s);
+      if (s == me_ || n == 0) continue;
+      MOONEP_RETURN_IF_ERROR(PostSend(dots.data() + recv.rows_begin[s], static_cast<int>(n),
+                                      MPI_FLOAT, s, kSubScalar));
+      counters_.rows_sent += n;
+      counters_.bytes_sent += n * 4;
+    }
+    for (int64_t i = send.entry_begin[me_]; i < send.entry_begin[me_ + 1]; ++i) {
+      dw[send.entries[i]] = dots[recv.rows_begin[me_] + (i - send.entry_begin[me_])];
+    }
+    counters_.rows_local += send.rows_to(me_);
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::Status OnReceived(size_t index) override {
+    counters_.rows_received += h_->send_.rows_to(pending_[index].peer);
+    return absl::OkStatus();
+  }
+  DispatchHandle* h_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Weight ops. Every (rank, slot) in increasing order on both sides, so per-pair message order
+// matches without per-slot tags.
+
+class PrefetchOp : public MpiOp {
+ public:
+  PrefetchOp(MpiTransport* t, MPI_Comm comm, int64_t seq)
+      : MpiOp(t, OpKind::kPrefetch, comm, seq) {}
+
+  absl::Status Start(const planner::Plan& plan, const ExpertBlocks& b) {
+    const int32_t R = plan.num_ranks, S = plan.slots, nt = b.tensors_per_expert;
+    for (int32_t d = 0; d < R; ++d) {
+      for (int32_t sl = 0; sl < S; ++sl) {
+        const int32_t e = plan.slot_expert[static_cast<size_t>(d) * S + sl];
+        if (e < 0) continue;
+        const int32_t h = plan.home[e], g = plan.home_group[e];
+        for (int32_t i = 0; i < nt; ++i) {
+          if (h == me_ && d == me_) continue;  // never in a valid plan
+          if (h == me_) {
+            const TensorView& src = b.home[static_cast<size_t>(g) * nt + i];
+            MOONEP_RETURN_IF_ERROR(SendBytes(src.data, static_cast<int64_t>(src.nbytes()), d,
+                                             kSubData));
+            counters_.bytes_sent += static_cast<int64_t>(src.nbytes());
+            ++counters_.rows_sent;
+          } else if (d == me_) {
+            const TensorView& dst = b.slots[static_cast<size_t>(sl) * nt + i];
+            MOONEP_RETURN_IF_ERROR(RecvBytes(dst.data, static_cast<int64_t>(dst.nbytes()), h,
+                                             kSubData));
+            ++counters_.rows_received;
+          }
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+};
+
+class ReduceOp : public MpiOp {
+ public:
+  ReduceOp(MpiTransport* t, MPI_Comm comm, int64_t seq) : MpiOp(t, OpKind::kReduce, comm, seq) {}
+
+  absl::Status Start(const planner::Plan& plan, const ExpertBlocks& b) {
+    plan_ = &plan;
+    blocks_ = b;
+    const int32_t R = plan.num_ranks, S = plan.slots, nt = b.tensors_per_expert;
+    // Staging for every replica block coming here, in (rank, slot, tensor) order.
+    int64_t need = 0;
+    for (int32_t d = 0; d < R; ++d) {
+      for (int32_t sl = 0; sl < S; ++sl) {
+        const int32_t e = plan.slot_expert[static_cast<size_t>(d) * S + sl];
+        if (e < 0 || plan.home[e] != me_ || d == me_) continue;
+        for (int32_t i = 0; i < nt; ++i) {
+          need += static_cast<int64_t>(b.home[static_cast<size_t>(plan.home_group[e]) * nt + i].nbytes());
+        }
+      }
+    }
+    if (static_cast<int64_t>(transport_->reduce_staging.size()) < need) {
+      transport_->reduce_staging.resize(static_cast<size_t>(need));
+    }
+    char* staging = transport_->reduce_staging.data();
+    int64_t offset = 0;
+    for (int32_t d = 0; d < R; ++d) {
+      for (int32_t sl = 0; sl < S; ++sl) {
+        const int32_t e = plan.slot_expert[static_cast<size_t>(d) * S + sl];
+        if (e < 0) continue;
+        const int32_t h = plan.home[e];
+        if (h == d) continue;
+        for (int32_t i = 0; i < nt; ++i) {
+          if (d == me_) {
+            const TensorView& src = b.slots[static_cast<size_t>(sl) * nt + i];
+            MOONEP_RETURN_IF_ERROR(SendBytes(src.data, static_cast<int64_t>(src.nbytes()), h,
+                                             kSubData));
+            counters_.bytes_sent += static_cast<int64_t>(src.nbytes());
+            ++counters_.rows_sent;
+          } else if (h == me_) {
+            const int64_t bytes =
+                static_cast<int64_t>(b.home[static_cast<size_t>(plan.home_group[e]) * nt + i].nbytes());
+            MOONEP_RETURN_IF_ERROR(RecvBytes(staging + offset, bytes, d, kSubData));
+            offset += bytes;
+            ++counters_.rows_received;
+          }
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::Status Finish() override {
+    const planner::Plan& plan = *plan_;
+    const int32_t R = plan.num_ranks, S = plan.slots, nt = blocks_.tensors_per_expert;
+    const int32_t epn = plan.experts_per_rank;
+    // Where each incoming block sits in staging, per (home group, tensor), in increasing rank.
+    std::vector<std::vector<const char*>> sources(static_cast<size_t>(epn) * nt);
+    const char* staging = transport_->reduce_staging.data();
+    int64_t offset = 0;
+    for (int32_t d = 0; d < R; ++d) {
+      for (int32_t sl = 0; sl < S; ++sl) {
+        const int32_t e = plan.slot_expert[static_cast<size_t>(d) * S + sl];
+        if (e < 0 || plan.home[e] != me_ || d == me_) continue;
+        const int32_t g = plan.home_group[e];
+        for (int32_t i = 0; i < nt; ++i) {
+          sources[static_cast<size_t>(g) * nt + i].push_back(staging + offset);
+          offset += static_cast<int64_t>(blocks_.home[static_cast<size_t>(g) * nt + i].nbytes());
+        }
+      }
+    }
+    for (size_t gi = 0; gi < sources.size(); ++gi) {
+      if (sources[gi].empty()) continue;
+      const TensorView& home = blocks_.home[gi];
+      const size_t n = static_cast<size_t>(home.numel());
+      for (size_t j = 0; j < n; ++j) {
+        float acc = LoadAsFloat(home.data, home.dtype, j);
+        for (const char* src : sources[gi]) acc += LoadAsFloat(src, home.dtype, j);
+        StoreFromFloat(home.data, home.dtype, j, acc);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  const planner::Plan* plan_ = nullptr;
+  ExpertBlocks blocks_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// MpiTransport
+
+absl::StatusOr<std::unique_ptr<Transport>> MpiTransport::Create(const TransportOptions& options) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) return InvalidUsage("MPI transport: MPI is not initialized");
+  MOONEP_CHECK_ARG(options.comm != MPI_COMM_NULL, "options.comm is MPI_COMM_NULL");
+  MOONEP_CHECK_ARG(options.max_tokens >= 0 && options.max_top_k >= 0 &&
+                       options.max_row_bytes >= 0 && options.timeout_ms >= 0,
+                   "options: max_tokens, max_top_k, max_row_bytes and timeout_ms must be >= 0");
+  MOONEP_CHECK_ARG(options.max_row_bytes <= (int64_t{1} << 30),
+                   "options.max_row_bytes = %d is above 1 GiB", options.max_row_bytes);
+  std::unique_ptr<MpiTransport> t(new MpiTransport());
+  t->options_ = options;
+  t->timeout_ms_ = options.timeout_ms > 0 ? options.timeout_ms : param::TimeoutMs();
+  if (t->timeout_ms_ <= 0) t->timeout_ms_ = 60000;
+  for (MPI_Comm* c : {&t->rows_comm_, &t->weights_comm_, &t->abort_comm_}) {
+    MOONEP_RETURN_IF_ERROR(MpiCheck(MPI_Comm_dup(options.comm, c), "MPI_Comm_dup"));
+    MPI_Comm_set_errhandler(*c, MPI_ERRORS_RETURN);
+  }
+  MPI_Comm_rank(t->rows_comm_, &t->rank_);
+  MPI_Comm_size(t->rows_comm_, &t->size_);
+  void* attr = nullptr;
+  int flag = 0;
+  MPI_Comm_get_attr(t->rows_comm_, MPI_TAG_UB, &attr, &flag);
+  const int64_t tag_ub = flag ? *static_cast<int*>(attr) : 32767;
+  t->tag_seq_modulus_ = std::max<int64_t>(1, std::min<int64_t>(1 << 16, (tag_ub + 1) / kSubTags));
+  MOONEP_RETURN_IF_ERROR(MpiCheck(MPI_Irecv(t->abort_in_.data(), 2, MPI_INT64_T, MPI_ANY_SOURCE,
+                                            kAbortTag, t->abort_comm_, &t->abort_request_),
+                                  "MPI_Irecv"));
+  log::SetRank(t->rank_);
+  MOONEP_INFO("transport mpi: %d ranks, timeout %d ms", t->size_, t->timeout_ms_);
+  return std::unique_ptr<Transport>(std::move(t));
+}
+
+MpiTransport::~MpiTransport() {
+  if (abort_request_ != MPI_REQUEST_NULL) {
+    MPI_Cancel(&abort_request_);
+    MPI_Wait(&abort_request_, MPI_STATUS_IGNORE);
+  }
+  for (MPI_Comm* c : {&rows_comm_, &weights_comm_, &abort_comm_}) {
+    if (*c != MPI_COMM_NULL) MPI_Comm_free(c);
+  }
+}
+
+void MpiTransport::AddCounters(OpKind kind, const OpCounters& c) {
+  OpCounters& o = counters_[static_cast<int>(kind)];
+  o.calls += c.calls;
+  o.rows_sent += c.rows_sent;
+  o.bytes_sent += c.bytes_sent;
+  o.rows_received += c.rows_received;
+  o.bytes_received += c.bytes_received;
+  o.rows_deduplicated += c.rows_deduplicated;
+  o.bytes_deduplicated += c.bytes_deduplicated;
+  o.rows_local += c.rows_local;
+  o.messages_sent += c.messages_sent;
+}
+
+void MpiTransport::Poison(const absl::Status& status) {
+  if (poisoned_.ok()) {
+    poisoned_ = status;
+    MOONEP_WARN("transport mpi: unusable after: %s", std::string(status.message()));
+  }
+}
+
+absl::Status MpiTransport::Usable() const {
+  if (poisoned_.ok()) return absl::OkStatus();
+  return InvalidUsage("transport is unusable after an earlier failure (%s); destroy it",
+                      std::string(poisoned_.message()));
+}
+
+absl::Status MpiTransport::AbortPeers(OpKind kind, absl::Status status) {
+  abort_out_ = {rank_, static_cast<int64_t>(kind)};
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    MPI_Request request;
+    if (MPI_Isend(abort_out_.data(), 2, MPI_INT64_T, r, kAbortTag, abort_comm_, &request) ==
+        MPI_SUCCESS) {
+      MPI_Request_free(&request);
+    }
+  }
+  Poison(status);
+  return status;
+}
+
+absl::Status MpiTransport::PollAbort() {
+  if (abort_request_ == MPI_REQUEST_NULL) return absl::OkStatus();
+  int done = 0;
+  MPI_Test(&abort_request_, &done, MPI_STATUS_IGNORE);
+  if (!done) return absl::OkStatus();
+  abort_request_ = MPI_REQUEST_NULL;
+  absl::Status s = RemoteError("rank %d failed in %s; the transport is unusable",
+                               static_cast<int>(abort_in_[0]),
+                               OpName(static_cast<OpKind>(abort_in_[1])));
+  Poison(s);
+  return s;
+}
+
+absl::StatusOr<RequestPtr> MpiTransport::Skipped() {
+  MOONEP_WARN("transport mpi: test hook: rank %d skips this operation", rank_);
+  return RequestPtr(new DoneRequest());
+}
+
+void MpiTransport::EnsureRowStaging(DispatchHandle* h) const {
+  const size_t need = static_cast<size_t>(options_.max_tokens) * options_.max_top_k *
+                      static_cast<size_t>(options_.max_row_bytes);
+  if (h->rows_staging_.size() < need) h->rows_staging_.resize(need);
+}
+
+absl::StatusOr<RequestPtr> MpiTransport::StartExchangeCounts(absl::Span<const int32_t> topk_ids,
+                                                             int64_t num_tokens, int32_t top_k,
+                                                             int32_t num_experts,
+                                                             int64_t recv_capacity_rows,
+                                                             DispatchHandle* handle) {
+  MOONEP_RETURN_IF_ERROR(Usable());
+  if (testing::ShouldSkip(rank_, OpKind::kCounts)) return Skipped();
+  // A handle or E this rank cannot even describe to peers: nothing can be sent, so this is a
+  // local error that the peers learn about through the abort channel.
+  if (handle == nullptr) return AbortPeers(OpKind::kCounts, InvalidArgument("handle is null"));
+  if (num_experts < 1) {
+    return AbortPeers(OpKind::kCounts,
+                      InvalidArgument("num_experts must be >= 1, got %d", num_experts));
+  }
+  absl::Status local = ValidateRouting(topk_ids, num_tokens, top_k, num_experts);
+  if (local.ok() && num_tokens > options_.max_tokens) {
+    local = OutOfMemory("num_tokens = %d exceeds the declared max_tokens = %d", num_tokens,
+                        options_.max_tokens);
+  }
+  if (local.ok() && top_k > options_.max_top_k) {
+    local = OutOfMemory("top_k = %d exceeds the declared max_top_k = %d", top_k,
+                        options_.max_top_k);
+  }
+  if (local.ok() && recv_capacity_rows < 0) {
+    local = InvalidArgument("recv_capacity_rows must be >= 0, got %d", recv_capacity_rows);
+  }
+  if (!local.ok()) local = Annotate(local, absl::StrCat("count exchange on rank ", rank_));
+  auto op = std::make_unique<CountsOp>(this, rows_comm_, rows_seq_++, handle);
+  handle->seq_ = rows_seq_ - 1;
+  MOONEP_RETURN_IF_ERROR(op->Begin(
+      op->Start(local, topk_ids, num_tokens, top_k, num_experts, recv_capacity_rows)));
+  return RequestPtr(std::move(op));
+}
+
+absl::Status MpiTransport::CheckDispatched(OpKind kind, DispatchHandle* h) {
+  if (h == nullptr) return AbortPeers(kind, InvalidArgument("%s: handle is null", OpName(kind)));
+  if (!h->counted_ || h->num_ranks_ != size_ || h->rank_ != rank_) {
+    return AbortPeers(kind, InvalidUsage("%s: the handle has no count exchange of this transport",
+                                         OpName(kind)));
+  }
+  if (kind != OpKind::kDispatch && !h->dispatched_) {
+    return AbortPeers(kind, InvalidUsage("%s: the handle has not been dispatched", OpName(kind)));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<RequestPtr> MpiTransport::StartDispatch(const planner::Plan& plan,
+                                                       const TensorView& x,
+                                                       absl::Span<const float> topk_weights,
+                                                       DispatchHandle* h,
+                                                       const TensorView& recv_rows,
+                                                       absl::Span<float> recv_weights) {
+  MOONEP_RETURN_IF_ERROR(Usable());
+  if (testing::ShouldSkip(rank_, OpKind::kDispatch)) return Skipped();
+  MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kDispatch, h));
+  // Agreed checks: functions of (plan, counts, capacities), identical on every rank.
+  {
+    absl::Status s;
+    if (plan.num_ranks != size_ || plan.num_experts != h->num_experts_) {
+      s = InvalidArgument("dispatch: plan is for %d ranks and %d experts, the counts for %d and %d",
+                          plan.num_ranks, plan.num_experts, size_, h->num_experts_);
+    }
+    if (s.ok()) s = Annotate(CheckPlanForTransport(plan, h->counts_), "dispatch");
+    if (!s.ok()) return s;
+    for (int32_t r = 0; r < size_; ++r) {
+      if (plan.rank_rows[r] <= h->rank_capacity_[r]) continue;
+      if (r == rank_) {
+        return OutOfMemory("dispatch: the plan gives rank %d %d rows, its receive buffer holds %d",
+                           r, plan.rank_rows[r], h->rank_capacity_[r]);
+      }
+      return RemoteError("dispatch: the plan gives rank %d %d rows, its receive buffer holds %d",
+                         r, plan.rank_rows[r], h->rank_capacity_[r]);
+    }
+  }
+  // Local checks.
+  {
+    absl::Status s = CheckRows(x, "x", h->num_tokens_, -1);
+    if (s.ok()) s = CheckRows(recv_rows, "recv_rows", plan.rank_rows[rank_], x.shape[1]);
+    if (s.ok() && recv_rows.dtype != x.dtype) {
+      s = InvalidArgument("recv_rows: dtype %s differs from x's %s", DTypeName(recv_rows.dtype),
+                          DTypeName(x.dtype));
+    }
+    if (s.ok() && x.shape[0] != h->num_tokens_) {
+      s = InvalidArgument("x: has %d rows, the count exchange had num_tokens = %d", x.shape[0],
+                          h->num_tokens_);
+    }
+    if (s.ok() && static_cast<int64_t>(topk_weights.size()) != h->num_tokens_ * h->top_k_) {
+      s = InvalidArgument("topk_weights: has %d entries, need num_tokens * top_k = %d",
+                          topk_weights.size(), h->num_tokens_ * h->top_k_);
+    }
+    if (s.ok() && static_cast<int64_t>(recv_weights.size()) < plan.rank_rows[rank_]) {
+      s = InvalidArgument("recv_weights: has %d entries, the plan needs %d", recv_weights.size(),
+                          plan.rank_rows[rank_]);
+    }
+    if (s.ok() && RangesOverlap(x.data, x.nbytes(), recv_rows.data, recv_rows.nbytes())) {
+      s = InvalidArgument("x and recv_rows overlap");
+    }
+    if (!s.ok()) return AbortPeers(OpKind::kDispatch, s);
+  }
+  h->plan_ = plan;
+  h->topk_weights_.assign(topk_weights.begin(), topk_weights.end());
+  h->dispatched_ = false;
+  {
+    absl::Status s = BuildSendLayout(h->plan_, h->offsets_, rank_, h->topk_ids_, h->num_tokens_,
+                                     h->top_k_, &h->send_);
+    if (!s.ok()) return AbortPeers(OpKind::kDispatch, Annotate(s, "dispatch"));
+  }
+  BuildReceiveLayout(h->plan_, h->offsets_, rank_, &h->recv_);
+  auto op = std::make_unique<DispatchOp>(this, OpKind::kDispatch, rows_comm_, rows_seq_++, h);
+  MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(x, recv_rows, recv_weights.data())));
+  return RequestPtr(std::move(op));
+}
+
+absl::StatusOr<RequestPtr> MpiTransport::StartCombineBackward(DispatchHandle* h,
+                                                              const TensorView& dy,
+                                                              const TensorView& dy_rows) {
+  MOONEP_RETURN_IF_ERROR(Usable());
+  if (testing::ShouldSkip(rank_, OpKind::kCombineBackward)) return Skipped();
+  MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kCombineBackward, h));
+  absl::Status s = CheckRows(dy, "dy", h->num_tokens_, -1);
+  if (s.ok() && dy.shape[0] != h->num_tokens_) {
+    s = InvalidArgument("dy: has %d rows, need num_tokens = %d", dy.shape[0], h->num_tokens_);
+  }
+  if (s.ok()) s = CheckRows(dy_rows, "dy_rows", h->recv_.rank_rows, dy.shape[1]);
+  if (s.ok() && dy_rows.dtype != dy.dtype) s = InvalidArgument("dy_rows: dtype differs from dy's");
+  if (s.ok() && RangesOverlap(dy.data, dy.nbytes(), dy_rows.data, dy_rows.nbytes())) {
+    s = InvalidArgument("dy and dy_rows overlap");
+  }
+  if (!s.ok()) return AbortPeers(OpKind::kCombineBackward, s);
+  auto op =
+      std::make_unique<DispatchOp>(this, OpKind::kCombineBackward, rows_comm_, rows_seq_++, h);
+  MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(dy, dy_rows, nullptr)));
+  return RequestPtr(std::move(op));
+}
+
+absl::StatusOr<RequestPtr> MpiTransport::StartCombine(DispatchHandle* h,
+                                                      const TensorView& expert_rows,
+                                                      const TensorView& y) {
+  MOONEP_RETURN_IF_ERROR(Usable());
+  if (testing::ShouldSkip(rank_, OpKind::kCombine)) return Skipped();
+  MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kCombine, h));
+  absl::Status s = CheckRows(expert_rows, "expert_rows", h->recv_.rank_rows, -1);
+  if (s.ok()) s = CheckRows(y, "y", h->num_tokens_, expert_rows.shape[1]);
+  if (s.ok() && y.shape[0] != h->num_tokens_) {
+    s = InvalidArgument("y: has %d rows, need num_tokens = %d", y.shape[0], h->num_tokens_);
+  }
+  if (s.ok() && expert_rows.shape[1] * static_cast<int64_t>(DTypeSize(expert_rows.dtype)) >
+                    options_.max_row_bytes) {
+    s = OutOfMemory("expert_rows: a row has %d bytes, above the declared max_row_bytes = %d",
+                    expert_rows.shape[1] * static_cast<int64_t>(DTypeSize(expert_rows.dtype)),
+                    options_.max_row_bytes);
+  }
+  if (s.ok() && RangesOverlap(expert_rows.data, expert_rows.nbytes(), y.data, y.nbytes())) {
+    s = InvalidArgument("expert_rows and y overlap");
+  }
+  if (!s.ok()) return AbortPeers(OpKind::kCombine, s);
+  EnsureRowStaging(h);
+  auto op = std::make_unique<CombineOp>(this, OpKind::kCombine, rows_comm_, rows_seq_++, h);
+  MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(expert_rows, y)));
+  return RequestPtr(std::move(op));
+}
+
+absl::StatusOr<RequestPtr> MpiTransport::StartDispatchBackward(DispatchHandle* h,
+                                                               const TensorView& dx_rows,
+                                                               const TensorView& dx) {
+  MOONEP_RETURN_IF_ERROR(Usable());
+  if (testing::ShouldSkip(rank_, OpKind::kDispatchBackward)) return Skipped();
+  MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kDispatchBackward, h));
+  absl::Status s = CheckRows(dx_rows, "dx_rows", h->recv_.rank_rows, -1);
+  if (s.ok()) s = CheckRows(dx, "dx", h->num_tokens_, dx_rows.shape[1]);
+  if (s.ok() && dx.shape[0] != h->num_tokens_) {
+    s = InvalidArgument("dx: has %d rows, need num_tokens = %d", dx.shape[0], h->num_tokens_);
+  }
+  if (s.ok() && dx_rows.shape[1] * static_cast<int64_t>(DTypeSize(dx_rows.dtype)) >
+                    options_.max_row_bytes) {
+    s = OutOfMemory("dx_rows: a row has %d bytes, above the declared max_row_bytes = %d",
+                    dx_rows.shape[1] * static_cast<int64_t>(DTypeSize(dx_rows.dtype)),
+                    options_.max_row_bytes);
+  }
+  if (s.ok() && RangesOverlap(dx_rows.data, dx_rows.nbytes(), dx.data, dx.nbytes())) {
+    s = InvalidArgument("dx_rows and dx overlap");
+  }
+  if (!s.ok()) return AbortPeers(OpKind::kDispatchBackward, s);
+  EnsureRowStaging(h);
+  auto op =
+      std::make_unique<CombineOp>(this, OpKind::kDispatchBackward, rows_comm_, rows_seq_++, h);
+  MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(dx_rows, dx)));
+  return RequestPtr(std::move(op));
+}
+
+absl::StatusOr<RequestPtr> MpiTransport::StartTopkWeightGrad(DispatchHandle* h,
+                                                             const TensorView& dy_rows,
+                                                             const TensorView& expert_rows,
+                                                             absl::Span<float> d_topk_weights) {
+  MOONEP_RETURN_IF_ERROR(Usable());
+  if (testing::ShouldSkip(rank_, OpKind::kTopkWeightGrad)) return Skipped();
+  MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kTopkWeightGrad, h));
+  absl::Status s = CheckRows(dy_rows, "dy_rows", h->recv_.rank_rows, -1);
+  if (s.ok()) s = CheckRows(expert_rows, "expert_rows", h->recv_.rank_rows, dy_rows.shape[1]);
+  if (s.ok() && static_cast<int64_t>(d_topk_weights.size()) != h->num_tokens_ * h->top_k_) {
+    s = InvalidArgument("d_topk_weights: has %d entries, need num_tokens * top_k = %d",
+                        d_topk_weights.size(), h->num_tokens_ * h->top_k_);
+  }
+  if (!s.ok()) return AbortPeers(OpKind::kTopkWeightGrad, s);
+  auto op = std::make_unique<TopkWeightGradOp>(this, rows_comm_, rows_seq_++, h);
+  MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(dy_rows, expert_rows, d_topk_weights.data())));
+  return RequestPtr(std::move(op));
+}
+
+absl::Status MpiTransport::CheckBlocks(const planner::Plan& plan, const ExpertBlocks& b,
+                                       const char* name) const {
+  const int32_t nt = b.tensors_per_expert;
+  MOONEP_CHECK_ARG(nt >= 1, "%s.tensors_per_expert must be >= 1, got %d", name, nt);
+  MOONEP_CHECK_ARG(b.home.size() == static_cast<size_t>(plan.experts_per_rank) * nt,
+                   "%s.home has %d tensors, need experts_per_rank * tensors_per_expert = %d", name,
+                   b.home.size(), static_cast<int64_t>(plan.experts_per_rank) * nt);
+  MOONEP_CHECK_ARG(b.slots.size() == static_cast<size_t>(plan.slots) * nt,
+                   "%s.slots has %d tensors, need slots * tensors_per_expert = %d", name,
+                   b.slots.size(), static_cast<int64_t>(plan.slots) * nt);
+  auto check = [&](const TensorView& v, const char* part, size_t index) -> absl::Status {
+    const TensorView& ref = b.home.empty() ? b.slots[index % nt] : b.home[index % nt];
+    MOONEP_CHECK_ARG(v.device == Device::kCpu, "%s.%s[%d]: the MPI transport needs host memory",
+                     name, part, index);
+    MOONEP_CHECK_ARG(IsRowDType(v.dtype), "%s.%s[%d]: dtype must be fp32 or bf16", name, part,
+                     index);
+    MOONEP_CHECK_ARG(v.is_contiguous(), "%s.%s[%d]: must be contiguous", name, part, index);
+    MOONEP_CHECK_ARG(v.numel() == 0 || v.data != nullptr, "%s.%s[%d]: null data pointer", name,
+                     part, index);
+    MOONEP_CHECK_ARG(v.dtype == ref.dtype && v.numel() == ref.numel(),
+                     "%s.%s[%d]: %s does not match tensor %d of the first expert (%s)", name, part,
+                     index, v.DebugString(), index % nt, ref.DebugString());
+    return absl::OkStatus();
+  };
+  for (size_t i = 0; i < b.home.size(); ++i) MOONEP_RETURN_IF_ERROR(check(b.home[i], "home", i));
+  for (size_t i = 0; i < b.slots.size(); ++i) MOONEP_RETURN_IF_ERROR(check(b.slots[i], "slots", i));
+  return absl::OkStatus();
+}
+
+namespace {
+// Agreed plan checks for the weight operations (the plan is identical on every rank).
+absl::Status CheckSlotPlan(const planner::Plan& plan, int32_t R) {
+  MOONEP_CHECK_ARG(plan.num_ranks == R, "plan is for %d ranks, the transport has %d",
+                   plan.num_ranks, R);
+  const int32_t E = plan.num_experts;
+  MOONEP_CHECK_ARG(E >= 1 && plan.slots >= 0 && plan.experts_per_rank * R == E &&
+                       plan.home.size() == static_cast<size_t>(E) &&
+                       plan.home_group.size() == static_cast<size_t>(E) &&
+                       plan.slot_expert.size() == static_cast<size_t>(R) * plan.slots,
+                   "plan: array sizes do not match its ranks, experts and slots");
+  for (int32_t e = 0; e < E; ++e) {
+    MOONEP_CHECK_ARG(plan.home[e] >= 0 && plan.home[e] < R && plan.home_group[e] >= 0 &&
+                         plan.home_group[e] < plan.experts_per_rank,
+                     "plan: home of expert %d is invalid", e);
+  }
+  for (int32_t i = 0; i < R * plan.slots; ++i) {
+    const int32_t e = plan.slot_expert[i];
+    MOONEP_CHECK_ARG(e >= -1 && e < E, "plan: slot_expert[%d] = %d is not an expert", i, e);
+    MOONEP_CHECK_ARG(e < 0 || plan.home[e] != i / plan.slots,
+                     "plan: rank %d holds a replica of its own expert %d", i / plan.slots, e);
+  }
+  return absl::OkStatus();
+}
+}  // namespace
+
+absl::StatusOr<RequestPtr> MpiTransport::StartPrefetch(const planner::Plan& plan,
+                                                       const ExpertBlocks& params) {
+  MOONEP_RETURN_IF_ERROR(Usable());
+  if (testing::ShouldSkip(rank_, OpKind::kPrefetch)) return Skipped();
+  MOONEP_RETURN_IF_ERROR(Annotate(CheckSlotPlan(plan, size_), "prefetch"));
+  absl::Status s = CheckBlocks(plan, params, "params");
+  if (!s.ok()) return AbortPeers(OpKind::kPrefetch, Annotate(s, "prefetch"));
+  auto op = std::make_unique<PrefetchOp>(this, weights_comm_, weights_seq_++);
+  MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(plan, params)));
+  return RequestPtr(std::move(op));
+}
+
+absl::StatusOr<RequestPtr> MpiTransport::StartReduce(const planner::Plan& plan,
+                                                     const ExpertBlocks& grads) {
+  MOONEP_RETURN_IF_ERROR(Usable());
+  if (testing::ShouldSkip(rank_, OpKind::kReduce)) return Skipped();
+  MOONEP_RETURN_IF_ERROR(Annotate(CheckSlotPlan(plan, size_), "reduce"));
+  absl::Status s = CheckBlocks(plan, grads, "grads");
+  if (!s.ok()) return AbortPeers(OpKind::kReduce, Annotate(s, "reduce"));
+  auto op = std::make_unique<ReduceOp>(this, weights_comm_, weights_seq_++);
+  MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(plan, grads)));
+  return RequestPtr(std::move(op));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Transport>> CreateMpiTransport(const TransportOptions& options) {
+  return MpiTransport::Create(options);
+}
+
+}  // namespace moonep::transport::mpi

@@ -1,0 +1,92 @@
+#include "transport/transport.h"
+
+#include <atomic>
+
+#include "moonep/core/status.h"
+#include "transport/mpi/mpi_transport.h"
+#include "transport/testing_hooks.h"
+
+namespace moonep::transport {
+
+const char* OpName(OpKind kind) {
+  switch (kind) {
+    case OpKind::kCounts: return "count exchange";
+    case OpKind::kDispatch: return "dispatch";
+    case OpKind::kCombine: return "combine";
+    case OpKind::kCombineBackward: return "combine-backward";
+    case OpKind::kDispatchBackward: return "dispatch-backward";
+    case OpKind::kTopkWeightGrad: return "topk-weight-grad";
+    case OpKind::kPrefetch: return "prefetch";
+    case OpKind::kReduce: return "reduce";
+    case OpKind::kNumKinds: break;
+  }
+  return "invalid";
+}
+
+namespace {
+absl::Status RunToCompletion(absl::StatusOr<RequestPtr> request) {
+  if (!request.ok()) return request.status();
+  return (*request)->Wait();
+}
+}  // namespace
+
+absl::Status Transport::ExchangeCounts(absl::Span<const int32_t> topk_ids, int64_t num_tokens,
+                                       int32_t top_k, int32_t num_experts,
+                                       int64_t recv_capacity_rows, DispatchHandle* handle) {
+  return RunToCompletion(
+      StartExchangeCounts(topk_ids, num_tokens, top_k, num_experts, recv_capacity_rows, handle));
+}
+absl::Status Transport::Dispatch(const planner::Plan& plan, const TensorView& x,
+                                 absl::Span<const float> topk_weights, DispatchHandle* handle,
+                                 const TensorView& recv_rows, absl::Span<float> recv_weights) {
+  return RunToCompletion(StartDispatch(plan, x, topk_weights, handle, recv_rows, recv_weights));
+}
+absl::Status Transport::Combine(DispatchHandle* handle, const TensorView& expert_rows,
+                                const TensorView& y) {
+  return RunToCompletion(StartCombine(handle, expert_rows, y));
+}
+absl::Status Transport::CombineBackward(DispatchHandle* handle, const TensorView& dy,
+                                        const TensorView& dy_rows) {
+  return RunToCompletion(StartCombineBackward(handle, dy, dy_rows));
+}
+absl::Status Transport::DispatchBackward(DispatchHandle* handle, const TensorView& dx_rows,
+                                         const TensorView& dx) {
+  return RunToCompletion(StartDispatchBackward(handle, dx_rows, dx));
+}
+absl::Status Transport::TopkWeightGrad(DispatchHandle* handle, const TensorView& dy_rows,
+                                       const TensorView& expert_rows,
+                                       absl::Span<float> d_topk_weights) {
+  return RunToCompletion(StartTopkWeightGrad(handle, dy_rows, expert_rows, d_topk_weights));
+}
+absl::Status Transport::Prefetch(const planner::Plan& plan, const ExpertBlocks& params) {
+  return RunToCompletion(StartPrefetch(plan, params));
+}
+absl::Status Transport::Reduce(const planner::Plan& plan, const ExpertBlocks& grads) {
+  return RunToCompletion(StartReduce(plan, grads));
+}
+
+std::vector<std::string> AvailableBackends() { return {"mpi"}; }
+
+absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(absl::string_view backend,
+                                                           const TransportOptions& options) {
+  if (backend == "mpi") return mpi::CreateMpiTransport(options);
+  return InvalidArgument("transport backend '%s' is not built (available: mpi)", backend);
+}
+
+namespace testing {
+namespace {
+std::atomic<int64_t> skip_rule{-1};  // rank * kNumKinds + kind, or -1
+}
+void SetSkipRank(int32_t rank, OpKind kind) {
+  skip_rule = static_cast<int64_t>(rank) * static_cast<int64_t>(OpKind::kNumKinds) +
+              static_cast<int64_t>(kind);
+}
+void ClearSkip() { skip_rule = -1; }
+bool ShouldSkip(int32_t rank, OpKind kind) {
+  const int64_t rule = skip_rule.load();
+  return rule >= 0 && rule == static_cast<int64_t>(rank) * static_cast<int64_t>(OpKind::kNumKinds) +
+                                  static_cast<int64_t>(kind);
+}
+}  // namespace testing
+
+}  // namespace moonep::transport

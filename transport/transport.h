@@ -1,0 +1,219 @@
+// The transport interface: moving rows and expert parameters between ranks as a Plan says.
+// Backends (mpi/ always; nccl/, ucx/ later) implement Transport; tests and the runtime pick one by
+// name with CreateTransport, so one test suite covers every backend.
+//
+// One MoE layer step (every rank calls the same operations in the same order):
+//
+//   DispatchHandle h;                                  // reused across steps: keeps its storage
+//   t->ExchangeCounts(ids, T, K, E, capacity_rows, &h);        // counts[R*E] in h.counts()
+//   planner->MakePlan(h.counts(), &plan);
+//   t->Prefetch(plan, weights);                                 // home -> replica slots
+//   t->Dispatch(plan, x, topk_weights, &h, rows, row_weights);  // rows in the compute layout
+//   ... experts compute out_rows from rows ...
+//   t->Combine(h, out_rows, y);                                 // y[t] = sum_k w[t,k] out(t,k)
+//   backward: CombineBackward(h, dy, dy_rows); TopkWeightGrad(h, dy_rows, out_rows, dw);
+//             DispatchBackward(h, dx_rows, dx); Reduce(plan, grads);
+//
+// Every operation has a blocking form and a Start* form that returns a Request (test / wait).
+// Ops of the row class (counts, dispatch, combine, backward forms) and of the weight class
+// (prefetch, reduce) run on separate channels, so a prefetch may overlap a dispatch. Buffers
+// passed to a Start* call and the handle must stay valid until its request completes.
+//
+// Errors: input that ExchangeCounts validates (expert ids, sizes, capacities) is agreed on by every
+// rank: the offending rank gets InvalidArgument / OutOfMemory, every other rank RemoteError naming
+// it, and the transport stays usable. Any other failure (a timeout, a peer's local error in another
+// operation, an MPI error) leaves the transport unusable: later calls fail with InvalidUsage and
+// the caller destroys it. No wait lasts longer than the timeout (MOONEP_TIMEOUT_MS).
+#pragma once
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "moonep/core/tensor.h"
+#include "planner/plan.h"
+#include "transport/layout.h"
+
+namespace moonep::transport {
+
+enum class OpKind : int32_t {
+  kCounts = 0,
+  kDispatch,
+  kCombine,
+  kCombineBackward,
+  kDispatchBackward,
+  kTopkWeightGrad,
+  kPrefetch,
+  kReduce,
+  kNumKinds,
+};
+const char* OpName(OpKind kind);
+
+// Per operation kind, summed over calls since creation (or ResetCounters). Rows are token rows
+// (or expert tensors for prefetch/reduce); bytes include per-row metadata. Local rows are copied
+// without the network and are not counted as sent or received.
+struct OpCounters {
+  int64_t calls = 0;
+  int64_t rows_sent = 0, bytes_sent = 0;
+  int64_t rows_received = 0, bytes_received = 0;
+  int64_t rows_deduplicated = 0, bytes_deduplicated = 0;  // rows/bytes dedup kept off the wire
+  int64_t rows_local = 0;
+  int64_t messages_sent = 0;
+};
+
+struct TransportOptions {
+  MPI_Comm comm = MPI_COMM_WORLD;  // bootstrap communicator; always duplicated, never used raw
+  // Declared maxima: staging buffers are sized from them once; larger calls fail with OutOfMemory.
+  int64_t max_tokens = 0;     // largest num_tokens this rank passes
+  int32_t max_top_k = 0;      // largest top_k
+  int64_t max_row_bytes = 0;  // largest row (hidden * dtype size) passed to any row operation
+  int64_t timeout_ms = 0;     // 0: MOONEP_TIMEOUT_MS
+};
+
+// Per-expert parameter (or gradient) blocks of one rank: any number of tensors per expert (gate,
+// up, down, ...). Tensor i of every expert has the same dtype and element count on every rank.
+struct ExpertBlocks {
+  int32_t tensors_per_expert = 0;
+  // home[g * tensors_per_expert + i]: tensor i of this rank's home group g (plan.local_experts).
+  absl::Span<const TensorView> home;
+  // slots[s * tensors_per_expert + i]: tensor i of replica slot s (plan.slot_expert).
+  absl::Span<const TensorView> slots;
+};
+
+// State of one dispatch, reused by combine and the backward forms (no re-planning). Owned by the
+// caller; reusing one handle across steps reuses its storage.
+class DispatchHandle {
+ public:
+  absl::Span<const int64_t> counts() const { return counts_; }  // [R*E], valid after counts
+  int64_t num_tokens() const { return num_tokens_; }
+  int32_t top_k() const { return top_k_; }
+  int32_t num_experts() const { return num_experts_; }
+  bool dispatched() const { return dispatched_; }
+  const planner::Plan& plan() const { return plan_; }
+  const SendLayout& send_layout() const { return send_; }
+  const ReceiveLayout& receive_layout() const { return recv_; }
+  absl::Span<const float> topk_weights() const { return topk_weights_; }
+  int64_t tokens_of_rank(int32_t r) const { return rank_tokens_[r]; }
+
+  // Fields below are written by backends.
+  int32_t rank_ = 0, num_ranks_ = 0;
+  int64_t num_tokens_ = 0;
+  int32_t top_k_ = 0, num_experts_ = 0;
+  bool counted_ = false, dispatched_ = false;
+  int64_t seq_ = -1;  // counts operation this handle belongs to
+  std::vector<int32_t> topk_ids_;
+  std::vector<float> topk_weights_;
+  std::vector<int64_t> counts_, offsets_, rank_tokens_, rank_capacity_;
+  planner::Plan plan_;
+  SendLayout send_;
+  ReceiveLayout recv_;
+  // Receiver side of dedup, from the senders' per-row metadata, per source s (receive order):
+  // recv_unique_[rows_begin[s] + i] is the unique row index (within s's unique rows) of the i-th
+  // row from s; landing_[rows_begin[s] + u] (u < unique_from_[s]) is the row where unique row u
+  // lands; the other rows of u are copies of it.
+  std::vector<int32_t> recv_unique_;
+  std::vector<int64_t> landing_, unique_from_;
+  // Staging (sized from the declared maxima on first use).
+  std::vector<char> meta_send_, meta_recv_, rows_staging_;
+  std::vector<float> scalar_staging_;
+};
+
+class Request {
+ public:
+  virtual ~Request() = default;
+  // Makes progress without blocking. True when complete; an error when the operation failed
+  // (including its deadline passing).
+  virtual absl::StatusOr<bool> Test() = 0;
+  // Blocks until complete, failed, or the deadline passed (Timeout naming phase and peers).
+  virtual absl::Status Wait() = 0;
+};
+using RequestPtr = std::unique_ptr<Request>;
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual const char* backend() const = 0;
+  virtual int32_t rank() const = 0;
+  virtual int32_t size() const = 0;
+  virtual int64_t timeout_ms() const = 0;
+
+  // Validates this rank's routing (ids in [-1, E), no expert twice per token, T <= max_tokens,
+  // K <= max_top_k), then allgathers counts[E] with a validity flag, T and the rank's receive
+  // capacity (rows its dispatch buffer holds). Fills handle->counts() = [R*E].
+  virtual absl::StatusOr<RequestPtr> StartExchangeCounts(absl::Span<const int32_t> topk_ids,
+                                                         int64_t num_tokens, int32_t top_k,
+                                                         int32_t num_experts,
+                                                         int64_t recv_capacity_rows,
+                                                         DispatchHandle* handle) = 0;
+  // Sends x[T, H] rows (one per token and destination rank) to the compute layout of `plan`
+  // (made from handle->counts()). recv_rows[capacity, H] (x's dtype) receives this rank's
+  // plan.rank_rows rows, duplicates expanded, padding zeroed; recv_weights[capacity] the top-k
+  // weight of each row (0 on padding). topk_weights: [T*K] fp32.
+  virtual absl::StatusOr<RequestPtr> StartDispatch(const planner::Plan& plan, const TensorView& x,
+                                                   absl::Span<const float> topk_weights,
+                                                   DispatchHandle* handle,
+                                                   const TensorView& recv_rows,
+                                                   absl::Span<float> recv_weights) = 0;
+  // y[t] = sum_k w[t,k] * expert_rows[row(t,k)], accumulated in fp32, y fp32 or bf16 [T, H].
+  virtual absl::StatusOr<RequestPtr> StartCombine(DispatchHandle* handle,
+                                                  const TensorView& expert_rows,
+                                                  const TensorView& y) = 0;
+  // The dispatch of dy[T, H] with the saved layout: dy_rows[capacity, H] like recv_rows.
+  virtual absl::StatusOr<RequestPtr> StartCombineBackward(DispatchHandle* handle,
+                                                          const TensorView& dy,
+                                                          const TensorView& dy_rows) = 0;
+  // dx[t] = sum_k dx_rows[row(t,k)] (unweighted), fp32 accumulation.
+  virtual absl::StatusOr<RequestPtr> StartDispatchBackward(DispatchHandle* handle,
+                                                           const TensorView& dx_rows,
+                                                           const TensorView& dx) = 0;
+  // d_topk_weights[t*K+k] = <dy[t], expert_out(t,k)>, computed where the rows are (dy_rows from
+  // CombineBackward, expert_rows as given to Combine) and sent back as one float per row; 0 where
+  // the id is -1.
+  virtual absl::StatusOr<RequestPtr> StartTopkWeightGrad(DispatchHandle* handle,
+                                                         const TensorView& dy_rows,
+                                                         const TensorView& expert_rows,
+                                                         absl::Span<float> d_topk_weights) = 0;
+  // For every replica slot of the plan, the home rank's blocks of that expert into the slot.
+  virtual absl::StatusOr<RequestPtr> StartPrefetch(const planner::Plan& plan,
+                                                   const ExpertBlocks& params) = 0;
+  // Every replica slot's gradients added into its home expert's gradients: home + replica of the
+  // lowest rank + the next ..., in fp32, stored once (bit-identical run to run).
+  virtual absl::StatusOr<RequestPtr> StartReduce(const planner::Plan& plan,
+                                                 const ExpertBlocks& grads) = 0;
+
+  virtual OpCounters counters(OpKind kind) const = 0;
+  virtual void ResetCounters() = 0;
+
+  // Blocking forms.
+  absl::Status ExchangeCounts(absl::Span<const int32_t> topk_ids, int64_t num_tokens,
+                              int32_t top_k, int32_t num_experts, int64_t recv_capacity_rows,
+                              DispatchHandle* handle);
+  absl::Status Dispatch(const planner::Plan& plan, const TensorView& x,
+                        absl::Span<const float> topk_weights, DispatchHandle* handle,
+                        const TensorView& recv_rows, absl::Span<float> recv_weights);
+  absl::Status Combine(DispatchHandle* handle, const TensorView& expert_rows, const TensorView& y);
+  absl::Status CombineBackward(DispatchHandle* handle, const TensorView& dy,
+                               const TensorView& dy_rows);
+  absl::Status DispatchBackward(DispatchHandle* handle, const TensorView& dx_rows,
+                                const TensorView& dx);
+  absl::Status TopkWeightGrad(DispatchHandle* handle, const TensorView& dy_rows,
+                              const TensorView& expert_rows, absl::Span<float> d_topk_weights);
+  absl::Status Prefetch(const planner::Plan& plan, const ExpertBlocks& params);
+  absl::Status Reduce(const planner::Plan& plan, const ExpertBlocks& grads);
+};
+
+// Backends built into this library ("mpi" always).
+std::vector<std::string> AvailableBackends();
+
+// Creates a transport of the named backend; collective over options.comm.
+absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(absl::string_view backend,
+                                                           const TransportOptions& options);
+
+}  // namespace moonep::transport
