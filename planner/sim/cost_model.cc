@@ -1,0 +1,122 @@
+#include "planner/sim/cost_model.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "moonep/core/status.h"
+
+namespace moonep::sim {
+
+absl::Status ValidateCostConfig(const CostConfig& c) {
+  MOONEP_CHECK_ARG(c.hidden > 0, "hidden must be positive, got %d", c.hidden);
+  MOONEP_CHECK_ARG(c.intermediate > 0, "intermediate must be positive, got %d", c.intermediate);
+  MOONEP_CHECK_ARG(std::isfinite(c.tflops) && c.tflops > 0, "tflops must be positive, got %g", c.tflops);
+  MOONEP_CHECK_ARG(c.ranks_per_node >= 0, "ranks_per_node must be >= 0, got %d", c.ranks_per_node);
+  MOONEP_CHECK_ARG(std::isfinite(c.intra_gbps) && c.intra_gbps > 0,
+                   "intra_gbps must be positive, got %g", c.intra_gbps);
+  MOONEP_CHECK_ARG(std::isfinite(c.inter_gbps) && c.inter_gbps > 0,
+                   "inter_gbps must be positive, got %g", c.inter_gbps);
+  MOONEP_CHECK_ARG(c.act_bytes > 0 && c.act_bytes <= 8, "act_bytes must be in [1, 8], got %d", c.act_bytes);
+  MOONEP_CHECK_ARG(c.weight_bytes > 0 && c.weight_bytes <= 8, "weight_bytes must be in [1, 8], got %d",
+                   c.weight_bytes);
+  MOONEP_CHECK_ARG(c.grad_bytes > 0 && c.grad_bytes <= 8, "grad_bytes must be in [1, 8], got %d",
+                   c.grad_bytes);
+  return absl::OkStatus();
+}
+
+void RankTraffic::Reset(int32_t num_ranks) {
+  for (std::vector<int64_t>* v : {&load, &send_intra, &send_inter, &recv_intra, &recv_inter}) {
+    v->assign(num_ranks, 0);
+  }
+  for (std::vector<int32_t>* v :
+       {&prefetch_out_intra, &prefetch_out_inter, &prefetch_in_intra, &prefetch_in_inter}) {
+    v->assign(num_ranks, 0);
+  }
+}
+
+const std::vector<std::string>& StepTimePartNames() {
+  static const std::vector<std::string> names = {"counts", "prefetch", "dispatch",
+                                                 "compute", "combine", "reduce"};
+  return names;
+}
+
+double StepTimePart(const StepTime& t, size_t part) {
+  switch (part) {
+    case 0: return t.counts;
+    case 1: return t.prefetch;
+    case 2: return t.dispatch;
+    case 3: return t.compute;
+    case 4: return t.combine;
+    case 5: return t.reduce;
+  }
+  return 0;
+}
+
+namespace {
+
+double CountsTime(const CostConfig& c, int32_t R, int32_t E) {
+  const double bytes = static_cast<double>(R - 1) * E * 4;
+  const bool multi_node = c.ranks_per_node == 0 ? R > 1 : R > c.ranks_per_node;
+  return bytes / ((multi_node ? c.inter_gbps : c.intra_gbps) * 1e9);
+}
+
+}  // namespace
+
+StepTime EstimateStepTime(const CostConfig& c, int32_t E, const RankTraffic& tr) {
+  const int32_t R = static_cast<int32_t>(tr.load.size());
+  const double intra = c.intra_gbps * 1e9, inter = c.inter_gbps * 1e9;
+  const double row = static_cast<double>(c.row_bytes());
+  const double wbytes = static_cast<double>(c.expert_weight_bytes());
+  const double gbytes = static_cast<double>(c.expert_grad_bytes());
+  double rows_time = 0, prefetch_time = 0, reduce_time = 0;
+  int64_t max_load = 0;
+  for (int32_t r = 0; r < R; ++r) {
+    max_load = std::max(max_load, tr.load[r]);
+    const double a = std::max(tr.send_intra[r], tr.recv_intra[r]) * row / intra;
+    const double b = std::max(tr.send_inter[r], tr.recv_inter[r]) * row / inter;
+    rows_time = std::max(rows_time, std::max(a, b));
+    const double pi = std::max(tr.prefetch_out_intra[r], tr.prefetch_in_intra[r]);
+    const double pe = std::max(tr.prefetch_out_inter[r], tr.prefetch_in_inter[r]);
+    prefetch_time = std::max(prefetch_time, std::max(pi * wbytes / intra, pe * wbytes / inter));
+    reduce_time = std::max(reduce_time, std::max(pi * gbytes / intra, pe * gbytes / inter));
+  }
+  const double passes = c.training ? 2.0 : 1.0;
+  StepTime t;
+  t.counts = CountsTime(c, R, E);
+  t.prefetch = c.overlap_prefetch ? std::max(0.0, prefetch_time - rows_time) : prefetch_time;
+  t.dispatch = passes * rows_time;
+  t.compute = max_load * c.flops_per_token() / (c.tflops * 1e12);
+  t.combine = passes * rows_time;
+  t.reduce = c.training ? reduce_time : 0.0;
+  t.total = t.counts + t.prefetch + t.dispatch + t.compute + t.combine + t.reduce;
+  return t;
+}
+
+StepTime EstimateComputeOnly(const CostConfig& c, int32_t R, int32_t E, int64_t max_load) {
+  StepTime t;
+  t.counts = CountsTime(c, R, E);
+  t.compute = max_load * c.flops_per_token() / (c.tflops * 1e12);
+  t.total = t.counts + t.compute;
+  return t;
+}
+
+const std::vector<Preset>& Presets() {
+  static const std::vector<Preset> presets = {
+      {"deepseek-v3-ep64", 64, 256, 8, 4096, 7168, 2048,
+       "DeepSeek-V3 routed experts on 64 ranks (8 nodes of 8)"},
+      {"kimi-k3.1-like-ep128", 128, 896, 16, 4096, 7168, 1024,
+       "assumed shape: H=7168 as Kimi K2, I=1024 (finer experts than K2's 2048, so that K=16 "
+       "costs about what K2's K=8 does); 128 ranks (16 nodes of 8)"},
+      {"mixtral-ep8", 8, 8, 2, 4096, 4096, 14336, "Mixtral 8x7B on one node of 8"},
+  };
+  return presets;
+}
+
+const Preset* FindPreset(const std::string& name) {
+  for (const Preset& p : Presets()) {
+    if (p.name == name) return &p;
+  }
+  return nullptr;
+}
+
+}  // namespace moonep::sim

@@ -1,0 +1,297 @@
+// moonep-sim: what routing skew costs, and what each balancing policy buys, at any scale.
+// See docs/simulator.md.
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "moonep/core/status.h"
+#include "planner/plan.h"
+#include "planner/sim/report.h"
+#include "planner/sim/simulator.h"
+
+// Model and machine.
+ABSL_FLAG(std::string, preset, "",
+          "model + machine preset: deepseek-v3-ep64, kimi-k3.1-like-ep128 or mixtral-ep8; the size "
+          "flags below override its values");
+ABSL_FLAG(int32_t, ranks, 0, "R: expert-parallel ranks (required without --preset; a CSV trace needs it)");
+ABSL_FLAG(int32_t, experts, 0, "E: experts (a multiple of R)");
+ABSL_FLAG(int32_t, topk, 0, "K: experts per token");
+ABSL_FLAG(int32_t, tokens, 0, "T: tokens per rank per step (default 4096 with a preset)");
+ABSL_FLAG(int32_t, hidden, 0, "H: model hidden size");
+ABSL_FLAG(int32_t, intermediate, 0, "I: expert FFN intermediate size");
+ABSL_FLAG(double, tflops, 400.0, "achieved expert-GEMM rate per rank, TFLOP/s");
+ABSL_FLAG(int32_t, ranks_per_node, 8, "ranks per node (0: flat, every rank its own node)");
+ABSL_FLAG(double, intra_gbps, 150.0, "intra-node bandwidth per rank and direction, GB/s");
+ABSL_FLAG(double, inter_gbps, 40.0, "inter-node bandwidth per rank and direction, GB/s");
+ABSL_FLAG(int32_t, act_bytes, 2, "bytes per activation element on the wire (2: bf16)");
+ABSL_FLAG(int32_t, weight_bytes, 2, "bytes per expert weight element (prefetch)");
+ABSL_FLAG(int32_t, grad_bytes, 4, "bytes per weight-gradient element (gradient reduction)");
+ABSL_FLAG(bool, training, true, "model forward+backward (3x forward FLOPs, backward comms, "
+                                "gradient reduction); false: forward only");
+ABSL_FLAG(bool, overlap_prefetch, true, "replica prefetch overlaps the forward dispatch");
+
+// Routing.
+ABSL_FLAG(std::string, routing, "zipf",
+          "routing model: uniform, zipf, hotspot, drift, domain or coactivation (ignored with --trace)");
+ABSL_FLAG(double, zipf_s, 0.3, "Zipf exponent s of the expert popularity (all models but uniform); "
+          "0.3 gives a per-expert max/mean of about 3.7 at E=256, K=8");
+ABSL_FLAG(int32_t, hot_experts, 4, "hotspot: experts that spike in each step");
+ABSL_FLAG(double, hot_factor, 20.0, "hotspot: weight multiplier of a spiking expert");
+ABSL_FLAG(double, drift_sigma, 0.1, "drift: std-dev of each expert's log-weight step");
+ABSL_FLAG(double, drift_theta, 0.0, "drift: pull back towards the start per step (0: pure random walk)");
+ABSL_FLAG(int32_t, domains, 4, "domain: data domains (blocks of consecutive ranks), each its own Zipf permutation");
+ABSL_FLAG(int32_t, coact_group, 4, "coactivation: experts per co-activation group");
+ABSL_FLAG(double, coact_prob, 0.5, "coactivation: chance a later choice stays in the first choice's group");
+ABSL_FLAG(uint64_t, seed, 1, "random seed (same seed, same output)");
+ABSL_FLAG(std::string, trace, "", "replay this routing trace (docs/trace-format.md) instead of a model");
+ABSL_FLAG(std::string, trace_format, "auto", "trace format: auto, moonep or csv");
+ABSL_FLAG(int32_t, trace_layer, -1, "replay only this layer's records (-1: every record, in order)");
+
+// Planning.
+ABSL_FLAG(std::string, policies, "all",
+          "comma-separated policies: none, moonep, moonep-greedy, eplb, fastermoe-shadow, or all "
+          "(none always runs: it is the baseline)");
+ABSL_FLAG(bool, lower_bound, true, "also report the planner's load lower bound");
+ABSL_FLAG(int32_t, slots, -1, "replica slots per rank (-1: E/R)");
+ABSL_FLAG(int32_t, pad_multiple, 1, "group row padding multiple (GEMM alignment)");
+ABSL_FLAG(int32_t, eplb_period, 10, "eplb: re-plan every this many steps on the average of past counts");
+
+// Run and output.
+ABSL_FLAG(int64_t, steps, 100, "steps to simulate (with --trace: at most this many; 0: the whole trace)");
+ABSL_FLAG(std::string, detail, "auto",
+          "tokens (every token sampled: exact bytes), counts (counts[R][E]: exact rows, dedup "
+          "estimated), totals (per-expert totals: scales to R=4096), or auto");
+ABSL_FLAG(std::string, csv, "", "write one CSV row per step and policy to this file");
+ABSL_FLAG(std::string, json, "", "write one JSON object per step and policy to this file");
+ABSL_FLAG(std::string, svg, "", "write imbalance.svg, rank_load.svg and step_time.svg into this directory");
+ABSL_FLAG(int64_t, svg_step, 0, "step whose per-rank loads rank_load.svg shows");
+ABSL_FLAG(bool, progress, true, "show progress on stderr during long runs");
+
+namespace {
+
+using moonep::InvalidArgument;
+using namespace moonep::sim;
+
+absl::Status BuildOptions(SimOptions* o) {
+  const std::string preset_name = absl::GetFlag(FLAGS_preset);
+  const Preset* preset = nullptr;
+  if (!preset_name.empty()) {
+    preset = FindPreset(preset_name);
+    if (!preset) {
+      std::vector<std::string> names;
+      for (const Preset& p : Presets()) names.push_back(p.name);
+      return InvalidArgument("--preset: unknown preset '%s' (known: %s)", preset_name,
+                             absl::StrJoin(names, ", "));
+    }
+  }
+  const bool has_trace = !absl::GetFlag(FLAGS_trace).empty();
+  auto size = [&](const char* name, int32_t flag, int32_t from_preset, bool required,
+                  int32_t* out) -> absl::Status {
+    MOONEP_CHECK_ARG(flag >= 0, "--%s must be positive, got %d", name, flag);
+    *out = flag > 0 ? flag : preset ? from_preset : 0;
+    MOONEP_CHECK_ARG(*out > 0 || !required, "--%s is required (or pick a --preset)", name);
+    return absl::OkStatus();
+  };
+  RoutingParams& rp = o->routing;
+  MOONEP_RETURN_IF_ERROR(size("ranks", absl::GetFlag(FLAGS_ranks), preset ? preset->ranks : 0,
+                              !has_trace, &rp.num_ranks));
+  MOONEP_RETURN_IF_ERROR(size("experts", absl::GetFlag(FLAGS_experts), preset ? preset->experts : 0,
+                              !has_trace, &rp.num_experts));
+  MOONEP_RETURN_IF_ERROR(size("topk", absl::GetFlag(FLAGS_topk), preset ? preset->topk : 0,
+                              !has_trace, &rp.topk));
+  MOONEP_RETURN_IF_ERROR(size("tokens", absl::GetFlag(FLAGS_tokens), preset ? preset->tokens : 0,
+                              !has_trace, &rp.tokens_per_rank));
+  MOONEP_RETURN_IF_ERROR(size("hidden", absl::GetFlag(FLAGS_hidden), preset ? preset->hidden : 0,
+                              true, &o->cost.hidden));
+  MOONEP_RETURN_IF_ERROR(size("intermediate", absl::GetFlag(FLAGS_intermediate),
+                              preset ? preset->intermediate : 0, true, &o->cost.intermediate));
+  if (has_trace && preset) {
+    // A trace brings its own R, E and K: the preset only lends H and I unless sizes were given.
+    if (absl::GetFlag(FLAGS_ranks) == 0) rp.num_ranks = 0;
+    if (absl::GetFlag(FLAGS_topk) == 0) rp.topk = 0;
+  }
+  const std::string routing = absl::GetFlag(FLAGS_routing);
+  if (!ParseRoutingKind(routing, &rp.kind)) {
+    return InvalidArgument("--routing: unknown model '%s' (known: uniform, zipf, hotspot, drift, "
+                           "domain, coactivation)", routing);
+  }
+  rp.zipf_s = absl::GetFlag(FLAGS_zipf_s);
+  rp.hot_experts = absl::GetFlag(FLAGS_hot_experts);
+  rp.hot_factor = absl::GetFlag(FLAGS_hot_factor);
+  rp.drift_sigma = absl::GetFlag(FLAGS_drift_sigma);
+  rp.drift_theta = absl::GetFlag(FLAGS_drift_theta);
+  rp.domains = absl::GetFlag(FLAGS_domains);
+  rp.coact_group = absl::GetFlag(FLAGS_coact_group);
+  rp.coact_prob = absl::GetFlag(FLAGS_coact_prob);
+  rp.seed = absl::GetFlag(FLAGS_seed);
+
+  o->trace_path = absl::GetFlag(FLAGS_trace);
+  const std::string trace_format = absl::GetFlag(FLAGS_trace_format);
+  if (!ParseTraceFormat(trace_format, &o->trace_format)) {
+    return InvalidArgument("--trace_format: unknown format '%s' (known: auto, moonep, csv)", trace_format);
+  }
+  o->trace_layer = absl::GetFlag(FLAGS_trace_layer);
+
+  const std::string policies = absl::GetFlag(FLAGS_policies);
+  for (absl::string_view name : absl::StrSplit(policies, ',', absl::SkipWhitespace())) {
+    const std::string n(absl::StripAsciiWhitespace(name));
+    if (n == "all") {
+      for (auto p : {moonep::planner::Policy::kMoonEP, moonep::planner::Policy::kMoonEPGreedy,
+                     moonep::planner::Policy::kEplb, moonep::planner::Policy::kFasterMoEShadow}) {
+        o->policies.push_back(p);
+      }
+      continue;
+    }
+    moonep::planner::Policy p;
+    if (!moonep::planner::ParsePolicy(n, &p) || p == moonep::planner::Policy::kTestForceReplicas) {
+      return InvalidArgument("--policies: unknown policy '%s' (known: none, moonep, moonep-greedy, "
+                             "eplb, fastermoe-shadow, all)", n);
+    }
+    o->policies.push_back(p);
+  }
+  o->lower_bound = absl::GetFlag(FLAGS_lower_bound);
+  o->slots = absl::GetFlag(FLAGS_slots);
+  o->pad_multiple = absl::GetFlag(FLAGS_pad_multiple);
+  o->eplb_period = absl::GetFlag(FLAGS_eplb_period);
+
+  CostConfig& c = o->cost;
+  c.tflops = absl::GetFlag(FLAGS_tflops);
+  c.ranks_per_node = absl::GetFlag(FLAGS_ranks_per_node);
+  c.intra_gbps = absl::GetFlag(FLAGS_intra_gbps);
+  c.inter_gbps = absl::GetFlag(FLAGS_inter_gbps);
+  c.act_bytes = absl::GetFlag(FLAGS_act_bytes);
+  c.weight_bytes = absl::GetFlag(FLAGS_weight_bytes);
+  c.grad_bytes = absl::GetFlag(FLAGS_grad_bytes);
+  c.training = absl::GetFlag(FLAGS_training);
+  c.overlap_prefetch = absl::GetFlag(FLAGS_overlap_prefetch);
+
+  o->steps = absl::GetFlag(FLAGS_steps);
+  const std::string detail = absl::GetFlag(FLAGS_detail);
+  if (!ParseDetailChoice(detail, &o->detail)) {
+    return InvalidArgument("--detail: unknown level '%s' (known: auto, tokens, counts, totals)", detail);
+  }
+  o->snapshot_step = absl::GetFlag(FLAGS_svg_step);
+  return absl::OkStatus();
+}
+
+// Progress on stderr: a refreshed line on a terminal, a line every 5 s otherwise.
+class Progress {
+ public:
+  explicit Progress(bool enabled) : enabled_(enabled), tty_(::isatty(2) == 1) {}
+  void Update(int64_t done, int64_t total) {
+    if (!enabled_) return;
+    const double t = Elapsed();
+    if (t < 1.0 || t - last_ < (tty_ ? 0.25 : 5.0)) return;
+    last_ = t;
+    const double rate = done / t;
+    std::string line = absl::StrFormat("moonep-sim: step %d", done);
+    if (total > 0) {
+      absl::StrAppendFormat(&line, "/%d (%.0f%%), %.1f steps/s, %.0f s left", total,
+                            100.0 * done / total, rate, (total - done) / std::max(rate, 1e-9));
+    } else {
+      absl::StrAppendFormat(&line, ", %.1f steps/s", rate);
+    }
+    std::fprintf(stderr, tty_ ? "\r%-78s" : "%s\n", line.c_str());
+    shown_ = true;
+  }
+  void Done() {
+    if (enabled_ && shown_ && tty_) std::fprintf(stderr, "\n");
+  }
+
+ private:
+  double Elapsed() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  }
+  bool enabled_, tty_, shown_ = false;
+  double last_ = 0;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+};
+
+absl::Status RunMain() {
+  SimOptions options;
+  MOONEP_RETURN_IF_ERROR(BuildOptions(&options));
+  MOONEP_ASSIGN_OR_RETURN(std::unique_ptr<Simulator> sim, Simulator::Create(options));
+
+  TeeSink tee;
+  std::FILE* csv_file = nullptr;
+  std::FILE* json_file = nullptr;
+  std::unique_ptr<CsvSink> csv;
+  std::unique_ptr<JsonSink> json;
+  const std::string csv_path = absl::GetFlag(FLAGS_csv), json_path = absl::GetFlag(FLAGS_json);
+  if (!csv_path.empty()) {
+    csv_file = std::fopen(csv_path.c_str(), "w");
+    if (!csv_file) return InvalidArgument("--csv: cannot write '%s': %s", csv_path, std::strerror(errno));
+    csv = std::make_unique<CsvSink>(csv_file);
+    tee.Add(csv.get());
+  }
+  if (!json_path.empty()) {
+    json_file = std::fopen(json_path.c_str(), "w");
+    if (!json_file) return InvalidArgument("--json: cannot write '%s': %s", json_path, std::strerror(errno));
+    json = std::make_unique<JsonSink>(json_file);
+    tee.Add(json.get());
+  }
+  Progress progress(absl::GetFlag(FLAGS_progress));
+  absl::StatusOr<SimResult> result =
+      sim->Run(&tee, [&progress](int64_t done, int64_t total) { progress.Update(done, total); });
+  progress.Done();
+  absl::Status io = absl::OkStatus();
+  if (json && result.ok()) io.Update(json->Finish());
+  if (csv_file && std::fclose(csv_file) != 0) io.Update(moonep::SystemError("closing --csv file failed"));
+  if (json_file && std::fclose(json_file) != 0) io.Update(moonep::SystemError("closing --json file failed"));
+  MOONEP_RETURN_IF_ERROR(result.status());
+  MOONEP_RETURN_IF_ERROR(io);
+  std::printf("%s", FormatSummary(*result, sim->options()).c_str());
+  const std::string svg_dir = absl::GetFlag(FLAGS_svg);
+  if (!svg_dir.empty()) {
+    MOONEP_RETURN_IF_ERROR(moonep::Annotate(WriteSvgs(*result, svg_dir), "--svg"));
+    std::printf("wrote %s/imbalance.svg, rank_load.svg, step_time.svg\n", svg_dir.c_str());
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "simulates MoE routing skew and the expert-balancing policies of MoonEP's planner.\n"
+      "  moonep-sim --preset=deepseek-v3-ep64 --routing=zipf --zipf_s=0.5 --steps=200 --svg=out\n"
+      "  moonep-sim --preset=mixtral-ep8 --trace=run.trace --csv=steps.csv\n"
+      "  moonep-sim --ranks=4096 --experts=8192 --topk=8 --tokens=4096 --hidden=7168 "
+      "--intermediate=2048 --steps=1000\n"
+      "See docs/simulator.md.");
+  // --help lists this file's flags (absl matches flag files to the program name by default).
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "planner/sim/main.cc");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  usage.normalize_filename = [](absl::string_view file) { return std::string(file); };
+  absl::SetFlagsUsageConfig(usage);
+  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  if (rest.size() > 1) {
+    std::fprintf(stderr, "moonep-sim: error: unexpected argument '%s' (flags take the form --name=value)\n",
+                 rest[1]);
+    return 2;
+  }
+  const absl::Status status = RunMain();
+  if (!status.ok()) {
+    std::fprintf(stderr, "moonep-sim: error: %s\n", std::string(status.message()).c_str());
+    return status.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+  }
+  return 0;
+}

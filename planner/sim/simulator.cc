@@ -1,0 +1,324 @@
+#include "planner/sim/simulator.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "moonep/core/status.h"
+#include "planner/planner.h"
+
+namespace moonep::sim {
+
+using planner::Plan;
+using planner::Planner;
+using planner::PlannerConfig;
+using planner::Policy;
+
+bool ParseDetailChoice(const std::string& name, DetailChoice* detail) {
+  if (name == "auto") *detail = DetailChoice::kAuto;
+  else if (name == "tokens") *detail = DetailChoice::kTokens;
+  else if (name == "counts") *detail = DetailChoice::kCounts;
+  else if (name == "totals") *detail = DetailChoice::kTotals;
+  else return false;
+  return true;
+}
+
+struct Simulator::State {
+  SimOptions options;
+  int32_t R = 0, E = 0, K = 0, T = 0;
+  Detail detail = Detail::kTokens;
+  std::unique_ptr<RoutingModel> model;
+  std::unique_ptr<TraceReader> trace;
+  std::vector<std::unique_ptr<Planner>> planners;
+  std::vector<std::string> names;  // per planner, then "lower-bound"
+  Plan plan;                       // shared by every policy: the planner clears it sparsely
+  TrafficCounter counter;
+  RankTraffic traffic;
+  StepRouting routing;
+  TraceRecord record;
+  std::vector<int32_t> node_domain;  // [nodes * D] ranks of each domain in each node (model)
+  std::vector<int64_t> node_counts;  // [nodes * E] tokens of each expert from each node (trace)
+  int32_t rpn = 1;                   // ranks per node for locality (1 when flat)
+};
+
+Simulator::Simulator() : state_(new State) {}
+Simulator::~Simulator() = default;
+Detail Simulator::detail() const { return state_->detail; }
+const SimOptions& Simulator::options() const { return state_->options; }
+
+absl::StatusOr<std::unique_ptr<Simulator>> Simulator::Create(const SimOptions& options) {
+  std::unique_ptr<Simulator> sim(new Simulator());
+  State& st = *sim->state_;
+  st.options = options;
+  SimOptions& o = st.options;
+  MOONEP_CHECK_ARG(o.steps >= 0, "steps must be >= 0, got %d", o.steps);
+  MOONEP_CHECK_ARG(o.steps > 0 || !o.trace_path.empty(), "steps must be positive without a trace");
+  MOONEP_CHECK_ARG(o.eplb_period >= 1, "eplb_period must be >= 1, got %d", o.eplb_period);
+  MOONEP_CHECK_ARG(o.pad_multiple >= 1, "pad_multiple must be >= 1, got %d", o.pad_multiple);
+  MOONEP_CHECK_ARG(o.slots >= -1, "slots must be >= 0 (or -1 for E/R), got %d", o.slots);
+  MOONEP_CHECK_ARG(o.snapshot_step >= 0, "svg_step must be >= 0, got %d", o.snapshot_step);
+  MOONEP_CHECK_ARG(o.trace_layer >= -1, "trace_layer must be >= -1, got %d", o.trace_layer);
+  MOONEP_RETURN_IF_ERROR(Annotate(ValidateCostConfig(o.cost), "cost model"));
+
+  if (!o.trace_path.empty()) {
+    MOONEP_ASSIGN_OR_RETURN(st.trace, TraceReader::Open(o.trace_path, o.trace_format,
+                                                        o.routing.num_ranks, o.routing.topk));
+    st.R = st.trace->num_ranks();
+    st.E = st.trace->num_experts();
+    st.K = st.trace->topk();
+    MOONEP_CHECK_ARG(o.detail != DetailChoice::kTokens,
+                     "detail=tokens needs a routing model: a trace holds counts, not tokens");
+  } else {
+    MOONEP_RETURN_IF_ERROR(ValidateRoutingParams(o.routing));
+    st.R = o.routing.num_ranks;
+    st.E = o.routing.num_experts;
+    st.K = o.routing.topk;
+    st.T = o.routing.tokens_per_rank;
+    MOONEP_ASSIGN_OR_RETURN(st.model, RoutingModel::Create(o.routing));
+  }
+  MOONEP_CHECK_ARG(st.E % st.R == 0, "experts (%d) must be divisible by ranks (%d)", st.E, st.R);
+
+  const int64_t counts_size = static_cast<int64_t>(st.R) * st.E;
+  switch (o.detail) {
+    case DetailChoice::kTokens: st.detail = Detail::kTokens; break;
+    case DetailChoice::kCounts: st.detail = Detail::kCounts; break;
+    case DetailChoice::kTotals: st.detail = Detail::kTotals; break;
+    case DetailChoice::kAuto: {
+      const bool counts_ok = counts_size <= kMaxAutoCounts && st.R <= kMaxCountsRanks;
+      if (st.trace) {
+        st.detail = counts_ok ? Detail::kCounts : Detail::kTotals;
+      } else {
+        const int64_t choices = static_cast<int64_t>(st.R) * st.T * st.K;
+        st.detail = counts_ok && choices <= kMaxAutoTokenChoices ? Detail::kTokens : Detail::kTotals;
+      }
+      break;
+    }
+  }
+  MOONEP_CHECK_ARG(st.detail != Detail::kCounts || st.R <= kMaxCountsRanks,
+                   "detail=counts keeps an R x R matrix: ranks must be <= %d, got %d",
+                   kMaxCountsRanks, st.R);
+
+  std::vector<Policy> policies = {Policy::kNone};
+  for (Policy p : o.policies) {
+    MOONEP_CHECK_ARG(p != Policy::kTestForceReplicas, "policy test-force-replicas is for tests only");
+    if (std::find(policies.begin(), policies.end(), p) == policies.end()) policies.push_back(p);
+  }
+  for (Policy p : policies) {
+    PlannerConfig c;
+    c.num_ranks = st.R;
+    c.num_experts = st.E;
+    c.slots = o.slots;
+    c.pad_multiple = o.pad_multiple;
+    c.ranks_per_node = o.cost.ranks_per_node;
+    c.policy = p;
+    c.row_bytes = o.cost.row_bytes();
+    c.expert_bytes = o.cost.expert_weight_bytes();
+    c.eplb_period = o.eplb_period;
+    // FasterMoE decides shadowing from the same machine the cost model describes.
+    c.shadow_compute_s_per_token = o.cost.flops_per_token() / (o.cost.tflops * 1e12);
+    c.shadow_broadcast_s_per_byte = 1.0 / (o.cost.inter_gbps * 1e9);
+    MOONEP_ASSIGN_OR_RETURN(std::unique_ptr<Planner> planner, Planner::Create(c));
+    st.planners.push_back(std::move(planner));
+    st.names.push_back(planner::PolicyName(p));
+  }
+  st.names.push_back("lower-bound");
+
+  st.rpn = o.cost.ranks_per_node > 0 ? o.cost.ranks_per_node : 1;
+  if (st.model) {
+    const int32_t nodes = (st.R + st.rpn - 1) / st.rpn, D = st.model->num_domains();
+    st.node_domain.assign(static_cast<size_t>(nodes) * D, 0);
+    for (int32_t r = 0; r < st.R; ++r) ++st.node_domain[static_cast<size_t>(r / st.rpn) * D + st.model->DomainOf(r)];
+  }
+  return sim;
+}
+
+namespace {
+
+void Accumulate(const PlanMetrics& m, const StepTime& t, const CostConfig& cost, PolicySummary* s) {
+  ++s->steps;
+  s->imbalance.Add(m.imbalance());
+  s->step_time.Add(t.total);
+  s->imbalance_series.Add(m.imbalance());
+  s->sum_replicas += m.replicas;
+  const double rows = static_cast<double>(m.dispatch_intra + m.dispatch_inter);
+  s->sum_dispatch_rows += rows;
+  s->sum_dispatch_inter += m.dispatch_inter;
+  const double passes = cost.training ? 2.0 : 1.0;
+  s->sum_bytes += rows * cost.row_bytes() * 2 * passes +
+                  static_cast<double>(m.replicas) * cost.expert_weight_bytes() +
+                  (cost.training ? static_cast<double>(m.replicas) * cost.expert_grad_bytes() : 0.0);
+  s->sum_time.counts += t.counts;
+  s->sum_time.prefetch += t.prefetch;
+  s->sum_time.dispatch += t.dispatch;
+  s->sum_time.compute += t.compute;
+  s->sum_time.combine += t.combine;
+  s->sum_time.reduce += t.reduce;
+  s->sum_time.total += t.total;
+}
+
+}  // namespace
+
+absl::StatusOr<SimResult> Simulator::Run(StepSink* sink,
+                                         const std::function<void(int64_t, int64_t)>& progress) {
+  State& st = *state_;
+  const SimOptions& o = st.options;
+  const auto start = std::chrono::steady_clock::now();
+  const int32_t R = st.R, E = st.E;
+  SimResult result;
+  result.num_ranks = R;
+  result.num_experts = E;
+  result.topk = st.K;
+  result.tokens_per_rank = st.T;
+  result.detail = st.detail;
+  result.policies.resize(st.names.size());
+  for (size_t i = 0; i < st.names.size(); ++i) result.policies[i].name = st.names[i];
+
+  StepRecord rec;
+  rec.row_bytes = o.cost.row_bytes();
+  rec.expert_bytes = o.cost.expert_weight_bytes();
+  rec.grad_bytes = o.cost.training ? o.cost.expert_grad_bytes() : 0;
+
+  const LocalityFn model_locality = [&st, R](int32_t rank, int32_t e, double* own, double* node) {
+    const double n = static_cast<double>(st.routing.totals[e]);
+    const int32_t D = st.model->num_domains();
+    *own = st.model->ExpectedShare(rank, e) * n;
+    double share = 0;
+    const int32_t* cnt = st.node_domain.data() + static_cast<size_t>(rank / st.rpn) * D;
+    for (int32_t d = 0; d < D; ++d) {
+      if (cnt[d] == 0) continue;
+      // Any rank of domain d: its first rank.
+      const int32_t r = static_cast<int32_t>((static_cast<int64_t>(d) * R + D - 1) / D);
+      share += cnt[d] * st.model->ExpectedShare(r, e);
+    }
+    *node = share * n;
+  };
+  const LocalityFn trace_locality = [&st](int32_t rank, int32_t e, double* own, double* node) {
+    *own = static_cast<double>(st.routing.counts[static_cast<size_t>(rank) * st.E + e]);
+    *node = static_cast<double>(st.node_counts[static_cast<size_t>(rank / st.rpn) * st.E + e]);
+  };
+
+  const int64_t total_steps = o.steps > 0 ? o.steps : -1;
+  int64_t step = 0;
+  for (; o.steps == 0 || step < o.steps; ++step) {
+    // Routing of this step.
+    if (st.trace) {
+      bool got = false;
+      do {
+        MOONEP_ASSIGN_OR_RETURN(got, st.trace->Next(&st.record));
+      } while (got && o.trace_layer >= 0 && st.record.layer != o.trace_layer);
+      if (!got) break;
+      StepRouting& r = st.routing;
+      r.num_ranks = R;
+      r.num_experts = E;
+      r.topk = st.K;
+      r.counts.swap(st.record.counts);
+      r.topk_ids.clear();
+      r.totals.assign(E, 0);
+      r.tokens.assign(R, 0);
+      for (int32_t s = 0; s < R; ++s) {
+        int64_t row = 0;
+        const int64_t* c = r.counts.data() + static_cast<size_t>(s) * E;
+        for (int32_t e = 0; e < E; ++e) {
+          r.totals[e] += c[e];
+          row += c[e];
+        }
+        // Each token makes K choices (fewer when some are -1: then this undercounts tokens).
+        r.tokens[s] = static_cast<int32_t>(st.K > 0 ? (row + st.K - 1) / st.K : row);
+      }
+      if (st.detail == Detail::kTotals) {
+        const int32_t nodes = (R + st.rpn - 1) / st.rpn;
+        st.node_counts.assign(static_cast<size_t>(nodes) * E, 0);
+        for (int32_t s = 0; s < R; ++s) {
+          int64_t* dst = st.node_counts.data() + static_cast<size_t>(s / st.rpn) * E;
+          const int64_t* c = r.counts.data() + static_cast<size_t>(s) * E;
+          for (int32_t e = 0; e < E; ++e) dst[e] += c[e];
+        }
+      }
+      rec.step = st.record.step;
+      rec.layer = st.record.layer;
+    } else {
+      if (st.detail == Detail::kTotals) {
+        st.model->NextTotals(&st.routing);
+      } else {
+        st.model->NextTokens(&st.routing);
+        if (st.detail == Detail::kCounts) st.routing.topk_ids.clear();
+      }
+      rec.step = step;
+      rec.layer = 0;
+    }
+    const bool snapshot = step == o.snapshot_step;
+    if (snapshot) result.snapshot_step = step;
+
+    for (size_t i = 0; i < st.planners.size(); ++i) {
+      Planner& planner = *st.planners[i];
+      PlanMetrics m;
+      if (st.detail == Detail::kTotals) {
+        MOONEP_RETURN_IF_ERROR(Annotate(planner.Decide(st.routing.totals, &st.plan),
+                                        absl::StrFormat("step %d, policy %s", rec.step, st.names[i])));
+        st.counter.FromTotals(st.plan, st.routing, st.trace ? trace_locality : model_locality,
+                              &st.traffic, &m);
+      } else {
+        MOONEP_RETURN_IF_ERROR(Annotate(planner.MakePlan(st.routing.counts, &st.plan),
+                                        absl::StrFormat("step %d, policy %s", rec.step, st.names[i])));
+        if (st.detail == Detail::kTokens) {
+          st.counter.FromTokens(st.plan, st.routing, &st.traffic, &m);
+        } else {
+          st.counter.FromCounts(st.plan, st.routing, &st.traffic, &m);
+        }
+      }
+      const StepTime t = EstimateStepTime(o.cost, E, st.traffic);
+      Accumulate(m, t, o.cost, &result.policies[i]);
+      if (snapshot) {
+        result.policies[i].snapshot_load = st.traffic.load;
+        if (i == 0) result.snapshot_home_load = st.traffic.load;  // none: home placement
+      }
+      if (sink) {
+        rec.policy = &st.names[i];
+        rec.metrics = m;
+        rec.time = t;
+        MOONEP_RETURN_IF_ERROR(sink->OnStep(rec));
+      }
+    }
+
+    if (o.lower_bound) {
+      PlanMetrics m;
+      m.detail = st.detail;
+      for (int64_t v : st.routing.totals) m.total_tokens += v;
+      m.mean_load = static_cast<double>(m.total_tokens) / R;
+      const PlannerConfig& c = st.planners[0]->config();
+      if (st.routing.has_counts()) {
+        m.max_load = planner::LoadLowerBound(c, st.routing.counts);
+      } else {
+        // LoadLowerBound needs counts[R][E]; with totals only, the same bound for equal speeds:
+        // perfect balance, and no expert split over more than its home plus R*slots replicas.
+        m.max_load = (m.total_tokens + R - 1) / R;
+        if (c.slots > 0) {
+          const int64_t holders = 1 + std::min<int64_t>(R - 1, static_cast<int64_t>(R) * c.slots);
+          for (int64_t v : st.routing.totals) m.max_load = std::max(m.max_load, (v + holders - 1) / holders);
+        } else {
+          m.max_load = 0;
+          for (int32_t r = 0; r < R; ++r) {
+            int64_t home = 0;
+            for (int32_t g = 0; g < E / R; ++g) home += st.routing.totals[static_cast<size_t>(r) * (E / R) + g];
+            m.max_load = std::max(m.max_load, home);
+          }
+        }
+      }
+      const StepTime t = EstimateComputeOnly(o.cost, R, E, m.max_load);
+      Accumulate(m, t, o.cost, &result.policies.back());
+      if (sink) {
+        rec.policy = &st.names.back();
+        rec.metrics = m;
+        rec.time = t;
+        MOONEP_RETURN_IF_ERROR(sink->OnStep(rec));
+      }
+    }
+    if (progress) progress(step + 1, total_steps);
+  }
+  if (!o.lower_bound) result.policies.pop_back();
+  result.steps = step;
+  result.wall_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return result;
+}
+
+}  // namespace moonep::sim

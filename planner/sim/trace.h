@@ -1,0 +1,73 @@
+// Routing traces: counts[R][E] per (step, layer), as the runtime writes them when MOONEP_TRACE is
+// set, or a plain CSV of counts. The format is defined in docs/trace-format.md. Readers stream one
+// record at a time, so a trace of any length is replayed in constant memory.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+
+namespace moonep::sim {
+
+enum class TraceFormat : int32_t {
+  kAuto = 0,    // by the first line: "# moonep-trace" means kMoonEP, else kCsv
+  kMoonEP = 1,  // "# moonep-trace v1 R=.. E=.. [K=..]" then "step layer c[0][0] .. c[R-1][E-1]"
+  kCsv = 2,     // one source rank's E counts per line, comma-separated; R lines per step
+};
+
+bool ParseTraceFormat(const std::string& name, TraceFormat* format);
+
+struct TraceRecord {
+  int64_t step = 0;
+  int32_t layer = 0;
+  std::vector<int64_t> counts;  // [R * E]
+};
+
+class TraceReader {
+ public:
+  // Opens `path`. For CSV (which has no header of sizes) `csv_ranks` gives R, and `topk` gives K
+  // (0: unknown); a moonep trace takes R, E and K from its header, and `topk`, when positive,
+  // must agree with a K given there.
+  static absl::StatusOr<std::unique_ptr<TraceReader>> Open(const std::string& path,
+                                                           TraceFormat format, int32_t csv_ranks,
+                                                           int32_t topk);
+  ~TraceReader();
+
+  int32_t num_ranks() const { return num_ranks_; }
+  int32_t num_experts() const { return num_experts_; }
+  int32_t topk() const { return topk_; }  // 0 when neither the trace nor the caller gave it
+  TraceFormat format() const { return format_; }
+
+  // Reads the next record into `record`; returns false at the end of the file. Errors name the
+  // file and line.
+  absl::StatusOr<bool> Next(TraceRecord* record);
+
+ private:
+  TraceReader() = default;
+  bool ReadLine();
+  absl::Status LineError(const std::string& what) const;
+
+  std::string path_;
+  std::FILE* file_ = nullptr;
+  TraceFormat format_ = TraceFormat::kAuto;
+  int32_t num_ranks_ = 0, num_experts_ = 0, topk_ = 0;
+  int64_t line_number_ = 0;
+  int64_t csv_records_ = 0;
+  char* line_ = nullptr;  // getline buffer, reused for every line
+  size_t line_capacity_ = 0;
+  size_t line_length_ = 0;
+  bool pending_ = false;  // line_ holds a data line not yet consumed (CSV sizes came from it)
+};
+
+// The header line of a moonep trace (with its newline). K may be 0 to leave it out.
+std::string FormatTraceHeader(int32_t num_ranks, int32_t num_experts, int32_t topk);
+// One record line of a moonep trace (with its newline): "step layer counts...".
+std::string FormatTraceRecord(int64_t step, int32_t layer, absl::Span<const int64_t> counts);
+
+}  // namespace moonep::sim
