@@ -68,6 +68,10 @@ absl::Status DecideEplb(const PolicyInput& in, PolicyScratch* scratch, Decisions
 absl::Status DecideFasterMoEShadow(const PolicyInput& in, PolicyScratch* scratch, Decisions* out);
 absl::Status DecideTestForceReplicas(const PolicyInput& in, PolicyScratch* scratch, Decisions* out);
 
+// The published greedy's moves toward capacities `cap` (resets `dec`); true when all excess moved.
+bool GreedyFill(const PolicyInput& in, absl::Span<const int64_t> cap, PolicyScratch* sc,
+                Decisions* dec);
+
 // Integer speed weights (all 1 without speeds): round(speed / max_speed * 2^20), at least 1.
 void SpeedWeights(const PlannerConfig& resolved, std::vector<int64_t>* weights);
 

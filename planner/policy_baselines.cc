@@ -44,20 +44,20 @@ int64_t PolicyInput::Count(int32_t src, int32_t expert) const {
 
 absl::Status DecideNone(const PolicyInput&, PolicyScratch*, Decisions*) { return absl::OkStatus(); }
 
-// Published MoonEP greedy: the most overloaded home group gives exactly the room of the rank with
+// Published MoonEP greedy (GreedyFill): the most overloaded home group gives exactly the room of the rank with
 // the most room; inside the group the quota goes to the experts with the most remaining tokens
 // first. Same perfect-balance capacities as `moonep`, so the two are compared on equal targets.
-absl::Status DecideMoonEPGreedy(const PolicyInput& in, PolicyScratch* sc, Decisions* dec) {
+bool GreedyFill(const PolicyInput& in, absl::Span<const int64_t> cap, PolicyScratch* sc,
+                Decisions* dec) {
   const PlannerConfig& c = *in.config;
   const int32_t R = c.num_ranks, S = c.slots, epn = c.num_experts / R;
-  if (S == 0 || R == 1) return absl::OkStatus();
-  BalancedCapacities(c, in.home_load, in.total, &sc->cap);
+  dec->Reset(R, c.num_experts, S, in.totals);
   sc->excess.assign(R, 0);
   sc->room.assign(R, 0);
   for (int32_t d = 0; d < R; ++d) {
-    const int64_t diff = in.home_load[d] - sc->cap[d];
+    const int64_t diff = in.home_load[d] - cap[d];
     if (diff > 0) sc->excess[d] = diff;
-    if (diff < 0) sc->room[d] = -diff;
+    if (diff < 0 && S > 0) sc->room[d] = -diff;
   }
   sc->order.resize(epn);
   while (true) {
@@ -66,7 +66,8 @@ absl::Status DecideMoonEPGreedy(const PolicyInput& in, PolicyScratch* sc, Decisi
       if (sc->excess[r] > 0 && (h < 0 || sc->excess[r] > sc->excess[h])) h = r;
       if (sc->room[r] > 0 && (d < 0 || sc->room[r] > sc->room[d])) d = r;
     }
-    if (h < 0 || d < 0) break;
+    if (h < 0) return true;
+    if (d < 0) return false;
     int64_t quota = std::min(sc->excess[h], sc->room[d]);
     // The group's experts, most remaining tokens first (ties by expert id).
     const int32_t* local = in.plan->local_experts.data() + static_cast<size_t>(h) * epn;
@@ -88,6 +89,13 @@ absl::Status DecideMoonEPGreedy(const PolicyInput& in, PolicyScratch* sc, Decisi
       sc->room[d] -= a;
     }
   }
+}
+
+absl::Status DecideMoonEPGreedy(const PolicyInput& in, PolicyScratch* sc, Decisions* dec) {
+  const PlannerConfig& c = *in.config;
+  if (c.slots == 0 || c.num_ranks == 1) return absl::OkStatus();
+  BalancedCapacities(c, in.home_load, in.total, &sc->cap);
+  GreedyFill(in, sc->cap, sc, dec);
   return absl::OkStatus();
 }
 

@@ -25,6 +25,7 @@ struct Balancer {
   PolicyScratch& sc;
   Decisions& dec;
   int32_t R, S, epn, rpn;
+  bool worst_fit;  // fallback variant: chunks go to the largest room instead of the tightest
   // Donors: sc.order2[i] = rank, sc.excess[i] = excess; their experts at sc.order[i*epn..],
   // sorted by remaining tokens, descending.
   int32_t num_donors = 0;
@@ -114,7 +115,7 @@ struct Balancer {
       if (best_chunk >= top.room) {
         if (!FillRoom(sc.rooms.size() - 1)) return false;
       } else {
-        if (!PlaceChunk(best, best_chunk)) return false;
+        if (!PlaceChunk(best, best_chunk) && !FillRoom(sc.rooms.size() - 1)) return false;
       }
     }
   }
@@ -157,8 +158,28 @@ struct Balancer {
         b_node = node;
       }
     }
+    if (bi >= 0) return Apply(bi, bj, k, y);
+    // Slot-bound fallback: no donor has y to spare, so a donor with an expert of >= y tokens gives
+    // y anyway (more than its excess) and becomes a receiver of what it over-gave.
+    for (int32_t i = 0; i < num_donors; ++i) {
+      if (sc.excess[i] == 0 || (bi >= 0 && sc.excess[i] <= sc.excess[bi])) continue;
+      const int32_t* ex = Experts(i);
+      for (int32_t j = 0; j < epn && Remaining(ex[j]) >= y; ++j) {
+        if (CanTake(d, ex[j], true)) {
+          bi = i;
+          bj = j;
+          break;
+        }
+      }
+    }
     if (bi < 0) return false;
-    return Apply(bi, bj, k, y);
+    const int64_t x = sc.excess[bi];
+    const int32_t h = sc.order2[bi];
+    sc.excess[bi] = y;  // Apply takes y; the rest becomes room on h below
+    if (!Apply(bi, bj, k, y)) return false;
+    const PolicyScratch::Room room{y - x, h};
+    sc.rooms.insert(std::upper_bound(sc.rooms.begin(), sc.rooms.end(), room, RoomLess), room);
+    return true;
   }
 
   // Places donor i's chunk whole into the receiver whose room fits it most tightly; when no room
@@ -168,6 +189,11 @@ struct Balancer {
     const int32_t h = sc.order2[i];
     const PolicyScratch::Room key{chunk, -1};
     const size_t first = std::lower_bound(sc.rooms.begin(), sc.rooms.end(), key, RoomLess) - sc.rooms.begin();
+    if (worst_fit) {
+      for (size_t k = sc.rooms.size(); k-- > first;) {
+        if (CanTake(sc.rooms[k].rank, e, sc.rooms[k].room == chunk)) return Apply(i, 0, k, chunk);
+      }
+    }
     size_t pick = sc.rooms.size();
     for (size_t k = first; k < sc.rooms.size(); ++k) {
       if (pick < sc.rooms.size() && sc.rooms[k].room != sc.rooms[pick].room) break;
@@ -190,12 +216,20 @@ struct Balancer {
 };
 
 bool TryBalance(const PolicyInput& in, absl::Span<const int64_t> cap, PolicyScratch* sc,
-                Decisions* dec) {
+                Decisions* dec, bool worst_fit) {
   const PlannerConfig& c = *in.config;
   dec->Reset(c.num_ranks, c.num_experts, c.slots, in.totals);
-  Balancer b{in, *sc, *dec, c.num_ranks, c.slots, c.num_experts / c.num_ranks, c.ranks_per_node};
+  Balancer b{in, *sc, *dec, c.num_ranks, c.slots, c.num_experts / c.num_ranks, c.ranks_per_node,
+             worst_fit};
   b.Init(cap);
   return b.Run();
+}
+
+// The best-fit procedure; when the slot limit defeats it, two fallbacks that spend slots
+// differently (largest room first; the published greedy order).
+bool TryAll(const PolicyInput& in, absl::Span<const int64_t> cap, PolicyScratch* sc, Decisions* dec) {
+  return TryBalance(in, cap, sc, dec, false) || TryBalance(in, cap, sc, dec, true) ||
+         GreedyFill(in, cap, sc, dec);
 }
 
 }  // namespace
@@ -205,7 +239,7 @@ absl::Status DecideMoonEP(const PolicyInput& in, PolicyScratch* sc, Decisions* d
   const int32_t R = c.num_ranks;
   if (R == 1 || c.slots == 0) return absl::OkStatus();
   BalancedCapacities(c, in.home_load, in.total, &sc->cap);
-  if (TryBalance(in, sc->cap, sc, dec)) return absl::OkStatus();
+  if (TryAll(in, sc->cap, sc, dec)) return absl::OkStatus();
 
   // The slot limit blocks perfect balance: find the smallest cap of the fastest rank, L, such
   // that capacities floor(L * w_d / w_max) are reachable.
@@ -228,10 +262,10 @@ absl::Status DecideMoonEP(const PolicyInput& in, PolicyScratch* sc, Decisions* d
   while (lo < hi) {
     const int64_t mid = lo + (hi - lo) / 2;
     caps_for(mid);
-    if (TryBalance(in, cap, sc, dec)) hi = mid; else lo = mid + 1;
+    if (TryAll(in, cap, sc, dec)) hi = mid; else lo = mid + 1;
   }
   caps_for(hi);
-  if (!TryBalance(in, cap, sc, dec)) {
+  if (!TryAll(in, cap, sc, dec)) {
     return Internal("moonep: no reachable capacity at L = %d", hi);
   }
   return absl::OkStatus();

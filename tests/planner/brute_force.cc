@@ -1,0 +1,106 @@
+#include "tests/planner/brute_force.h"
+
+#include <algorithm>
+#include <functional>
+#include <limits>
+
+namespace moonep::planner::testing {
+namespace {
+
+// Edmonds-Karp on a dense matrix (a handful of nodes).
+int64_t MaxFlow(std::vector<std::vector<int64_t>> cap, int s, int t) {
+  const int n = static_cast<int>(cap.size());
+  int64_t flow = 0;
+  std::vector<int> prev(n);
+  while (true) {
+    std::fill(prev.begin(), prev.end(), -1);
+    prev[s] = s;
+    std::vector<int> queue{s};
+    for (size_t q = 0; q < queue.size() && prev[t] < 0; ++q) {
+      const int u = queue[q];
+      for (int v = 0; v < n; ++v) {
+        if (prev[v] < 0 && cap[u][v] > 0) {
+          prev[v] = u;
+          queue.push_back(v);
+        }
+      }
+    }
+    if (prev[t] < 0) return flow;
+    int64_t push = std::numeric_limits<int64_t>::max();
+    for (int v = t; v != s; v = prev[v]) push = std::min(push, cap[prev[v]][v]);
+    for (int v = t; v != s; v = prev[v]) {
+      cap[prev[v]][v] -= push;
+      cap[v][prev[v]] += push;
+    }
+    flow += push;
+  }
+}
+
+}  // namespace
+
+BruteForceResult BruteForceMinReplicas(int R, int E, int slots, const std::vector<int>& home,
+                                       const std::vector<int64_t>& totals,
+                                       const std::vector<int64_t>& lo, const std::vector<int64_t>& hi,
+                                       int max_replicas) {
+  const int64_t kInf = int64_t{1} << 50;
+  // Nodes: s, experts, ranks, t, SS, TT (lower bounds via the usual reduction).
+  const int s = 0, t = E + R + 1, SS = E + R + 2, TT = E + R + 3, n = E + R + 4;
+  std::vector<std::pair<int, int>> pairs;  // candidate replicas (expert, rank)
+  for (int e = 0; e < E; ++e) {
+    if (totals[e] == 0) continue;
+    for (int d = 0; d < R; ++d) {
+      if (d != home[e]) pairs.push_back({e, d});
+    }
+  }
+  int64_t need = 0;
+  std::vector<std::vector<int64_t>> base(n, std::vector<int64_t>(n, 0));
+  for (int e = 0; e < E; ++e) {
+    base[SS][1 + e] += totals[e];
+    base[s][TT] += totals[e];
+    need += totals[e];
+    base[1 + e][1 + E + home[e]] = kInf;
+  }
+  for (int d = 0; d < R; ++d) {
+    base[1 + E + d][t] = hi[d] - lo[d];
+    base[SS][t] += lo[d];
+    base[1 + E + d][TT] += lo[d];
+    need += lo[d];
+  }
+  base[t][s] = kInf;
+  auto feasible = [&](const std::vector<int>& chosen) {
+    auto cap = base;
+    for (int i : chosen) cap[1 + pairs[i].first][1 + E + pairs[i].second] = kInf;
+    return MaxFlow(std::move(cap), SS, TT) == need;
+  };
+  BruteForceResult result;
+  std::vector<int> chosen, used(R, 0);
+  bool found = false;
+  std::function<void(int, int)> search = [&](int start, int k) {
+    if (found) return;
+    if (k == 0) {
+      found = feasible(chosen);
+      return;
+    }
+    for (int i = start; i + k <= static_cast<int>(pairs.size()) && !found; ++i) {
+      const int d = pairs[i].second;
+      if (used[d] >= slots) continue;
+      ++used[d];
+      chosen.push_back(i);
+      search(i + 1, k - 1);
+      chosen.pop_back();
+      --used[d];
+    }
+  };
+  const int most = std::min<int>(static_cast<int>(pairs.size()), R * slots);
+  for (int k = 0; k <= std::min(most, max_replicas); ++k) {
+    search(0, k);
+    if (found) {
+      result.min_replicas = k;
+      return result;
+    }
+  }
+  result.exhausted = max_replicas >= most;
+  return result;
+}
+
+}  // namespace moonep::planner::testing
