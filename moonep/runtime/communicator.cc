@@ -1,0 +1,283 @@
+#include "moonep/runtime/communicator.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "moonep/core/env.h"
+#include "moonep/core/logging.h"
+#include "moonep/core/status.h"
+
+namespace moonep::runtime {
+namespace {
+
+constexpr char kIdMagic[8] = {'M', 'O', 'O', 'N', 'E', 'P', 'I', 'D'};
+
+std::mutex g_mpi_mutex;
+bool g_we_initialized_mpi = false;
+int g_live_comms = 0;
+
+absl::Status MpiError(int code, const char* what) {
+  char text[MPI_MAX_ERROR_STRING] = {};
+  int length = 0;
+  MPI_Error_string(code, text, &length);
+  return SystemError("%s failed: %s", what, text);
+}
+
+bool ReadEnvInt(const char* name, int32_t* value) {
+  const char* text = std::getenv(name);
+  if (text == nullptr || *text == '\0') return false;
+  char* end = nullptr;
+  const long parsed = std::strtol(text, &end, 10);
+  if (*end != '\0' || parsed < 0 || parsed > INT32_MAX) return false;
+  *value = static_cast<int32_t>(parsed);
+  return true;
+}
+
+void ReleaseMpi() {
+  std::lock_guard<std::mutex> lock(g_mpi_mutex);
+  if (--g_live_comms == 0 && g_we_initialized_mpi) {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) MPI_Finalize();
+  }
+}
+
+}  // namespace
+
+absl::Status EnsureMpi() {
+  std::lock_guard<std::mutex> lock(g_mpi_mutex);
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (finalized) {
+    return InvalidUsage("MPI was already finalized (by the caller, or by MoonEP when its last "
+                        "communicator was destroyed); MPI cannot be initialized twice");
+  }
+  if (!initialized) {
+    int provided = 0;
+    const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
+    if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Init_thread");
+    g_we_initialized_mpi = true;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<LaunchInfo> ReadLaunchInfo() {
+  LaunchInfo info;
+  struct Source {
+    const char *rank, *size, *local, *name;
+  };
+  static const Source kSources[] = {
+      {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+       "OMPI_COMM_WORLD_*"},
+      {"PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "PMI_*"},
+      {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_*"},
+      {"RANK", "WORLD_SIZE", "LOCAL_RANK", "RANK/WORLD_SIZE"},
+  };
+  for (const Source& s : kSources) {
+    if (ReadEnvInt(s.rank, &info.rank) && ReadEnvInt(s.size, &info.size)) {
+      if (!ReadEnvInt(s.local, &info.local_rank)) info.local_rank = -1;
+      info.source = s.name;
+      if (info.size <= 0 || info.rank >= info.size) {
+        return InvalidArgument("launcher environment %s gives rank %d of size %d", s.name,
+                               info.rank, info.size);
+      }
+      return info;
+    }
+  }
+  return absl::NotFoundError(
+      "no launcher environment found (OMPI_COMM_WORLD_RANK/SIZE, PMI_RANK/SIZE, "
+      "SLURM_PROCID/NTASKS or RANK/WORLD_SIZE)");
+}
+
+UniqueId Communicator::NewUniqueId() {
+  UniqueId id;
+  std::memcpy(id.bytes, kIdMagic, sizeof(kIdMagic));
+  std::random_device device;
+  std::seed_seq seed{device(), device(), device(), device(), static_cast<unsigned>(getpid()),
+                     static_cast<unsigned>(
+                         std::chrono::steady_clock::now().time_since_epoch().count())};
+  std::mt19937_64 generator(seed);
+  for (size_t i = sizeof(kIdMagic); i + 8 <= sizeof(id.bytes); i += 8) {
+    const uint64_t word = generator();
+    std::memcpy(id.bytes + i, &word, 8);
+  }
+  return id;
+}
+
+absl::StatusOr<std::unique_ptr<Communicator>> Communicator::Adopt(MPI_Comm owned) {
+  std::unique_ptr<Communicator> comm(new Communicator());
+  {
+    std::lock_guard<std::mutex> lock(g_mpi_mutex);
+    ++g_live_comms;
+  }
+  comm->comm_ = owned;
+  int rank = 0, size = 0;
+  MPI_Comm_rank(owned, &rank);
+  MPI_Comm_size(owned, &size);
+  comm->rank_ = rank;
+  comm->size_ = size;
+  log::SetRank(rank);
+  const std::string& trace = param::TracePath();
+  if (!trace.empty()) MOONEP_RETURN_IF_ERROR(comm->SetTracePath(trace));
+  MOONEP_INFO("communicator: rank %d of %d", rank, size);
+  return comm;
+}
+
+absl::StatusOr<std::unique_ptr<Communicator>> Communicator::FromMpi(MPI_Comm comm) {
+  MOONEP_RETURN_IF_ERROR(EnsureMpi());
+  if (comm == MPI_COMM_NULL) return InvalidArgument("comm is MPI_COMM_NULL");
+  MPI_Comm dup = MPI_COMM_NULL;
+  const int rc = MPI_Comm_dup(comm, &dup);
+  if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Comm_dup");
+  MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN);
+  return Adopt(dup);
+}
+
+absl::StatusOr<std::unique_ptr<Communicator>> Communicator::FromUniqueId(const UniqueId& id,
+                                                                         int32_t size,
+                                                                         int32_t rank) {
+  MOONEP_RETURN_IF_ERROR(EnsureMpi());
+  // Local checks must not skip the collective split below, or the other processes would wait
+  // forever; a bad argument is carried through it as color/flag and reported by everyone.
+  absl::Status local = absl::OkStatus();
+  if (std::memcmp(id.bytes, kIdMagic, sizeof(kIdMagic)) != 0) {
+    local = InvalidArgument("id was not made by moonepGetUniqueId (bad magic)");
+  } else if (size <= 0) {
+    local = InvalidArgument("nranks is %d; must be positive", size);
+  } else if (rank < 0 || rank >= size) {
+    local = InvalidArgument("rank is %d; must be in [0, nranks = %d)", rank, size);
+  }
+  uint32_t hash = 2166136261u;  // FNV-1a of the id: processes with the same id share a color
+  for (char c : id.bytes) hash = (hash ^ static_cast<unsigned char>(c)) * 16777619u;
+  const int color = local.ok() ? static_cast<int>(hash & 0x3fffffff) : MPI_UNDEFINED;
+  MPI_Comm split = MPI_COMM_NULL;
+  const int rc = MPI_Comm_split(MPI_COMM_WORLD, color, local.ok() ? rank : 0, &split);
+  if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Comm_split(MPI_COMM_WORLD)");
+  if (!local.ok()) return local;
+  MPI_Comm_set_errhandler(split, MPI_ERRORS_RETURN);
+  int got_size = 0, got_rank = 0;
+  MPI_Comm_size(split, &got_size);
+  MPI_Comm_rank(split, &got_rank);
+  // Every member checks the same gathered data, so all reach the same verdict.
+  struct Member {
+    char id[kUniqueIdBytes];
+    int32_t rank, size;
+  } mine{};
+  std::memcpy(mine.id, id.bytes, sizeof(mine.id));
+  mine.rank = rank;
+  mine.size = size;
+  std::vector<Member> all(static_cast<size_t>(got_size));
+  MPI_Allgather(&mine, sizeof(Member), MPI_BYTE, all.data(), sizeof(Member), MPI_BYTE, split);
+  absl::Status verdict = absl::OkStatus();
+  for (int i = 0; i < got_size && verdict.ok(); ++i) {
+    if (std::memcmp(all[i].id, id.bytes, kUniqueIdBytes) != 0) {
+      verdict = Internal("unique id hash collision between two jobs; call moonepGetUniqueId again");
+    } else if (all[i].size != got_size) {
+      verdict = InvalidArgument(
+          "%d processes called moonepCommInitRank with this id, but the process with rank %d "
+          "passed nranks = %d", got_size, all[i].rank, all[i].size);
+    } else if (all[i].rank != i) {
+      verdict = InvalidArgument("ranks passed with this id are not 0..%d exactly once "
+                                "(rank %d is %s)", got_size - 1, i,
+                                i < got_size - 1 && all[i].rank == all[i + 1].rank
+                                    ? "given twice" : "missing");
+    }
+  }
+  (void)got_rank;
+  if (!verdict.ok()) {
+    MPI_Comm_free(&split);
+    return verdict;
+  }
+  return Adopt(split);
+}
+
+absl::StatusOr<std::unique_ptr<Communicator>> Communicator::FromEnvironment() {
+  MOONEP_ASSIGN_OR_RETURN(LaunchInfo info, ReadLaunchInfo());
+  MOONEP_RETURN_IF_ERROR(EnsureMpi());
+  int world = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  if (world != info.size) {
+    return Unavailable(
+        "%s says %d ranks but MPI_COMM_WORLD has %d: this process was not started by an MPI "
+        "launcher (mpirun/srun). The MPI backend needs one; launches without MPI (e.g. plain "
+        "torchrun) need the UCX or NCCL backend, not built yet", info.source, info.size, world);
+  }
+  MPI_Comm split = MPI_COMM_NULL;
+  const int rc = MPI_Comm_split(MPI_COMM_WORLD, 0, info.rank, &split);
+  if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Comm_split(MPI_COMM_WORLD)");
+  MPI_Comm_set_errhandler(split, MPI_ERRORS_RETURN);
+  return Adopt(split);
+}
+
+Communicator::~Communicator() {
+  replicas_.clear();
+  trace_.reset();
+  if (comm_ != MPI_COMM_NULL) {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) MPI_Comm_free(&comm_);
+  }
+  ReleaseMpi();
+}
+
+absl::StatusOr<SharedReplicas*> Communicator::Replicas(int32_t slots, int64_t hidden,
+                                                       int64_t intermediate, DType dtype,
+                                                       DType grad_dtype) {
+  auto key = std::make_tuple(slots, hidden, intermediate, static_cast<int32_t>(dtype),
+                             static_cast<int32_t>(grad_dtype));
+  auto it = replicas_.find(key);
+  if (it != replicas_.end()) return it->second.get();
+  auto shared = std::make_unique<SharedReplicas>();
+  MOONEP_ASSIGN_OR_RETURN(shared->buffer, compute::ReplicaBuffer::Create(
+                                              slots, hidden, intermediate, dtype, grad_dtype));
+  SharedReplicas* raw = shared.get();
+  replicas_.emplace(key, std::move(shared));
+  return raw;
+}
+
+size_t Communicator::ReplicaBytes() const {
+  size_t total = 0;
+  for (const auto& entry : replicas_) total += entry.second->buffer->total_bytes();
+  return total;
+}
+
+absl::Status Communicator::SetTracePath(const std::string& path) {
+  trace_.reset();
+  if (!path.empty() && rank_ == 0) trace_ = std::make_unique<TraceWriter>(path);
+  return absl::OkStatus();
+}
+
+absl::Status Communicator::Allgather(absl::Span<const char> bytes, std::string* out,
+                                     const char* phase) {
+  out->assign(bytes.size() * static_cast<size_t>(size_), '\0');
+  MPI_Request request = MPI_REQUEST_NULL;
+  int rc = MPI_Iallgather(bytes.data(), static_cast<int>(bytes.size()), MPI_BYTE, out->data(),
+                          static_cast<int>(bytes.size()), MPI_BYTE, comm_, &request);
+  if (rc != MPI_SUCCESS) return MpiError(rc, phase);
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(param::TimeoutMs());
+  int done = 0;
+  int spins = 0;
+  while (true) {
+    rc = MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS) return MpiError(rc, phase);
+    if (done) return absl::OkStatus();
+    if (std::chrono::steady_clock::now() > deadline) {
+      // The request cannot be cancelled portably; the communicator is unusable from here on.
+      return Timeout("%s: not every rank joined within MOONEP_TIMEOUT_MS = %d ms", phase,
+                     param::TimeoutMs());
+    }
+    if (++spins > 100) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+}  // namespace moonep::runtime

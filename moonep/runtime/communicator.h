@@ -1,0 +1,106 @@
+// The communicator: a group of ranks that run MoE layers together, built from an MPI_Comm, from a
+// unique id + rank + size (NCCL-style), or from the launcher's environment. It owns the MPI
+// communicator (always a duplicate), the routing-trace writer, and the replica buffers shared by
+// every layer of one shape.
+//
+// Backend note: the MPI transport is the only one built so far, so every path needs an MPI launch
+// (mpirun / srun). The unique-id and environment paths build the communicator out of
+// MPI_COMM_WORLD; a launch without MPI (plain torchrun) needs the UCX or NCCL backends.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "moonep/compute/compute_view.h"
+#include "moonep/runtime/trace_writer.h"
+
+namespace moonep::runtime {
+
+constexpr int kUniqueIdBytes = 128;
+struct UniqueId {
+  char bytes[kUniqueIdBytes] = {};
+};
+
+// The replica weight and gradient buffer shared by the layers of one shape on a communicator,
+// and which (layer, forward) last filled its weight slots, so a backward right after its own
+// forward skips the second prefetch.
+struct SharedReplicas {
+  std::unique_ptr<compute::ReplicaBuffer> buffer;
+  uint64_t loaded_by = 0;  // 0: nothing valid; else the token of the forward that prefetched
+};
+
+// Where this process sits according to the launcher's environment variables.
+struct LaunchInfo {
+  int32_t rank = -1, size = -1, local_rank = -1;
+  std::string source;  // "OMPI_COMM_WORLD_*", "PMI_*", "SLURM_*", "RANK/WORLD_SIZE"
+};
+// Reads OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK}, PMI_{RANK,SIZE}, SLURM_{PROCID,NTASKS,LOCALID}
+// and torchrun's RANK / WORLD_SIZE / LOCAL_RANK, in that order. NotFound when none is set.
+absl::StatusOr<LaunchInfo> ReadLaunchInfo();
+
+class Communicator {
+ public:
+  // Duplicates `comm` (collective over it).
+  static absl::StatusOr<std::unique_ptr<Communicator>> FromMpi(MPI_Comm comm);
+  // Every process of MPI_COMM_WORLD calls this together; the processes that pass the same id form
+  // one communicator, ordered by `rank`. Fails on every member when the ranks are not 0..size-1.
+  static absl::StatusOr<std::unique_ptr<Communicator>> FromUniqueId(const UniqueId& id,
+                                                                    int32_t size, int32_t rank);
+  // From ReadLaunchInfo(): MPI_COMM_WORLD ordered by the launcher's rank.
+  static absl::StatusOr<std::unique_ptr<Communicator>> FromEnvironment();
+  // A fresh id (random bytes and a magic); rank 0 makes it and shares it out of band.
+  static UniqueId NewUniqueId();
+
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  MPI_Comm mpi_comm() const { return comm_; }
+  int32_t rank() const { return rank_; }
+  int32_t size() const { return size_; }
+
+  // The replica buffer for layers of this shape, created on first use (local, not collective).
+  absl::StatusOr<SharedReplicas*> Replicas(int32_t slots, int64_t hidden, int64_t intermediate,
+                                           DType dtype, DType grad_dtype);
+  // Bytes held by every shared replica buffer.
+  size_t ReplicaBytes() const;
+
+  // Routing traces (rank 0 writes; see docs/trace-format.md). Opened from MOONEP_TRACE at
+  // creation; SetTracePath("") turns tracing off.
+  absl::Status SetTracePath(const std::string& path);
+  TraceWriter* trace() { return trace_.get(); }
+
+  // Layer ids for traces, in creation order.
+  int32_t NextLayerId() { return next_layer_id_++; }
+  // A process-unique token for "which forward filled the replica slots".
+  uint64_t NextToken() { return ++token_; }
+
+  // Agreement helper: allgathers `bytes` from every rank with a deadline of MOONEP_TIMEOUT_MS
+  // (Timeout naming the phase when a rank does not join). out gets size() * bytes.size() bytes.
+  absl::Status Allgather(absl::Span<const char> bytes, std::string* out, const char* phase);
+
+ private:
+  Communicator() = default;
+  static absl::StatusOr<std::unique_ptr<Communicator>> Adopt(MPI_Comm owned);
+
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int32_t rank_ = 0, size_ = 0;
+  int32_t next_layer_id_ = 0;
+  uint64_t token_ = 0;
+  std::unique_ptr<TraceWriter> trace_;
+  std::map<std::tuple<int32_t, int64_t, int64_t, int32_t, int32_t>, std::unique_ptr<SharedReplicas>>
+      replicas_;
+};
+
+// Initialises MPI (MPI_THREAD_SERIALIZED or better) when the caller has not; MoonEP then finalizes
+// it when its last communicator is destroyed.
+absl::Status EnsureMpi();
+
+}  // namespace moonep::runtime

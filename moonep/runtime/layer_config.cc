@@ -1,0 +1,141 @@
+#include "moonep/runtime/layer_config.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_join.h"
+#include "moonep/core/status.h"
+#include "moonep/runtime/communicator.h"
+
+namespace moonep::runtime {
+
+absl::Status CheckLayerConfig(const LayerConfig& c, int32_t num_ranks, bool need_executor) {
+  MOONEP_CHECK_ARG(c.num_experts > 0, "num_experts is %d; must be positive", c.num_experts);
+  MOONEP_CHECK_ARG(c.num_experts % num_ranks == 0,
+                   "num_experts = %d is not a multiple of the number of ranks (%d)",
+                   c.num_experts, num_ranks);
+  MOONEP_CHECK_ARG(c.top_k > 0 && c.top_k <= c.num_experts,
+                   "top_k is %d; must be in [1, num_experts = %d]", c.top_k, c.num_experts);
+  MOONEP_CHECK_ARG(c.hidden > 0, "hidden is %d; must be positive", c.hidden);
+  if (need_executor) {
+    MOONEP_CHECK_ARG(c.intermediate > 0, "intermediate is %d; must be positive", c.intermediate);
+  } else {
+    MOONEP_CHECK_ARG(c.intermediate >= 0, "intermediate is %d; must not be negative",
+                     c.intermediate);
+  }
+  MOONEP_CHECK_ARG(IsValidDType(static_cast<int32_t>(c.dtype)), "dtype %d is not a MoonEP dtype",
+                   static_cast<int32_t>(c.dtype));
+  MOONEP_CHECK_ARG(IsValidDType(static_cast<int32_t>(c.grad_dtype)),
+                   "grad_dtype %d is not a MoonEP dtype", static_cast<int32_t>(c.grad_dtype));
+  MOONEP_CHECK_ARG(c.grad_dtype == DType::kFloat32 || c.grad_dtype == c.dtype,
+                   "grad_dtype must be fp32 or the layer dtype");
+  MOONEP_CHECK_ARG(c.slots >= -1, "slots is %d; must be -1 (E/R) or >= 0", c.slots);
+  MOONEP_CHECK_ARG(c.pad_multiple >= 1, "pad_multiple is %d; must be >= 1", c.pad_multiple);
+  MOONEP_CHECK_ARG(c.ranks_per_node >= 0, "ranks_per_node is %d; must be >= 0", c.ranks_per_node);
+  MOONEP_CHECK_ARG(c.eplb_period >= 1, "eplb_period is %d; must be >= 1", c.eplb_period);
+  MOONEP_CHECK_ARG(c.device == Device::kCpu,
+                   "device: only the CPU executor and MPI transport are built (CUDA comes with the "
+                   "NCCL backend)");
+  MOONEP_CHECK_ARG(c.max_tokens > 0, "max_tokens is %d; must be positive (it sizes every buffer)",
+                   c.max_tokens);
+  MOONEP_CHECK_ARG(c.max_recv_rows >= 0, "max_recv_rows is %d; must be >= 0", c.max_recv_rows);
+  MOONEP_CHECK_ARG(c.max_inflight >= 1, "max_inflight is %d; must be >= 1", c.max_inflight);
+  MOONEP_CHECK_ARG(c.num_threads >= 0, "num_threads is %d; must be >= 0", c.num_threads);
+  return absl::OkStatus();
+}
+
+int64_t RecvCapacityRows(const LayerConfig& c, int32_t num_ranks) {
+  if (c.max_recv_rows > 0) return c.max_recv_rows;
+  const int64_t epn = c.num_experts / std::max(num_ranks, 1);
+  const int64_t slots = c.slots < 0 ? epn : c.slots;
+  const int64_t groups = epn + slots;
+  // A token sends at most one row per expert that this rank computes, and there are G of them.
+  return static_cast<int64_t>(num_ranks) * c.max_tokens * std::min<int64_t>(c.top_k, groups) +
+         groups * (c.pad_multiple - 1);
+}
+
+namespace {
+
+// The fields every rank must agree on, as plain integers (fixed layout on the wire).
+struct Fingerprint {
+  int32_t valid;
+  int32_t num_experts, top_k;
+  int64_t hidden, intermediate;
+  int32_t dtype, grad_dtype, slots, pad_multiple, policy, ranks_per_node, eplb_period, device,
+      max_inflight;
+};
+
+}  // namespace
+
+absl::Status AgreeOnConfig(Communicator* comm, const LayerConfig& c,
+                           const absl::Status& local_verdict, const char* what) {
+  Fingerprint mine;
+  std::memset(&mine, 0, sizeof(mine));
+  mine.valid = local_verdict.ok() ? 1 : 0;
+  mine.num_experts = c.num_experts;
+  mine.top_k = c.top_k;
+  mine.hidden = c.hidden;
+  mine.intermediate = c.intermediate;
+  mine.dtype = static_cast<int32_t>(c.dtype);
+  mine.grad_dtype = static_cast<int32_t>(c.grad_dtype);
+  mine.slots = c.slots;
+  mine.pad_multiple = c.pad_multiple;
+  mine.policy = static_cast<int32_t>(c.policy);
+  mine.ranks_per_node = c.ranks_per_node;
+  mine.eplb_period = c.eplb_period;
+  mine.device = static_cast<int32_t>(c.device);
+  mine.max_inflight = c.max_inflight;
+  std::string gathered;
+  MOONEP_RETURN_IF_ERROR(comm->Allgather(
+      absl::Span<const char>(reinterpret_cast<const char*>(&mine), sizeof(mine)), &gathered,
+      what));
+  std::vector<Fingerprint> all(static_cast<size_t>(comm->size()));
+  std::memcpy(all.data(), gathered.data(), gathered.size());
+
+  std::vector<int> bad;
+  for (int r = 0; r < comm->size(); ++r) {
+    if (!all[r].valid) bad.push_back(r);
+  }
+  if (!bad.empty()) {
+    if (!local_verdict.ok()) return local_verdict;
+    return RemoteError("%s: the config is invalid on rank(s) %s (see their error)", what,
+                       absl::StrJoin(bad, ","));
+  }
+  struct Field {
+    const char* name;
+    int64_t (*get)(const Fingerprint&);
+  };
+  static const Field kFields[] = {
+      {"num_experts", [](const Fingerprint& f) -> int64_t { return f.num_experts; }},
+      {"top_k", [](const Fingerprint& f) -> int64_t { return f.top_k; }},
+      {"hidden", [](const Fingerprint& f) -> int64_t { return f.hidden; }},
+      {"intermediate", [](const Fingerprint& f) -> int64_t { return f.intermediate; }},
+      {"dtype", [](const Fingerprint& f) -> int64_t { return f.dtype; }},
+      {"grad_dtype", [](const Fingerprint& f) -> int64_t { return f.grad_dtype; }},
+      {"slots", [](const Fingerprint& f) -> int64_t { return f.slots; }},
+      {"pad_multiple", [](const Fingerprint& f) -> int64_t { return f.pad_multiple; }},
+      {"policy", [](const Fingerprint& f) -> int64_t { return f.policy; }},
+      {"ranks_per_node", [](const Fingerprint& f) -> int64_t { return f.ranks_per_node; }},
+      {"eplb_period", [](const Fingerprint& f) -> int64_t { return f.eplb_period; }},
+      {"device", [](const Fingerprint& f) -> int64_t { return f.device; }},
+      {"max_inflight", [](const Fingerprint& f) -> int64_t { return f.max_inflight; }},
+  };
+  for (const Field& field : kFields) {
+    const int64_t first = field.get(all[0]);
+    for (int r = 1; r < comm->size(); ++r) {
+      const int64_t value = field.get(all[r]);
+      if (value != first) {
+        // Everyone builds the same message from the same gathered data.
+        return InvalidArgument(
+            "%s: config differs between ranks: %s is %d on rank 0 but %d on rank %d "
+            "(every rank must pass the same layer config)",
+            what, field.name, first, value, r);
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace moonep::runtime

@@ -1,0 +1,54 @@
+// The configuration of a MoE layer (and of an EP buffer, which uses the routing part of it), its
+// local checks, and the check that every rank of a communicator passed the same values.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "moonep/core/dtype.h"
+#include "moonep/core/tensor.h"
+#include "planner/plan.h"
+
+namespace moonep::runtime {
+
+class Communicator;
+
+struct LayerConfig {
+  int32_t num_experts = 0;    // E, a multiple of the number of ranks
+  int32_t top_k = 0;          // K
+  int64_t hidden = 0;         // H
+  int64_t intermediate = 0;   // I (0 for an EP buffer, which has no executor)
+  DType dtype = DType::kFloat32;       // x, y, weights, dispatched rows
+  DType grad_dtype = DType::kFloat32;  // weight gradients the caller binds
+  int32_t slots = -1;         // replica slots per rank (-1: E / R)
+  int32_t pad_multiple = 1;   // rows of each expert group padded to a multiple of this
+  planner::Policy policy = planner::Policy::kMoonEP;
+  int32_t ranks_per_node = 0; // 0: flat topology
+  int32_t eplb_period = 1;
+  Device device = Device::kCpu;
+  // Static memory: the largest token count this rank will pass (may differ between ranks).
+  int64_t max_tokens = 0;
+  // Rows this rank's dispatch buffer holds; 0: the worst case R * max_tokens * min(K, G) plus
+  // padding, which no routing can exceed. A smaller value (e.g. the balanced bound, see
+  // docs/runtime.md) saves memory; a step that needs more fails with OutOfMemory on every rank.
+  int64_t max_recv_rows = 0;
+  int32_t max_inflight = 1;   // forward handles alive at once (micro-batches before backward)
+  int32_t layer_id = -1;      // id in routing traces; -1: creation order on the communicator
+  int32_t num_threads = 0;    // executor threads; 0: MOONEP_NUM_THREADS, else every core
+};
+
+// Local checks; `need_executor` requires I > 0. Errors name the field.
+absl::Status CheckLayerConfig(const LayerConfig& config, int32_t num_ranks, bool need_executor);
+
+// Collective: every rank sends its local verdict and the fields that must agree (all but
+// max_tokens, max_recv_rows, layer_id, num_threads). On disagreement every rank fails with the
+// same message naming the field and the ranks (InvalidArgument on a rank whose own config is
+// bad, RemoteError naming it on the others).
+absl::Status AgreeOnConfig(Communicator* comm, const LayerConfig& config,
+                           const absl::Status& local_verdict, const char* what);
+
+// The resolved receive capacity (rows) of this rank.
+int64_t RecvCapacityRows(const LayerConfig& config, int32_t num_ranks);
+
+}  // namespace moonep::runtime

@@ -1,0 +1,154 @@
+// One MoE layer step on a communicator: the only place that drives planner, transport and
+// executor together.
+//
+//   forward:  count -> allgather counts -> plan -> prefetch (async) || dispatch
+//             -> executor on the home groups -> wait prefetch -> executor on the replica groups
+//             -> combine (y[t] = sum_k w[t,k] FFN_e(t,k)(x[t]), fp32 accumulation)
+//   backward: dispatch dy (combine-backward) -> d topk_weights = <dy[t], FFN_e(t,k)(x[t])>
+//             -> dy rows scaled by their top-k weight -> executor backward (home groups, then
+//             replica groups once their weights are present) -> gradient reduction of replica
+//             slots into the home experts' gradients (async) || combine dx (dispatch-backward)
+//
+// Every call is collective: all ranks of the communicator call the same layers' Forward /
+// Backward / Release in the same order. The plan is made once per forward and reused by its
+// backward through the handle.
+//
+// Memory, all allocated by Create / BindParameters, never during a step (cap = receive capacity
+// rows, see LayerConfig::max_recv_rows; d = dtype bytes):
+//   per in-flight handle: x rows + expert output rows 2 * cap * H * d, row weights cap * 4,
+//                         the plan and layouts O(E + R * slots + max_tokens * K)
+//   per layer:            dy rows + dx rows 2 * cap * H * d, executor workspace, transport staging
+//   per communicator and layer shape (shared by every layer of that shape):
+//                         replica weights + gradients slots * 3 * H * I * (d + grad d)
+// Weights and weight gradients stay the caller's and are read / accumulated in place.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "moonep/compute/compute_view.h"
+#include "moonep/compute/executor.h"
+#include "moonep/core/tensor.h"
+#include "moonep/runtime/communicator.h"
+#include "moonep/runtime/layer_config.h"
+#include "planner/planner.h"
+#include "transport/transport.h"
+
+namespace moonep::runtime {
+
+enum class Phase : int32_t {
+  kCounts = 0,       // routing check + counts allgather
+  kPlan,             // planner
+  kDispatch,         // x rows to their compute ranks
+  kComputeHome,      // executor on the home groups
+  kPrefetchWait,     // time spent waiting for replica weights after the home groups
+  kComputeReplica,   // executor on the replica groups
+  kCombine,          // expert outputs back, weighted sum
+  kBackwardDispatch, // dy rows to the compute ranks (combine-backward)
+  kTopkGrad,         // d topk_weights
+  kBackwardCompute,  // executor backward, home and replica groups
+  kBackwardCombine,  // dx rows back (dispatch-backward)
+  kReduce,           // wait for the replica gradient reduction
+  kNumPhases,
+};
+const char* PhaseName(Phase phase);
+
+struct StepStats {
+  int64_t step = 0;            // forwards made by this layer so far (1 for the first)
+  int64_t tokens = 0;          // this rank's tokens in the last forward
+  planner::PlanStats plan;     // global: loads before/after, replicas, rows, bytes (as planned)
+  int64_t rows_computed = 0;   // rows this rank's executor computed (no padding)
+  int64_t rank_rows = 0;       // rows of this rank's compute layout (padding included)
+  // Transport counters of this rank for the last forward (counts, dispatch, combine, prefetch)
+  // and the last backward (backward forms, prefetch, reduce), indexed by transport::OpKind.
+  transport::OpCounters ops[static_cast<int>(transport::OpKind::kNumKinds)];
+  double seconds[static_cast<int>(Phase::kNumPhases)] = {};
+  double forward_seconds = 0, backward_seconds = 0;
+};
+
+// A forward's handle: which saved context, and which use of it (stale handles are refused).
+struct LayerHandle {
+  int32_t index = -1;
+  uint64_t generation = 0;
+};
+
+class MoeLayer {
+ public:
+  // Collective over comm: checks the config on every rank and that all ranks agree, then sizes
+  // every buffer. `comm` must outlive the layer.
+  static absl::StatusOr<std::unique_ptr<MoeLayer>> Create(Communicator* comm,
+                                                          const LayerConfig& config);
+  ~MoeLayer();
+
+  // The caller's parameters of this rank's epn home experts (plan.local_experts order, i.e.
+  // experts rank*epn .. rank*epn+epn-1 with default placement), and their gradients (empty for a
+  // forward-only layer). Local; may be called again to rebind.
+  absl::Status BindParameters(absl::Span<const compute::ExpertParams> weights,
+                              absl::Span<const compute::ExpertParams> grads);
+
+  // x [T, H] and y [T, H] of the layer dtype, topk_ids / topk_weights [T * K]. T may differ
+  // between ranks and steps (<= max_tokens). Returns the handle Backward or Release takes.
+  absl::StatusOr<LayerHandle> Forward(int64_t num_tokens, const TensorView& x,
+                                      absl::Span<const int32_t> topk_ids,
+                                      absl::Span<const float> topk_weights, const TensorView& y);
+  // Accumulates weight gradients into the bound gradients, writes dx [T, H] and
+  // d_topk_weights [T * K] (0 where the id is -1), and releases the handle.
+  absl::Status Backward(LayerHandle handle, const TensorView& dy, const TensorView& dx,
+                        absl::Span<float> d_topk_weights);
+  // Releases a forward's handle without backward (inference). Local.
+  absl::Status Release(LayerHandle handle);
+
+  const LayerConfig& config() const { return config_; }
+  const StepStats& stats() const { return stats_; }
+  // The plan of a live handle (for tests and tools).
+  absl::StatusOr<const planner::Plan*> PlanOf(LayerHandle handle) const;
+  int64_t recv_capacity_rows() const { return capacity_; }
+  // Bytes this layer allocated (not the shared replica buffer: Communicator::ReplicaBytes()).
+  size_t MemoryBytes() const;
+  // False once a failure left the transport unusable; every later call then fails.
+  bool usable() const { return broken_.ok(); }
+
+ private:
+  struct Context;
+  MoeLayer() = default;
+  absl::StatusOr<Context*> Lookup(LayerHandle handle) const;
+  absl::Status Fail(absl::Status status);  // marks the layer unusable when the transport is
+  absl::Status RunForward(Context* ctx, const TensorView& x, absl::Span<const int32_t> ids,
+                          absl::Span<const float> weights, const TensorView& y);
+  absl::Status RunBackward(Context* ctx, const TensorView& dy, const TensorView& dx,
+                           absl::Span<float> d_topk_weights);
+  absl::Status BuildViews(Context* ctx, bool need_grads);
+  absl::StatusOr<transport::RequestPtr> StartPrefetchIfNeeded(Context* ctx);
+  absl::Status Compute(Context* ctx, bool backward, transport::Request* prefetch,
+                       const TensorView& in_rows, const TensorView& grad_rows,
+                       const TensorView& out_rows);
+
+  Communicator* comm_ = nullptr;
+  LayerConfig config_;
+  int32_t epn_ = 0, slots_ = 0, layer_id_ = 0;
+  int64_t capacity_ = 0;
+  size_t row_bytes_ = 0;
+  absl::Status broken_;
+
+  std::unique_ptr<transport::Transport> transport_;
+  std::unique_ptr<planner::Planner> planner_;
+  std::unique_ptr<compute::Executor> executor_;
+  SharedReplicas* replicas_ = nullptr;
+
+  bool bound_ = false, grads_bound_ = false;
+  std::vector<compute::ExpertParams> weights_, grads_;
+  std::vector<TensorView> home_weight_blocks_, home_grad_blocks_;
+  std::vector<TensorView> slot_weight_blocks_, slot_grad_blocks_;
+
+  std::vector<std::unique_ptr<Context>> contexts_;
+  uint64_t next_generation_ = 0;
+  std::vector<char> dy_rows_, dx_rows_;
+  std::vector<float> dtopk_scratch_;  // d topk_weights when the caller passes none
+  StepStats stats_;
+};
+
+}  // namespace moonep::runtime

@@ -1,0 +1,319 @@
+// The distributed MoE layer against the fp64 reference, on 1..8 ranks, for every planner policy:
+// forward y, backward dx, d topk_weights and weight gradients (replica gradients reduced into
+// their home experts), bit-identical repeats, micro-batch accumulation, config agreement.
+#include <mpi.h>
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "moonep/core/status.h"
+#include "moonep/runtime/communicator.h"
+#include "moonep/runtime/moe_layer.h"
+#include "planner/plan.h"
+#include "tests/harness/mpi_test.h"
+#include "tests/runtime/layer_problem.h"
+
+namespace moonep::testing {
+namespace {
+
+using runtime::Communicator;
+using runtime::LayerConfig;
+using runtime::LayerHandle;
+using runtime::MoeLayer;
+
+constexpr int32_t kTopK = 3;
+constexpr int64_t kHidden = 16, kInter = 8, kBaseTokens = 24;
+
+class MoeLayerTest : public MpiTest {
+ protected:
+  void SetUp() override {
+    auto comm = Communicator::FromMpi(MPI_COMM_WORLD);
+    ASSERT_TRUE(comm.ok()) << comm.status();
+    comm_ = std::move(*comm);
+  }
+  void TearDown() override {
+    comm_.reset();
+    MpiTest::TearDown();
+  }
+
+  // Experts per rank: 4 on one rank so that E >= K, else 2.
+  int32_t epn() const { return size() == 1 ? 4 : 2; }
+
+  LayerConfig Config(DType dtype, planner::Policy policy) const {
+    LayerConfig c;
+    c.num_experts = epn() * size();
+    c.top_k = kTopK;
+    c.hidden = kHidden;
+    c.intermediate = kInter;
+    c.dtype = dtype;
+    c.policy = policy;
+    c.max_tokens = kBaseTokens + 8;
+    c.num_threads = 1;
+    return c;
+  }
+
+  struct Errors {
+    double y = 0, dx = 0, dtopk = 0, dw = 0;
+  };
+
+  // One forward + backward of `t` on `layer`, compared with the reference of the whole problem.
+  void StepAndCompare(MoeLayer* layer, const GlobalProblem& g, RankTensors* t, DType dtype,
+                      Errors* err) {
+    auto h = RunForward(layer, t, dtype, kHidden);
+    ASSERT_TRUE(h.ok()) << h.status();
+    ASSERT_TRUE(RunBackward(layer, *h, t, dtype, kHidden).ok());
+    reference::ForwardResult f;
+    reference::BackwardResult b;
+    ASSERT_TRUE(reference::Forward(g.shape, g.p.weights, g.total, g.p.x, g.p.topk_ids,
+                                   g.p.topk_weights, &f).ok());
+    ASSERT_TRUE(reference::Backward(g.shape, g.p.weights, g.total, g.p.x, g.p.topk_ids,
+                                    g.p.topk_weights, g.p.dy, &b).ok());
+    const int64_t o = g.offset[rank()], T = t->tokens;
+    err->y = RelError(Decode(t->y, dtype), f.y.data() + o * kHidden, T * kHidden);
+    err->dx = RelError(Decode(t->dx, dtype), b.dx.data() + o * kHidden, T * kHidden);
+    std::vector<double> dtopk(t->dtopk.begin(), t->dtopk.end());
+    err->dtopk = RelError(dtopk, b.dtopk_weights.data() + o * kTopK, T * kTopK);
+    const size_t block = kHidden * kInter, first = rank() * epn() * block;
+    for (auto pair : {std::make_pair(&t->gg, &b.dwg), std::make_pair(&t->gu, &b.dwu),
+                      std::make_pair(&t->gd, &b.dwd)}) {
+      std::vector<double> got(pair.first->begin(), pair.first->end());
+      err->dw = std::max(err->dw, RelError(got, pair.second->data() + first, epn() * block));
+    }
+  }
+
+  std::unique_ptr<Communicator> comm_;
+};
+
+const planner::Policy kPolicies[] = {
+    planner::Policy::kNone,         planner::Policy::kMoonEP,
+    planner::Policy::kMoonEPGreedy, planner::Policy::kEplb,
+    planner::Policy::kFasterMoEShadow, planner::Policy::kTestForceReplicas};
+
+TEST_F(MoeLayerTest, EveryPolicyMatchesReference) {
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    const double tol = dtype == DType::kFloat32 ? 1e-5 : 1e-2;
+    for (planner::Policy policy : kPolicies) {
+      SCOPED_TRACE(std::string(planner::PolicyName(policy)) + " " + DTypeName(dtype));
+      GlobalProblem g = MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kBaseTokens, dtype,
+                                          100 + static_cast<int>(policy));
+      LayerConfig config = Config(dtype, policy);
+      if (policy == planner::Policy::kTestForceReplicas) config.pad_multiple = 4;
+      auto layer = MoeLayer::Create(comm_.get(), config);
+      ASSERT_TRUE(layer.ok()) << layer.status();
+      RankTensors t = MakeRankTensors(g, rank(), dtype);
+      ASSERT_TRUE((*layer)->BindParameters(t.params, t.grads).ok());
+      Errors err;
+      StepAndCompare(layer->get(), g, &t, dtype, &err);
+      if (rank() == 0) std::printf("%-20s %s y %.2e dx %.2e dtopk %.2e dw %.2e replicas %d max %ld/%ld\n", planner::PolicyName(policy), DTypeName(dtype), err.y, err.dx, err.dtopk, err.dw, (*layer)->stats().plan.replicas, (long)(*layer)->stats().plan.max_load_before, (long)(*layer)->stats().plan.max_load_after);
+      EXPECT_LT(err.y, tol);
+      EXPECT_LT(err.dx, tol);
+      EXPECT_LT(err.dtopk, tol);
+      EXPECT_LT(err.dw, tol);
+      const auto& stats = (*layer)->stats();
+      EXPECT_EQ(stats.plan.total_tokens,
+                std::count_if(g.p.topk_ids.begin(), g.p.topk_ids.end(),
+                              [](int32_t e) { return e >= 0; }));
+      if (policy == planner::Policy::kTestForceReplicas && size() > 1) {
+        EXPECT_GT(stats.plan.replicas, 0);
+      }
+      if (policy == planner::Policy::kMoonEP) {
+        // Perfect balance: every rank computes ceil or floor of the mean.
+        EXPECT_LE(stats.plan.max_load_after,
+                  static_cast<int64_t>(std::ceil(stats.plan.mean_load)));
+      }
+    }
+  }
+}
+
+TEST_F(MoeLayerTest, RepeatsAreBitIdentical) {
+  const DType dtype = DType::kFloat32;
+  GlobalProblem g = MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kBaseTokens, dtype, 7);
+  auto layer = MoeLayer::Create(comm_.get(), Config(dtype, planner::Policy::kTestForceReplicas));
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  std::vector<RankTensors> runs;
+  for (int i = 0; i < 2; ++i) {
+    runs.push_back(MakeRankTensors(g, rank(), dtype));
+    RankTensors& t = runs.back();
+    ASSERT_TRUE((*layer)->BindParameters(t.params, t.grads).ok());
+    auto h = RunForward(layer->get(), &t, dtype, kHidden);
+    ASSERT_TRUE(h.ok()) << h.status();
+    ASSERT_TRUE(RunBackward(layer->get(), *h, &t, dtype, kHidden).ok());
+  }
+  EXPECT_EQ(runs[0].y, runs[1].y);
+  EXPECT_EQ(runs[0].dx, runs[1].dx);
+  EXPECT_EQ(runs[0].dtopk, runs[1].dtopk);
+  EXPECT_EQ(runs[0].gg, runs[1].gg);
+  EXPECT_EQ(runs[0].gu, runs[1].gu);
+  EXPECT_EQ(runs[0].gd, runs[1].gd);
+}
+
+TEST_F(MoeLayerTest, TwoMicroBatchesAccumulate) {
+  const DType dtype = DType::kFloat32;
+  LayerConfig config = Config(dtype, planner::Policy::kMoonEP);
+  config.max_inflight = 2;
+  auto layer = MoeLayer::Create(comm_.get(), config);
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  GlobalProblem g1 = MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kBaseTokens, dtype, 11);
+  GlobalProblem g2 = MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kBaseTokens - 5,
+                                       dtype, 11);  // same weights (same seed), other tokens
+  SkewedRouting(g2.total, epn() * size(), kTopK, 2.0, 0.1, 99, &g2.p.topk_ids, &g2.p.topk_weights);
+  for (double& w : g2.p.topk_weights) w = static_cast<float>(w);
+  RankTensors t1 = MakeRankTensors(g1, rank(), dtype);
+  RankTensors t2 = MakeRankTensors(g2, rank(), dtype);
+  ASSERT_TRUE((*layer)->BindParameters(t1.params, t1.grads).ok());
+  // Pipeline order: both forwards, then the backwards in reverse.
+  auto h1 = RunForward(layer->get(), &t1, dtype, kHidden);
+  ASSERT_TRUE(h1.ok()) << h1.status();
+  auto h2 = RunForward(layer->get(), &t2, dtype, kHidden);
+  ASSERT_TRUE(h2.ok()) << h2.status();
+  auto h3 = RunForward(layer->get(), &t2, dtype, kHidden);
+  EXPECT_EQ(ToResult(h3.status()), moonepInvalidUsage) << h3.status();  // only 2 in flight
+  ASSERT_TRUE(RunBackward(layer->get(), *h2, &t2, dtype, kHidden).ok());
+  ASSERT_TRUE(RunBackward(layer->get(), *h1, &t1, dtype, kHidden).ok());
+  EXPECT_EQ(ToResult(RunBackward(layer->get(), *h1, &t1, dtype, kHidden)), moonepInvalidUsage);
+
+  reference::BackwardResult b1, b2;
+  ASSERT_TRUE(reference::Backward(g1.shape, g1.p.weights, g1.total, g1.p.x, g1.p.topk_ids,
+                                  g1.p.topk_weights, g1.p.dy, &b1).ok());
+  ASSERT_TRUE(reference::Backward(g2.shape, g2.p.weights, g2.total, g2.p.x, g2.p.topk_ids,
+                                  g2.p.topk_weights, g2.p.dy, &b2).ok());
+  const size_t block = kHidden * kInter, first = rank() * epn() * block;
+  for (auto pair : {std::make_tuple(&t1.gg, &b1.dwg, &b2.dwg), std::make_tuple(&t1.gu, &b1.dwu, &b2.dwu),
+                    std::make_tuple(&t1.gd, &b1.dwd, &b2.dwd)}) {
+    std::vector<double> got(std::get<0>(pair)->begin(), std::get<0>(pair)->end());
+    std::vector<double> want(epn() * block);
+    for (size_t i = 0; i < want.size(); ++i) {
+      want[i] = (*std::get<1>(pair))[first + i] + (*std::get<2>(pair))[first + i];
+    }
+    EXPECT_LT(RelError(got, want.data(), want.size()), 1e-5);
+  }
+  const int64_t o2 = g2.offset[rank()];
+  EXPECT_LT(RelError(Decode(t2.dx, dtype), b2.dx.data() + o2 * kHidden, t2.tokens * kHidden), 1e-5);
+}
+
+TEST_F(MoeLayerTest, ConfigMismatchFailsOnEveryRank) {
+  struct Case {
+    const char* field;
+    void (*mutate)(LayerConfig*);
+  };
+  const Case cases[] = {
+      {"num_experts", [](LayerConfig* c) { c->num_experts *= 2; }},
+      {"top_k", [](LayerConfig* c) { c->top_k = 1; }},
+      {"hidden", [](LayerConfig* c) { c->hidden += 8; }},
+      {"dtype", [](LayerConfig* c) { c->dtype = DType::kBFloat16; }},
+  };
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.field);
+    LayerConfig config = Config(DType::kFloat32, planner::Policy::kMoonEP);
+    if (rank() == size() - 1) k.mutate(&config);
+    auto layer = MoeLayer::Create(comm_.get(), config);
+    if (size() == 1) {
+      EXPECT_TRUE(layer.ok()) << layer.status();
+      continue;
+    }
+    ASSERT_FALSE(layer.ok());
+    EXPECT_EQ(ToResult(layer.status()), moonepInvalidArgument);
+    EXPECT_NE(std::string(layer.status().message()).find(k.field), std::string::npos)
+        << layer.status();
+  }
+  // A config that is invalid on one rank fails there with the reason, and remotely elsewhere.
+  LayerConfig config = Config(DType::kFloat32, planner::Policy::kMoonEP);
+  if (rank() == 0) config.max_tokens = 0;
+  auto layer = MoeLayer::Create(comm_.get(), config);
+  ASSERT_FALSE(layer.ok());
+  if (rank() == 0) {
+    EXPECT_NE(std::string(layer.status().message()).find("max_tokens"), std::string::npos);
+  } else {
+    EXPECT_EQ(ToResult(layer.status()), moonepRemoteError) << layer.status();
+  }
+}
+
+TEST_F(MoeLayerTest, BadRoutingFailsEverywhereAndLayerStaysUsable) {
+  const DType dtype = DType::kFloat32;
+  GlobalProblem g = MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kBaseTokens, dtype, 5);
+  auto layer = MoeLayer::Create(comm_.get(), Config(dtype, planner::Policy::kMoonEP));
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  RankTensors t = MakeRankTensors(g, rank(), dtype);
+  ASSERT_TRUE((*layer)->BindParameters(t.params, t.grads).ok());
+  RankTensors bad = t;
+  if (rank() == size() - 1) bad.ids[1] = epn() * size();  // out of range
+  auto h = RunForward(layer->get(), &bad, dtype, kHidden);
+  ASSERT_FALSE(h.ok());
+  EXPECT_EQ(ToResult(h.status()), rank() == size() - 1 ? moonepInvalidArgument : moonepRemoteError)
+      << h.status();
+  // A local argument error (y of the wrong size) also fails every rank at once.
+  if (rank() == 0) {
+    auto h2 = (*layer)->Forward(t.tokens, TensorView::Contiguous(t.x.data(), dtype, {t.tokens, kHidden}),
+                                t.ids, t.weights,
+                                TensorView::Contiguous(t.y.data(), dtype, {t.tokens, kHidden - 1}));
+    ASSERT_FALSE(h2.ok());
+    EXPECT_NE(std::string(h2.status().message()).find("y"), std::string::npos) << h2.status();
+  } else {
+    auto h2 = RunForward(layer->get(), &t, dtype, kHidden);
+    ASSERT_FALSE(h2.ok());
+    EXPECT_EQ(ToResult(h2.status()), moonepRemoteError) << h2.status();
+  }
+  Errors err;
+  StepAndCompare(layer->get(), g, &t, dtype, &err);
+  EXPECT_LT(err.y, 1e-5);
+  EXPECT_LT(err.dw, 1e-5);
+}
+
+TEST_F(MoeLayerTest, TraceRecordsCountsOfEveryStep) {
+  const std::string path = "moonep_runtime_trace_test_" + std::to_string(size()) + ".txt";
+  if (rank() == 0) std::remove(path.c_str());
+  ASSERT_TRUE(comm_->SetTracePath(path).ok());
+  const DType dtype = DType::kFloat32;
+  LayerConfig config = Config(dtype, planner::Policy::kMoonEP);
+  config.layer_id = 3;
+  auto layer = MoeLayer::Create(comm_.get(), config);
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  std::vector<GlobalProblem> problems;
+  for (int step = 0; step < 2; ++step) {
+    problems.push_back(MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kBaseTokens, dtype,
+                                         40 + step));
+    RankTensors t = MakeRankTensors(problems.back(), rank(), dtype);
+    ASSERT_TRUE((*layer)->BindParameters(t.params, {}).ok());
+    auto h = RunForward(layer->get(), &t, dtype, kHidden);
+    ASSERT_TRUE(h.ok()) << h.status();
+    ASSERT_TRUE((*layer)->Release(*h).ok());
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (rank() != 0) return;
+  comm_->SetTracePath("").IgnoreError();  // flush and close
+  std::ifstream in(path);
+  std::string line;
+  ASSERT_TRUE(std::getline(in, line));
+  const int32_t E = epn() * size();
+  EXPECT_EQ(line, "# moonep-trace v1 R=" + std::to_string(size()) + " E=" + std::to_string(E) +
+                      " K=" + std::to_string(kTopK));
+  for (int step = 0; step < 2; ++step) {
+    ASSERT_TRUE(std::getline(in, line));
+    std::istringstream fields(line);
+    int64_t s = -1, l = -1;
+    fields >> s >> l;
+    EXPECT_EQ(s, step);
+    EXPECT_EQ(l, 3);
+    // Brute-force counts from the global routing.
+    const GlobalProblem& g = problems[step];
+    for (int32_t src = 0; src < size(); ++src) {
+      for (int32_t e = 0; e < E; ++e) {
+        int64_t want = 0;
+        for (int64_t i = g.offset[src] * kTopK; i < (g.offset[src] + g.tokens[src]) * kTopK; ++i) {
+          want += g.p.topk_ids[i] == e;
+        }
+        int64_t got = -1;
+        fields >> got;
+        EXPECT_EQ(got, want) << "src " << src << " expert " << e;
+      }
+    }
+  }
+  EXPECT_FALSE(std::getline(in, line));
+  std::remove(path.c_str());
+}
+
+}  // namespace
+}  // namespace moonep::testing
