@@ -1,0 +1,195 @@
+// Faults every rank must survive: bad input on one rank (all ranks return an error, none hangs, and
+// the transport stays usable when the error was agreed in the count exchange), a local argument
+// error in a weight operation (peers waiting on that rank learn it at once), and a rank that never
+// joins an operation (the others time out, naming it, within MOONEP_TIMEOUT_MS; run with 2000).
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "moonep/core/status.h"
+#include "planner/planner.h"
+#include "tests/harness/mpi_test.h"
+#include "tests/transport/transport_test_util.h"
+#include "transport/testing_hooks.h"
+#include "transport/transport.h"
+
+namespace moonep::transport {
+namespace {
+
+using test::MakeProblem;
+using test::Problem;
+using Clock = std::chrono::steady_clock;
+
+class FaultTest : public moonep::testing::MpiTest, public ::testing::WithParamInterface<std::string> {
+ protected:
+  void SetUp() override {
+    if (size() < 2) GTEST_SKIP() << "needs peers";
+    p_ = MakeProblem(size(), 2 * size(), 2, 4, 6, 31, -1);
+    planner::PlannerConfig c;
+    c.num_ranks = p_.R;
+    c.num_experts = p_.E;
+    c.policy = planner::Policy::kTestForceReplicas;
+    auto planner = planner::Planner::Create(c);
+    ASSERT_TRUE(planner.ok()) << planner.status();
+    ASSERT_TRUE((*planner)->MakePlan(p_.counts, &plan_).ok());
+    TransportOptions o;
+    o.max_tokens = p_.max_tokens();
+    o.max_top_k = p_.K;
+    o.max_row_bytes = p_.H * 4;
+    auto t = CreateTransport(GetParam(), o);
+    ASSERT_TRUE(t.ok()) << t.status();
+    t_ = std::move(*t);
+    cap_ = 0;
+    for (int32_t r = 0; r < p_.R; ++r) cap_ += p_.T[r] * p_.K;
+    cap_ += plan_.num_groups();
+  }
+  void TearDown() override {
+    testing::ClearSkip();
+    t_.reset();
+    moonep::testing::MpiTest::TearDown();
+  }
+  absl::Status DispatchOnce(DispatchHandle* h, std::vector<float>* rows) {
+    const int64_t T = p_.T[rank()];
+    MOONEP_RETURN_IF_ERROR(t_->ExchangeCounts(p_.ids[rank()], T, p_.K, p_.E, cap_, h));
+    rows->assign(cap_ * p_.H, 0.0f);
+    std::vector<float> w(cap_);
+    return t_->Dispatch(plan_, TensorView::Contiguous(p_.x[rank()].data(), DType::kFloat32, {T, p_.H}),
+                        p_.weights[rank()], h,
+                        TensorView::Contiguous(rows->data(), DType::kFloat32, {cap_, p_.H}),
+                        absl::MakeSpan(w));
+  }
+
+  Problem p_;
+  planner::Plan plan_;
+  std::unique_ptr<Transport> t_;
+  int64_t cap_ = 0;
+};
+
+TEST_P(FaultTest, ExpertIdOutOfRangeOnOneRankFailsEveryRankAndKeepsTransport) {
+  const int32_t bad = size() - 1;
+  std::vector<int32_t> ids = p_.ids[rank()];
+  const int64_t T = p_.T[rank()];
+  if (rank() == bad) ids[0] = p_.E;  // out of range
+  DispatchHandle h;
+  absl::Status st = t_->ExchangeCounts(ids, T, p_.K, p_.E, cap_, &h);
+  if (rank() == bad) {
+    EXPECT_EQ(ToResult(st), moonepInvalidArgument) << st;
+    EXPECT_NE(st.message().find("topk_ids[0][0]"), std::string::npos) << st;
+  } else {
+    EXPECT_EQ(ToResult(st), moonepRemoteError) << st;
+    EXPECT_NE(st.message().find(std::to_string(bad)), std::string::npos) << st;
+  }
+  // Agreed error: the next step works on every rank.
+  std::vector<float> rows;
+  st = DispatchOnce(&h, &rows);
+  EXPECT_TRUE(st.ok()) << st;
+}
+
+TEST_P(FaultTest, DuplicateExpertInTopkIsRejectedEverywhere) {
+  std::vector<int32_t> ids = p_.ids[rank()];
+  if (rank() == 0) {
+    ids[0] = 0;
+    ids[1] = 0;
+  }
+  DispatchHandle h;
+  absl::Status st = t_->ExchangeCounts(ids, p_.T[rank()], p_.K, p_.E, cap_, &h);
+  EXPECT_EQ(ToResult(st), rank() == 0 ? moonepInvalidArgument : moonepRemoteError) << st;
+}
+
+TEST_P(FaultTest, CapacityTooSmallIsOutOfMemoryOnThatRank) {
+  const int64_t T = p_.T[rank()];
+  const int32_t small = 0;
+  if (plan_.rank_rows[small] == 0) GTEST_SKIP() << "rank 0 has no rows in this plan";
+  DispatchHandle h;
+  ASSERT_TRUE(t_->ExchangeCounts(p_.ids[rank()], T, p_.K, p_.E, rank() == small ? 0 : cap_, &h).ok());
+  std::vector<float> rows(cap_ * p_.H), w(cap_);
+  absl::Status st = t_->Dispatch(plan_, TensorView::Contiguous(p_.x[rank()].data(), DType::kFloat32, {T, p_.H}),
+                                 p_.weights[rank()], &h,
+                                 TensorView::Contiguous(rows.data(), DType::kFloat32, {cap_, p_.H}),
+                                 absl::MakeSpan(w));
+  EXPECT_EQ(ToResult(st), rank() == small ? moonepOutOfMemory : moonepRemoteError) << st;
+  EXPECT_TRUE(DispatchOnce(&h, &rows).ok());
+}
+
+TEST_P(FaultTest, LocalArgumentErrorInPrefetchReachesPeersWaitingOnIt) {
+  const int32_t epn = plan_.experts_per_rank, S = plan_.slots;
+  std::vector<std::vector<float>> home(epn, std::vector<float>(8, 1.0f)), slot(S, std::vector<float>(8));
+  std::vector<TensorView> hv, sv;
+  for (auto& v : home) hv.push_back(TensorView::Contiguous(v.data(), DType::kFloat32, {8}));
+  for (auto& v : slot) sv.push_back(TensorView::Contiguous(v.data(), DType::kFloat32, {8}));
+  ExpertBlocks blocks{1, hv, sv};
+  if (rank() == 0) blocks.home = absl::Span<const TensorView>();  // wrong count
+  bool waits_on_0 = false;
+  for (int32_t s = 0; s < S; ++s) {
+    const int32_t e = plan_.slot_expert[rank() * S + s];
+    waits_on_0 |= e >= 0 && plan_.home[e] == 0;
+  }
+  const auto start = Clock::now();
+  absl::Status st = t_->Prefetch(plan_, blocks);
+  const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  if (rank() == 0) {
+    EXPECT_EQ(ToResult(st), moonepInvalidArgument) << st;
+    EXPECT_NE(st.message().find("params.home"), std::string::npos) << st;
+  } else if (waits_on_0) {
+    EXPECT_EQ(ToResult(st), moonepRemoteError) << st;
+    EXPECT_NE(st.message().find("rank 0"), std::string::npos) << st;
+    EXPECT_LT(ms, t_->timeout_ms()) << "learnt through the abort notice, not a timeout";
+  }
+}
+
+TEST_P(FaultTest, RankThatNeverJoinsCountExchangeTimesOutEveryOther) {
+  ASSERT_EQ(t_->timeout_ms(), 2000) << "run with MOONEP_TIMEOUT_MS=2000";
+  const int32_t silent = size() - 1;
+  testing::SetSkipRank(silent, OpKind::kCounts);
+  DispatchHandle h;
+  const auto start = Clock::now();
+  absl::Status st = t_->ExchangeCounts(p_.ids[rank()], p_.T[rank()], p_.K, p_.E, cap_, &h);
+  const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  if (rank() == silent) {
+    EXPECT_TRUE(st.ok());
+    return;
+  }
+  EXPECT_EQ(ToResult(st), moonepTimeout) << st;
+  EXPECT_NE(st.message().find("count exchange"), std::string::npos) << st;
+  EXPECT_NE(st.message().find("rank(s) " + std::to_string(silent)), std::string::npos) << st;
+  EXPECT_GE(ms, 2000 * 0.99);
+  EXPECT_LT(ms, 2000 + 1500);
+  // The transport refuses further use instead of mismatching messages.
+  st = t_->ExchangeCounts(p_.ids[rank()], p_.T[rank()], p_.K, p_.E, cap_, &h);
+  EXPECT_EQ(ToResult(st), moonepInvalidUsage) << st;
+}
+
+TEST_P(FaultTest, RankThatNeverJoinsReduceTimesOutItsPeers) {
+  const int32_t silent = 0;
+  const int32_t epn = plan_.experts_per_rank, S = plan_.slots;
+  std::vector<std::vector<float>> home(epn, std::vector<float>(8, 1.0f)), slot(S, std::vector<float>(8, 1.0f));
+  std::vector<TensorView> hv, sv;
+  for (auto& v : home) hv.push_back(TensorView::Contiguous(v.data(), DType::kFloat32, {8}));
+  for (auto& v : slot) sv.push_back(TensorView::Contiguous(v.data(), DType::kFloat32, {8}));
+  bool waits_on_silent = false;  // a replica of one of my experts lives on the silent rank
+  for (int32_t s = 0; s < S; ++s) {
+    const int32_t e = plan_.slot_expert[silent * S + s];
+    waits_on_silent |= e >= 0 && plan_.home[e] == rank();
+  }
+  testing::SetSkipRank(silent, OpKind::kReduce);
+  const auto start = Clock::now();
+  absl::Status st = t_->Reduce(plan_, ExpertBlocks{1, hv, sv});
+  const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  if (rank() == silent) {
+    EXPECT_TRUE(st.ok());
+  } else if (waits_on_silent) {
+    EXPECT_EQ(ToResult(st), moonepTimeout) << st;
+    EXPECT_NE(st.message().find("reduce"), std::string::npos) << st;
+    EXPECT_NE(st.message().find("rank(s) 0"), std::string::npos) << st;
+    EXPECT_LT(ms, 2000 + 1500);
+  } else {
+    EXPECT_TRUE(st.ok()) << st;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, FaultTest, ::testing::ValuesIn(AvailableBackends()));
+
+}  // namespace
+}  // namespace moonep::transport

@@ -1,0 +1,496 @@
+// Multi-rank transport suite, parameterised by backend (every entry of AvailableBackends()) and by
+// plan source (random replicas/splits through FinalizePlan, and every planner policy). Every rank
+// regenerates every rank's input from the seed, so each checks its received rows against a
+// brute-force placement and its combined outputs against an fp64 computation.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "moonep/core/dtype.h"
+#include "planner/planner.h"
+#include "tests/harness/mpi_test.h"
+#include "tests/transport/transport_test_util.h"
+#include "transport/transport.h"
+
+namespace moonep::transport {
+namespace {
+
+using test::BruteForcePlacement;
+using test::ExpertOfRow;
+using test::MakeProblem;
+using test::Problem;
+
+// Plan sources: "home"/"random" build decisions here; the others are planner policies.
+const std::vector<std::string> kPlanKinds = {"home",          "random", "none",
+                                             "moonep",        "moonep-greedy",
+                                             "eplb",          "fastermoe-shadow",
+                                             "test-force-replicas"};
+
+absl::Status MakePlanOfKind(const std::string& kind, const Problem& p, uint64_t seed,
+                            planner::Plan* plan) {
+  if (kind == "home" || kind == "random") {
+    return test::MakeRandomPlan(kind, p, seed, kind == "home" ? 0 : 2, 2, plan);
+  }
+  planner::PlannerConfig c;
+  c.num_ranks = p.R;
+  c.num_experts = p.E;
+  c.pad_multiple = 2;
+  if (!planner::ParsePolicy(kind, &c.policy)) return absl::InvalidArgumentError(kind);
+  auto made = planner::Planner::Create(c);
+  if (!made.ok()) return made.status();
+  return (*made)->MakePlan(p.counts, plan);
+}
+
+// A fixed, distinct "expert" per id: out = scale(e) * in, so rows mixed up between groups show.
+float Scale(int32_t e) { return 1.0f + 0.25f * static_cast<float>(e % 5); }
+
+int64_t CapacityRows(const Problem& p, int32_t groups, int32_t pad) {
+  int64_t total = 0;
+  for (int32_t r = 0; r < p.R; ++r) total += p.T[r] * p.K;
+  return total + static_cast<int64_t>(groups) * pad;
+}
+
+std::unique_ptr<Transport> MakeTransport(const std::string& backend, const Problem& p,
+                                         int64_t max_row_bytes) {
+  TransportOptions o;
+  o.max_tokens = std::max<int64_t>(1, p.max_tokens());
+  o.max_top_k = p.K;
+  o.max_row_bytes = max_row_bytes;
+  auto t = CreateTransport(backend, o);
+  EXPECT_TRUE(t.ok()) << t.status();
+  return t.ok() ? std::move(*t) : nullptr;
+}
+
+class RowsTest : public moonep::testing::MpiTest,
+                 public ::testing::WithParamInterface<std::tuple<std::string, std::string>> {};
+
+TEST_P(RowsTest, ForwardAndBackwardMatchBruteForceAndFp64) {
+  const std::string backend = std::get<0>(GetParam()), kind = std::get<1>(GetParam());
+  const int32_t R = size(), me = rank();
+  const int32_t E = 2 * R + (R == 1 ? 2 : 0), K = std::min(4, E);
+  const int64_t H = 6;
+  for (uint64_t seed : {1u, 2u}) {
+    SCOPED_TRACE(::testing::Message() << "seed " << seed << " plan " << kind);
+    const Problem p = MakeProblem(R, E, K, H, 10, seed, R > 1 ? 1 : -1);
+    planner::Plan plan;
+    ASSERT_TRUE(MakePlanOfKind(kind, p, seed, &plan).ok());
+    auto t = MakeTransport(backend, p, H * 4);
+    ASSERT_NE(t, nullptr);
+    const int64_t cap = CapacityRows(p, plan.num_groups(), plan.pad_multiple);
+    const int64_t T = p.T[me];
+
+    DispatchHandle h;
+    ASSERT_TRUE(t->ExchangeCounts(p.ids[me], T, K, E, cap, &h).ok());
+    ASSERT_EQ(std::vector<int64_t>(h.counts().begin(), h.counts().end()), p.counts);
+
+    std::vector<float> rows(cap * H, -1.0f), row_w(cap, -1.0f);
+    TensorView x = TensorView::Contiguous(const_cast<float*>(p.x[me].data()), DType::kFloat32, {T, H});
+    TensorView rows_v = TensorView::Contiguous(rows.data(), DType::kFloat32, {cap, H});
+    t->ResetCounters();
+    absl::Status st = t->Dispatch(plan, x, p.weights[me], &h, rows_v, absl::MakeSpan(row_w));
+    ASSERT_TRUE(st.ok()) << st;
+
+    // Every row of this rank's layout: the right token's x and top-k weight; the rest zero.
+    const auto truth = BruteForcePlacement(p, plan);
+    std::vector<char> filled(cap, 0);
+    int64_t remote_rows = 0, remote_unique = 0, local_rows = 0;
+    for (int32_t s = 0; s < R; ++s) {
+      for (int64_t tok = 0; tok < p.T[s]; ++tok) {
+        std::vector<int32_t> dests;
+        for (int32_t k = 0; k < K; ++k) {
+          const auto& pl = truth[s][tok * K + k];
+          if (pl.rank < 0) continue;
+          if (s == me) {
+            if (pl.rank == me) {
+              ++local_rows;
+            } else {
+              ++remote_rows;
+              if (std::find(dests.begin(), dests.end(), pl.rank) == dests.end()) ++remote_unique;
+            }
+            dests.push_back(pl.rank);
+          }
+          if (pl.rank != me) continue;
+          filled[pl.row] = 1;
+          ASSERT_EQ(0, std::memcmp(&rows[pl.row * H], &p.x[s][tok * H], H * 4))
+              << "row " << pl.row << " should hold token " << tok << " of rank " << s;
+          ASSERT_EQ(row_w[pl.row], p.weights[s][tok * K + k]);
+        }
+      }
+    }
+    for (int64_t r = 0; r < plan.rank_rows[me]; ++r) {
+      if (filled[r]) continue;
+      for (int64_t j = 0; j < H; ++j) ASSERT_EQ(rows[r * H + j], 0.0f) << "padding row " << r;
+      ASSERT_EQ(row_w[r], 0.0f);
+    }
+    // Dedup counters: one row per (token, remote destination).
+    const OpCounters c = t->counters(OpKind::kDispatch);
+    EXPECT_EQ(c.rows_sent, remote_unique);
+    EXPECT_EQ(c.rows_deduplicated, remote_rows - remote_unique);
+    EXPECT_EQ(c.bytes_deduplicated, (remote_rows - remote_unique) * H * 4);
+    EXPECT_EQ(c.bytes_sent, remote_unique * H * 4 + remote_rows * 8);
+    EXPECT_EQ(c.rows_local, local_rows);
+
+    // "Experts": out = scale(e) * row.
+    std::vector<float> out(cap * H, 0.0f);
+    for (int64_t r = 0; r < plan.rank_rows[me]; ++r) {
+      const int32_t e = ExpertOfRow(plan, me, r);
+      if (e < 0) continue;
+      for (int64_t j = 0; j < H; ++j) out[r * H + j] = Scale(e) * rows[r * H + j];
+    }
+    TensorView out_v = TensorView::Contiguous(out.data(), DType::kFloat32, {cap, H});
+    std::vector<float> y(T * H, 99.0f);
+    st = t->Combine(&h, out_v, TensorView::Contiguous(y.data(), DType::kFloat32, {T, H}));
+    ASSERT_TRUE(st.ok()) << st;
+    for (int64_t tok = 0; tok < T; ++tok) {
+      for (int64_t j = 0; j < H; ++j) {
+        double want = 0, mag = 0;
+        for (int32_t k = 0; k < K; ++k) {
+          const int32_t e = p.ids[me][tok * K + k];
+          if (e < 0) continue;
+          const double term = static_cast<double>(p.weights[me][tok * K + k]) * Scale(e) *
+                              p.x[me][tok * H + j];
+          want += term;
+          mag += std::fabs(term);
+        }
+        ASSERT_NEAR(y[tok * H + j], want, 1e-5 * mag + 1e-7) << "token " << tok;
+      }
+    }
+
+    // Backward: dy travels like x; d topk weight = <dy, out>; dx = sum_k scale(e_k) dy.
+    std::vector<float> dy_rows(cap * H, -3.0f);
+    TensorView dy = TensorView::Contiguous(const_cast<float*>(p.dy[me].data()), DType::kFloat32, {T, H});
+    TensorView dy_rows_v = TensorView::Contiguous(dy_rows.data(), DType::kFloat32, {cap, H});
+    st = t->CombineBackward(&h, dy, dy_rows_v);
+    ASSERT_TRUE(st.ok()) << st;
+    for (int32_t s = 0; s < R; ++s) {
+      for (int64_t tok = 0; tok < p.T[s]; ++tok) {
+        for (int32_t k = 0; k < K; ++k) {
+          const auto& pl = truth[s][tok * K + k];
+          if (pl.rank != me) continue;
+          ASSERT_EQ(0, std::memcmp(&dy_rows[pl.row * H], &p.dy[s][tok * H], H * 4));
+        }
+      }
+    }
+    std::vector<float> dw(T * K, 7.0f);
+    st = t->TopkWeightGrad(&h, dy_rows_v, out_v, absl::MakeSpan(dw));
+    ASSERT_TRUE(st.ok()) << st;
+    std::vector<float> dx_rows(cap * H, 0.0f);
+    for (int64_t r = 0; r < plan.rank_rows[me]; ++r) {
+      const int32_t e = ExpertOfRow(plan, me, r);
+      if (e < 0) continue;
+      for (int64_t j = 0; j < H; ++j) dx_rows[r * H + j] = Scale(e) * dy_rows[r * H + j];
+    }
+    std::vector<float> dx(T * H, 5.0f);
+    st = t->DispatchBackward(&h, TensorView::Contiguous(dx_rows.data(), DType::kFloat32, {cap, H}),
+                             TensorView::Contiguous(dx.data(), DType::kFloat32, {T, H}));
+    ASSERT_TRUE(st.ok()) << st;
+    for (int64_t tok = 0; tok < T; ++tok) {
+      double scale_sum = 0;
+      for (int32_t k = 0; k < K; ++k) {
+        const int32_t e = p.ids[me][tok * K + k];
+        double dot = 0, mag = 0;
+        if (e >= 0) {
+          scale_sum += Scale(e);
+          for (int64_t j = 0; j < H; ++j) {
+            dot += static_cast<double>(p.dy[me][tok * H + j]) * Scale(e) * p.x[me][tok * H + j];
+            mag += std::fabs(static_cast<double>(p.dy[me][tok * H + j]) * Scale(e) * p.x[me][tok * H + j]);
+          }
+        }
+        ASSERT_NEAR(dw[tok * K + k], dot, 1e-5 * mag + 1e-7) << "token " << tok << " k " << k;
+      }
+      for (int64_t j = 0; j < H; ++j) {
+        const double want = scale_sum * p.dy[me][tok * H + j];
+        ASSERT_NEAR(dx[tok * H + j], want, 1e-5 * std::fabs(want) + 1e-7);
+      }
+    }
+    // Counters were kept per operation.
+    EXPECT_EQ(t->counters(OpKind::kCombine).calls, 1);
+    EXPECT_EQ(t->counters(OpKind::kCombineBackward).calls, 1);
+    EXPECT_EQ(t->counters(OpKind::kCombineBackward).rows_sent, remote_unique);
+  }
+}
+
+TEST_P(RowsTest, Bf16RowsAndOutputs) {
+  const std::string backend = std::get<0>(GetParam()), kind = std::get<1>(GetParam());
+  if (kind != "random" && kind != "moonep") GTEST_SKIP() << "dtype paths do not depend on the plan";
+  const int32_t R = size(), me = rank();
+  const int32_t E = 2 * R, K = std::min(3, E);
+  const int64_t H = 8;
+  const Problem p = MakeProblem(R, E, K, H, 12, 7, -1);
+  planner::Plan plan;
+  ASSERT_TRUE(MakePlanOfKind(kind, p, 7, &plan).ok());
+  auto t = MakeTransport(backend, p, H * 4);
+  ASSERT_NE(t, nullptr);
+  const int64_t cap = CapacityRows(p, plan.num_groups(), plan.pad_multiple);
+  const int64_t T = p.T[me];
+  std::vector<BFloat16> xb(T * H);
+  ConvertFromFloat(p.x[me].data(), xb.data(), DType::kBFloat16, xb.size());
+  DispatchHandle h;
+  ASSERT_TRUE(t->ExchangeCounts(p.ids[me], T, K, E, cap, &h).ok());
+  std::vector<BFloat16> rows(cap * H);
+  std::vector<float> row_w(cap);
+  TensorView rows_v = TensorView::Contiguous(rows.data(), DType::kBFloat16, {cap, H});
+  absl::Status st = t->Dispatch(plan, TensorView::Contiguous(xb.data(), DType::kBFloat16, {T, H}),
+                                p.weights[me], &h, rows_v, absl::MakeSpan(row_w));
+  ASSERT_TRUE(st.ok()) << st;
+  const auto truth = BruteForcePlacement(p, plan);
+  for (int32_t s = 0; s < R; ++s) {
+    for (int64_t tok = 0; tok < p.T[s]; ++tok) {
+      for (int32_t k = 0; k < K; ++k) {
+        const auto& pl = truth[s][tok * K + k];
+        if (pl.rank != me) continue;
+        for (int64_t j = 0; j < H; ++j) {
+          ASSERT_EQ(rows[pl.row * H + j].bits, BFloat16::FromFloat(p.x[s][tok * H + j]).bits);
+        }
+      }
+    }
+  }
+  // Identity experts, outputs in fp32 and in bf16.
+  std::vector<float> y32(T * H);
+  std::vector<BFloat16> y16(T * H);
+  ASSERT_TRUE(t->Combine(&h, rows_v, TensorView::Contiguous(y32.data(), DType::kFloat32, {T, H})).ok());
+  ASSERT_TRUE(t->Combine(&h, rows_v, TensorView::Contiguous(y16.data(), DType::kBFloat16, {T, H})).ok());
+  for (int64_t tok = 0; tok < T; ++tok) {
+    for (int64_t j = 0; j < H; ++j) {
+      double want = 0, mag = 0;
+      for (int32_t k = 0; k < K; ++k) {
+        if (p.ids[me][tok * K + k] < 0) continue;
+        const double term = static_cast<double>(p.weights[me][tok * K + k]) * xb[tok * H + j].ToFloat();
+        want += term;
+        mag += std::fabs(term);
+      }
+      ASSERT_NEAR(y32[tok * H + j], want, 1e-5 * mag + 1e-7);
+      ASSERT_NEAR(y16[tok * H + j].ToFloat(), want, 1e-2 * mag + 1e-6);
+    }
+  }
+}
+
+// Prefetch while a dispatch is in flight: both through their asynchronous forms.
+TEST_P(RowsTest, PrefetchOverlapsDispatch) {
+  const std::string backend = std::get<0>(GetParam()), kind = std::get<1>(GetParam());
+  if (kind != "test-force-replicas") GTEST_SKIP() << "one plan with many replicas is enough";
+  const int32_t R = size(), me = rank();
+  const int32_t E = 2 * R, K = std::min(2, E);
+  const int64_t H = 4, W = 33;
+  const Problem p = MakeProblem(R, E, K, H, 8, 11, -1);
+  planner::Plan plan;
+  ASSERT_TRUE(MakePlanOfKind(kind, p, 11, &plan).ok());
+  auto t = MakeTransport(backend, p, H * 4);
+  ASSERT_NE(t, nullptr);
+  const int64_t cap = CapacityRows(p, plan.num_groups(), plan.pad_multiple);
+  const int64_t T = p.T[me];
+  const int32_t epn = plan.experts_per_rank, S = plan.slots;
+  std::vector<std::vector<float>> home(epn, std::vector<float>(W)), slot(S, std::vector<float>(W, -1));
+  std::vector<TensorView> home_v, slot_v;
+  for (int32_t g = 0; g < epn; ++g) {
+    const int32_t e = plan.local_experts[me * epn + g];
+    for (int64_t j = 0; j < W; ++j) home[g][j] = static_cast<float>(e * 1000 + j) * 0.5f;
+    home_v.push_back(TensorView::Contiguous(home[g].data(), DType::kFloat32, {W}));
+  }
+  for (int32_t s = 0; s < S; ++s) slot_v.push_back(TensorView::Contiguous(slot[s].data(), DType::kFloat32, {W}));
+  ExpertBlocks blocks{1, home_v, slot_v};
+
+  DispatchHandle h;
+  ASSERT_TRUE(t->ExchangeCounts(p.ids[me], T, K, E, cap, &h).ok());
+  auto prefetch = t->StartPrefetch(plan, blocks);
+  ASSERT_TRUE(prefetch.ok()) << prefetch.status();
+  std::vector<float> rows(cap * H), row_w(cap);
+  auto dispatch = t->StartDispatch(plan, TensorView::Contiguous(const_cast<float*>(p.x[me].data()), DType::kFloat32, {T, H}),
+                                   p.weights[me], &h,
+                                   TensorView::Contiguous(rows.data(), DType::kFloat32, {cap, H}),
+                                   absl::MakeSpan(row_w));
+  ASSERT_TRUE(dispatch.ok()) << dispatch.status();
+  bool pf_done = false, dp_done = false;
+  while (!pf_done || !dp_done) {
+    if (!pf_done) {
+      auto r = (*prefetch)->Test();
+      ASSERT_TRUE(r.ok()) << r.status();
+      pf_done = *r;
+    }
+    if (!dp_done) {
+      auto r = (*dispatch)->Test();
+      ASSERT_TRUE(r.ok()) << r.status();
+      dp_done = *r;
+    }
+  }
+  ASSERT_TRUE((*prefetch)->Wait().ok());
+  for (int32_t s = 0; s < S; ++s) {
+    const int32_t e = plan.slot_expert[me * S + s];
+    for (int64_t j = 0; j < W; ++j) {
+      ASSERT_EQ(slot[s][j], e < 0 ? -1.0f : static_cast<float>(e * 1000 + j) * 0.5f);
+    }
+  }
+  const auto truth = BruteForcePlacement(p, plan);
+  for (int32_t s = 0; s < R; ++s) {
+    for (int64_t i = 0; i < static_cast<int64_t>(truth[s].size()); ++i) {
+      if (truth[s][i].rank != me) continue;
+      ASSERT_EQ(0, std::memcmp(&rows[truth[s][i].row * H], &p.x[s][(i / K) * H], H * 4));
+    }
+  }
+}
+
+std::string ParamName(const ::testing::TestParamInfo<RowsTest::ParamType>& info) {
+  std::string name = std::get<0>(info.param) + "_" + std::get<1>(info.param);
+  for (char& ch : name) {
+    if (ch == '-') ch = '_';
+  }
+  return name;
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, RowsTest,
+                         ::testing::Combine(::testing::ValuesIn(AvailableBackends()),
+                                            ::testing::ValuesIn(kPlanKinds)),
+                         ParamName);
+
+// ---------------------------------------------------------------------------------------------
+// Expert parameter blocks: prefetch (home -> slots) and gradient reduction (slots -> home).
+
+struct Blocks {
+  // [group or slot][tensor] storage; tensor 0: fp32 [4, 6], 1: fp32 [6, 4], 2: bf16 [5].
+  std::vector<std::vector<std::vector<float>>> f32;
+  std::vector<std::vector<BFloat16>> b16;
+  std::vector<TensorView> views;
+  static constexpr int kTensors = 3;
+  void Init(int32_t n) {
+    f32.assign(n, std::vector<std::vector<float>>(2, std::vector<float>(24)));
+    b16.assign(n, std::vector<BFloat16>(5));
+    views.clear();
+    for (int32_t i = 0; i < n; ++i) {
+      views.push_back(TensorView::Contiguous(f32[i][0].data(), DType::kFloat32, {4, 6}));
+      views.push_back(TensorView::Contiguous(f32[i][1].data(), DType::kFloat32, {6, 4}));
+      views.push_back(TensorView::Contiguous(b16[i].data(), DType::kBFloat16, {5}));
+    }
+  }
+  // Sets every element from f(block, tensor, j).
+  template <typename F>
+  void Fill(F f) {
+    for (size_t i = 0; i < f32.size(); ++i) {
+      for (int k = 0; k < 2; ++k) {
+        for (size_t j = 0; j < 24; ++j) f32[i][k][j] = f(static_cast<int32_t>(i), k, static_cast<int32_t>(j));
+      }
+      for (size_t j = 0; j < 5; ++j) b16[i][j] = BFloat16::FromFloat(f(static_cast<int32_t>(i), 2, static_cast<int32_t>(j)));
+    }
+  }
+  float Get(int32_t i, int k, int32_t j) const { return k < 2 ? f32[i][k][j] : b16[i][j].ToFloat(); }
+  int32_t Size(int k) const { return k < 2 ? 24 : 5; }
+};
+
+class WeightsTest : public moonep::testing::MpiTest,
+                    public ::testing::WithParamInterface<std::tuple<std::string, std::string>> {
+ protected:
+  void SetUp() override {
+    const int32_t R = size();
+    p_ = MakeProblem(R, 2 * R, std::min(2, 2 * R), 1, 20, 23, -1);
+    ASSERT_TRUE(MakePlanOfKind(std::get<1>(GetParam()), p_, 23, &plan_).ok());
+    TransportOptions o;
+    o.max_tokens = p_.max_tokens();
+    o.max_top_k = p_.K;
+    o.max_row_bytes = 4;
+    auto t = CreateTransport(std::get<0>(GetParam()), o);
+    ASSERT_TRUE(t.ok()) << t.status();
+    t_ = std::move(*t);
+    home_.Init(plan_.experts_per_rank);
+    slots_.Init(plan_.slots);
+  }
+  ExpertBlocks View() {
+    return ExpertBlocks{Blocks::kTensors,
+                        absl::MakeConstSpan(home_.views.data(), home_.views.size()),
+                        absl::MakeConstSpan(slots_.views.data(), slots_.views.size())};
+  }
+  int32_t HomeExpert(int32_t g) const { return plan_.local_experts[rank() * plan_.experts_per_rank + g]; }
+  int32_t SlotExpert(int32_t s) const { return plan_.slot_expert[rank() * plan_.slots + s]; }
+
+  Problem p_;
+  planner::Plan plan_;
+  std::unique_ptr<Transport> t_;
+  Blocks home_, slots_;
+};
+
+TEST_P(WeightsTest, PrefetchMakesEverySlotBitwiseEqualToItsHome) {
+  const auto value = [](int32_t e, int k, int32_t j) { return static_cast<float>(e * 64 + k * 8 + j) * 0.375f; };
+  home_.Fill([&](int32_t g, int k, int32_t j) { return value(HomeExpert(g), k, j); });
+  slots_.Fill([](int32_t, int, int32_t) { return -2.0f; });
+  absl::Status st = t_->Prefetch(plan_, View());
+  ASSERT_TRUE(st.ok()) << st;
+  int replicas = 0;
+  for (int32_t s = 0; s < plan_.slots; ++s) {
+    const int32_t e = SlotExpert(s);
+    replicas += e >= 0;
+    for (int k = 0; k < Blocks::kTensors; ++k) {
+      for (int32_t j = 0; j < slots_.Size(k); ++j) {
+        const float want = e < 0 ? -2.0f : (k < 2 ? value(e, k, j) : BFloat16::FromFloat(value(e, k, j)).ToFloat());
+        ASSERT_EQ(slots_.Get(s, k, j), want) << "slot " << s << " expert " << e;
+      }
+    }
+  }
+  EXPECT_EQ(t_->counters(OpKind::kPrefetch).rows_received, replicas * Blocks::kTensors);
+}
+
+TEST_P(WeightsTest, ReduceSumsContributionsExactly) {
+  // Small integers: every order of summation gives the exact sum, so this checks what is summed.
+  const auto home_grad = [](int32_t e, int k, int32_t j) { return static_cast<float>((e + k + j) % 7); };
+  const auto slot_grad = [](int32_t d, int32_t e, int k, int32_t j) {
+    return static_cast<float>((d * 3 + e + k + j) % 5 + 1);
+  };
+  home_.Fill([&](int32_t g, int k, int32_t j) { return home_grad(HomeExpert(g), k, j); });
+  slots_.Fill([&](int32_t s, int k, int32_t j) {
+    return SlotExpert(s) < 0 ? 0.0f : slot_grad(rank(), SlotExpert(s), k, j);
+  });
+  absl::Status st = t_->Reduce(plan_, View());
+  ASSERT_TRUE(st.ok()) << st;
+  for (int32_t g = 0; g < plan_.experts_per_rank; ++g) {
+    const int32_t e = HomeExpert(g);
+    for (int k = 0; k < Blocks::kTensors; ++k) {
+      for (int32_t j = 0; j < home_.Size(k); ++j) {
+        float want = home_grad(e, k, j);
+        for (int32_t d = 0; d < plan_.num_ranks; ++d) {
+          for (int32_t s = 0; s < plan_.slots; ++s) {
+            if (plan_.slot_expert[d * plan_.slots + s] == e) want += slot_grad(d, e, k, j);
+          }
+        }
+        ASSERT_EQ(home_.Get(g, k, j), want) << "expert " << e << " tensor " << k << " j " << j;
+      }
+    }
+  }
+}
+
+TEST_P(WeightsTest, ReduceIsBitIdenticalAcrossRuns) {
+  std::vector<std::vector<float>> first;
+  for (int run = 0; run < 3; ++run) {
+    std::mt19937 rng(99 + rank());
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    home_.Fill([&](int32_t, int, int32_t) { return normal(rng); });
+    slots_.Fill([&](int32_t, int, int32_t) { return normal(rng) * 1e-3f; });
+    ASSERT_TRUE(t_->Reduce(plan_, View()).ok());
+    std::vector<std::vector<float>> got;
+    for (int32_t g = 0; g < plan_.experts_per_rank; ++g) {
+      for (int k = 0; k < Blocks::kTensors; ++k) {
+        std::vector<float> v;
+        for (int32_t j = 0; j < home_.Size(k); ++j) v.push_back(home_.Get(g, k, j));
+        got.push_back(v);
+      }
+    }
+    if (run == 0) {
+      first = got;
+    } else {
+      ASSERT_EQ(first.size(), got.size());
+      for (size_t i = 0; i < got.size(); ++i) {
+        ASSERT_EQ(0, std::memcmp(first[i].data(), got[i].data(), got[i].size() * 4)) << "run " << run;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, WeightsTest,
+                         ::testing::Combine(::testing::ValuesIn(AvailableBackends()),
+                                            ::testing::Values(std::string("random"),
+                                                              std::string("moonep"),
+                                                              std::string("test-force-replicas"))),
+                         ParamName);
+
+}  // namespace
+}  // namespace moonep::transport
