@@ -255,7 +255,7 @@ TEST(Executor, WorkspaceFollowsTheFormula) {
     auto ex = cpu::CpuExecutor::Create(c);
     ASSERT_TRUE(ex.ok());
     const size_t rb = 256, H = 1000, I = 300, M = 1000, tw = 256, T = 3;
-    size_t per_thread = 3 * rb * I;
+    size_t per_thread = 3 * rb * cpu::kColTile;
     if (dt == kBF16) per_thread += 2 * rb * H + cpu::kPanelK * (tw + M) + tw * M;
     per_thread = (per_thread + 15) / 16 * 16;
     EXPECT_EQ((*ex)->WorkspaceBytes(), 4 * (T * per_thread + 3 * 5000 * I));

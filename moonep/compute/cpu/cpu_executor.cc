@@ -17,7 +17,7 @@ constexpr size_t kAlignFloats = 16;  // 64 bytes
 
 size_t RoundUp(size_t v, size_t m) { return (v + m - 1) / m * m; }
 
-// Per-thread scratch layout, in floats.
+// Per-thread scratch layout, in floats. `a` doubles as the output tile of F2/B2 (bf16 storage).
 struct ScratchLayout {
   int64_t rb = 0;
   size_t a = 0, b = 0, t = 0, x = 0, dy = 0, gemm = 0, tile = 0, total = 0;
@@ -26,13 +26,13 @@ struct ScratchLayout {
 ScratchLayout Layout(const ExecutorConfig& c) {
   ScratchLayout l;
   const int64_t H = c.hidden, I = c.intermediate, M = std::max(H, I);
-  const int64_t tw = std::min(kWeightTile, M);
+  const int64_t tw = std::min(kWeightTile, M), tc = std::min(kColTile, M);
   l.rb = std::max<int64_t>(1, std::min(kRowBlock, c.max_rows));
-  const size_t rbi = static_cast<size_t>(l.rb * I), rbh = static_cast<size_t>(l.rb * H);
+  const size_t rbc = static_cast<size_t>(l.rb * tc), rbh = static_cast<size_t>(l.rb * H);
   l.a = 0;
-  l.b = rbi;
-  l.t = 2 * rbi;
-  size_t end = 3 * rbi;
+  l.b = rbc;
+  l.t = 2 * rbc;
+  size_t end = 3 * rbc;
   if (c.dtype == DType::kBFloat16) {
     l.x = end;
     l.dy = l.x + rbh;
@@ -57,8 +57,11 @@ int ResolveThreads(const ExecutorConfig& c) {
 
 inline float Sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
 
-Operand Weight(const TensorView& t, bool trans) {
-  return Operand{t.data, t.dtype, t.strides[0], trans};
+// A parameter matrix from row r0, column c0 on (as a GEMM operand, transposed when `trans`).
+Operand Weight(const TensorView& t, bool trans, int64_t r0, int64_t c0) {
+  const char* p = static_cast<const char*>(t.data) +
+                  static_cast<size_t>(r0 * t.strides[0] + c0) * DTypeSize(t.dtype);
+  return Operand{p, t.dtype, t.strides[0], trans};
 }
 
 const TensorView& Matrix(const ExpertParams& p, int32_t which) {
@@ -103,12 +106,14 @@ void CpuExecutor::OrderGroups(const ComputeView& view) {
   });
 }
 
-void CpuExecutor::RowTasks(const ComputeView& view) {
+void CpuExecutor::RowTasks(const ComputeView& view, int64_t width) {
   tasks_.clear();
   for (int32_t g : order_) {
     const int64_t n = view.groups[g].row_count;
     for (int64_t r = 0; r < n; r += kRowBlock) {
-      tasks_.push_back(Task{g, 0, r, std::min(kRowBlock, n - r)});
+      for (int64_t c = 0; c < width; c += kColTile) {
+        tasks_.push_back(Task{g, 0, r, std::min(kRowBlock, n - r), c, std::min(kColTile, width - c)});
+      }
     }
   }
 }
@@ -119,7 +124,8 @@ void CpuExecutor::WeightTasks(const ComputeView& view) {
     for (int32_t m = 0; m < 3; ++m) {
       const int64_t rows = m == 2 ? view.intermediate : view.hidden;
       for (int64_t r = 0; r < rows; r += kWeightTile) {
-        tasks_.push_back(Task{g, m, r, std::min(kWeightTile, rows - r)});
+        tasks_.push_back(Task{g, m, r, std::min(kWeightTile, rows - r), 0,
+                              m == 2 ? view.hidden : view.intermediate});
       }
     }
   }
@@ -146,50 +152,83 @@ void CpuExecutor::ZeroUncoveredRows(const ComputeView& view, const TensorView& o
   zero(next, view.total_rows);
 }
 
+namespace {
+
+// Converts rows [row0, row0 + n) of a bf16 rows tensor into `dst`; fp32 is used in place.
+Operand RowsOperand(const TensorView& rows, int64_t row0, int64_t n, float* dst) {
+  Operand op{rows.row(row0), DType::kFloat32, rows.shape[1], false};
+  if (rows.dtype == DType::kBFloat16) {
+    ConvertToFloat(op.data, DType::kBFloat16, dst, static_cast<size_t>(n * rows.shape[1]));
+    op.data = dst;
+  }
+  return op;
+}
+
+// out[:, col0 : col0 + cols] of rows [row0, row0 + n) = op(A) op(B): straight into fp32 storage,
+// through the fp32 `tile` for bf16.
+void GemmIntoRows(const TensorView& out, int64_t row0, int64_t n, int64_t col0, int64_t cols,
+                  int64_t K, const Operand& a, const Operand& b, const Operand* a2,
+                  const Operand* b2, float* tile, float* gemm) {
+  const int64_t ld = out.shape[1];
+  const bool bf16 = out.dtype == DType::kBFloat16;
+  float* c = bf16 ? tile : reinterpret_cast<float*>(out.row(row0)) + col0;
+  const int64_t ldc = bf16 ? cols : ld;
+  Gemm(n, cols, K, a, b, 0.0f, c, ldc, gemm);
+  if (a2 != nullptr) Gemm(n, cols, K, *a2, *b2, 1.0f, c, ldc, gemm);
+  if (!bf16) return;
+  for (int64_t r = 0; r < n; ++r) {
+    ConvertFromFloat(tile + r * cols, static_cast<BFloat16*>(static_cast<void*>(out.row(row0 + r))) + col0,
+                     DType::kBFloat16, static_cast<size_t>(cols));
+  }
+}
+
+}  // namespace
+
 absl::Status CpuExecutor::Forward(const ComputeView& view, const TensorView& x_rows,
                                   const TensorView& y_rows, const ForwardOptions& options) {
   MOONEP_RETURN_IF_ERROR(CheckForwardArgs(config_, Device::kCpu, view, x_rows, y_rows, options));
   ScopedSingleThreadedBlas single_threaded_blas;
   const int64_t H = view.hidden, I = view.intermediate;
-  const bool bf16 = view.dtype == DType::kBFloat16;
   const ScratchLayout lay = Layout(config_);
   float* saved = static_cast<float*>(options.preactivations.data);
+  float* h_all = shared_;
   OrderGroups(view);
-  RowTasks(view);
-  auto task_fn = [&](int64_t task, int worker) {
+
+  // F1: a, b and h for a tile of rows x columns of I.
+  RowTasks(view, I);
+  auto f1 = [&](int64_t task, int worker) {
     const Task& t = tasks_[task];
     const GroupView& gv = view.groups[t.group];
-    const int64_t row0 = gv.row_offset + t.begin, n = t.count;
+    const int64_t row0 = gv.row_offset + t.row0, n = t.rows, c0 = t.col0, nc = t.cols;
     float* s = ThreadScratch(worker);
-    Operand x{x_rows.row(row0), DType::kFloat32, H, false};
-    if (bf16) {
-      ConvertToFloat(x.data, DType::kBFloat16, s + lay.x, static_cast<size_t>(n * H));
-      x.data = s + lay.x;
-    }
-    float* a = saved ? saved + row0 * 2 * I : s + lay.a;
-    float* b = saved ? saved + row0 * 2 * I + I : s + lay.b;
-    const int64_t ldab = saved ? 2 * I : I;
-    float* gemm = s + lay.gemm;
-    Gemm(n, I, H, x, Weight(gv.weights.gate, false), 0.0f, a, ldab, gemm);
-    Gemm(n, I, H, x, Weight(gv.weights.up, false), 0.0f, b, ldab, gemm);
-    float* h = s + lay.t;
+    const Operand x = RowsOperand(x_rows, row0, n, s + lay.x);
+    float* a = saved ? saved + row0 * 2 * I + c0 : s + lay.a;
+    float* b = saved ? saved + row0 * 2 * I + I + c0 : s + lay.b;
+    const int64_t ldab = saved ? 2 * I : nc;
+    Gemm(n, nc, H, x, Weight(gv.weights.gate, false, 0, c0), 0.0f, a, ldab, s + lay.gemm);
+    Gemm(n, nc, H, x, Weight(gv.weights.up, false, 0, c0), 0.0f, b, ldab, s + lay.gemm);
     for (int64_t r = 0; r < n; ++r) {
       const float* ar = a + r * ldab;
       const float* br = b + r * ldab;
-      float* hr = h + r * I;
-      for (int64_t i = 0; i < I; ++i) hr[i] = ar[i] * Sigmoid(ar[i]) * br[i];
-    }
-    const Operand hop{h, DType::kFloat32, I, false};
-    if (bf16) {
-      float* y = s + lay.x;  // x is consumed
-      Gemm(n, H, I, hop, Weight(gv.weights.down, false), 0.0f, y, H, gemm);
-      ConvertFromFloat(y, y_rows.row(row0), DType::kBFloat16, static_cast<size_t>(n * H));
-    } else {
-      Gemm(n, H, I, hop, Weight(gv.weights.down, false), 0.0f,
-           reinterpret_cast<float*>(y_rows.row(row0)), H, gemm);
+      float* hr = h_all + (row0 + r) * I + c0;
+      for (int64_t i = 0; i < nc; ++i) hr[i] = ar[i] * Sigmoid(ar[i]) * br[i];
     }
   };
-  pool_->Run(static_cast<int64_t>(tasks_.size()), task_fn);
+  pool_->Run(static_cast<int64_t>(tasks_.size()), f1);
+
+  // F2: y = h Wd for a tile of rows x columns of H.
+  RowTasks(view, H);
+  auto f2 = [&](int64_t task, int worker) {
+    const Task& t = tasks_[task];
+    const GroupView& gv = view.groups[t.group];
+    const int64_t row0 = gv.row_offset + t.row0;
+    float* s = ThreadScratch(worker);
+    const Operand h{h_all + row0 * I, DType::kFloat32, I, false};
+    GemmIntoRows(y_rows, row0, t.rows, t.col0, t.cols, I, h,
+                 Weight(gv.weights.down, false, 0, t.col0), nullptr, nullptr, s + lay.a,
+                 s + lay.gemm);
+  };
+  pool_->Run(static_cast<int64_t>(tasks_.size()), f2);
   ZeroUncoveredRows(view, y_rows);
   return absl::OkStatus();
 }
@@ -205,97 +244,96 @@ absl::Status CpuExecutor::Backward(const ComputeView& view, const TensorView& x_
   float* h_all = shared_;
   float* da_all = shared_ + rows_cap;
   float* db_all = shared_ + 2 * rows_cap;
-  const bool bf16 = view.dtype == DType::kBFloat16;
   const ScratchLayout lay = Layout(config_);
   const float* saved = static_cast<const float*>(options.preactivations.data);
   OrderGroups(view);
 
-  // Pass 1, per row block: h, da, db (kept for pass 2) and dx.
-  RowTasks(view);
-  auto rows_fn = [&](int64_t task, int worker) {
+  // B1: a, b (kept or recomputed), dh = dy Wd^T, then h, da, db for a tile of rows x columns of I.
+  RowTasks(view, I);
+  auto b1 = [&](int64_t task, int worker) {
     const Task& t = tasks_[task];
     const GroupView& gv = view.groups[t.group];
-    const int64_t row0 = gv.row_offset + t.begin, n = t.count;
+    const int64_t row0 = gv.row_offset + t.row0, n = t.rows, c0 = t.col0, nc = t.cols;
     float* s = ThreadScratch(worker);
-    float* gemm = s + lay.gemm;
     const float *a, *b;
     int64_t ldab;
     if (saved) {
-      a = saved + row0 * 2 * I;
+      a = saved + row0 * 2 * I + c0;
       b = a + I;
       ldab = 2 * I;
     } else {
-      Operand x{x_rows.row(row0), DType::kFloat32, H, false};
-      if (bf16) {
-        ConvertToFloat(x.data, DType::kBFloat16, s + lay.x, static_cast<size_t>(n * H));
-        x.data = s + lay.x;
-      }
-      Gemm(n, I, H, x, Weight(gv.weights.gate, false), 0.0f, s + lay.a, I, gemm);
-      Gemm(n, I, H, x, Weight(gv.weights.up, false), 0.0f, s + lay.b, I, gemm);
+      const Operand x = RowsOperand(x_rows, row0, n, s + lay.x);
+      Gemm(n, nc, H, x, Weight(gv.weights.gate, false, 0, c0), 0.0f, s + lay.a, nc, s + lay.gemm);
+      Gemm(n, nc, H, x, Weight(gv.weights.up, false, 0, c0), 0.0f, s + lay.b, nc, s + lay.gemm);
       a = s + lay.a;
       b = s + lay.b;
-      ldab = I;
+      ldab = nc;
     }
-    Operand dy{dy_rows.row(row0), DType::kFloat32, H, false};
-    if (bf16) {
-      ConvertToFloat(dy.data, DType::kBFloat16, s + lay.dy, static_cast<size_t>(n * H));
-      dy.data = s + lay.dy;
-    }
+    const Operand dy = RowsOperand(dy_rows, row0, n, s + lay.dy);
     float* dh = s + lay.t;
-    Gemm(n, I, H, dy, Weight(gv.weights.down, true), 0.0f, dh, I, gemm);
-    float* h = h_all + row0 * I;
-    float* da = da_all + row0 * I;
-    float* db = db_all + row0 * I;
+    Gemm(n, nc, H, dy, Weight(gv.weights.down, true, c0, 0), 0.0f, dh, nc, s + lay.gemm);
     for (int64_t r = 0; r < n; ++r) {
       const float* ar = a + r * ldab;
       const float* br = b + r * ldab;
-      for (int64_t i = 0; i < I; ++i) {
-        const float av = ar[i], bv = br[i], g = dh[r * I + i];
+      const size_t base = static_cast<size_t>((row0 + r) * I + c0);
+      float* h = h_all + base;
+      float* da = da_all + base;
+      float* db = db_all + base;
+      for (int64_t i = 0; i < nc; ++i) {
+        const float av = ar[i], bv = br[i], g = dh[r * nc + i];
         const float sg = Sigmoid(av), silu = av * sg;
-        h[r * I + i] = silu * bv;
-        da[r * I + i] = g * bv * (sg + silu * (1.0f - sg));
-        db[r * I + i] = g * silu;
+        h[i] = silu * bv;
+        da[i] = g * bv * (sg + silu * (1.0f - sg));
+        db[i] = g * silu;
       }
     }
-    float* dx = bf16 ? s + lay.x : reinterpret_cast<float*>(dx_rows.row(row0));
-    Gemm(n, H, I, Operand{da, DType::kFloat32, I, false}, Weight(gv.weights.gate, true), 0.0f, dx,
-         H, gemm);
-    Gemm(n, H, I, Operand{db, DType::kFloat32, I, false}, Weight(gv.weights.up, true), 1.0f, dx,
-         H, gemm);
-    if (bf16) ConvertFromFloat(dx, dx_rows.row(row0), DType::kBFloat16, static_cast<size_t>(n * H));
   };
-  pool_->Run(static_cast<int64_t>(tasks_.size()), rows_fn);
+  pool_->Run(static_cast<int64_t>(tasks_.size()), b1);
+
+  // B2: dx = da Wg^T + db Wu^T for a tile of rows x columns of H.
+  RowTasks(view, H);
+  auto b2 = [&](int64_t task, int worker) {
+    const Task& t = tasks_[task];
+    const GroupView& gv = view.groups[t.group];
+    const int64_t row0 = gv.row_offset + t.row0;
+    float* s = ThreadScratch(worker);
+    const Operand da{da_all + row0 * I, DType::kFloat32, I, false};
+    const Operand db{db_all + row0 * I, DType::kFloat32, I, false};
+    const Operand wg = Weight(gv.weights.gate, true, t.col0, 0);
+    const Operand wu = Weight(gv.weights.up, true, t.col0, 0);
+    GemmIntoRows(dx_rows, row0, t.rows, t.col0, t.cols, I, da, wg, &db, &wu, s + lay.a,
+                 s + lay.gemm);
+  };
+  pool_->Run(static_cast<int64_t>(tasks_.size()), b2);
   ZeroUncoveredRows(view, dx_rows);
 
-  // Pass 2, per tile of gradient rows: dWg += X^T da, dWu += X^T db, dWd += h^T dY, each a GEMM
-  // over all the group's rows, so every gradient element is summed in one fixed order.
+  // B3, per tile of gradient rows: dWg += X^T da, dWu += X^T db, dWd += h^T dY, each a GEMM over
+  // all the group's rows, so every gradient element is summed in one fixed order.
   WeightTasks(view);
-  auto weights_fn = [&](int64_t task, int worker) {
+  auto b3 = [&](int64_t task, int worker) {
     const Task& t = tasks_[task];
     const GroupView& gv = view.groups[t.group];
     const int64_t n = gv.row_count, off = gv.row_offset;
     float* s = ThreadScratch(worker);
     const size_t esize = DTypeSize(view.dtype);
     Operand a_op, b_op;
-    int64_t cols;
-    if (t.matrix < 2) {  // [H, I] tile rows t.begin.. of X^T times da / db
-      a_op = Operand{x_rows.row(off) + t.begin * esize, view.dtype, H, true};
+    if (t.matrix < 2) {  // rows [row0, row0 + rows) of the [H, I] gradient: X^T times da / db
+      a_op = Operand{x_rows.row(off) + t.row0 * esize, view.dtype, H, true};
       b_op = Operand{(t.matrix == 0 ? da_all : db_all) + off * I, DType::kFloat32, I, false};
-      cols = I;
-    } else {  // [I, H] tile rows of h^T times dY
-      a_op = Operand{h_all + off * I + t.begin, DType::kFloat32, I, true};
+    } else {  // rows of the [I, H] gradient: h^T times dY
+      a_op = Operand{h_all + off * I + t.row0, DType::kFloat32, I, true};
       b_op = Operand{dy_rows.row(off), view.dtype, H, false};
-      cols = H;
     }
+    const int64_t cols = t.cols;
     const TensorView& grad = Matrix(gv.grads, t.matrix);
     if (grad.dtype == DType::kFloat32) {
-      float* c = static_cast<float*>(grad.data) + t.begin * grad.strides[0];
-      Gemm(t.count, cols, n, a_op, b_op, 1.0f, c, grad.strides[0], s + lay.gemm);
+      float* c = static_cast<float*>(grad.data) + t.row0 * grad.strides[0];
+      Gemm(t.rows, cols, n, a_op, b_op, 1.0f, c, grad.strides[0], s + lay.gemm);
     } else {
       float* tile = s + lay.tile;
-      Gemm(t.count, cols, n, a_op, b_op, 0.0f, tile, cols, s + lay.gemm);
-      BFloat16* g = static_cast<BFloat16*>(grad.data) + t.begin * grad.strides[0];
-      for (int64_t r = 0; r < t.count; ++r) {
+      Gemm(t.rows, cols, n, a_op, b_op, 0.0f, tile, cols, s + lay.gemm);
+      BFloat16* g = static_cast<BFloat16*>(grad.data) + t.row0 * grad.strides[0];
+      for (int64_t r = 0; r < t.rows; ++r) {
         for (int64_t c = 0; c < cols; ++c) {
           BFloat16& e = g[r * grad.strides[0] + c];
           e = BFloat16::FromFloat(e.ToFloat() + tile[r * cols + c]);
@@ -303,7 +341,7 @@ absl::Status CpuExecutor::Backward(const ComputeView& view, const TensorView& x_
       }
     }
   };
-  pool_->Run(static_cast<int64_t>(tasks_.size()), weights_fn);
+  pool_->Run(static_cast<int64_t>(tasks_.size()), b3);
   return absl::OkStatus();
 }
 

@@ -1,23 +1,29 @@
 // The CPU grouped-GEMM executor: OpenBLAS cblas_sgemm under a fixed-tile task schedule.
 //
-// Scheduling. Work is cut into tasks whose shapes depend only on the view (never on the thread
-// count): forward and the first backward pass run per block of kRowBlock rows of a group (each
-// block does its whole FFN chain, rows being independent); the weight-gradient pass runs per
-// block of kWeightTile output rows of dWg, dWu, dWd, each a GEMM over all of the group's rows, so
-// no two tasks write the same gradient element and nothing is reduced in a thread-dependent
-// order. Groups are visited by decreasing rows (ties: group index), and tasks are handed out
-// dynamically: a large group's blocks spread over every thread first (the "multi-threaded GEMM"
-// for that group), then the small groups run side by side, one thread each. OpenBLAS itself is
-// kept single-threaded during a call (its thread count is process-global and its own split could
-// change rounding with the thread count); it is restored afterwards. Results are bitwise identical
-// for any num_threads. Empty groups produce no task.
+// Scheduling. Work is cut into tiles whose shapes depend only on the view, never on the thread
+// count, and every output element is produced by exactly one tile with a fixed summation order,
+// so results are bitwise identical for any num_threads. Phases (a barrier between each):
+//   forward  F1: per (block of kRowBlock rows, block of kColTile columns of I):
+//                a = x Wg, b = x Wu, h = silu(a) * b  (h kept in the workspace)
+//            F2: per (row block, column block of H): y = h Wd
+//   backward B1: per (row block, column block of I): a, b (kept or recomputed), dh = dy Wd^T,
+//                h, da, db  (kept in the workspace)
+//            B2: per (row block, column block of H): dx = da Wg^T + db Wu^T
+//            B3: per block of kWeightTile rows of dWg, dWu, dWd: one GEMM over all the group's
+//                rows (dWg += x^T da, dWu += x^T db, dWd += h^T dy), accumulated in place.
+// Groups are visited by decreasing rows (ties: group index) and tiles are handed out dynamically:
+// a large group's tiles spread over every thread (the multi-threaded GEMM for that group), the
+// small groups' tiles then run side by side, one thread each, so a 100x skew between groups still
+// keeps all threads busy. OpenBLAS itself runs single-threaded during a call (its thread count is
+// process-global and its own split could change rounding with the thread count); the previous
+// count is restored afterwards. Empty groups produce no tile.
 //
 // Memory (floats, allocated once at creation; rb = min(kRowBlock, max_rows), M = max(H, I),
-// Tw = min(kWeightTile, M), T = threads):
-//   per thread, fp32: 3 * rb * I
-//   per thread, bf16: 3 * rb * I + 2 * rb * H + kPanelK * (Tw + M) + Tw * M
-//   shared (backward h, da, db of every row): 3 * max_rows * I
-// WorkspaceBytes() = 4 * (T * per_thread + shared), each part rounded up to 64 bytes.
+// tc = min(kColTile, M), Tw = min(kWeightTile, M), T = threads):
+//   per thread, fp32 storage: 3 * rb * tc
+//   per thread, bf16 storage: 3 * rb * tc + 2 * rb * H + kPanelK * (Tw + M) + Tw * M
+//   shared: 3 * max_rows * I  (h, da, db of every row)
+// WorkspaceBytes() = 4 * (T * per_thread + shared), each part rounded up to 16 floats.
 #pragma once
 
 #include <cstdint>
@@ -31,6 +37,7 @@
 namespace moonep::compute::cpu {
 
 constexpr int64_t kRowBlock = 256;
+constexpr int64_t kColTile = 256;
 constexpr int64_t kWeightTile = 256;
 
 // The workspace CpuExecutor allocates for `config` with `threads` threads.
@@ -54,16 +61,19 @@ class CpuExecutor final : public Executor {
 
   struct Task {
     int32_t group;
-    int32_t matrix;  // weight-gradient pass: 0 gate, 1 up, 2 down
-    int64_t begin;   // first row (of the group, or of the gradient matrix)
-    int64_t count;
+    int32_t matrix;  // weight-gradient phase: 0 gate, 1 up, 2 down
+    int64_t row0;    // first row of the tile (of the group's rows, or of the gradient matrix)
+    int64_t rows;
+    int64_t col0;    // first column of the tile
+    int64_t cols;
   };
 
  private:
   explicit CpuExecutor(const ExecutorConfig& config, int threads);
 
   void OrderGroups(const ComputeView& view);
-  void RowTasks(const ComputeView& view);
+  // Tiles of (kRowBlock rows of each group) x (kColTile columns of `width`).
+  void RowTasks(const ComputeView& view, int64_t width);
   void WeightTasks(const ComputeView& view);
   void ZeroUncoveredRows(const ComputeView& view, const TensorView& out);
   float* ThreadScratch(int worker) const { return workspace_ + worker * per_thread_floats_; }
@@ -73,7 +83,7 @@ class CpuExecutor final : public Executor {
   float* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
   size_t per_thread_floats_ = 0;
-  float* shared_ = nullptr;  // backward: h, da, db, each [max_rows, I]
+  float* shared_ = nullptr;  // h, da, db, each [max_rows, I]
   std::vector<int32_t> order_;  // group indices by decreasing rows, reused
   std::vector<int32_t> by_offset_;
   std::vector<Task> tasks_;

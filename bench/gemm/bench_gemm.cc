@@ -1,0 +1,379 @@
+// moonep-bench-gemm: the CPU grouped-GEMM executor against two baselines measured in the same
+// process on the same FLOPs:
+//   single: one cblas_sgemm (OpenBLAS with the same thread count) of the same total FLOPs
+//           (forward: [rows, H] x [H, 3I]; forward+backward: [rows, H] x [H, 9I]);
+//   naive:  the per-group loop one writes first: for each group, one multi-threaded cblas_sgemm
+//           per GEMM of the FFN, one group after another.
+// Forward counts 6 * rows * H * I FLOPs; forward+backward (pre-activations kept, so backward
+// does not recompute them) counts 18 * rows * H * I. Each result row also reports the largest
+// relative difference between executor and naive outputs (#wrong-style check).
+//
+//   moonep-bench-gemm [--threads N] [--dtype fp32|bf16] [--reps N] [--rows-per-group N]
+//                     [--min-rows N] [--quick] [--shapes HxI,...] [--groups G,...] [-J]
+#include <cblas.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "moonep/compute/cpu/cpu_executor.h"
+
+extern "C" {
+#pragma weak openblas_set_num_threads
+}
+
+namespace {
+
+using moonep::DType;
+using moonep::TensorView;
+using namespace moonep::compute;
+
+struct Options {
+  int threads = 0;
+  DType dtype = DType::kFloat32;
+  int reps = 5;
+  int64_t rows_per_group = 256;
+  int64_t min_rows = 0;
+  bool json = false;
+  std::vector<std::pair<int64_t, int64_t>> shapes = {{1024, 512}, {2048, 1024}, {4096, 2048}};
+  std::vector<int> groups = {8, 16, 64};
+};
+
+void SetBlasThreads(int n) {
+  if (openblas_set_num_threads != nullptr) openblas_set_num_threads(n);
+}
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Median seconds of `reps` timed runs after one warm-up.
+template <typename Fn>
+double Time(int reps, Fn&& fn) {
+  fn();
+  std::vector<double> t;
+  for (int r = 0; r < reps; ++r) {
+    const double t0 = Now();
+    fn();
+    t.push_back(Now() - t0);
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+// Group sizes: uniform, or Zipf(1.2) shares of the same total (at least min_rows each), shuffled.
+std::vector<int64_t> GroupRows(int G, int64_t per_group, bool zipf, int64_t min_rows) {
+  std::vector<int64_t> rows(G, per_group);
+  if (!zipf) return rows;
+  const int64_t total = per_group * G;
+  double norm = 0;
+  for (int k = 1; k <= G; ++k) norm += std::pow(k, -1.2);
+  int64_t used = 0;
+  for (int k = 1; k <= G; ++k) {
+    rows[k - 1] = std::max<int64_t>(min_rows, std::llround(total * std::pow(k, -1.2) / norm));
+    used += rows[k - 1];
+  }
+  rows[0] += std::max<int64_t>(0, total - used);
+  std::mt19937 rng(G);
+  std::shuffle(rows.begin(), rows.end(), rng);
+  return rows;
+}
+
+struct Fixture {
+  int64_t H, I, total = 0;
+  DType dtype;
+  std::vector<int64_t> rows;
+  std::vector<std::vector<float>> w32;   // per group: gate|up|down fp32 (naive baseline)
+  std::vector<std::vector<char>> w, g;   // executor storage (dtype), grads fp32
+  std::vector<char> x, y, dy, dx;
+  std::vector<float> x32, dy32, pre;
+  ComputeView view;
+};
+
+void Fill(std::vector<float>& v, std::mt19937& rng, float scale) {
+  std::uniform_real_distribution<float> u(-scale, scale);
+  for (float& f : v) f = u(rng);
+}
+
+void Store(const std::vector<float>& src, DType dtype, std::vector<char>* dst) {
+  dst->resize(src.size() * moonep::DTypeSize(dtype));
+  moonep::ConvertFromFloat(src.data(), dst->data(), dtype, src.size());
+}
+
+Fixture Make(int64_t H, int64_t I, DType dtype, const std::vector<int64_t>& rows) {
+  Fixture f{H, I, 0, dtype, rows, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}};
+  std::mt19937 rng(7);
+  const int G = static_cast<int>(rows.size());
+  f.view.hidden = H;
+  f.view.intermediate = I;
+  f.view.dtype = dtype;
+  f.view.groups.resize(G);
+  for (int g = 0; g < G; ++g) {
+    std::vector<float> w(3 * H * I);
+    Fill(w, rng, 1.0f / std::sqrt(static_cast<float>(H)));
+    if (dtype == DType::kBFloat16) {  // the baseline sees the same rounded weights
+      for (float& v : w) v = moonep::BFloat16::FromFloat(v).ToFloat();
+    }
+    f.w32.push_back(w);
+    f.w.emplace_back();
+    Store(w, dtype, &f.w.back());
+    f.g.emplace_back(3 * H * I * sizeof(float), 0);
+    char* wb = f.w.back().data();
+    char* gb = f.g.back().data();
+    const size_t part = H * I * moonep::DTypeSize(dtype), gpart = H * I * sizeof(float);
+    GroupView& gv = f.view.groups[g];
+    gv.expert = g;
+    gv.row_offset = f.total;
+    gv.row_count = gv.padded_count = rows[g];
+    gv.weights = {TensorView::Contiguous(wb, dtype, {H, I}), TensorView::Contiguous(wb + part, dtype, {H, I}),
+                  TensorView::Contiguous(wb + 2 * part, dtype, {I, H})};
+    gv.grads = {TensorView::Contiguous(gb, DType::kFloat32, {H, I}),
+                TensorView::Contiguous(gb + gpart, DType::kFloat32, {H, I}),
+                TensorView::Contiguous(gb + 2 * gpart, DType::kFloat32, {I, H})};
+    f.total += rows[g];
+  }
+  f.view.total_rows = f.total;
+  f.x32.resize(f.total * H);
+  f.dy32.resize(f.total * H);
+  Fill(f.x32, rng, 1.0f);
+  Fill(f.dy32, rng, 1.0f);
+  if (dtype == DType::kBFloat16) {
+    for (float& v : f.x32) v = moonep::BFloat16::FromFloat(v).ToFloat();
+    for (float& v : f.dy32) v = moonep::BFloat16::FromFloat(v).ToFloat();
+  }
+  Store(f.x32, dtype, &f.x);
+  Store(f.dy32, dtype, &f.dy);
+  f.y.resize(f.x.size());
+  f.dx.resize(f.x.size());
+  f.pre.resize(f.total * 2 * I);
+  return f;
+}
+
+// The naive per-group loop (fp32, multi-threaded BLAS per call). Writes y; with backward, dx
+// and weight gradients into the given buffers.
+struct Naive {
+  std::vector<float> a, b, h, dh, y, dx, dw;
+  void Run(Fixture& f, bool backward) {
+    const int64_t H = f.H, I = f.I;
+    a.resize(f.total * I);
+    b.resize(f.total * I);
+    h.resize(f.total * I);
+    y.resize(f.total * H);
+    if (backward) {
+      dh.resize(f.total * I);
+      dx.resize(f.total * H);
+      dw.resize(3 * H * I);
+    }
+    for (size_t g = 0; g < f.rows.size(); ++g) {
+      const int64_t n = f.rows[g], off = f.view.groups[g].row_offset;
+      if (n == 0) continue;
+      const float* wg = f.w32[g].data();
+      const float* wu = wg + H * I;
+      const float* wd = wg + 2 * H * I;
+      const float* x = f.x32.data() + off * H;
+      float *A = a.data() + off * I, *B = b.data() + off * I, *Hh = h.data() + off * I;
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, I, H, 1, x, H, wg, I, 0, A, I);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, I, H, 1, x, H, wu, I, 0, B, I);
+      for (int64_t k = 0; k < n * I; ++k) Hh[k] = A[k] / (1.0f + std::exp(-A[k])) * B[k];
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, H, I, 1, Hh, I, wd, H, 0,
+                  y.data() + off * H, H);
+      if (!backward) continue;
+      const float* dy = f.dy32.data() + off * H;
+      float* DH = dh.data() + off * I;
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, I, H, 1, dy, H, wd, H, 0, DH, I);
+      for (int64_t k = 0; k < n * I; ++k) {
+        const float s = 1.0f / (1.0f + std::exp(-A[k])), silu = A[k] * s;
+        const float da = DH[k] * B[k] * (s + silu * (1 - s)), db = DH[k] * silu;
+        A[k] = da;
+        B[k] = db;
+      }
+      float* DX = dx.data() + off * H;
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, H, I, 1, A, I, wg, I, 0, DX, H);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, H, I, 1, B, I, wu, I, 1, DX, H);
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, H, I, n, 1, x, H, A, I, 1, dw.data(), I);
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, H, I, n, 1, x, H, B, I, 1,
+                  dw.data() + H * I, I);
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, I, H, n, 1, Hh, I, dy, H, 1,
+                  dw.data() + 2 * H * I, H);
+    }
+  }
+};
+
+double MaxRelDiff(const std::vector<char>& got, DType dtype, const std::vector<float>& want) {
+  double diff = 0, scale = 0;
+  for (size_t k = 0; k < want.size(); ++k) {
+    const double v = moonep::LoadAsFloat(got.data(), dtype, k);
+    diff = std::max(diff, std::abs(v - want[k]));
+    scale = std::max(scale, static_cast<double>(std::abs(want[k])));
+  }
+  return scale > 0 ? diff / scale : diff;
+}
+
+bool ParseList(const char* s, std::vector<int>* out) {
+  out->clear();
+  for (const char* p = s; *p;) {
+    char* end;
+    long v = std::strtol(p, &end, 10);
+    if (end == p || v <= 0) return false;
+    out->push_back(static_cast<int>(v));
+    p = *end == ',' ? end + 1 : end;
+    if (*end != ',' && *end != '\0') return false;
+  }
+  return !out->empty();
+}
+
+bool ParseShapes(const char* s, std::vector<std::pair<int64_t, int64_t>>* out) {
+  out->clear();
+  for (const char* p = s; *p;) {
+    char* end;
+    long h = std::strtol(p, &end, 10);
+    if (end == p || *end != 'x' || h <= 0) return false;
+    p = end + 1;
+    long i = std::strtol(p, &end, 10);
+    if (end == p || i <= 0) return false;
+    out->push_back({h, i});
+    if (*end != ',' && *end != '\0') return false;
+    p = *end == ',' ? end + 1 : end;
+  }
+  return !out->empty();
+}
+
+int Usage(const char* argv0) {
+  std::fprintf(stderr,
+               "usage: %s [--threads N] [--dtype fp32|bf16] [--reps N] [--rows-per-group N]\n"
+               "          [--min-rows N] [--shapes HxI,...] [--groups G,...] [--quick] [-J]\n",
+               argv0);
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto next = [&]() -> const char* { return i + 1 < argc ? argv[++i] : nullptr; };
+    const char* v = nullptr;
+    if (a == "-J") {
+      o.json = true;
+    } else if (a == "--quick") {
+      o.shapes = {{1024, 512}};
+      o.groups = {8};
+      o.reps = 3;
+    } else if ((a == "--threads") && (v = next())) {
+      o.threads = std::atoi(v);
+    } else if (a == "--dtype" && (v = next())) {
+      if (std::string(v) == "fp32") o.dtype = DType::kFloat32;
+      else if (std::string(v) == "bf16") o.dtype = DType::kBFloat16;
+      else return Usage(argv[0]);
+    } else if (a == "--reps" && (v = next())) {
+      o.reps = std::max(1, std::atoi(v));
+    } else if (a == "--rows-per-group" && (v = next())) {
+      o.rows_per_group = std::max(1L, std::atol(v));
+    } else if (a == "--min-rows" && (v = next())) {
+      o.min_rows = std::max(0L, std::atol(v));
+    } else if (a == "--shapes" && (v = next())) {
+      if (!ParseShapes(v, &o.shapes)) return Usage(argv[0]);
+    } else if (a == "--groups" && (v = next())) {
+      if (!ParseList(v, &o.groups)) return Usage(argv[0]);
+    } else {
+      return Usage(argv[0]);
+    }
+  }
+  const int threads = o.threads > 0 ? o.threads : static_cast<int>(std::thread::hardware_concurrency());
+  if (!o.json) {
+    std::printf("# moonep-bench-gemm: dtype %s, %d threads, median of %d reps, %ld rows/group mean\n",
+                moonep::DTypeName(o.dtype), threads, o.reps, static_cast<long>(o.rows_per_group));
+    std::printf("# GF/s of the executor; x1 = executor / one cblas_sgemm of the same FLOPs; "
+                "xN = executor / naive per-group loop\n");
+    std::printf("%6s %7s %5s %5s %6s %6s %6s | %8s %6s %6s | %8s %6s %6s | %8s\n", "groups", "sizes",
+                "H", "I", "rows", "min", "max", "fwd GF/s", "x1", "xN", "f+b GF/s", "x1", "xN",
+                "max err");
+  } else {
+    std::printf("[\n");
+  }
+  bool first = true;
+  for (auto [H, I] : o.shapes) {
+    for (int G : o.groups) {
+      for (bool zipf : {false, true}) {
+        const std::vector<int64_t> rows = GroupRows(G, o.rows_per_group, zipf, o.min_rows);
+        Fixture f = Make(H, I, o.dtype, rows);
+        ExecutorConfig config{H, I, o.dtype, f.total, threads};
+        auto made = cpu::CpuExecutor::Create(config);
+        if (!made.ok()) {
+          std::fprintf(stderr, "executor: %s\n", made.status().ToString().c_str());
+          return 1;
+        }
+        Executor& ex = **made;
+        const TensorView x = TensorView::Contiguous(f.x.data(), o.dtype, {f.total, H});
+        const TensorView y = TensorView::Contiguous(f.y.data(), o.dtype, {f.total, H});
+        const TensorView dy = TensorView::Contiguous(f.dy.data(), o.dtype, {f.total, H});
+        const TensorView dx = TensorView::Contiguous(f.dx.data(), o.dtype, {f.total, H});
+        ForwardOptions fo;
+        fo.preactivations = TensorView::Contiguous(f.pre.data(), DType::kFloat32, {f.total, 2 * I});
+        BackwardOptions bo;
+        bo.preactivations = fo.preactivations;
+        bool failed = false;
+        SetBlasThreads(threads);
+        const double t_fwd = Time(o.reps, [&] { failed |= !ex.Forward(f.view, x, y, fo).ok(); });
+        const double t_fb = Time(o.reps, [&] {
+          failed |= !ex.Forward(f.view, x, y, fo).ok();
+          failed |= !ex.Backward(f.view, x, dy, dx, bo).ok();
+        });
+        if (failed) {
+          std::fprintf(stderr, "executor call failed\n");
+          return 1;
+        }
+        // One GEMM of the same FLOPs: [rows, H] x [H, c*I], c = 3 (forward) or 9 (f+b).
+        std::vector<float> wide(H * 9 * I), out(f.total * 9 * I);
+        std::mt19937 rng(3);
+        Fill(wide, rng, 0.01f);
+        auto single = [&](int c) {
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, f.total, c * I, H, 1,
+                      f.x32.data(), H, wide.data(), c * I, 0, out.data(), c * I);
+        };
+        const double s_fwd = Time(o.reps, [&] { single(3); });
+        const double s_fb = Time(o.reps, [&] { single(9); });
+        Naive naive;
+        const double n_fwd = Time(o.reps, [&] { naive.Run(f, false); });
+        const double n_fb = Time(o.reps, [&] { naive.Run(f, true); });
+        // Correctness: a fresh forward + backward compared with the naive loop's outputs.
+        ex.Forward(f.view, x, y, fo).IgnoreError();
+        ex.Backward(f.view, x, dy, dx, bo).IgnoreError();
+        naive.Run(f, true);
+        const double err = std::max(MaxRelDiff(f.y, o.dtype, naive.y), MaxRelDiff(f.dx, o.dtype, naive.dx));
+
+        const double flops = 2.0 * f.total * H * I;
+        const double fwd_gf = 3 * flops / t_fwd / 1e9, fb_gf = 9 * flops / t_fb / 1e9;
+        const double r1f = s_fwd / t_fwd, rnf = n_fwd / t_fwd, r1b = s_fb / t_fb, rnb = n_fb / t_fb;
+        const int64_t mn = *std::min_element(rows.begin(), rows.end());
+        const int64_t mx = *std::max_element(rows.begin(), rows.end());
+        if (o.json) {
+          std::printf("%s  {\"groups\": %d, \"sizes\": \"%s\", \"H\": %ld, \"I\": %ld, \"rows\": %ld, "
+                      "\"min_rows\": %ld, \"max_rows\": %ld, \"fwd_gflops\": %.2f, "
+                      "\"fwd_vs_single\": %.3f, \"fwd_vs_naive\": %.3f, \"fb_gflops\": %.2f, "
+                      "\"fb_vs_single\": %.3f, \"fb_vs_naive\": %.3f, \"max_rel_err\": %.2e}",
+                      first ? "" : ",\n", G, zipf ? "zipf1.2" : "uniform", static_cast<long>(H),
+                      static_cast<long>(I), static_cast<long>(f.total), static_cast<long>(mn),
+                      static_cast<long>(mx), fwd_gf, r1f, rnf, fb_gf, r1b, rnb, err);
+        } else {
+          std::printf("%6d %7s %5ld %5ld %6ld %6ld %6ld | %8.1f %6.2f %6.2f | %8.1f %6.2f %6.2f | %8.1e\n",
+                      G, zipf ? "zipf1.2" : "uniform", static_cast<long>(H), static_cast<long>(I),
+                      static_cast<long>(f.total), static_cast<long>(mn), static_cast<long>(mx),
+                      fwd_gf, r1f, rnf, fb_gf, r1b, rnb, err);
+        }
+        std::fflush(stdout);
+        first = false;
+      }
+    }
+  }
+  if (o.json) std::printf("\n]\n");
+  return 0;
+}
