@@ -128,5 +128,352 @@ TEST(PlannerBruteForce, PerfectWheneverFeasibleAndFewReplicas) {
   EXPECT_LT(gap_sum / std::max(feasible, 1), 0.05);
 }
 
+
+// ---- Property tests on random matrices ------------------------------------------------------
+
+enum class Skew { kUniform, kZipf, kOneExpert, kAllZero, kEmptyRank, kRaggedRanks };
+
+// counts[R][E] for `tokens` tokens per rank with top-k routing, drawn from a skew model.
+std::vector<int64_t> MakeCounts(Skew skew, int R, int E, int64_t tokens, int K, double zipf,
+                                std::mt19937_64& rng) {
+  std::vector<double> p(E, 1.0);
+  std::vector<int> perm(E);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  if (skew == Skew::kZipf) {
+    for (int i = 0; i < E; ++i) p[perm[i]] = 1.0 / std::pow(i + 1.0, zipf);
+  }
+  double sum = std::accumulate(p.begin(), p.end(), 0.0);
+  std::vector<int64_t> counts(static_cast<size_t>(R) * E, 0);
+  if (skew == Skew::kAllZero) return counts;
+  std::uniform_real_distribution<double> noise(0.8, 1.2);
+  for (int s = 0; s < R; ++s) {
+    int64_t t = tokens;
+    if (skew == Skew::kEmptyRank && s == R / 2) t = 0;
+    if (skew == Skew::kRaggedRanks) t = tokens * (1 + static_cast<int64_t>(rng() % 16)) / 8;
+    const int64_t rows = t * K;
+    if (skew == Skew::kOneExpert) {
+      counts[static_cast<size_t>(s) * E + perm[0]] = rows;
+      continue;
+    }
+    for (int e = 0; e < E; ++e) {
+      counts[static_cast<size_t>(s) * E + e] = static_cast<int64_t>(rows * p[e] / sum * noise(rng));
+    }
+  }
+  return counts;
+}
+
+TEST(PlannerProperties, EveryPolicyValidatesAndMoonEPBeatsGreedy) {
+  std::mt19937_64 rng(7);
+  struct Shape { int R, E, slots, rpn; int64_t tokens; int K; };
+  const std::vector<Shape> shapes = {{2, 4, -1, 0, 64, 2},      {4, 16, -1, 2, 256, 4},
+                                     {8, 32, 2, 4, 512, 4},     {16, 64, -1, 8, 1024, 8},
+                                     {64, 256, -1, 8, 4096, 8}, {128, 896, 4, 8, 4096, 16},
+                                     {256, 512, 1, 16, 512, 8}};
+  int64_t rep_moonep = 0, rep_greedy = 0, travel_moonep = 0, travel_greedy = 0;
+  int plans = 0, fewer_replicas = 0, more_travel_cases = 0, greedy_worse_balance = 0, compared = 0;
+  for (const Shape& sh : shapes) {
+    for (Skew skew : {Skew::kUniform, Skew::kZipf, Skew::kOneExpert, Skew::kAllZero, Skew::kEmptyRank,
+                      Skew::kRaggedRanks}) {
+      for (double zipf : {0.5, 1.2, 2.0}) {
+        if (skew != Skew::kZipf && zipf != 1.2) continue;
+        auto counts = MakeCounts(skew, sh.R, sh.E, sh.tokens, sh.K, zipf, rng);
+        PlannerConfig c;
+        c.num_ranks = sh.R;
+        c.num_experts = sh.E;
+        c.slots = sh.slots;
+        c.ranks_per_node = sh.rpn;
+        c.pad_multiple = 1 + static_cast<int>(rng() % 3) * 4;
+        Plan by_policy[6];
+        for (int pol = 0; pol < 6; ++pol) {
+          c.policy = static_cast<Policy>(pol);
+          by_policy[pol] = MustPlan(c, counts);
+          ++plans;
+        }
+        const Plan& mine = by_policy[static_cast<int>(Policy::kMoonEP)];
+        const Plan& greedy = by_policy[static_cast<int>(Policy::kMoonEPGreedy)];
+        const int64_t lb = LoadLowerBound(Planner::Create(c).value()->config(), counts);
+        EXPECT_LE(mine.stats.max_load_after, greedy.stats.max_load_after);
+        if (mine.stats.max_load_after == greedy.stats.max_load_after) {
+          EXPECT_LE(mine.stats.replicas, greedy.stats.replicas) << "R=" << sh.R << " E=" << sh.E;
+        }
+        EXPECT_GE(mine.stats.max_load_after, lb);
+        const int64_t tm = mine.stats.rows_travel_intra + mine.stats.rows_travel_inter;
+        const int64_t tg = greedy.stats.rows_travel_intra + greedy.stats.rows_travel_inter;
+        if (mine.stats.max_load_after < greedy.stats.max_load_after) {
+          ++greedy_worse_balance;
+          continue;
+        }
+        rep_moonep += mine.stats.replicas;
+        rep_greedy += greedy.stats.replicas;
+        travel_moonep += tm;
+        travel_greedy += tg;
+        fewer_replicas += mine.stats.replicas < greedy.stats.replicas;
+        more_travel_cases += tm > tg;
+        ++compared;
+      }
+    }
+  }
+  std::printf("[properties] %d plans validated; moonep-greedy balanced worse on %d inputs; on the %d "
+              "inputs balanced equally: replicas moonep %lld vs moonep-greedy %lld (fewer in %d inputs); "
+              "travelling rows moonep %lld vs moonep-greedy %lld (more in %d inputs)\n",
+              plans, greedy_worse_balance, compared, static_cast<long long>(rep_moonep),
+              static_cast<long long>(rep_greedy), fewer_replicas,
+              static_cast<long long>(travel_moonep), static_cast<long long>(travel_greedy), more_travel_cases);
+  EXPECT_LE(rep_moonep, rep_greedy);
+}
+
+TEST(PlannerProperties, LargestShapeValidates) {
+  std::mt19937_64 rng(99);
+  const int R = 1024, E = 8192;
+  auto counts = MakeCounts(Skew::kZipf, R, E, 2048, 8, 1.2, rng);
+  PlannerConfig c;
+  c.num_ranks = R;
+  c.num_experts = E;
+  c.ranks_per_node = 8;
+  for (Policy pol : {Policy::kMoonEP, Policy::kMoonEPGreedy}) {
+    c.policy = pol;
+    const Plan plan = MustPlan(c, counts);
+    if (pol == Policy::kMoonEP) {
+      EXPECT_TRUE(Perfect(RankLoads(plan), plan.stats.total_tokens));
+    }
+    std::printf("[R=1024 E=8192] %s: replicas %d, max/mean %.4f (before %.3f)\n", PolicyName(pol),
+                plan.stats.replicas, plan.stats.imbalance_after(), plan.stats.imbalance_before());
+  }
+}
+
+
+// ---- Real data ------------------------------------------------------------------------------
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// The integer arrays of the first JSON array after `key` (after position `from`): [[..],[..]] or [..].
+std::vector<std::vector<int64_t>> IntArraysAfter(const std::string& json, const std::string& key, size_t from = 0) {
+  std::vector<std::vector<int64_t>> out;
+  size_t pos = json.find("\"" + key + "\"", from);
+  if (pos == std::string::npos) return out;
+  pos = json.find('[', pos);
+  int depth = 0;
+  std::vector<int64_t> cur;
+  for (; pos < json.size(); ++pos) {
+    const char ch = json[pos];
+    if (ch == '[') {
+      ++depth;
+      cur.clear();
+    } else if (ch == ']') {
+      if (!cur.empty() || depth >= 1) out.push_back(cur);
+      cur.clear();
+      if (--depth == 0) break;
+    } else if (ch == '-' || (ch >= '0' && ch <= '9')) {
+      size_t end = pos;
+      cur.push_back(std::stoll(json.substr(pos), &end));
+      pos += end - 1;
+    }
+  }
+  // Drop the empty outer array entry of a nested array.
+  out.erase(std::remove_if(out.begin(), out.end(), [](const std::vector<int64_t>& v) { return v.empty(); }),
+            out.end());
+  return out;
+}
+
+const char* kLoadsPath = MOONEP_SHARED_DATA "/published_expert_loads.json";
+
+TEST(PlannerRealData, EplbReproducesReadmeExample) {
+  const std::string json = ReadFile(kLoadsPath);
+  if (json.empty()) GTEST_SKIP() << "missing " << kLoadsPath;
+  const size_t at = json.find("\"eplb_readme\"");
+  ASSERT_NE(at, std::string::npos);
+  const auto weight = IntArraysAfter(json, "weight", at);
+  const auto reference = IntArraysAfter(json, "phy2log_reference", at);
+  ASSERT_EQ(weight.size(), 2u);
+  ASSERT_EQ(reference.size(), 2u);
+  for (size_t layer = 0; layer < 2; ++layer) {
+    std::vector<int32_t> phy2log, logcnt;
+    ASSERT_TRUE(EplbRebalance(weight[layer], 16, 4, 2, 8, &phy2log, &logcnt).ok());
+    std::vector<int32_t> want_cnt(12, 0);
+    for (int64_t e : reference[layer]) ++want_cnt[e];
+    EXPECT_EQ(logcnt, want_cnt) << "layer " << layer;
+    // Placement up to ties: each GPU holds the same multiset of experts, or, where it differs,
+    // the swapped experts carry equal load per replica (a tie EPLB's sort breaks arbitrarily).
+    int differing = 0;
+    for (int g = 0; g < 8; ++g) {
+      std::vector<int64_t> mine{phy2log[2 * g], phy2log[2 * g + 1]};
+      std::vector<int64_t> ref{reference[layer][2 * g], reference[layer][2 * g + 1]};
+      std::sort(mine.begin(), mine.end());
+      std::sort(ref.begin(), ref.end());
+      if (mine != ref) ++differing;
+    }
+    std::printf("[eplb readme] layer %zu: replica counts equal; %d of 8 GPUs differ in placement\n", layer,
+                differing);
+    EXPECT_EQ(differing, 0) << "layer " << layer << ": " << ::testing::PrintToString(phy2log);
+  }
+}
+
+TEST(PlannerRealData, EveryPolicyOnPublishedLoads) {
+  const std::string json = ReadFile(kLoadsPath);
+  if (json.empty()) GTEST_SKIP() << "missing " << kLoadsPath;
+  std::vector<std::vector<int64_t>> vectors;
+  for (size_t at = json.find("\"layers\""); at != std::string::npos; at = json.find("\"layers\"", at + 1)) {
+    for (auto& v : IntArraysAfter(json, "layers", at)) vectors.push_back(v);
+  }
+  for (auto& v : IntArraysAfter(json, "weight", json.find("\"eplb_readme\""))) vectors.push_back(v);
+  ASSERT_GE(vectors.size(), 3u);
+  std::mt19937_64 rng(3);
+  for (const auto& totals : vectors) {
+    const int E = static_cast<int>(totals.size());
+    for (int R = 2; R <= E; ++R) {
+      if (E % R != 0) continue;
+      auto counts = SpreadTotals(R, totals, rng);
+      PlannerConfig c;
+      c.num_ranks = R;
+      c.num_experts = E;
+      c.ranks_per_node = R % 2 == 0 ? 2 : 0;
+      for (int pol = 0; pol < 6; ++pol) {
+        c.policy = static_cast<Policy>(pol);
+        const Plan plan = MustPlan(c, counts);
+        if (c.policy == Policy::kMoonEP) {
+          std::printf("[real E=%d R=%d] moonep: max/mean %.3f -> %.3f with %d replicas\n", E, R,
+                      plan.stats.imbalance_before(), plan.stats.imbalance_after(), plan.stats.replicas);
+          EXPECT_EQ(plan.stats.max_load_after, LoadLowerBound(Planner::Create(c).value()->config(), counts));
+        }
+      }
+    }
+  }
+}
+
+// ---- Determinism, Decide, bad input ---------------------------------------------------------
+
+TEST(PlannerDeterminism, SameBytesAcrossRunsAndThreads) {
+  std::mt19937_64 rng(5);
+  auto counts = MakeCounts(Skew::kZipf, 64, 256, 4096, 8, 1.2, rng);
+  for (int pol = 0; pol < 6; ++pol) {
+    PlannerConfig c;
+    c.num_ranks = 64;
+    c.num_experts = 256;
+    c.ranks_per_node = 8;
+    c.pad_multiple = 8;
+    c.policy = static_cast<Policy>(pol);
+    const std::string reference = SerializePlan(MustPlan(c, counts));
+    std::vector<std::string> got(4);
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 4; ++t) {
+      threads.emplace_back([&, t] {
+        auto planner = Planner::Create(c).value();
+        Plan plan;
+        for (int rep = 0; rep < 3; ++rep) {  // reused plan storage must not change the bytes
+          if (!planner->MakePlan(counts, &plan).ok()) return;
+          if (c.policy == Policy::kEplb) break;  // eplb keeps history: one step per planner
+        }
+        got[t] = SerializePlan(plan);
+      });
+    }
+    for (auto& th : threads) th.join();
+    for (int t = 0; t < 4; ++t) EXPECT_EQ(got[t], reference) << PolicyName(c.policy) << " thread " << t;
+  }
+}
+
+TEST(PlannerDecide, MatchesMakePlanDecisions) {
+  std::mt19937_64 rng(11);
+  auto counts = MakeCounts(Skew::kZipf, 16, 64, 1024, 4, 1.0, rng);
+  std::vector<int64_t> totals(64, 0);
+  for (int s = 0; s < 16; ++s) {
+    for (int e = 0; e < 64; ++e) totals[e] += counts[s * 64 + e];
+  }
+  for (Policy pol : {Policy::kNone, Policy::kMoonEP, Policy::kMoonEPGreedy, Policy::kEplb,
+                     Policy::kTestForceReplicas}) {
+    PlannerConfig c;
+    c.num_ranks = 16;
+    c.num_experts = 64;
+    c.policy = pol;
+    const Plan full = MustPlan(c, counts);
+    auto planner = Planner::Create(c).value();
+    Plan decided;
+    for (int rep = 0; rep < 2; ++rep) {
+      ASSERT_TRUE(planner->Decide(totals, &decided).ok());
+      if (pol == Policy::kEplb) break;
+    }
+    EXPECT_EQ(decided.alloc, full.alloc) << PolicyName(pol);
+    EXPECT_EQ(decided.slot_expert, full.slot_expert) << PolicyName(pol);
+    EXPECT_EQ(decided.slot_alloc, full.slot_alloc) << PolicyName(pol);
+    EXPECT_EQ(decided.stats.replicas, full.stats.replicas);
+    EXPECT_EQ(decided.stats.max_load_after, full.stats.max_load_after);
+    EXPECT_EQ(decided.stats.max_load_before, full.stats.max_load_before);
+  }
+}
+
+TEST(PlannerBadInput, ClearErrors) {
+  auto expect_error = [](const PlannerConfig& c, const std::string& needle) {
+    auto p = Planner::Create(c);
+    ASSERT_FALSE(p.ok()) << needle;
+    EXPECT_NE(std::string(p.status().message()).find(needle), std::string::npos) << p.status();
+  };
+  PlannerConfig c;
+  c.num_ranks = 0;
+  c.num_experts = 8;
+  expect_error(c, "num_ranks");
+  c.num_ranks = 3;
+  expect_error(c, "divisible");
+  c.num_ranks = 4;
+  c.slots = 0;
+  expect_error(c, "slots");
+  c.slots = -1;
+  c.home = {0, 0, 1, 1, 2, 2, 3};
+  expect_error(c, "home");
+  c.home.clear();
+  c.speeds = {1, 2, -1, 1};
+  expect_error(c, "speeds");
+  c.speeds.clear();
+  c.pad_multiple = 0;
+  expect_error(c, "pad_multiple");
+  c.pad_multiple = 1;
+  auto planner = Planner::Create(c).value();
+  Plan plan;
+  std::vector<int64_t> counts(32, 1);
+  EXPECT_TRUE(planner->MakePlan(counts, &plan).ok());
+  counts[9] = -4;
+  absl::Status s = planner->MakePlan(counts, &plan);
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(std::string(s.message()).find("negative"), std::string::npos) << s;
+  counts.resize(31);
+  s = planner->MakePlan(counts, &plan);
+  EXPECT_NE(std::string(s.message()).find("counts has 31"), std::string::npos) << s;
+  EXPECT_FALSE(planner->Decide(std::vector<int64_t>(7, 1), &plan).ok());
+  EXPECT_FALSE(planner->MakePlan(std::vector<int64_t>(32, 1), nullptr).ok());
+  std::vector<int64_t> huge(32, int64_t{1} << 62);
+  EXPECT_FALSE(planner->MakePlan(huge, &plan).ok());
+}
+
+TEST(PlannerValidate, NamesTheBrokenInvariant) {
+  std::mt19937_64 rng(1);
+  auto counts = MakeCounts(Skew::kZipf, 8, 32, 256, 4, 1.5, rng);
+  PlannerConfig c;
+  c.num_ranks = 8;
+  c.num_experts = 32;
+  const Plan good = MustPlan(c, counts);
+  ASSERT_GT(good.stats.replicas, 0);
+  auto broken = [&](auto mutate, const std::string& needle) {
+    Plan p = good;
+    mutate(p);
+    const absl::Status s = ValidatePlan(p, counts);
+    EXPECT_FALSE(s.ok()) << needle;
+    EXPECT_NE(std::string(s.message()).find(needle), std::string::npos) << s;
+  };
+  int slot = 0;
+  while (good.slot_expert[slot] < 0) ++slot;
+  const int d = slot / good.slots, e = good.slot_expert[slot];
+  broken([&](Plan& p) { p.alloc[static_cast<size_t>(e) * 8 + d] += 1; }, "slot_alloc");
+  broken([&](Plan& p) { p.slot_expert[slot] = p.home.size() ? p.local_experts[d * 4] : 0; }, "no replica on home");
+  broken([&](Plan& p) { p.piece_start[1] += 1; }, "conservation per (source, expert)");
+  broken([&](Plan& p) { p.group_padded[0] += 1; }, "padding");
+  broken([&](Plan& p) { p.group_offset[1] = 0; p.group_offset[0] = 0; p.group_count[0] += 0; p.group_offset[2] = p.group_offset[1]; }, "");
+  broken([&](Plan& p) { p.stats.replicas += 1; }, "stats: replicas");
+  broken([&](Plan& p) { p.alloc.pop_back(); }, "shape");
+}
+
 }  // namespace
 }  // namespace moonep::planner
