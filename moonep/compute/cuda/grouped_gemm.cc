@@ -1,0 +1,273 @@
+#include "moonep/compute/cuda/grouped_gemm.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+
+#include "moonep/compute/cuda/cuda_check.h"
+#include "moonep/core/logging.h"
+#include "moonep/core/status.h"
+
+namespace moonep::compute::cuda {
+namespace {
+
+cudaDataType_t CudaType(DType d) { return d == DType::kBFloat16 ? CUDA_R_16BF : CUDA_R_32F; }
+
+size_t RoundUp8(size_t v) { return (v + 7) / 8 * 8; }
+
+bool FitsInt(int64_t v) { return v >= 0 && v <= INT_MAX; }
+
+}  // namespace
+
+const char* GemmStrategyName(GemmStrategy s) {
+  switch (s) {
+    case GemmStrategy::kAuto: return "auto";
+    case GemmStrategy::kGrouped: return "grouped";
+    case GemmStrategy::kStreams: return "streams";
+  }
+  return "?";
+}
+
+absl::StatusOr<GemmStrategy> ParseGemmStrategy(const std::string& name) {
+  if (name == "auto") return GemmStrategy::kAuto;
+  if (name == "grouped") return GemmStrategy::kGrouped;
+  if (name == "streams") return GemmStrategy::kStreams;
+  return InvalidArgument("GEMM strategy '%s' is not one of auto, grouped, streams", name);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Staging
+
+absl::StatusOr<std::unique_ptr<Staging>> Staging::Create(size_t capacity_bytes) {
+  std::unique_ptr<Staging> s(new Staging());
+  for (int i = 0; i < 2; ++i) {
+    MOONEP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&s->uploaded_[i], cudaEventDisableTiming));
+  }
+  MOONEP_RETURN_IF_ERROR(s->Allocate(std::max<size_t>(capacity_bytes, 4096)));
+  return s;
+}
+
+Staging::~Staging() {
+  Free();
+  for (cudaEvent_t e : uploaded_) {
+    if (e != nullptr) cudaEventDestroy(e);
+  }
+}
+
+void Staging::Free() {
+  for (int i = 0; i < 2; ++i) {
+    if (pinned_[i] != nullptr) cudaFreeHost(pinned_[i]);
+    if (device_[i] != nullptr) cudaFree(device_[i]);
+    pinned_[i] = device_[i] = nullptr;
+  }
+  capacity_ = 0;
+}
+
+absl::Status Staging::Allocate(size_t bytes) {
+  for (int i = 0; i < 2; ++i) {
+    MOONEP_CUDA_RETURN_IF_ERROR(cudaMallocHost(reinterpret_cast<void**>(&pinned_[i]), bytes));
+    MOONEP_CUDA_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(&device_[i]), bytes));
+  }
+  capacity_ = bytes;
+  host_.reserve(bytes);
+  return absl::OkStatus();
+}
+
+absl::Status Staging::Begin() {
+  slot_ ^= 1;
+  // The copy that last read this slot's pinned bytes must be done before they are rewritten.
+  MOONEP_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(uploaded_[slot_]));
+  host_.clear();
+  return absl::OkStatus();
+}
+
+size_t Staging::Add(const void* data, size_t bytes) {
+  const size_t offset = RoundUp8(host_.size());
+  host_.resize(offset + bytes);
+  if (bytes > 0) std::memcpy(host_.data() + offset, data, bytes);
+  return offset;
+}
+
+absl::Status Staging::Upload(cudaStream_t stream) {
+  if (host_.empty()) return absl::OkStatus();
+  if (host_.size() > capacity_) {
+    // A view with more groups than ever before: grow once. Work queued on `stream` may still
+    // read the old device buffers.
+    MOONEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    const size_t bytes = std::max(host_.size(), 2 * capacity_);
+    Free();
+    MOONEP_RETURN_IF_ERROR(Allocate(bytes));
+  }
+  std::memcpy(pinned_[slot_], host_.data(), host_.size());
+  MOONEP_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(device_[slot_], pinned_[slot_], host_.size(), cudaMemcpyHostToDevice, stream));
+  MOONEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(uploaded_[slot_], stream));
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------------------------
+// GroupedGemm
+
+absl::StatusOr<std::unique_ptr<GroupedGemm>> GroupedGemm::Create(cudaStream_t main, int num_streams,
+                                                                 void* cublas_workspace) {
+  MOONEP_CHECK_ARG(num_streams >= 1 && num_streams <= 16, "num_streams %d is not in [1, 16]",
+                   num_streams);
+  std::unique_ptr<GroupedGemm> g(new GroupedGemm());
+  g->streams_.push_back(main);
+  for (int s = 1; s < num_streams; ++s) {
+    cudaStream_t st;
+    MOONEP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    g->streams_.push_back(st);
+    cudaEvent_t e;
+    MOONEP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    g->joins_.push_back(e);
+  }
+  MOONEP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&g->fork_, cudaEventDisableTiming));
+  for (int s = 0; s < num_streams; ++s) {
+    cublasHandle_t h;
+    MOONEP_CUBLAS_RETURN_IF_ERROR(cublasCreate(&h));
+    g->handles_.push_back(h);
+    MOONEP_CUBLAS_RETURN_IF_ERROR(cublasSetStream(h, g->streams_[s]));
+    // After cublasSetStream, which resets the workspace to cuBLAS's own pool: every handle gets
+    // its own slice, so concurrent streams never share scratch and no call allocates.
+    MOONEP_CUBLAS_RETURN_IF_ERROR(cublasSetWorkspace(
+        h, static_cast<char*>(cublas_workspace) + s * kCublasWorkspaceBytes, kCublasWorkspaceBytes));
+    MOONEP_CUBLAS_RETURN_IF_ERROR(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH));
+  }
+  auto strategy = ParseGemmStrategy(param::CudaGemmStrategy());
+  if (!strategy.ok()) return Annotate(strategy.status(), "MOONEP_CUDA_GEMM_STRATEGY");
+  g->strategy_ = *strategy;
+  return g;
+}
+
+GroupedGemm::~GroupedGemm() {
+  for (cublasHandle_t h : handles_) cublasDestroy(h);
+  for (size_t s = 1; s < streams_.size(); ++s) cudaStreamDestroy(streams_[s]);
+  for (cudaEvent_t e : joins_) cudaEventDestroy(e);
+  if (fork_ != nullptr) cudaEventDestroy(fork_);
+}
+
+absl::Status GroupedGemm::Plan(GemmBatch* batch, Staging* staging) {
+  const size_t count = batch->problems.size();
+  int64_t rows = 0;
+  for (const GemmProblem& p : batch->problems) {
+    MOONEP_CHECK_ARG(FitsInt(p.m) && FitsInt(p.n) && FitsInt(p.k) && FitsInt(p.lda) &&
+                         FitsInt(p.ldb) && FitsInt(p.ldc),
+                     "GEMM %dx%dx%d (ld %d, %d, %d) exceeds cuBLAS's 32-bit sizes", p.m, p.n, p.k,
+                     p.lda, p.ldb, p.ldc);
+    rows += p.rows;
+  }
+  GemmStrategy s = strategy_;
+  if (s == GemmStrategy::kAuto) {
+    const int64_t mean = count == 0 ? 0 : rows / static_cast<int64_t>(count);
+    s = mean >= param::CudaGemmStreamsMinRows() ? GemmStrategy::kStreams : GemmStrategy::kGrouped;
+  }
+  // One GEMM needs no grouping; a grouped call cuBLAS refused once is not tried again.
+  if (count <= 1 || grouped_unsupported_) s = GemmStrategy::kStreams;
+  batch->chosen = s;
+  if (s == GemmStrategy::kGrouped) {
+    // cuBLAS is column-major: the row-major C = op(A) op(B) is C^T = op(B)^T op(A)^T, so cuBLAS's
+    // A array holds our B pointers and its B array our A pointers.
+    ptrs_.resize(3 * count);
+    for (size_t i = 0; i < count; ++i) {
+      ptrs_[i] = batch->problems[i].b;
+      ptrs_[count + i] = batch->problems[i].a;
+      ptrs_[2 * count + i] = batch->problems[i].c;
+    }
+    batch->staged_offset = staging->Add(ptrs_.data(), ptrs_.size() * sizeof(void*));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GroupedGemm::Run(const GemmBatch& batch, const Staging& staging) {
+  if (batch.problems.empty()) return absl::OkStatus();
+  if (batch.chosen == GemmStrategy::kGrouped && !grouped_unsupported_) {
+    return RunGrouped(batch, staging);
+  }
+  return RunStreams(batch);
+}
+
+absl::Status GroupedGemm::RunOne(int stream, bool trans_a, bool trans_b, cudaDataType_t ab,
+                                 cudaDataType_t c, const GemmProblem& p) {
+  const float alpha = 1.0f;
+  MOONEP_CUBLAS_RETURN_IF_ERROR(cublasGemmEx(
+      handles_[stream], trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+      static_cast<int>(p.n), static_cast<int>(p.m), static_cast<int>(p.k), &alpha, p.b, ab,
+      static_cast<int>(p.ldb), p.a, ab, static_cast<int>(p.lda), &p.beta, p.c, c,
+      static_cast<int>(p.ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  return absl::OkStatus();
+}
+
+absl::Status GroupedGemm::RunStreams(const GemmBatch& batch) {
+  const cudaDataType_t ab = CudaType(batch.ab_dtype), c = CudaType(batch.c_dtype);
+  const size_t count = batch.problems.size();
+  if (count == 1) return RunOne(0, batch.trans_a, batch.trans_b, ab, c, batch.problems[0]);
+  const int used = static_cast<int>(std::min<size_t>(count, streams_.size()));
+  // Largest first, each to the least-loaded stream (by FLOPs), so skewed groups spread evenly.
+  order_.resize(count);
+  for (size_t i = 0; i < count; ++i) order_[i] = static_cast<int32_t>(i);
+  auto flops = [&](int32_t i) {
+    const GemmProblem& p = batch.problems[i];
+    return static_cast<double>(p.m) * static_cast<double>(p.n) * static_cast<double>(p.k);
+  };
+  std::stable_sort(order_.begin(), order_.end(),
+                   [&](int32_t x, int32_t y) { return flops(x) > flops(y); });
+  load_.assign(used, 0.0);
+  MOONEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(fork_, streams_[0]));
+  for (int s = 1; s < used; ++s) {
+    MOONEP_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(streams_[s], fork_, 0));
+  }
+  for (int32_t i : order_) {
+    const int s = static_cast<int>(std::min_element(load_.begin(), load_.end()) - load_.begin());
+    load_[s] += flops(i);
+    MOONEP_RETURN_IF_ERROR(RunOne(s, batch.trans_a, batch.trans_b, ab, c, batch.problems[i]));
+  }
+  for (int s = 1; s < used; ++s) {
+    MOONEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(joins_[s - 1], streams_[s]));
+    MOONEP_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(streams_[0], joins_[s - 1], 0));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GroupedGemm::RunGrouped(const GemmBatch& batch, const Staging& staging) {
+  const size_t count = batch.problems.size();
+  op_a_.assign(count, batch.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N);
+  op_b_.assign(count, batch.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N);
+  m_.resize(count);
+  n_.resize(count);
+  k_.resize(count);
+  lda_.resize(count);
+  ldb_.resize(count);
+  ldc_.resize(count);
+  beta_.resize(count);
+  alpha_.assign(count, 1.0f);
+  group_size_.assign(count, 1);
+  for (size_t i = 0; i < count; ++i) {
+    const GemmProblem& p = batch.problems[i];
+    m_[i] = static_cast<int>(p.n);
+    n_[i] = static_cast<int>(p.m);
+    k_[i] = static_cast<int>(p.k);
+    lda_[i] = static_cast<int>(p.ldb);
+    ldb_[i] = static_cast<int>(p.lda);
+    ldc_[i] = static_cast<int>(p.ldc);
+    beta_[i] = p.beta;
+  }
+  const auto* ptrs = static_cast<const void* const*>(staging.DevicePtr(batch.staged_offset));
+  void* const* c_ptrs = const_cast<void* const*>(ptrs + 2 * count);
+  const cublasStatus_t st = cublasGemmGroupedBatchedEx(
+      handles_[0], op_a_.data(), op_b_.data(), m_.data(), n_.data(), k_.data(), alpha_.data(),
+      ptrs, CudaType(batch.ab_dtype), lda_.data(), ptrs + count, CudaType(batch.ab_dtype),
+      ldb_.data(), beta_.data(), c_ptrs, CudaType(batch.c_dtype), ldc_.data(),
+      static_cast<int>(count), group_size_.data(), CUBLAS_COMPUTE_32F);
+  if (st == CUBLAS_STATUS_NOT_SUPPORTED) {
+    MOONEP_WARN("cublasGemmGroupedBatchedEx does not support %s x %s -> %s here; using per-group "
+                "GEMMs over streams instead",
+                DTypeName(batch.ab_dtype), DTypeName(batch.ab_dtype), DTypeName(batch.c_dtype));
+    grouped_unsupported_ = true;
+    return RunStreams(batch);
+  }
+  MOONEP_CUBLAS_RETURN_IF_ERROR(st);
+  return absl::OkStatus();
+}
+
+}  // namespace moonep::compute::cuda

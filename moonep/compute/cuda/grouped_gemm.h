@@ -1,0 +1,146 @@
+// The grouped GEMM of the CUDA backend: a batch of independent row-major GEMMs (one per expert
+// group, or per group and matrix), run through cuBLAS in one of two ways:
+//   kGrouped: one cublasGemmGroupedBatchedEx call for the whole batch (one launch, device-side
+//             pointer arrays uploaded with the call's other host data);
+//   kStreams: one cublasGemmEx per problem, spread over the executor's streams (largest first,
+//             each to the least-loaded stream, so a skewed batch still fills the GPU);
+//   kAuto:    picks per batch from the host-known sizes: kStreams when the batch's mean rows per
+//             problem reach MOONEP_CUDA_GEMM_STREAMS_MIN_ROWS, else kGrouped (docs/cuda.md has the
+//             measurements behind the default).
+// Empty problems are never added, so an empty group costs nothing. Arithmetic is fp32
+// (CUBLAS_COMPUTE_32F: no TF32 for fp32 storage), inputs fp32 or bf16, outputs fp32 or bf16.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "moonep/core/dtype.h"
+#include "moonep/core/env.h"
+
+namespace moonep::param {
+// Mean rows per GEMM at or above which kAuto runs per-group GEMMs over streams.
+MOONEP_INT_PARAM(CudaGemmStreamsMinRows, "CUDA_GEMM_STREAMS_MIN_ROWS", 512)
+// Streams of a CUDA executor (1..16).
+MOONEP_INT_PARAM(CudaGemmStreams, "CUDA_GEMM_STREAMS", 4)
+// auto, grouped or streams.
+MOONEP_STRING_PARAM(CudaGemmStrategy, "CUDA_GEMM_STRATEGY", "auto")
+}  // namespace moonep::param
+
+namespace moonep::compute::cuda {
+
+enum class GemmStrategy : int32_t { kAuto = 0, kGrouped = 1, kStreams = 2 };
+const char* GemmStrategyName(GemmStrategy s);
+// "auto", "grouped" or "streams"; anything else is InvalidArgument.
+absl::StatusOr<GemmStrategy> ParseGemmStrategy(const std::string& name);
+
+// C[m, n] = op(A)[m, k] op(B)[k, n] + beta C, all row-major with the given leading dimensions.
+struct GemmProblem {
+  int64_t m = 0, n = 0, k = 0;
+  const void* a = nullptr;
+  int64_t lda = 0;
+  const void* b = nullptr;
+  int64_t ldb = 0;
+  void* c = nullptr;
+  int64_t ldc = 0;
+  float beta = 0.0f;
+  int64_t rows = 0;  // the group's rows (what kAuto looks at)
+};
+
+struct GemmBatch {
+  bool trans_a = false, trans_b = false;
+  DType ab_dtype = DType::kFloat32;  // A and B
+  DType c_dtype = DType::kFloat32;
+  std::vector<GemmProblem> problems;
+
+  // Filled by GroupedGemm::Plan.
+  GemmStrategy chosen = GemmStrategy::kAuto;
+  size_t staged_offset = 0;  // byte offset of the A, B, C pointer arrays in the staging buffer
+
+  void Clear(bool ta, bool tb, DType ab, DType c) {
+    trans_a = ta;
+    trans_b = tb;
+    ab_dtype = ab;
+    c_dtype = c;
+    problems.clear();
+  }
+};
+
+// Host data one call uploads to the device in a single copy: two slots used in turn, so the host
+// can prepare call n+1 while the copy of call n is still queued.
+class Staging {
+ public:
+  static absl::StatusOr<std::unique_ptr<Staging>> Create(size_t capacity_bytes);
+  ~Staging();
+
+  // Starts a call: waits until the slot's previous upload has been read, then empties it.
+  absl::Status Begin();
+  // Appends bytes (8-byte aligned); returns their offset.
+  size_t Add(const void* data, size_t bytes);
+  // Copies what was added to the device on `stream` (growing both sides first if needed, which
+  // synchronizes `stream`); afterwards DevicePtr(offset) is valid for this call's work.
+  absl::Status Upload(cudaStream_t stream);
+  const void* DevicePtr(size_t offset) const { return device_[slot_] + offset; }
+  size_t capacity() const { return capacity_; }
+
+ private:
+  Staging() = default;
+  absl::Status Allocate(size_t bytes);
+  void Free();
+
+  std::vector<char> host_;  // the call's bytes (reserved at capacity)
+  size_t capacity_ = 0;
+  int slot_ = 1;
+  char* pinned_[2] = {nullptr, nullptr};
+  char* device_[2] = {nullptr, nullptr};
+  cudaEvent_t uploaded_[2] = {nullptr, nullptr};
+};
+
+class GroupedGemm {
+ public:
+  // num_streams streams: stream 0 is `main` (not owned), the others are created here; each has
+  // its own cuBLAS handle and a cuBLAS workspace of kCublasWorkspaceBytes carved from
+  // `cublas_workspace` (num_streams * kCublasWorkspaceBytes bytes of device memory, not owned).
+  static constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
+  static absl::StatusOr<std::unique_ptr<GroupedGemm>> Create(cudaStream_t main, int num_streams,
+                                                             void* cublas_workspace);
+  ~GroupedGemm();
+
+  int num_streams() const { return static_cast<int>(streams_.size()); }
+  void set_strategy(GemmStrategy s) { strategy_ = s; }
+  GemmStrategy strategy() const { return strategy_; }
+
+  // Decides the batch's strategy and stages its pointer arrays when it runs grouped.
+  absl::Status Plan(GemmBatch* batch, Staging* staging);
+  // Enqueues the batch on the main stream (forking to and joining the side streams for kStreams).
+  // For kGrouped the staging must have been uploaded.
+  absl::Status Run(const GemmBatch& batch, const Staging& staging);
+
+ private:
+  GroupedGemm() = default;
+  absl::Status RunOne(int stream, bool trans_a, bool trans_b, cudaDataType_t ab, cudaDataType_t c,
+                      const GemmProblem& p);
+  absl::Status RunStreams(const GemmBatch& batch);
+  absl::Status RunGrouped(const GemmBatch& batch, const Staging& staging);
+
+  GemmStrategy strategy_ = GemmStrategy::kAuto;
+  std::vector<cudaStream_t> streams_;   // [0] = main
+  std::vector<cublasHandle_t> handles_;
+  std::vector<cudaEvent_t> joins_;      // one per side stream
+  cudaEvent_t fork_ = nullptr;
+  bool grouped_unsupported_ = false;    // set when cuBLAS refused a grouped call's types
+  // Host scratch reused by every call (grown once for larger batches).
+  std::vector<int32_t> order_;
+  std::vector<double> load_;
+  std::vector<cublasOperation_t> op_a_, op_b_;
+  std::vector<int> m_, n_, k_, lda_, ldb_, ldc_, group_size_;
+  std::vector<float> alpha_, beta_;
+  std::vector<const void*> ptrs_;
+};
+
+}  // namespace moonep::compute::cuda
