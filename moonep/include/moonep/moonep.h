@@ -56,6 +56,104 @@ MOONEP_API const char* moonepGetErrorString(moonepResult_t result);
  * valid until this thread's next MoonEP call. */
 MOONEP_API const char* moonepGetLastThreadError(void);
 
+
+/* ---------------------------------------------------------------------------------------------
+ * Planner only: counts in, plan out (for trainers with their own communication).
+ *
+ * A planner turns counts[R][E] (tokens of source rank r routed to expert e, once per top-k entry)
+ * into a plan: which rank computes how many tokens of each expert, each rank's replica slots and
+ * compute layout, and the split of each expert's canonical token order (sources in increasing
+ * rank, each source's tokens by increasing index) into contiguous pieces. Identical input gives
+ * identical plan bytes on every rank. A planner handle keeps the latest plan; the accessors copy
+ * parts of it into caller buffers whose capacity (in elements) they check.
+ * ------------------------------------------------------------------------------------------- */
+typedef struct moonepPlanner* moonepPlanner_t;
+
+typedef enum {
+  moonepPolicyNone = 0,             /* home placement only */
+  moonepPolicyMoonEP = 1,           /* perfect balance, fewest replicas, locality (default) */
+  moonepPolicyMoonEPGreedy = 2,     /* the published MoonEP greedy policy */
+  moonepPolicyEplb = 3,             /* DeepSeek EPLB on past counts, re-planned every eplb_period */
+  moonepPolicyFasterMoEShadow = 4,  /* FasterMoE dynamic shadowing */
+  moonepPolicyTestForceReplicas = 5 /* tests: fills replica slots, splits experts */
+} moonepPlannerPolicy_t;
+
+typedef struct {
+  size_t size;          /* sizeof(moonepPlannerConfig_t) as compiled by the caller */
+  int version;          /* MOONEP_VERSION of the header the caller compiled against */
+  int num_ranks;        /* R > 0 */
+  int num_experts;      /* E, a multiple of R */
+  int slots;            /* replica slots per rank, >= 1; -1 means E / R */
+  int pad_multiple;     /* each group's rows padded to a multiple of this (>= 1) */
+  int ranks_per_node;   /* 0: flat; else ranks [n*rpn, (n+1)*rpn) form node n */
+  moonepPlannerPolicy_t policy;
+  const int* home;      /* NULL (home(e) = e / (E/R)) or [E] ranks, E/R experts each; copied */
+  const double* speeds; /* NULL (all equal) or [R] relative speeds > 0; copied */
+  int64_t row_bytes;    /* bytes of one token row, for byte stats (0: rows only) */
+  int64_t expert_bytes; /* bytes of one expert's parameters, for byte stats */
+  int eplb_period;      /* eplb: re-plan every this many steps (>= 1) */
+} moonepPlannerConfig_t;
+
+#define MOONEP_PLANNER_CONFIG_INITIALIZER                                                     \
+  {                                                                                           \
+    sizeof(moonepPlannerConfig_t), MOONEP_VERSION, 0, 0, -1, 1, 0, moonepPolicyMoonEP, NULL, \
+        NULL, 0, 0, 1                                                                         \
+  }
+
+typedef struct {
+  size_t size;               /* set by the caller to sizeof(moonepPlanStats_t) */
+  int64_t total_tokens;      /* sum(counts) */
+  int64_t max_load_before;   /* max rank load with home placement only */
+  int64_t max_load_after;    /* max rank load of the plan */
+  double mean_load;          /* total_tokens / R */
+  int replicas;              /* replica slots in use, all ranks */
+  int prefetch_intra;        /* replicas whose home is on the same node */
+  int prefetch_inter;        /* replicas whose home is on another node */
+  int64_t rows_local;        /* token rows computed on their source rank */
+  int64_t rows_travel_intra; /* token rows sent inside a node */
+  int64_t rows_travel_inter; /* token rows sent across nodes (all, when flat) */
+  int64_t dispatch_bytes_intra, dispatch_bytes_inter;
+  int64_t prefetch_bytes_intra, prefetch_bytes_inter;
+  int64_t reduce_bytes_intra, reduce_bytes_inter;
+} moonepPlanStats_t;
+
+/* Creates a planner; the config is checked and copied. */
+MOONEP_API moonepResult_t moonepPlannerCreate(const moonepPlannerConfig_t* config,
+                                              moonepPlanner_t* planner);
+/* Destroys a planner (NULL is a no-op). */
+MOONEP_API moonepResult_t moonepPlannerDestroy(moonepPlanner_t planner);
+/* Plans one step from counts[num_counts], num_counts == R * E, row-major [source][expert]. */
+MOONEP_API moonepResult_t moonepPlannerPlan(moonepPlanner_t planner, const int64_t* counts,
+                                            size_t num_counts);
+/* R, E, slots per rank and groups per rank (E/R + slots) of the planner. */
+MOONEP_API moonepResult_t moonepPlannerGetShape(moonepPlanner_t planner, int* num_ranks,
+                                                int* num_experts, int* slots, int* num_groups);
+/* Stats of the latest plan; stats->size must be set by the caller. */
+MOONEP_API moonepResult_t moonepPlannerGetStats(moonepPlanner_t planner, moonepPlanStats_t* stats);
+/* alloc[e * R + d]: tokens of expert e computed on rank d (capacity >= R * E). */
+MOONEP_API moonepResult_t moonepPlannerGetAlloc(moonepPlanner_t planner, int64_t* alloc,
+                                                size_t capacity);
+/* Replica slots, [R * slots] each: expert in the slot (-1 unused) and its tokens. Either may be NULL. */
+MOONEP_API moonepResult_t moonepPlannerGetSlots(moonepPlanner_t planner, int32_t* slot_expert,
+                                                int64_t* slot_tokens, size_t capacity);
+/* Compute layout of `rank`: per group (E/R home groups, then the slots) its row offset, row count
+ * and padded count; capacity >= num_groups; any pointer may be NULL. rank_rows gets the total. */
+MOONEP_API moonepResult_t moonepPlannerGetLayout(moonepPlanner_t planner, int rank,
+                                                 int64_t* offset, int64_t* count, int64_t* padded,
+                                                 size_t capacity, int64_t* rank_rows);
+/* Pieces of `expert`: *num_pieces always; then, when capacity allows, for each piece its
+ * destination rank, first position in the expert's canonical order, length and destination row.
+ * Any array pointer may be NULL. */
+MOONEP_API moonepResult_t moonepPlannerGetPieces(moonepPlanner_t planner, int expert,
+                                                 int* num_pieces, int* dest, int64_t* start,
+                                                 int64_t* count, int64_t* row, size_t capacity);
+/* Canonical bytes of the latest plan (identical on every rank for identical input). With
+ * buffer NULL only *size is written; otherwise capacity must be >= the size. */
+MOONEP_API moonepResult_t moonepPlannerSerialize(moonepPlanner_t planner, void* buffer,
+                                                 size_t capacity, size_t* size);
+/* The message of the last failing call on this planner (empty string if none). */
+MOONEP_API const char* moonepPlannerGetLastError(moonepPlanner_t planner);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

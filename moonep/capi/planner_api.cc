@@ -1,0 +1,220 @@
+// The planner-only C API over moonep::planner::Planner.
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "moonep/capi/capi_common.h"
+#include "planner/planner.h"
+
+struct moonepPlanner {
+  std::unique_ptr<moonep::planner::Planner> planner;
+  moonep::planner::Plan plan;
+  bool has_plan = false;
+  std::string last_error;
+};
+
+namespace moonep::capi {
+namespace {
+
+
+// Guard() plus the per-handle copy of the error message.
+template <typename Body>
+moonepResult_t GuardPlanner(moonepPlanner_t handle, const char* function, Body&& body) {
+  const moonepResult_t result = Guard(function, std::forward<Body>(body));
+  if (handle != nullptr) handle->last_error = result == moonepSuccess ? "" : moonepGetLastThreadError();
+  return result;
+}
+
+absl::Status NeedPlan(moonepPlanner_t p) {
+  MOONEP_CHECK_ARG(p != nullptr, "planner is NULL");
+  if (!p->has_plan) return InvalidUsage("no plan yet: call moonepPlannerPlan first");
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace moonep::capi
+
+using moonep::capi::GuardPlanner;
+using moonep::capi::NeedPlan;
+using moonep::planner::Plan;
+
+extern "C" {
+
+moonepResult_t moonepPlannerCreate(const moonepPlannerConfig_t* config, moonepPlanner_t* out) {
+  return GuardPlanner(nullptr, "moonepPlannerCreate", [&]() -> absl::Status {
+    MOONEP_CHECK_ARG(out != nullptr, "planner (output) is NULL");
+    *out = nullptr;
+    MOONEP_CHECK_ARG(config != nullptr, "config is NULL");
+    MOONEP_CHECK_ARG(config->size >= sizeof(moonepPlannerConfig_t),
+                     "config->size is %d, expected %d: initialize with MOONEP_PLANNER_CONFIG_INITIALIZER",
+                     config->size, sizeof(moonepPlannerConfig_t));
+    MOONEP_CHECK_ARG(config->version / 10000 == MOONEP_MAJOR,
+                     "config->version %d is from another major version than the library (%d)",
+                     config->version, MOONEP_VERSION);
+    MOONEP_CHECK_ARG(config->num_ranks > 0, "config->num_ranks must be positive, got %d", config->num_ranks);
+    MOONEP_CHECK_ARG(config->num_experts > 0, "config->num_experts must be positive, got %d",
+                     config->num_experts);
+    moonep::planner::PlannerConfig c;
+    c.num_ranks = config->num_ranks;
+    c.num_experts = config->num_experts;
+    c.slots = config->slots;
+    c.pad_multiple = config->pad_multiple;
+    c.ranks_per_node = config->ranks_per_node;
+    MOONEP_CHECK_ARG(config->policy >= moonepPolicyNone && config->policy <= moonepPolicyTestForceReplicas,
+                     "config->policy %d is not a moonepPlannerPolicy_t", static_cast<int>(config->policy));
+    c.policy = static_cast<moonep::planner::Policy>(config->policy);
+    if (config->home != nullptr) c.home.assign(config->home, config->home + config->num_experts);
+    if (config->speeds != nullptr) c.speeds.assign(config->speeds, config->speeds + config->num_ranks);
+    c.row_bytes = config->row_bytes;
+    c.expert_bytes = config->expert_bytes;
+    c.eplb_period = config->eplb_period;
+    MOONEP_ASSIGN_OR_RETURN(auto planner, moonep::planner::Planner::Create(c));
+    auto handle = std::make_unique<moonepPlanner>();
+    handle->planner = std::move(planner);
+    *out = handle.release();
+    return absl::OkStatus();
+  });
+}
+
+moonepResult_t moonepPlannerDestroy(moonepPlanner_t planner) {
+  delete planner;
+  return moonepSuccess;
+}
+
+moonepResult_t moonepPlannerPlan(moonepPlanner_t p, const int64_t* counts, size_t num_counts) {
+  return GuardPlanner(p, "moonepPlannerPlan", [&]() -> absl::Status {
+    MOONEP_CHECK_ARG(p != nullptr, "planner is NULL");
+    MOONEP_CHECK_ARG(counts != nullptr, "counts is NULL");
+    p->has_plan = false;
+    MOONEP_RETURN_IF_ERROR(p->planner->MakePlan(absl::MakeConstSpan(counts, num_counts), &p->plan));
+    p->has_plan = true;
+    return absl::OkStatus();
+  });
+}
+
+moonepResult_t moonepPlannerGetShape(moonepPlanner_t p, int* num_ranks, int* num_experts, int* slots,
+                                     int* num_groups) {
+  return GuardPlanner(p, "moonepPlannerGetShape", [&]() -> absl::Status {
+    MOONEP_CHECK_ARG(p != nullptr, "planner is NULL");
+    const auto& c = p->planner->config();
+    if (num_ranks) *num_ranks = c.num_ranks;
+    if (num_experts) *num_experts = c.num_experts;
+    if (slots) *slots = c.slots;
+    if (num_groups) *num_groups = c.num_experts / c.num_ranks + c.slots;
+    return absl::OkStatus();
+  });
+}
+
+moonepResult_t moonepPlannerGetStats(moonepPlanner_t p, moonepPlanStats_t* stats) {
+  return GuardPlanner(p, "moonepPlannerGetStats", [&]() -> absl::Status {
+    MOONEP_RETURN_IF_ERROR(NeedPlan(p));
+    MOONEP_CHECK_ARG(stats != nullptr, "stats is NULL");
+    MOONEP_CHECK_ARG(stats->size >= sizeof(moonepPlanStats_t), "stats->size is %d, expected %d",
+                     stats->size, sizeof(moonepPlanStats_t));
+    const auto& s = p->plan.stats;
+    moonepPlanStats_t out;
+    std::memset(&out, 0, sizeof(out));
+    out.size = stats->size;
+    out.total_tokens = s.total_tokens;
+    out.max_load_before = s.max_load_before;
+    out.max_load_after = s.max_load_after;
+    out.mean_load = s.mean_load;
+    out.replicas = s.replicas;
+    out.prefetch_intra = s.prefetch_intra;
+    out.prefetch_inter = s.prefetch_inter;
+    out.rows_local = s.rows_local;
+    out.rows_travel_intra = s.rows_travel_intra;
+    out.rows_travel_inter = s.rows_travel_inter;
+    out.dispatch_bytes_intra = s.dispatch_bytes_intra;
+    out.dispatch_bytes_inter = s.dispatch_bytes_inter;
+    out.prefetch_bytes_intra = s.prefetch_bytes_intra;
+    out.prefetch_bytes_inter = s.prefetch_bytes_inter;
+    out.reduce_bytes_intra = s.reduce_bytes_intra;
+    out.reduce_bytes_inter = s.reduce_bytes_inter;
+    *stats = out;
+    return absl::OkStatus();
+  });
+}
+
+moonepResult_t moonepPlannerGetAlloc(moonepPlanner_t p, int64_t* alloc, size_t capacity) {
+  return GuardPlanner(p, "moonepPlannerGetAlloc", [&]() -> absl::Status {
+    MOONEP_RETURN_IF_ERROR(NeedPlan(p));
+    MOONEP_CHECK_ARG(alloc != nullptr, "alloc is NULL");
+    MOONEP_CHECK_ARG(capacity >= p->plan.alloc.size(), "alloc capacity %d < R*E = %d", capacity,
+                     p->plan.alloc.size());
+    std::copy(p->plan.alloc.begin(), p->plan.alloc.end(), alloc);
+    return absl::OkStatus();
+  });
+}
+
+moonepResult_t moonepPlannerGetSlots(moonepPlanner_t p, int32_t* slot_expert, int64_t* slot_tokens,
+                                     size_t capacity) {
+  return GuardPlanner(p, "moonepPlannerGetSlots", [&]() -> absl::Status {
+    MOONEP_RETURN_IF_ERROR(NeedPlan(p));
+    MOONEP_CHECK_ARG(capacity >= p->plan.slot_expert.size(), "slot capacity %d < R*slots = %d", capacity,
+                     p->plan.slot_expert.size());
+    if (slot_expert) std::copy(p->plan.slot_expert.begin(), p->plan.slot_expert.end(), slot_expert);
+    if (slot_tokens) std::copy(p->plan.slot_alloc.begin(), p->plan.slot_alloc.end(), slot_tokens);
+    return absl::OkStatus();
+  });
+}
+
+moonepResult_t moonepPlannerGetLayout(moonepPlanner_t p, int rank, int64_t* offset, int64_t* count,
+                                      int64_t* padded, size_t capacity, int64_t* rank_rows) {
+  return GuardPlanner(p, "moonepPlannerGetLayout", [&]() -> absl::Status {
+    MOONEP_RETURN_IF_ERROR(NeedPlan(p));
+    const Plan& plan = p->plan;
+    MOONEP_CHECK_ARG(rank >= 0 && rank < plan.num_ranks, "rank %d not in [0, %d)", rank, plan.num_ranks);
+    const size_t G = plan.num_groups(), b = static_cast<size_t>(rank) * G;
+    MOONEP_CHECK_ARG(capacity >= G || (!offset && !count && !padded), "layout capacity %d < groups %d",
+                     capacity, G);
+    if (offset) std::copy(plan.group_offset.begin() + b, plan.group_offset.begin() + b + G, offset);
+    if (count) std::copy(plan.group_count.begin() + b, plan.group_count.begin() + b + G, count);
+    if (padded) std::copy(plan.group_padded.begin() + b, plan.group_padded.begin() + b + G, padded);
+    if (rank_rows) *rank_rows = plan.rank_rows[rank];
+    return absl::OkStatus();
+  });
+}
+
+moonepResult_t moonepPlannerGetPieces(moonepPlanner_t p, int expert, int* num_pieces, int* dest,
+                                      int64_t* start, int64_t* count, int64_t* row, size_t capacity) {
+  return GuardPlanner(p, "moonepPlannerGetPieces", [&]() -> absl::Status {
+    MOONEP_RETURN_IF_ERROR(NeedPlan(p));
+    const Plan& plan = p->plan;
+    MOONEP_CHECK_ARG(expert >= 0 && expert < plan.num_experts, "expert %d not in [0, %d)", expert,
+                     plan.num_experts);
+    MOONEP_CHECK_ARG(num_pieces != nullptr, "num_pieces is NULL");
+    const int32_t b = plan.piece_begin[expert], n = plan.piece_begin[expert + 1] - b;
+    *num_pieces = n;
+    if (!dest && !start && !count && !row) return absl::OkStatus();
+    MOONEP_CHECK_ARG(capacity >= static_cast<size_t>(n), "pieces capacity %d < %d pieces of expert %d",
+                     capacity, n, expert);
+    for (int32_t i = 0; i < n; ++i) {
+      if (dest) dest[i] = plan.piece_dest[b + i];
+      if (start) start[i] = plan.piece_start[b + i];
+      if (count) count[i] = plan.piece_count[b + i];
+      if (row) row[i] = plan.piece_row[b + i];
+    }
+    return absl::OkStatus();
+  });
+}
+
+moonepResult_t moonepPlannerSerialize(moonepPlanner_t p, void* buffer, size_t capacity, size_t* size) {
+  return GuardPlanner(p, "moonepPlannerSerialize", [&]() -> absl::Status {
+    MOONEP_RETURN_IF_ERROR(NeedPlan(p));
+    MOONEP_CHECK_ARG(size != nullptr, "size is NULL");
+    const std::string bytes = moonep::planner::SerializePlan(p->plan);
+    *size = bytes.size();
+    if (buffer == nullptr) return absl::OkStatus();
+    MOONEP_CHECK_ARG(capacity >= bytes.size(), "buffer capacity %d < plan size %d", capacity, bytes.size());
+    std::memcpy(buffer, bytes.data(), bytes.size());
+    return absl::OkStatus();
+  });
+}
+
+const char* moonepPlannerGetLastError(moonepPlanner_t p) {
+  return p == nullptr ? "planner is NULL" : p->last_error.c_str();
+}
+
+}  // extern "C"
