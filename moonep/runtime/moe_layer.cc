@@ -214,6 +214,11 @@ absl::StatusOr<const planner::Plan*> MoeLayer::PlanOf(LayerHandle handle) const 
   return &ctx->plan;
 }
 
+int64_t MoeLayer::TokensOf(LayerHandle handle) const {
+  auto ctx = Lookup(handle);
+  return ctx.ok() ? (*ctx)->num_tokens : 0;
+}
+
 absl::Status MoeLayer::Release(LayerHandle handle) {
   MOONEP_ASSIGN_OR_RETURN(Context * ctx, Lookup(handle));
   ctx->busy = false;

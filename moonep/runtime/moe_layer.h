@@ -106,6 +106,8 @@ class MoeLayer {
   const StepStats& stats() const { return stats_; }
   // The plan of a live handle (for tests and tools).
   absl::StatusOr<const planner::Plan*> PlanOf(LayerHandle handle) const;
+  // Tokens of a live handle's forward (0 for a stale handle).
+  int64_t TokensOf(LayerHandle handle) const;
   int64_t recv_capacity_rows() const { return capacity_; }
   // Bytes this layer allocated (not the shared replica buffer: Communicator::ReplicaBytes()).
   size_t MemoryBytes() const;

@@ -1,0 +1,240 @@
+// C API level 2: the EP buffer (dispatch / combine / prefetch / reduce on caller tensors).
+#include "moonep/capi/runtime_objects.h"
+
+using moonep::TensorView;
+using moonep::capi::CheckHandle;
+using moonep::capi::GuardOn;
+using moonep::capi::Kind;
+
+namespace {
+
+moonepComm* CommOf(moonepEpBuffer_t buffer) {
+  return buffer != nullptr && moonep::capi::IsLive(buffer, Kind::kEpBuffer) ? buffer->comm
+                                                                            : nullptr;
+}
+
+// Checks buffer and handle, and returns the handle's layout (for row counts).
+absl::Status Resolve(moonepEpBuffer_t buffer, moonepEpHandle_t handle,
+                     moonep::runtime::EpLayout* layout) {
+  MOONEP_RETURN_IF_ERROR(CheckHandle(buffer, Kind::kEpBuffer, "buffer"));
+  MOONEP_RETURN_IF_ERROR(CheckHandle(handle, Kind::kEpHandle, "handle"));
+  MOONEP_CHECK_ARG(handle->owner == buffer, "handle belongs to another EP buffer");
+  if (!handle->in_use) return moonep::InvalidUsage("handle was already released");
+  return buffer->impl->Layout(handle->handle, layout);
+}
+
+absl::Status CheckPtr(const void* p, int64_t elements, const char* name) {
+  if (p == nullptr && elements > 0) return moonep::InvalidArgument("%s is NULL", name);
+  return absl::OkStatus();
+}
+
+TensorView Matrix(const void* p, moonep::DType dtype, int64_t rows, int64_t cols) {
+  return TensorView::Contiguous(const_cast<void*>(p), dtype, {rows, cols});
+}
+
+}  // namespace
+
+extern "C" {
+
+moonepResult_t moonepEpBufferCreate(moonepComm_t comm, const moonepEpBufferConfig_t* config,
+                                    moonepEpBuffer_t* buffer) {
+  return GuardOn(comm, "moonepEpBufferCreate", [&]() -> absl::Status {
+    MOONEP_RETURN_IF_ERROR(CheckHandle(comm, Kind::kComm, "comm"));
+    MOONEP_CHECK_ARG(buffer != nullptr, "buffer is NULL");
+    moonep::runtime::LayerConfig c;
+    const absl::Status read = moonep::capi::ReadLayerConfig(config, &c);
+    if (!read.ok()) {
+      moonep::runtime::LayerConfig invalid;
+      (void)moonep::runtime::AgreeOnConfig(comm->impl.get(), invalid, read, "EP buffer creation");
+      return read;
+    }
+    MOONEP_ASSIGN_OR_RETURN(auto impl, moonep::runtime::EpBuffer::Create(comm->impl.get(), c));
+    auto object = std::make_unique<moonepEpBuffer>();
+    object->comm = comm;
+    object->impl = std::move(impl);
+    for (int i = 0; i < c.max_inflight; ++i) {
+      auto h = std::make_unique<moonepEpHandle>();
+      h->owner = object.get();
+      moonep::capi::Register(h.get(), Kind::kEpHandle);
+      object->handles.push_back(std::move(h));
+    }
+    moonep::capi::Register(object.get(), Kind::kEpBuffer);
+    ++comm->children;
+    *buffer = object.release();
+    return absl::OkStatus();
+  });
+}
+
+moonepResult_t moonepEpBufferDestroy(moonepEpBuffer_t buffer) {
+  return GuardOn(CommOf(buffer), "moonepEpBufferDestroy", [&]() -> absl::Status {
+    MOONEP_RETURN_IF_ERROR(CheckHandle(buffer, Kind::kEpBuffer, "buffer"));
+    for (auto& h : buffer->handles) moonep::capi::Unregister(h.get());
+    moonep::capi::Unregister(buffer);
+    --buffer->comm->children;
+    delete buffer;
+    return absl::OkStatus();
+  });
+}
+
+moonepResult_t moonepEpDispatch(moonepEpBuffer_t buffer, int64_t num_tokens, const void* x,
+                                const int32_t* topk_ids, const float* topk_weights,
+                                moonepEpHandle_t* handle) {
+  return GuardOn(CommOf(buffer), "moonepEpDispatch", [&]() -> absl::Status {
+    MOONEP_RETURN_IF_ERROR(CheckHandle(buffer, Kind::kEpBuffer, "buffer"));
+    MOONEP_CHECK_ARG(handle != nullptr, "handle is NULL");
+    const auto& c = buffer->impl->config();
+    absl::Status local = absl::OkStatus();
+    if (num_tokens < 0 || num_tokens > c.max_tokens) {
+      local = moonep::InvalidArgument("num_tokens is %d; must be in [0, max_tokens = %d]",
+                                      num_tokens, c.max_tokens);
+    }
+    const int64_t entries = local.ok() ? num_tokens * c.top_k : 0;
+    if (local.ok()) local = CheckPtr(x, num_tokens, "x");
+    if (local.ok()) local = CheckPtr(topk_ids, entries, "topk_ids");
+    if (local.ok()) local = CheckPtr(topk_weights, entries, "topk_weights");
+    const int64_t T = local.ok() ? num_tokens : 0;
+    auto h = buffer->impl->Dispatch(
+        local.ok() ? num_tokens : -1, Matrix(x, c.dtype, T, c.hidden),
+        absl::Span<const int32_t>(topk_ids, static_cast<size_t>(local.ok() ? entries : 0)),
+        absl::Span<const float>(topk_weights, static_cast<size_t>(local.ok() ? entries : 0)));
+    if (!local.ok()) return local;
+    if (!h.ok()) return h.status();
+    moonepEpHandle* slot = buffer->handles[static_cast<size_t>(h->index)].get();
+    slot->in_use = true;
+    slot->handle = *h;
+    *handle = slot;
+    return absl::OkStatus();
+  });
+}
+
+moonepResult_t moonepEpGetLayout(moonepEpBuffer_t buffer, moonepEpHandle_t handle,
+                                 moonepEpLayout_t* layout) {
+  return GuardOn(CommOf(buffer), "moonepEpGetLayout", [&]() -> absl::Status {
+    moonep::runtime::EpLayout l;
+    MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l));
+    MOONEP_CHECK_ARG(layout != nullptr, "layout is NULL");
+    layout->num_rows = l.num_rows;
+    layout->rows = l.rows;
+    layout->row_weights = l.row_weights;
+    layout->num_groups = l.num_groups;
+    layout->group_expert = l.group_expert;
+    layout->group_offset = l.group_offset;
+    layout->group_count = l.group_count;
+    return absl::OkStatus();
+  });
+}
+
+moonepResult_t moonepEpCombine(moonepEpBuffer_t buffer, moonepEpHandle_t handle,
+                               const void* out_rows, void* y) {
+  return GuardOn(CommOf(buffer), "moonepEpCombine", [&]() -> absl::Status {
+    moonep::runtime::EpLayout l;
+    MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l));
+    const auto& c = buffer->impl->config();
+    const int64_t T = buffer->impl->TokensOf(handle->handle);
+    MOONEP_RETURN_IF_ERROR(CheckPtr(out_rows, l.num_rows, "out_rows"));
+    MOONEP_RETURN_IF_ERROR(CheckPtr(y, T, "y"));
+    return buffer->impl->Combine(handle->handle, Matrix(out_rows, c.dtype, l.num_rows, c.hidden),
+                                 Matrix(y, c.dtype, T, c.hidden));
+  });
+}
+
+moonepResult_t moonepEpCombineBackward(moonepEpBuffer_t buffer, moonepEpHandle_t handle,
+                                       const void* dy, void* dy_rows) {
+  return GuardOn(CommOf(buffer), "moonepEpCombineBackward", [&]() -> absl::Status {
+    moonep::runtime::EpLayout l;
+    MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l));
+    const auto& c = buffer->impl->config();
+    const int64_t T = buffer->impl->TokensOf(handle->handle);
+    MOONEP_RETURN_IF_ERROR(CheckPtr(dy, T, "dy"));
+    MOONEP_RETURN_IF_ERROR(CheckPtr(dy_rows, l.num_rows, "dy_rows"));
+    return buffer->impl->CombineBackward(handle->handle, Matrix(dy, c.dtype, T, c.hidden),
+                                         Matrix(dy_rows, c.dtype, l.num_rows, c.hidden));
+  });
+}
+
+moonepResult_t moonepEpTopkWeightGrad(moonepEpBuffer_t buffer, moonepEpHandle_t handle,
+                                      const void* dy_rows, const void* out_rows,
+                                      float* d_topk_weights) {
+  return GuardOn(CommOf(buffer), "moonepEpTopkWeightGrad", [&]() -> absl::Status {
+    moonep::runtime::EpLayout l;
+    MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l));
+    const auto& c = buffer->impl->config();
+    const int64_t T = buffer->impl->TokensOf(handle->handle);
+    MOONEP_RETURN_IF_ERROR(CheckPtr(dy_rows, l.num_rows, "dy_rows"));
+    MOONEP_RETURN_IF_ERROR(CheckPtr(out_rows, l.num_rows, "out_rows"));
+    MOONEP_RETURN_IF_ERROR(CheckPtr(d_topk_weights, T * c.top_k, "d_topk_weights"));
+    return buffer->impl->TopkWeightGrad(
+        handle->handle, Matrix(dy_rows, c.dtype, l.num_rows, c.hidden),
+        Matrix(out_rows, c.dtype, l.num_rows, c.hidden),
+        absl::Span<float>(d_topk_weights, static_cast<size_t>(T * c.top_k)));
+  });
+}
+
+moonepResult_t moonepEpDispatchBackward(moonepEpBuffer_t buffer, moonepEpHandle_t handle,
+                                        const void* dx_rows, void* dx) {
+  return GuardOn(CommOf(buffer), "moonepEpDispatchBackward", [&]() -> absl::Status {
+    moonep::runtime::EpLayout l;
+    MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l));
+    const auto& c = buffer->impl->config();
+    const int64_t T = buffer->impl->TokensOf(handle->handle);
+    MOONEP_RETURN_IF_ERROR(CheckPtr(dx_rows, l.num_rows, "dx_rows"));
+    MOONEP_RETURN_IF_ERROR(CheckPtr(dx, T, "dx"));
+    return buffer->impl->DispatchBackward(handle->handle,
+                                          Matrix(dx_rows, c.dtype, l.num_rows, c.hidden),
+                                          Matrix(dx, c.dtype, T, c.hidden));
+  });
+}
+
+moonepResult_t moonepEpPrefetch(moonepEpBuffer_t buffer, moonepEpHandle_t handle,
+                                const moonepExpertTensors_t* home_weights,
+                                const moonepExpertTensors_t* replica_weights) {
+  return GuardOn(CommOf(buffer), "moonepEpPrefetch", [&]() -> absl::Status {
+    moonep::runtime::EpLayout l;
+    MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l));
+    const auto& c = buffer->impl->config();
+    std::vector<moonep::compute::ExpertParams> home, slots;
+    MOONEP_RETURN_IF_ERROR(moonep::capi::ReadExpertTensors(
+        home_weights, "home_weights", buffer->impl->experts_per_rank(), c.hidden, c.intermediate,
+        c.dtype, &home));
+    MOONEP_RETURN_IF_ERROR(moonep::capi::ReadExpertTensors(
+        replica_weights, "replica_weights", buffer->impl->slots(), c.hidden, c.intermediate,
+        c.dtype, &slots));
+    return buffer->impl->Prefetch(handle->handle, home, slots);
+  });
+}
+
+moonepResult_t moonepEpReduce(moonepEpBuffer_t buffer, moonepEpHandle_t handle,
+                              const moonepExpertTensors_t* home_grads,
+                              const moonepExpertTensors_t* replica_grads) {
+  return GuardOn(CommOf(buffer), "moonepEpReduce", [&]() -> absl::Status {
+    moonep::runtime::EpLayout l;
+    MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l));
+    const auto& c = buffer->impl->config();
+    std::vector<moonep::compute::ExpertParams> home, slots;
+    MOONEP_RETURN_IF_ERROR(moonep::capi::ReadExpertTensors(
+        home_grads, "home_grads", buffer->impl->experts_per_rank(), c.hidden, c.intermediate,
+        c.grad_dtype, &home));
+    MOONEP_RETURN_IF_ERROR(moonep::capi::ReadExpertTensors(
+        replica_grads, "replica_grads", buffer->impl->slots(), c.hidden, c.intermediate,
+        c.grad_dtype, &slots));
+    return buffer->impl->Reduce(handle->handle, home, slots);
+  });
+}
+
+moonepResult_t moonepEpRelease(moonepEpBuffer_t buffer, moonepEpHandle_t handle) {
+  return GuardOn(CommOf(buffer), "moonepEpRelease", [&]() -> absl::Status {
+    moonep::runtime::EpLayout l;
+    MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l));
+    handle->in_use = false;
+    return buffer->impl->Release(handle->handle);
+  });
+}
+
+moonepResult_t moonepEpGetStats(moonepEpBuffer_t buffer, moonepStepStats_t* stats) {
+  return GuardOn(CommOf(buffer), "moonepEpGetStats", [&]() -> absl::Status {
+    MOONEP_RETURN_IF_ERROR(CheckHandle(buffer, Kind::kEpBuffer, "buffer"));
+    return moonep::capi::WriteStats(buffer->impl->stats(), stats);
+  });
+}
+
+}  // extern "C"

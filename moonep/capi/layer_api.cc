@@ -1,0 +1,174 @@
+// C API level 3: the MoE layer (forward / backward with the built-in executor).
+#include "moonep/capi/runtime_objects.h"
+
+using moonep::DType;
+using moonep::TensorView;
+using moonep::capi::CheckHandle;
+using moonep::capi::GuardOn;
+using moonep::capi::Kind;
+
+namespace {
+
+moonepComm* CommOf(moonepLayer_t layer) {
+  return layer != nullptr && moonep::capi::IsLive(layer, Kind::kLayer) ? layer->comm : nullptr;
+}
+
+absl::Status CheckPtr(const void* p, int64_t elements, const char* name) {
+  if (p == nullptr && elements > 0) return moonep::InvalidArgument("%s is NULL", name);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+extern "C" {
+
+moonepResult_t moonepLayerCreate(moonepComm_t comm, const moonepLayerConfig_t* config,
+                                 moonepLayer_t* layer) {
+  return GuardOn(comm, "moonepLayerCreate", [&]() -> absl::Status {
+    MOONEP_RETURN_IF_ERROR(CheckHandle(comm, Kind::kComm, "comm"));
+    MOONEP_CHECK_ARG(layer != nullptr, "layer is NULL");
+    moonep::runtime::LayerConfig c;
+    // A config that cannot even be read still joins the collective agreement (with an invalid
+    // local verdict) so the other ranks fail instead of waiting.
+    const absl::Status read = moonep::capi::ReadLayerConfig(config, &c);
+    if (!read.ok()) {
+      moonep::runtime::LayerConfig invalid;
+      (void)moonep::runtime::AgreeOnConfig(comm->impl.get(), invalid, read, "MoE layer creation");
+      return read;
+    }
+    MOONEP_ASSIGN_OR_RETURN(auto impl, moonep::runtime::MoeLayer::Create(comm->impl.get(), c));
+    auto object = std::make_unique<moonepLayer>();
+    object->comm = comm;
+    object->impl = std::move(impl);
+    for (int i = 0; i < c.max_inflight; ++i) {
+      auto h = std::make_unique<moonepLayerHandle>();
+      h->owner = object.get();
+      moonep::capi::Register(h.get(), Kind::kLayerHandle);
+      object->handles.push_back(std::move(h));
+    }
+    moonep::capi::Register(object.get(), Kind::kLayer);
+    ++comm->children;
+    *layer = object.release();
+    return absl::OkStatus();
+  });
+}
+
+moonepResult_t moonepLayerDestroy(moonepLayer_t layer) {
+  return GuardOn(CommOf(layer), "moonepLayerDestroy", [&]() -> absl::Status {
+    MOONEP_RETURN_IF_ERROR(CheckHandle(layer, Kind::kLayer, "layer"));
+    for (auto& h : layer->handles) moonep::capi::Unregister(h.get());
+    moonep::capi::Unregister(layer);
+    --layer->comm->children;
+    delete layer;
+    return absl::OkStatus();
+  });
+}
+
+moonepResult_t moonepLayerBindParams(moonepLayer_t layer, const moonepExpertTensors_t* weights,
+                                     const moonepExpertTensors_t* grads) {
+  return GuardOn(CommOf(layer), "moonepLayerBindParams", [&]() -> absl::Status {
+    MOONEP_RETURN_IF_ERROR(CheckHandle(layer, Kind::kLayer, "layer"));
+    const auto& c = layer->impl->config();
+    const int64_t epn = c.num_experts / layer->comm->impl->size();
+    std::vector<moonep::compute::ExpertParams> w, g;
+    MOONEP_RETURN_IF_ERROR(moonep::capi::ReadExpertTensors(weights, "weights", epn, c.hidden,
+                                                           c.intermediate, c.dtype, &w));
+    if (grads != nullptr) {
+      MOONEP_RETURN_IF_ERROR(moonep::capi::ReadExpertTensors(grads, "grads", epn, c.hidden,
+                                                             c.intermediate, c.grad_dtype, &g));
+    }
+    return layer->impl->BindParameters(w, g);
+  });
+}
+
+moonepResult_t moonepLayerForward(moonepLayer_t layer, int64_t num_tokens, const void* x,
+                                  const int32_t* topk_ids, const float* topk_weights, void* y,
+                                  moonepLayerHandle_t* handle) {
+  return GuardOn(CommOf(layer), "moonepLayerForward", [&]() -> absl::Status {
+    MOONEP_RETURN_IF_ERROR(CheckHandle(layer, Kind::kLayer, "layer"));
+    MOONEP_CHECK_ARG(handle != nullptr, "handle is NULL");
+    const auto& c = layer->impl->config();
+    // A failing local check still enters Forward (with num_tokens = -1), whose agreed checks make
+    // every rank fail at once instead of waiting for this one.
+    absl::Status local = absl::OkStatus();
+    if (num_tokens < 0 || num_tokens > c.max_tokens) {
+      local = moonep::InvalidArgument("num_tokens is %d; must be in [0, max_tokens = %d]",
+                                      num_tokens, c.max_tokens);
+    }
+    const int64_t entries = local.ok() ? num_tokens * c.top_k : 0;
+    if (local.ok()) local = CheckPtr(x, num_tokens, "x");
+    if (local.ok()) local = CheckPtr(y, num_tokens, "y");
+    if (local.ok()) local = CheckPtr(topk_ids, entries, "topk_ids");
+    if (local.ok()) local = CheckPtr(topk_weights, entries, "topk_weights");
+    const int64_t T = local.ok() ? num_tokens : 0;
+    auto h = layer->impl->Forward(
+        local.ok() ? num_tokens : -1,
+        TensorView::Contiguous(const_cast<void*>(x), c.dtype, {T, c.hidden}),
+        absl::Span<const int32_t>(topk_ids, static_cast<size_t>(local.ok() ? entries : 0)),
+        absl::Span<const float>(topk_weights, static_cast<size_t>(local.ok() ? entries : 0)),
+        TensorView::Contiguous(y, c.dtype, {T, c.hidden}));
+    if (!local.ok()) return local;  // Forward failed everywhere; report the C-level reason
+    if (!h.ok()) return h.status();
+    moonepLayerHandle* slot = layer->handles[static_cast<size_t>(h->index)].get();
+    slot->in_use = true;
+    slot->handle = *h;
+    *handle = slot;
+    return absl::OkStatus();
+  });
+}
+
+moonepResult_t moonepLayerBackward(moonepLayer_t layer, moonepLayerHandle_t handle,
+                                   const void* dy, void* dx, float* d_topk_weights) {
+  return GuardOn(CommOf(layer), "moonepLayerBackward", [&]() -> absl::Status {
+    MOONEP_RETURN_IF_ERROR(CheckHandle(layer, Kind::kLayer, "layer"));
+    MOONEP_RETURN_IF_ERROR(CheckHandle(handle, Kind::kLayerHandle, "handle"));
+    MOONEP_CHECK_ARG(handle->owner == layer, "handle belongs to another layer");
+    if (!handle->in_use) return moonep::InvalidUsage("handle was already released");
+    auto plan = layer->impl->PlanOf(handle->handle);
+    if (!plan.ok()) return plan.status();
+    const auto& c = layer->impl->config();
+    // T of this handle: the tokens the forward saw, from its dispatch handle's counts.
+    const int64_t T = layer->impl->TokensOf(handle->handle);
+    MOONEP_RETURN_IF_ERROR(CheckPtr(dy, T, "dy"));
+    MOONEP_RETURN_IF_ERROR(CheckPtr(dx, T, "dx"));
+    handle->in_use = false;
+    return layer->impl->Backward(
+        handle->handle, TensorView::Contiguous(const_cast<void*>(dy), c.dtype, {T, c.hidden}),
+        TensorView::Contiguous(dx, c.dtype, {T, c.hidden}),
+        d_topk_weights == nullptr
+            ? absl::Span<float>()
+            : absl::Span<float>(d_topk_weights, static_cast<size_t>(T * c.top_k)));
+  });
+}
+
+moonepResult_t moonepLayerRelease(moonepLayer_t layer, moonepLayerHandle_t handle) {
+  return GuardOn(CommOf(layer), "moonepLayerRelease", [&]() -> absl::Status {
+    MOONEP_RETURN_IF_ERROR(CheckHandle(layer, Kind::kLayer, "layer"));
+    MOONEP_RETURN_IF_ERROR(CheckHandle(handle, Kind::kLayerHandle, "handle"));
+    MOONEP_CHECK_ARG(handle->owner == layer, "handle belongs to another layer");
+    if (!handle->in_use) return moonep::InvalidUsage("handle was already released");
+    handle->in_use = false;
+    return layer->impl->Release(handle->handle);
+  });
+}
+
+moonepResult_t moonepLayerGetStats(moonepLayer_t layer, moonepStepStats_t* stats) {
+  return GuardOn(CommOf(layer), "moonepLayerGetStats", [&]() -> absl::Status {
+    MOONEP_RETURN_IF_ERROR(CheckHandle(layer, Kind::kLayer, "layer"));
+    return moonep::capi::WriteStats(layer->impl->stats(), stats);
+  });
+}
+
+moonepResult_t moonepLayerGetMemory(moonepLayer_t layer, size_t* layer_bytes,
+                                    size_t* shared_replica_bytes) {
+  return GuardOn(CommOf(layer), "moonepLayerGetMemory", [&]() -> absl::Status {
+    MOONEP_RETURN_IF_ERROR(CheckHandle(layer, Kind::kLayer, "layer"));
+    if (layer_bytes != nullptr) *layer_bytes = layer->impl->MemoryBytes();
+    if (shared_replica_bytes != nullptr) {
+      *shared_replica_bytes = layer->comm->impl->ReplicaBytes();
+    }
+    return absl::OkStatus();
+  });
+}
+
+}  // extern "C"

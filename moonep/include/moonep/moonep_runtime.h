@@ -1,0 +1,319 @@
+/*
+ * MoonEP C API, levels 2 and 3: communicators, the EP buffer (dispatch / combine / prefetch /
+ * reduce on caller tensors) and the MoE layer (forward / backward with the built-in executor).
+ * Level 1 (planner only) is in moonep.h. C99; compiles as C and C++.
+ *
+ * Conventions
+ *   - Every call returns a moonepResult_t. On failure, moonepGetLastThreadError() and
+ *     moonepGetLastError(comm) give a message that names the argument or the phase and peer.
+ *   - Objects are opaque handles. A handle that was destroyed (or never created) is refused with
+ *     moonepInvalidUsage, never dereferenced.
+ *   - Config structs carry their own size and version. Initialise them with their
+ *     ..._INITIALIZER macro, then set fields: a library newer than the header reads only `size`
+ *     bytes and uses defaults for the rest.
+ *   - Tensors are row-major and contiguous, in host memory (device CPU), of the layer dtype unless
+ *     said otherwise. Top-k ids are int32 (-1: no expert), top-k weights fp32.
+ *   - Collective calls (marked [collective]) must be called by every rank of the communicator, in
+ *     the same order. A bad argument on one rank fails that call on every rank (the others get
+ *     moonepRemoteError naming it) where the call begins with an exchange (creation, forward,
+ *     dispatch); elsewhere the other ranks fail with moonepTimeout after MOONEP_TIMEOUT_MS.
+ *
+ * Thread safety: MoonEP objects are not thread-safe, but the library is reentrant: distinct
+ * communicators (and the layers and buffers made on them) may be used concurrently from distinct
+ * threads; one communicator and its objects must not be used by two threads at once. The
+ * moonepGetUniqueId, moonepGetVersion and moonepGetErrorString calls may be made from any thread.
+ *
+ * Backends: MPI is the only transport built so far. Every communicator therefore needs an MPI
+ * launch (mpirun, srun): moonepCommInitRank and moonepCommInitFromEnv build the communicator out
+ * of MPI_COMM_WORLD. A job started without MPI (e.g. plain torchrun) needs the UCX or NCCL
+ * backend, which come later. When MoonEP initialises MPI itself it finalizes it when its last
+ * communicator is destroyed.
+ */
+#ifndef MOONEP_RUNTIME_H_
+#define MOONEP_RUNTIME_H_
+
+#include "moonep.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MOONEP_CONFIG_MAGIC 0x4d4f4f4eu /* "MOON" */
+
+typedef enum { moonepFloat32 = 0, moonepBFloat16 = 1 } moonepDataType_t;
+typedef enum { moonepDeviceCpu = 0, moonepDeviceCuda = 1 } moonepDevice_t;
+
+/* ---------------------------------------------------------------------------------------------
+ * Communicators
+ * ------------------------------------------------------------------------------------------- */
+
+typedef struct moonepComm* moonepComm_t;
+
+#define MOONEP_UNIQUE_ID_BYTES 128
+typedef struct {
+  char internal[MOONEP_UNIQUE_ID_BYTES];
+} moonepUniqueId;
+
+/* A fresh id. Rank 0 calls it and passes the bytes to the other ranks out of band (e.g. a
+ * broadcast over the trainer's own process group). */
+MOONEP_API moonepResult_t moonepGetUniqueId(moonepUniqueId* unique_id);
+
+/* [collective over MPI_COMM_WORLD] Every process of MPI_COMM_WORLD calls this at once; the
+ * processes that pass the same id form one communicator of `nranks` ranks ordered by `rank`.
+ * Fails on every member when the ranks are not 0..nranks-1 exactly once. */
+MOONEP_API moonepResult_t moonepCommInitRank(moonepComm_t* comm, int nranks,
+                                             moonepUniqueId unique_id, int rank);
+
+/* [collective over mpi_comm] From an existing MPI communicator, which MoonEP duplicates.
+ * `mpi_comm` points to an MPI_Comm (so this header needs no mpi.h): pass &comm. */
+MOONEP_API moonepResult_t moonepCommInitMpi(moonepComm_t* comm, const void* mpi_comm);
+
+/* [collective over MPI_COMM_WORLD] Finds this process's place from the launcher's environment:
+ * OMPI_COMM_WORLD_RANK/SIZE (mpirun), PMI_RANK/SIZE, SLURM_PROCID/NTASKS (srun), or torchrun's
+ * RANK/WORLD_SIZE/LOCAL_RANK, and orders MPI_COMM_WORLD by that rank. */
+MOONEP_API moonepResult_t moonepCommInitFromEnv(moonepComm_t* comm);
+
+/* Local. Layers and buffers made on the communicator must be destroyed first (refused
+ * otherwise with moonepInvalidUsage). */
+MOONEP_API moonepResult_t moonepCommDestroy(moonepComm_t comm);
+MOONEP_API moonepResult_t moonepCommRank(moonepComm_t comm, int* rank);
+MOONEP_API moonepResult_t moonepCommSize(moonepComm_t comm, int* size);
+
+/* The message of the last failing call on this communicator or an object made on it (empty when
+ * none). Valid until the next MoonEP call on them. Returns a static message for an invalid
+ * handle; never NULL. */
+MOONEP_API const char* moonepGetLastError(moonepComm_t comm);
+
+/* Routing traces: rank 0 appends each forward's counts[R][E] per layer to `path` in the format
+ * of docs/trace-format.md (which `moonep-sim --trace` replays). NULL or "" turns tracing off.
+ * MOONEP_TRACE=path does the same for every communicator at creation. Local. */
+MOONEP_API moonepResult_t moonepCommSetTrace(moonepComm_t comm, const char* path);
+
+/* ---------------------------------------------------------------------------------------------
+ * Per-step statistics (levels 2 and 3)
+ * ------------------------------------------------------------------------------------------- */
+
+typedef enum {
+  moonepPhaseCounts = 0,          /* routing check + counts allgather */
+  moonepPhasePlan = 1,            /* planner */
+  moonepPhaseDispatch = 2,        /* token rows to their compute ranks */
+  moonepPhaseComputeHome = 3,     /* executor, home experts */
+  moonepPhasePrefetchWait = 4,    /* waiting for replica weights after the home experts */
+  moonepPhaseComputeReplica = 5,  /* executor, replica experts */
+  moonepPhaseCombine = 6,         /* expert outputs back, weighted sum */
+  moonepPhaseBackwardDispatch = 7,/* dy rows to the compute ranks */
+  moonepPhaseTopkGrad = 8,        /* d topk_weights */
+  moonepPhaseBackwardCompute = 9, /* executor backward */
+  moonepPhaseBackwardCombine = 10,/* dx rows back */
+  moonepPhaseReduce = 11,         /* replica gradients into the home experts */
+  moonepNumPhases = 12
+} moonepPhase_t;
+
+typedef enum {
+  moonepOpCounts = 0,
+  moonepOpDispatch = 1,
+  moonepOpCombine = 2,
+  moonepOpCombineBackward = 3,
+  moonepOpDispatchBackward = 4,
+  moonepOpTopkWeightGrad = 5,
+  moonepOpPrefetch = 6,
+  moonepOpReduce = 7,
+  moonepNumOps = 8
+} moonepOp_t;
+
+typedef struct {
+  size_t size;           /* set by the caller: sizeof(moonepStepStats_t) */
+  unsigned int magic;
+  unsigned int version;
+  /* The plan of the last forward (global, identical on every rank). */
+  int64_t step;              /* forwards made so far */
+  int64_t tokens;            /* this rank's tokens in the last forward */
+  int64_t total_tokens;      /* routed (token, expert) pairs over all ranks */
+  int64_t max_load_before;   /* largest rank load with home placement only */
+  int64_t max_load_after;    /* largest rank load with the plan */
+  double mean_load;          /* total_tokens / ranks */
+  int replicas;              /* replica slots in use over all ranks */
+  int64_t rows_computed;     /* rows this rank's executor computed (no padding) */
+  /* This rank's traffic per operation (moonepOp_t), last forward and last backward. */
+  int64_t rows_sent[moonepNumOps];
+  int64_t bytes_sent[moonepNumOps];
+  int64_t bytes_received[moonepNumOps];
+  /* This rank's time per phase (moonepPhase_t), milliseconds. */
+  double time_ms[moonepNumPhases];
+  double forward_ms, backward_ms;
+} moonepStepStats_t;
+
+#define MOONEP_STEP_STATS_INITIALIZER \
+  { sizeof(moonepStepStats_t), MOONEP_CONFIG_MAGIC, MOONEP_VERSION, 0, 0, 0, 0, 0, 0.0, 0, 0, \
+    {0}, {0}, {0}, {0}, 0.0, 0.0 }
+
+/* Expert parameters (or their gradients) of `num_experts` experts stored back to back:
+ * gate [E][H][I], up [E][H][I], down [E][I][H]. */
+typedef struct {
+  void* gate;
+  void* up;
+  void* down;
+  moonepDataType_t dtype;
+} moonepExpertTensors_t;
+
+/* ---------------------------------------------------------------------------------------------
+ * Level 3: the MoE layer
+ * ------------------------------------------------------------------------------------------- */
+
+typedef struct moonepLayer* moonepLayer_t;
+/* One forward's saved state, consumed by moonepLayerBackward or moonepLayerRelease. */
+typedef struct moonepLayerHandle* moonepLayerHandle_t;
+
+typedef struct {
+  size_t size;             /* sizeof(moonepLayerConfig_t) */
+  unsigned int magic;      /* MOONEP_CONFIG_MAGIC */
+  unsigned int version;    /* MOONEP_VERSION */
+  int num_experts;         /* E, a multiple of the number of ranks; rank r holds experts
+                              r*E/R .. (r+1)*E/R - 1 */
+  int top_k;               /* K */
+  int64_t hidden;          /* H */
+  int64_t intermediate;    /* I; the expert FFN is (silu(x Wg) * (x Wu)) Wd */
+  moonepDataType_t dtype;  /* x, y, weights */
+  moonepDataType_t grad_dtype; /* weight gradients: fp32 or dtype */
+  int slots;               /* replica slots per rank; -1: E / R */
+  int pad_multiple;        /* rows of each expert group padded to a multiple of this */
+  const char* policy;      /* "moonep" (NULL), "moonep-greedy", "eplb", "fastermoe-shadow",
+                              "none", "test-force-replicas"; copied at creation */
+  moonepDevice_t device;   /* moonepDeviceCpu (CUDA comes with the NCCL backend) */
+  int device_index;
+  int64_t max_tokens;      /* largest token count this rank will pass; sizes every buffer */
+  int64_t max_recv_rows;   /* rows of this rank's dispatch buffer; 0: the worst case (see
+                              docs/runtime.md) */
+  int max_inflight;        /* forwards alive at once before their backward (micro-batches) */
+  int layer_id;            /* id in routing traces; -1: creation order */
+  int num_threads;         /* executor threads; 0: MOONEP_NUM_THREADS or every core */
+  int ranks_per_node;      /* 0: flat; else topology for the planner */
+  int eplb_period;         /* eplb: re-plan every this many steps */
+} moonepLayerConfig_t;
+
+#define MOONEP_LAYER_CONFIG_INITIALIZER                                                       \
+  { sizeof(moonepLayerConfig_t), MOONEP_CONFIG_MAGIC, MOONEP_VERSION, 0, 0, 0, 0, moonepFloat32, \
+    moonepFloat32, -1, 1, NULL, moonepDeviceCpu, 0, 0, 0, 1, -1, 0, 0, 1 }
+
+/* [collective] Checks the config and that every rank passed the same one (all fields but
+ * max_tokens, max_recv_rows, layer_id, num_threads, device_index): a difference fails on every
+ * rank with a message naming the field and the ranks. Sizes every buffer. */
+MOONEP_API moonepResult_t moonepLayerCreate(moonepComm_t comm, const moonepLayerConfig_t* config,
+                                            moonepLayer_t* layer);
+/* Local. Outstanding handles are released. */
+MOONEP_API moonepResult_t moonepLayerDestroy(moonepLayer_t layer);
+
+/* Local. Binds this rank's E/R home experts' weights and, for training, their gradients (NULL
+ * grads: forward only). Weights must have the layer dtype, gradients grad_dtype. MoonEP reads the
+ * weights and accumulates (+=) into the gradients in place during forward/backward; the memory
+ * stays the caller's and must outlive its use. May be called again to rebind. */
+MOONEP_API moonepResult_t moonepLayerBindParams(moonepLayer_t layer,
+                                                const moonepExpertTensors_t* weights,
+                                                const moonepExpertTensors_t* grads);
+
+/* [collective] x [num_tokens][H] -> y [num_tokens][H], y[t] = sum_k topk_weights[t][k] *
+ * FFN_{topk_ids[t][k]}(x[t]). num_tokens may differ between ranks and steps (<= max_tokens).
+ * *handle is needed by backward (or release). */
+MOONEP_API moonepResult_t moonepLayerForward(moonepLayer_t layer, int64_t num_tokens,
+                                             const void* x, const int32_t* topk_ids,
+                                             const float* topk_weights, void* y,
+                                             moonepLayerHandle_t* handle);
+/* [collective] dy [T][H] -> dx [T][H], d_topk_weights [T][K] (fp32; NULL to skip), and the
+ * weight gradients += into the bound gradients (replica gradients reduced in a fixed order, so
+ * results are bit-identical run to run). Releases the handle. */
+MOONEP_API moonepResult_t moonepLayerBackward(moonepLayer_t layer, moonepLayerHandle_t handle,
+                                              const void* dy, void* dx, float* d_topk_weights);
+/* Local. Releases a forward's handle without backward (inference). */
+MOONEP_API moonepResult_t moonepLayerRelease(moonepLayer_t layer, moonepLayerHandle_t handle);
+
+/* Local. Statistics of the last forward and backward. stats->size must be set. */
+MOONEP_API moonepResult_t moonepLayerGetStats(moonepLayer_t layer, moonepStepStats_t* stats);
+/* Local. Bytes allocated by this layer, and by the replica buffers shared by the layers of the
+ * communicator (slots * 3 * H * I * (dtype + grad dtype bytes) per layer shape). */
+MOONEP_API moonepResult_t moonepLayerGetMemory(moonepLayer_t layer, size_t* layer_bytes,
+                                               size_t* shared_replica_bytes);
+
+/* ---------------------------------------------------------------------------------------------
+ * Level 2: the EP buffer (DeepEP-style). MoonEP plans and moves rows and expert parameters; the
+ * caller computes the experts.
+ *
+ *   moonepEpDispatch(buf, T, x, ids, w, &h)          counts, plan, rows into the compute layout
+ *   moonepEpGetLayout(h, &layout)                    rows, per-row weights, groups -> experts
+ *   moonepEpPrefetch(buf, h, &home_w, &replica_w)    home weights into replica slots (caller's)
+ *   ... caller computes out_rows[layout.num_rows][H] from layout.rows ...
+ *   moonepEpCombine(buf, h, out_rows, y)             y[t] = sum_k w[t][k] out(t, k)
+ *   backward: moonepEpCombineBackward(buf, h, dy, dy_rows)   dy rows (unweighted)
+ *             moonepEpTopkWeightGrad(buf, h, dy_rows, out_rows, d_topk_weights)
+ *             moonepEpDispatchBackward(buf, h, dx_rows, dx)   dx[t] = sum_k dx_rows(t, k)
+ *             moonepEpReduce(buf, h, &home_grads, &replica_grads)
+ *   moonepEpRelease(buf, h)
+ * ------------------------------------------------------------------------------------------- */
+
+typedef struct moonepEpBuffer* moonepEpBuffer_t;
+typedef struct moonepEpHandle* moonepEpHandle_t;
+
+/* The EP buffer uses the routing fields of a layer config: num_experts, top_k, hidden,
+ * intermediate (for prefetch/reduce; 0 when unused), dtype, grad_dtype, slots, pad_multiple,
+ * policy, device, max_tokens, max_recv_rows, max_inflight, ranks_per_node, eplb_period. */
+typedef moonepLayerConfig_t moonepEpBufferConfig_t;
+#define MOONEP_EP_BUFFER_CONFIG_INITIALIZER MOONEP_LAYER_CONFIG_INITIALIZER
+
+/* This rank's compute layout after a dispatch. Pointers are MoonEP's and valid until the handle
+ * is released. */
+typedef struct {
+  int64_t num_rows;           /* rows of the layout (padding included) */
+  const void* rows;           /* [num_rows][H] dispatched x rows; padding rows are zero */
+  const float* row_weights;   /* [num_rows] top-k weight of each row (0 on padding) */
+  int num_groups;             /* E/R home groups, then `slots` replica groups */
+  const int32_t* group_expert;/* [num_groups] expert of each group, -1 for an unused slot */
+  const int64_t* group_offset;/* [num_groups] first row */
+  const int64_t* group_count; /* [num_groups] rows holding tokens */
+} moonepEpLayout_t;
+
+/* [collective] */
+MOONEP_API moonepResult_t moonepEpBufferCreate(moonepComm_t comm,
+                                               const moonepEpBufferConfig_t* config,
+                                               moonepEpBuffer_t* buffer);
+MOONEP_API moonepResult_t moonepEpBufferDestroy(moonepEpBuffer_t buffer);
+
+/* [collective] */
+MOONEP_API moonepResult_t moonepEpDispatch(moonepEpBuffer_t buffer, int64_t num_tokens,
+                                           const void* x, const int32_t* topk_ids,
+                                           const float* topk_weights, moonepEpHandle_t* handle);
+/* Local. */
+MOONEP_API moonepResult_t moonepEpGetLayout(moonepEpBuffer_t buffer, moonepEpHandle_t handle,
+                                            moonepEpLayout_t* layout);
+/* [collective] out_rows: [layout.num_rows][H] caller's expert outputs; y: [T][H]. */
+MOONEP_API moonepResult_t moonepEpCombine(moonepEpBuffer_t buffer, moonepEpHandle_t handle,
+                                          const void* out_rows, void* y);
+/* [collective] dy [T][H] -> dy_rows [layout.num_rows][H] (caller's), unweighted. */
+MOONEP_API moonepResult_t moonepEpCombineBackward(moonepEpBuffer_t buffer,
+                                                  moonepEpHandle_t handle, const void* dy,
+                                                  void* dy_rows);
+/* [collective] d_topk_weights[t][k] = <dy[t], out(t, k)> (fp32 [T][K]). */
+MOONEP_API moonepResult_t moonepEpTopkWeightGrad(moonepEpBuffer_t buffer,
+                                                 moonepEpHandle_t handle, const void* dy_rows,
+                                                 const void* out_rows, float* d_topk_weights);
+/* [collective] dx_rows [layout.num_rows][H] -> dx [T][H], dx[t] = sum_k dx_rows(t, k). */
+MOONEP_API moonepResult_t moonepEpDispatchBackward(moonepEpBuffer_t buffer,
+                                                   moonepEpHandle_t handle, const void* dx_rows,
+                                                   void* dx);
+/* [collective] The home weights (E/R experts, layer dtype) of each replicated expert into the
+ * caller's replica slots (`slots` experts, same layout), as the handle's plan says. */
+MOONEP_API moonepResult_t moonepEpPrefetch(moonepEpBuffer_t buffer, moonepEpHandle_t handle,
+                                           const moonepExpertTensors_t* home_weights,
+                                           const moonepExpertTensors_t* replica_weights);
+/* [collective] Each replica slot's gradients added into its home expert's gradients (fixed
+ * order: home + lowest rank first, fp32). Both of grad_dtype. */
+MOONEP_API moonepResult_t moonepEpReduce(moonepEpBuffer_t buffer, moonepEpHandle_t handle,
+                                         const moonepExpertTensors_t* home_grads,
+                                         const moonepExpertTensors_t* replica_grads);
+/* Local. */
+MOONEP_API moonepResult_t moonepEpRelease(moonepEpBuffer_t buffer, moonepEpHandle_t handle);
+MOONEP_API moonepResult_t moonepEpGetStats(moonepEpBuffer_t buffer, moonepStepStats_t* stats);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* MOONEP_RUNTIME_H_ */

@@ -1,0 +1,318 @@
+#include "moonep/runtime/ep_buffer.h"
+
+#include <chrono>
+#include <utility>
+
+#include "moonep/core/status.h"
+
+namespace moonep::runtime {
+
+using transport::OpKind;
+
+namespace {
+using Clock = std::chrono::steady_clock;
+double Since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+bool LeavesTransportUsable(const absl::Status& status) {
+  const moonepResult_t r = ToResult(status);
+  return r == moonepInvalidArgument || r == moonepOutOfMemory || r == moonepRemoteError;
+}
+}  // namespace
+
+struct EpBuffer::Context {
+  bool busy = false;
+  uint64_t generation = 0;
+  transport::DispatchHandle dispatch;
+  planner::Plan plan;
+  std::vector<char> rows;
+  std::vector<float> row_weights;
+  std::vector<int32_t> group_expert;
+  std::vector<int64_t> group_offset, group_count;
+};
+
+absl::StatusOr<std::unique_ptr<EpBuffer>> EpBuffer::Create(Communicator* comm,
+                                                           const LayerConfig& config) {
+  if (comm == nullptr) return InvalidArgument("comm is null");
+  const absl::Status local = CheckLayerConfig(config, comm->size(), /*need_executor=*/false);
+  MOONEP_RETURN_IF_ERROR(AgreeOnConfig(comm, config, local, "EP buffer creation"));
+  std::unique_ptr<EpBuffer> buf(new EpBuffer());
+  buf->comm_ = comm;
+  buf->config_ = config;
+  buf->epn_ = config.num_experts / comm->size();
+  buf->slots_ = config.slots < 0 ? buf->epn_ : config.slots;
+  buf->layer_id_ = config.layer_id >= 0 ? config.layer_id : comm->NextLayerId();
+  buf->capacity_ = RecvCapacityRows(config, comm->size());
+  const int64_t row_bytes = config.hidden * static_cast<int64_t>(DTypeSize(config.dtype));
+
+  planner::PlannerConfig pc;
+  pc.num_ranks = comm->size();
+  pc.num_experts = config.num_experts;
+  pc.slots = buf->slots_;
+  pc.pad_multiple = config.pad_multiple;
+  pc.ranks_per_node = config.ranks_per_node;
+  pc.policy = config.policy;
+  pc.eplb_period = config.eplb_period;
+  pc.row_bytes = row_bytes;
+  pc.expert_bytes = 3 * config.hidden * config.intermediate *
+                    static_cast<int64_t>(DTypeSize(config.dtype));
+  MOONEP_ASSIGN_OR_RETURN(buf->planner_, planner::Planner::Create(pc));
+  transport::TransportOptions to;
+  to.comm = comm->mpi_comm();
+  to.max_tokens = config.max_tokens;
+  to.max_top_k = config.top_k;
+  to.max_row_bytes = row_bytes;
+  MOONEP_ASSIGN_OR_RETURN(buf->transport_, transport::CreateTransport("mpi", to));
+  for (int32_t i = 0; i < config.max_inflight; ++i) {
+    auto ctx = std::make_unique<Context>();
+    ctx->rows.assign(static_cast<size_t>(buf->capacity_ * row_bytes), 0);
+    ctx->row_weights.assign(static_cast<size_t>(buf->capacity_), 0.0f);
+    const size_t groups = static_cast<size_t>(buf->epn_ + buf->slots_);
+    ctx->group_expert.assign(groups, -1);
+    ctx->group_offset.assign(groups, 0);
+    ctx->group_count.assign(groups, 0);
+    buf->contexts_.push_back(std::move(ctx));
+  }
+  return buf;
+}
+
+EpBuffer::~EpBuffer() = default;
+
+size_t EpBuffer::MemoryBytes() const {
+  size_t bytes = 0;
+  for (const auto& c : contexts_) bytes += c->rows.capacity() + c->row_weights.capacity() * 4;
+  return bytes;
+}
+
+absl::Status EpBuffer::Fail(absl::Status status) {
+  if (!status.ok() && !LeavesTransportUsable(status) && broken_.ok()) {
+    broken_ = Annotate(status, "an earlier call failed and left the EP buffer unusable");
+  }
+  return status;
+}
+
+absl::StatusOr<EpBuffer::Context*> EpBuffer::Lookup(LayerHandle handle) const {
+  if (handle.index < 0 || handle.index >= static_cast<int32_t>(contexts_.size())) {
+    return InvalidArgument("handle index %d is not a handle of this EP buffer", handle.index);
+  }
+  Context* ctx = contexts_[handle.index].get();
+  if (!ctx->busy || ctx->generation != handle.generation) {
+    return InvalidUsage("handle was already released");
+  }
+  return ctx;
+}
+
+void EpBuffer::Count(OpKind kind) {
+  stats_.ops[static_cast<int>(kind)] = transport_->counters(kind);
+}
+
+absl::StatusOr<LayerHandle> EpBuffer::Dispatch(int64_t num_tokens, const TensorView& x,
+                                               absl::Span<const int32_t> topk_ids,
+                                               absl::Span<const float> topk_weights) {
+  MOONEP_RETURN_IF_ERROR(broken_);
+  int32_t index = -1;
+  for (size_t i = 0; i < contexts_.size() && index < 0; ++i) {
+    if (!contexts_[i]->busy) index = static_cast<int32_t>(i);
+  }
+  const int64_t K = config_.top_k;
+  absl::Status local = absl::OkStatus();
+  if (index < 0) {
+    local = InvalidUsage("all %d handles (max_inflight) are in use; release one first",
+                         config_.max_inflight);
+  } else if (num_tokens < 0 || num_tokens > config_.max_tokens) {
+    local = InvalidArgument("num_tokens is %d; must be in [0, max_tokens = %d]", num_tokens,
+                            config_.max_tokens);
+  } else if (topk_ids.size() != static_cast<size_t>(num_tokens * K) ||
+             topk_weights.size() != static_cast<size_t>(num_tokens * K)) {
+    local = InvalidArgument("topk_ids / topk_weights must have num_tokens * top_k = %d entries",
+                            num_tokens * K);
+  } else {
+    local = CheckMatrix(x, "x", num_tokens, config_.hidden, config_.dtype, config_.device);
+  }
+  if (!local.ok()) {
+    // Join the count exchange with routing the transport rejects, so every rank fails now.
+    transport::DispatchHandle scratch;
+    (void)transport_->ExchangeCounts(absl::Span<const int32_t>(), 1, config_.top_k,
+                                     config_.num_experts, capacity_, &scratch);
+    return local;
+  }
+  Context* ctx = contexts_[index].get();
+  transport_->ResetCounters();
+  const auto start = Clock::now();
+  auto t = Clock::now();
+  absl::Status s = transport_->ExchangeCounts(topk_ids, num_tokens, config_.top_k,
+                                              config_.num_experts, capacity_, &ctx->dispatch);
+  if (!s.ok()) return Fail(s);
+  stats_.seconds[static_cast<int>(Phase::kCounts)] = Since(t);
+  ++stats_.step;
+  if (TraceWriter* trace = comm_->trace()) {
+    if (!trace->Append(stats_.step - 1, layer_id_, comm_->size(), config_.num_experts,
+                       config_.top_k, ctx->dispatch.counts()).ok()) {
+      (void)comm_->SetTracePath("");
+    }
+  }
+  t = Clock::now();
+  MOONEP_RETURN_IF_ERROR(planner_->MakePlan(ctx->dispatch.counts(), &ctx->plan));
+  stats_.seconds[static_cast<int>(Phase::kPlan)] = Since(t);
+  const int32_t rank = comm_->rank();
+  if (ctx->plan.rank_rows[rank] > capacity_) {
+    return OutOfMemory("the plan puts %d rows on this rank; its receive capacity is %d "
+                       "(max_recv_rows)", ctx->plan.rank_rows[rank], capacity_);
+  }
+  t = Clock::now();
+  s = transport_->Dispatch(
+      ctx->plan, x, topk_weights, &ctx->dispatch,
+      TensorView::Contiguous(ctx->rows.data(), config_.dtype, {capacity_, config_.hidden}),
+      absl::MakeSpan(ctx->row_weights));
+  if (!s.ok()) return Fail(s);
+  stats_.seconds[static_cast<int>(Phase::kDispatch)] = Since(t);
+  const int32_t G = ctx->plan.num_groups();
+  stats_.rows_computed = 0;
+  for (int32_t g = 0; g < G; ++g) {
+    const size_t i = static_cast<size_t>(rank) * G + g;
+    ctx->group_expert[g] = ctx->plan.ExpertOfGroup(rank, g);
+    ctx->group_offset[g] = ctx->plan.group_offset[i];
+    ctx->group_count[g] = ctx->plan.group_count[i];
+    stats_.rows_computed += ctx->plan.group_count[i];
+  }
+  ctx->busy = true;
+  ctx->generation = ++next_generation_;
+  stats_.tokens = num_tokens;
+  stats_.plan = ctx->plan.stats;
+  stats_.rank_rows = ctx->plan.rank_rows[rank];
+  Count(OpKind::kCounts);
+  Count(OpKind::kDispatch);
+  stats_.forward_seconds = Since(start);
+  return LayerHandle{index, ctx->generation};
+}
+
+absl::Status EpBuffer::Layout(LayerHandle handle, EpLayout* layout) const {
+  MOONEP_ASSIGN_OR_RETURN(Context * ctx, Lookup(handle));
+  layout->num_rows = ctx->plan.rank_rows[comm_->rank()];
+  layout->rows = ctx->rows.data();
+  layout->row_weights = ctx->row_weights.data();
+  layout->num_groups = ctx->plan.num_groups();
+  layout->group_expert = ctx->group_expert.data();
+  layout->group_offset = ctx->group_offset.data();
+  layout->group_count = ctx->group_count.data();
+  return absl::OkStatus();
+}
+
+absl::Status EpBuffer::Combine(LayerHandle handle, const TensorView& out_rows,
+                               const TensorView& y) {
+  MOONEP_RETURN_IF_ERROR(broken_);
+  MOONEP_ASSIGN_OR_RETURN(Context * ctx, Lookup(handle));
+  const auto t = Clock::now();
+  MOONEP_RETURN_IF_ERROR(Fail(transport_->Combine(&ctx->dispatch, out_rows, y)));
+  stats_.seconds[static_cast<int>(Phase::kCombine)] = Since(t);
+  Count(OpKind::kCombine);
+  return absl::OkStatus();
+}
+
+absl::Status EpBuffer::CombineBackward(LayerHandle handle, const TensorView& dy,
+                                       const TensorView& dy_rows) {
+  MOONEP_RETURN_IF_ERROR(broken_);
+  MOONEP_ASSIGN_OR_RETURN(Context * ctx, Lookup(handle));
+  const auto t = Clock::now();
+  MOONEP_RETURN_IF_ERROR(Fail(transport_->CombineBackward(&ctx->dispatch, dy, dy_rows)));
+  stats_.seconds[static_cast<int>(Phase::kBackwardDispatch)] = Since(t);
+  Count(OpKind::kCombineBackward);
+  return absl::OkStatus();
+}
+
+absl::Status EpBuffer::TopkWeightGrad(LayerHandle handle, const TensorView& dy_rows,
+                                      const TensorView& out_rows,
+                                      absl::Span<float> d_topk_weights) {
+  MOONEP_RETURN_IF_ERROR(broken_);
+  MOONEP_ASSIGN_OR_RETURN(Context * ctx, Lookup(handle));
+  const auto t = Clock::now();
+  MOONEP_RETURN_IF_ERROR(
+      Fail(transport_->TopkWeightGrad(&ctx->dispatch, dy_rows, out_rows, d_topk_weights)));
+  stats_.seconds[static_cast<int>(Phase::kTopkGrad)] = Since(t);
+  Count(OpKind::kTopkWeightGrad);
+  return absl::OkStatus();
+}
+
+absl::Status EpBuffer::DispatchBackward(LayerHandle handle, const TensorView& dx_rows,
+                                        const TensorView& dx) {
+  MOONEP_RETURN_IF_ERROR(broken_);
+  MOONEP_ASSIGN_OR_RETURN(Context * ctx, Lookup(handle));
+  const auto t = Clock::now();
+  MOONEP_RETURN_IF_ERROR(Fail(transport_->DispatchBackward(&ctx->dispatch, dx_rows, dx)));
+  stats_.seconds[static_cast<int>(Phase::kBackwardCombine)] = Since(t);
+  Count(OpKind::kDispatchBackward);
+  return absl::OkStatus();
+}
+
+absl::Status EpBuffer::Blocks(Context* ctx, absl::Span<const compute::ExpertParams> home,
+                              absl::Span<const compute::ExpertParams> slots, bool grads,
+                              transport::ExpertBlocks* blocks) {
+  (void)ctx;
+  MOONEP_CHECK_ARG(config_.intermediate > 0,
+                   "the EP buffer was created with intermediate = 0; prefetch and reduce need "
+                   "the expert shape");
+  MOONEP_CHECK_ARG(home.size() == static_cast<size_t>(epn_), "%s has %d experts; expected E/R = %d",
+                   grads ? "home_grads" : "home_weights", home.size(), epn_);
+  MOONEP_CHECK_ARG(slots.size() == static_cast<size_t>(slots_), "%s has %d experts; expected slots = %d",
+                   grads ? "replica_grads" : "replica_weights", slots.size(), slots_);
+  const DType dtype = grads ? config_.grad_dtype : config_.dtype;
+  const int64_t H = config_.hidden, I = config_.intermediate;
+  home_blocks_.clear();
+  slot_blocks_.clear();
+  for (int pass = 0; pass < 2; ++pass) {
+    auto params = pass == 0 ? home : slots;
+    auto* out = pass == 0 ? &home_blocks_ : &slot_blocks_;
+    const char* what = pass == 0 ? (grads ? "home_grads" : "home_weights")
+                                 : (grads ? "replica_grads" : "replica_weights");
+    for (size_t g = 0; g < params.size(); ++g) {
+      const int32_t group = static_cast<int32_t>(g);
+      MOONEP_RETURN_IF_ERROR(compute::CheckParamMatrix(params[g].gate, what, group, H, I, dtype, config_.device));
+      MOONEP_RETURN_IF_ERROR(compute::CheckParamMatrix(params[g].up, what, group, H, I, dtype, config_.device));
+      MOONEP_RETURN_IF_ERROR(compute::CheckParamMatrix(params[g].down, what, group, I, H, dtype, config_.device));
+      out->insert(out->end(), {params[g].gate, params[g].up, params[g].down});
+    }
+  }
+  blocks->tensors_per_expert = 3;
+  blocks->home = home_blocks_;
+  blocks->slots = slot_blocks_;
+  return absl::OkStatus();
+}
+
+absl::Status EpBuffer::Prefetch(LayerHandle handle, absl::Span<const compute::ExpertParams> home,
+                                absl::Span<const compute::ExpertParams> slots) {
+  MOONEP_RETURN_IF_ERROR(broken_);
+  MOONEP_ASSIGN_OR_RETURN(Context * ctx, Lookup(handle));
+  transport::ExpertBlocks blocks;
+  MOONEP_RETURN_IF_ERROR(Blocks(ctx, home, slots, /*grads=*/false, &blocks));
+  const auto t = Clock::now();
+  MOONEP_RETURN_IF_ERROR(Fail(transport_->Prefetch(ctx->plan, blocks)));
+  stats_.seconds[static_cast<int>(Phase::kPrefetchWait)] = Since(t);
+  Count(OpKind::kPrefetch);
+  return absl::OkStatus();
+}
+
+absl::Status EpBuffer::Reduce(LayerHandle handle, absl::Span<const compute::ExpertParams> home,
+                              absl::Span<const compute::ExpertParams> slots) {
+  MOONEP_RETURN_IF_ERROR(broken_);
+  MOONEP_ASSIGN_OR_RETURN(Context * ctx, Lookup(handle));
+  transport::ExpertBlocks blocks;
+  MOONEP_RETURN_IF_ERROR(Blocks(ctx, home, slots, /*grads=*/true, &blocks));
+  const auto t = Clock::now();
+  MOONEP_RETURN_IF_ERROR(Fail(transport_->Reduce(ctx->plan, blocks)));
+  stats_.seconds[static_cast<int>(Phase::kReduce)] = Since(t);
+  Count(OpKind::kReduce);
+  return absl::OkStatus();
+}
+
+int64_t EpBuffer::TokensOf(LayerHandle handle) const {
+  auto ctx = Lookup(handle);
+  return ctx.ok() ? (*ctx)->dispatch.num_tokens() : 0;
+}
+
+absl::Status EpBuffer::Release(LayerHandle handle) {
+  MOONEP_ASSIGN_OR_RETURN(Context * ctx, Lookup(handle));
+  ctx->busy = false;
+  return absl::OkStatus();
+}
+
+}  // namespace moonep::runtime
