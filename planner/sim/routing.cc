@@ -39,7 +39,10 @@ absl::Status ValidateRoutingParams(const RoutingParams& p) {
   MOONEP_CHECK_ARG(p.tokens_per_rank >= 0, "tokens must be >= 0, got %d", p.tokens_per_rank);
   MOONEP_CHECK_ARG(std::isfinite(p.zipf_s) && p.zipf_s >= 0 && p.zipf_s <= 10,
                    "zipf_s must be in [0, 10], got %g", p.zipf_s);
-  MOONEP_CHECK_ARG(p.hot_experts >= 0 && p.hot_experts <= p.num_experts,
+  // Sizes that only one model uses are checked for that model (their defaults may not fit others).
+  const bool hotspot = p.kind == RoutingKind::kHotspot, domain = p.kind == RoutingKind::kDomain;
+  const bool coact = p.kind == RoutingKind::kCoactivation;
+  MOONEP_CHECK_ARG(!hotspot || (p.hot_experts >= 0 && p.hot_experts <= p.num_experts),
                    "hot_experts must be in [0, experts = %d], got %d", p.num_experts, p.hot_experts);
   MOONEP_CHECK_ARG(std::isfinite(p.hot_factor) && p.hot_factor >= 1 && p.hot_factor <= 1e6,
                    "hot_factor must be in [1, 1e6], got %g", p.hot_factor);
@@ -47,9 +50,9 @@ absl::Status ValidateRoutingParams(const RoutingParams& p) {
                    "drift_sigma must be in [0, 10], got %g", p.drift_sigma);
   MOONEP_CHECK_ARG(std::isfinite(p.drift_theta) && p.drift_theta >= 0 && p.drift_theta <= 1,
                    "drift_theta must be in [0, 1], got %g", p.drift_theta);
-  MOONEP_CHECK_ARG(p.domains >= 1 && p.domains <= p.num_ranks,
+  MOONEP_CHECK_ARG(!domain || (p.domains >= 1 && p.domains <= p.num_ranks),
                    "domains must be in [1, ranks = %d], got %d", p.num_ranks, p.domains);
-  MOONEP_CHECK_ARG(p.coact_group >= 1 && p.coact_group <= p.num_experts,
+  MOONEP_CHECK_ARG(!coact || (p.coact_group >= 1 && p.coact_group <= p.num_experts),
                    "coact_group must be in [1, experts = %d], got %d", p.num_experts, p.coact_group);
   MOONEP_CHECK_ARG(std::isfinite(p.coact_prob) && p.coact_prob >= 0 && p.coact_prob <= 1,
                    "coact_prob must be in [0, 1], got %g", p.coact_prob);

@@ -60,13 +60,13 @@ absl::StatusOr<std::unique_ptr<Simulator>> Simulator::Create(const SimOptions& o
   MOONEP_RETURN_IF_ERROR(Annotate(ValidateCostConfig(o.cost), "cost model"));
 
   if (!o.trace_path.empty()) {
+    MOONEP_CHECK_ARG(o.detail != DetailChoice::kTokens,
+                     "detail=tokens needs a routing model: a trace holds counts, not tokens");
     MOONEP_ASSIGN_OR_RETURN(st.trace, TraceReader::Open(o.trace_path, o.trace_format,
                                                         o.routing.num_ranks, o.routing.topk));
     st.R = st.trace->num_ranks();
     st.E = st.trace->num_experts();
     st.K = st.trace->topk();
-    MOONEP_CHECK_ARG(o.detail != DetailChoice::kTokens,
-                     "detail=tokens needs a routing model: a trace holds counts, not tokens");
   } else {
     MOONEP_RETURN_IF_ERROR(ValidateRoutingParams(o.routing));
     st.R = o.routing.num_ranks;

@@ -41,8 +41,9 @@ double Distribution::Quantile(double q) const {
   for (int32_t b = 0; b < kBuckets; ++b) {
     seen += buckets_[b];
     if (seen >= rank) {
-      const double mid = kLow * std::pow(kGrowth, b + 0.5);
-      return std::clamp(mid, min_, max_);
+      // The bucket's upper edge: never below the exact quantile, at most 0.1% above it.
+      const double upper = kLow * std::pow(kGrowth, b + 1.0);
+      return std::clamp(upper, min_, max_);
     }
   }
   return max_;

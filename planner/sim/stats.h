@@ -7,8 +7,8 @@
 namespace moonep::sim {
 
 // Mean, min, max and quantiles of positive values. Quantiles come from a log-spaced histogram over
-// [1e-9, 1e9] with buckets 0.1% wide, so they are within 0.1% of the exact sample quantile
-// (values outside the range are clamped into it for quantiles; mean, min and max are exact).
+// [1e-9, 1e9] with buckets 0.1% wide: a quantile is at least the exact sample quantile and at most
+// 0.1% above it (values outside the range are clamped into it; mean, min and max are exact).
 class Distribution {
  public:
   void Add(double value);

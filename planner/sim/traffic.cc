@@ -18,10 +18,17 @@ const char* DetailName(Detail detail) {
   return "invalid";
 }
 
-double DedupRows(double rows, double tokens, int32_t topk) {
+double DedupRows(double rows, double tokens, int32_t topk, int32_t experts) {
   if (rows <= 0 || tokens <= 0 || topk <= 1) return std::max(0.0, rows);
   const double q = std::min(1.0, rows / (tokens * topk));
-  return tokens * (1.0 - std::pow(1.0 - q, topk));
+  // The destination holds a share q of the choices, as if it held q*E of E experts that a token
+  // draws K of without replacement: P(no choice lands there) = prod_i (1 - qE / (E - i)).
+  double none = 1.0;
+  const double held = q * experts;
+  for (int32_t i = 0; i < topk && none > 0; ++i) {
+    none *= experts - i > 0 ? std::max(0.0, 1.0 - held / (experts - i)) : 0.0;
+  }
+  return tokens * (1.0 - none);
 }
 
 void TrafficCounter::Placement(const Plan& plan, RankTraffic* tr, PlanMetrics* m) {
@@ -139,7 +146,7 @@ void TrafficCounter::FromCounts(const Plan& plan, const StepRouting& routing, Ra
         m->rows_local += rows;
         continue;
       }
-      const int64_t sent = K > 0 ? std::llround(DedupRows(rows, tokens, K)) : rows;
+      const int64_t sent = K > 0 ? std::llround(DedupRows(rows, tokens, K, E)) : rows;
       if (planner::NodeOf(plan, d) == node_s) {
         m->rows_intra += rows;
         m->dispatch_intra += sent;
@@ -192,9 +199,9 @@ void TrafficCounter::FromTotals(const Plan& plan, const StepRouting& routing,
     const int32_t n0 = d / rpn * rpn, n1 = std::min(R, n0 + rpn);
     const int32_t peers_intra = n1 - n0 - 1, peers_inter = R - (n1 - n0);
     const double a = peers_intra > 0
-        ? peers_intra * DedupRows(in_intra[d] / peers_intra, mean_tokens, K) : in_intra[d];
+        ? peers_intra * DedupRows(in_intra[d] / peers_intra, mean_tokens, K, E) : in_intra[d];
     const double b = peers_inter > 0
-        ? peers_inter * DedupRows(in_inter[d] / peers_inter, mean_tokens, K) : in_inter[d];
+        ? peers_inter * DedupRows(in_inter[d] / peers_inter, mean_tokens, K, E) : in_inter[d];
     tr->recv_intra[d] = std::llround(a);
     tr->recv_inter[d] = std::llround(b);
     sent_intra += a;

@@ -11,10 +11,12 @@
 //           takes min(a, own) from its own rank, then min(a, node) - min(a, own) from its node,
 //           and the rest from other nodes, where own / node are the expected tokens of e that
 //           come from the holder's rank / node. Sources send in proportion to their tokens.
-// Dedup estimate (counts, totals): if source s sends r of its T*K rows to destination d, and a
-// token's K choices are independent with chance q = r / (T*K) each of landing on d, the rows
-// needed are T * (1 - (1 - q)^K). In `totals`, a destination's rows are spread evenly over the
-// sources of its node (intra) and the other nodes (inter).
+// Dedup estimate (counts, totals): if source s sends r of its T*K rows to destination d, d holds a
+// share q = r / (T*K) of s's choices; treat that as d holding q*E of the E experts, of which each
+// token draws K without replacement. The rows needed are then T * (1 - prod_{i<K} (1 - qE/(E-i))):
+// exact for uniform routing, the independent-choice T * (1 - (1 - q)^K) when E >> K. In `totals`,
+// a destination's rows are spread evenly over the sources of its node (intra) and the other nodes
+// (inter).
 #pragma once
 
 #include <cstdint>
@@ -73,7 +75,8 @@ class TrafficCounter {
   std::vector<int32_t> dests_;     // [K] destinations of one token
 };
 
-// Expected rows after dedup when `rows` of a source's tokens*topk choices go to one destination.
-double DedupRows(double rows, double tokens, int32_t topk);
+// Expected rows after dedup when `rows` of a source's tokens*topk choices (of `experts`) go to one
+// destination (the estimate above).
+double DedupRows(double rows, double tokens, int32_t topk, int32_t experts);
 
 }  // namespace moonep::sim

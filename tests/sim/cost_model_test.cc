@@ -1,0 +1,145 @@
+// Cost model: FLOPs, bytes and phase times against hand-computed values; presets; stats helpers.
+#include <algorithm>
+#include <cmath>
+#include <random>
+
+#include "gtest/gtest.h"
+#include "planner/sim/cost_model.h"
+#include "planner/sim/stats.h"
+
+namespace moonep::sim {
+namespace {
+
+CostConfig Config() {
+  CostConfig c;
+  c.hidden = 1000;
+  c.intermediate = 500;
+  c.tflops = 100;
+  c.ranks_per_node = 2;
+  c.intra_gbps = 100;
+  c.inter_gbps = 10;
+  return c;
+}
+
+TEST(CostModelTest, FlopsAndBytes) {
+  CostConfig c = Config();
+  c.training = false;
+  EXPECT_DOUBLE_EQ(c.flops_per_token(), 6.0 * 1000 * 500);
+  c.training = true;
+  EXPECT_DOUBLE_EQ(c.flops_per_token(), 18.0 * 1000 * 500);
+  EXPECT_EQ(c.row_bytes(), 2000);
+  EXPECT_EQ(c.expert_weight_bytes(), 3LL * 1000 * 500 * 2);
+  EXPECT_EQ(c.expert_grad_bytes(), 3LL * 1000 * 500 * 4);
+}
+
+TEST(CostModelTest, PhaseTimesFromTheSlowestRank) {
+  CostConfig c = Config();
+  RankTraffic tr;
+  tr.Reset(4);
+  tr.load = {100, 400, 200, 100};
+  tr.send_intra = {50, 0, 0, 0};
+  tr.recv_intra = {0, 80, 0, 0};   // rank 1: 80 rows over intra
+  tr.send_inter = {0, 0, 30, 0};
+  tr.recv_inter = {0, 0, 0, 30};   // rank 2 / 3: 30 rows over inter
+  tr.prefetch_out_inter = {1, 0, 0, 0};
+  tr.prefetch_in_inter = {0, 0, 0, 1};
+  const StepTime t = EstimateStepTime(c, 8, tr);
+  const double intra = 100e9, inter = 10e9;
+  const double rows = std::max(80 * 2000 / intra, 30 * 2000 / inter);
+  EXPECT_DOUBLE_EQ(t.compute, 400 * c.flops_per_token() / 100e12);
+  EXPECT_DOUBLE_EQ(t.dispatch, 2 * rows);  // forward + backward
+  EXPECT_DOUBLE_EQ(t.combine, 2 * rows);
+  const double prefetch = c.expert_weight_bytes() / inter;
+  EXPECT_DOUBLE_EQ(t.prefetch, std::max(0.0, prefetch - rows));  // hidden under forward dispatch
+  EXPECT_DOUBLE_EQ(t.reduce, c.expert_grad_bytes() / inter);
+  EXPECT_DOUBLE_EQ(t.counts, 3.0 * 8 * 4 / inter);  // 4 ranks over 2 nodes: inter-node allgather
+  EXPECT_DOUBLE_EQ(t.total, t.counts + t.prefetch + t.dispatch + t.compute + t.combine + t.reduce);
+
+  c.overlap_prefetch = false;
+  c.training = false;
+  const StepTime f = EstimateStepTime(c, 8, tr);
+  EXPECT_DOUBLE_EQ(f.prefetch, prefetch);
+  EXPECT_DOUBLE_EQ(f.dispatch, rows);
+  EXPECT_DOUBLE_EQ(f.reduce, 0.0);
+  EXPECT_DOUBLE_EQ(f.compute, 400 * 6.0 * 1000 * 500 / 100e12);
+
+  // One node: the allgather stays on the intra-node links.
+  c.ranks_per_node = 4;
+  EXPECT_DOUBLE_EQ(EstimateStepTime(c, 8, tr).counts, 3.0 * 8 * 4 / intra);
+  const StepTime lb = EstimateComputeOnly(c, 4, 8, 200);
+  EXPECT_DOUBLE_EQ(lb.total, lb.counts + 200 * c.flops_per_token() / 100e12);
+}
+
+TEST(CostModelTest, InvalidConfigNamesTheField) {
+  CostConfig c = Config();
+  c.inter_gbps = 0;
+  absl::Status s = ValidateCostConfig(c);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("inter_gbps"), std::string::npos);
+  c = Config();
+  c.hidden = 0;
+  EXPECT_NE(ValidateCostConfig(c).message().find("hidden"), std::string::npos);
+}
+
+TEST(CostModelTest, PresetsAreTheIssueShapes) {
+  const Preset* d = FindPreset("deepseek-v3-ep64");
+  ASSERT_NE(d, nullptr);
+  EXPECT_EQ(d->ranks, 64);
+  EXPECT_EQ(d->experts, 256);
+  EXPECT_EQ(d->topk, 8);
+  EXPECT_EQ(d->hidden, 7168);
+  EXPECT_EQ(d->intermediate, 2048);
+  const Preset* k = FindPreset("kimi-k3.1-like-ep128");
+  ASSERT_NE(k, nullptr);
+  EXPECT_EQ(k->ranks, 128);
+  EXPECT_EQ(k->experts, 896);
+  EXPECT_EQ(k->topk, 16);
+  const Preset* m = FindPreset("mixtral-ep8");
+  ASSERT_NE(m, nullptr);
+  EXPECT_EQ(m->experts, 8);
+  EXPECT_EQ(m->topk, 2);
+  EXPECT_EQ(m->hidden, 4096);
+  EXPECT_EQ(m->intermediate, 14336);
+  EXPECT_EQ(FindPreset("gpt-5"), nullptr);
+  for (const Preset& p : Presets()) EXPECT_EQ(p.experts % p.ranks, 0) << p.name;
+}
+
+TEST(StatsTest, QuantilesWithinResolution) {
+  std::mt19937_64 rng(3);
+  std::lognormal_distribution<double> dist(0.0, 1.0);
+  std::vector<double> values;
+  Distribution d;
+  for (int i = 0; i < 20000; ++i) {
+    values.push_back(dist(rng));
+    d.Add(values.back());
+  }
+  std::sort(values.begin(), values.end());
+  for (double q : {0.01, 0.5, 0.9, 0.99, 1.0}) {
+    const double exact = values[std::max<size_t>(1, std::ceil(q * values.size())) - 1];
+    EXPECT_GE(d.Quantile(q), exact * (1 - 1e-12)) << q;
+    EXPECT_LE(d.Quantile(q), exact * 1.001 + 1e-12) << q;
+  }
+  double sum = 0;
+  for (double v : values) sum += v;
+  EXPECT_NEAR(d.mean(), sum / values.size(), 1e-9);
+  EXPECT_EQ(d.max(), values.back());
+}
+
+TEST(StatsTest, SeriesKeepsBoundedPointsAndExactMeans) {
+  DownsampledSeries s(8);
+  for (int i = 0; i < 1000; ++i) s.Add(i);
+  const auto pts = s.Points();
+  EXPECT_LE(pts.size(), 8u);
+  EXPECT_EQ(s.steps(), 1000);
+  double covered = 0;
+  for (const auto& p : pts) {
+    // Values are the step numbers: a run's mean is its middle step, its max its last.
+    EXPECT_DOUBLE_EQ(p.mean, (p.first_step + p.last_step) / 2);
+    EXPECT_DOUBLE_EQ(p.max, p.last_step);
+    covered += p.last_step - p.first_step + 1;
+  }
+  EXPECT_EQ(covered, 1000);
+}
+
+}  // namespace
+}  // namespace moonep::sim

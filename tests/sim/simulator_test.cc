@@ -1,0 +1,254 @@
+// The simulation loop end to end: determinism, trace replay against hand-computed loads,
+// invariants across policies, reports, and option errors.
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "planner/sim/report.h"
+#include "planner/sim/simulator.h"
+#include "planner/sim/trace.h"
+
+namespace moonep::sim {
+namespace {
+
+using planner::Policy;
+
+SimOptions SmallOptions() {
+  SimOptions o;
+  o.routing.kind = RoutingKind::kZipf;
+  o.routing.num_ranks = 8;
+  o.routing.num_experts = 32;
+  o.routing.topk = 4;
+  o.routing.tokens_per_rank = 256;
+  o.routing.zipf_s = 0.8;
+  o.steps = 12;
+  o.policies = {Policy::kMoonEP, Policy::kMoonEPGreedy, Policy::kEplb, Policy::kFasterMoEShadow};
+  o.eplb_period = 4;
+  o.cost.hidden = 1024;
+  o.cost.intermediate = 512;
+  o.cost.ranks_per_node = 4;
+  return o;
+}
+
+struct Capture : StepSink {
+  std::vector<StepRecord> rows;
+  std::vector<std::string> names;
+  absl::Status OnStep(const StepRecord& r) override {
+    rows.push_back(r);
+    names.push_back(*r.policy);
+    return absl::OkStatus();
+  }
+};
+
+std::string RunToCsv(const SimOptions& o, SimResult* result = nullptr) {
+  auto sim = Simulator::Create(o);
+  EXPECT_TRUE(sim.ok()) << sim.status();
+  std::FILE* f = std::tmpfile();
+  CsvSink csv(f);
+  auto r = (*sim)->Run(&csv, nullptr);
+  EXPECT_TRUE(r.ok()) << r.status();
+  if (result && r.ok()) *result = *r;
+  std::fflush(f);
+  std::rewind(f);
+  std::string text;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) text.append(buf, n);
+  std::fclose(f);
+  return text;
+}
+
+TEST(SimulatorTest, SameSeedSameOutput) {
+  for (DetailChoice d : {DetailChoice::kTokens, DetailChoice::kCounts, DetailChoice::kTotals}) {
+    SimOptions o = SmallOptions();
+    o.detail = d;
+    const std::string a = RunToCsv(o), b = RunToCsv(o);
+    EXPECT_EQ(a, b);
+    o.routing.seed = 99;
+    EXPECT_NE(a, RunToCsv(o));
+    // Header + (5 policies + lower bound) x 12 steps.
+    EXPECT_EQ(std::count(a.begin(), a.end(), '\n'), 1 + 6 * 12);
+  }
+}
+
+TEST(SimulatorTest, InvariantsAcrossPolicies) {
+  for (DetailChoice d : {DetailChoice::kTokens, DetailChoice::kTotals}) {
+    SimOptions o = SmallOptions();
+    o.detail = d;
+    auto sim = Simulator::Create(o);
+    ASSERT_TRUE(sim.ok()) << sim.status();
+    Capture cap;
+    auto result = (*sim)->Run(&cap, nullptr);
+    ASSERT_TRUE(result.ok()) << result.status();
+    ASSERT_EQ(cap.rows.size(), 12u * 6);
+    for (size_t i = 0; i < cap.rows.size(); i += 6) {
+      const StepRecord& none = cap.rows[i];
+      const StepRecord& bound = cap.rows[i + 5];
+      EXPECT_EQ(*none.policy, "none");
+      EXPECT_EQ(*bound.policy, "lower-bound");
+      EXPECT_EQ(none.metrics.replicas, 0);
+      for (size_t j = i; j < i + 6; ++j) {
+        const PlanMetrics& m = cap.rows[j].metrics;
+        EXPECT_EQ(m.total_tokens, 8 * 256 * 4) << cap.names[j];
+        EXPECT_GE(m.max_load, bound.metrics.max_load) << cap.names[j];
+        EXPECT_GE(m.max_load, (m.total_tokens + 7) / 8) << cap.names[j];
+        EXPECT_NEAR(cap.rows[j].time.total,
+                    cap.rows[j].time.counts + cap.rows[j].time.prefetch + cap.rows[j].time.dispatch +
+                        cap.rows[j].time.compute + cap.rows[j].time.combine + cap.rows[j].time.reduce,
+                    1e-12);
+      }
+      // MoonEP balances perfectly whenever the lower bound is perfect balance.
+      const StepRecord& moonep = cap.rows[i + 1];
+      EXPECT_EQ(*moonep.policy, "moonep");
+      if (bound.metrics.max_load == (bound.metrics.total_tokens + 7) / 8) {
+        EXPECT_EQ(moonep.metrics.max_load, bound.metrics.max_load);
+      }
+    }
+    const SimResult& r = *result;
+    ASSERT_EQ(r.policies.size(), 6u);
+    EXPECT_EQ(r.policies[0].name, "none");
+    EXPECT_EQ(r.policies[0].steps, 12);
+    EXPECT_EQ(r.snapshot_step, 0);
+    EXPECT_EQ(r.snapshot_home_load.size(), 8u);
+    int64_t sum = 0;
+    for (int64_t v : r.snapshot_home_load) sum += v;
+    EXPECT_EQ(sum, 8 * 256 * 4);
+  }
+}
+
+TEST(SimulatorTest, TraceReplayMatchesHandComputedLoads) {
+  // R = 2, E = 4 (experts 0,1 on rank 0; 2,3 on rank 1), K = 2; layer 1 records are skipped.
+  std::string text = FormatTraceHeader(2, 4, 2);
+  const std::vector<std::vector<int64_t>> steps = {
+      {10, 6, 2, 2, 9, 7, 2, 2},   // rank 0 home load 32, rank 1: 8
+      {1, 1, 5, 5, 1, 1, 6, 4},    // rank 0: 4, rank 1: 20
+      {3, 3, 3, 3, 3, 3, 3, 3},    // balanced
+  };
+  for (size_t i = 0; i < steps.size(); ++i) {
+    text += FormatTraceRecord(static_cast<int64_t>(i), 0, steps[i]);
+    text += FormatTraceRecord(static_cast<int64_t>(i), 1, std::vector<int64_t>(8, 100));
+  }
+  const std::string path = ::testing::TempDir() + "/replay.trace";
+  std::ofstream(path) << text;
+  SimOptions o = SmallOptions();
+  o.trace_path = path;
+  o.trace_layer = 0;
+  o.steps = 0;  // the whole trace
+  o.cost.ranks_per_node = 0;
+  o.routing.num_ranks = 0;
+  o.routing.topk = 0;
+  auto sim = Simulator::Create(o);
+  ASSERT_TRUE(sim.ok()) << sim.status();
+  EXPECT_EQ((*sim)->detail(), Detail::kCounts);
+  Capture cap;
+  auto result = (*sim)->Run(&cap, nullptr);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->steps, 3);
+  ASSERT_EQ(cap.rows.size(), 3u * 6);
+  const int64_t max_home[] = {32, 20, 12};
+  for (int s = 0; s < 3; ++s) {
+    const StepRecord& none = cap.rows[s * 6];
+    EXPECT_EQ(none.layer, 0);
+    EXPECT_EQ(none.step, s);
+    EXPECT_EQ(none.metrics.max_load, max_home[s]) << "step " << s;
+    EXPECT_EQ(none.metrics.total_tokens, s == 0 ? 40 : 24);
+    // Home placement: rank 0's rows for experts 2,3 and rank 1's for 0,1 travel (flat: inter).
+    const std::vector<int64_t>& c = steps[s];
+    EXPECT_EQ(none.metrics.rows_local, c[0] + c[1] + c[6] + c[7]);
+    EXPECT_EQ(none.metrics.rows_inter, c[2] + c[3] + c[4] + c[5]);
+    EXPECT_EQ(none.metrics.rows_intra, 0);
+    // Perfect balance is ceil(total / 2), and moonep reaches it.
+    EXPECT_EQ(cap.rows[s * 6 + 5].metrics.max_load, (none.metrics.total_tokens + 1) / 2);
+    EXPECT_EQ(cap.rows[s * 6 + 1].metrics.max_load, (none.metrics.total_tokens + 1) / 2);
+  }
+}
+
+TEST(SimulatorTest, MemoryDoesNotGrowWithSteps) {
+  SimOptions o = SmallOptions();
+  o.steps = 3000;
+  o.detail = DetailChoice::kTotals;
+  o.policies = {Policy::kMoonEP};
+  auto sim = Simulator::Create(o);
+  ASSERT_TRUE(sim.ok());
+  auto r = (*sim)->Run(nullptr, nullptr);
+  ASSERT_TRUE(r.ok()) << r.status();
+  for (const PolicySummary& p : r->policies) {
+    EXPECT_EQ(p.steps, 3000);
+    EXPECT_LE(p.imbalance_series.Points().size(), 512u);
+  }
+}
+
+TEST(SimulatorTest, ReportsAreWellFormed) {
+  SimOptions o = SmallOptions();
+  o.snapshot_step = 3;
+  auto sim = Simulator::Create(o);
+  ASSERT_TRUE(sim.ok());
+  std::FILE* f = std::tmpfile();
+  JsonSink json(f);
+  auto r = (*sim)->Run(&json, nullptr);
+  ASSERT_TRUE(r.ok());
+  ASSERT_TRUE(json.Finish().ok());
+  std::rewind(f);
+  std::string text;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) text.append(buf, n);
+  std::fclose(f);
+  EXPECT_EQ(text.front(), '[');
+  EXPECT_EQ(text.substr(text.size() - 2), "]\n");
+  EXPECT_EQ(std::count(text.begin(), text.end(), '{'), 12 * 6);
+  EXPECT_EQ(std::count(text.begin(), text.end(), '{'), std::count(text.begin(), text.end(), '}'));
+  EXPECT_NE(text.find("\"policy\": \"moonep-greedy\""), std::string::npos);
+
+  const std::string summary = FormatSummary(*r, o);
+  for (const char* name : {"none", "moonep", "moonep-greedy", "eplb", "fastermoe-shadow", "lower-bound"}) {
+    EXPECT_NE(summary.find(name), std::string::npos) << name;
+  }
+  EXPECT_NE(summary.find("1.00x"), std::string::npos);  // none's speedup over itself
+
+  const std::string dir = ::testing::TempDir() + "/svg";
+  ASSERT_TRUE(WriteSvgs(*r, dir).ok());
+  for (const char* file : {"imbalance.svg", "rank_load.svg", "step_time.svg"}) {
+    std::ifstream in(dir + "/" + file);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    const std::string svg = ss.str();
+    EXPECT_EQ(svg.rfind("<svg xmlns=\"http://www.w3.org/2000/svg\"", 0), 0u) << file;
+    EXPECT_NE(svg.find("</svg>"), std::string::npos) << file;
+    EXPECT_NE(svg.find("moonep"), std::string::npos) << file;
+    EXPECT_EQ(svg.find("nan"), std::string::npos) << file;
+  }
+  EXPECT_NE(RankLoadSvg(*r).find("step 3"), std::string::npos);
+}
+
+TEST(SimulatorTest, InvalidOptionsNameTheOption) {
+  struct Case {
+    std::function<void(SimOptions*)> change;
+    const char* fragment;
+  } cases[] = {
+      {[](SimOptions* o) { o->routing.num_experts = 30; }, "divisible"},
+      {[](SimOptions* o) { o->steps = -1; }, "steps"},
+      {[](SimOptions* o) { o->eplb_period = 0; }, "eplb_period"},
+      {[](SimOptions* o) { o->slots = -2; }, "slots"},
+      {[](SimOptions* o) { o->cost.tflops = -1; }, "tflops"},
+      {[](SimOptions* o) { o->routing.zipf_s = 11; }, "zipf_s"},
+      {[](SimOptions* o) { o->policies = {Policy::kTestForceReplicas}; }, "test-force-replicas"},
+      {[](SimOptions* o) {
+         o->trace_path = ::testing::TempDir() + "/any.trace";
+         o->detail = DetailChoice::kTokens;
+       }, "tokens"},
+  };
+  for (const Case& c : cases) {
+    SimOptions o = SmallOptions();
+    c.change(&o);
+    auto sim = Simulator::Create(o);
+    ASSERT_FALSE(sim.ok()) << c.fragment;
+    EXPECT_NE(sim.status().message().find(c.fragment), std::string::npos) << sim.status();
+  }
+}
+
+}  // namespace
+}  // namespace moonep::sim

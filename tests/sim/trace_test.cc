@@ -1,0 +1,126 @@
+// Trace reading: round trips of both formats, and malformed files rejected naming the line.
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "planner/sim/trace.h"
+
+namespace moonep::sim {
+namespace {
+
+std::string WriteFile(const std::string& name, const std::string& text) {
+  const std::string path = ::testing::TempDir() + "/" + name;
+  std::ofstream(path) << text;
+  return path;
+}
+
+std::vector<TraceRecord> ReadAll(TraceReader* reader) {
+  std::vector<TraceRecord> out;
+  TraceRecord r;
+  while (true) {
+    auto got = reader->Next(&r);
+    EXPECT_TRUE(got.ok()) << got.status();
+    if (!got.ok() || !*got) break;
+    out.push_back(r);
+  }
+  return out;
+}
+
+TEST(TraceTest, MoonEPRoundTrip) {
+  const std::vector<int64_t> a = {1, 2, 3, 4, 5, 6, 7, 8}, b = {0, 0, 9, 1, 2, 3, 4, 5};
+  std::string text = FormatTraceHeader(2, 4, 2);
+  EXPECT_EQ(text, "# moonep-trace v1 R=2 E=4 K=2\n");
+  text += FormatTraceRecord(0, 0, a) + "\n# a comment\n" + FormatTraceRecord(0, 1, b);
+  text += FormatTraceRecord(1, 0, b);
+  auto reader = TraceReader::Open(WriteFile("rt.trace", text), TraceFormat::kAuto, 0, 0);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  EXPECT_EQ((*reader)->format(), TraceFormat::kMoonEP);
+  EXPECT_EQ((*reader)->num_ranks(), 2);
+  EXPECT_EQ((*reader)->num_experts(), 4);
+  EXPECT_EQ((*reader)->topk(), 2);
+  const std::vector<TraceRecord> recs = ReadAll(reader->get());
+  ASSERT_EQ(recs.size(), 3u);
+  EXPECT_EQ(recs[0].counts, a);
+  EXPECT_EQ(recs[1].layer, 1);
+  EXPECT_EQ(recs[1].counts, b);
+  EXPECT_EQ(recs[2].step, 1);
+}
+
+TEST(TraceTest, CsvRoundTrip) {
+  const std::string text = "e0,e1,e2\n1,2,3\n4, 5 ,6\n\n7,8,9\n10,11,12\n";
+  auto reader = TraceReader::Open(WriteFile("rt.csv", text), TraceFormat::kAuto, 2, 1);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  EXPECT_EQ((*reader)->format(), TraceFormat::kCsv);
+  EXPECT_EQ((*reader)->num_experts(), 3);
+  const std::vector<TraceRecord> recs = ReadAll(reader->get());
+  ASSERT_EQ(recs.size(), 2u);
+  EXPECT_EQ(recs[0].counts, (std::vector<int64_t>{1, 2, 3, 4, 5, 6}));
+  EXPECT_EQ(recs[1].counts, (std::vector<int64_t>{7, 8, 9, 10, 11, 12}));
+  EXPECT_EQ(recs[1].step, 1);
+  // Without a header line as well.
+  auto plain = TraceReader::Open(WriteFile("plain.csv", "1,2\n3,4\n"), TraceFormat::kCsv, 1, 0);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_EQ(ReadAll(plain->get()).size(), 2u);
+}
+
+// Opening or reading fails, and the message holds every expected fragment.
+void ExpectError(const std::string& name, const std::string& text, TraceFormat format, int32_t ranks,
+                 int32_t topk, const std::vector<std::string>& fragments) {
+  const std::string path = WriteFile(name, text);
+  absl::Status status;
+  auto reader = TraceReader::Open(path, format, ranks, topk);
+  if (!reader.ok()) {
+    status = reader.status();
+  } else {
+    TraceRecord r;
+    while (true) {
+      auto got = (*reader)->Next(&r);
+      if (!got.ok()) {
+        status = got.status();
+        break;
+      }
+      if (!*got) break;
+    }
+  }
+  ASSERT_FALSE(status.ok()) << name << " was accepted";
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  for (const std::string& f : fragments) {
+    EXPECT_NE(status.message().find(f), std::string::npos) << name << ": '" << status.message()
+                                                           << "' lacks '" << f << "'";
+  }
+}
+
+TEST(TraceTest, MalformedFilesNameTheLine) {
+  const std::string h = "# moonep-trace v1 R=2 E=2 K=1\n";
+  ExpectError("short.trace", h + "0 0 1 2 3 4\n0 1 1 2 3\n", TraceFormat::kAuto, 0, 0,
+              {"short.trace:3:", "expected 6 integers", "got 5"});
+  ExpectError("junk.trace", h + "0 0 1 2 x3 4\n", TraceFormat::kAuto, 0, 0,
+              {"junk.trace:2:", "field 5", "'x3'", "not an integer"});
+  ExpectError("suffix.trace", h + "0 0 1 2 3q 4\n", TraceFormat::kAuto, 0, 0,
+              {"suffix.trace:2:", "field 5", "'3q'"});
+  ExpectError("neg.trace", h + "0 0 1 -2 3 4\n", TraceFormat::kAuto, 0, 0,
+              {"neg.trace:2:", "field 4", "negative"});
+  ExpectError("ver.trace", "# moonep-trace v2 R=2 E=2\n", TraceFormat::kAuto, 0, 0,
+              {"ver.trace:1:", "v2", "v1"});
+  ExpectError("nor.trace", "# moonep-trace v1 E=2\n", TraceFormat::kAuto, 0, 0, {"nor.trace:1:", "R="});
+  ExpectError("badk.trace", "# moonep-trace v1 R=2 E=2 K=3\n", TraceFormat::kAuto, 0, 0,
+              {"badk.trace:1:", "K="});
+  ExpectError("kmismatch.trace", h, TraceFormat::kAuto, 0, 4, {"K=1", "--topk is 4"});
+  ExpectError("noheader.trace", "0 0 1 2\n", TraceFormat::kMoonEP, 0, 0, {"noheader.trace:1:", "header"});
+  ExpectError("ragged.csv", "1,2,3\n4,5\n", TraceFormat::kCsv, 2, 0,
+              {"ragged.csv:2:", "expected 3 counts", "got 2"});
+  ExpectError("truncated.csv", "1,2\n3,4\n5,6\n", TraceFormat::kCsv, 2, 0,
+              {"truncated.csv:3:", "1 of the 2 rows", "step 1"});
+  ExpectError("empty_field.csv", "1,,2\n", TraceFormat::kCsv, 1, 0, {"empty_field.csv:1:", "field 2 is empty"});
+  ExpectError("trailing.csv", "1,2,\n", TraceFormat::kCsv, 1, 0, {"trailing.csv:1:", "trailing comma"});
+  ExpectError("csv_noranks.csv", "1,2\n", TraceFormat::kCsv, 0, 0, {"--ranks"});
+  ExpectError("empty.trace", "\n\n", TraceFormat::kAuto, 1, 0, {"empty"});
+  auto missing = TraceReader::Open(::testing::TempDir() + "/does-not-exist.trace", TraceFormat::kAuto, 1, 0);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find("does-not-exist.trace"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace moonep::sim
