@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""torch._grouped_mm on the group sizes moonep-bench-gemm-cuda measured, and the merged table.
+
+    moonep-bench-gemm-cuda --out ours.csv --shapes-out shapes.txt
+    python3 bench/torch_grouped_mm.py --shapes shapes.txt --ours ours.csv [--out torch.csv]
+
+Same problem as the C++ benchmark: bf16 X[rows, 7168] x W_g[7168, 2048] per group, bf16 out,
+random inputs, median of --reps CUDA-event-timed runs after 3 warm-ups. torch.mm of the same FLOPs
+is timed too, as a cross-check of the card's dense rate. The merged table gives MoonEP's GEMM
+(the strategy kAuto picks) against torch._grouped_mm and against the dense cuBLAS GEMM of the same
+FLOPs from the C++ run, and checks the issue's targets.
+"""
+import argparse
+import csv
+import statistics
+import sys
+
+import torch
+
+H, I = 7168, 2048
+
+
+def time_ms(fn, reps):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", required=True)
+    p.add_argument("--ours", required=True)
+    p.add_argument("--out", default="")
+    p.add_argument("--reps", type=int, default=20)
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    print(f"# torch {torch.__version__}, {torch.cuda.get_device_name(0)}")
+    shapes = []
+    with open(args.shapes) as f:
+        for line in f:
+            parts = line.split()
+            if parts:
+                shapes.append((parts[0], [int(v) for v in parts[1:]]))
+    ours = {}
+    with open(args.ours) as f:
+        for r in csv.DictReader(f):
+            ours[r["shape"]] = r
+    max_total = max(sum(s) for _, s in shapes)
+    max_groups = max(len(s) for _, s in shapes)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    a_all = torch.randn(max_total, H, device=dev, dtype=torch.bfloat16, generator=gen)
+    # torch._grouped_mm wants the second operand K-major ("column-major"): [G, N, K] transposed.
+    b_all = (torch.randn(max_groups, I, H, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02).transpose(-2, -1)
+    results = []
+    for name, sizes in shapes:
+        total, groups = sum(sizes), len(sizes)
+        a = a_all[:total]
+        b = b_all[:groups]
+        offs = torch.tensor(sizes, device=dev, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        flops = 2.0 * total * H * I
+        try:
+            ms = time_ms(lambda: torch._grouped_mm(a, b, offs=offs), args.reps)
+            torch_tf = flops / (ms * 1e9)
+        except Exception as e:  # noqa: BLE001 - report and carry on with the other shapes
+            print(f"# {name}: torch._grouped_mm failed: {e}", file=sys.stderr)
+            torch_tf = float("nan")
+        b0 = b_all[0].contiguous()
+        dense_ms = time_ms(lambda: torch.mm(a, b0), args.reps)
+        results.append((name, groups, total, torch_tf, flops / (dense_ms * 1e9)))
+
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("shape,groups,rows,torch_grouped_mm_tflops,torch_mm_tflops\n")
+            for r in results:
+                f.write("%s,%d,%d,%.2f,%.2f\n" % r)
+
+    print("# %-18s %6s %7s | %7s %7s %7s %7s | %7s %8s %8s | %s" % (
+        "shape", "groups", "rows", "dense", "t.mm", "torchGM", "MoonEP", "pick", "x_dense", "x_torch", "targets"))
+    misses = 0
+    for name, groups, total, torch_tf, tmm in results:
+        o = ours.get(name)
+        if o is None:
+            continue
+        dense = float(o["dense_tflops"])
+        pick = o["auto"]
+        moon = float(o["streams_tflops"] if pick == "streams" else o["grouped_tflops"])
+        best = max(float(o["streams_tflops"]), float(o["grouped_tflops"]))
+        x_dense, x_torch = moon / dense, moon / torch_tf
+        notes = []
+        if total / groups >= 512 and x_dense < 0.9:
+            notes.append("MISS >=0.9x dense")
+        if x_torch < 0.95:
+            notes.append("MISS >=0.95x torch")
+        if best > moon * 1.02:
+            notes.append("other strategy %.0f" % best)
+        misses += any(n.startswith("MISS") for n in notes)
+        print("  %-18s %6d %7d | %7.1f %7.1f %7.1f %7.1f | %7s %8.2f %8.2f | %s" % (
+            name, groups, total, dense, tmm, torch_tf, moon, pick, x_dense, x_torch, ", ".join(notes) or "ok"))
+    print(f"# shapes missing a target: {misses}")
+
+
+if __name__ == "__main__":
+    main()
