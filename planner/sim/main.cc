@@ -80,6 +80,8 @@ ABSL_FLAG(std::string, csv, "", "write one CSV row per step and policy to this f
 ABSL_FLAG(std::string, json, "", "write one JSON object per step and policy to this file");
 ABSL_FLAG(std::string, svg, "", "write imbalance.svg, rank_load.svg and step_time.svg into this directory");
 ABSL_FLAG(int64_t, svg_step, 0, "step whose per-rank loads rank_load.svg shows");
+ABSL_FLAG(int32_t, threads, 0, "threads planning policies in parallel (0: one per core); results do "
+          "not depend on it, memory grows with it (one plan per thread)");
 ABSL_FLAG(bool, progress, true, "show progress on stderr during long runs");
 
 namespace {
@@ -186,6 +188,7 @@ absl::Status BuildOptions(SimOptions* o) {
     return InvalidArgument("--detail: unknown level '%s' (known: auto, tokens, counts, totals)", detail);
   }
   o->snapshot_step = absl::GetFlag(FLAGS_svg_step);
+  o->threads = absl::GetFlag(FLAGS_threads);
   return absl::OkStatus();
 }
 

@@ -1,7 +1,9 @@
 #include "planner/sim/simulator.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <thread>
 
 #include "moonep/core/status.h"
 #include "planner/planner.h"
@@ -30,9 +32,14 @@ struct Simulator::State {
   std::unique_ptr<TraceReader> trace;
   std::vector<std::unique_ptr<Planner>> planners;
   std::vector<std::string> names;  // per planner, then "lower-bound"
-  Plan plan;                       // shared by every policy: the planner clears it sparsely
-  TrafficCounter counter;
-  RankTraffic traffic;
+  // Per worker thread: a plan shared by the policies that worker runs (the planner clears it
+  // sparsely, so reuse is cheap), and traffic scratch.
+  struct Worker {
+    Plan plan;
+    TrafficCounter counter;
+    RankTraffic traffic;
+  };
+  std::vector<Worker> workers;
   StepRouting routing;
   TraceRecord record;
   std::vector<int32_t> node_domain;  // [nodes * D] ranks of each domain in each node (model)
@@ -121,6 +128,11 @@ absl::StatusOr<std::unique_ptr<Simulator>> Simulator::Create(const SimOptions& o
     st.names.push_back(planner::PolicyName(p));
   }
   st.names.push_back("lower-bound");
+
+  MOONEP_CHECK_ARG(o.threads >= 0, "threads must be >= 0, got %d", o.threads);
+  int32_t threads = o.threads > 0 ? o.threads : static_cast<int32_t>(std::thread::hardware_concurrency());
+  threads = std::max(1, std::min<int32_t>(threads, static_cast<int32_t>(st.planners.size())));
+  st.workers.resize(threads);
 
   st.rpn = o.cost.ranks_per_node > 0 ? o.cost.ranks_per_node : 1;
   if (st.model) {
@@ -248,36 +260,50 @@ absl::StatusOr<SimResult> Simulator::Run(StepSink* sink,
     const bool snapshot = step == o.snapshot_step;
     if (snapshot) result.snapshot_step = step;
 
-    for (size_t i = 0; i < st.planners.size(); ++i) {
-      Planner& planner = *st.planners[i];
-      PlanMetrics m;
-      if (st.detail == Detail::kTotals) {
-        MOONEP_RETURN_IF_ERROR(Annotate(planner.Decide(st.routing.totals, &st.plan),
-                                        absl::StrFormat("step %d, policy %s", rec.step, st.names[i])));
-        st.counter.FromTotals(st.plan, st.routing, st.trace ? trace_locality : model_locality,
-                              &st.traffic, &m);
-      } else {
-        MOONEP_RETURN_IF_ERROR(Annotate(planner.MakePlan(st.routing.counts, &st.plan),
-                                        absl::StrFormat("step %d, policy %s", rec.step, st.names[i])));
-        if (st.detail == Detail::kTokens) {
-          st.counter.FromTokens(st.plan, st.routing, &st.traffic, &m);
+    // Policies are independent: workers take them in turn; rows are emitted in policy order.
+    const size_t P = st.planners.size();
+    std::vector<PlanMetrics> metrics(P);
+    std::vector<StepTime> times(P);
+    std::vector<absl::Status> status(P);
+    std::atomic<size_t> next{0};
+    auto work = [&](State::Worker& w) {
+      for (size_t i = next++; i < P; i = next++) {
+        Planner& planner = *st.planners[i];
+        PlanMetrics& m = metrics[i];
+        if (st.detail == Detail::kTotals) {
+          status[i] = planner.Decide(st.routing.totals, &w.plan);
+          if (!status[i].ok()) continue;
+          w.counter.FromTotals(w.plan, st.routing, st.trace ? trace_locality : model_locality,
+                               &w.traffic, &m);
         } else {
-          st.counter.FromCounts(st.plan, st.routing, &st.traffic, &m);
+          status[i] = planner.MakePlan(st.routing.counts, &w.plan);
+          if (!status[i].ok()) continue;
+          if (st.detail == Detail::kTokens) {
+            w.counter.FromTokens(w.plan, st.routing, &w.traffic, &m);
+          } else {
+            w.counter.FromCounts(w.plan, st.routing, &w.traffic, &m);
+          }
         }
+        times[i] = EstimateStepTime(o.cost, E, w.traffic);
+        if (snapshot) result.policies[i].snapshot_load = w.traffic.load;
       }
-      const StepTime t = EstimateStepTime(o.cost, E, st.traffic);
-      Accumulate(m, t, o.cost, &result.policies[i]);
-      if (snapshot) {
-        result.policies[i].snapshot_load = st.traffic.load;
-        if (i == 0) result.snapshot_home_load = st.traffic.load;  // none: home placement
-      }
+    };
+    std::vector<std::thread> threads;
+    for (size_t k = 1; k < st.workers.size(); ++k) threads.emplace_back(work, std::ref(st.workers[k]));
+    work(st.workers[0]);
+    for (std::thread& t : threads) t.join();
+    for (size_t i = 0; i < P; ++i) {
+      MOONEP_RETURN_IF_ERROR(
+          Annotate(status[i], absl::StrFormat("step %d, policy %s", rec.step, st.names[i])));
+      Accumulate(metrics[i], times[i], o.cost, &result.policies[i]);
       if (sink) {
         rec.policy = &st.names[i];
-        rec.metrics = m;
-        rec.time = t;
+        rec.metrics = metrics[i];
+        rec.time = times[i];
         MOONEP_RETURN_IF_ERROR(sink->OnStep(rec));
       }
     }
+    if (snapshot) result.snapshot_home_load = result.policies[0].snapshot_load;  // none: home
 
     if (o.lower_bound) {
       PlanMetrics m;
