@@ -8,6 +8,8 @@
 // does not recompute them) counts 18 * rows * H * I. Each result row also reports the largest
 // relative difference between executor and naive outputs (#wrong-style check).
 //
+// The three are timed in interleaved rounds; ratios are medians of per-round ratios.
+//
 //   moonep-bench-gemm [--threads N] [--dtype fp32|bf16] [--reps N] [--rows-per-group N]
 //                     [--min-rows N] [--quick] [--shapes HxI,...] [--groups G,...] [-J]
 #include <cblas.h>
@@ -54,18 +56,38 @@ double Now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// Median seconds of `reps` timed runs after one warm-up.
-template <typename Fn>
-double Time(int reps, Fn&& fn) {
-  fn();
-  std::vector<double> t;
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Times the executor and both baselines in interleaved rounds (after one warm-up each), so that
+// load from other processes hits all three alike. Returns the executor's median seconds and the
+// medians of the per-round ratios baseline_time / executor_time.
+struct Timing {
+  double seconds = 0, vs_single = 0, vs_naive = 0;
+};
+template <typename Exec, typename Single, typename Naive>
+Timing TimeRounds(int reps, Exec&& exec, Single&& single, Naive&& naive) {
+  exec();
+  single();
+  naive();
+  std::vector<double> te, r1, rn;
   for (int r = 0; r < reps; ++r) {
-    const double t0 = Now();
-    fn();
-    t.push_back(Now() - t0);
+    double t0 = Now();
+    exec();
+    const double e = Now() - t0;
+    t0 = Now();
+    single();
+    const double s1 = Now() - t0;
+    t0 = Now();
+    naive();
+    const double n1 = Now() - t0;
+    te.push_back(e);
+    r1.push_back(s1 / e);
+    rn.push_back(n1 / e);
   }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  return Timing{Median(te), Median(r1), Median(rn)};
 }
 
 // Group sizes: uniform, or Zipf(1.2) shares of the same total (at least min_rows each), shuffled.
@@ -121,11 +143,13 @@ Fixture Make(int64_t H, int64_t I, DType dtype, const std::vector<int64_t>& rows
     if (dtype == DType::kBFloat16) {  // the baseline sees the same rounded weights
       for (float& v : w) v = moonep::BFloat16::FromFloat(v).ToFloat();
     }
-    f.w32.push_back(w);
+    f.w32.push_back(std::move(w));
     f.w.emplace_back();
-    Store(w, dtype, &f.w.back());
+    // fp32: the executor reads the baseline's copy (no duplicate of the largest buffers).
+    if (dtype != DType::kFloat32) Store(f.w32.back(), dtype, &f.w.back());
     f.g.emplace_back(3 * H * I * sizeof(float), 0);
-    char* wb = f.w.back().data();
+    char* wb = dtype == DType::kFloat32 ? reinterpret_cast<char*>(f.w32.back().data())
+                                        : f.w.back().data();
     char* gb = f.g.back().data();
     const size_t part = H * I * moonep::DTypeSize(dtype), gpart = H * I * sizeof(float);
     GroupView& gv = f.view.groups[g];
@@ -289,7 +313,7 @@ int main(int argc, char** argv) {
   }
   const int threads = o.threads > 0 ? o.threads : static_cast<int>(std::thread::hardware_concurrency());
   if (!o.json) {
-    std::printf("# moonep-bench-gemm: dtype %s, %d threads, median of %d reps, %ld rows/group mean\n",
+    std::printf("# moonep-bench-gemm: dtype %s, %d threads, medians of %d interleaved rounds, %ld rows/group mean\n",
                 moonep::DTypeName(o.dtype), threads, o.reps, static_cast<long>(o.rows_per_group));
     std::printf("# GF/s of the executor; x1 = executor / one cblas_sgemm of the same FLOPs; "
                 "xN = executor / naive per-group loop\n");
@@ -322,15 +346,6 @@ int main(int argc, char** argv) {
         bo.preactivations = fo.preactivations;
         bool failed = false;
         SetBlasThreads(threads);
-        const double t_fwd = Time(o.reps, [&] { failed |= !ex.Forward(f.view, x, y, fo).ok(); });
-        const double t_fb = Time(o.reps, [&] {
-          failed |= !ex.Forward(f.view, x, y, fo).ok();
-          failed |= !ex.Backward(f.view, x, dy, dx, bo).ok();
-        });
-        if (failed) {
-          std::fprintf(stderr, "executor call failed\n");
-          return 1;
-        }
         // One GEMM of the same FLOPs: [rows, H] x [H, c*I], c = 3 (forward) or 9 (f+b).
         std::vector<float> wide(H * 9 * I), out(f.total * 9 * I);
         std::mt19937 rng(3);
@@ -339,11 +354,21 @@ int main(int argc, char** argv) {
           cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, f.total, c * I, H, 1,
                       f.x32.data(), H, wide.data(), c * I, 0, out.data(), c * I);
         };
-        const double s_fwd = Time(o.reps, [&] { single(3); });
-        const double s_fb = Time(o.reps, [&] { single(9); });
         Naive naive;
-        const double n_fwd = Time(o.reps, [&] { naive.Run(f, false); });
-        const double n_fb = Time(o.reps, [&] { naive.Run(f, true); });
+        const Timing fwd = TimeRounds(
+            o.reps, [&] { failed |= !ex.Forward(f.view, x, y, fo).ok(); }, [&] { single(3); },
+            [&] { naive.Run(f, false); });
+        const Timing fb = TimeRounds(
+            o.reps,
+            [&] {
+              failed |= !ex.Forward(f.view, x, y, fo).ok();
+              failed |= !ex.Backward(f.view, x, dy, dx, bo).ok();
+            },
+            [&] { single(9); }, [&] { naive.Run(f, true); });
+        if (failed) {
+          std::fprintf(stderr, "executor call failed\n");
+          return 1;
+        }
         // Correctness: a fresh forward + backward compared with the naive loop's outputs.
         ex.Forward(f.view, x, y, fo).IgnoreError();
         ex.Backward(f.view, x, dy, dx, bo).IgnoreError();
@@ -351,8 +376,8 @@ int main(int argc, char** argv) {
         const double err = std::max(MaxRelDiff(f.y, o.dtype, naive.y), MaxRelDiff(f.dx, o.dtype, naive.dx));
 
         const double flops = 2.0 * f.total * H * I;
-        const double fwd_gf = 3 * flops / t_fwd / 1e9, fb_gf = 9 * flops / t_fb / 1e9;
-        const double r1f = s_fwd / t_fwd, rnf = n_fwd / t_fwd, r1b = s_fb / t_fb, rnb = n_fb / t_fb;
+        const double fwd_gf = 3 * flops / fwd.seconds / 1e9, fb_gf = 9 * flops / fb.seconds / 1e9;
+        const double r1f = fwd.vs_single, rnf = fwd.vs_naive, r1b = fb.vs_single, rnb = fb.vs_naive;
         const int64_t mn = *std::min_element(rows.begin(), rows.end());
         const int64_t mx = *std::max_element(rows.begin(), rows.end());
         if (o.json) {
