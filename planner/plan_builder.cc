@@ -303,4 +303,218 @@ absl::Status FinalizePlan(const PlannerConfig& c, absl::Span<const int64_t> coun
   return absl::OkStatus();
 }
 
+absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> counts,
+                             absl::Span<const int64_t> totals, Plan* plan, BuildScratch* scratch) {
+  const int32_t R = c.num_ranks, E = c.num_experts, epn = E / R, S = c.slots, G = epn + S;
+  const int32_t rpn = c.ranks_per_node;
+  // Replicas per expert, by increasing rank, with their slot's group.
+  std::vector<int32_t>& rb = scratch->replica_begin;
+  rb.assign(E + 1, 0);
+  for (size_t i = 0; i < plan->slot_expert.size(); ++i) {
+    const int32_t e = plan->slot_expert[i];
+    if (e < 0) continue;
+    MOONEP_CHECK_ARG(e < E, "slot %d of rank %d holds expert %d, not in [0, %d)", i % S, i / S, e, E);
+    MOONEP_CHECK_ARG(plan->home[e] != static_cast<int32_t>(i / S),
+                     "rank %d holds a replica of its own expert %d", i / S, e);
+    ++rb[e + 1];
+  }
+  for (int32_t e = 0; e < E; ++e) rb[e + 1] += rb[e];
+  const int32_t num_replicas = rb[E];
+  scratch->replica_rank.resize(num_replicas);
+  scratch->replica_start.resize(num_replicas);
+  scratch->replica_end.resize(num_replicas);
+  std::vector<int64_t>& slot_group = scratch->next_row;  // group index of each replica
+  slot_group.resize(num_replicas);
+  for (int32_t d = 0; d < R; ++d) {
+    for (int32_t s = 0; s < S; ++s) {
+      const int32_t e = plan->slot_expert[static_cast<size_t>(d) * S + s];
+      if (e < 0) continue;
+      const int32_t j = rb[e]++;
+      scratch->replica_rank[j] = d;
+      slot_group[j] = epn + s;
+    }
+  }
+  for (int32_t e = E; e > 0; --e) rb[e] = rb[e - 1];
+  rb[0] = 0;
+  for (int32_t e = 0; e < E; ++e) {
+    for (int32_t j = rb[e] + 1; j < rb[e + 1]; ++j) {
+      MOONEP_CHECK_ARG(scratch->replica_rank[j] != scratch->replica_rank[j - 1],
+                       "expert %d has two replicas on rank %d", e, scratch->replica_rank[j]);
+    }
+  }
+
+  // Group counts and conservation over holders.
+  for (int32_t d = 0; d < R; ++d) {
+    for (int32_t g = 0; g < epn; ++g) {
+      const int32_t e = plan->local_experts[static_cast<size_t>(d) * epn + g];
+      plan->group_count[static_cast<size_t>(d) * G + g] = plan->alloc[static_cast<size_t>(e) * R + d];
+    }
+    for (int32_t s = 0; s < S; ++s) {
+      const size_t i = static_cast<size_t>(d) * S + s;
+      const int32_t e = plan->slot_expert[i];
+      const int64_t n = e < 0 ? 0 : plan->alloc[static_cast<size_t>(e) * R + d];
+      MOONEP_CHECK_ARG(plan->slot_alloc[i] == n, "slot %d of rank %d: slot_alloc %d != alloc %d", s, d,
+                       plan->slot_alloc[i], n);
+      plan->group_count[static_cast<size_t>(d) * G + epn + s] = n;
+    }
+  }
+  for (int32_t e = 0; e < E; ++e) {
+    int64_t held = plan->alloc[static_cast<size_t>(e) * R + plan->home[e]];
+    MOONEP_CHECK_ARG(held >= 0, "alloc[%d][%d] = %d is negative", e, plan->home[e], held);
+    for (int32_t j = rb[e]; j < rb[e + 1]; ++j) {
+      const int64_t a = plan->alloc[static_cast<size_t>(e) * R + scratch->replica_rank[j]];
+      MOONEP_CHECK_ARG(a >= 0, "alloc[%d][%d] = %d is negative", e, scratch->replica_rank[j], a);
+      held += a;
+    }
+    MOONEP_CHECK_ARG(held == totals[e], "expert %d: its holders compute %d of its %d tokens", e, held,
+                     totals[e]);
+  }
+
+  // Layout: padded groups back to back.
+  for (int32_t d = 0; d < R; ++d) {
+    int64_t row = 0;
+    for (int32_t g = 0; g < G; ++g) {
+      const size_t i = static_cast<size_t>(d) * G + g;
+      plan->group_offset[i] = row;
+      plan->group_padded[i] = (plan->group_count[i] + c.pad_multiple - 1) / c.pad_multiple * c.pad_multiple;
+      row += plan->group_padded[i];
+    }
+    plan->rank_rows[d] = row;
+  }
+
+  // Source blocks: col(x) = sum of counts[s][e] for s < x is a block prefix plus < B entries.
+  if (scratch->block_size <= 0) {
+    scratch->block_size = BlockSize(c);
+    const int32_t B = scratch->block_size, NB = (R + B - 1) / B;
+    scratch->block_totals.assign(static_cast<size_t>(NB) * E, 0);
+    for (int32_t s = 0; s < R; ++s) {
+      int64_t* blk = scratch->block_totals.data() + static_cast<size_t>(s / B) * E;
+      const int64_t* row = counts.data() + static_cast<size_t>(s) * E;
+      for (int32_t e = 0; e < E; ++e) blk[e] += row[e];
+    }
+  }
+  const int32_t B = scratch->block_size, NB = (R + B - 1) / B;
+  std::vector<int64_t>& bp = scratch->block_prefix;
+  bp.resize(static_cast<size_t>(NB) + 1);
+  int32_t col_expert = -1;
+  auto col = [&](int32_t e, int32_t x) -> int64_t {
+    if (x >= R) return totals[e];
+    if (col_expert != e) {
+      bp[0] = 0;
+      for (int32_t b = 0; b < NB; ++b) bp[b + 1] = bp[b] + scratch->block_totals[static_cast<size_t>(b) * E + e];
+      col_expert = e;
+    }
+    int64_t v = bp[x / B];
+    for (int32_t s = x / B * B; s < x; ++s) v += counts[static_cast<size_t>(s) * E + e];
+    return v;
+  };
+
+  // Pieces, rows and row stats, one expert at a time.
+  plan->piece_dest.clear();
+  plan->piece_start.clear();
+  plan->piece_count.clear();
+  plan->piece_row.clear();
+  PlanStats& st = plan->stats;
+  st = PlanStats{};
+  for (int32_t e = 0; e < E; ++e) {
+    plan->piece_begin[e] = static_cast<int32_t>(plan->piece_dest.size());
+    const int64_t N = totals[e];
+    const int32_t h = plan->home[e], first = rb[e], last = rb[e + 1];
+    const int64_t home_row = plan->group_offset[static_cast<size_t>(h) * G + plan->home_group[e]];
+    st.total_tokens += N;
+    if (first == last) {
+      if (N == 0) continue;
+      plan->piece_dest.push_back(h);
+      plan->piece_start.push_back(0);
+      plan->piece_count.push_back(N);
+      plan->piece_row.push_back(home_row);
+      const int64_t local = counts[static_cast<size_t>(h) * E + e];
+      // With nodes, blocks are nodes: the home node's sources are one block.
+      const int64_t same_node = rpn > 0 ? scratch->block_totals[static_cast<size_t>(h / rpn) * E + e] : local;
+      st.rows_local += local;
+      st.rows_travel_intra += same_node - local;
+      st.rows_travel_inter += N - same_node;
+      continue;
+    }
+    int64_t cursor = 0;
+    for (int32_t j = first; j < last; ++j) {
+      const int32_t d = scratch->replica_rank[j];
+      const int64_t a = plan->alloc[static_cast<size_t>(e) * R + d];
+      scratch->replica_start[j] = std::max(col(e, d), cursor);
+      scratch->replica_end[j] = scratch->replica_start[j] + a;
+      cursor = scratch->replica_end[j];
+    }
+    int64_t limit = N;
+    for (int32_t j = last - 1; j >= first; --j) {
+      const int64_t a = scratch->replica_end[j] - scratch->replica_start[j];
+      if (scratch->replica_end[j] > limit) {
+        scratch->replica_end[j] = limit;
+        scratch->replica_start[j] = limit - a;
+      }
+      limit = scratch->replica_start[j];
+    }
+    int64_t home_rows = 0;
+    // The home's own and node ranges, used by every home piece.
+    const int64_t h0 = col(e, h), h1 = col(e, h + 1);
+    const int64_t hn0 = rpn > 0 ? col(e, h / rpn * rpn) : h0;
+    const int64_t hn1 = rpn > 0 ? col(e, std::min(R, h / rpn * rpn + rpn)) : h1;
+    auto add_piece = [&](int32_t dest, int64_t start, int64_t count, int64_t row) {
+      if (count <= 0) return;
+      plan->piece_dest.push_back(dest);
+      plan->piece_start.push_back(start);
+      plan->piece_count.push_back(count);
+      plan->piece_row.push_back(row);
+      const int64_t p1 = start + count;
+      int64_t local, same_node;
+      if (dest == h) {
+        local = Overlap(start, p1, h0, h1);
+        same_node = rpn > 0 ? Overlap(start, p1, hn0, hn1) : local;
+      } else {
+        local = Overlap(start, p1, col(e, dest), col(e, dest + 1));
+        same_node = local;
+        if (rpn > 0) {
+          const int32_t n0 = dest / rpn * rpn, n1 = std::min(R, n0 + rpn);
+          same_node = Overlap(start, p1, col(e, n0), col(e, n1));
+        }
+      }
+      st.rows_local += local;
+      st.rows_travel_intra += same_node - local;
+      st.rows_travel_inter += count - same_node;
+    };
+    int64_t pos = 0;
+    for (int32_t j = first; j < last; ++j) {
+      const int32_t d = scratch->replica_rank[j];
+      const int64_t n = scratch->replica_start[j] - pos;
+      add_piece(h, pos, n, home_row + home_rows);
+      if (n > 0) home_rows += n;
+      add_piece(d, scratch->replica_start[j], scratch->replica_end[j] - scratch->replica_start[j],
+                plan->group_offset[static_cast<size_t>(d) * G + slot_group[j]]);
+      pos = scratch->replica_end[j];
+    }
+    add_piece(h, pos, N - pos, home_row + home_rows);
+    for (int32_t j = first; j < last; ++j) {
+      if (NodeOf(*plan, scratch->replica_rank[j]) == NodeOf(*plan, h)) {
+        ++st.prefetch_intra;
+      } else {
+        ++st.prefetch_inter;
+      }
+    }
+  }
+  plan->piece_begin[E] = static_cast<int32_t>(plan->piece_dest.size());
+  st.replicas = num_replicas;
+  for (int32_t d = 0; d < R; ++d) {
+    int64_t before = 0, after = 0;
+    for (int32_t g = 0; g < epn; ++g) before += totals[plan->local_experts[static_cast<size_t>(d) * epn + g]];
+    for (int32_t g = 0; g < G; ++g) after += plan->group_count[static_cast<size_t>(d) * G + g];
+    st.max_load_before = std::max(st.max_load_before, before);
+    st.max_load_after = std::max(st.max_load_after, after);
+  }
+  st.mean_load = static_cast<double>(st.total_tokens) / R;
+  st.dispatch_bytes_intra = st.rows_travel_intra * c.row_bytes;
+  st.dispatch_bytes_inter = st.rows_travel_inter * c.row_bytes;
+  st.prefetch_bytes_intra = st.reduce_bytes_intra = st.prefetch_intra * c.expert_bytes;
+  st.prefetch_bytes_inter = st.reduce_bytes_inter = st.prefetch_inter * c.expert_bytes;
+  return absl::OkStatus();
+}
+
 }  // namespace moonep::planner

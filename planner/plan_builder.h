@@ -31,7 +31,19 @@ struct BuildScratch {
   std::vector<int32_t> replica_rank;
   std::vector<int64_t> replica_start, replica_end;
   std::vector<int64_t> next_row;         // per (rank, group): next free row while laying pieces
+  std::vector<int64_t> column;           // R + 1: prefix sums of one expert's counts over sources
+  // Per-block sums of counts over sources (blocks of block_size consecutive ranks: the node when
+  // ranks_per_node is set): block_totals[b * E + e]. FinalizeHolders fills them when block_size is
+  // 0; a caller that already passes over counts may fill them (with BlockSize()) to save a pass.
+  int32_t block_size = 0;
+  std::vector<int64_t> block_totals;
+  std::vector<int64_t> block_prefix;     // per block: sum of earlier blocks, for one expert
 };
+
+// Source blocks for FinalizeHolders: the node size, or 16 ranks when flat.
+inline int32_t BlockSize(const PlannerConfig& resolved) {
+  return resolved.ranks_per_node > 0 ? resolved.ranks_per_node : 16;
+}
 
 // Prepares `plan` for a resolved config: sizes every array and fills home, local_experts and
 // home_group; alloc and slot_expert are zeroed / set to -1.
@@ -45,6 +57,13 @@ void InitPlan(const PlannerConfig& resolved, Plan* plan);
 // Fails with InvalidArgument when the decisions are inconsistent (conservation, slots, capacity).
 absl::Status FinalizePlan(const PlannerConfig& resolved, absl::Span<const int64_t> counts,
                           Plan* plan, BuildScratch* scratch);
+
+// FinalizePlan for decisions whose alloc is nonzero only at holders (the home and the ranks whose
+// slots hold the expert) and whose slot_alloc matches alloc, as Planner policies produce: the
+// same pieces, layouts and stats, without reading all of alloc or writing every source offset
+// (only replicated experts' columns of counts are summed). `totals` are the per-expert totals.
+absl::Status FinalizeHolders(const PlannerConfig& resolved, absl::Span<const int64_t> counts,
+                             absl::Span<const int64_t> totals, Plan* plan, BuildScratch* scratch);
 
 // Node of a rank for stats and topology rules (each rank its own node when ranks_per_node == 0).
 inline int32_t NodeOf(const Plan& plan, int32_t rank) {

@@ -189,28 +189,36 @@ absl::Status Planner::MakePlan(absl::Span<const int64_t> counts, Plan* plan) {
   // One pass over counts: totals per expert, negative entries and overflow rejected.
   st.totals.assign(E, 0);
   int64_t* totals = st.totals.data();
+  // Source-block sums for FinalizeHolders, in the same pass.
+  const int32_t block = BlockSize(c);
+  st.build.block_size = 0;  // not valid until the pass completes
+  st.build.block_totals.assign(static_cast<size_t>((R + block - 1) / block) * E, 0);
   constexpr int64_t kMaxTokens = int64_t{1} << 52;
   for (int32_t s = 0; s < R; ++s) {
     const int64_t* row = counts.data() + static_cast<size_t>(s) * E;
-    int64_t row_min = 0, row_max = 0;
+    // One vectorizable pass: OR of all entries has a bit >= 52 (or the sign) set iff some entry
+    // is negative or >= 2^52.
+    uint64_t bits = 0;
+    int64_t* blk = st.build.block_totals.data() + static_cast<size_t>(s / block) * E;
     for (int32_t e = 0; e < E; ++e) {
-      row_min = std::min(row_min, row[e]);
-      row_max = std::max(row_max, row[e]);
+      totals[e] += row[e];
+      blk[e] += row[e];
+      bits |= static_cast<uint64_t>(row[e]);
     }
-    if (row_min < 0 || row_max > kMaxTokens) {
+    if ((bits >> 52) != 0) {
       for (int32_t e = 0; e < E; ++e) {
         MOONEP_CHECK_ARG(row[e] >= 0, "counts[%d][%d] = %d is negative", s, e, row[e]);
-        MOONEP_CHECK_ARG(row[e] <= kMaxTokens, "counts[%d][%d] = %d exceeds 2^52", s, e, row[e]);
+        MOONEP_CHECK_ARG(row[e] < kMaxTokens, "counts[%d][%d] = %d is not below 2^52", s, e, row[e]);
       }
     }
-    for (int32_t e = 0; e < E; ++e) totals[e] += row[e];
-    // Totals stay <= 2^52 at each check, so 1024 more rows of entries <= 2^52 cannot wrap.
+    // Totals stay <= 2^52 at each check, so 1024 more rows of entries < 2^52 cannot wrap.
     if ((s & 1023) == 1023 || s == R - 1) {
       for (int32_t e = 0; e < E; ++e) {
         MOONEP_CHECK_ARG(totals[e] <= kMaxTokens, "counts of expert %d sum past 2^52", e);
       }
     }
   }
+  st.build.block_size = block;
   PreparePlan(c, plan);
   st.input.config = &c;
   st.input.plan = plan;
@@ -220,7 +228,7 @@ absl::Status Planner::MakePlan(absl::Span<const int64_t> counts, Plan* plan) {
   MOONEP_RETURN_IF_ERROR(RunPolicy(c, st.input, &st.scratch, &st.decisions));
   EmitDecisions(c, st.decisions, st.input, plan);
   const PlanStats decided = plan->stats;
-  MOONEP_RETURN_IF_ERROR(FinalizePlan(c, counts, plan, &st.build));
+  MOONEP_RETURN_IF_ERROR(FinalizeHolders(c, counts, st.input.totals, plan, &st.build));
   if (plan->stats.replicas != decided.replicas ||
       plan->stats.max_load_after != decided.max_load_after) {
     return Internal("planner: FinalizePlan stats disagree with the decisions");

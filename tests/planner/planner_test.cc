@@ -38,6 +38,11 @@ Plan MustPlan(const PlannerConfig& c, const std::vector<int64_t>& counts) {
   EXPECT_TRUE(s.ok()) << PolicyName(c.policy) << ": " << s;
   const absl::Status v = ValidatePlan(plan, counts);
   EXPECT_TRUE(v.ok()) << PolicyName(c.policy) << ": " << v;
+  // The planner's sparse FinalizeHolders must equal the reference FinalizePlan byte for byte.
+  Plan again = plan;
+  BuildScratch scratch;
+  EXPECT_TRUE(FinalizePlan(planner.value()->config(), counts, &again, &scratch).ok());
+  EXPECT_EQ(SerializePlan(again), SerializePlan(plan)) << PolicyName(c.policy);
   return plan;
 }
 

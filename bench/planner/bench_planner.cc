@@ -1,0 +1,162 @@
+// moonep-bench-planner: median time per plan for the shapes (Zipf 1.2 routing), for the
+// policies moonep, moonep-greedy and none, full plans (MakePlan) and decisions only (Decide).
+// After the Google Benchmark table it prints one summary row per shape with the median CPU time
+// (one thread; CPU time so that other processes on the machine do not count) and the ratio of
+// each policy's median to moonep-greedy's, measured in the same run.
+//
+//   build/bin/moonep-bench-planner [--benchmark_filter=...] [--benchmark_repetitions=N]
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "benchmark/benchmark.h"
+#include "planner/planner.h"
+
+namespace moonep::planner {
+namespace {
+
+struct Shape {
+  const char* name;
+  int R, E, K;
+  int64_t tokens;  // per rank
+};
+const Shape kShapes[] = {
+    {"EP64_E256_K8", 64, 256, 8, 4096},
+    {"EP128_E896_K16", 128, 896, 16, 4096},
+    {"EP1024_E8192_K8", 1024, 8192, 8, 4096},
+};
+
+// counts[R][E]: each rank routes tokens*K entries over a Zipf(1.2) popularity on a fixed random
+// permutation of experts, with +-20% per-rank noise (expected counts, not sampled tokens).
+std::vector<int64_t> ZipfCounts(const Shape& s, double exponent, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<int> perm(s.E);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  std::vector<double> p(s.E);
+  for (int i = 0; i < s.E; ++i) p[perm[i]] = 1.0 / std::pow(i + 1.0, exponent);
+  const double sum = std::accumulate(p.begin(), p.end(), 0.0);
+  std::uniform_real_distribution<double> noise(0.8, 1.2);
+  std::vector<int64_t> counts(static_cast<size_t>(s.R) * s.E);
+  for (int r = 0; r < s.R; ++r) {
+    for (int e = 0; e < s.E; ++e) {
+      counts[static_cast<size_t>(r) * s.E + e] =
+          static_cast<int64_t>(static_cast<double>(s.tokens * s.K) * p[e] / sum * noise(rng));
+    }
+  }
+  return counts;
+}
+
+void BM_Plan(benchmark::State& state, Shape shape, Policy policy, bool decide_only) {
+  PlannerConfig c;
+  c.num_ranks = shape.R;
+  c.num_experts = shape.E;
+  c.ranks_per_node = 8;
+  c.policy = policy;
+  auto planner = Planner::Create(c).value();
+  // A few distinct steps, cycled, so the planner does not see one input only.
+  std::vector<std::vector<int64_t>> steps, totals;
+  for (int i = 0; i < 4; ++i) {
+    steps.push_back(ZipfCounts(shape, 1.2, 100 + i));
+    std::vector<int64_t> t(shape.E, 0);
+    for (int r = 0; r < shape.R; ++r) {
+      for (int e = 0; e < shape.E; ++e) t[e] += steps.back()[static_cast<size_t>(r) * shape.E + e];
+    }
+    totals.push_back(std::move(t));
+  }
+  Plan plan;
+  size_t i = 0;
+  int64_t replicas = 0, plans = 0;
+  double imbalance = 0;
+  for (auto _ : state) {
+    const absl::Status st = decide_only ? planner->Decide(totals[i % 4], &plan) : planner->MakePlan(steps[i % 4], &plan);
+    if (!st.ok()) {
+      state.SkipWithError(std::string(st.message()).c_str());
+      break;
+    }
+    benchmark::DoNotOptimize(plan.alloc.data());
+    replicas += plan.stats.replicas;
+    imbalance += plan.stats.imbalance_after();
+    ++plans;
+    ++i;
+  }
+  if (plans > 0) {
+    state.counters["replicas"] = static_cast<double>(replicas) / plans;
+    state.counters["max/mean"] = imbalance / plans;
+  }
+}
+
+// Collects each benchmark's median (or its only run) to print the ratio summary.
+class RatioReporter : public benchmark::ConsoleReporter {
+ public:
+  void ReportRuns(const std::vector<Run>& runs) override {
+    ConsoleReporter::ReportRuns(runs);
+    for (const Run& run : runs) {
+      if (run.error_occurred) continue;
+      const bool median = run.run_type == Run::RT_Aggregate && run.aggregate_name == "median";
+      if (median || run.run_type == Run::RT_Iteration) {
+        const std::string name = run.run_name.function_name;  // without the aggregate suffix
+        if (median || !seen_median_.count(name)) times_us_[name] = run.GetAdjustedCPUTime() *
+                                                                  ToMicros(run.time_unit);
+        if (median) seen_median_[name] = true;
+      }
+    }
+  }
+  void Summary() const {
+    std::printf("\n%-18s %-8s %12s %12s %12s %12s\n", "shape", "mode", "moonep_us", "greedy_us",
+                "none_us", "moonep/greedy");
+    for (const Shape& s : kShapes) {
+      for (const char* mode : {"plan", "decide"}) {
+        auto get = [&](const char* policy) {
+          auto it = times_us_.find(std::string(mode) + "/" + policy + "/" + s.name);
+          return it == times_us_.end() ? NAN : it->second;
+        };
+        const double m = get("moonep"), g = get("moonep-greedy"), n = get("none");
+        if (std::isnan(m) && std::isnan(g)) continue;
+        std::printf("%-18s %-8s %12.2f %12.2f %12.2f %12.3f\n", s.name, mode, m, g, n, m / g);
+      }
+    }
+  }
+
+ private:
+  static double ToMicros(benchmark::TimeUnit unit) {
+    switch (unit) {
+      case benchmark::kNanosecond: return 1e-3;
+      case benchmark::kMicrosecond: return 1.0;
+      case benchmark::kMillisecond: return 1e3;
+      default: return 1e6;
+    }
+  }
+  std::map<std::string, double> times_us_;
+  std::map<std::string, bool> seen_median_;
+};
+
+}  // namespace
+}  // namespace moonep::planner
+
+int main(int argc, char** argv) {
+  using namespace moonep::planner;
+  for (const Shape& s : kShapes) {
+    for (Policy p : {Policy::kMoonEP, Policy::kMoonEPGreedy, Policy::kNone}) {
+      for (bool decide : {false, true}) {
+        const std::string name = std::string(decide ? "decide/" : "plan/") + PolicyName(p) + "/" + s.name;
+        benchmark::RegisterBenchmark(name.c_str(), BM_Plan, s, p, decide)
+            ->Unit(benchmark::kMicrosecond)
+            ->Repetitions(5)
+            ->ReportAggregatesOnly(true);
+      }
+    }
+  }
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  RatioReporter reporter;
+  benchmark::RunSpecifiedBenchmarks(&reporter);
+  reporter.Summary();
+  benchmark::Shutdown();
+  return 0;
+}
