@@ -90,11 +90,12 @@ absl::Status ReadLayerConfig(const moonepLayerConfig_t* c, runtime::LayerConfig*
   }
   if (MOONEP_HAS_FIELD(slots)) d.slots = c->slots;
   if (MOONEP_HAS_FIELD(pad_multiple)) d.pad_multiple = c->pad_multiple;
-  if (MOONEP_HAS_FIELD(policy) && c->policy != nullptr) {
-    if (!planner::ParsePolicy(c->policy, &d.policy)) {
-      return InvalidArgument("config->policy '%s' is not one of none, moonep, moonep-greedy, eplb, "
-                             "fastermoe-shadow, test-force-replicas", c->policy);
+  if (MOONEP_HAS_FIELD(policy)) {
+    const int policy = static_cast<int>(c->policy);
+    if (policy < moonepPolicyNone || policy > moonepPolicyTestForceReplicas) {
+      return InvalidArgument("config->policy = %d is not a moonepPlannerPolicy_t", policy);
     }
+    d.policy = static_cast<planner::Policy>(policy);
   }
   if (MOONEP_HAS_FIELD(device)) {
     if (c->device != moonepDeviceCpu && c->device != moonepDeviceCuda) {

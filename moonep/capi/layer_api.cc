@@ -131,13 +131,16 @@ moonepResult_t moonepLayerBackward(moonepLayer_t layer, moonepLayerHandle_t hand
     const int64_t T = layer->impl->TokensOf(handle->handle);
     MOONEP_RETURN_IF_ERROR(CheckPtr(dy, T, "dy"));
     MOONEP_RETURN_IF_ERROR(CheckPtr(dx, T, "dx"));
-    handle->in_use = false;
-    return layer->impl->Backward(
+    const absl::Status status = layer->impl->Backward(
         handle->handle, TensorView::Contiguous(const_cast<void*>(dy), c.dtype, {T, c.hidden}),
         TensorView::Contiguous(dx, c.dtype, {T, c.hidden}),
         d_topk_weights == nullptr
             ? absl::Span<float>()
             : absl::Span<float>(d_topk_weights, static_cast<size_t>(T * c.top_k)));
+    // A refused argument leaves the handle usable; a backward that ran (or failed midway)
+    // spends it.
+    handle->in_use = layer->impl->PlanOf(handle->handle).ok();
+    return status;
   });
 }
 

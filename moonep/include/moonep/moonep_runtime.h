@@ -177,8 +177,7 @@ typedef struct {
   moonepDataType_t grad_dtype; /* weight gradients: fp32 or dtype */
   int slots;               /* replica slots per rank; -1: E / R */
   int pad_multiple;        /* rows of each expert group padded to a multiple of this */
-  const char* policy;      /* "moonep" (NULL), "moonep-greedy", "eplb", "fastermoe-shadow",
-                              "none", "test-force-replicas"; copied at creation */
+  moonepPlannerPolicy_t policy; /* moonepPolicyMoonEP by default (see moonep.h) */
   moonepDevice_t device;   /* moonepDeviceCpu (CUDA comes with the NCCL backend) */
   int device_index;
   int64_t max_tokens;      /* largest token count this rank will pass; sizes every buffer */
@@ -193,7 +192,7 @@ typedef struct {
 
 #define MOONEP_LAYER_CONFIG_INITIALIZER                                                       \
   { sizeof(moonepLayerConfig_t), MOONEP_CONFIG_MAGIC, MOONEP_VERSION, 0, 0, 0, 0, moonepFloat32, \
-    moonepFloat32, -1, 1, NULL, moonepDeviceCpu, 0, 0, 0, 1, -1, 0, 0, 1 }
+    moonepFloat32, -1, 1, moonepPolicyMoonEP, moonepDeviceCpu, 0, 0, 0, 1, -1, 0, 0, 1 }
 
 /* [collective] Checks the config and that every rank passed the same one (all fields but
  * max_tokens, max_recv_rows, layer_id, num_threads, device_index): a difference fails on every

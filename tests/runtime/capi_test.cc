@@ -1,0 +1,314 @@
+// The runtime C API through the public header and libmoonep.so: communicator creation (MPI_Comm,
+// unique id, environment), the MoE layer (level 3) and the EP buffer (level 2) against the fp64
+// reference, stats, and misuse (null / destroyed / foreign handles, bad configs, wrong order):
+// every misuse returns an error code and a message, nothing crashes.
+#include <mpi.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "moonep/moonep.h"
+#include "moonep/moonep_runtime.h"
+#include "tests/harness/mpi_test.h"
+#include "tests/runtime/layer_problem.h"
+
+namespace moonep::testing {
+namespace {
+
+constexpr int kTopK = 2;
+constexpr int64_t kHidden = 8, kInter = 4, kTokens = 20;
+
+class CApiTest : public MpiTest {
+ protected:
+  void SetUp() override {
+    MPI_Comm world = MPI_COMM_WORLD;
+    ASSERT_EQ(moonepCommInitMpi(&comm_, &world), moonepSuccess) << moonepGetLastThreadError();
+  }
+  void TearDown() override {
+    if (comm_ != nullptr) {
+      EXPECT_EQ(moonepCommDestroy(comm_), moonepSuccess);
+    }
+    MpiTest::TearDown();
+  }
+  int epn() const { return size() == 1 ? 4 : 2; }
+  moonepLayerConfig_t Config(moonepPlannerPolicy_t policy) const {
+    moonepLayerConfig_t c = MOONEP_LAYER_CONFIG_INITIALIZER;
+    c.num_experts = epn() * size();
+    c.top_k = kTopK;
+    c.hidden = kHidden;
+    c.intermediate = kInter;
+    c.policy = policy;
+    c.max_tokens = kTokens + 8;
+    c.num_threads = 1;
+    return c;
+  }
+  moonepComm_t comm_ = nullptr;
+};
+
+moonepExpertTensors_t Tensors(RankTensors& t, bool grads) {
+  moonepExpertTensors_t x;
+  if (grads) {
+    x.gate = t.gg.data();
+    x.up = t.gu.data();
+    x.down = t.gd.data();
+    x.dtype = moonepFloat32;
+  } else {
+    x.gate = t.wg.data();
+    x.up = t.wu.data();
+    x.down = t.wd.data();
+    x.dtype = moonepFloat32;
+  }
+  return x;
+}
+
+TEST_F(CApiTest, CommunicatorBasics) {
+  int r = -1, n = -1;
+  ASSERT_EQ(moonepCommRank(comm_, &r), moonepSuccess);
+  ASSERT_EQ(moonepCommSize(comm_, &n), moonepSuccess);
+  EXPECT_EQ(r, rank());
+  EXPECT_EQ(n, size());
+  EXPECT_STREQ(moonepGetLastError(comm_), "");
+  EXPECT_EQ(moonepCommRank(comm_, nullptr), moonepInvalidArgument);
+  EXPECT_NE(std::string(moonepGetLastError(comm_)).find("rank is NULL"), std::string::npos);
+}
+
+TEST_F(CApiTest, UniqueIdOrdersRanksAsGiven) {
+  moonepUniqueId id;
+  if (rank() == 0) {
+    ASSERT_EQ(moonepGetUniqueId(&id), moonepSuccess);
+  }
+  MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, MPI_COMM_WORLD);
+  moonepComm_t reversed = nullptr;
+  ASSERT_EQ(moonepCommInitRank(&reversed, size(), id, size() - 1 - rank()), moonepSuccess)
+      << moonepGetLastThreadError();
+  int r = -1;
+  ASSERT_EQ(moonepCommRank(reversed, &r), moonepSuccess);
+  EXPECT_EQ(r, size() - 1 - rank());
+  EXPECT_EQ(moonepCommDestroy(reversed), moonepSuccess);
+  EXPECT_EQ(moonepCommDestroy(reversed), moonepInvalidUsage);  // after destroy
+
+  // Every process passes rank 0: fails on every rank (when there are several), nothing hangs.
+  moonepComm_t bad = nullptr;
+  const moonepResult_t res = moonepCommInitRank(&bad, size(), id, 0);
+  if (size() > 1) {
+    EXPECT_EQ(res, moonepInvalidArgument);
+    EXPECT_NE(std::string(moonepGetLastThreadError()).find("not 0.."), std::string::npos)
+        << moonepGetLastThreadError();
+  } else {
+    EXPECT_EQ(res, moonepSuccess);
+    moonepCommDestroy(bad);
+  }
+  moonepUniqueId garbage;
+  std::memset(&garbage, 0, sizeof(garbage));
+  EXPECT_EQ(moonepCommInitRank(&bad, size(), garbage, rank()), moonepInvalidArgument);
+}
+
+TEST_F(CApiTest, FromEnvironmentUnderMpirun) {
+  moonepComm_t env = nullptr;
+  ASSERT_EQ(moonepCommInitFromEnv(&env), moonepSuccess) << moonepGetLastThreadError();
+  int r = -1, n = -1;
+  moonepCommRank(env, &r);
+  moonepCommSize(env, &n);
+  EXPECT_EQ(r, rank());
+  EXPECT_EQ(n, size());
+  EXPECT_EQ(moonepCommDestroy(env), moonepSuccess);
+}
+
+TEST_F(CApiTest, LayerMatchesReferenceAndReportsStats) {
+  const DType dt = DType::kFloat32;
+  GlobalProblem g = MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kTokens, dt, 3);
+  RankTensors t = MakeRankTensors(g, rank(), dt);
+  moonepLayerConfig_t config = Config(moonepPolicyTestForceReplicas);
+  moonepLayer_t layer = nullptr;
+  ASSERT_EQ(moonepLayerCreate(comm_, &config, &layer), moonepSuccess) << moonepGetLastError(comm_);
+  moonepExpertTensors_t w = Tensors(t, false), gr = Tensors(t, true);
+  ASSERT_EQ(moonepLayerBindParams(layer, &w, &gr), moonepSuccess) << moonepGetLastError(comm_);
+  moonepLayerHandle_t h = nullptr;
+  ASSERT_EQ(moonepLayerForward(layer, t.tokens, t.x.data(), t.ids.data(), t.weights.data(),
+                               t.y.data(), &h),
+            moonepSuccess)
+      << moonepGetLastError(comm_);
+  ASSERT_EQ(moonepLayerBackward(layer, h, t.dy.data(), t.dx.data(), t.dtopk.data()), moonepSuccess)
+      << moonepGetLastError(comm_);
+  reference::ForwardResult f;
+  reference::BackwardResult b;
+  ASSERT_TRUE(reference::Forward(g.shape, g.p.weights, g.total, g.p.x, g.p.topk_ids,
+                                 g.p.topk_weights, &f).ok());
+  ASSERT_TRUE(reference::Backward(g.shape, g.p.weights, g.total, g.p.x, g.p.topk_ids,
+                                  g.p.topk_weights, g.p.dy, &b).ok());
+  const int64_t o = g.offset[rank()];
+  EXPECT_LT(RelError(Decode(t.y, dt), f.y.data() + o * kHidden, t.tokens * kHidden), 1e-5);
+  EXPECT_LT(RelError(Decode(t.dx, dt), b.dx.data() + o * kHidden, t.tokens * kHidden), 1e-5);
+  std::vector<double> gg(t.gg.begin(), t.gg.end());
+  EXPECT_LT(RelError(gg, b.dwg.data() + rank() * epn() * kHidden * kInter, gg.size()), 1e-5);
+
+  moonepStepStats_t stats = MOONEP_STEP_STATS_INITIALIZER;
+  ASSERT_EQ(moonepLayerGetStats(layer, &stats), moonepSuccess);
+  EXPECT_EQ(stats.step, 1);
+  EXPECT_EQ(stats.tokens, t.tokens);
+  EXPECT_GE(stats.max_load_before, stats.max_load_after);
+  if (size() > 1) {
+    EXPECT_GT(stats.replicas, 0);
+  }
+  EXPECT_GT(stats.forward_ms, 0.0);
+  size_t layer_bytes = 0, replica_bytes = 0;
+  ASSERT_EQ(moonepLayerGetMemory(layer, &layer_bytes, &replica_bytes), moonepSuccess);
+  EXPECT_GT(layer_bytes, 0u);
+  EXPECT_EQ(replica_bytes, static_cast<size_t>(epn()) * 3 * kHidden * kInter * (4 + 4));
+
+  // Misuse: every call returns an error code and a message.
+  EXPECT_EQ(moonepLayerBackward(layer, h, t.dy.data(), t.dx.data(), nullptr), moonepInvalidUsage);
+  EXPECT_EQ(moonepLayerRelease(layer, h), moonepInvalidUsage);
+  EXPECT_EQ(moonepLayerForward(nullptr, 1, t.x.data(), t.ids.data(), t.weights.data(), t.y.data(),
+                               &h), moonepInvalidArgument);
+  EXPECT_EQ(moonepLayerBindParams(layer, nullptr, nullptr), moonepInvalidArgument);
+  EXPECT_NE(std::string(moonepGetLastError(comm_)).find("weights is NULL"), std::string::npos);
+  moonepExpertTensors_t wrong = w;
+  wrong.dtype = moonepBFloat16;
+  EXPECT_EQ(moonepLayerBindParams(layer, &wrong, nullptr), moonepInvalidArgument);
+  moonepStepStats_t tiny = MOONEP_STEP_STATS_INITIALIZER;
+  tiny.size = 4;
+  EXPECT_EQ(moonepLayerGetStats(layer, &tiny), moonepInvalidArgument);
+  EXPECT_EQ(moonepCommDestroy(comm_), moonepInvalidUsage);  // the layer is still alive
+  EXPECT_EQ(moonepLayerDestroy(layer), moonepSuccess);
+  // After destroy: refused, not dereferenced.
+  EXPECT_EQ(moonepLayerForward(layer, t.tokens, t.x.data(), t.ids.data(), t.weights.data(),
+                               t.y.data(), &h), moonepInvalidUsage);
+  EXPECT_EQ(moonepLayerBackward(layer, h, t.dy.data(), t.dx.data(), nullptr), moonepInvalidUsage);
+  EXPECT_EQ(moonepLayerDestroy(layer), moonepInvalidUsage);
+  EXPECT_NE(std::string(moonepGetLastThreadError()).find("not a live layer"), std::string::npos);
+}
+
+TEST_F(CApiTest, BadConfigsFailOnEveryRank) {
+  moonepLayer_t layer = nullptr;
+  EXPECT_EQ(moonepLayerCreate(comm_, nullptr, &layer), moonepInvalidArgument);
+  moonepLayerConfig_t c = Config(moonepPolicyMoonEP);
+  c.magic = 0;
+  EXPECT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepInvalidArgument);
+  c = Config(moonepPolicyMoonEP);
+  c.policy = static_cast<moonepPlannerPolicy_t>(42);
+  EXPECT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepInvalidArgument);
+  EXPECT_NE(std::string(moonepGetLastError(comm_)).find("policy"), std::string::npos);
+  c = Config(moonepPolicyMoonEP);
+  if (rank() == 0) c.dtype = moonepBFloat16;
+  const moonepResult_t r = moonepLayerCreate(comm_, &c, &layer);
+  if (size() > 1) {
+    EXPECT_EQ(r, moonepInvalidArgument);
+    EXPECT_NE(std::string(moonepGetLastError(comm_)).find("dtype"), std::string::npos);
+  } else {
+    ASSERT_EQ(r, moonepSuccess);
+    moonepLayerDestroy(layer);
+  }
+  // Forward with a NULL x on one rank fails on every rank.
+  c = Config(moonepPolicyMoonEP);
+  ASSERT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepSuccess) << moonepGetLastError(comm_);
+  GlobalProblem g = MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kTokens,
+                                      DType::kFloat32, 4);
+  RankTensors t = MakeRankTensors(g, rank(), DType::kFloat32);
+  moonepExpertTensors_t w = Tensors(t, false);
+  ASSERT_EQ(moonepLayerBindParams(layer, &w, nullptr), moonepSuccess);
+  moonepLayerHandle_t h = nullptr;
+  const moonepResult_t fr = moonepLayerForward(layer, t.tokens, rank() == 0 ? nullptr : t.x.data(),
+                                               t.ids.data(), t.weights.data(), t.y.data(), &h);
+  EXPECT_EQ(fr, rank() == 0 ? moonepInvalidArgument : moonepRemoteError) << moonepGetLastError(comm_);
+  // Forward-only layer: backward is refused, release works.
+  ASSERT_EQ(moonepLayerForward(layer, t.tokens, t.x.data(), t.ids.data(), t.weights.data(),
+                               t.y.data(), &h), moonepSuccess) << moonepGetLastError(comm_);
+  EXPECT_EQ(moonepLayerBackward(layer, h, t.dy.data(), t.dx.data(), nullptr), moonepInvalidUsage);
+  EXPECT_EQ(moonepLayerRelease(layer, h), moonepSuccess);
+  EXPECT_EQ(moonepLayerDestroy(layer), moonepSuccess);
+}
+
+TEST_F(CApiTest, EpBufferMovesRowsWeightsAndGradients) {
+  const DType dt = DType::kFloat32;
+  GlobalProblem g = MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kTokens, dt, 9);
+  RankTensors t = MakeRankTensors(g, rank(), dt);
+  moonepEpBufferConfig_t c = Config(moonepPolicyTestForceReplicas);
+  moonepEpBuffer_t buf = nullptr;
+  ASSERT_EQ(moonepEpBufferCreate(comm_, &c, &buf), moonepSuccess) << moonepGetLastError(comm_);
+  moonepEpHandle_t h = nullptr;
+  ASSERT_EQ(moonepEpDispatch(buf, t.tokens, t.x.data(), t.ids.data(), t.weights.data(), &h),
+            moonepSuccess) << moonepGetLastError(comm_);
+  moonepEpLayout_t layout;
+  ASSERT_EQ(moonepEpGetLayout(buf, h, &layout), moonepSuccess);
+  ASSERT_EQ(layout.num_groups, epn() + epn());
+
+  // Prefetch into caller-owned replica slots; each used slot must equal its expert's weights.
+  const size_t block = kHidden * kInter;
+  std::vector<float> rg(epn() * block, -1), ru(epn() * block, -1), rd(epn() * block, -1);
+  moonepExpertTensors_t home = Tensors(t, false);
+  moonepExpertTensors_t slots{rg.data(), ru.data(), rd.data(), moonepFloat32};
+  ASSERT_EQ(moonepEpPrefetch(buf, h, &home, &slots), moonepSuccess) << moonepGetLastError(comm_);
+  for (int s = 0; s < epn(); ++s) {
+    const int e = layout.group_expert[epn() + s];
+    if (e < 0) continue;
+    for (size_t i = 0; i < block; ++i) {
+      ASSERT_EQ(rg[s * block + i], static_cast<float>(g.p.weights.wg[e * block + i]));
+      ASSERT_EQ(rd[s * block + i], static_cast<float>(g.p.weights.wd[e * block + i]));
+    }
+  }
+  // Experts computed by the caller with the reference FFN, on home and replica groups alike.
+  std::vector<float> out(static_cast<size_t>(layout.num_rows * kHidden), 0.0f);
+  const float* rows = static_cast<const float*>(layout.rows);
+  for (int gi = 0; gi < layout.num_groups; ++gi) {
+    const int e = layout.group_expert[gi];
+    for (int64_t r = layout.group_offset[gi]; r < layout.group_offset[gi] + layout.group_count[gi]; ++r) {
+      std::vector<double> xr(rows + r * kHidden, rows + (r + 1) * kHidden), yr(kHidden);
+      reference::ExpertForward(g.shape, g.p.weights, e, xr.data(), yr.data());
+      for (int64_t j = 0; j < kHidden; ++j) out[r * kHidden + j] = static_cast<float>(yr[j]);
+    }
+  }
+  ASSERT_EQ(moonepEpCombine(buf, h, out.data(), t.y.data()), moonepSuccess) << moonepGetLastError(comm_);
+  reference::ForwardResult f;
+  reference::BackwardResult b;
+  ASSERT_TRUE(reference::Forward(g.shape, g.p.weights, g.total, g.p.x, g.p.topk_ids,
+                                 g.p.topk_weights, &f).ok());
+  ASSERT_TRUE(reference::Backward(g.shape, g.p.weights, g.total, g.p.x, g.p.topk_ids,
+                                  g.p.topk_weights, g.p.dy, &b).ok());
+  const int64_t o = g.offset[rank()];
+  EXPECT_LT(RelError(Decode(t.y, dt), f.y.data() + o * kHidden, t.tokens * kHidden), 1e-5);
+
+  // Backward forms: dy rows, d topk_weights, and an identity "expert" for dx.
+  std::vector<float> dy_rows(out.size(), 0.0f);
+  ASSERT_EQ(moonepEpCombineBackward(buf, h, t.dy.data(), dy_rows.data()), moonepSuccess);
+  ASSERT_EQ(moonepEpTopkWeightGrad(buf, h, dy_rows.data(), out.data(), t.dtopk.data()), moonepSuccess);
+  std::vector<double> dtopk(t.dtopk.begin(), t.dtopk.end());
+  EXPECT_LT(RelError(dtopk, b.dtopk_weights.data() + o * kTopK, t.tokens * kTopK), 1e-5);
+  ASSERT_EQ(moonepEpDispatchBackward(buf, h, dy_rows.data(), t.dx.data()), moonepSuccess);
+  std::vector<double> dx = Decode(t.dx, dt);
+  for (int64_t tok = 0; tok < t.tokens; ++tok) {
+    int valid = 0;
+    for (int k = 0; k < kTopK; ++k) valid += t.ids[tok * kTopK + k] >= 0;
+    for (int64_t j = 0; j < kHidden; ++j) {
+      ASSERT_NEAR(dx[tok * kHidden + j], valid * g.p.dy[(o + tok) * kHidden + j], 1e-5);
+    }
+  }
+  // Reduce: replica gradient slots filled with 1 add (replicas of the expert) to its home grads.
+  std::fill(rg.begin(), rg.end(), 1.0f);
+  std::fill(ru.begin(), ru.end(), 1.0f);
+  std::fill(rd.begin(), rd.end(), 1.0f);
+  moonepExpertTensors_t home_grads = Tensors(t, true);
+  ASSERT_EQ(moonepEpReduce(buf, h, &home_grads, &slots), moonepSuccess) << moonepGetLastError(comm_);
+  std::vector<int32_t> all_slots(static_cast<size_t>(size()) * epn());
+  std::vector<int32_t> mine(layout.group_expert + epn(), layout.group_expert + 2 * epn());
+  MPI_Allgather(mine.data(), epn(), MPI_INT32_T, all_slots.data(), epn(), MPI_INT32_T,
+                MPI_COMM_WORLD);
+  for (int ge = 0; ge < epn(); ++ge) {
+    const int e = rank() * epn() + ge;
+    const float replicas = static_cast<float>(std::count(all_slots.begin(), all_slots.end(), e));
+    EXPECT_EQ(t.gg[ge * block], replicas) << "expert " << e;
+    EXPECT_EQ(t.gd[ge * block + block - 1], replicas) << "expert " << e;
+  }
+  moonepStepStats_t stats = MOONEP_STEP_STATS_INITIALIZER;
+  ASSERT_EQ(moonepEpGetStats(buf, &stats), moonepSuccess);
+  EXPECT_EQ(stats.step, 1);
+  ASSERT_EQ(moonepEpRelease(buf, h), moonepSuccess);
+  EXPECT_EQ(moonepEpGetLayout(buf, h, &layout), moonepInvalidUsage);
+  EXPECT_EQ(moonepEpBufferDestroy(buf), moonepSuccess);
+  EXPECT_EQ(moonepEpBufferDestroy(buf), moonepInvalidUsage);
+  EXPECT_EQ(moonepEpDispatch(buf, 0, nullptr, nullptr, nullptr, &h), moonepInvalidUsage);
+}
+
+}  // namespace
+}  // namespace moonep::testing
