@@ -92,8 +92,8 @@ def main():
             continue
         dense = float(o["dense_tflops"])
         pick = o["auto"]
-        moon = float(o["streams_tflops"] if pick == "streams" else o["grouped_tflops"])
-        best = max(float(o["streams_tflops"]), float(o["grouped_tflops"]))
+        moon = float(o[pick + "_tflops"])
+        best = max(float(o[k + "_tflops"]) for k in ("streams", "grouped", "chunked"))
         x_dense, x_torch = moon / dense, moon / torch_tf
         notes = []
         if total / groups >= 512 and x_dense < 0.9:

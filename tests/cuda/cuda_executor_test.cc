@@ -236,7 +236,7 @@ TEST_P(CudaExecutorVsReference, ForwardAndBackward) {
 INSTANTIATE_TEST_SUITE_P(
     Shapes, CudaExecutorVsReference,
     ::testing::Combine(::testing::ValuesIn(Cases()),
-                       ::testing::Values(GemmStrategy::kGrouped, GemmStrategy::kStreams),
+                       ::testing::Values(GemmStrategy::kGrouped, GemmStrategy::kStreams, GemmStrategy::kChunked),
                        ::testing::Bool()),
     [](const ::testing::TestParamInfo<Param>& info) {
       return std::get<0>(info.param).name + "_" + cuda::GemmStrategyName(std::get<1>(info.param)) +
@@ -274,7 +274,8 @@ TEST(CudaExecutor, EmptyGroupsNeedNoTensors) {
   EXPECT_EQ(NonZeroPadding(none, y0h), 0);
 }
 
-// The auto strategy follows the mean rows per GEMM, and a single group runs as one GEMM.
+// The auto strategy: row-chunked batches once some group has a full chunk, grouped for tiny
+// groups; the weight-gradient batches (rows are the reduction) never chunk.
 TEST(CudaExecutor, AutoStrategyFollowsGroupSizes) {
   MOONEP_SKIP_WITHOUT_GPU();
   const int64_t threshold = param::CudaGemmStreamsMinRows();
@@ -287,9 +288,14 @@ TEST(CudaExecutor, AutoStrategyFollowsGroupSizes) {
     const int64_t R = p->view.total_rows;
     DeviceBuffer y(R * 16 * 2);
     ASSERT_TRUE(ex->Forward(d.view, d.x.View(R, 16, kBF16), y.View(R, 16, kBF16), {}).ok());
-    const GemmStrategy want = p == &small ? GemmStrategy::kGrouped : GemmStrategy::kStreams;
+    const GemmStrategy want = p == &small ? GemmStrategy::kGrouped : GemmStrategy::kChunked;
     ASSERT_EQ(ex->last_strategies().size(), 2u);
     for (GemmStrategy s : ex->last_strategies()) EXPECT_EQ(s, want) << cuda::GemmStrategyName(s);
+    DeviceBuffer dx(R * 16 * 2);
+    ASSERT_TRUE(ex->Backward(d.view, d.x.View(R, 16, kBF16), d.dy.View(R, 16, kBF16), dx.View(R, 16, kBF16), {}).ok());
+    // recompute a|b, dh, dx (row-chunked), then the fp32 weight gradients (never chunked)
+    ASSERT_EQ(ex->last_strategies().size(), 4u);
+    EXPECT_NE(ex->last_strategies()[3], GemmStrategy::kChunked);
   }
 }
 
@@ -300,7 +306,7 @@ TEST(CudaExecutor, CallsAllocateNothing) {
   DeviceProblem d(p, false);
   const int64_t R = p.view.total_rows;
   DeviceBuffer y(R * 64 * 2), dx(R * 64 * 2);
-  for (GemmStrategy s : {GemmStrategy::kGrouped, GemmStrategy::kStreams}) {
+  for (GemmStrategy s : {GemmStrategy::kGrouped, GemmStrategy::kStreams, GemmStrategy::kChunked}) {
     auto ex = MakeExecutor(p, s);
     ASSERT_NE(ex, nullptr);
     auto step = [&] {

@@ -72,7 +72,7 @@ DeviceProblem::DeviceProblem(Problem& p, bool fuse_gate_up) : host(&p), fused(fu
       const DType dt = set == 0 ? p.spec.dtype : p.spec.grad_dtype;
       const size_t e = DTypeSize(dt);
       ExpertParams& params = set == 0 ? view.groups[g].weights : view.groups[g].grads;
-      if (fuse_gate_up) {
+      if (fuse_gate_up && set == 0) {
         dst.emplace_back(static_cast<size_t>(H * 2 * I) * e);
         Copy2D(dst.back().data(), 2 * I * e, src[3 * g].data(), I * e, I * e, H, cudaMemcpyHostToDevice);
         Copy2D(static_cast<char*>(dst.back().data()) + I * e, 2 * I * e, src[3 * g + 1].data(), I * e,
@@ -96,35 +96,11 @@ DeviceProblem::DeviceProblem(Problem& p, bool fuse_gate_up) : host(&p), fused(fu
 }
 
 void DeviceProblem::UploadGrads(Problem& p) {
-  const int64_t H = p.spec.hidden, I = p.spec.intermediate;
-  const size_t e = DTypeSize(p.spec.grad_dtype);
-  for (size_t g = 0; g < p.view.groups.size(); ++g) {
-    if (fused) {
-      char* base = static_cast<char*>(grads[3 * g].data());
-      Copy2D(base, 2 * I * e, p.grads[3 * g].data(), I * e, I * e, H, cudaMemcpyHostToDevice);
-      Copy2D(base + I * e, 2 * I * e, p.grads[3 * g + 1].data(), I * e, I * e, H, cudaMemcpyHostToDevice);
-    } else {
-      grads[3 * g].Upload(p.grads[3 * g].data());
-      grads[3 * g + 1].Upload(p.grads[3 * g + 1].data());
-    }
-    grads[3 * g + 2].Upload(p.grads[3 * g + 2].data());
-  }
+  for (size_t k = 0; k < grads.size(); ++k) grads[k].Upload(p.grads[k].data());
 }
 
 void DeviceProblem::DownloadGrads(Problem& p) {
-  const int64_t H = p.spec.hidden, I = p.spec.intermediate;
-  const size_t e = DTypeSize(p.spec.grad_dtype);
-  for (size_t g = 0; g < p.view.groups.size(); ++g) {
-    if (fused) {
-      const char* base = static_cast<const char*>(grads[3 * g].data());
-      Copy2D(p.grads[3 * g].data(), I * e, base, 2 * I * e, I * e, H, cudaMemcpyDeviceToHost);
-      Copy2D(p.grads[3 * g + 1].data(), I * e, base + I * e, 2 * I * e, I * e, H, cudaMemcpyDeviceToHost);
-    } else {
-      grads[3 * g].Download(p.grads[3 * g].data());
-      grads[3 * g + 1].Download(p.grads[3 * g + 1].data());
-    }
-    grads[3 * g + 2].Download(p.grads[3 * g + 2].data());
-  }
+  for (size_t k = 0; k < grads.size(); ++k) grads[k].Download(p.grads[k].data());
 }
 
 }  // namespace moonep::compute::testing

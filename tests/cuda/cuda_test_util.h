@@ -50,8 +50,9 @@ class DeviceBuffer {
 };
 
 // A Problem's weights, gradients, x and dy on the device and a ComputeView over them. With
-// `fuse_gate_up`, each group's gate and up weights (and gradients) are the two halves of one
-// [H, 2I] tensor, the layout of a fused gate|up parameter.
+// `fuse_gate_up`, each group's gate and up weights are the two halves of one [H, 2I] tensor, the
+// layout of a fused gate|up parameter (gradients stay separate: CheckComputeView keeps gradient
+// spans apart).
 struct DeviceProblem {
   DeviceProblem(Problem& p, bool fuse_gate_up);
   void UploadGrads(Problem& p);    // host gradients -> device
@@ -59,7 +60,8 @@ struct DeviceProblem {
 
   Problem* host;
   bool fused;
-  std::vector<DeviceBuffer> weights, grads;  // per group: gate, up, down (fused: gate|up, -, down)
+  std::vector<DeviceBuffer> weights;  // per group: gate, up, down (fused: gate|up, unused, down)
+  std::vector<DeviceBuffer> grads;    // per group: gate, up, down
   DeviceBuffer x, dy;
   ComputeView view;
 };

@@ -13,8 +13,8 @@ constexpr size_t kAlign = 256;
 // Staging sized at creation for views of up to this many groups (grown once beyond).
 constexpr size_t kStagingGroups = 1024;
 // Per group: two segment tables (16 + 8 bytes per entry, about two entries each) and up to eight
-// GEMMs a call with three 8-byte pointers each.
-constexpr size_t kStagingBytesPerGroup = 2 * 2 * 24 + 8 * 3 * 8;
+// GEMMs a call with three 8-byte pointers each, twice (remainders of chunked batches).
+constexpr size_t kStagingBytesPerGroup = 2 * 2 * 24 + 2 * 8 * 3 * 8;
 constexpr int kMaxBatches = 6;
 
 size_t RoundUp(size_t v, size_t m) { return (v + m - 1) / m * m; }
@@ -108,8 +108,10 @@ absl::StatusOr<std::unique_ptr<CudaExecutor>> CudaExecutor::Create(const Executo
   p += parts.h;
   ex->dab_ = p;
   p += parts.dab;
-  MOONEP_ASSIGN_OR_RETURN(ex->staging_,
-                          Staging::Create(kStagingGroups * kStagingBytesPerGroup + 4096));
+  // Chunked GEMMs stage 24 bytes per chunk of 128 rows, in up to kMaxBatches batches.
+  const size_t chunk_bytes = kMaxBatches * 24 * static_cast<size_t>(config.max_rows / 128 + 1);
+  MOONEP_ASSIGN_OR_RETURN(ex->staging_, Staging::Create(kStagingGroups * kStagingBytesPerGroup +
+                                                        chunk_bytes + 4096));
   MOONEP_ASSIGN_OR_RETURN(ex->gemm_, GroupedGemm::Create(ex->stream_, streams, p));
   ex->batches_.resize(kMaxBatches);
   for (GemmBatch& b : ex->batches_) b.problems.reserve(3 * 256);
@@ -349,15 +351,11 @@ absl::Status CudaExecutor::Backward(const ComputeView& view, const TensorView& x
     auto grad_batch = [&](const TensorView& t) -> GemmBatch& {
       return t.dtype == DType::kFloat32 ? w32 : w16;
     };
-    if (Fused(g.gate, g.up, I)) {
-      grad_batch(g.gate).problems.push_back(
-          {H, 2 * I, n, x, H, da, 2 * I, g.gate.data, g.gate.strides[0], 1.0f, n});
-    } else {
-      grad_batch(g.gate).problems.push_back(
-          {H, I, n, x, H, da, 2 * I, g.gate.data, g.gate.strides[0], 1.0f, n});
-      grad_batch(g.up).problems.push_back(
-          {H, I, n, x, H, db, 2 * I, g.up.data, g.up.strides[0], 1.0f, n});
-    }
+    // Gradients are never fused: CheckComputeView keeps each gradient's span apart.
+    grad_batch(g.gate).problems.push_back(
+        {H, I, n, x, H, da, 2 * I, g.gate.data, g.gate.strides[0], 1.0f, n});
+    grad_batch(g.up).problems.push_back(
+        {H, I, n, x, H, db, 2 * I, g.up.data, g.up.strides[0], 1.0f, n});
     grad_batch(g.down).problems.push_back(
         {I, H, n, h, I, dy, H, g.down.data, g.down.strides[0], 1.0f, n});
   }

@@ -12,7 +12,7 @@
 //             accumulating), dWg += X^T da, dWu += X^T db, dWd += h^T dY (one grouped batch per
 //             gradient dtype, beta = 1 into the caller's gradients).
 // Rows outside every group are zeroed by one kernel. GEMMs run through GroupedGemm (cuBLAS,
-// grouped or per-group over streams, see grouped_gemm.h); arithmetic is fp32 throughout.
+// grouped, chunked or per-group over streams, see grouped_gemm.h); arithmetic is fp32 throughout.
 // bf16 views round h, da and db to bf16 before the GEMMs that read them (as bf16 training does);
 // fp32 views keep everything fp32.
 //
@@ -20,8 +20,9 @@
 // S streams):
 //   device: 4*R*2I (a|b) + 4*R*I (dh) + e*R*I (h) + e*R*2I (da|db) + S * 32 MiB (cuBLAS),
 //           each part rounded up to 256 bytes
-//   staging: 2 slots of pinned host + device memory for the per-call tables (segments and grouped
-//           pointer arrays), sized for 1024 groups and grown once if a view has more
+//   staging: 2 slots of pinned host + device memory for the per-call tables (segments, grouped and
+//           chunked pointer arrays), sized for 1024 groups and R rows, grown once if a view has
+//           more groups
 // WorkspaceBytes() is the device part plus the staging (both sides).
 //
 // Synchronous by default: a call returns when its work is done, and any device error is returned

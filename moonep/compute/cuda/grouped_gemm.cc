@@ -24,6 +24,7 @@ const char* GemmStrategyName(GemmStrategy s) {
     case GemmStrategy::kAuto: return "auto";
     case GemmStrategy::kGrouped: return "grouped";
     case GemmStrategy::kStreams: return "streams";
+    case GemmStrategy::kChunked: return "chunked";
   }
   return "?";
 }
@@ -32,7 +33,8 @@ absl::StatusOr<GemmStrategy> ParseGemmStrategy(const std::string& name) {
   if (name == "auto") return GemmStrategy::kAuto;
   if (name == "grouped") return GemmStrategy::kGrouped;
   if (name == "streams") return GemmStrategy::kStreams;
-  return InvalidArgument("GEMM strategy '%s' is not one of auto, grouped, streams", name);
+  if (name == "chunked") return GemmStrategy::kChunked;
+  return InvalidArgument("GEMM strategy '%s' is not one of auto, grouped, streams, chunked", name);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -147,6 +149,69 @@ GroupedGemm::~GroupedGemm() {
   if (fork_ != nullptr) cudaEventDestroy(fork_);
 }
 
+void GroupedGemm::StagePointers(const std::vector<GemmProblem>& problems, Staging* staging,
+                                size_t* offset) {
+  // cuBLAS is column-major: the row-major C = op(A) op(B) is C^T = op(B)^T op(A)^T, so cuBLAS's
+  // A array holds our B pointers and its B array our A pointers.
+  const size_t count = problems.size();
+  ptrs_.resize(3 * count);
+  for (size_t i = 0; i < count; ++i) {
+    ptrs_[i] = problems[i].b;
+    ptrs_[count + i] = problems[i].a;
+    ptrs_[2 * count + i] = problems[i].c;
+  }
+  *offset = staging->Add(ptrs_.data(), ptrs_.size() * sizeof(void*));
+}
+
+bool GroupedGemm::PlanChunked(GemmBatch* batch, Staging* staging) {
+  if (batch->trans_a || batch->problems.empty()) return false;
+  const GemmProblem& p0 = batch->problems[0];
+  int64_t total = 0;
+  for (const GemmProblem& p : batch->problems) {
+    if (p.m != p.rows || p.n != p0.n || p.k != p0.k || p.lda != p0.lda || p.ldb != p0.ldb ||
+        p.ldc != p0.ldc || p.beta != p0.beta) {
+      return false;
+    }
+    total += p.m;
+  }
+  int64_t c = 128;
+  for (int64_t cand : {512, 256, 128}) {
+    int64_t rest = 0;
+    for (const GemmProblem& p : batch->problems) rest += p.m % cand;
+    if (rest * 8 <= total) {
+      c = cand;
+      break;
+    }
+  }
+  int64_t chunks = 0;
+  for (const GemmProblem& p : batch->problems) chunks += p.m / c;
+  if (chunks == 0) return false;  // only remainders: that is kGrouped
+  const size_t ea = DTypeSize(batch->ab_dtype), ec = DTypeSize(batch->c_dtype);
+  ptrs_.resize(3 * static_cast<size_t>(chunks));
+  batch->remainders.clear();
+  size_t j = 0;
+  for (const GemmProblem& p : batch->problems) {
+    const int64_t full = p.m / c;
+    for (int64_t i = 0; i < full; ++i, ++j) {
+      ptrs_[j] = p.b;
+      ptrs_[chunks + j] = static_cast<const char*>(p.a) + static_cast<size_t>(i * c * p.lda) * ea;
+      ptrs_[2 * chunks + j] = static_cast<char*>(p.c) + static_cast<size_t>(i * c * p.ldc) * ec;
+    }
+    if (p.m % c != 0) {
+      GemmProblem r = p;
+      r.m = r.rows = p.m % c;
+      r.a = static_cast<const char*>(p.a) + static_cast<size_t>(full * c * p.lda) * ea;
+      r.c = static_cast<char*>(p.c) + static_cast<size_t>(full * c * p.ldc) * ec;
+      batch->remainders.push_back(r);
+    }
+  }
+  batch->chunk_offset = staging->Add(ptrs_.data(), ptrs_.size() * sizeof(void*));
+  batch->chunk_rows = c;
+  batch->chunks = chunks;
+  if (batch->remainders.size() > 1) StagePointers(batch->remainders, staging, &batch->staged_offset);
+  return true;
+}
+
 absl::Status GroupedGemm::Plan(GemmBatch* batch, Staging* staging) {
   const size_t count = batch->problems.size();
   int64_t rows = 0;
@@ -157,32 +222,31 @@ absl::Status GroupedGemm::Plan(GemmBatch* batch, Staging* staging) {
                      p.lda, p.ldb, p.ldc);
     rows += p.rows;
   }
+  const int64_t mean = count == 0 ? 0 : rows / static_cast<int64_t>(count);
   GemmStrategy s = strategy_;
-  if (s == GemmStrategy::kAuto) {
-    const int64_t mean = count == 0 ? 0 : rows / static_cast<int64_t>(count);
+  if (count <= 1) s = GemmStrategy::kStreams;  // one GEMM needs no grouping
+  if (s == GemmStrategy::kAuto || s == GemmStrategy::kChunked) {
+    const bool want_chunked =
+        s == GemmStrategy::kChunked || mean < param::CudaGemmChunkedMaxRows();
+    if (want_chunked && PlanChunked(batch, staging)) {
+      batch->chosen = GemmStrategy::kChunked;
+      return absl::OkStatus();
+    }
     s = mean >= param::CudaGemmStreamsMinRows() ? GemmStrategy::kStreams : GemmStrategy::kGrouped;
   }
-  // One GEMM needs no grouping; a grouped call cuBLAS refused once is not tried again.
-  if (count <= 1 || grouped_unsupported_) s = GemmStrategy::kStreams;
+  if (grouped_unsupported_) s = GemmStrategy::kStreams;  // cuBLAS refused a grouped call before
   batch->chosen = s;
-  if (s == GemmStrategy::kGrouped) {
-    // cuBLAS is column-major: the row-major C = op(A) op(B) is C^T = op(B)^T op(A)^T, so cuBLAS's
-    // A array holds our B pointers and its B array our A pointers.
-    ptrs_.resize(3 * count);
-    for (size_t i = 0; i < count; ++i) {
-      ptrs_[i] = batch->problems[i].b;
-      ptrs_[count + i] = batch->problems[i].a;
-      ptrs_[2 * count + i] = batch->problems[i].c;
-    }
-    batch->staged_offset = staging->Add(ptrs_.data(), ptrs_.size() * sizeof(void*));
-  }
+  if (s == GemmStrategy::kGrouped) StagePointers(batch->problems, staging, &batch->staged_offset);
   return absl::OkStatus();
 }
 
 absl::Status GroupedGemm::Run(const GemmBatch& batch, const Staging& staging) {
   if (batch.problems.empty()) return absl::OkStatus();
-  if (batch.chosen == GemmStrategy::kGrouped && !grouped_unsupported_) {
-    return RunGrouped(batch, staging);
+  if (batch.chosen == GemmStrategy::kChunked) return RunChunked(batch, staging);
+  if (batch.chosen == GemmStrategy::kGrouped) {
+    bool refused = false;
+    MOONEP_RETURN_IF_ERROR(RunGrouped(0, batch, batch.problems, batch.staged_offset, staging, &refused));
+    if (!refused) return absl::OkStatus();
   }
   return RunStreams(batch);
 }
@@ -196,6 +260,19 @@ absl::Status GroupedGemm::RunOne(int stream, bool trans_a, bool trans_b, cudaDat
       static_cast<int>(p.ldb), p.a, ab, static_cast<int>(p.lda), &p.beta, p.c, c,
       static_cast<int>(p.ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   return absl::OkStatus();
+}
+
+void GroupedGemm::Fork(int used) {
+  cudaEventRecord(fork_, streams_[0]);
+  for (int s = 1; s < used; ++s) cudaStreamWaitEvent(streams_[s], fork_, 0);
+}
+
+absl::Status GroupedGemm::Join(int used) {
+  for (int s = 1; s < used; ++s) {
+    MOONEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(joins_[s - 1], streams_[s]));
+    MOONEP_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(streams_[0], joins_[s - 1], 0));
+  }
+  return CudaStatus(cudaGetLastError(), "GroupedGemm: fork/join events");
 }
 
 absl::Status GroupedGemm::RunStreams(const GemmBatch& batch) {
@@ -213,24 +290,20 @@ absl::Status GroupedGemm::RunStreams(const GemmBatch& batch) {
   std::stable_sort(order_.begin(), order_.end(),
                    [&](int32_t x, int32_t y) { return flops(x) > flops(y); });
   load_.assign(used, 0.0);
-  MOONEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(fork_, streams_[0]));
-  for (int s = 1; s < used; ++s) {
-    MOONEP_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(streams_[s], fork_, 0));
-  }
+  Fork(used);
   for (int32_t i : order_) {
     const int s = static_cast<int>(std::min_element(load_.begin(), load_.end()) - load_.begin());
     load_[s] += flops(i);
     MOONEP_RETURN_IF_ERROR(RunOne(s, batch.trans_a, batch.trans_b, ab, c, batch.problems[i]));
   }
-  for (int s = 1; s < used; ++s) {
-    MOONEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(joins_[s - 1], streams_[s]));
-    MOONEP_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(streams_[0], joins_[s - 1], 0));
-  }
-  return absl::OkStatus();
+  return Join(used);
 }
 
-absl::Status GroupedGemm::RunGrouped(const GemmBatch& batch, const Staging& staging) {
-  const size_t count = batch.problems.size();
+absl::Status GroupedGemm::RunGrouped(int stream, const GemmBatch& batch,
+                                     const std::vector<GemmProblem>& problems, size_t staged_offset,
+                                     const Staging& staging, bool* refused) {
+  *refused = false;
+  const size_t count = problems.size();
   op_a_.assign(count, batch.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N);
   op_b_.assign(count, batch.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N);
   m_.resize(count);
@@ -243,7 +316,7 @@ absl::Status GroupedGemm::RunGrouped(const GemmBatch& batch, const Staging& stag
   alpha_.assign(count, 1.0f);
   group_size_.assign(count, 1);
   for (size_t i = 0; i < count; ++i) {
-    const GemmProblem& p = batch.problems[i];
+    const GemmProblem& p = problems[i];
     m_[i] = static_cast<int>(p.n);
     n_[i] = static_cast<int>(p.m);
     k_[i] = static_cast<int>(p.k);
@@ -252,21 +325,54 @@ absl::Status GroupedGemm::RunGrouped(const GemmBatch& batch, const Staging& stag
     ldc_[i] = static_cast<int>(p.ldc);
     beta_[i] = p.beta;
   }
-  const auto* ptrs = static_cast<const void* const*>(staging.DevicePtr(batch.staged_offset));
+  const auto* ptrs = static_cast<const void* const*>(staging.DevicePtr(staged_offset));
   void* const* c_ptrs = const_cast<void* const*>(ptrs + 2 * count);
   const cublasStatus_t st = cublasGemmGroupedBatchedEx(
-      handles_[0], op_a_.data(), op_b_.data(), m_.data(), n_.data(), k_.data(), alpha_.data(),
+      handles_[stream], op_a_.data(), op_b_.data(), m_.data(), n_.data(), k_.data(), alpha_.data(),
       ptrs, CudaType(batch.ab_dtype), lda_.data(), ptrs + count, CudaType(batch.ab_dtype),
       ldb_.data(), beta_.data(), c_ptrs, CudaType(batch.c_dtype), ldc_.data(),
       static_cast<int>(count), group_size_.data(), CUBLAS_COMPUTE_32F);
   if (st == CUBLAS_STATUS_NOT_SUPPORTED) {
     MOONEP_WARN("cublasGemmGroupedBatchedEx does not support %s x %s -> %s here; using per-group "
-                "GEMMs over streams instead",
+                "GEMMs instead",
                 DTypeName(batch.ab_dtype), DTypeName(batch.ab_dtype), DTypeName(batch.c_dtype));
     grouped_unsupported_ = true;
-    return RunStreams(batch);
+    *refused = true;
+    return absl::OkStatus();
   }
   MOONEP_CUBLAS_RETURN_IF_ERROR(st);
+  return absl::OkStatus();
+}
+
+absl::Status GroupedGemm::RunChunked(const GemmBatch& batch, const Staging& staging) {
+  const cudaDataType_t ab = CudaType(batch.ab_dtype), ct = CudaType(batch.c_dtype);
+  const GemmProblem& p0 = batch.problems[0];
+  const bool rest = !batch.remainders.empty();
+  // The remainders run beside the chunks, on a second stream when there is one.
+  const int rs = rest && streams_.size() > 1 ? 1 : 0;
+  if (rs == 1) Fork(2);
+  const float alpha = 1.0f;
+  const auto* ptrs = static_cast<const void* const*>(staging.DevicePtr(batch.chunk_offset));
+  void* const* c_ptrs = const_cast<void* const*>(ptrs + 2 * batch.chunks);
+  MOONEP_CUBLAS_RETURN_IF_ERROR(cublasGemmBatchedEx(
+      handles_[0], batch.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(p0.n),
+      static_cast<int>(batch.chunk_rows), static_cast<int>(p0.k), &alpha, ptrs, ab,
+      static_cast<int>(p0.ldb), ptrs + batch.chunks, ab, static_cast<int>(p0.lda), &p0.beta, c_ptrs,
+      ct, static_cast<int>(p0.ldc), static_cast<int>(batch.chunks), CUBLAS_COMPUTE_32F,
+      CUBLAS_GEMM_DEFAULT));
+  if (rest) {
+    bool refused = batch.remainders.size() == 1;
+    if (!refused) {
+      MOONEP_RETURN_IF_ERROR(
+          RunGrouped(rs, batch, batch.remainders, batch.staged_offset, staging, &refused));
+    }
+    if (refused) {
+      for (const GemmProblem& r : batch.remainders) {
+        MOONEP_RETURN_IF_ERROR(RunOne(rs, batch.trans_a, batch.trans_b, ab, ct, r));
+      }
+    }
+  }
+  if (rs == 1) return Join(2);
   return absl::OkStatus();
 }
 

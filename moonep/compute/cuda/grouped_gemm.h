@@ -1,12 +1,19 @@
 // The grouped GEMM of the CUDA backend: a batch of independent row-major GEMMs (one per expert
-// group, or per group and matrix), run through cuBLAS in one of two ways:
+// group, or per group and matrix), run through cuBLAS in one of three ways:
 //   kGrouped: one cublasGemmGroupedBatchedEx call for the whole batch (one launch, device-side
 //             pointer arrays uploaded with the call's other host data);
 //   kStreams: one cublasGemmEx per problem, spread over the executor's streams (largest first,
 //             each to the least-loaded stream, so a skewed batch still fills the GPU);
-//   kAuto:    picks per batch from the host-known sizes: kStreams when the batch's mean rows per
-//             problem reach MOONEP_CUDA_GEMM_STREAMS_MIN_ROWS, else kGrouped (docs/cuda.md has the
-//             measurements behind the default).
+//   kChunked: for batches whose varying dimension is the rows (m = the group's rows, the same n,
+//             k and leading dimensions everywhere): every group is cut into chunks of c rows and
+//             all full chunks run as ONE cublasGemmBatchedEx of identical [c, n, k] GEMMs - the
+//             tile grid of one dense GEMM, whatever the group sizes - while the remainders
+//             (< c rows each) run as one grouped call on a second stream at the same time.
+//             c is the largest of 512, 256, 128 that leaves at most 1/8 of the rows in remainders
+//             (else 128);
+//   kAuto:    per batch, from the host-known sizes: kChunked where it applies, else kStreams when
+//             the batch's mean rows per problem reach MOONEP_CUDA_GEMM_STREAMS_MIN_ROWS, else
+//             kGrouped (docs/cuda.md has the measurements behind the rule).
 // Empty problems are never added, so an empty group costs nothing. Arithmetic is fp32
 // (CUBLAS_COMPUTE_32F: no TF32 for fp32 storage), inputs fp32 or bf16, outputs fp32 or bf16.
 #pragma once
@@ -24,19 +31,21 @@
 #include "moonep/core/env.h"
 
 namespace moonep::param {
-// Mean rows per GEMM at or above which kAuto runs per-group GEMMs over streams.
+// kAuto: chunked below this mean rows per GEMM (where chunking applies) ...
+MOONEP_INT_PARAM(CudaGemmChunkedMaxRows, "CUDA_GEMM_CHUNKED_MAX_ROWS", int64_t{1} << 40)
+// ... else per-group GEMMs over streams at or above this mean, grouped below it.
 MOONEP_INT_PARAM(CudaGemmStreamsMinRows, "CUDA_GEMM_STREAMS_MIN_ROWS", 512)
 // Streams of a CUDA executor (1..16).
 MOONEP_INT_PARAM(CudaGemmStreams, "CUDA_GEMM_STREAMS", 4)
-// auto, grouped or streams.
+// auto, grouped, streams or chunked.
 MOONEP_STRING_PARAM(CudaGemmStrategy, "CUDA_GEMM_STRATEGY", "auto")
 }  // namespace moonep::param
 
 namespace moonep::compute::cuda {
 
-enum class GemmStrategy : int32_t { kAuto = 0, kGrouped = 1, kStreams = 2 };
+enum class GemmStrategy : int32_t { kAuto = 0, kGrouped = 1, kStreams = 2, kChunked = 3 };
 const char* GemmStrategyName(GemmStrategy s);
-// "auto", "grouped" or "streams"; anything else is InvalidArgument.
+// "auto", "grouped", "streams" or "chunked"; anything else is InvalidArgument.
 absl::StatusOr<GemmStrategy> ParseGemmStrategy(const std::string& name);
 
 // C[m, n] = op(A)[m, k] op(B)[k, n] + beta C, all row-major with the given leading dimensions.
@@ -61,6 +70,12 @@ struct GemmBatch {
   // Filled by GroupedGemm::Plan.
   GemmStrategy chosen = GemmStrategy::kAuto;
   size_t staged_offset = 0;  // byte offset of the A, B, C pointer arrays in the staging buffer
+  // kChunked: `chunks` full chunks of `chunk_rows` rows (pointer arrays at chunk_offset), and the
+  // remainders as problems of their own (pointer arrays at staged_offset when more than one).
+  int64_t chunk_rows = 0;
+  int64_t chunks = 0;
+  size_t chunk_offset = 0;
+  std::vector<GemmProblem> remainders;
 
   void Clear(bool ta, bool tb, DType ab, DType c) {
     trans_a = ta;
@@ -126,7 +141,16 @@ class GroupedGemm {
   absl::Status RunOne(int stream, bool trans_a, bool trans_b, cudaDataType_t ab, cudaDataType_t c,
                       const GemmProblem& p);
   absl::Status RunStreams(const GemmBatch& batch);
-  absl::Status RunGrouped(const GemmBatch& batch, const Staging& staging);
+  // One grouped call over `problems` on stream `stream`; false in *refused when cuBLAS does not
+  // support the types (then nothing was enqueued).
+  absl::Status RunGrouped(int stream, const GemmBatch& batch, const std::vector<GemmProblem>& problems,
+                          size_t staged_offset, const Staging& staging, bool* refused);
+  absl::Status RunChunked(const GemmBatch& batch, const Staging& staging);
+  // Plans kChunked for the batch if it applies (returns false otherwise, staging nothing).
+  bool PlanChunked(GemmBatch* batch, Staging* staging);
+  void StagePointers(const std::vector<GemmProblem>& problems, Staging* staging, size_t* offset);
+  void Fork(int used);
+  absl::Status Join(int used);
 
   GemmStrategy strategy_ = GemmStrategy::kAuto;
   std::vector<cudaStream_t> streams_;   // [0] = main

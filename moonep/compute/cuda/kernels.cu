@@ -10,7 +10,6 @@ namespace {
 constexpr int kWarp = 32;
 constexpr int kBlock = 256;  // 8 warps, one row each at a time
 constexpr int64_t kMaxBlocks = 8192;
-constexpr unsigned kFullMask = 0xffffffffu;
 
 // bf16 is handled as its 16 bits (uint16_t), so vectors are plain unions of integers.
 using Bf16Bits = uint16_t;
@@ -165,27 +164,31 @@ __global__ void __launch_bounds__(kBlock) CombineKernel(const TIn* __restrict__ 
                                                         const float* __restrict__ weights,
                                                         int64_t tokens, int32_t top_k, int64_t cols,
                                                         TOut* __restrict__ out, int32_t* bad_index) {
-  const int lane = threadIdx.x % kWarp;
+  // Each warp keeps its token's (row, weight) pairs in shared memory: lanes that run out of
+  // columns early leave the column loop, so the pairs cannot be shuffled inside it.
+  __shared__ int32_t s_row[kBlock / kWarp][kWarp];
+  __shared__ float s_w[kBlock / kWarp][kWarp];
+  const int lane = threadIdx.x % kWarp, wib = threadIdx.x / kWarp;
   for (int64_t t = GlobalWarp(); t < tokens; t += NumWarps()) {
-    // Lane k holds the token's k-th (row, weight); rows outside the buffer are dropped.
-    int32_t my_row = -1;
-    float my_w = 0.0f;
+    // Rows outside the buffer are dropped (and counted).
     if (lane < top_k) {
-      my_row = index[t * top_k + lane];
-      my_w = weights[t * top_k + lane];
-      if (my_row < -1 || my_row >= num_rows) {
+      int32_t row = index[t * top_k + lane];
+      if (row < -1 || row >= num_rows) {
         if (bad_index != nullptr) atomicAdd(bad_index, 1);
-        my_row = -1;
+        row = -1;
       }
+      s_row[wib][lane] = row;
+      s_w[wib][lane] = weights[t * top_k + lane];
     }
+    __syncwarp();
     for (int64_t c = static_cast<int64_t>(lane) * V; c < cols; c += kWarp * V) {
       float acc[V];
 #pragma unroll
       for (int i = 0; i < V; ++i) acc[i] = 0.0f;
 #pragma unroll 4
       for (int k = 0; k < top_k; ++k) {
-        const int32_t row = __shfl_sync(kFullMask, my_row, k);
-        const float w = __shfl_sync(kFullMask, my_w, k);
+        const int32_t row = s_row[wib][k];
+        const float w = s_w[wib][k];
         if (row < 0) continue;
         float v[V];
         LoadVec<V>(rows + static_cast<int64_t>(row) * cols + c, v);
@@ -194,6 +197,7 @@ __global__ void __launch_bounds__(kBlock) CombineKernel(const TIn* __restrict__ 
       }
       StoreVec<V>(out + t * cols + c, acc);
     }
+    __syncwarp();
   }
 }
 
