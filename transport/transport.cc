@@ -2,9 +2,13 @@
 
 #include <atomic>
 
+#include "absl/strings/str_cat.h"
 #include "moonep/core/status.h"
 #include "transport/mpi/mpi_transport.h"
 #include "transport/testing_hooks.h"
+#ifdef MOONEP_HAVE_UCX
+#include "transport/ucx/ucx_transport.h"
+#endif
 
 namespace moonep::transport {
 
@@ -65,12 +69,23 @@ absl::Status Transport::Reduce(const planner::Plan& plan, const ExpertBlocks& gr
   return RunToCompletion(StartReduce(plan, grads));
 }
 
-std::vector<std::string> AvailableBackends() { return {"mpi"}; }
+std::vector<std::string> AvailableBackends() {
+  std::vector<std::string> backends = {"mpi"};
+#ifdef MOONEP_HAVE_UCX
+  backends.push_back("ucx");
+#endif
+  return backends;
+}
 
 absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(absl::string_view backend,
                                                            const TransportOptions& options) {
   if (backend == "mpi") return mpi::CreateMpiTransport(options);
-  return InvalidArgument("transport backend '%s' is not built (available: mpi)", backend);
+#ifdef MOONEP_HAVE_UCX
+  if (backend == "ucx") return ucx::CreateUcxTransport(options);
+#endif
+  std::string available;
+  for (const std::string& b : AvailableBackends()) absl::StrAppend(&available, available.empty() ? "" : ", ", b);
+  return InvalidArgument("transport backend '%s' is not built (available: %s)", backend, available);
 }
 
 namespace testing {

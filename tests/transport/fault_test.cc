@@ -98,6 +98,53 @@ TEST_P(FaultTest, DuplicateExpertInTopkIsRejectedEverywhere) {
   EXPECT_EQ(ToResult(st), rank() == 0 ? moonepInvalidArgument : moonepRemoteError) << st;
 }
 
+TEST_P(FaultTest, NumExpertsDifferingAcrossRanksFailsEveryRank) {
+  // Rank 0 claims twice the experts (its ids stay valid): message sizes differ, every rank sees it.
+  DispatchHandle h;
+  const int32_t E = rank() == 0 ? 2 * p_.E : p_.E;
+  absl::Status st = t_->ExchangeCounts(p_.ids[rank()], p_.T[rank()], p_.K, E, cap_, &h);
+  EXPECT_EQ(ToResult(st), moonepInvalidArgument) << st;
+  EXPECT_NE(st.message().find("num_experts"), std::string::npos) << st;
+  std::vector<float> rows;
+  st = DispatchOnce(&h, &rows);  // agreed: the transport still works
+  EXPECT_TRUE(st.ok()) << st;
+}
+
+TEST_P(FaultTest, HiddenSizeDifferingAcrossRanksFailsWithoutHanging) {
+  // Rank 0's rows are one column wider: receivers get the wrong byte counts.
+  const int64_t T = p_.T[rank()], H = rank() == 0 ? p_.H + 1 : p_.H;
+  DispatchHandle h;
+  std::vector<float> x(T * H, 1.0f), rows(cap_ * H), w(cap_);
+  const auto start = Clock::now();
+  // A fast peer may fail its dispatch and send its abort notice while this rank is still in the
+  // count exchange: then the count exchange reports it.
+  absl::Status st = t_->ExchangeCounts(p_.ids[rank()], T, p_.K, p_.E, cap_, &h);
+  if (st.ok()) {
+    st = t_->Dispatch(plan_, TensorView::Contiguous(x.data(), DType::kFloat32, {T, H}),
+                      p_.weights[rank()], &h,
+                      TensorView::Contiguous(rows.data(), DType::kFloat32, {cap_, H}),
+                      absl::MakeSpan(w));
+  }
+  const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  // A rank receiving rows across the mismatch sees the wrong size and fails (and tells the
+  // others); a rank that only sends may finish first. None waits out the timeout.
+  std::vector<int64_t> offsets;
+  planner::ComputeSourceOffsets(p_.counts, p_.R, p_.E, &offsets);
+  ReceiveLayout recv;
+  BuildReceiveLayout(plan_, offsets, rank(), &recv);
+  bool receives_mismatch = false;
+  for (int32_t s = 0; s < size(); ++s) {
+    if (s != rank() && (s == 0 || rank() == 0)) receives_mismatch |= recv.rows_from(s) > 0;
+  }
+  if (receives_mismatch) {
+    EXPECT_FALSE(st.ok());
+  }
+  if (!st.ok()) {
+    EXPECT_TRUE(ToResult(st) == moonepInvalidArgument || ToResult(st) == moonepRemoteError) << st;
+  }
+  EXPECT_LT(ms, t_->timeout_ms()) << st;
+}
+
 TEST_P(FaultTest, CapacityTooSmallIsOutOfMemoryOnThatRank) {
   const int64_t T = p_.T[rank()];
   const int32_t small = 0;
@@ -110,7 +157,8 @@ TEST_P(FaultTest, CapacityTooSmallIsOutOfMemoryOnThatRank) {
                                  TensorView::Contiguous(rows.data(), DType::kFloat32, {cap_, p_.H}),
                                  absl::MakeSpan(w));
   EXPECT_EQ(ToResult(st), rank() == small ? moonepOutOfMemory : moonepRemoteError) << st;
-  EXPECT_TRUE(DispatchOnce(&h, &rows).ok());
+  st = DispatchOnce(&h, &rows);
+  EXPECT_TRUE(st.ok()) << st;
 }
 
 TEST_P(FaultTest, LocalArgumentErrorInPrefetchReachesPeersWaitingOnIt) {

@@ -11,6 +11,8 @@
 #include <vector>
 
 #include "moonep/core/dtype.h"
+#include "moonep/reference/gradient_check.h"
+#include "moonep/reference/reference_moe.h"
 #include "planner/planner.h"
 #include "tests/harness/mpi_test.h"
 #include "tests/transport/transport_test_util.h"
@@ -65,24 +67,14 @@ std::unique_ptr<Transport> MakeTransport(const std::string& backend, const Probl
   return t.ok() ? std::move(*t) : nullptr;
 }
 
-class RowsTest : public moonep::testing::MpiTest,
-                 public ::testing::WithParamInterface<std::tuple<std::string, std::string>> {};
-
-TEST_P(RowsTest, ForwardAndBackwardMatchBruteForceAndFp64) {
-  const std::string backend = std::get<0>(GetParam()), kind = std::get<1>(GetParam());
-  const int32_t R = size(), me = rank();
-  const int32_t E = 2 * R + (R == 1 ? 2 : 0), K = std::min(4, E);
-  const int64_t H = 6;
-  for (uint64_t seed : {1u, 2u}) {
-    SCOPED_TRACE(::testing::Message() << "seed " << seed << " plan " << kind);
-    const Problem p = MakeProblem(R, E, K, H, 10, seed, R > 1 ? 1 : -1);
-    planner::Plan plan;
-    ASSERT_TRUE(MakePlanOfKind(kind, p, seed, &plan).ok());
-    auto t = MakeTransport(backend, p, H * 4);
-    ASSERT_NE(t, nullptr);
-    const int64_t cap = CapacityRows(p, plan.num_groups(), plan.pad_multiple);
-    const int64_t T = p.T[me];
-
+// Dispatch -> scaled-identity experts -> combine, then the backward forms, on transport `t` whose
+// rank is `me`; every result is checked against the brute-force placement or an fp64 sum.
+void CheckForwardBackward(Transport* t, const Problem& p, const planner::Plan& plan, int32_t me) {
+  const int32_t R = p.R, E = p.E, K = p.K;
+  const int64_t H = p.H;
+  const int64_t cap = CapacityRows(p, plan.num_groups(), plan.pad_multiple);
+  const int64_t T = p.T[me];
+  {
     DispatchHandle h;
     ASSERT_TRUE(t->ExchangeCounts(p.ids[me], T, K, E, cap, &h).ok());
     ASSERT_EQ(std::vector<int64_t>(h.counts().begin(), h.counts().end()), p.counts);
@@ -214,9 +206,53 @@ TEST_P(RowsTest, ForwardAndBackwardMatchBruteForceAndFp64) {
   }
 }
 
-TEST_P(RowsTest, Bf16RowsAndOutputs) {
+class RowsTest : public moonep::testing::MpiTest,
+                 public ::testing::WithParamInterface<std::tuple<std::string, std::string>> {};
+
+TEST_P(RowsTest, ForwardAndBackwardMatchBruteForceAndFp64) {
   const std::string backend = std::get<0>(GetParam()), kind = std::get<1>(GetParam());
-  if (kind != "random" && kind != "moonep") GTEST_SKIP() << "dtype paths do not depend on the plan";
+  const int32_t R = size();
+  const int32_t E = 2 * R + (R == 1 ? 2 : 0), K = std::min(4, E);
+  for (uint64_t seed : {1u, 2u}) {
+    SCOPED_TRACE(::testing::Message() << "seed " << seed << " plan " << kind);
+    const Problem p = MakeProblem(R, E, K, 6, 10, seed, R > 1 ? 1 : -1);
+    planner::Plan plan;
+    ASSERT_TRUE(MakePlanOfKind(kind, p, seed, &plan).ok());
+    auto t = MakeTransport(backend, p, p.H * 4);
+    ASSERT_NE(t, nullptr);
+    CheckForwardBackward(t.get(), p, plan, rank());
+    if (HasFatalFailure()) return;
+  }
+}
+
+// Bootstrap from a caller's communicator: two halves of the world run independent problems.
+TEST_P(RowsTest, RunsOnACallersSubCommunicator) {
+  const std::string backend = std::get<0>(GetParam()), kind = std::get<1>(GetParam());
+  if (kind != "random") return;  // one plan source is enough here
+  MPI_Comm half;
+  ASSERT_EQ(MPI_Comm_split(MPI_COMM_WORLD, rank() % 2, rank(), &half), MPI_SUCCESS);
+  int sub_rank = 0, sub_size = 1;
+  MPI_Comm_rank(half, &sub_rank);
+  MPI_Comm_size(half, &sub_size);
+  const Problem p = MakeProblem(sub_size, 2 * sub_size, 2, 5, 7, 40 + rank() % 2, -1);
+  planner::Plan plan;
+  ASSERT_TRUE(MakePlanOfKind(kind, p, 3, &plan).ok());
+  TransportOptions o;
+  o.comm = half;
+  o.max_tokens = p.max_tokens();
+  o.max_top_k = p.K;
+  o.max_row_bytes = p.H * 4;
+  auto t = CreateTransport(backend, o);
+  ASSERT_TRUE(t.ok()) << t.status();
+  MPI_Comm_free(&half);  // the transport holds its own duplicates
+  EXPECT_EQ((*t)->size(), sub_size);
+  EXPECT_EQ((*t)->rank(), sub_rank);
+  CheckForwardBackward(t->get(), p, plan, sub_rank);
+}
+
+class Bf16Test : public RowsTest {};
+TEST_P(Bf16Test, Bf16RowsAndOutputs) {
+  const std::string backend = std::get<0>(GetParam()), kind = std::get<1>(GetParam());
   const int32_t R = size(), me = rank();
   const int32_t E = 2 * R, K = std::min(3, E);
   const int64_t H = 8;
@@ -270,9 +306,9 @@ TEST_P(RowsTest, Bf16RowsAndOutputs) {
 }
 
 // Prefetch while a dispatch is in flight: both through their asynchronous forms.
-TEST_P(RowsTest, PrefetchOverlapsDispatch) {
+class OverlapTest : public RowsTest {};
+TEST_P(OverlapTest, PrefetchOverlapsDispatch) {
   const std::string backend = std::get<0>(GetParam()), kind = std::get<1>(GetParam());
-  if (kind != "test-force-replicas") GTEST_SKIP() << "one plan with many replicas is enough";
   const int32_t R = size(), me = rank();
   const int32_t E = 2 * R, K = std::min(2, E);
   const int64_t H = 4, W = 33;
@@ -344,6 +380,207 @@ std::string ParamName(const ::testing::TestParamInfo<RowsTest::ParamType>& info)
 INSTANTIATE_TEST_SUITE_P(Backends, RowsTest,
                          ::testing::Combine(::testing::ValuesIn(AvailableBackends()),
                                             ::testing::ValuesIn(kPlanKinds)),
+                         ParamName);
+INSTANTIATE_TEST_SUITE_P(Backends, Bf16Test,
+                         ::testing::Combine(::testing::ValuesIn(AvailableBackends()),
+                                            ::testing::Values(std::string("random"),
+                                                              std::string("moonep"))),
+                         ParamName);
+INSTANTIATE_TEST_SUITE_P(Backends, OverlapTest,
+                         ::testing::Combine(::testing::ValuesIn(AvailableBackends()),
+                                            ::testing::Values(std::string("random"),
+                                                              std::string("test-force-replicas"))),
+                         ParamName);
+
+// Two dispatches in flight at once on one transport (e.g. two layers), with the combine of the first
+// overlapping the dispatch of the second: distinct handles, distinct operations, both correct.
+TEST_P(OverlapTest, TwoDispatchesInFlight) {
+  const std::string backend = std::get<0>(GetParam()), kind = std::get<1>(GetParam());
+  const int32_t R = size(), me = rank();
+  const Problem a = MakeProblem(R, 2 * R, std::min(2, 2 * R), 4, 6, 51, -1);
+  const Problem b = MakeProblem(R, 2 * R, std::min(2, 2 * R), 4, 9, 52, R > 1 ? 0 : -1);
+  planner::Plan plan_a, plan_b;
+  ASSERT_TRUE(MakePlanOfKind(kind, a, 51, &plan_a).ok());
+  ASSERT_TRUE(MakePlanOfKind(kind, b, 52, &plan_b).ok());
+  TransportOptions o;
+  o.max_tokens = std::max(a.max_tokens(), b.max_tokens());
+  o.max_top_k = a.K;
+  o.max_row_bytes = a.H * 4;
+  auto made = CreateTransport(backend, o);
+  ASSERT_TRUE(made.ok()) << made.status();
+  Transport* t = made->get();
+  const Problem* probs[2] = {&a, &b};
+  const planner::Plan* plans[2] = {&plan_a, &plan_b};
+  DispatchHandle h[2];
+  std::vector<float> rows[2], w[2], y[2];
+  int64_t cap[2];
+  std::vector<RequestPtr> counts;
+  for (int i = 0; i < 2; ++i) {
+    const Problem& p = *probs[i];
+    cap[i] = CapacityRows(p, plans[i]->num_groups(), plans[i]->pad_multiple);
+    rows[i].assign(cap[i] * p.H, 0.0f);
+    w[i].assign(cap[i], 0.0f);
+    y[i].assign(p.T[me] * p.H, 0.0f);
+    auto r = t->StartExchangeCounts(p.ids[me], p.T[me], p.K, p.E, cap[i], &h[i]);
+    ASSERT_TRUE(r.ok()) << r.status();
+    counts.push_back(std::move(*r));
+  }
+  for (auto& r : counts) ASSERT_TRUE(r->Wait().ok());
+  std::vector<RequestPtr> dispatches;
+  for (int i = 0; i < 2; ++i) {
+    const Problem& p = *probs[i];
+    auto r = t->StartDispatch(*plans[i],
+                              TensorView::Contiguous(const_cast<float*>(p.x[me].data()), DType::kFloat32, {p.T[me], p.H}),
+                              p.weights[me], &h[i],
+                              TensorView::Contiguous(rows[i].data(), DType::kFloat32, {cap[i], p.H}),
+                              absl::MakeSpan(w[i]));
+    ASSERT_TRUE(r.ok()) << r.status();
+    dispatches.push_back(std::move(*r));
+  }
+  ASSERT_TRUE(dispatches[0]->Wait().ok());
+  // Combine of the first (identity experts) while the second dispatch may still be in flight.
+  auto combine = t->StartCombine(&h[0], TensorView::Contiguous(rows[0].data(), DType::kFloat32, {cap[0], a.H}),
+                                 TensorView::Contiguous(y[0].data(), DType::kFloat32, {a.T[me], a.H}));
+  ASSERT_TRUE(combine.ok()) << combine.status();
+  ASSERT_TRUE(dispatches[1]->Wait().ok());
+  ASSERT_TRUE((*combine)->Wait().ok());
+  ASSERT_TRUE(t->Combine(&h[1], TensorView::Contiguous(rows[1].data(), DType::kFloat32, {cap[1], b.H}),
+                         TensorView::Contiguous(y[1].data(), DType::kFloat32, {b.T[me], b.H})).ok());
+  for (int i = 0; i < 2; ++i) {
+    const Problem& p = *probs[i];
+    for (int64_t tok = 0; tok < p.T[me]; ++tok) {
+      for (int64_t j = 0; j < p.H; ++j) {
+        double want = 0, mag = 0;
+        for (int32_t k = 0; k < p.K; ++k) {
+          if (p.ids[me][tok * p.K + k] < 0) continue;
+          want += static_cast<double>(p.weights[me][tok * p.K + k]) * p.x[me][tok * p.H + j];
+          mag += std::fabs(static_cast<double>(p.weights[me][tok * p.K + k]) * p.x[me][tok * p.H + j]);
+        }
+        ASSERT_NEAR(y[i][tok * p.H + j], want, 1e-5 * mag + 1e-7) << "problem " << i;
+      }
+    }
+  }
+}
+
+// End to end against the fp64 reference layer: expert weights prefetched into replica slots, the
+// SwiGLU FFN applied per row where the plan puts it (home weights or slot weights), combine, and
+// d topk_weights from the backward forms.
+class ReferenceTest : public RowsTest {};
+TEST_P(ReferenceTest, ForwardAndTopkWeightGradMatchReferenceLayer) {
+  const std::string backend = std::get<0>(GetParam()), kind = std::get<1>(GetParam());
+  const int32_t R = size(), me = rank();
+  reference::MoeShape shape{2 * R, std::min(2, 2 * R), 8, 6};
+  const int64_t E = shape.num_experts, K = shape.top_k, H = shape.hidden, I = shape.intermediate;
+  // Weights (same seed everywhere) rounded to fp32, so reference and transport see equal values.
+  reference::ExpertWeights w = reference::MakeRandomProblem(shape, 0, 777, 0.0).weights;
+  for (auto* v : {&w.wg, &w.wu, &w.wd}) {
+    for (double& d : *v) d = static_cast<float>(d);
+  }
+  Problem p;
+  p.R = R;
+  p.E = static_cast<int32_t>(E);
+  p.K = static_cast<int32_t>(K);
+  p.H = H;
+  p.counts.assign(R * E, 0);
+  std::vector<reference::RandomProblem> data(R);
+  for (int32_t r = 0; r < R; ++r) {
+    const int64_t T = (R > 2 && r == 1) ? 0 : 5 + r % 3;
+    data[r] = reference::MakeRandomProblem(shape, T, 100 + r, 0.2);
+    for (double& d : data[r].x) d = static_cast<float>(d);
+    for (double& d : data[r].dy) d = static_cast<float>(d);
+    for (double& d : data[r].topk_weights) d = static_cast<float>(d);
+    p.T.push_back(T);
+    p.ids.push_back(data[r].topk_ids);
+    for (int32_t e : data[r].topk_ids) {
+      if (e >= 0) ++p.counts[r * E + e];
+    }
+  }
+  planner::Plan plan;
+  ASSERT_TRUE(MakePlanOfKind(kind, p, 9, &plan).ok());
+  TransportOptions o;
+  o.max_tokens = std::max<int64_t>(1, p.max_tokens());
+  o.max_top_k = p.K;
+  o.max_row_bytes = H * 4;
+  auto made = CreateTransport(backend, o);
+  ASSERT_TRUE(made.ok()) << made.status();
+  Transport* t = made->get();
+
+  // Parameter blocks: gate, up, down per expert (fp32).
+  const int32_t epn = plan.experts_per_rank, S = plan.slots;
+  const int64_t sizes[3] = {H * I, H * I, I * H};
+  std::vector<std::vector<float>> store((epn + S) * 3);
+  std::vector<TensorView> home_v, slot_v;
+  for (int32_t b = 0; b < epn + S; ++b) {
+    const int32_t e = b < epn ? plan.local_experts[me * epn + b] : -1;
+    const std::vector<double>* src[3] = {&w.wg, &w.wu, &w.wd};
+    for (int i = 0; i < 3; ++i) {
+      std::vector<float>& v = store[b * 3 + i];
+      v.assign(sizes[i], 0.0f);
+      if (e >= 0) {
+        for (int64_t j = 0; j < sizes[i]; ++j) v[j] = static_cast<float>((*src[i])[e * sizes[i] + j]);
+      }
+      (b < epn ? home_v : slot_v).push_back(TensorView::Contiguous(v.data(), DType::kFloat32, {sizes[i]}));
+    }
+  }
+  ASSERT_TRUE(t->Prefetch(plan, ExpertBlocks{3, home_v, slot_v}).ok());
+
+  const int64_t T = p.T[me];
+  std::vector<float> x(T * H), dy(T * H), tw(T * K);
+  for (int64_t i = 0; i < T * H; ++i) {
+    x[i] = static_cast<float>(data[me].x[i]);
+    dy[i] = static_cast<float>(data[me].dy[i]);
+  }
+  for (int64_t i = 0; i < T * K; ++i) tw[i] = static_cast<float>(data[me].topk_weights[i]);
+  const int64_t cap = CapacityRows(p, plan.num_groups(), plan.pad_multiple);
+  DispatchHandle h;
+  ASSERT_TRUE(t->ExchangeCounts(p.ids[me], T, p.K, p.E, cap, &h).ok());
+  std::vector<float> rows(cap * H), row_w(cap), out(cap * H, 0.0f);
+  ASSERT_TRUE(t->Dispatch(plan, TensorView::Contiguous(x.data(), DType::kFloat32, {T, H}), tw, &h,
+                          TensorView::Contiguous(rows.data(), DType::kFloat32, {cap, H}),
+                          absl::MakeSpan(row_w)).ok());
+  // The "executor": per group, the FFN with the weights this rank holds for it (home or slot).
+  reference::MoeShape one{1, 1, H, I};
+  for (int32_t g = 0; g < plan.num_groups(); ++g) {
+    const int64_t off = plan.group_offset[me * plan.num_groups() + g];
+    const int64_t n = plan.group_count[me * plan.num_groups() + g];
+    if (n == 0) continue;
+    reference::ExpertWeights ew;
+    ew.wg.assign(store[g * 3 + 0].begin(), store[g * 3 + 0].end());
+    ew.wu.assign(store[g * 3 + 1].begin(), store[g * 3 + 1].end());
+    ew.wd.assign(store[g * 3 + 2].begin(), store[g * 3 + 2].end());
+    std::vector<double> in(H), res(H);
+    for (int64_t r = off; r < off + n; ++r) {
+      for (int64_t j = 0; j < H; ++j) in[j] = rows[r * H + j];
+      reference::ExpertForward(one, ew, 0, in.data(), res.data());
+      for (int64_t j = 0; j < H; ++j) out[r * H + j] = static_cast<float>(res[j]);
+    }
+  }
+  std::vector<float> y(T * H);
+  TensorView out_v = TensorView::Contiguous(out.data(), DType::kFloat32, {cap, H});
+  ASSERT_TRUE(t->Combine(&h, out_v, TensorView::Contiguous(y.data(), DType::kFloat32, {T, H})).ok());
+  std::vector<float> dy_rows(cap * H), dw(T * K);
+  TensorView dy_rows_v = TensorView::Contiguous(dy_rows.data(), DType::kFloat32, {cap, H});
+  ASSERT_TRUE(t->CombineBackward(&h, TensorView::Contiguous(dy.data(), DType::kFloat32, {T, H}), dy_rows_v).ok());
+  ASSERT_TRUE(t->TopkWeightGrad(&h, dy_rows_v, out_v, absl::MakeSpan(dw)).ok());
+
+  reference::ForwardResult ref;
+  ASSERT_TRUE(reference::Forward(shape, w, T, data[me].x, data[me].topk_ids, data[me].topk_weights, &ref).ok());
+  reference::BackwardResult grad;
+  ASSERT_TRUE(reference::Backward(shape, w, T, data[me].x, data[me].topk_ids, data[me].topk_weights,
+                                  data[me].dy, &grad).ok());
+  double scale = 1e-30, dscale = 1e-30;
+  for (double v : ref.y) scale = std::max(scale, std::fabs(v));
+  for (double v : grad.dtopk_weights) dscale = std::max(dscale, std::fabs(v));
+  for (int64_t i = 0; i < T * H; ++i) ASSERT_LT(std::fabs(y[i] - ref.y[i]) / scale, 1e-5) << i;
+  for (int64_t i = 0; i < T * K; ++i) {
+    ASSERT_LT(std::fabs(dw[i] - grad.dtopk_weights[i]) / dscale, 1e-5) << i;
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Backends, ReferenceTest,
+                         ::testing::Combine(::testing::ValuesIn(AvailableBackends()),
+                                            ::testing::Values(std::string("random"),
+                                                              std::string("moonep"),
+                                                              std::string("test-force-replicas"))),
                          ParamName);
 
 // ---------------------------------------------------------------------------------------------

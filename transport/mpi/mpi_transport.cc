@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <string>
@@ -25,7 +26,6 @@ using Clock = std::chrono::steady_clock;
 // Message kinds inside one operation; the tag is (sequence mod N) * kSubTags + kind.
 constexpr int kSubTags = 4;
 constexpr int kSubMeta = 0, kSubData = 1, kSubScalar = 2;
-constexpr int kAbortTag = 1;
 // Expert tensors travel in chunks below MPI's int count limit.
 constexpr int64_t kMaxChunkBytes = int64_t{1} << 30;
 
@@ -162,7 +162,14 @@ class MpiTransport : public Transport {
 
   // Shared with ops.
   const TransportOptions& options() const { return options_; }
-  int TagBase(int64_t seq) const { return static_cast<int>(seq % tag_seq_modulus_) * kSubTags; }
+  // Tags: (epoch, op sequence) -> a slot of kSubTags tags. The epoch, agreed at creation and new
+  // for every transport, keeps messages left over from a failed transport out of a later one:
+  // MPI reuses a freed communicator's context id, and early-arriving messages for it would be
+  // matched by the next communicator that gets the id.
+  int TagBase(int64_t seq) const {
+    const int64_t slot = (epoch_ * seqs_per_epoch_ + seq % seqs_per_epoch_) % tag_slots_;
+    return static_cast<int>(slot) * kSubTags;
+  }
   void AddCounters(OpKind kind, const OpCounters& c);
   // The transport is unusable after a failure that ranks did not agree on.
   void Poison(const absl::Status& status);
@@ -186,13 +193,15 @@ class MpiTransport : public Transport {
   TransportOptions options_;
   int32_t rank_ = 0, size_ = 1;
   int64_t timeout_ms_ = 0;
-  int64_t tag_seq_modulus_ = 1;
+  int64_t tag_slots_ = 1, seqs_per_epoch_ = 1, epoch_ = 0;
+  int abort_tag_ = 0;
   MPI_Comm rows_comm_ = MPI_COMM_NULL, weights_comm_ = MPI_COMM_NULL, abort_comm_ = MPI_COMM_NULL;
   int64_t rows_seq_ = 0, weights_seq_ = 0;
   MPI_Request abort_request_ = MPI_REQUEST_NULL;
   std::array<int64_t, 2> abort_in_{};
   std::array<int64_t, 2> abort_out_{};
   absl::Status poisoned_;
+  bool dirty_ = false;  // this rank failed, was told of a failure, or skipped an operation
   std::array<OpCounters, static_cast<int>(OpKind::kNumKinds)> counters_{};
 };
 
@@ -208,6 +217,8 @@ MpiOp::MpiOp(MpiTransport* transport, OpKind kind, MPI_Comm comm, int64_t seq)
       deadline_(Clock::now() + std::chrono::milliseconds(transport->timeout_ms())),
       timeout_ms_(transport->timeout_ms()) {
   counters_.calls = 1;
+  MOONEP_TRACE("transport mpi: %s starts, sequence %d, tags %d..%d", OpName(kind), seq, tag_base_,
+               tag_base_ + kSubTags - 1);
 }
 
 MpiOp::~MpiOp() {
@@ -1002,9 +1013,18 @@ absl::StatusOr<std::unique_ptr<Transport>> MpiTransport::Create(const TransportO
   int flag = 0;
   MPI_Comm_get_attr(t->rows_comm_, MPI_TAG_UB, &attr, &flag);
   const int64_t tag_ub = flag ? *static_cast<int*>(attr) : 32767;
-  t->tag_seq_modulus_ = std::max<int64_t>(1, std::min<int64_t>(1 << 16, (tag_ub + 1) / kSubTags));
+  t->tag_slots_ = std::max<int64_t>(1, (tag_ub + 1) / kSubTags);
+  t->seqs_per_epoch_ = std::max<int64_t>(1, std::min<int64_t>(4096, t->tag_slots_ / 2));
+  // Every rank proposes its next epoch; all take the largest, so epochs only grow per process.
+  static std::atomic<int64_t> next_epoch{0};
+  int64_t proposed = next_epoch.load();
+  MOONEP_RETURN_IF_ERROR(MpiCheck(
+      MPI_Allreduce(&proposed, &t->epoch_, 1, MPI_INT64_T, MPI_MAX, t->rows_comm_),
+      "MPI_Allreduce"));
+  next_epoch = t->epoch_ + 1;
+  t->abort_tag_ = static_cast<int>(t->epoch_ % (tag_ub + 1));
   MOONEP_RETURN_IF_ERROR(MpiCheck(MPI_Irecv(t->abort_in_.data(), 2, MPI_INT64_T, MPI_ANY_SOURCE,
-                                            kAbortTag, t->abort_comm_, &t->abort_request_),
+                                            t->abort_tag_, t->abort_comm_, &t->abort_request_),
                                   "MPI_Irecv"));
   log::SetRank(t->rank_);
   MOONEP_INFO("transport mpi: %d ranks, timeout %d ms", t->size_, t->timeout_ms_);
@@ -1015,6 +1035,23 @@ MpiTransport::~MpiTransport() {
   if (abort_request_ != MPI_REQUEST_NULL) {
     MPI_Cancel(&abort_request_);
     MPI_Wait(&abort_request_, MPI_STATUS_IGNORE);
+  }
+  // After a failure anywhere, messages may still be in flight towards these communicators. Open
+  // MPI hands messages for a freed context id to the next communicator that reuses the id, where
+  // they break its matching; so communicators are freed only when every rank agrees that none of
+  // them failed (a bounded, collective check), and are otherwise left allocated.
+  int mine = dirty_ ? 1 : 0, any = 1, done = 0;
+  MPI_Request request = MPI_REQUEST_NULL;
+  if (MPI_Iallreduce(&mine, &any, 1, MPI_INT, MPI_MAX, rows_comm_, &request) == MPI_SUCCESS) {
+    const Clock::time_point until = Clock::now() + std::chrono::milliseconds(timeout_ms_);
+    while (!done && Clock::now() < until) {
+      MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+      if (!done) std::this_thread::yield();
+    }
+  }
+  if (!done || any != 0) {
+    MOONEP_INFO("transport mpi: a rank failed; keeping its communicators allocated");
+    return;
   }
   for (MPI_Comm* c : {&rows_comm_, &weights_comm_, &abort_comm_}) {
     if (*c != MPI_COMM_NULL) MPI_Comm_free(c);
@@ -1035,6 +1072,7 @@ void MpiTransport::AddCounters(OpKind kind, const OpCounters& c) {
 }
 
 void MpiTransport::Poison(const absl::Status& status) {
+  dirty_ = true;
   if (poisoned_.ok()) {
     poisoned_ = status;
     MOONEP_WARN("transport mpi: unusable after: %s", std::string(status.message()));
@@ -1052,7 +1090,7 @@ absl::Status MpiTransport::AbortPeers(OpKind kind, absl::Status status) {
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
     MPI_Request request;
-    if (MPI_Isend(abort_out_.data(), 2, MPI_INT64_T, r, kAbortTag, abort_comm_, &request) ==
+    if (MPI_Isend(abort_out_.data(), 2, MPI_INT64_T, r, abort_tag_, abort_comm_, &request) ==
         MPI_SUCCESS) {
       MPI_Request_free(&request);
     }
@@ -1075,6 +1113,7 @@ absl::Status MpiTransport::PollAbort() {
 }
 
 absl::StatusOr<RequestPtr> MpiTransport::Skipped() {
+  dirty_ = true;  // peers will time out on this rank's silence
   MOONEP_WARN("transport mpi: test hook: rank %d skips this operation", rank_);
   return RequestPtr(new DoneRequest());
 }

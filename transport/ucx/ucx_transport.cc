@@ -1,0 +1,2080 @@
+#include "transport/ucx/ucx_transport.h"
+
+#include <ucp/api/ucp.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "moonep/core/env.h"
+#include "moonep/core/logging.h"
+#include "moonep/core/status.h"
+#include "planner/plan_builder.h"
+#include "transport/layout.h"
+#include "transport/testing_hooks.h"
+
+namespace moonep::transport::ucx {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Row operations and weight operations are separate channels (own sequence numbers and signal
+// slots), so a prefetch may overlap a dispatch.
+constexpr int kRowsChannel = 0, kWeightsChannel = 1, kChannels = 2;
+// Signal slots per (channel, peer): operation `seq` uses slot seq % kSignalDepth. A slot is reused
+// only when the operation kSignalDepth earlier completed, so at most this many operations of one
+// channel may be in flight on a rank.
+constexpr int64_t kSignalDepth = 32;
+// Registered regions kept per transport; the least recently used unpinned one goes first.
+constexpr size_t kMaxRegions = 256;
+constexpr uint16_t kAmId = 7;
+
+enum MsgType : int32_t { kMsgCounts = 1, kMsgReady = 2, kMsgAbort = 3, kMsgDropKey = 4 };
+
+// Every control message (an active message) starts with this header.
+struct MsgHeader {
+  int32_t type;
+  int32_t channel;
+  int32_t from;
+  int32_t aux;  // abort: the failed op kind
+  int64_t seq;  // op sequence; drop-key: the region id
+};
+
+// A receiver's "ready" message: where a sender may write in this operation.
+struct ReadyHeader {
+  int64_t row_bytes;  // bytes per row (or -1 where rows do not apply)
+  int64_t count;      // rows (or blocks) the receiver expects from this sender
+  int32_t num_targets;
+  int32_t pad;
+};
+struct TargetRef {
+  uint64_t region_id;  // 0: an empty target (no bytes)
+  uint64_t address;
+  uint64_t length;
+  uint32_t rkey_bytes;  // packed key follows when the sender has not seen this region yet
+  uint32_t pad;
+};
+
+struct RowMeta {  // per dispatched row, sender -> receiver: its unique row and its top-k weight
+  int32_t unique;
+  float weight;
+};
+static_assert(sizeof(RowMeta) == 8, "RowMeta is sent as bytes");
+
+absl::Status UcsCheck(ucs_status_t s, const char* what) {
+  if (s == UCS_OK) return absl::OkStatus();
+  return SystemError("%s failed: %s", what, ucs_status_string(s));
+}
+
+std::string RankList(const std::vector<int>& ranks) { return absl::StrJoin(ranks, ","); }
+
+bool IsRowDType(DType d) { return d == DType::kFloat32 || d == DType::kBFloat16; }
+
+// A 2-D contiguous CPU matrix with at least `min_rows` rows and `cols` columns (cols < 0: any).
+absl::Status CheckRows(const TensorView& v, const char* name, int64_t min_rows, int64_t cols) {
+  MOONEP_CHECK_ARG(v.ndim == 2, "%s: expected a 2-D tensor, got %s", name, v.DebugString());
+  MOONEP_CHECK_ARG(v.device == Device::kCpu, "%s: the UCX transport needs host memory, got %s",
+                   name, v.DebugString());
+  MOONEP_CHECK_ARG(IsRowDType(v.dtype), "%s: dtype must be fp32 or bf16", name);
+  MOONEP_CHECK_ARG(v.shape[0] >= min_rows, "%s: has %d rows, needs at least %d", name, v.shape[0],
+                   min_rows);
+  MOONEP_CHECK_ARG(cols < 0 || v.shape[1] == cols, "%s: has %d columns, expected %d", name,
+                   v.shape[1], cols);
+  MOONEP_CHECK_ARG(v.is_contiguous(), "%s: tensor must be contiguous", name);
+  MOONEP_CHECK_ARG(v.numel() == 0 || v.data != nullptr, "%s: null data pointer", name);
+  MOONEP_CHECK_ARG(reinterpret_cast<uintptr_t>(v.data) % DTypeSize(v.dtype) == 0,
+                   "%s: data pointer is not aligned to its element size", name);
+  return absl::OkStatus();
+}
+
+// One UCP context per process, shared by every transport (each has its own worker): reading the
+// configuration and opening the transports is the slow part of setup.
+struct SharedContext {
+  std::mutex mu;
+  ucp_context_h context = nullptr;
+  int users = 0;
+};
+SharedContext& Shared() {
+  static SharedContext* shared = new SharedContext();
+  return *shared;
+}
+
+absl::StatusOr<ucp_context_h> AcquireContext() {
+  SharedContext& s = Shared();
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (s.context == nullptr) {
+    ucp_config_t* config = nullptr;
+    MOONEP_RETURN_IF_ERROR(UcsCheck(ucp_config_read(nullptr, nullptr, &config), "ucp_config_read"));
+    ucp_params_t params;
+    std::memset(&params, 0, sizeof(params));
+    params.field_mask = UCP_PARAM_FIELD_FEATURES;
+    params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM;
+    const ucs_status_t st = ucp_init(&params, config, &s.context);
+    ucp_config_release(config);
+    if (st != UCS_OK) {
+      s.context = nullptr;
+      return UcsCheck(st, "ucp_init");
+    }
+  }
+  ++s.users;
+  return s.context;
+}
+
+void ReleaseContext() {
+  SharedContext& s = Shared();
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (--s.users == 0) {
+    ucp_cleanup(s.context);
+    s.context = nullptr;
+  }
+}
+
+// A remote buffer a sender may write: bounds and key, from a ready message.
+struct Target {
+  uint64_t address = 0;
+  uint64_t length = 0;
+  ucp_rkey_h rkey = nullptr;
+};
+
+class UcxTransport;
+
+// One operation in flight. A rank plays up to three parts in it: it waits for control messages
+// (counts, or a receiver's "ready"), it waits for completion signals of senders writing into its
+// buffers, and it waits for its own puts to complete (a flush per destination).
+class UcxOp : public Request {
+ public:
+  UcxOp(UcxTransport* transport, OpKind kind, int channel, int64_t seq);
+  ~UcxOp() override;
+  absl::StatusOr<bool> Test() override;
+  absl::Status Wait() override;
+  absl::Status Begin(absl::Status started);
+
+ protected:
+  // Expect a message of `type` from `peer` in this op; OnMessage runs when it arrives.
+  void ExpectMessage(int peer, int32_t type) { awaiting_message_.push_back({peer, type}); }
+  // Expect the completion signal of `peer` (it wrote everything it had for this rank).
+  void ExpectSignal(int peer) { awaiting_signal_.push_back(peer); }
+  virtual absl::Status OnMessage(int /*peer*/, int32_t /*type*/, const std::vector<char>& /*m*/) {
+    return absl::OkStatus();
+  }
+  virtual absl::Status OnSignal(int /*peer*/) { return absl::OkStatus(); }
+  virtual absl::Status Finish() { return absl::OkStatus(); }
+  // Count-exchange style errors that every rank sees alike keep the transport usable.
+  virtual bool Agreed(const absl::Status& /*s*/) const { return false; }
+
+  // Registers [data, data + bytes) (cached) and pins it for this op; fills the ready entry.
+  absl::Status AddTarget(int peer, const void* data, uint64_t bytes, std::vector<char>* msg);
+  // Sends a ready message: header then the targets added by AddTarget.
+  absl::Status SendReady(int peer, int64_t row_bytes, int64_t count, int32_t num_targets,
+                         std::vector<char> targets);
+  // Parses a ready message into targets (keys resolved); checks the expected target count.
+  absl::Status ParseReady(int peer, const std::vector<char>& m, int32_t want_targets,
+                          ReadyHeader* header, std::vector<Target>* targets);
+  // A bounds-checked put of bytes into target + offset.
+  absl::Status Put(int peer, const void* src, uint64_t bytes, const Target& target,
+                   uint64_t offset);
+  // Fence, completion signal, then a flush whose completion ends this rank's part for `peer`.
+  absl::Status SignalAndFlush(int peer);
+
+  UcxTransport* transport_;
+  OpKind kind_;
+  int channel_;
+  int64_t seq_;
+  int me_;
+  OpCounters counters_;
+
+ private:
+  absl::Status Fail(absl::Status status);
+  void Cleanup();
+  absl::Status TimeoutStatus() const;
+
+  struct Awaited {
+    int peer;
+    int32_t type;
+  };
+  struct Flush {
+    int peer;
+    void* request;
+  };
+  std::vector<Awaited> awaiting_message_;
+  std::vector<int> awaiting_signal_;
+  std::vector<Flush> flushes_;
+  std::vector<uint64_t> pinned_;
+  uint64_t signal_value_ = 0;
+  bool done_ = false;
+  absl::Status status_;
+  Clock::time_point deadline_;
+  int64_t timeout_ms_;
+};
+
+class UcxTransport : public Transport {
+ public:
+  ~UcxTransport() override;
+  static absl::StatusOr<std::unique_ptr<Transport>> Create(const TransportOptions& options);
+
+  const char* backend() const override { return "ucx"; }
+  int32_t rank() const override { return rank_; }
+  int32_t size() const override { return size_; }
+  int64_t timeout_ms() const override { return timeout_ms_; }
+
+  absl::StatusOr<RequestPtr> StartExchangeCounts(absl::Span<const int32_t> topk_ids,
+                                                 int64_t num_tokens, int32_t top_k,
+                                                 int32_t num_experts, int64_t recv_capacity_rows,
+                                                 DispatchHandle* handle) override;
+  absl::StatusOr<RequestPtr> StartDispatch(const planner::Plan& plan, const TensorView& x,
+                                           absl::Span<const float> topk_weights,
+                                           DispatchHandle* handle, const TensorView& recv_rows,
+                                           absl::Span<float> recv_weights) override;
+  absl::StatusOr<RequestPtr> StartCombine(DispatchHandle* handle, const TensorView& expert_rows,
+                                          const TensorView& y) override;
+  absl::StatusOr<RequestPtr> StartCombineBackward(DispatchHandle* handle, const TensorView& dy,
+                                                  const TensorView& dy_rows) override;
+  absl::StatusOr<RequestPtr> StartDispatchBackward(DispatchHandle* handle,
+                                                   const TensorView& dx_rows,
+                                                   const TensorView& dx) override;
+  absl::StatusOr<RequestPtr> StartTopkWeightGrad(DispatchHandle* handle,
+                                                 const TensorView& dy_rows,
+                                                 const TensorView& expert_rows,
+                                                 absl::Span<float> d_topk_weights) override;
+  absl::StatusOr<RequestPtr> StartPrefetch(const planner::Plan& plan,
+                                           const ExpertBlocks& params) override;
+  absl::StatusOr<RequestPtr> StartReduce(const planner::Plan& plan,
+                                         const ExpertBlocks& grads) override;
+
+  OpCounters counters(OpKind kind) const override { return counters_[static_cast<int>(kind)]; }
+  void ResetCounters() override { counters_.fill(OpCounters{}); }
+
+  // Shared with ops.
+  const TransportOptions& options() const { return options_; }
+  ucp_ep_h ep(int peer) const { return eps_[peer]; }
+  void AddCounters(OpKind kind, const OpCounters& c);
+  void Poison(const absl::Status& status);
+  absl::Status Usable() const;
+  absl::Status AbortPeers(OpKind kind, absl::Status status);
+  absl::Status PollAbort();
+  // One ucp_worker_progress for every operation and peer, then completed sends are reaped.
+  void Progress();
+  absl::Status SendMessage(int peer, int32_t type, int channel, int64_t seq, int32_t aux,
+                           std::vector<char> payload);
+  // Takes the message (channel, seq, from, type) if it arrived.
+  bool TakeMessage(int channel, int64_t seq, int from, int32_t type, std::vector<char>* out);
+  void DropMessages(int channel, int64_t seq);
+  bool SignalArrived(int channel, int64_t seq, int from) const {
+    const volatile uint64_t* slot = SignalSlot(channel, from, seq);
+    return *slot == static_cast<uint64_t>(seq + 1);
+  }
+  // Remote address of the signal slot this rank writes on `peer`.
+  uint64_t RemoteSignalAddress(int peer, int channel, int64_t seq) const {
+    const uint64_t index = (static_cast<uint64_t>(channel) * size_ + rank_) * kSignalDepth +
+                           static_cast<uint64_t>(seq % kSignalDepth);
+    return signal_remote_address_[peer] + index * sizeof(uint64_t);
+  }
+  ucp_rkey_h signal_rkey(int peer) const { return signal_rkeys_[peer]; }
+  ucp_worker_h worker() const { return worker_; }
+
+  // Registration cache: the region holding [data, data + bytes), mapped on first use.
+  absl::StatusOr<uint64_t> Register(const void* data, uint64_t bytes);
+  void Pin(uint64_t id, int delta);
+  // The packed key of region `id` if `peer` has not been sent it yet (and marks it sent).
+  const std::vector<char>* KeyFor(uint64_t id, int peer);
+  // The unpacked key of `peer`'s region `id`, nullptr if not known yet.
+  ucp_rkey_h RemoteKey(int peer, uint64_t id) const {
+    auto it = remote_keys_.find({peer, id});
+    return it == remote_keys_.end() ? nullptr : it->second;
+  }
+  void OpStarted() { ++ops_in_flight_[0]; }
+  void OpEnded() { --ops_in_flight_[0]; }
+  int64_t InFlight(int channel) const { return channel_in_flight_[channel]; }
+  void ChannelDelta(int channel, int delta) { channel_in_flight_[channel] += delta; }
+
+  std::vector<char> reduce_staging;
+  int64_t region_registrations = 0;  // ucp_mem_map calls of caller or staging memory
+
+ private:
+  UcxTransport() = default;
+  static ucs_status_t OnActiveMessage(void* arg, const void* header, size_t header_length,
+                                      void* data, size_t length, const ucp_am_recv_param_t* param);
+  const volatile uint64_t* SignalSlot(int channel, int from, int64_t seq) const {
+    const uint64_t index = (static_cast<uint64_t>(channel) * size_ + from) * kSignalDepth +
+                           static_cast<uint64_t>(seq % kSignalDepth);
+    return signals_ + index;
+  }
+  absl::Status CheckDispatched(OpKind kind, DispatchHandle* handle);
+  absl::Status CheckBlocks(const planner::Plan& plan, const ExpertBlocks& blocks,
+                           const char* name) const;
+  absl::StatusOr<RequestPtr> Skipped();
+  absl::Status CheckChannel(OpKind kind, int channel);
+  void EnsureRowStaging(DispatchHandle* handle) const;
+  void EvictRegions();
+  void DestroyDroppedKeys();
+
+  struct Region {
+    uint64_t id = 0;
+    uintptr_t base = 0;
+    uint64_t length = 0;
+    ucp_mem_h memh = nullptr;
+    std::vector<char> packed_key;
+    std::vector<char> peer_has_key;
+    int pins = 0;
+    uint64_t last_use = 0;
+  };
+  struct Outgoing {
+    void* request;
+    std::unique_ptr<std::vector<char>> bytes;
+  };
+
+  TransportOptions options_;
+  int32_t rank_ = 0, size_ = 1;
+  int64_t timeout_ms_ = 0;
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  std::vector<ucp_ep_h> eps_;
+  // Signals: [channel][from][slot], UCX-allocated and registered once; peers' keys unpacked once.
+  ucp_mem_h signal_memh_ = nullptr;
+  volatile uint64_t* signals_ = nullptr;
+  std::vector<uint64_t> signal_remote_address_;
+  std::vector<ucp_rkey_h> signal_rkeys_;
+  // Control messages that arrived, by (channel, seq, from, type).
+  std::map<std::tuple<int, int64_t, int, int32_t>, std::vector<char>> inbox_;
+  std::deque<Outgoing> outbox_;
+  std::vector<Region> regions_;
+  uint64_t next_region_id_ = 1, use_clock_ = 0;
+  std::map<std::pair<int, uint64_t>, ucp_rkey_h> remote_keys_;
+  std::vector<ucp_rkey_h> dropped_keys_;  // destroyed once no op is in flight
+  std::array<int64_t, 1> ops_in_flight_{};
+  std::array<int64_t, kChannels> channel_in_flight_{};
+  int64_t seq_[kChannels] = {0, 0};
+  bool abort_seen_ = false;
+  int32_t abort_rank_ = -1, abort_kind_ = 0;
+  absl::Status poisoned_;
+  std::array<OpCounters, static_cast<int>(OpKind::kNumKinds)> counters_{};
+
+  friend class UcxOp;
+};
+
+// ---------------------------------------------------------------------------------------------
+// UcxOp
+
+UcxOp::UcxOp(UcxTransport* transport, OpKind kind, int channel, int64_t seq)
+    : transport_(transport),
+      kind_(kind),
+      channel_(channel),
+      seq_(seq),
+      me_(transport->rank()),
+      deadline_(Clock::now() + std::chrono::milliseconds(transport->timeout_ms())),
+      timeout_ms_(transport->timeout_ms()) {
+  counters_.calls = 1;
+  signal_value_ = static_cast<uint64_t>(seq + 1);
+  transport_->OpStarted();
+  transport_->ChannelDelta(channel_, 1);
+}
+
+UcxOp::~UcxOp() {
+  if (!done_) {
+    Fail(InvalidUsage("%s: request destroyed before it completed", OpName(kind_))).IgnoreError();
+  }
+}
+
+absl::Status UcxOp::Begin(absl::Status started) {
+  if (!started.ok()) return Fail(started);
+  return absl::OkStatus();
+}
+
+absl::Status UcxOp::AddTarget(int peer, const void* data, uint64_t bytes, std::vector<char>* msg) {
+  TargetRef ref;
+  std::memset(&ref, 0, sizeof(ref));
+  const std::vector<char>* key = nullptr;
+  if (bytes > 0) {
+    MOONEP_ASSIGN_OR_RETURN(const uint64_t id, transport_->Register(data, bytes));
+    transport_->Pin(id, 1);
+    pinned_.push_back(id);
+    ref.region_id = id;
+    ref.address = reinterpret_cast<uintptr_t>(data);
+    ref.length = bytes;
+    key = transport_->KeyFor(id, peer);
+    if (key) ref.rkey_bytes = static_cast<uint32_t>(key->size());
+  }
+  const size_t at = msg->size();
+  msg->resize(at + sizeof(ref) + ref.rkey_bytes);
+  std::memcpy(msg->data() + at, &ref, sizeof(ref));
+  if (key) std::memcpy(msg->data() + at + sizeof(ref), key->data(), key->size());
+  return absl::OkStatus();
+}
+
+absl::Status UcxOp::SendReady(int peer, int64_t row_bytes, int64_t count, int32_t num_targets,
+                              std::vector<char> targets) {
+  ReadyHeader h;
+  std::memset(&h, 0, sizeof(h));
+  h.row_bytes = row_bytes;
+  h.count = count;
+  h.num_targets = num_targets;
+  std::vector<char> msg(sizeof(h) + targets.size());
+  std::memcpy(msg.data(), &h, sizeof(h));
+  if (!targets.empty()) std::memcpy(msg.data() + sizeof(h), targets.data(), targets.size());
+  return transport_->SendMessage(peer, kMsgReady, channel_, seq_, 0, std::move(msg));
+}
+
+absl::Status UcxOp::ParseReady(int peer, const std::vector<char>& m, int32_t want_targets,
+                               ReadyHeader* header, std::vector<Target>* targets) {
+  if (m.size() < sizeof(ReadyHeader)) {
+    return InvalidArgument("%s: malformed ready message from rank %d", OpName(kind_), peer);
+  }
+  std::memcpy(header, m.data(), sizeof(ReadyHeader));
+  if (header->num_targets != want_targets) {
+    return InvalidArgument("%s: rank %d offers %d buffers, rank %d has %d to write there "
+                           "(sizes differ across ranks?)",
+                           OpName(kind_), peer, header->num_targets, me_, want_targets);
+  }
+  targets->assign(static_cast<size_t>(want_targets), Target{});
+  size_t at = sizeof(ReadyHeader);
+  for (int32_t i = 0; i < want_targets; ++i) {
+    TargetRef ref;
+    if (at + sizeof(ref) > m.size()) {
+      return InvalidArgument("%s: malformed ready message from rank %d", OpName(kind_), peer);
+    }
+    std::memcpy(&ref, m.data() + at, sizeof(ref));
+    at += sizeof(ref) + ref.rkey_bytes;
+    Target& t = (*targets)[i];
+    t.address = ref.address;
+    t.length = ref.length;
+    if (ref.region_id != 0) {
+      t.rkey = transport_->RemoteKey(peer, ref.region_id);
+      if (t.rkey == nullptr) {
+        return SystemError("%s: no memory key for rank %d's region %d", OpName(kind_), peer,
+                           ref.region_id);
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status UcxOp::Put(int peer, const void* src, uint64_t bytes, const Target& target,
+                        uint64_t offset) {
+  if (bytes == 0) return absl::OkStatus();
+  // The receiver's buffer bounds come with its ready message: no layout disagreement can make a
+  // put land outside the buffer the receiver named.
+  if (offset > target.length || bytes > target.length - offset || target.rkey == nullptr) {
+    return InvalidArgument("%s: %d bytes at offset %d do not fit rank %d's %d-byte buffer "
+                           "(sizes differ across ranks?)",
+                           OpName(kind_), bytes, offset, peer, target.length);
+  }
+  ucp_request_param_t param;
+  std::memset(&param, 0, sizeof(param));
+  ucs_status_ptr_t r = ucp_put_nbx(transport_->ep(peer), src, bytes, target.address + offset,
+                                   target.rkey, &param);
+  if (UCS_PTR_IS_ERR(r)) {
+    return Annotate(UcsCheck(UCS_PTR_STATUS(r), "ucp_put_nbx"), OpName(kind_));
+  }
+  // Completion is tracked by the flush that follows the signal; the request is released now.
+  if (r != nullptr) ucp_request_free(r);
+  ++counters_.messages_sent;
+  return absl::OkStatus();
+}
+
+absl::Status UcxOp::SignalAndFlush(int peer) {
+  // The fence orders the data before the signal: a receiver that sees the signal sees the rows.
+  MOONEP_RETURN_IF_ERROR(UcsCheck(ucp_worker_fence(transport_->worker()), "ucp_worker_fence"));
+  ucp_request_param_t param;
+  std::memset(&param, 0, sizeof(param));
+  ucs_status_ptr_t r =
+      ucp_put_nbx(transport_->ep(peer), &signal_value_, sizeof(signal_value_),
+                  transport_->RemoteSignalAddress(peer, channel_, seq_),
+                  transport_->signal_rkey(peer), &param);
+  if (UCS_PTR_IS_ERR(r)) return Annotate(UcsCheck(UCS_PTR_STATUS(r), "signal put"), OpName(kind_));
+  if (r != nullptr) ucp_request_free(r);
+  std::memset(&param, 0, sizeof(param));
+  r = ucp_ep_flush_nbx(transport_->ep(peer), &param);
+  if (UCS_PTR_IS_ERR(r)) return Annotate(UcsCheck(UCS_PTR_STATUS(r), "ucp_ep_flush_nbx"), OpName(kind_));
+  if (r != nullptr) flushes_.push_back(Flush{peer, r});
+  return absl::OkStatus();
+}
+
+absl::Status UcxOp::TimeoutStatus() const {
+  std::vector<int> silent, unreceived;
+  auto add = [](std::vector<int>* list, int peer) {
+    if (std::find(list->begin(), list->end(), peer) == list->end()) list->push_back(peer);
+  };
+  for (const Awaited& a : awaiting_message_) add(&silent, a.peer);
+  for (int p : awaiting_signal_) add(&silent, p);
+  for (const Flush& f : flushes_) add(&unreceived, f.peer);
+  std::sort(silent.begin(), silent.end());
+  std::sort(unreceived.begin(), unreceived.end());
+  if (!silent.empty()) {
+    return Timeout("%s timed out after %d ms on rank %d: nothing heard from rank(s) %s",
+                   OpName(kind_), timeout_ms_, me_, RankList(silent));
+  }
+  return Timeout("%s timed out after %d ms on rank %d: rank(s) %s did not take their data",
+                 OpName(kind_), timeout_ms_, me_, RankList(unreceived));
+}
+
+absl::StatusOr<bool> UcxOp::Test() {
+  if (done_) {
+    if (!status_.ok()) return status_;
+    return true;
+  }
+  transport_->Progress();
+  {
+    absl::Status usable = transport_->Usable();
+    if (usable.ok()) usable = transport_->PollAbort();
+    if (!usable.ok()) return Fail(usable);
+  }
+  // Control messages (counts, ready): each may start puts.
+  for (size_t i = 0; i < awaiting_message_.size();) {
+    std::vector<char> m;
+    const Awaited a = awaiting_message_[i];
+    if (!transport_->TakeMessage(channel_, seq_, a.peer, a.type, &m)) {
+      ++i;
+      continue;
+    }
+    awaiting_message_.erase(awaiting_message_.begin() + static_cast<ptrdiff_t>(i));
+    absl::Status s = OnMessage(a.peer, a.type, m);
+    if (!s.ok()) return Fail(s);
+  }
+  for (size_t i = 0; i < awaiting_signal_.size();) {
+    const int peer = awaiting_signal_[i];
+    if (!transport_->SignalArrived(channel_, seq_, peer)) {
+      ++i;
+      continue;
+    }
+    awaiting_signal_.erase(awaiting_signal_.begin() + static_cast<ptrdiff_t>(i));
+    absl::Status s = OnSignal(peer);
+    if (!s.ok()) return Fail(s);
+  }
+  for (size_t i = 0; i < flushes_.size();) {
+    const ucs_status_t st = ucp_request_check_status(flushes_[i].request);
+    if (st == UCS_INPROGRESS) {
+      ++i;
+      continue;
+    }
+    ucp_request_free(flushes_[i].request);
+    const int peer = flushes_[i].peer;
+    flushes_.erase(flushes_.begin() + static_cast<ptrdiff_t>(i));
+    if (st != UCS_OK) {
+      return Fail(Annotate(UcsCheck(st, "flush"), absl::StrCat(OpName(kind_), " to rank ", peer)));
+    }
+  }
+  if (awaiting_message_.empty() && awaiting_signal_.empty() && flushes_.empty()) {
+    absl::Status s = Finish();
+    if (!s.ok()) return Fail(s);
+    done_ = true;
+    Cleanup();
+    transport_->AddCounters(kind_, counters_);
+    return true;
+  }
+  if (Clock::now() >= deadline_) return Fail(TimeoutStatus());
+  return false;
+}
+
+absl::Status UcxOp::Wait() {
+  int idle = 0;
+  while (true) {
+    absl::StatusOr<bool> r = Test();
+    if (!r.ok()) return r.status();
+    if (*r) return absl::OkStatus();
+    // Oversubscribed hosts: let the peers we wait for run.
+    if (++idle < 64) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+}
+
+absl::Status UcxOp::Fail(absl::Status status) {
+  if (done_) return status_;
+  done_ = true;
+  status_ = status;
+  const bool pending = !flushes_.empty();
+  Cleanup();
+  const bool remote = ToResult(status) == moonepRemoteError;
+  if (pending || !Agreed(status)) {
+    if (!remote && !absl::IsDeadlineExceeded(status)) {
+      transport_->AbortPeers(kind_, status).IgnoreError();
+    }
+    transport_->Poison(status);
+  }
+  return status;
+}
+
+void UcxOp::Cleanup() {
+  // Flushes still pending complete in the background; their requests are released now. Puts
+  // already issued cannot be recalled: a failed transport is destroyed, not reused.
+  for (const Flush& f : flushes_) ucp_request_free(f.request);
+  flushes_.clear();
+  for (uint64_t id : pinned_) transport_->Pin(id, -1);
+  pinned_.clear();
+  transport_->DropMessages(channel_, seq_);
+  transport_->ChannelDelta(channel_, -1);
+  transport_->OpEnded();
+}
+
+class DoneRequest : public Request {
+ public:
+  absl::StatusOr<bool> Test() override { return true; }
+  absl::Status Wait() override { return absl::OkStatus(); }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Count exchange: [flag, T, K, E, capacity, counts[E]] to every peer as a control message.
+
+constexpr int kCountHeader = 5;
+
+class CountsOp : public UcxOp {
+ public:
+  CountsOp(UcxTransport* t, int channel, int64_t seq, DispatchHandle* handle)
+      : UcxOp(t, OpKind::kCounts, channel, seq), handle_(handle) {}
+
+  absl::Status Start(absl::Status local, absl::Span<const int32_t> ids, int64_t T, int32_t K,
+                     int32_t E, int64_t capacity) {
+    local_ = local;
+    E_ = E;
+    R_ = transport_->size();
+    const int64_t width = kCountHeader + E;
+    mine_.assign(static_cast<size_t>(width), 0);
+    mine_[0] = local.ok() ? 0 : 1;
+    mine_[1] = T;
+    mine_[2] = K;
+    mine_[3] = E;
+    mine_[4] = capacity;
+    if (local.ok()) CountRouting(ids, E, mine_.data() + kCountHeader);
+    all_.assign(static_cast<size_t>(R_) * width, 0);
+    std::copy(mine_.begin(), mine_.end(), all_.begin() + me_ * width);
+    mismatch_.assign(R_, 0);
+    for (int r = 0; r < R_; ++r) {
+      if (r == me_) continue;
+      ExpectMessage(r, kMsgCounts);
+      std::vector<char> payload(static_cast<size_t>(width) * 8);
+      std::memcpy(payload.data(), mine_.data(), payload.size());
+      MOONEP_RETURN_IF_ERROR(
+          transport_->SendMessage(r, kMsgCounts, channel_, seq_, 0, std::move(payload)));
+      counters_.bytes_sent += width * 8;
+      ++counters_.messages_sent;
+    }
+    if (local.ok()) {
+      handle_->topk_ids_.assign(ids.begin(), ids.end());
+      handle_->num_tokens_ = T;
+      handle_->top_k_ = K;
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  bool Agreed(const absl::Status& s) const override {
+    return absl::IsInvalidArgument(s) || absl::IsResourceExhausted(s) ||
+           ToResult(s) == moonepRemoteError;
+  }
+
+  absl::Status OnMessage(int peer, int32_t, const std::vector<char>& m) override {
+    const int64_t width = kCountHeader + E_;
+    counters_.bytes_received += static_cast<int64_t>(m.size());
+    // A different width means a different num_experts: every rank sees it in this exchange.
+    if (static_cast<int64_t>(m.size()) != width * 8) {
+      mismatch_[peer] = 1;
+      if (m.size() >= 8) std::memcpy(all_.data() + peer * width, m.data(), 8);
+      return absl::OkStatus();
+    }
+    std::memcpy(all_.data() + peer * width, m.data(), m.size());
+    return absl::OkStatus();
+  }
+
+  absl::Status Finish() override {
+    handle_->counted_ = false;
+    handle_->dispatched_ = false;
+    const int64_t width = kCountHeader + E_;
+    std::vector<int> bad;
+    for (int r = 0; r < R_; ++r) {
+      if (r != me_ && mine_[0] == 0 && (mismatch_[r] || all_[r * width + 3] != E_)) {
+        return InvalidArgument("count exchange: rank %d uses a different num_experts than rank "
+                               "%d (%d)", r, me_, E_);
+      }
+      if (all_[r * width] != 0) bad.push_back(r);
+    }
+    if (!local_.ok()) return local_;
+    if (!bad.empty()) {
+      return RemoteError("count exchange: rank(s) %s rejected their routing input", RankList(bad));
+    }
+    handle_->rank_ = me_;
+    handle_->num_ranks_ = R_;
+    handle_->num_experts_ = E_;
+    handle_->counts_.resize(static_cast<size_t>(R_) * E_);
+    handle_->rank_tokens_.resize(R_);
+    handle_->rank_capacity_.resize(R_);
+    for (int r = 0; r < R_; ++r) {
+      const int64_t* row = all_.data() + r * width;
+      handle_->rank_tokens_[r] = row[1];
+      handle_->rank_capacity_[r] = row[4];
+      std::copy(row + kCountHeader, row + width, handle_->counts_.begin() + r * E_);
+    }
+    planner::ComputeSourceOffsets(handle_->counts_, R_, E_, &handle_->offsets_);
+    handle_->counted_ = true;
+    return absl::OkStatus();
+  }
+
+  DispatchHandle* handle_;
+  absl::Status local_;
+  int32_t E_ = 0, R_ = 0;
+  std::vector<int64_t> mine_, all_;
+  std::vector<char> mismatch_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Row ops.
+
+template <typename Fn>
+void ForEachRowFrom(const ReceiveLayout& recv, int32_t s, Fn&& fn) {
+  int64_t i = 0;
+  for (int64_t r = recv.run_begin[s]; r < recv.run_begin[s + 1]; ++r) {
+    for (int64_t j = 0; j < recv.run_count[r]; ++j) fn(i++, recv.run_row[r] + j);
+  }
+}
+
+// Zeroes every row (and weight) of [0, rank_rows) that no group fills.
+void ZeroUnfilledRows(const planner::Plan& plan, int32_t d, const TensorView& rows, float* weights) {
+  const int32_t G = plan.num_groups();
+  const size_t row_bytes = static_cast<size_t>(rows.shape[1]) * DTypeSize(rows.dtype);
+  auto zero = [&](int64_t a, int64_t b) {
+    if (b <= a) return;
+    std::memset(rows.row(a), 0, static_cast<size_t>(b - a) * row_bytes);
+    if (weights) std::fill(weights + a, weights + b, 0.0f);
+  };
+  int64_t end = 0;
+  for (int32_t g = 0; g < G; ++g) {
+    const size_t i = static_cast<size_t>(d) * G + g;
+    zero(end, plan.group_offset[i]);
+    zero(plan.group_offset[i] + plan.group_count[i], plan.group_offset[i] + plan.group_padded[i]);
+    end = plan.group_offset[i] + plan.group_padded[i];
+  }
+  zero(end, plan.rank_rows[d]);
+}
+
+// Dispatch (rows + per-row metadata) and combine-backward (the same movement of dy, metadata
+// known). A sender puts each unique token once, at the first row it fills on the destination
+// (its landing row: the same function of the layout on both sides); the receiver copies it into
+// the token's other rows after the signal.
+class DispatchOp : public UcxOp {
+ public:
+  DispatchOp(UcxTransport* t, OpKind kind, int channel, int64_t seq, DispatchHandle* h)
+      : UcxOp(t, kind, channel, seq), h_(h) {}
+
+  absl::Status Start(const TensorView& x, const TensorView& rows, float* weights) {
+    forward_ = kind_ == OpKind::kDispatch;
+    const SendLayout& send = h_->send_;
+    const ReceiveLayout& recv = h_->recv_;
+    const int32_t R = h_->num_ranks_;
+    x_ = x;
+    rows_ = rows;
+    weights_ = weights;
+    row_bytes_ = static_cast<int64_t>(x.shape[1]) * DTypeSize(x.dtype);
+    ZeroUnfilledRows(h_->plan_, me_, rows, weights);
+    if (forward_) {
+      h_->meta_recv_.resize(static_cast<size_t>(recv.rows_begin[R]) * sizeof(RowMeta));
+      h_->recv_unique_.assign(static_cast<size_t>(recv.rows_begin[R]), -1);
+      h_->landing_.assign(static_cast<size_t>(recv.rows_begin[R]), -1);
+      h_->unique_from_.assign(R, 0);
+    }
+    // Receiver part: tell each source where its rows (and metadata) go.
+    for (int32_t s = 0; s < R; ++s) {
+      const int64_t n = recv.rows_from(s);
+      if (s == me_ || n == 0) continue;
+      std::vector<char> targets;
+      MOONEP_RETURN_IF_ERROR(AddTarget(s, rows.data, rows.nbytes(), &targets));
+      if (forward_) {
+        MOONEP_RETURN_IF_ERROR(AddTarget(
+            s, h_->meta_recv_.data() + recv.rows_begin[s] * sizeof(RowMeta),
+            static_cast<uint64_t>(n) * sizeof(RowMeta), &targets));
+      }
+      MOONEP_RETURN_IF_ERROR(SendReady(s, row_bytes_, n, forward_ ? 2 : 1, std::move(targets)));
+      ExpectSignal(s);
+    }
+    // Sender part: wait for each destination's ready.
+    for (int32_t d = 0; d < R; ++d) {
+      if (d != me_ && send.rows_to(d) > 0) ExpectMessage(d, kMsgReady);
+    }
+    if (forward_) h_->meta_send_.resize(send.entries.size() * sizeof(RowMeta));
+    // This rank's own rows: copied directly.
+    for (int64_t i = send.entry_begin[me_]; i < send.entry_begin[me_ + 1]; ++i) {
+      const int32_t entry = send.entries[i];
+      const int64_t row = send.dest_row[entry];
+      std::memcpy(rows.row(row), x.row(entry / send.top_k), static_cast<size_t>(row_bytes_));
+      if (forward_) weights_[row] = h_->topk_weights_[entry];
+    }
+    counters_.rows_local += send.rows_to(me_);
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::Status OnMessage(int d, int32_t, const std::vector<char>& m) override {
+    const SendLayout& send = h_->send_;
+    const int64_t n = send.rows_to(d), u = send.unique_to(d);
+    ReadyHeader header;
+    std::vector<Target> targets;
+    MOONEP_RETURN_IF_ERROR(ParseReady(d, m, forward_ ? 2 : 1, &header, &targets));
+    if (header.row_bytes != row_bytes_ || header.count != n) {
+      return InvalidArgument("%s: rank %d expects %d rows of %d bytes from rank %d, which has %d "
+                             "rows of %d bytes (sizes differ across ranks?)",
+                             OpName(kind_), d, header.count, header.row_bytes, me_, n, row_bytes_);
+    }
+    if (forward_) {
+      auto* meta = reinterpret_cast<RowMeta*>(h_->meta_send_.data()) + send.entry_begin[d];
+      for (int64_t i = 0; i < n; ++i) {
+        const int32_t entry = send.entries[send.entry_begin[d] + i];
+        meta[i].unique = send.entry_unique[send.entry_begin[d] + i];
+        meta[i].weight = h_->topk_weights_[entry];
+      }
+      MOONEP_RETURN_IF_ERROR(Put(d, meta, static_cast<uint64_t>(n) * sizeof(RowMeta), targets[1], 0));
+      counters_.bytes_sent += n * static_cast<int64_t>(sizeof(RowMeta));
+    }
+    // Landing row of each unique token: the first (lowest) row of its entries on d.
+    landing_.assign(static_cast<size_t>(u), -1);
+    for (int64_t i = 0; i < n; ++i) {
+      const int32_t entry = send.entries[send.entry_begin[d] + i];
+      const int32_t uq = send.entry_unique[send.entry_begin[d] + i];
+      if (uq >= 0 && uq < u && landing_[uq] < 0) landing_[uq] = send.dest_row[entry];
+    }
+    // One put per run of consecutive tokens landing on consecutive rows.
+    for (int64_t i = 0; i < u;) {
+      const int32_t token = send.unique_tokens[send.unique_begin[d] + i];
+      int64_t j = i + 1;
+      while (j < u && send.unique_tokens[send.unique_begin[d] + j] == token + (j - i) &&
+             landing_[j] == landing_[i] + (j - i)) {
+        ++j;
+      }
+      if (landing_[i] < 0) return InvalidArgument("%s: unique row %d has no landing row", OpName(kind_), i);
+      MOONEP_RETURN_IF_ERROR(Put(d, x_.row(token), static_cast<uint64_t>((j - i) * row_bytes_),
+                                 targets[0], static_cast<uint64_t>(landing_[i] * row_bytes_)));
+      i = j;
+    }
+    counters_.rows_sent += u;
+    counters_.bytes_sent += u * row_bytes_;
+    counters_.rows_deduplicated += n - u;
+    counters_.bytes_deduplicated += (n - u) * row_bytes_;
+    return SignalAndFlush(d);
+  }
+
+  absl::Status OnSignal(int s) override {
+    const ReceiveLayout& recv = h_->recv_;
+    const int64_t base = recv.rows_begin[s];
+    const int64_t n = recv.rows_from(s);
+    if (forward_) {
+      const auto* meta = reinterpret_cast<const RowMeta*>(h_->meta_recv_.data()) + base;
+      int64_t unique = 0;
+      absl::Status bad;
+      ForEachRowFrom(recv, s, [&](int64_t i, int64_t row) {
+        const int32_t u = meta[i].unique;
+        if (u < 0 || u >= n) {
+          if (bad.ok()) bad = InvalidArgument("dispatch: rank %d sent unique index %d for %d rows", s, u, n);
+          return;
+        }
+        h_->recv_unique_[base + i] = u;
+        weights_[row] = meta[i].weight;
+        if (h_->landing_[base + u] < 0) {
+          h_->landing_[base + u] = row;
+          ++unique;
+        }
+      });
+      MOONEP_RETURN_IF_ERROR(bad);
+      for (int64_t u = 0; u < unique; ++u) {
+        if (h_->landing_[base + u] < 0) {
+          return InvalidArgument("dispatch: rank %d's unique rows are not numbered densely", s);
+        }
+      }
+      h_->unique_from_[s] = unique;
+      counters_.bytes_received += n * static_cast<int64_t>(sizeof(RowMeta));
+    }
+    // Rows are in place at their landing rows: copy each into the other rows of its token.
+    int64_t copies = 0;
+    ForEachRowFrom(recv, s, [&](int64_t i, int64_t row) {
+      const int64_t landing = h_->landing_[base + h_->recv_unique_[base + i]];
+      if (landing != row) {
+        std::memcpy(rows_.row(row), rows_.row(landing), static_cast<size_t>(row_bytes_));
+        ++copies;
+      }
+    });
+    counters_.rows_received += n - copies;
+    counters_.bytes_received += (n - copies) * row_bytes_;
+    return absl::OkStatus();
+  }
+
+  absl::Status Finish() override {
+    if (forward_) h_->dispatched_ = true;
+    return absl::OkStatus();
+  }
+
+  DispatchHandle* h_;
+  bool forward_ = true;
+  TensorView x_, rows_;
+  float* weights_ = nullptr;
+  int64_t row_bytes_ = 0;
+  std::vector<int64_t> landing_;
+};
+
+// Combine (weighted) and dispatch-backward (unweighted): rows back to their sources, summed. A
+// source's staging holds the rows from destination d at [entry_begin[d], entry_begin[d+1]) in
+// d's row order, so each run of d's layout is one put.
+class CombineOp : public UcxOp {
+ public:
+  CombineOp(UcxTransport* t, OpKind kind, int channel, int64_t seq, DispatchHandle* h)
+      : UcxOp(t, kind, channel, seq), h_(h) {}
+
+  absl::Status Start(const TensorView& rows, const TensorView& y) {
+    const SendLayout& send = h_->send_;
+    const ReceiveLayout& recv = h_->recv_;
+    const int32_t R = h_->num_ranks_;
+    rows_ = rows;
+    y_ = y;
+    row_bytes_ = static_cast<int64_t>(rows.shape[1]) * DTypeSize(rows.dtype);
+    char* staging = h_->rows_staging_.data();
+    for (int32_t d = 0; d < R; ++d) {
+      const int64_t n = send.rows_to(d);
+      if (d == me_ || n == 0) continue;
+      std::vector<char> targets;
+      MOONEP_RETURN_IF_ERROR(AddTarget(d, staging + send.entry_begin[d] * row_bytes_,
+                                       static_cast<uint64_t>(n * row_bytes_), &targets));
+      MOONEP_RETURN_IF_ERROR(SendReady(d, row_bytes_, n, 1, std::move(targets)));
+      ExpectSignal(d);
+    }
+    for (int32_t s = 0; s < R; ++s) {
+      if (s != me_ && recv.rows_from(s) > 0) ExpectMessage(s, kMsgReady);
+    }
+    counters_.rows_local += send.rows_to(me_);
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::Status OnMessage(int s, int32_t, const std::vector<char>& m) override {
+    const ReceiveLayout& recv = h_->recv_;
+    const int64_t n = recv.rows_from(s);
+    ReadyHeader header;
+    std::vector<Target> targets;
+    MOONEP_RETURN_IF_ERROR(ParseReady(s, m, 1, &header, &targets));
+    if (header.row_bytes != row_bytes_ || header.count != n) {
+      return InvalidArgument("%s: rank %d expects %d rows of %d bytes from rank %d, which has %d "
+                             "rows of %d bytes (sizes differ across ranks?)",
+                             OpName(kind_), s, header.count, header.row_bytes, me_, n, row_bytes_);
+    }
+    int64_t at = 0;
+    for (int64_t r = recv.run_begin[s]; r < recv.run_begin[s + 1]; ++r) {
+      MOONEP_RETURN_IF_ERROR(Put(s, rows_.row(recv.run_row[r]),
+                                 static_cast<uint64_t>(recv.run_count[r] * row_bytes_), targets[0],
+                                 static_cast<uint64_t>(at * row_bytes_)));
+      at += recv.run_count[r];
+    }
+    counters_.rows_sent += n;
+    counters_.bytes_sent += n * row_bytes_;
+    return SignalAndFlush(s);
+  }
+
+  absl::Status OnSignal(int d) override {
+    counters_.rows_received += h_->send_.rows_to(d);
+    counters_.bytes_received += h_->send_.rows_to(d) * row_bytes_;
+    return absl::OkStatus();
+  }
+
+  absl::Status Finish() override {
+    const SendLayout& send = h_->send_;
+    const bool weighted = kind_ == OpKind::kCombine;
+    const int64_t T = send.num_tokens, H = y_.shape[1];
+    const int32_t K = send.top_k;
+    // Staging position of every remote entry.
+    position_.assign(static_cast<size_t>(T) * K, -1);
+    for (int64_t i = 0; i < static_cast<int64_t>(send.entries.size()); ++i) {
+      position_[send.entries[i]] = i;
+    }
+    acc_.resize(static_cast<size_t>(H));
+    const char* staging = h_->rows_staging_.data();
+    const size_t elems_per_row = static_cast<size_t>(H);
+    for (int64_t t = 0; t < T; ++t) {
+      std::fill(acc_.begin(), acc_.end(), 0.0f);
+      for (int32_t k = 0; k < K; ++k) {
+        const int64_t entry = t * K + k;
+        const int32_t d = send.dest_rank[entry];
+        if (d < 0) continue;
+        const void* src = d == me_ ? static_cast<const void*>(rows_.row(send.dest_row[entry]))
+                                   : static_cast<const void*>(staging + position_[entry] * row_bytes_);
+        const float w = weighted ? h_->topk_weights_[entry] : 1.0f;
+        if (rows_.dtype == DType::kFloat32) {
+          const float* v = static_cast<const float*>(src);
+          for (size_t j = 0; j < elems_per_row; ++j) acc_[j] += w * v[j];
+        } else {
+          const BFloat16* v = static_cast<const BFloat16*>(src);
+          for (size_t j = 0; j < elems_per_row; ++j) acc_[j] += w * v[j].ToFloat();
+        }
+      }
+      ConvertFromFloat(acc_.data(), y_.row(t), y_.dtype, elems_per_row);
+    }
+    return absl::OkStatus();
+  }
+
+  DispatchHandle* h_;
+  TensorView rows_, y_;
+  int64_t row_bytes_ = 0;
+  std::vector<float> acc_;
+  std::vector<int64_t> position_;
+};
+
+// d topk_weights: one dot product per row where the rows are, one float back per row, into the
+// source's scalar staging in its send order (one put per destination).
+class TopkWeightGradOp : public UcxOp {
+ public:
+  TopkWeightGradOp(UcxTransport* t, int channel, int64_t seq, DispatchHandle* h)
+      : UcxOp(t, OpKind::kTopkWeightGrad, channel, seq), h_(h) {}
+
+  absl::Status Start(const TensorView& dy_rows, const TensorView& out_rows, float* dw) {
+    const SendLayout& send = h_->send_;
+    const ReceiveLayout& recv = h_->recv_;
+    const int32_t R = h_->num_ranks_;
+    const int64_t H = dy_rows.shape[1];
+    dw_ = dw;
+    for (size_t i = 0; i < send.dest_rank.size(); ++i) {
+      if (send.dest_rank[i] < 0) dw[i] = 0.0f;
+    }
+    std::vector<float>& incoming = h_->scalar_staging_;
+    if (incoming.size() < send.entries.size()) incoming.resize(send.entries.size());
+    for (int32_t d = 0; d < R; ++d) {
+      const int64_t n = send.rows_to(d);
+      if (d == me_ || n == 0) continue;
+      std::vector<char> targets;
+      MOONEP_RETURN_IF_ERROR(AddTarget(d, incoming.data() + send.entry_begin[d],
+                                       static_cast<uint64_t>(n) * 4, &targets));
+      MOONEP_RETURN_IF_ERROR(SendReady(d, 4, n, 1, std::move(targets)));
+      ExpectSignal(d);
+    }
+    dots_.resize(static_cast<size_t>(recv.rows_begin[R]));
+    std::vector<float> a(static_cast<size_t>(H)), b(static_cast<size_t>(H));
+    for (int32_t s = 0; s < R; ++s) {
+      ForEachRowFrom(recv, s, [&](int64_t i, int64_t row) {
+        ConvertToFloat(dy_rows.row(row), dy_rows.dtype, a.data(), a.size());
+        ConvertToFloat(out_rows.row(row), out_rows.dtype, b.data(), b.size());
+        double sum = 0.0;
+        for (int64_t j = 0; j < H; ++j) sum += static_cast<double>(a[j]) * b[j];
+        dots_[recv.rows_begin[s] + i] = static_cast<float>(sum);
+      });
+      if (s != me_ && recv.rows_from(s) > 0) ExpectMessage(s, kMsgReady);
+    }
+    for (int64_t i = send.entry_begin[me_]; i < send.entry_begin[me_ + 1]; ++i) {
+      dw[send.entries[i]] = dots_[recv.rows_begin[me_] + (i - send.entry_begin[me_])];
+    }
+    counters_.rows_local += send.rows_to(me_);
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::Status OnMessage(int s, int32_t, const std::vector<char>& m) override {
+    const ReceiveLayout& recv = h_->recv_;
+    const int64_t n = recv.rows_from(s);
+    ReadyHeader header;
+    std::vector<Target> targets;
+    MOONEP_RETURN_IF_ERROR(ParseReady(s, m, 1, &header, &targets));
+    if (header.count != n) {
+      return InvalidArgument("%s: rank %d expects %d rows from rank %d, which has %d",
+                             OpName(kind_), s, header.count, me_, n);
+    }
+    MOONEP_RETURN_IF_ERROR(Put(s, dots_.data() + recv.rows_begin[s], static_cast<uint64_t>(n) * 4,
+                               targets[0], 0));
+    counters_.rows_sent += n;
+    counters_.bytes_sent += n * 4;
+    return SignalAndFlush(s);
+  }
+
+  absl::Status OnSignal(int d) override {
+    const SendLayout& send = h_->send_;
+    const std::vector<float>& incoming = h_->scalar_staging_;
+    for (int64_t i = send.entry_begin[d]; i < send.entry_begin[d + 1]; ++i) {
+      dw_[send.entries[i]] = incoming[i];
+    }
+    counters_.rows_received += send.rows_to(d);
+    counters_.bytes_received += send.rows_to(d) * 4;
+    return absl::OkStatus();
+  }
+
+  DispatchHandle* h_;
+  float* dw_ = nullptr;
+  std::vector<float> dots_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Weight ops. Blocks between a pair travel in increasing (slot, tensor) order on both sides.
+
+// Prefetch: the replica rank announces its slot tensors to each home rank, which puts its home
+// blocks straight into them.
+class PrefetchOp : public UcxOp {
+ public:
+  PrefetchOp(UcxTransport* t, int channel, int64_t seq)
+      : UcxOp(t, OpKind::kPrefetch, channel, seq) {}
+
+  absl::Status Start(const planner::Plan& plan, const ExpertBlocks& b) {
+    plan_ = &plan;
+    blocks_ = b;
+    const int32_t R = plan.num_ranks, S = plan.slots, nt = b.tensors_per_expert;
+    // Receiver part: per home rank, the slot tensors it fills here.
+    std::vector<std::vector<char>> targets(R);
+    std::vector<int32_t> count(R, 0);
+    for (int32_t sl = 0; sl < S; ++sl) {
+      const int32_t e = plan.slot_expert[static_cast<size_t>(me_) * S + sl];
+      if (e < 0) continue;
+      const int32_t h = plan.home[e];
+      for (int32_t i = 0; i < nt; ++i) {
+        const TensorView& dst = b.slots[static_cast<size_t>(sl) * nt + i];
+        MOONEP_RETURN_IF_ERROR(AddTarget(h, dst.data, dst.nbytes(), &targets[h]));
+        ++count[h];
+      }
+    }
+    for (int32_t h = 0; h < R; ++h) {
+      if (count[h] == 0) continue;
+      MOONEP_RETURN_IF_ERROR(SendReady(h, -1, count[h], count[h], std::move(targets[h])));
+      ExpectSignal(h);
+    }
+    // Sender part: every rank holding a replica of one of this rank's experts.
+    for (int32_t d = 0; d < R; ++d) {
+      if (d == me_) continue;
+      bool sends = false;
+      for (int32_t sl = 0; sl < S; ++sl) {
+        const int32_t e = plan.slot_expert[static_cast<size_t>(d) * S + sl];
+        sends |= e >= 0 && plan.home[e] == me_;
+      }
+      if (sends) ExpectMessage(d, kMsgReady);
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::Status OnMessage(int d, int32_t, const std::vector<char>& m) override {
+    const planner::Plan& plan = *plan_;
+    const int32_t S = plan.slots, nt = blocks_.tensors_per_expert;
+    std::vector<const TensorView*> sources;
+    for (int32_t sl = 0; sl < S; ++sl) {
+      const int32_t e = plan.slot_expert[static_cast<size_t>(d) * S + sl];
+      if (e < 0 || plan.home[e] != me_) continue;
+      for (int32_t i = 0; i < nt; ++i) {
+        sources.push_back(&blocks_.home[static_cast<size_t>(plan.home_group[e]) * nt + i]);
+      }
+    }
+    ReadyHeader header;
+    std::vector<Target> targets;
+    MOONEP_RETURN_IF_ERROR(ParseReady(d, m, static_cast<int32_t>(sources.size()), &header, &targets));
+    for (size_t i = 0; i < sources.size(); ++i) {
+      const TensorView& src = *sources[i];
+      if (targets[i].length != src.nbytes()) {
+        return InvalidArgument("prefetch: rank %d's slot tensor has %d bytes, home tensor %d of "
+                               "rank %d has %d", d, targets[i].length, i % nt, me_, src.nbytes());
+      }
+      MOONEP_RETURN_IF_ERROR(Put(d, src.data, src.nbytes(), targets[i], 0));
+      counters_.bytes_sent += static_cast<int64_t>(src.nbytes());
+      ++counters_.rows_sent;
+    }
+    return SignalAndFlush(d);
+  }
+
+  absl::Status OnSignal(int h) override {
+    const planner::Plan& plan = *plan_;
+    const int32_t S = plan.slots, nt = blocks_.tensors_per_expert;
+    for (int32_t sl = 0; sl < S; ++sl) {
+      const int32_t e = plan.slot_expert[static_cast<size_t>(me_) * S + sl];
+      if (e < 0 || plan.home[e] != h) continue;
+      counters_.rows_received += nt;
+      for (int32_t i = 0; i < nt; ++i) {
+        counters_.bytes_received +=
+            static_cast<int64_t>(blocks_.slots[static_cast<size_t>(sl) * nt + i].nbytes());
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  const planner::Plan* plan_ = nullptr;
+  ExpertBlocks blocks_;
+};
+
+// Reduce: each replica rank puts its slot gradients into the home rank's reduction staging (one
+// contiguous range per replica rank, in (rank, slot, tensor) order); the home rank sums them in
+// that fixed order after every signal: home + lowest rank's replica + the next ...
+class ReduceOp : public UcxOp {
+ public:
+  ReduceOp(UcxTransport* t, int channel, int64_t seq) : UcxOp(t, OpKind::kReduce, channel, seq) {}
+
+  absl::Status Start(const planner::Plan& plan, const ExpertBlocks& b) {
+    plan_ = &plan;
+    blocks_ = b;
+    const int32_t R = plan.num_ranks, S = plan.slots, nt = b.tensors_per_expert;
+    std::vector<int64_t> bytes_from(R, 0), blocks_from(R, 0);
+    int64_t need = 0;
+    for (int32_t d = 0; d < R; ++d) {
+      for (int32_t sl = 0; sl < S; ++sl) {
+        const int32_t e = plan.slot_expert[static_cast<size_t>(d) * S + sl];
+        if (e < 0 || plan.home[e] != me_ || d == me_) continue;
+        for (int32_t i = 0; i < nt; ++i) {
+          const int64_t n =
+              static_cast<int64_t>(b.home[static_cast<size_t>(plan.home_group[e]) * nt + i].nbytes());
+          bytes_from[d] += n;
+          ++blocks_from[d];
+          need += n;
+        }
+      }
+    }
+    std::vector<char>& staging = transport_->reduce_staging;
+    if (static_cast<int64_t>(staging.size()) < need) staging.resize(static_cast<size_t>(need));
+    int64_t offset = 0;
+    for (int32_t d = 0; d < R; ++d) {
+      if (blocks_from[d] == 0) continue;
+      std::vector<char> targets;
+      MOONEP_RETURN_IF_ERROR(AddTarget(d, staging.data() + offset,
+                                       static_cast<uint64_t>(bytes_from[d]), &targets));
+      MOONEP_RETURN_IF_ERROR(SendReady(d, -1, blocks_from[d], 1, std::move(targets)));
+      ExpectSignal(d);
+      offset += bytes_from[d];
+    }
+    for (int32_t h = 0; h < R; ++h) {
+      if (h == me_) continue;
+      bool sends = false;
+      for (int32_t sl = 0; sl < S; ++sl) {
+        const int32_t e = plan.slot_expert[static_cast<size_t>(me_) * S + sl];
+        sends |= e >= 0 && plan.home[e] == h;
+      }
+      if (sends) ExpectMessage(h, kMsgReady);
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::Status OnMessage(int h, int32_t, const std::vector<char>& m) override {
+    const planner::Plan& plan = *plan_;
+    const int32_t S = plan.slots, nt = blocks_.tensors_per_expert;
+    ReadyHeader header;
+    std::vector<Target> targets;
+    MOONEP_RETURN_IF_ERROR(ParseReady(h, m, 1, &header, &targets));
+    int64_t blocks = 0;
+    uint64_t total = 0;
+    for (int32_t sl = 0; sl < S; ++sl) {
+      const int32_t e = plan.slot_expert[static_cast<size_t>(me_) * S + sl];
+      if (e < 0 || plan.home[e] != h) continue;
+      for (int32_t i = 0; i < nt; ++i) {
+        total += blocks_.slots[static_cast<size_t>(sl) * nt + i].nbytes();
+        ++blocks;
+      }
+    }
+    if (header.count != blocks || targets[0].length != total) {
+      return InvalidArgument("reduce: rank %d expects %d blocks (%d bytes) from rank %d, which "
+                             "has %d (%d bytes)", h, header.count, targets[0].length, me_, blocks,
+                             total);
+    }
+    uint64_t offset = 0;
+    for (int32_t sl = 0; sl < S; ++sl) {
+      const int32_t e = plan.slot_expert[static_cast<size_t>(me_) * S + sl];
+      if (e < 0 || plan.home[e] != h) continue;
+      for (int32_t i = 0; i < nt; ++i) {
+        const TensorView& src = blocks_.slots[static_cast<size_t>(sl) * nt + i];
+        MOONEP_RETURN_IF_ERROR(Put(h, src.data, src.nbytes(), targets[0], offset));
+        offset += src.nbytes();
+        counters_.bytes_sent += static_cast<int64_t>(src.nbytes());
+        ++counters_.rows_sent;
+      }
+    }
+    return SignalAndFlush(h);
+  }
+
+  absl::Status OnSignal(int d) override {
+    const planner::Plan& plan = *plan_;
+    const int32_t S = plan.slots;
+    for (int32_t sl = 0; sl < S; ++sl) {
+      const int32_t e = plan.slot_expert[static_cast<size_t>(d) * S + sl];
+      if (e >= 0 && plan.home[e] == me_) counters_.rows_received += blocks_.tensors_per_expert;
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Finish() override {
+    const planner::Plan& plan = *plan_;
+    const int32_t R = plan.num_ranks, S = plan.slots, nt = blocks_.tensors_per_expert;
+    const int32_t epn = plan.experts_per_rank;
+    std::vector<std::vector<const char*>> sources(static_cast<size_t>(epn) * nt);
+    const char* staging = transport_->reduce_staging.data();
+    int64_t offset = 0;
+    for (int32_t d = 0; d < R; ++d) {
+      for (int32_t sl = 0; sl < S; ++sl) {
+        const int32_t e = plan.slot_expert[static_cast<size_t>(d) * S + sl];
+        if (e < 0 || plan.home[e] != me_ || d == me_) continue;
+        const int32_t g = plan.home_group[e];
+        for (int32_t i = 0; i < nt; ++i) {
+          sources[static_cast<size_t>(g) * nt + i].push_back(staging + offset);
+          offset += static_cast<int64_t>(blocks_.home[static_cast<size_t>(g) * nt + i].nbytes());
+        }
+      }
+    }
+    for (size_t gi = 0; gi < sources.size(); ++gi) {
+      if (sources[gi].empty()) continue;
+      const TensorView& home = blocks_.home[gi];
+      const size_t n = static_cast<size_t>(home.numel());
+      for (size_t j = 0; j < n; ++j) {
+        float acc = LoadAsFloat(home.data, home.dtype, j);
+        for (const char* src : sources[gi]) acc += LoadAsFloat(src, home.dtype, j);
+        StoreFromFloat(home.data, home.dtype, j, acc);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  const planner::Plan* plan_ = nullptr;
+  ExpertBlocks blocks_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// UcxTransport
+
+ucs_status_t UcxTransport::OnActiveMessage(void* arg, const void* header, size_t header_length,
+                                           void* data, size_t length,
+                                           const ucp_am_recv_param_t* param) {
+  auto* t = static_cast<UcxTransport*>(arg);
+  if (header_length != sizeof(MsgHeader) || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
+    MOONEP_WARN("transport ucx: dropped a malformed control message");
+    return UCS_OK;
+  }
+  MsgHeader h;
+  std::memcpy(&h, header, sizeof(h));
+  if (h.from < 0 || h.from >= t->size_ || h.from == t->rank_) return UCS_OK;
+  const char* bytes = static_cast<const char*>(data);
+  switch (h.type) {
+    case kMsgAbort:
+      if (!t->abort_seen_) {
+        t->abort_seen_ = true;
+        t->abort_rank_ = h.from;
+        t->abort_kind_ = h.aux;
+      }
+      return UCS_OK;
+    case kMsgDropKey: {
+      auto it = t->remote_keys_.find({h.from, static_cast<uint64_t>(h.seq)});
+      if (it != t->remote_keys_.end()) {
+        t->dropped_keys_.push_back(it->second);
+        t->remote_keys_.erase(it);
+      }
+      return UCS_OK;
+    }
+    case kMsgReady: {
+      // Keys that come with the message are unpacked on arrival, so a later message that refers
+      // to the same region finds them whatever order the operations are tested in.
+      size_t at = sizeof(ReadyHeader);
+      if (length < at) break;
+      ReadyHeader rh;
+      std::memcpy(&rh, bytes, sizeof(rh));
+      for (int32_t i = 0; i < rh.num_targets && at + sizeof(TargetRef) <= length; ++i) {
+        TargetRef ref;
+        std::memcpy(&ref, bytes + at, sizeof(ref));
+        at += sizeof(ref);
+        if (ref.rkey_bytes > 0 && at + ref.rkey_bytes <= length) {
+          ucp_rkey_h rkey = nullptr;
+          if (ucp_ep_rkey_unpack(t->eps_[h.from], bytes + at, &rkey) == UCS_OK) {
+            auto key = std::make_pair(static_cast<int>(h.from), ref.region_id);
+            auto it = t->remote_keys_.find(key);
+            if (it != t->remote_keys_.end()) t->dropped_keys_.push_back(it->second);
+            t->remote_keys_[key] = rkey;
+          }
+        }
+        at += ref.rkey_bytes;
+      }
+      break;
+    }
+    default:
+      break;
+  }
+  t->inbox_[std::make_tuple(static_cast<int>(h.channel), h.seq, static_cast<int>(h.from), h.type)] =
+      std::vector<char>(bytes, bytes + length);
+  return UCS_OK;
+}
+
+absl::StatusOr<std::unique_ptr<Transport>> UcxTransport::Create(const TransportOptions& options) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) return InvalidUsage("UCX transport: MPI is not initialized (bootstrap)");
+  MOONEP_CHECK_ARG(options.comm != MPI_COMM_NULL, "options.comm is MPI_COMM_NULL");
+  MOONEP_CHECK_ARG(options.max_tokens >= 0 && options.max_top_k >= 0 &&
+                       options.max_row_bytes >= 0 && options.timeout_ms >= 0,
+                   "options: max_tokens, max_top_k, max_row_bytes and timeout_ms must be >= 0");
+  MOONEP_CHECK_ARG(options.max_row_bytes <= (int64_t{1} << 30),
+                   "options.max_row_bytes = %d is above 1 GiB", options.max_row_bytes);
+  const auto tdbg0 = Clock::now();
+  std::unique_ptr<UcxTransport> t(new UcxTransport());
+  t->options_ = options;
+  t->timeout_ms_ = options.timeout_ms > 0 ? options.timeout_ms : param::TimeoutMs();
+  if (t->timeout_ms_ <= 0) t->timeout_ms_ = 60000;
+  auto mpi = [](int rc, const char* what) -> absl::Status {
+    if (rc == MPI_SUCCESS) return absl::OkStatus();
+    return SystemError("%s failed (MPI error %d)", what, rc);
+  };
+  MOONEP_RETURN_IF_ERROR(mpi(MPI_Comm_dup(options.comm, &t->comm_), "MPI_Comm_dup"));
+  MPI_Comm_set_errhandler(t->comm_, MPI_ERRORS_RETURN);
+  MPI_Comm_rank(t->comm_, &t->rank_);
+  MPI_Comm_size(t->comm_, &t->size_);
+  const int R = t->size_;
+
+  // Every rank sets up locally, then all agree that every rank succeeded before exchanging.
+  absl::Status local = [&]() -> absl::Status {
+    MOONEP_ASSIGN_OR_RETURN(t->context_, AcquireContext());
+    ucp_worker_params_t wp;
+    std::memset(&wp, 0, sizeof(wp));
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+    MOONEP_RETURN_IF_ERROR(
+        UcsCheck(ucp_worker_create(t->context_, &wp, &t->worker_), "ucp_worker_create"));
+    ucp_am_handler_param_t ap;
+    std::memset(&ap, 0, sizeof(ap));
+    ap.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                    UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    ap.id = kAmId;
+    ap.cb = &UcxTransport::OnActiveMessage;
+    ap.arg = t.get();
+    MOONEP_RETURN_IF_ERROR(UcsCheck(ucp_worker_set_am_recv_handler(t->worker_, &ap),
+                                    "ucp_worker_set_am_recv_handler"));
+    // The signal area: UCX-allocated so shared-memory transports can map it directly.
+    ucp_mem_map_params_t mp;
+    std::memset(&mp, 0, sizeof(mp));
+    mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                    UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+    mp.address = nullptr;
+    mp.length = static_cast<size_t>(kChannels) * R * kSignalDepth * sizeof(uint64_t);
+    mp.flags = UCP_MEM_MAP_ALLOCATE;
+    MOONEP_RETURN_IF_ERROR(UcsCheck(ucp_mem_map(t->context_, &mp, &t->signal_memh_), "ucp_mem_map"));
+    ucp_mem_attr_t attr;
+    std::memset(&attr, 0, sizeof(attr));
+    attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+    MOONEP_RETURN_IF_ERROR(UcsCheck(ucp_mem_query(t->signal_memh_, &attr), "ucp_mem_query"));
+    t->signals_ = static_cast<volatile uint64_t*>(attr.address);
+    std::memset(attr.address, 0, mp.length);
+    return absl::OkStatus();
+  }();
+  fprintf(stderr, "DBG local setup %.1f ms\n", std::chrono::duration<double, std::milli>(Clock::now() - tdbg0).count());
+  int ok = local.ok() ? 1 : 0, all_ok = 0;
+  MOONEP_RETURN_IF_ERROR(
+      mpi(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, t->comm_), "MPI_Allreduce"));
+  if (!local.ok()) return local;
+  if (!all_ok) return RemoteError("UCX transport: another rank failed to set up UCX");
+
+  // Bootstrap over MPI: worker addresses, then the signal area's address and key (once).
+  auto allgather_bytes = [&](const void* mine, int len,
+                             std::vector<char>* all, std::vector<int>* displs) -> absl::Status {
+    std::vector<int> lens(R);
+    MOONEP_RETURN_IF_ERROR(
+        mpi(MPI_Allgather(&len, 1, MPI_INT, lens.data(), 1, MPI_INT, t->comm_), "MPI_Allgather"));
+    displs->assign(R + 1, 0);
+    for (int r = 0; r < R; ++r) (*displs)[r + 1] = (*displs)[r] + lens[r];
+    all->resize(static_cast<size_t>((*displs)[R]));
+    return mpi(MPI_Allgatherv(mine, len, MPI_BYTE, all->data(), lens.data(), displs->data(),
+                              MPI_BYTE, t->comm_),
+               "MPI_Allgatherv");
+  };
+  ucp_address_t* address = nullptr;
+  size_t address_length = 0;
+  MOONEP_RETURN_IF_ERROR(UcsCheck(ucp_worker_get_address(t->worker_, &address, &address_length),
+                                  "ucp_worker_get_address"));
+  std::vector<char> addresses;
+  std::vector<int> address_at;
+  absl::Status s = allgather_bytes(address, static_cast<int>(address_length), &addresses, &address_at);
+  ucp_worker_release_address(t->worker_, address);
+  MOONEP_RETURN_IF_ERROR(s);
+  t->eps_.assign(R, nullptr);
+  for (int r = 0; r < R; ++r) {
+    if (r == t->rank_) continue;
+    ucp_ep_params_t ep;
+    std::memset(&ep, 0, sizeof(ep));
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
+    ep.address = reinterpret_cast<const ucp_address_t*>(addresses.data() + address_at[r]);
+    MOONEP_RETURN_IF_ERROR(UcsCheck(ucp_ep_create(t->worker_, &ep, &t->eps_[r]), "ucp_ep_create"));
+  }
+  void* packed = nullptr;
+  size_t packed_size = 0;
+  MOONEP_RETURN_IF_ERROR(UcsCheck(ucp_rkey_pack(t->context_, t->signal_memh_, &packed, &packed_size),
+                                  "ucp_rkey_pack"));
+  std::vector<char> mine(sizeof(uint64_t) + packed_size);
+  const uint64_t signal_address = reinterpret_cast<uintptr_t>(t->signals_);
+  std::memcpy(mine.data(), &signal_address, sizeof(signal_address));
+  std::memcpy(mine.data() + sizeof(signal_address), packed, packed_size);
+  ucp_rkey_buffer_release(packed);
+  std::vector<char> keys;
+  std::vector<int> key_at;
+  MOONEP_RETURN_IF_ERROR(allgather_bytes(mine.data(), static_cast<int>(mine.size()), &keys, &key_at));
+  t->signal_remote_address_.assign(R, 0);
+  t->signal_rkeys_.assign(R, nullptr);
+  for (int r = 0; r < R; ++r) {
+    if (r == t->rank_) continue;
+    std::memcpy(&t->signal_remote_address_[r], keys.data() + key_at[r], sizeof(uint64_t));
+    MOONEP_RETURN_IF_ERROR(UcsCheck(
+        ucp_ep_rkey_unpack(t->eps_[r], keys.data() + key_at[r] + sizeof(uint64_t), &t->signal_rkeys_[r]),
+        "ucp_ep_rkey_unpack"));
+  }
+  fprintf(stderr, "DBG create %.1f ms\n", std::chrono::duration<double, std::milli>(Clock::now() - tdbg0).count());
+  log::SetRank(t->rank_);
+  MOONEP_INFO("transport ucx: %d ranks, timeout %d ms", t->size_, t->timeout_ms_);
+  return std::unique_ptr<Transport>(std::move(t));
+}
+
+UcxTransport::~UcxTransport() {
+  const Clock::time_point until = Clock::now() + std::chrono::milliseconds(
+                                                     std::min<int64_t>(timeout_ms_, 10000));
+  // Peers may still need this worker's progress to finish their puts and flushes: progress
+  // until every rank got here (or the deadline passes), then close.
+  auto progress_until = [&](MPI_Request* request) {
+    int done = 0;
+    while (!done && Clock::now() < until) {
+      if (worker_) Progress();
+      MPI_Test(request, &done, MPI_STATUS_IGNORE);
+      if (!done) std::this_thread::yield();
+    }
+    return done != 0;
+  };
+  if (comm_ != MPI_COMM_NULL && worker_ != nullptr) {
+    while (!outbox_.empty() && Clock::now() < until) Progress();
+    MPI_Request barrier;
+    if (MPI_Ibarrier(comm_, &barrier) == MPI_SUCCESS && !progress_until(&barrier)) {
+      MOONEP_WARN("transport ucx: not every rank reached destruction; closing anyway");
+    }
+  }
+  for (Outgoing& o : outbox_) ucp_request_free(o.request);
+  outbox_.clear();
+  for (auto& kv : remote_keys_) ucp_rkey_destroy(kv.second);
+  remote_keys_.clear();
+  for (ucp_rkey_h k : dropped_keys_) ucp_rkey_destroy(k);
+  dropped_keys_.clear();
+  for (ucp_rkey_h k : signal_rkeys_) {
+    if (k) ucp_rkey_destroy(k);
+  }
+  std::vector<void*> closing;
+  for (ucp_ep_h ep : eps_) {
+    if (ep == nullptr) continue;
+    ucp_request_param_t param;
+    std::memset(&param, 0, sizeof(param));
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &param);
+    if (r != nullptr && !UCS_PTR_IS_ERR(r)) closing.push_back(r);
+  }
+  for (void* r : closing) {
+    while (ucp_request_check_status(r) == UCS_INPROGRESS && Clock::now() < until) {
+      ucp_worker_progress(worker_);
+    }
+    ucp_request_free(r);
+  }
+  if (comm_ != MPI_COMM_NULL && worker_ != nullptr) {
+    MPI_Request barrier;
+    if (MPI_Ibarrier(comm_, &barrier) == MPI_SUCCESS) progress_until(&barrier);
+  }
+  fprintf(stderr, "DBG destroy %.1f ms\n", std::chrono::duration<double, std::milli>(Clock::now() - until).count());
+  for (Region& r : regions_) ucp_mem_unmap(context_, r.memh);
+  regions_.clear();
+  if (signal_memh_) ucp_mem_unmap(context_, signal_memh_);
+  if (worker_) ucp_worker_destroy(worker_);
+  if (context_) ReleaseContext();
+  if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+}
+
+void UcxTransport::Progress() {
+  while (ucp_worker_progress(worker_) != 0) {
+  }
+  while (!outbox_.empty()) {
+    const ucs_status_t st = ucp_request_check_status(outbox_.front().request);
+    if (st == UCS_INPROGRESS) break;
+    ucp_request_free(outbox_.front().request);
+    outbox_.pop_front();
+    if (st != UCS_OK) Poison(UcsCheck(st, "control message"));
+  }
+  if (ops_in_flight_[0] == 0) DestroyDroppedKeys();
+}
+
+void UcxTransport::DestroyDroppedKeys() {
+  for (ucp_rkey_h k : dropped_keys_) ucp_rkey_destroy(k);
+  dropped_keys_.clear();
+}
+
+absl::Status UcxTransport::SendMessage(int peer, int32_t type, int channel, int64_t seq,
+                                       int32_t aux, std::vector<char> payload) {
+  auto bytes = std::make_unique<std::vector<char>>(sizeof(MsgHeader) + payload.size());
+  MsgHeader h;
+  std::memset(&h, 0, sizeof(h));
+  h.type = type;
+  h.channel = channel;
+  h.from = rank_;
+  h.aux = aux;
+  h.seq = seq;
+  std::memcpy(bytes->data(), &h, sizeof(h));
+  if (!payload.empty()) std::memcpy(bytes->data() + sizeof(h), payload.data(), payload.size());
+  ucp_request_param_t param;
+  std::memset(&param, 0, sizeof(param));
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  // Eager only: the handler gets the whole message at once, never a rendezvous descriptor.
+  param.flags = UCP_AM_SEND_FLAG_EAGER;
+  ucs_status_ptr_t r = ucp_am_send_nbx(eps_[peer], kAmId, bytes->data(), sizeof(MsgHeader),
+                                       bytes->data() + sizeof(MsgHeader), payload.size(), &param);
+  if (UCS_PTR_IS_ERR(r)) return UcsCheck(UCS_PTR_STATUS(r), "ucp_am_send_nbx");
+  if (r != nullptr) outbox_.push_back(Outgoing{r, std::move(bytes)});
+  return absl::OkStatus();
+}
+
+bool UcxTransport::TakeMessage(int channel, int64_t seq, int from, int32_t type,
+                               std::vector<char>* out) {
+  auto it = inbox_.find(std::make_tuple(channel, seq, from, type));
+  if (it == inbox_.end()) return false;
+  *out = std::move(it->second);
+  inbox_.erase(it);
+  return true;
+}
+
+void UcxTransport::DropMessages(int channel, int64_t seq) {
+  auto it = inbox_.lower_bound(std::make_tuple(channel, seq, -1, 0));
+  while (it != inbox_.end() && std::get<0>(it->first) == channel && std::get<1>(it->first) == seq) {
+    it = inbox_.erase(it);
+  }
+}
+
+absl::StatusOr<uint64_t> UcxTransport::Register(const void* data, uint64_t bytes) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(data);
+  for (Region& r : regions_) {
+    if (a >= r.base && a + bytes <= r.base + r.length) {
+      r.last_use = ++use_clock_;
+      return r.id;
+    }
+  }
+  EvictRegions();
+  Region r;
+  r.id = next_region_id_++;
+  r.base = a;
+  r.length = bytes;
+  ucp_mem_map_params_t mp;
+  std::memset(&mp, 0, sizeof(mp));
+  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+  mp.address = const_cast<void*>(data);
+  mp.length = bytes;
+  MOONEP_RETURN_IF_ERROR(UcsCheck(ucp_mem_map(context_, &mp, &r.memh), "ucp_mem_map"));
+  void* packed = nullptr;
+  size_t packed_size = 0;
+  const ucs_status_t st = ucp_rkey_pack(context_, r.memh, &packed, &packed_size);
+  if (st != UCS_OK) {
+    ucp_mem_unmap(context_, r.memh);
+    return UcsCheck(st, "ucp_rkey_pack");
+  }
+  r.packed_key.assign(static_cast<char*>(packed), static_cast<char*>(packed) + packed_size);
+  ucp_rkey_buffer_release(packed);
+  r.peer_has_key.assign(size_, 0);
+  r.last_use = ++use_clock_;
+  ++region_registrations;
+  regions_.push_back(std::move(r));
+  return regions_.back().id;
+}
+
+void UcxTransport::EvictRegions() {
+  // Keep the cache bounded: drop regions no op uses, least recently used first, and tell the
+  // peers holding their keys to destroy them. A region contained in a newer one is dropped too.
+  while (regions_.size() >= kMaxRegions) {
+    size_t victim = regions_.size();
+    for (size_t i = 0; i < regions_.size(); ++i) {
+      if (regions_[i].pins == 0 &&
+          (victim == regions_.size() || regions_[i].last_use < regions_[victim].last_use)) {
+        victim = i;
+      }
+    }
+    if (victim == regions_.size()) return;  // all pinned: grow past the bound
+    Region& r = regions_[victim];
+    for (int p = 0; p < size_; ++p) {
+      if (r.peer_has_key[p]) {
+        SendMessage(p, kMsgDropKey, 0, static_cast<int64_t>(r.id), 0, {}).IgnoreError();
+      }
+    }
+    ucp_mem_unmap(context_, r.memh);
+    regions_.erase(regions_.begin() + static_cast<ptrdiff_t>(victim));
+  }
+}
+
+void UcxTransport::Pin(uint64_t id, int delta) {
+  for (Region& r : regions_) {
+    if (r.id == id) {
+      r.pins += delta;
+      return;
+    }
+  }
+}
+
+const std::vector<char>* UcxTransport::KeyFor(uint64_t id, int peer) {
+  for (Region& r : regions_) {
+    if (r.id != id) continue;
+    if (r.peer_has_key[peer]) return nullptr;
+    r.peer_has_key[peer] = 1;
+    return &r.packed_key;
+  }
+  return nullptr;
+}
+
+void UcxTransport::AddCounters(OpKind kind, const OpCounters& c) {
+  OpCounters& o = counters_[static_cast<int>(kind)];
+  o.calls += c.calls;
+  o.rows_sent += c.rows_sent;
+  o.bytes_sent += c.bytes_sent;
+  o.rows_received += c.rows_received;
+  o.bytes_received += c.bytes_received;
+  o.rows_deduplicated += c.rows_deduplicated;
+  o.bytes_deduplicated += c.bytes_deduplicated;
+  o.rows_local += c.rows_local;
+  o.messages_sent += c.messages_sent;
+}
+
+void UcxTransport::Poison(const absl::Status& status) {
+  if (poisoned_.ok()) {
+    poisoned_ = status;
+    MOONEP_WARN("transport ucx: unusable after: %s", std::string(status.message()));
+  }
+}
+
+absl::Status UcxTransport::Usable() const {
+  if (poisoned_.ok()) return absl::OkStatus();
+  return InvalidUsage("transport is unusable after an earlier failure (%s); destroy it",
+                      std::string(poisoned_.message()));
+}
+
+absl::Status UcxTransport::AbortPeers(OpKind kind, absl::Status status) {
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    SendMessage(r, kMsgAbort, 0, 0, static_cast<int32_t>(kind), {}).IgnoreError();
+  }
+  // Push the notices out now: the caller may not call into the transport again.
+  for (int i = 0; i < 16 && !outbox_.empty(); ++i) Progress();
+  Poison(status);
+  return status;
+}
+
+absl::Status UcxTransport::PollAbort() {
+  if (!abort_seen_) return absl::OkStatus();
+  absl::Status s = RemoteError("rank %d failed in %s; the transport is unusable", abort_rank_,
+                               OpName(static_cast<OpKind>(abort_kind_)));
+  Poison(s);
+  return s;
+}
+
+absl::StatusOr<RequestPtr> UcxTransport::Skipped() {
+  MOONEP_WARN("transport ucx: test hook: rank %d skips this operation", rank_);
+  return RequestPtr(new DoneRequest());
+}
+
+absl::Status UcxTransport::CheckChannel(OpKind kind, int channel) {
+  if (channel_in_flight_[channel] + 1 >= kSignalDepth) {
+    return InvalidUsage("%s: %d operations of this class are already in flight (at most %d)",
+                        OpName(kind), channel_in_flight_[channel], kSignalDepth - 1);
+  }
+  return absl::OkStatus();
+}
+
+void UcxTransport::EnsureRowStaging(DispatchHandle* h) const {
+  const size_t need = static_cast<size_t>(options_.max_tokens) * options_.max_top_k *
+                      static_cast<size_t>(options_.max_row_bytes);
+  if (h->rows_staging_.size() < need) h->rows_staging_.resize(need);
+  const size_t scalars = static_cast<size_t>(options_.max_tokens) * options_.max_top_k;
+  if (h->scalar_staging_.size() < scalars) h->scalar_staging_.resize(scalars);
+}
+
+absl::StatusOr<RequestPtr> UcxTransport::StartExchangeCounts(absl::Span<const int32_t> topk_ids,
+                                                             int64_t num_tokens, int32_t top_k,
+                                                             int32_t num_experts,
+                                                             int64_t recv_capacity_rows,
+                                                             DispatchHandle* handle) {
+  MOONEP_RETURN_IF_ERROR(Usable());
+  if (testing::ShouldSkip(rank_, OpKind::kCounts)) return Skipped();
+  MOONEP_RETURN_IF_ERROR(CheckChannel(OpKind::kCounts, kRowsChannel));
+  if (handle == nullptr) return AbortPeers(OpKind::kCounts, InvalidArgument("handle is null"));
+  if (num_experts < 1) {
+    return AbortPeers(OpKind::kCounts,
+                      InvalidArgument("num_experts must be >= 1, got %d", num_experts));
+  }
+  absl::Status local = ValidateRouting(topk_ids, num_tokens, top_k, num_experts);
+  if (local.ok() && num_tokens > options_.max_tokens) {
+    local = OutOfMemory("num_tokens = %d exceeds the declared max_tokens = %d", num_tokens,
+                        options_.max_tokens);
+  }
+  if (local.ok() && top_k > options_.max_top_k) {
+    local = OutOfMemory("top_k = %d exceeds the declared max_top_k = %d", top_k,
+                        options_.max_top_k);
+  }
+  if (local.ok() && recv_capacity_rows < 0) {
+    local = InvalidArgument("recv_capacity_rows must be >= 0, got %d", recv_capacity_rows);
+  }
+  if (!local.ok()) local = Annotate(local, absl::StrCat("count exchange on rank ", rank_));
+  auto op = std::make_unique<CountsOp>(this, kRowsChannel, seq_[kRowsChannel]++, handle);
+  handle->seq_ = seq_[kRowsChannel] - 1;
+  MOONEP_RETURN_IF_ERROR(op->Begin(
+      op->Start(local, topk_ids, num_tokens, top_k, num_experts, recv_capacity_rows)));
+  return RequestPtr(std::move(op));
+}
+
+absl::Status UcxTransport::CheckDispatched(OpKind kind, DispatchHandle* h) {
+  if (h == nullptr) return AbortPeers(kind, InvalidArgument("%s: handle is null", OpName(kind)));
+  if (!h->counted_ || h->num_ranks_ != size_ || h->rank_ != rank_) {
+    return AbortPeers(kind, InvalidUsage("%s: the handle has no count exchange of this transport",
+                                         OpName(kind)));
+  }
+  if (kind != OpKind::kDispatch && !h->dispatched_) {
+    return AbortPeers(kind, InvalidUsage("%s: the handle has not been dispatched", OpName(kind)));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<RequestPtr> UcxTransport::StartDispatch(const planner::Plan& plan,
+                                                       const TensorView& x,
+                                                       absl::Span<const float> topk_weights,
+                                                       DispatchHandle* h,
+                                                       const TensorView& recv_rows,
+                                                       absl::Span<float> recv_weights) {
+  MOONEP_RETURN_IF_ERROR(Usable());
+  if (testing::ShouldSkip(rank_, OpKind::kDispatch)) return Skipped();
+  MOONEP_RETURN_IF_ERROR(CheckChannel(OpKind::kDispatch, kRowsChannel));
+  MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kDispatch, h));
+  // Agreed checks: functions of (plan, counts, capacities), identical on every rank.
+  {
+    absl::Status s;
+    if (plan.num_ranks != size_ || plan.num_experts != h->num_experts_) {
+      s = InvalidArgument("dispatch: plan is for %d ranks and %d experts, the counts for %d and %d",
+                          plan.num_ranks, plan.num_experts, size_, h->num_experts_);
+    }
+    if (s.ok()) s = Annotate(CheckPlanForTransport(plan, h->counts_), "dispatch");
+    if (!s.ok()) return s;
+    for (int32_t r = 0; r < size_; ++r) {
+      if (plan.rank_rows[r] <= h->rank_capacity_[r]) continue;
+      if (r == rank_) {
+        return OutOfMemory("dispatch: the plan gives rank %d %d rows, its receive buffer holds %d",
+                           r, plan.rank_rows[r], h->rank_capacity_[r]);
+      }
+      return RemoteError("dispatch: the plan gives rank %d %d rows, its receive buffer holds %d",
+                         r, plan.rank_rows[r], h->rank_capacity_[r]);
+    }
+  }
+  // Local checks.
+  {
+    absl::Status s = CheckRows(x, "x", h->num_tokens_, -1);
+    if (s.ok()) s = CheckRows(recv_rows, "recv_rows", plan.rank_rows[rank_], x.shape[1]);
+    if (s.ok() && recv_rows.dtype != x.dtype) {
+      s = InvalidArgument("recv_rows: dtype %s differs from x's %s", DTypeName(recv_rows.dtype),
+                          DTypeName(x.dtype));
+    }
+    if (s.ok() && x.shape[0] != h->num_tokens_) {
+      s = InvalidArgument("x: has %d rows, the count exchange had num_tokens = %d", x.shape[0],
+                          h->num_tokens_);
+    }
+    if (s.ok() && static_cast<int64_t>(topk_weights.size()) != h->num_tokens_ * h->top_k_) {
+      s = InvalidArgument("topk_weights: has %d entries, need num_tokens * top_k = %d",
+                          topk_weights.size(), h->num_tokens_ * h->top_k_);
+    }
+    if (s.ok() && static_cast<int64_t>(recv_weights.size()) < plan.rank_rows[rank_]) {
+      s = InvalidArgument("recv_weights: has %d entries, the plan needs %d", recv_weights.size(),
+                          plan.rank_rows[rank_]);
+    }
+    if (s.ok() && RangesOverlap(x.data, x.nbytes(), recv_rows.data, recv_rows.nbytes())) {
+      s = InvalidArgument("x and recv_rows overlap");
+    }
+    if (!s.ok()) return AbortPeers(OpKind::kDispatch, s);
+  }
+  h->plan_ = plan;
+  h->topk_weights_.assign(topk_weights.begin(), topk_weights.end());
+  h->dispatched_ = false;
+  {
+    absl::Status s = BuildSendLayout(h->plan_, h->offsets_, rank_, h->topk_ids_, h->num_tokens_,
+                                     h->top_k_, &h->send_);
+    if (!s.ok()) return AbortPeers(OpKind::kDispatch, Annotate(s, "dispatch"));
+  }
+  BuildReceiveLayout(h->plan_, h->offsets_, rank_, &h->recv_);
+  auto op = std::make_unique<DispatchOp>(this, OpKind::kDispatch, kRowsChannel, seq_[kRowsChannel]++, h);
+  MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(x, recv_rows, recv_weights.data())));
+  return RequestPtr(std::move(op));
+}
+
+absl::StatusOr<RequestPtr> UcxTransport::StartCombineBackward(DispatchHandle* h,
+                                                              const TensorView& dy,
+                                                              const TensorView& dy_rows) {
+  MOONEP_RETURN_IF_ERROR(Usable());
+  if (testing::ShouldSkip(rank_, OpKind::kCombineBackward)) return Skipped();
+  MOONEP_RETURN_IF_ERROR(CheckChannel(OpKind::kCombineBackward, kRowsChannel));
+  MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kCombineBackward, h));
+  absl::Status s = CheckRows(dy, "dy", h->num_tokens_, -1);
+  if (s.ok() && dy.shape[0] != h->num_tokens_) {
+    s = InvalidArgument("dy: has %d rows, need num_tokens = %d", dy.shape[0], h->num_tokens_);
+  }
+  if (s.ok()) s = CheckRows(dy_rows, "dy_rows", h->recv_.rank_rows, dy.shape[1]);
+  if (s.ok() && dy_rows.dtype != dy.dtype) s = InvalidArgument("dy_rows: dtype differs from dy's");
+  if (s.ok() && RangesOverlap(dy.data, dy.nbytes(), dy_rows.data, dy_rows.nbytes())) {
+    s = InvalidArgument("dy and dy_rows overlap");
+  }
+  if (!s.ok()) return AbortPeers(OpKind::kCombineBackward, s);
+  auto op =
+      std::make_unique<DispatchOp>(this, OpKind::kCombineBackward, kRowsChannel, seq_[kRowsChannel]++, h);
+  MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(dy, dy_rows, nullptr)));
+  return RequestPtr(std::move(op));
+}
+
+absl::StatusOr<RequestPtr> UcxTransport::StartCombine(DispatchHandle* h,
+                                                      const TensorView& expert_rows,
+                                                      const TensorView& y) {
+  MOONEP_RETURN_IF_ERROR(Usable());
+  if (testing::ShouldSkip(rank_, OpKind::kCombine)) return Skipped();
+  MOONEP_RETURN_IF_ERROR(CheckChannel(OpKind::kCombine, kRowsChannel));
+  MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kCombine, h));
+  absl::Status s = CheckRows(expert_rows, "expert_rows", h->recv_.rank_rows, -1);
+  if (s.ok()) s = CheckRows(y, "y", h->num_tokens_, expert_rows.shape[1]);
+  if (s.ok() && y.shape[0] != h->num_tokens_) {
+    s = InvalidArgument("y: has %d rows, need num_tokens = %d", y.shape[0], h->num_tokens_);
+  }
+  if (s.ok() && expert_rows.shape[1] * static_cast<int64_t>(DTypeSize(expert_rows.dtype)) >
+                    options_.max_row_bytes) {
+    s = OutOfMemory("expert_rows: a row has %d bytes, above the declared max_row_bytes = %d",
+                    expert_rows.shape[1] * static_cast<int64_t>(DTypeSize(expert_rows.dtype)),
+                    options_.max_row_bytes);
+  }
+  if (s.ok() && RangesOverlap(expert_rows.data, expert_rows.nbytes(), y.data, y.nbytes())) {
+    s = InvalidArgument("expert_rows and y overlap");
+  }
+  if (!s.ok()) return AbortPeers(OpKind::kCombine, s);
+  EnsureRowStaging(h);
+  auto op = std::make_unique<CombineOp>(this, OpKind::kCombine, kRowsChannel, seq_[kRowsChannel]++, h);
+  MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(expert_rows, y)));
+  return RequestPtr(std::move(op));
+}
+
+absl::StatusOr<RequestPtr> UcxTransport::StartDispatchBackward(DispatchHandle* h,
+                                                               const TensorView& dx_rows,
+                                                               const TensorView& dx) {
+  MOONEP_RETURN_IF_ERROR(Usable());
+  if (testing::ShouldSkip(rank_, OpKind::kDispatchBackward)) return Skipped();
+  MOONEP_RETURN_IF_ERROR(CheckChannel(OpKind::kDispatchBackward, kRowsChannel));
+  MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kDispatchBackward, h));
+  absl::Status s = CheckRows(dx_rows, "dx_rows", h->recv_.rank_rows, -1);
+  if (s.ok()) s = CheckRows(dx, "dx", h->num_tokens_, dx_rows.shape[1]);
+  if (s.ok() && dx.shape[0] != h->num_tokens_) {
+    s = InvalidArgument("dx: has %d rows, need num_tokens = %d", dx.shape[0], h->num_tokens_);
+  }
+  if (s.ok() && dx_rows.shape[1] * static_cast<int64_t>(DTypeSize(dx_rows.dtype)) >
+                    options_.max_row_bytes) {
+    s = OutOfMemory("dx_rows: a row has %d bytes, above the declared max_row_bytes = %d",
+                    dx_rows.shape[1] * static_cast<int64_t>(DTypeSize(dx_rows.dtype)),
+                    options_.max_row_bytes);
+  }
+  if (s.ok() && RangesOverlap(dx_rows.data, dx_rows.nbytes(), dx.data, dx.nbytes())) {
+    s = InvalidArgument("dx_rows and dx overlap");
+  }
+  if (!s.ok()) return AbortPeers(OpKind::kDispatchBackward, s);
+  EnsureRowStaging(h);
+  auto op =
+      std::make_unique<CombineOp>(this, OpKind::kDispatchBackward, kRowsChannel, seq_[kRowsChannel]++, h);
+  MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(dx_rows, dx)));
+  return RequestPtr(std::move(op));
+}
+
+absl::StatusOr<RequestPtr> UcxTransport::StartTopkWeightGrad(DispatchHandle* h,
+                                                             const TensorView& dy_rows,
+                                                             const TensorView& expert_rows,
+                                                             absl::Span<float> d_topk_weights) {
+  MOONEP_RETURN_IF_ERROR(Usable());
+  if (testing::ShouldSkip(rank_, OpKind::kTopkWeightGrad)) return Skipped();
+  MOONEP_RETURN_IF_ERROR(CheckChannel(OpKind::kTopkWeightGrad, kRowsChannel));
+  MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kTopkWeightGrad, h));
+  absl::Status s = CheckRows(dy_rows, "dy_rows", h->recv_.rank_rows, -1);
+  if (s.ok()) s = CheckRows(expert_rows, "expert_rows", h->recv_.rank_rows, dy_rows.shape[1]);
+  if (s.ok() && static_cast<int64_t>(d_topk_weights.size()) != h->num_tokens_ * h->top_k_) {
+    s = InvalidArgument("d_topk_weights: has %d entries, need num_tokens * top_k = %d",
+                        d_topk_weights.size(), h->num_tokens_ * h->top_k_);
+  }
+  if (!s.ok()) return AbortPeers(OpKind::kTopkWeightGrad, s);
+  EnsureRowStaging(h);
+  auto op = std::make_unique<TopkWeightGradOp>(this, kRowsChannel, seq_[kRowsChannel]++, h);
+  MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(dy_rows, expert_rows, d_topk_weights.data())));
+  return RequestPtr(std::move(op));
+}
+
+absl::Status UcxTransport::CheckBlocks(const planner::Plan& plan, const ExpertBlocks& b,
+                                       const char* name) const {
+  const int32_t nt = b.tensors_per_expert;
+  MOONEP_CHECK_ARG(nt >= 1, "%s.tensors_per_expert must be >= 1, got %d", name, nt);
+  MOONEP_CHECK_ARG(b.home.size() == static_cast<size_t>(plan.experts_per_rank) * nt,
+                   "%s.home has %d tensors, need experts_per_rank * tensors_per_expert = %d", name,
+                   b.home.size(), static_cast<int64_t>(plan.experts_per_rank) * nt);
+  MOONEP_CHECK_ARG(b.slots.size() == static_cast<size_t>(plan.slots) * nt,
+                   "%s.slots has %d tensors, need slots * tensors_per_expert = %d", name,
+                   b.slots.size(), static_cast<int64_t>(plan.slots) * nt);
+  auto check = [&](const TensorView& v, const char* part, size_t index) -> absl::Status {
+    const TensorView& ref = b.home.empty() ? b.slots[index % nt] : b.home[index % nt];
+    MOONEP_CHECK_ARG(v.device == Device::kCpu, "%s.%s[%d]: the UCX transport needs host memory",
+                     name, part, index);
+    MOONEP_CHECK_ARG(IsRowDType(v.dtype), "%s.%s[%d]: dtype must be fp32 or bf16", name, part,
+                     index);
+    MOONEP_CHECK_ARG(v.is_contiguous(), "%s.%s[%d]: must be contiguous", name, part, index);
+    MOONEP_CHECK_ARG(v.numel() == 0 || v.data != nullptr, "%s.%s[%d]: null data pointer", name,
+                     part, index);
+    MOONEP_CHECK_ARG(v.dtype == ref.dtype && v.numel() == ref.numel(),
+                     "%s.%s[%d]: %s does not match tensor %d of the first expert (%s)", name, part,
+                     index, v.DebugString(), index % nt, ref.DebugString());
+    return absl::OkStatus();
+  };
+  for (size_t i = 0; i < b.home.size(); ++i) MOONEP_RETURN_IF_ERROR(check(b.home[i], "home", i));
+  for (size_t i = 0; i < b.slots.size(); ++i) MOONEP_RETURN_IF_ERROR(check(b.slots[i], "slots", i));
+  return absl::OkStatus();
+}
+
+namespace {
+// Agreed plan checks for the weight operations (the plan is identical on every rank).
+absl::Status CheckSlotPlan(const planner::Plan& plan, int32_t R) {
+  MOONEP_CHECK_ARG(plan.num_ranks == R, "plan is for %d ranks, the transport has %d",
+                   plan.num_ranks, R);
+  const int32_t E = plan.num_experts;
+  MOONEP_CHECK_ARG(E >= 1 && plan.slots >= 0 && plan.experts_per_rank * R == E &&
+                       plan.home.size() == static_cast<size_t>(E) &&
+                       plan.home_group.size() == static_cast<size_t>(E) &&
+                       plan.slot_expert.size() == static_cast<size_t>(R) * plan.slots,
+                   "plan: array sizes do not match its ranks, experts and slots");
+  for (int32_t e = 0; e < E; ++e) {
+    MOONEP_CHECK_ARG(plan.home[e] >= 0 && plan.home[e] < R && plan.home_group[e] >= 0 &&
+                         plan.home_group[e] < plan.experts_per_rank,
+                     "plan: home of expert %d is invalid", e);
+  }
+  for (int32_t i = 0; i < R * plan.slots; ++i) {
+    const int32_t e = plan.slot_expert[i];
+    MOONEP_CHECK_ARG(e >= -1 && e < E, "plan: slot_expert[%d] = %d is not an expert", i, e);
+    MOONEP_CHECK_ARG(e < 0 || plan.home[e] != i / plan.slots,
+                     "plan: rank %d holds a replica of its own expert %d", i / plan.slots, e);
+  }
+  return absl::OkStatus();
+}
+}  // namespace
+
+absl::StatusOr<RequestPtr> UcxTransport::StartPrefetch(const planner::Plan& plan,
+                                                       const ExpertBlocks& params) {
+  MOONEP_RETURN_IF_ERROR(Usable());
+  if (testing::ShouldSkip(rank_, OpKind::kPrefetch)) return Skipped();
+  MOONEP_RETURN_IF_ERROR(CheckChannel(OpKind::kPrefetch, kWeightsChannel));
+  MOONEP_RETURN_IF_ERROR(Annotate(CheckSlotPlan(plan, size_), "prefetch"));
+  absl::Status s = CheckBlocks(plan, params, "params");
+  if (!s.ok()) return AbortPeers(OpKind::kPrefetch, Annotate(s, "prefetch"));
+  auto op = std::make_unique<PrefetchOp>(this, kWeightsChannel, seq_[kWeightsChannel]++);
+  MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(plan, params)));
+  return RequestPtr(std::move(op));
+}
+
+absl::StatusOr<RequestPtr> UcxTransport::StartReduce(const planner::Plan& plan,
+                                                     const ExpertBlocks& grads) {
+  MOONEP_RETURN_IF_ERROR(Usable());
+  if (testing::ShouldSkip(rank_, OpKind::kReduce)) return Skipped();
+  MOONEP_RETURN_IF_ERROR(CheckChannel(OpKind::kReduce, kWeightsChannel));
+  MOONEP_RETURN_IF_ERROR(Annotate(CheckSlotPlan(plan, size_), "reduce"));
+  absl::Status s = CheckBlocks(plan, grads, "grads");
+  if (!s.ok()) return AbortPeers(OpKind::kReduce, Annotate(s, "reduce"));
+  auto op = std::make_unique<ReduceOp>(this, kWeightsChannel, seq_[kWeightsChannel]++);
+  MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(plan, grads)));
+  return RequestPtr(std::move(op));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(const TransportOptions& options) {
+  return UcxTransport::Create(options);
+}
+
+}  // namespace moonep::transport::mpi
