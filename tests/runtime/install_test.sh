@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs the build tree into a temporary prefix, then configures and builds examples/c against
+# it with find_package(MoonEP), checks moonep.pc and the SONAME, and runs the example on 2 ranks.
+# Usage: install_test.sh <build dir> <source dir> <mpiexec> [mpiexec flags...]
+set -euo pipefail
+build=$1 src=$2 mpiexec=$3
+shift 3
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+cmake --install "$build" --prefix "$tmp/prefix" >/dev/null
+lib=$(ls "$tmp"/prefix/lib*/libmoonep.so.*.*.* | head -1)
+soname=$(objdump -p "$lib" | awk '/SONAME/ {print $2}')
+[[ "$soname" == libmoonep.so.0 ]] || { echo "unexpected SONAME '$soname'"; exit 1; }
+test -f "$tmp/prefix/include/moonep/moonep.h"
+test -f "$tmp/prefix/include/moonep/moonep_runtime.h"
+pc=$(ls "$tmp"/prefix/lib*/pkgconfig/moonep.pc)
+grep -q -- "-lmoonep" "$pc"
+if command -v pkg-config >/dev/null; then
+  PKG_CONFIG_PATH=$(dirname "$pc") pkg-config --cflags --libs moonep | grep -q -- "-lmoonep"
+fi
+cmake -S "$src/examples/c" -B "$tmp/example" -DCMAKE_PREFIX_PATH="$tmp/prefix" \
+  -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build "$tmp/example" >/dev/null
+# The example must resolve libmoonep from the prefix, not the build tree.
+LD_LIBRARY_PATH="$(dirname "$lib")" ldd "$tmp/example/moonep_example_c" | grep -q "$tmp/prefix"
+LD_LIBRARY_PATH="$(dirname "$lib")" "$mpiexec" -n 2 "$@" -x LD_LIBRARY_PATH \
+  "$tmp/example/moonep_example_c"
+echo "install test: PASS (prefix $tmp/prefix, SONAME $soname)"
