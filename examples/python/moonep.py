@@ -1,0 +1,253 @@
+"""ctypes binding of the MoonEP C API (moonep.h + moonep_runtime.h): communicators and the MoE
+layer. Arrays are numpy arrays (C-contiguous); MoonEP reads and writes them in place, so they must
+stay alive while MoonEP uses them (weights and gradients: while bound to the layer).
+
+    import moonep
+    comm = moonep.Comm.from_env()                 # under mpirun / srun
+    layer = moonep.Layer(comm, num_experts=16, top_k=2, hidden=64, intermediate=128,
+                         max_tokens=256)
+    layer.bind(w_gate, w_up, w_down, g_gate, g_up, g_down)   # this rank's E/R experts
+    y = layer.forward(x, topk_ids, topk_weights)
+    dx, d_topk_weights = layer.backward(dy)       # gradients accumulate into g_*
+
+The library is found from $MOONEP_LIBRARY, else build/lib/libmoonep.so next to this checkout,
+else the system's libmoonep.so.0.
+"""
+import ctypes
+import os
+
+import numpy as np
+
+_FLOAT32, _BFLOAT16 = 0, 1
+_CONFIG_MAGIC = 0x4D4F4F4E
+_POLICIES = {"none": 0, "moonep": 1, "moonep-greedy": 2, "eplb": 3, "fastermoe-shadow": 4,
+             "test-force-replicas": 5}
+PHASES = ["counts", "plan", "dispatch", "compute-home", "prefetch-wait", "compute-replica",
+          "combine", "bwd-dispatch", "topk-grad", "bwd-compute", "bwd-combine", "reduce"]
+OPS = ["counts", "dispatch", "combine", "combine-backward", "dispatch-backward",
+       "topk-weight-grad", "prefetch", "reduce"]
+
+
+class MoonEPError(RuntimeError):
+    def __init__(self, function, code, message):
+        super().__init__(f"{function} failed: {_lib().moonepGetErrorString(code).decode()}: "
+                         f"{message}")
+        self.code = code
+
+
+class _LayerConfig(ctypes.Structure):
+    _fields_ = [("size", ctypes.c_size_t), ("magic", ctypes.c_uint), ("version", ctypes.c_uint),
+                ("num_experts", ctypes.c_int), ("top_k", ctypes.c_int),
+                ("hidden", ctypes.c_int64), ("intermediate", ctypes.c_int64),
+                ("dtype", ctypes.c_int), ("grad_dtype", ctypes.c_int), ("slots", ctypes.c_int),
+                ("pad_multiple", ctypes.c_int), ("policy", ctypes.c_int),
+                ("device", ctypes.c_int), ("device_index", ctypes.c_int),
+                ("max_tokens", ctypes.c_int64), ("max_recv_rows", ctypes.c_int64),
+                ("max_inflight", ctypes.c_int), ("layer_id", ctypes.c_int),
+                ("num_threads", ctypes.c_int), ("ranks_per_node", ctypes.c_int),
+                ("eplb_period", ctypes.c_int)]
+
+
+class _StepStats(ctypes.Structure):
+    _fields_ = [("size", ctypes.c_size_t), ("magic", ctypes.c_uint), ("version", ctypes.c_uint),
+                ("step", ctypes.c_int64), ("tokens", ctypes.c_int64),
+                ("total_tokens", ctypes.c_int64), ("max_load_before", ctypes.c_int64),
+                ("max_load_after", ctypes.c_int64), ("mean_load", ctypes.c_double),
+                ("replicas", ctypes.c_int), ("rows_computed", ctypes.c_int64),
+                ("rows_sent", ctypes.c_int64 * len(OPS)),
+                ("bytes_sent", ctypes.c_int64 * len(OPS)),
+                ("bytes_received", ctypes.c_int64 * len(OPS)),
+                ("time_ms", ctypes.c_double * len(PHASES)),
+                ("forward_ms", ctypes.c_double), ("backward_ms", ctypes.c_double)]
+
+
+class _ExpertTensors(ctypes.Structure):
+    _fields_ = [("gate", ctypes.c_void_p), ("up", ctypes.c_void_p), ("down", ctypes.c_void_p),
+                ("dtype", ctypes.c_int)]
+
+
+class UniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_char * 128)]
+
+
+_LIB = None
+
+
+def _lib():
+    global _LIB
+    if _LIB is not None:
+        return _LIB
+    # Open MPI loads its plugins with dlopen; they need libmpi's symbols globally visible.
+    for name in ("libmpi.so.40", "libmpi.so"):
+        try:
+            ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+            break
+        except OSError:
+            pass
+    here = os.path.dirname(os.path.abspath(__file__))
+    candidates = [os.environ.get("MOONEP_LIBRARY"),
+                  os.path.join(here, "..", "..", "build", "lib", "libmoonep.so"),
+                  "libmoonep.so.0"]
+    errors = []
+    for path in candidates:
+        if not path:
+            continue
+        try:
+            lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            break
+        except OSError as e:
+            errors.append(str(e))
+    else:
+        raise OSError("libmoonep not found (set MOONEP_LIBRARY): " + "; ".join(errors))
+    lib.moonepGetErrorString.restype = ctypes.c_char_p
+    lib.moonepGetLastThreadError.restype = ctypes.c_char_p
+    lib.moonepGetLastError.restype = ctypes.c_char_p
+    lib.moonepGetLastError.argtypes = [ctypes.c_void_p]
+    lib.moonepCommInitRank.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, UniqueId,
+                                       ctypes.c_int]
+    lib.moonepLayerForward.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                       ctypes.POINTER(ctypes.c_void_p)]
+    for f in ("moonepCommDestroy", "moonepLayerDestroy"):
+        getattr(lib, f).argtypes = [ctypes.c_void_p]
+    lib.moonepLayerBackward.argtypes = [ctypes.c_void_p] * 5
+    lib.moonepLayerRelease.argtypes = [ctypes.c_void_p] * 2
+    lib.moonepLayerBindParams.argtypes = [ctypes.c_void_p] * 3
+    lib.moonepLayerGetStats.argtypes = [ctypes.c_void_p, ctypes.POINTER(_StepStats)]
+    lib.moonepCommRank.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+    lib.moonepCommSize.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+    lib.moonepLayerCreate.argtypes = [ctypes.c_void_p, ctypes.POINTER(_LayerConfig),
+                                      ctypes.POINTER(ctypes.c_void_p)]
+    _LIB = lib
+    return lib
+
+
+def _check(function, code):
+    if code != 0:
+        raise MoonEPError(function, code, _lib().moonepGetLastThreadError().decode())
+
+
+def version():
+    v = ctypes.c_int()
+    _check("moonepGetVersion", _lib().moonepGetVersion(ctypes.byref(v)))
+    return v.value
+
+
+def _ptr(a):
+    return None if a is None else a.ctypes.data_as(ctypes.c_void_p)
+
+
+class Comm:
+    """A MoonEP communicator (MPI backend: needs an MPI launch)."""
+
+    def __init__(self, handle):
+        self._h = handle
+
+    @staticmethod
+    def from_env():
+        h = ctypes.c_void_p()
+        _check("moonepCommInitFromEnv", _lib().moonepCommInitFromEnv(ctypes.byref(h)))
+        return Comm(h)
+
+    @staticmethod
+    def unique_id():
+        uid = UniqueId()
+        _check("moonepGetUniqueId", _lib().moonepGetUniqueId(ctypes.byref(uid)))
+        return bytes(uid.internal)
+
+    @staticmethod
+    def from_unique_id(uid_bytes, nranks, rank):
+        uid = UniqueId()
+        ctypes.memmove(uid.internal, uid_bytes, 128)
+        h = ctypes.c_void_p()
+        _check("moonepCommInitRank", _lib().moonepCommInitRank(ctypes.byref(h), nranks, uid, rank))
+        return Comm(h)
+
+    @property
+    def rank(self):
+        r = ctypes.c_int()
+        _check("moonepCommRank", _lib().moonepCommRank(self._h, ctypes.byref(r)))
+        return r.value
+
+    @property
+    def size(self):
+        s = ctypes.c_int()
+        _check("moonepCommSize", _lib().moonepCommSize(self._h, ctypes.byref(s)))
+        return s.value
+
+    def destroy(self):
+        if self._h:
+            _check("moonepCommDestroy", _lib().moonepCommDestroy(self._h))
+            self._h = None
+
+
+class Layer:
+    """A MoE layer over a communicator: forward/backward with MoonEP's executor (fp32 here)."""
+
+    def __init__(self, comm, num_experts, top_k, hidden, intermediate, max_tokens,
+                 policy="moonep", slots=-1, max_inflight=1, num_threads=0):
+        c = _LayerConfig(size=ctypes.sizeof(_LayerConfig), magic=_CONFIG_MAGIC,
+                         version=version(), num_experts=num_experts, top_k=top_k, hidden=hidden,
+                         intermediate=intermediate, dtype=_FLOAT32, grad_dtype=_FLOAT32,
+                         slots=slots, pad_multiple=1, policy=_POLICIES[policy], device=0,
+                         device_index=0, max_tokens=max_tokens, max_recv_rows=0,
+                         max_inflight=max_inflight, layer_id=-1, num_threads=num_threads,
+                         ranks_per_node=0, eplb_period=1)
+        h = ctypes.c_void_p()
+        _check("moonepLayerCreate", _lib().moonepLayerCreate(comm._h, ctypes.byref(c),
+                                                             ctypes.byref(h)))
+        self._h, self.comm = h, comm
+        self.top_k, self.hidden = top_k, hidden
+        self._bound = None
+        self._saved = []  # (handle, num_tokens) of forwards awaiting backward, in order
+
+    def bind(self, w_gate, w_up, w_down, g_gate=None, g_up=None, g_down=None):
+        for a in (w_gate, w_up, w_down, g_gate, g_up, g_down):
+            if a is not None and (a.dtype != np.float32 or not a.flags.c_contiguous):
+                raise ValueError("weights and gradients must be C-contiguous float32 arrays")
+        w = _ExpertTensors(_ptr(w_gate), _ptr(w_up), _ptr(w_down), _FLOAT32)
+        g = _ExpertTensors(_ptr(g_gate), _ptr(g_up), _ptr(g_down), _FLOAT32)
+        _check("moonepLayerBindParams", _lib().moonepLayerBindParams(
+            self._h, ctypes.byref(w), ctypes.byref(g) if g_gate is not None else None))
+        self._bound = (w_gate, w_up, w_down, g_gate, g_up, g_down)  # keep them alive
+
+    def forward(self, x, topk_ids, topk_weights):
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        ids = np.ascontiguousarray(topk_ids, dtype=np.int32)
+        w = np.ascontiguousarray(topk_weights, dtype=np.float32)
+        y = np.empty_like(x)
+        h = ctypes.c_void_p()
+        _check("moonepLayerForward", _lib().moonepLayerForward(
+            self._h, x.shape[0], _ptr(x), _ptr(ids), _ptr(w), _ptr(y), ctypes.byref(h)))
+        self._saved.append((h, x.shape[0]))
+        return y
+
+    def backward(self, dy):
+        """Backward of the most recent forward not yet backwarded."""
+        h, tokens = self._saved.pop()
+        dy = np.ascontiguousarray(dy, dtype=np.float32)
+        dx = np.empty_like(dy)
+        dtopk = np.empty((tokens, self.top_k), dtype=np.float32)
+        _check("moonepLayerBackward", _lib().moonepLayerBackward(self._h, h, _ptr(dy), _ptr(dx),
+                                                                 _ptr(dtopk)))
+        return dx, dtopk
+
+    def release(self):
+        """Drops the most recent forward's saved state (inference)."""
+        h, _ = self._saved.pop()
+        _check("moonepLayerRelease", _lib().moonepLayerRelease(self._h, h))
+
+    def stats(self):
+        s = _StepStats(size=ctypes.sizeof(_StepStats))
+        _check("moonepLayerGetStats", _lib().moonepLayerGetStats(self._h, ctypes.byref(s)))
+        return {"step": s.step, "tokens": s.tokens, "max_load_before": s.max_load_before,
+                "max_load_after": s.max_load_after, "mean_load": s.mean_load,
+                "replicas": s.replicas,
+                "bytes_sent": {op: s.bytes_sent[i] for i, op in enumerate(OPS)},
+                "time_ms": {p: s.time_ms[i] for i, p in enumerate(PHASES)},
+                "forward_ms": s.forward_ms, "backward_ms": s.backward_ms}
+
+    def destroy(self):
+        if self._h:
+            _check("moonepLayerDestroy", _lib().moonepLayerDestroy(self._h))
+            self._h = None
