@@ -1,0 +1,360 @@
+// moonep-bench-dispatch: dispatch microbenchmarks, launched by mpirun. See
+// docs/benchmarks-dispatch.md for what is measured and how to read the rows.
+#include <mpi.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <ctime>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "bench/dispatch/report.h"
+#include "bench/dispatch/runner.h"
+#include "moonep/core/status.h"
+#include "moonep/runtime/communicator.h"
+#include "transport/transport.h"
+
+ABSL_FLAG(std::string, preset, "small",
+          "defaults for the shape flags left empty: small (E=16 K=2 H=512 I=256 T=256 fp32, runs "
+          "in seconds on 2 cores), deepseek-v3 (E=256 K=8 H=7168 I=2048 T=4096 bf16), "
+          "qwen3-30b-a3b (E=128 K=8 H=2048 I=768 T=4096 bf16), mixtral-8x7b (E=8 K=2 H=4096 "
+          "I=14336 T=4096 bf16)");
+ABSL_FLAG(std::string, tokens, "", "tokens per rank T, comma-separated list to sweep");
+ABSL_FLAG(std::string, hidden, "", "hidden size H, list");
+ABSL_FLAG(std::string, intermediate, "",
+          "expert FFN intermediate size I, list (sets the prefetch/reduce payload 3*H*I and the "
+          "layer's compute)");
+ABSL_FLAG(std::string, topk, "", "experts per token K, list");
+ABSL_FLAG(std::string, experts, "", "experts E (a multiple of the ranks), list");
+ABSL_FLAG(std::string, dtype, "", "row and weight dtype: fp32, bf16, list");
+ABSL_FLAG(std::string, maxvio, "",
+          "routing skew as a target maxvio = max_e(T_e / mean) - 1, list (0: balanced; at most "
+          "E/K - 1); routing is calibrated to hit it. Preset default 0,2");
+ABSL_FLAG(std::string, zipf, "",
+          "routing skew as Zipf exponents instead of --maxvio, list (0: balanced)");
+ABSL_FLAG(std::string, policy, "moonep",
+          "planner policies to measure, list: none, moonep, moonep-greedy, eplb, fastermoe-shadow");
+ABSL_FLAG(std::string, backend, "mpi",
+          "transport backends, list, or 'all' for every backend built (see --list_backends)");
+ABSL_FLAG(bool, list_backends, false, "print the transport backends built and exit");
+ABSL_FLAG(int32_t, slots, -1, "replica slots per rank (-1: E / R)");
+ABSL_FLAG(int32_t, pad_multiple, 1, "rows of each expert group padded to a multiple of this");
+ABSL_FLAG(int32_t, warmup, -1, "untimed iterations first (-1: preset, 3 for small, 5 otherwise)");
+ABSL_FLAG(int32_t, iters, -1, "timed iterations (-1: preset, 20 for small, 50 otherwise)");
+ABSL_FLAG(uint64_t, seed, 1, "routing seed (which experts are hot, token order)");
+ABSL_FLAG(bool, baselines, true,
+          "also measure policy none and MPI_Alltoallv of the same payload in the same iterations");
+ABSL_FLAG(bool, layer, true,
+          "also measure the whole MoE layer forward and backward (MoeLayer with the CPU "
+          "executor; needs the expert weights of epn + slots experts per rank)");
+ABSL_FLAG(int32_t, check_tokens, 2,
+          "tokens per rank whose layer output, dx and d topk_weights are checked against the fp64 "
+          "reference every iteration");
+ABSL_FLAG(int32_t, threads, 0,
+          "executor threads per rank for the layer (0: the host's cores / ranks on the host)");
+ABSL_FLAG(std::string, json, "", "write every figure as JSON to this file (rank 0)");
+
+namespace moonep::bench {
+namespace {
+
+struct Preset {
+  const char* name;
+  int32_t experts, topk;
+  int64_t hidden, intermediate, tokens;
+  const char* dtype;
+  const char* maxvio;
+  int32_t warmup, iters;
+};
+constexpr Preset kPresets[] = {
+    {"small", 16, 2, 512, 256, 256, "fp32", "0,2", 3, 20},
+    {"deepseek-v3", 256, 8, 7168, 2048, 4096, "bf16", "0,1,2,4", 5, 50},
+    {"qwen3-30b-a3b", 128, 8, 2048, 768, 4096, "bf16", "0,1,2,4", 5, 50},
+    {"mixtral-8x7b", 8, 2, 4096, 14336, 4096, "bf16", "0,1,2", 5, 50},
+};
+
+template <typename T>
+absl::Status ParseList(const char* flag, const std::string& text, std::vector<T>* out) {
+  out->clear();
+  for (absl::string_view item : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
+    T v{};
+    bool ok;
+    if constexpr (std::is_floating_point_v<T>) {
+      ok = absl::SimpleAtod(item, &v);
+    } else {
+      ok = absl::SimpleAtoi(item, &v);
+    }
+    if (!ok) return InvalidArgument("--%s: '%s' is not a number", flag, std::string(item));
+    out->push_back(v);
+  }
+  if (out->empty()) return InvalidArgument("--%s: empty list", flag);
+  return absl::OkStatus();
+}
+
+std::vector<std::string> Words(const std::string& text) {
+  return absl::StrSplit(text, ',', absl::SkipWhitespace());
+}
+
+std::string LoadAverage() {
+  std::ifstream f("/proc/loadavg");
+  std::string a, b, c;
+  f >> a >> b >> c;
+  return a.empty() ? "unknown" : a + " " + b + " " + c;
+}
+
+absl::Status BuildConfigs(int32_t num_ranks, int32_t threads, std::vector<BenchConfig>* out) {
+  const std::string preset_name = absl::GetFlag(FLAGS_preset);
+  const Preset* preset = nullptr;
+  std::vector<std::string> names;
+  for (const Preset& p : kPresets) {
+    names.push_back(p.name);
+    if (preset_name == p.name) preset = &p;
+  }
+  if (preset == nullptr) {
+    return InvalidArgument("--preset: unknown '%s' (one of %s)", preset_name,
+                           absl::StrJoin(names, ", "));
+  }
+  auto or_preset = [](const std::string& v, const std::string& def) { return v.empty() ? def : v; };
+  std::vector<int64_t> tokens, hidden, inter;
+  std::vector<int32_t> topk, experts;
+  MOONEP_RETURN_IF_ERROR(ParseList("tokens", or_preset(absl::GetFlag(FLAGS_tokens), std::to_string(preset->tokens)), &tokens));
+  MOONEP_RETURN_IF_ERROR(ParseList("hidden", or_preset(absl::GetFlag(FLAGS_hidden), std::to_string(preset->hidden)), &hidden));
+  MOONEP_RETURN_IF_ERROR(ParseList("intermediate", or_preset(absl::GetFlag(FLAGS_intermediate), std::to_string(preset->intermediate)), &inter));
+  MOONEP_RETURN_IF_ERROR(ParseList("topk", or_preset(absl::GetFlag(FLAGS_topk), std::to_string(preset->topk)), &topk));
+  MOONEP_RETURN_IF_ERROR(ParseList("experts", or_preset(absl::GetFlag(FLAGS_experts), std::to_string(preset->experts)), &experts));
+  std::vector<DType> dtypes;
+  for (const std::string& d : Words(or_preset(absl::GetFlag(FLAGS_dtype), preset->dtype))) {
+    if (d == "fp32" || d == "float32") {
+      dtypes.push_back(DType::kFloat32);
+    } else if (d == "bf16" || d == "bfloat16") {
+      dtypes.push_back(DType::kBFloat16);
+    } else {
+      return InvalidArgument("--dtype: unknown '%s' (fp32 or bf16)", d);
+    }
+  }
+  if (dtypes.empty()) return InvalidArgument("--dtype: empty list");
+  std::vector<SkewSpec> skews;
+  const std::string maxvio = absl::GetFlag(FLAGS_maxvio), zipf = absl::GetFlag(FLAGS_zipf);
+  if (!maxvio.empty() && !zipf.empty()) {
+    return InvalidArgument("--maxvio and --zipf are alternatives; pass one");
+  }
+  std::vector<double> values;
+  MOONEP_RETURN_IF_ERROR(ParseList(zipf.empty() ? "maxvio" : "zipf",
+                                   zipf.empty() ? or_preset(maxvio, preset->maxvio) : zipf, &values));
+  for (double v : values) {
+    SkewSpec s;
+    s.kind = zipf.empty() ? SkewSpec::Kind::kMaxvio : SkewSpec::Kind::kZipf;
+    s.value = v;
+    skews.push_back(s);
+  }
+  std::vector<planner::Policy> policies;
+  for (const std::string& p : Words(absl::GetFlag(FLAGS_policy))) {
+    planner::Policy policy;
+    if (!planner::ParsePolicy(p, &policy) || policy == planner::Policy::kTestForceReplicas) {
+      return InvalidArgument("--policy: unknown '%s' (none, moonep, moonep-greedy, eplb, "
+                             "fastermoe-shadow)", p);
+    }
+    policies.push_back(policy);
+  }
+  if (policies.empty()) return InvalidArgument("--policy: empty list");
+  const std::vector<std::string> built = transport::AvailableBackends();
+  std::vector<std::string> backends = Words(absl::GetFlag(FLAGS_backend));
+  if (backends.size() == 1 && backends[0] == "all") backends = built;
+  for (const std::string& b : backends) {
+    if (std::find(built.begin(), built.end(), b) == built.end()) {
+      return InvalidArgument("--backend: '%s' is not built (built: %s)", b, absl::StrJoin(built, ", "));
+    }
+  }
+  if (backends.empty()) return InvalidArgument("--backend: empty list");
+  const int32_t warmup = absl::GetFlag(FLAGS_warmup), iters = absl::GetFlag(FLAGS_iters);
+  MOONEP_CHECK_ARG(warmup >= -1, "--warmup must be >= 0, got %d", warmup);
+  MOONEP_CHECK_ARG(iters == -1 || iters >= 1, "--iters must be >= 1, got %d", iters);
+  MOONEP_CHECK_ARG(absl::GetFlag(FLAGS_check_tokens) >= 0, "--check_tokens must be >= 0");
+  MOONEP_CHECK_ARG(absl::GetFlag(FLAGS_pad_multiple) >= 1, "--pad_multiple must be >= 1");
+  MOONEP_CHECK_ARG(absl::GetFlag(FLAGS_slots) >= -1, "--slots must be >= -1");
+  for (int32_t e : experts) {
+    MOONEP_CHECK_ARG(e >= num_ranks && e % num_ranks == 0,
+                     "--experts=%d must be a positive multiple of the number of ranks (%d)", e,
+                     num_ranks);
+  }
+  for (const std::string& backend : backends) {
+    for (planner::Policy policy : policies) {
+      for (DType dtype : dtypes) {
+        for (int32_t e : experts) {
+          for (int32_t k : topk) {
+            for (int64_t h : hidden) {
+              for (int64_t i : inter) {
+                for (int64_t t : tokens) {
+                  for (const SkewSpec& skew : skews) {
+                    BenchConfig c;
+                    c.backend = backend;
+                    c.policy = policy;
+                    c.dtype = dtype;
+                    c.num_experts = e;
+                    c.top_k = k;
+                    c.hidden = h;
+                    c.intermediate = i;
+                    c.tokens = t;
+                    c.skew = skew;
+                    c.slots = absl::GetFlag(FLAGS_slots);
+                    c.pad_multiple = absl::GetFlag(FLAGS_pad_multiple);
+                    c.warmup = warmup >= 0 ? warmup : preset->warmup;
+                    c.iters = iters >= 1 ? iters : preset->iters;
+                    c.seed = absl::GetFlag(FLAGS_seed);
+                    c.baselines = absl::GetFlag(FLAGS_baselines);
+                    c.layer = absl::GetFlag(FLAGS_layer);
+                    c.check_tokens = absl::GetFlag(FLAGS_check_tokens);
+                    c.threads = threads;
+                    out->push_back(c);
+                  }
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+int Main(int argc, char** argv, const std::string& command) {
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  const bool root = rank == 0;
+  (void)argc;
+  (void)argv;
+  if (absl::GetFlag(FLAGS_list_backends)) {
+    if (root) std::printf("%s\n", absl::StrJoin(transport::AvailableBackends(), "\n").c_str());
+    return 0;
+  }
+  // Ranks on this host decide the default executor threads.
+  MPI_Comm local;
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &local);
+  int local_size = 1, local_rank = 0;
+  MPI_Comm_size(local, &local_size);
+  MPI_Comm_rank(local, &local_rank);
+  MPI_Comm_free(&local);
+  int leaders = local_rank == 0 ? 1 : 0;
+  MPI_Allreduce(MPI_IN_PLACE, &leaders, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+  int32_t threads = absl::GetFlag(FLAGS_threads);
+  if (threads <= 0) {
+    const int hw = static_cast<int>(std::thread::hardware_concurrency());
+    threads = std::max(1, hw / std::max(1, local_size));
+  }
+
+  std::vector<BenchConfig> configs;
+  if (absl::Status s = BuildConfigs(size, threads, &configs); !s.ok()) {
+    if (root) std::fprintf(stderr, "moonep-bench-dispatch: error: %s\n", std::string(s.message()).c_str());
+    return 2;  // every rank reached the same verdict from the same flags
+  }
+  auto rt = runtime::Communicator::FromMpi(MPI_COMM_WORLD);
+  if (!rt.ok()) {
+    std::fprintf(stderr, "[rank %d] moonep-bench-dispatch: error: %s\n", rank,
+                 std::string(rt.status().message()).c_str());
+    MPI_Abort(MPI_COMM_WORLD, 1);
+  }
+
+  RunInfo info;
+  info.num_ranks = size;
+  info.num_hosts = leaders;
+  info.backends = transport::AvailableBackends();
+  info.command = command;
+  info.load_start = LoadAverage();
+  {
+    char buf[64];
+    const std::time_t now = std::time(nullptr);
+    std::strftime(buf, sizeof(buf), "%Y-%m-%d %H:%M:%S", std::gmtime(&now));
+    info.started_utc = buf;
+  }
+  if (root) {
+    PrintRunHeader(info, stdout);
+    std::fflush(stdout);
+  }
+  std::vector<ConfigResult> results;
+  for (size_t i = 0; i < configs.size(); ++i) {
+    ConfigResult r;
+    absl::Status s = RunConfig(configs[i], MPI_COMM_WORLD, rt->get(), &r);
+    if (!s.ok()) {
+      // An operation failed (or the setup did): say where, and end the job rather than hang.
+      std::fprintf(stderr, "[rank %d] moonep-bench-dispatch: configuration %zu: %s\n", rank, i + 1,
+                   s.ToString().c_str());
+      std::fflush(stderr);
+      MPI_Abort(MPI_COMM_WORLD, s.code() == absl::StatusCode::kInvalidArgument ? 2 : 1);
+    }
+    if (root) {
+      PrintConfig(r, static_cast<int32_t>(i + 1), static_cast<int32_t>(configs.size()), stdout);
+      std::fflush(stdout);
+    }
+    results.push_back(std::move(r));
+  }
+  info.load_end = LoadAverage();
+  int64_t wrong = 0;
+  for (const ConfigResult& r : results) {
+    for (const OpResult& o : r.ops) wrong += o.wrong;
+  }
+  if (root) {
+    std::printf("# load average at the end: %s\n", info.load_end.c_str());
+    PrintFooter(results, stdout);
+    const std::string path = absl::GetFlag(FLAGS_json);
+    if (!path.empty()) {
+      std::ofstream f(path);
+      f << ToJson(info, results);
+      if (!f.good()) {
+        std::fprintf(stderr, "moonep-bench-dispatch: error: --json: cannot write '%s'\n", path.c_str());
+        return 1;
+      }
+    }
+  }
+  rt->reset();
+  return wrong == 0 ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace moonep::bench
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "dispatch microbenchmarks of MoonEP, launched by mpirun:\n"
+      "  mpirun -np 4 moonep-bench-dispatch                       # small preset, maxvio 0 and 2\n"
+      "  mpirun -np 16 moonep-bench-dispatch --preset=deepseek-v3 --maxvio=0,1,2,4 --layer=false\n"
+      "  mpirun -np 8 moonep-bench-dispatch --tokens=256,1024,4096 --policy=moonep,eplb --json=out.json\n"
+      "Every operation's result is checked in every iteration (#wrong). See "
+      "docs/benchmarks-dispatch.md.");
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "bench/dispatch/bench_dispatch.cc");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  usage.normalize_filename = [](absl::string_view file) { return std::string(file); };
+  absl::SetFlagsUsageConfig(usage);
+  std::string command;
+  for (int i = 0; i < argc; ++i) command += (i ? " " : "") + std::string(argv[i]);
+  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  if (rest.size() > 1) {
+    std::fprintf(stderr,
+                 "moonep-bench-dispatch: error: unexpected argument '%s' (flags take the form "
+                 "--name=value)\n", rest[1]);
+    return 2;
+  }
+  if (auto s = moonep::runtime::EnsureMpi(); !s.ok()) {
+    std::fprintf(stderr, "moonep-bench-dispatch: error: %s\n", std::string(s.message()).c_str());
+    return 1;
+  }
+  const int rc = moonep::bench::Main(argc, argv, command);
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) MPI_Finalize();
+  return rc;
+}

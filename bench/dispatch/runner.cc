@@ -1,0 +1,898 @@
+#include "bench/dispatch/runner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <utility>
+
+#include "moonep/compute/compute_view.h"
+#include "moonep/core/status.h"
+#include "moonep/reference/reference_moe.h"
+#include "moonep/runtime/moe_layer.h"
+#include "planner/planner.h"
+#include "transport/layout.h"
+#include "transport/transport.h"
+
+namespace moonep::bench {
+
+void OpResult::Finish() {
+  if (iter_us.empty()) return;
+  std::vector<double> v = iter_us;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  median_us = n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+  // Nearest-rank p99.
+  const size_t idx = static_cast<size_t>(std::ceil(0.99 * static_cast<double>(n))) - 1;
+  p99_us = v[std::min(idx, n - 1)];
+  min_us = v.front();
+  max_us = v.back();
+  double sum = 0;
+  for (double x : v) sum += x;
+  mean_us = sum / static_cast<double>(n);
+  if (has_bandwidth && median_us > 0) {
+    algbw_gbps = static_cast<double>(size_bytes) / (median_us * 1e3);
+    busbw_gbps = bus_bytes > 0 ? static_cast<double>(bus_bytes) / (median_us * 1e3)
+                               : algbw_gbps * bus_factor;
+  }
+}
+
+const OpResult* ConfigResult::Find(const std::string& op, const std::string& impl) const {
+  for (const OpResult& r : ops) {
+    if (r.op == op && r.impl == impl) return &r;
+  }
+  return nullptr;
+}
+
+namespace {
+
+using transport::ExpertBlocks;
+using transport::OpKind;
+
+constexpr int kParams = 3;  // gate, up, down
+
+struct Series {
+  std::vector<double> us;
+  int64_t wrong = 0, checked = 0;
+};
+
+// Rows of `dtype` equal to `expected` (bitwise), counted per row.
+int64_t CountWrongRows(const char* got, const char* expected, int64_t rows, size_t row_bytes) {
+  int64_t wrong = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (std::memcmp(got + r * row_bytes, expected + r * row_bytes, row_bytes) != 0) ++wrong;
+  }
+  return wrong;
+}
+
+void Poison(void* data, size_t bytes) { std::memset(data, 0xff, bytes); }  // NaN in fp32 and bf16
+
+double RoundTo(DType dtype, double v) {
+  return dtype == DType::kFloat32 ? static_cast<double>(static_cast<float>(v))
+                                  : BFloat16::FromFloat(static_cast<float>(v)).ToFloat();
+}
+
+// Elements of got (dtype or fp32) whose distance to ref exceeds tol * max|ref|.
+int64_t CountOutside(const std::vector<double>& got, const std::vector<double>& ref, double tol) {
+  double scale = 0;
+  for (double v : ref) scale = std::max(scale, std::abs(v));
+  const double bound = tol * std::max(scale, 1e-30);
+  int64_t wrong = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (!(std::abs(got[i] - ref[i]) <= bound)) ++wrong;  // NaN counts as wrong
+  }
+  return wrong;
+}
+
+class Runner {
+ public:
+  Runner(const BenchConfig& c, MPI_Comm comm, runtime::Communicator* rt)
+      : c_(c), comm_(comm), rt_(rt) {}
+  ~Runner() {
+    if (row_type_ != MPI_DATATYPE_NULL) MPI_Type_free(&row_type_);
+    if (a2a_comm_ != MPI_COMM_NULL) MPI_Comm_free(&a2a_comm_);
+  }
+
+  absl::Status Run(ConfigResult* out);
+
+ private:
+  absl::Status Setup();
+  absl::Status SetupBlocks();
+  absl::Status SetupA2a();
+  absl::Status SetupLayers();
+  absl::Status EnsureSlots(const planner::Plan& plan);
+  absl::Status Iteration(bool record);
+  absl::Status TransportPipeline(bool measured, bool record);
+  absl::Status A2aPipeline(bool record);
+  absl::Status LayerStep(bool measured, bool record);
+
+  int64_t CheckDispatch(const planner::Plan& plan, absl::Span<const int64_t> counts);
+  int64_t CheckPrefetch(const planner::Plan& plan);
+  int64_t CheckReduce(const planner::Plan& plan);
+
+  absl::Status Timed(const std::string& key, bool record, const std::function<absl::Status()>& f) {
+    MPI_Barrier(comm_);
+    const double t0 = MPI_Wtime();
+    absl::Status s = f();
+    const double dt = MPI_Wtime() - t0;
+    if (record) series_[key].us.push_back(dt * 1e6);
+    return s;
+  }
+  void Count(const std::string& key, int64_t wrong, int64_t checked) {
+    series_[key].wrong += wrong;
+    series_[key].checked += checked;
+  }
+  std::string Key(const char* op, bool measured) const {
+    return std::string(op) + "/" + (measured ? planner::PolicyName(c_.policy) : "none");
+  }
+
+  const BenchConfig c_;
+  MPI_Comm comm_;
+  runtime::Communicator* rt_;
+  int32_t R_ = 0, rank_ = 0, E_ = 0, K_ = 0, epn_ = 0, slots_ = 0;
+  int64_t T_ = 0, H_ = 0, I_ = 0;
+  size_t ds_ = 4, row_bytes_ = 0;
+  bool run_none_ = false;  // policy none as a separate baseline
+  Routing routing_;
+  std::vector<int64_t> offsets_;
+
+  // Token lists: for source s and expert e, the (token, k) that chose e, by increasing token.
+  std::vector<int64_t> tok_begin_;  // [R * (E + 1)]
+  std::vector<int32_t> tok_t_, tok_k_;
+
+  std::vector<char> x_, y_, expected_y_;
+  std::vector<float> topk_w_;
+  int64_t capacity_ = 0;
+  std::vector<char> recv_rows_;
+  std::vector<float> recv_w_;
+
+  struct Pipeline {
+    std::unique_ptr<transport::Transport> transport;
+    std::unique_ptr<planner::Planner> planner;
+    transport::DispatchHandle handle;
+    planner::Plan plan;
+  };
+  Pipeline measured_, none_;
+
+  // Expert parameter blocks (prefetch) and gradient blocks (reduce).
+  size_t param_elems_[kParams] = {};
+  std::vector<char> home_weights_;   // epn * 3 tensors, dtype
+  std::vector<float> home_grads_, home_grads_init_;
+  std::vector<std::vector<char>> slot_weights_;   // per slot, empty until used
+  std::vector<std::vector<float>> slot_grads_;
+  std::vector<int32_t> slot_filled_for_;          // expert whose grads slot s holds (-1 none)
+  std::vector<char> dummy_weights_;
+  std::vector<float> dummy_grads_;
+  std::vector<TensorView> home_w_views_, slot_w_views_, home_g_views_, slot_g_views_;
+  std::vector<int32_t> expected_map_;             // slot_expert the expected values are for
+  std::vector<std::vector<char>> expected_slot_w_;
+  std::vector<float> expected_home_g_;
+
+  // MPI_Alltoallv baseline.
+  MPI_Comm a2a_comm_ = MPI_COMM_NULL;
+  MPI_Datatype row_type_ = MPI_DATATYPE_NULL;
+  std::vector<int> a2a_scount_, a2a_sdispl_, a2a_rcount_, a2a_rdispl_;
+  std::vector<int32_t> a2a_send_entry_;  // send row i carries entry t * K + k
+  std::vector<int32_t> a2a_where_;       // its inverse: the send row of entry t * K + k
+  std::vector<char> a2a_send_, a2a_recv_;
+  std::vector<int64_t> a2a_recv_src_, a2a_recv_token_;
+
+  // Layers.
+  std::unique_ptr<runtime::MoeLayer> layer_measured_, layer_none_;
+  std::vector<compute::ExpertParams> layer_params_, grads_measured_, grads_none_;
+  std::vector<float> gbuf_measured_, gbuf_none_;
+  std::vector<char> dy_, dx_;
+  std::vector<float> dtopk_;
+  int64_t sample_ = 0;  // checked tokens 0 .. sample_-1
+  std::vector<double> y_ref_, dx_ref_, dtopk_ref_;
+  double tol_ = 1e-5;
+
+  std::map<std::string, Series> series_;
+};
+
+absl::Status Runner::Setup() {
+  MPI_Comm_size(comm_, &R_);
+  MPI_Comm_rank(comm_, &rank_);
+  E_ = c_.num_experts;
+  K_ = c_.top_k;
+  T_ = c_.tokens;
+  H_ = c_.hidden;
+  I_ = c_.intermediate;
+  MOONEP_CHECK_ARG(E_ >= R_ && E_ % R_ == 0,
+                   "--experts=%d must be a positive multiple of the number of ranks (%d)", E_, R_);
+  MOONEP_CHECK_ARG(H_ >= 1, "--hidden must be >= 1, got %d", H_);
+  MOONEP_CHECK_ARG(I_ >= 1, "--intermediate must be >= 1, got %d", I_);
+  MOONEP_CHECK_ARG(c_.iters >= 1, "--iters must be >= 1, got %d", c_.iters);
+  MOONEP_CHECK_ARG(c_.warmup >= 0, "--warmup must be >= 0, got %d", c_.warmup);
+  epn_ = E_ / R_;
+  ds_ = DTypeSize(c_.dtype);
+  row_bytes_ = static_cast<size_t>(H_) * ds_;
+  run_none_ = c_.baselines && c_.policy != planner::Policy::kNone;
+  tol_ = c_.dtype == DType::kFloat32 ? 1e-5 : 1e-2;
+
+  RoutingSpec spec;
+  spec.num_ranks = R_;
+  spec.num_experts = E_;
+  spec.top_k = K_;
+  spec.tokens = T_;
+  spec.skew = c_.skew;
+  spec.seed = c_.seed;
+  MOONEP_ASSIGN_OR_RETURN(routing_, MakeRouting(spec));
+  planner::ComputeSourceOffsets(routing_.counts, R_, E_, &offsets_);
+
+  tok_begin_.assign(static_cast<size_t>(R_) * (E_ + 1), 0);
+  tok_t_.resize(static_cast<size_t>(R_) * T_ * K_);
+  tok_k_.resize(tok_t_.size());
+  for (int32_t s = 0; s < R_; ++s) {
+    int64_t* begin = tok_begin_.data() + static_cast<size_t>(s) * (E_ + 1);
+    begin[0] = static_cast<int64_t>(s) * T_ * K_;
+    for (int32_t e = 0; e < E_; ++e) begin[e + 1] = begin[e] + routing_.counts[static_cast<size_t>(s) * E_ + e];
+    std::vector<int64_t> fill(begin, begin + E_);
+    const int32_t* ids = routing_.ids_of(s);
+    for (int64_t t = 0; t < T_; ++t) {
+      for (int32_t k = 0; k < K_; ++k) {
+        const int32_t e = ids[t * K_ + k];
+        tok_t_[fill[e]] = static_cast<int32_t>(t);
+        tok_k_[fill[e]++] = k;
+      }
+    }
+  }
+
+  // This rank's tokens and the combine result an identity expert must give: sum_k w x, exact.
+  x_.resize(static_cast<size_t>(T_) * row_bytes_);
+  y_.resize(x_.size());
+  expected_y_.resize(x_.size());
+  topk_w_.resize(static_cast<size_t>(T_ * K_));
+  for (int64_t t = 0; t < T_; ++t) {
+    for (int32_t k = 0; k < K_; ++k) topk_w_[t * K_ + k] = TopkWeightValue(rank_, t, k);
+    for (int64_t col = 0; col < H_; ++col) {
+      const float v = TokenValue(rank_, t, col);
+      StoreFromFloat(x_.data(), c_.dtype, static_cast<size_t>(t * H_ + col), v);
+      float acc = 0;
+      for (int32_t k = 0; k < K_; ++k) acc += topk_w_[t * K_ + k] * v;
+      StoreFromFloat(expected_y_.data(), c_.dtype, static_cast<size_t>(t * H_ + col), acc);
+    }
+  }
+
+  // Planners and transports; the receive capacity from the plans this routing gives.
+  planner::PlannerConfig pc;
+  pc.num_ranks = R_;
+  pc.num_experts = E_;
+  pc.slots = c_.slots;
+  pc.pad_multiple = c_.pad_multiple;
+  pc.row_bytes = static_cast<int64_t>(row_bytes_);
+  pc.expert_bytes = static_cast<int64_t>(3 * H_ * I_ * ds_);
+  transport::TransportOptions to;
+  to.comm = comm_;
+  to.max_tokens = T_;
+  to.max_top_k = K_;
+  to.max_row_bytes = static_cast<int64_t>(row_bytes_);
+  for (int which = 0; which < (run_none_ ? 2 : 1); ++which) {
+    Pipeline& p = which == 0 ? measured_ : none_;
+    pc.policy = which == 0 ? c_.policy : planner::Policy::kNone;
+    MOONEP_ASSIGN_OR_RETURN(p.planner, planner::Planner::Create(pc));
+    MOONEP_ASSIGN_OR_RETURN(p.transport, transport::CreateTransport(c_.backend, to));
+    auto sizing = planner::Planner::Create(pc);
+    if (!sizing.ok()) return sizing.status();
+    planner::Plan plan;
+    for (int rep = 0; rep < 2; ++rep) {  // twice: a policy with history settles on its 2nd plan
+      MOONEP_RETURN_IF_ERROR((*sizing)->MakePlan(routing_.counts, &plan));
+      for (int64_t rows : plan.rank_rows) capacity_ = std::max(capacity_, rows);
+    }
+    slots_ = plan.slots;
+  }
+  capacity_ = std::max<int64_t>(capacity_, 1);
+  recv_rows_.resize(static_cast<size_t>(capacity_) * row_bytes_);
+  recv_w_.resize(static_cast<size_t>(capacity_));
+  MOONEP_RETURN_IF_ERROR(SetupBlocks());
+  if (c_.baselines) MOONEP_RETURN_IF_ERROR(SetupA2a());
+  if (c_.layer) MOONEP_RETURN_IF_ERROR(SetupLayers());
+  return absl::OkStatus();
+}
+
+absl::Status Runner::SetupBlocks() {
+  param_elems_[0] = param_elems_[1] = param_elems_[2] = static_cast<size_t>(H_ * I_);
+  const size_t expert_elems = 3 * param_elems_[0];
+  home_weights_.resize(static_cast<size_t>(epn_) * expert_elems * ds_);
+  home_grads_init_.resize(static_cast<size_t>(epn_) * expert_elems);
+  for (int32_t g = 0; g < epn_; ++g) {
+    const int32_t e = rank_ * epn_ + g;
+    for (int m = 0; m < kParams; ++m) {
+      const size_t at = (static_cast<size_t>(g) * kParams + m) * param_elems_[m];
+      FillWeights(e, m, H_, I_, c_.dtype, static_cast<int64_t>(param_elems_[m]),
+                  home_weights_.data() + at * ds_);
+      for (size_t i = 0; i < param_elems_[m]; ++i) {
+        home_grads_init_[at + i] = HomeGradValue(e, m, static_cast<int64_t>(i));
+      }
+    }
+  }
+  home_grads_ = home_grads_init_;
+  dummy_weights_.resize(param_elems_[0] * ds_);
+  dummy_grads_.resize(param_elems_[0]);
+  slot_weights_.assign(static_cast<size_t>(slots_), {});
+  slot_grads_.assign(static_cast<size_t>(slots_), {});
+  slot_filled_for_.assign(static_cast<size_t>(slots_), -1);
+  expected_slot_w_.assign(static_cast<size_t>(slots_), {});
+  // gate and up are [H, I], down is [I, H].
+  auto view = [&](void* data, DType dtype, int m) {
+    return m == 2 ? TensorView::Contiguous(data, dtype, {I_, H_})
+                  : TensorView::Contiguous(data, dtype, {H_, I_});
+  };
+  for (int32_t g = 0; g < epn_; ++g) {
+    for (int m = 0; m < kParams; ++m) {
+      const size_t at = (static_cast<size_t>(g) * kParams + m) * param_elems_[m];
+      home_w_views_.push_back(view(home_weights_.data() + at * ds_, c_.dtype, m));
+      home_g_views_.push_back(view(home_grads_.data() + at, DType::kFloat32, m));
+    }
+  }
+  for (int32_t s = 0; s < slots_; ++s) {
+    for (int m = 0; m < kParams; ++m) {
+      slot_w_views_.push_back(view(dummy_weights_.data(), c_.dtype, m));
+      slot_g_views_.push_back(view(dummy_grads_.data(), DType::kFloat32, m));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Storage and expected values for the replica slots this plan uses on this rank (made outside
+// the timed region; a fixed routing gives the same plan every iteration, so this runs once).
+absl::Status Runner::EnsureSlots(const planner::Plan& plan) {
+  if (plan.slots != slots_) return Internal("plan has %d slots, set up for %d", plan.slots, slots_);
+  if (plan.slot_expert == expected_map_) return absl::OkStatus();
+  const size_t expert_elems = 3 * param_elems_[0];
+  for (int32_t s = 0; s < slots_; ++s) {
+    const int32_t e = plan.slot_expert[static_cast<size_t>(rank_) * slots_ + s];
+    if (e < 0) continue;
+    if (slot_weights_[s].empty()) {
+      slot_weights_[s].resize(expert_elems * ds_);
+      slot_grads_[s].resize(expert_elems);
+      expected_slot_w_[s].resize(expert_elems * ds_);
+      for (int m = 0; m < kParams; ++m) {
+        const size_t at = m * param_elems_[0];
+        slot_w_views_[s * kParams + m].data = slot_weights_[s].data() + at * ds_;
+        slot_g_views_[s * kParams + m].data = slot_grads_[s].data() + at;
+      }
+    }
+    if (slot_filled_for_[s] != e) {
+      for (int m = 0; m < kParams; ++m) {
+        const size_t at = m * param_elems_[0];
+        FillWeights(e, m, H_, I_, c_.dtype, static_cast<int64_t>(param_elems_[m]),
+                    expected_slot_w_[s].data() + at * ds_);
+        for (size_t i = 0; i < param_elems_[m]; ++i) {
+          slot_grads_[s][at + i] = SlotGradValue(rank_, e, m, static_cast<int64_t>(i));
+        }
+      }
+      slot_filled_for_[s] = e;
+    }
+  }
+  // Reduction: home gradient + every replica's, exact in fp32 (small dyadic values).
+  expected_home_g_ = home_grads_init_;
+  for (int32_t d = 0; d < R_; ++d) {
+    for (int32_t s = 0; s < slots_; ++s) {
+      const int32_t e = plan.slot_expert[static_cast<size_t>(d) * slots_ + s];
+      if (e < 0 || plan.home[e] != rank_) continue;
+      const int32_t g = plan.home_group[e];
+      for (int m = 0; m < kParams; ++m) {
+        const size_t at = (static_cast<size_t>(g) * kParams + m) * param_elems_[m];
+        for (size_t i = 0; i < param_elems_[m]; ++i) {
+          expected_home_g_[at + i] += SlotGradValue(d, e, m, static_cast<int64_t>(i));
+        }
+      }
+    }
+  }
+  expected_map_ = plan.slot_expert;
+  return absl::OkStatus();
+}
+
+absl::Status Runner::SetupA2a() {
+  MPI_Comm_dup(comm_, &a2a_comm_);
+  if (row_bytes_ > static_cast<size_t>(INT32_MAX)) return InvalidArgument("--hidden: row too large");
+  MPI_Type_contiguous(static_cast<int>(row_bytes_), MPI_BYTE, &row_type_);
+  MPI_Type_commit(&row_type_);
+  a2a_scount_.assign(R_, 0);
+  a2a_rcount_.assign(R_, 0);
+  a2a_sdispl_.assign(R_, 0);
+  a2a_rdispl_.assign(R_, 0);
+  // Send: every (token, k) entry to its expert's home rank, by destination, then token and k.
+  const int32_t* ids = routing_.ids_of(rank_);
+  for (int64_t i = 0; i < T_ * K_; ++i) ++a2a_scount_[ids[i] / epn_];
+  for (int32_t d = 1; d < R_; ++d) a2a_sdispl_[d] = a2a_sdispl_[d - 1] + a2a_scount_[d - 1];
+  std::vector<int> at(a2a_sdispl_);
+  a2a_send_entry_.resize(static_cast<size_t>(T_ * K_));
+  a2a_where_.resize(a2a_send_entry_.size());
+  for (int64_t i = 0; i < T_ * K_; ++i) {
+    a2a_where_[i] = at[ids[i] / epn_];
+    a2a_send_entry_[at[ids[i] / epn_]++] = static_cast<int32_t>(i);
+  }
+  a2a_send_.resize(static_cast<size_t>(T_ * K_) * row_bytes_);
+  // Receive: from each source, its entries whose expert lives here, in the source's order.
+  for (int32_t s = 0; s < R_; ++s) {
+    const int32_t* sid = routing_.ids_of(s);
+    for (int64_t i = 0; i < T_ * K_; ++i) {
+      if (sid[i] / epn_ == rank_) {
+        ++a2a_rcount_[s];
+        a2a_recv_src_.push_back(s);
+        a2a_recv_token_.push_back(i / K_);
+      }
+    }
+  }
+  for (int32_t s = 1; s < R_; ++s) a2a_rdispl_[s] = a2a_rdispl_[s - 1] + a2a_rcount_[s - 1];
+  a2a_recv_.resize(std::max<size_t>(a2a_recv_src_.size(), 1) * row_bytes_);
+  return absl::OkStatus();
+}
+
+absl::Status Runner::SetupLayers() {
+  runtime::LayerConfig lc;
+  lc.num_experts = E_;
+  lc.top_k = K_;
+  lc.hidden = H_;
+  lc.intermediate = I_;
+  lc.dtype = c_.dtype;
+  lc.grad_dtype = DType::kFloat32;
+  lc.slots = c_.slots;
+  lc.pad_multiple = c_.pad_multiple;
+  lc.max_tokens = T_;
+  lc.max_recv_rows = capacity_;
+  lc.num_threads = c_.threads;
+  const size_t expert_elems = 3 * param_elems_[0];
+  gbuf_measured_.assign(static_cast<size_t>(epn_) * expert_elems, 0.0f);
+  if (run_none_) gbuf_none_.assign(gbuf_measured_.size(), 0.0f);
+  for (int32_t g = 0; g < epn_; ++g) {
+    compute::ExpertParams w, gm, gn;
+    w.gate = home_w_views_[g * kParams + 0];
+    w.up = home_w_views_[g * kParams + 1];
+    w.down = home_w_views_[g * kParams + 2];
+    layer_params_.push_back(w);
+    auto grads = [&](std::vector<float>& buf) {
+      compute::ExpertParams p;
+      float* base = buf.data() + static_cast<size_t>(g) * expert_elems;
+      p.gate = TensorView::Contiguous(base, DType::kFloat32, {H_, I_});
+      p.up = TensorView::Contiguous(base + param_elems_[0], DType::kFloat32, {H_, I_});
+      p.down = TensorView::Contiguous(base + 2 * param_elems_[0], DType::kFloat32, {I_, H_});
+      return p;
+    };
+    grads_measured_.push_back(grads(gbuf_measured_));
+    if (run_none_) grads_none_.push_back(grads(gbuf_none_));
+  }
+  lc.policy = c_.policy;
+  MOONEP_ASSIGN_OR_RETURN(layer_measured_, runtime::MoeLayer::Create(rt_, lc));
+  MOONEP_RETURN_IF_ERROR(layer_measured_->BindParameters(layer_params_, grads_measured_));
+  if (run_none_) {
+    lc.policy = planner::Policy::kNone;
+    MOONEP_ASSIGN_OR_RETURN(layer_none_, runtime::MoeLayer::Create(rt_, lc));
+    MOONEP_RETURN_IF_ERROR(layer_none_->BindParameters(layer_params_, grads_none_));
+  }
+  dy_.resize(x_.size());
+  dx_.resize(x_.size());
+  dtopk_.resize(static_cast<size_t>(T_ * K_));
+  for (int64_t t = 0; t < T_; ++t) {
+    for (int64_t col = 0; col < H_; ++col) {
+      StoreFromFloat(dy_.data(), c_.dtype, static_cast<size_t>(t * H_ + col),
+                     GradValue(rank_, t, col));
+    }
+  }
+
+  // The fp64 reference on the first check_tokens tokens: one single-expert problem per (t, k).
+  sample_ = std::min<int64_t>(T_, std::max(0, c_.check_tokens));
+  y_ref_.assign(static_cast<size_t>(sample_ * H_), 0.0);
+  dx_ref_.assign(y_ref_.size(), 0.0);
+  dtopk_ref_.assign(static_cast<size_t>(sample_ * K_), 0.0);
+  const int32_t* ids = routing_.ids_of(rank_);
+  std::vector<std::pair<int32_t, int64_t>> pairs;  // (expert, t * K + k), grouped by expert
+  for (int64_t i = 0; i < sample_ * K_; ++i) pairs.push_back({ids[i], i});
+  std::sort(pairs.begin(), pairs.end());
+  reference::MoeShape shape{1, 1, H_, I_};
+  reference::ExpertWeights w;
+  int32_t loaded = -1;
+  for (const auto& [e, i] : pairs) {
+    if (e != loaded) {
+      std::vector<double>* parts[kParams] = {&w.wg, &w.wu, &w.wd};
+      for (int m = 0; m < kParams; ++m) {
+        parts[m]->resize(param_elems_[m]);
+        for (size_t j = 0; j < param_elems_[m]; ++j) {
+          (*parts[m])[j] = RoundTo(c_.dtype, WeightValue(e, m, static_cast<int64_t>(j), H_, I_));
+        }
+      }
+      loaded = e;
+    }
+    const int64_t t = i / K_;
+    std::vector<double> xt(H_), dyt(H_), wt{topk_w_[i]};
+    for (int64_t col = 0; col < H_; ++col) {
+      xt[col] = TokenValue(rank_, t, col);
+      dyt[col] = GradValue(rank_, t, col);
+    }
+    reference::ForwardResult fr;
+    reference::BackwardResult br;
+    MOONEP_RETURN_IF_ERROR(reference::Forward(shape, w, 1, xt, {0}, wt, &fr));
+    MOONEP_RETURN_IF_ERROR(reference::Backward(shape, w, 1, xt, {0}, wt, dyt, &br));
+    for (int64_t col = 0; col < H_; ++col) {
+      y_ref_[t * H_ + col] += fr.y[col];
+      dx_ref_[t * H_ + col] += br.dx[col];
+    }
+    dtopk_ref_[i] = br.dtopk_weights[0];
+  }
+  return absl::OkStatus();
+}
+
+int64_t Runner::CheckDispatch(const planner::Plan& plan, absl::Span<const int64_t> counts) {
+  std::vector<int64_t> offsets;
+  planner::ComputeSourceOffsets(counts, R_, E_, &offsets);
+  const int64_t rows = plan.rank_rows[rank_];
+  std::vector<char> covered(static_cast<size_t>(rows), 0);
+  int64_t wrong = 0;
+  std::vector<char> expect(row_bytes_);
+  for (int32_t src = 0; src < R_; ++src) {
+    const int64_t* begin = tok_begin_.data() + static_cast<size_t>(src) * (E_ + 1);
+    transport::ForEachRun(plan, offsets.data(), src, rank_,
+                          [&](int32_t, int32_t e, int64_t j0, int64_t row, int64_t n) {
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t at = begin[e] + j0 + i, r = row + i;
+        const int64_t t = tok_t_[at];
+        if (r < 0 || r >= rows || at >= begin[e + 1]) {
+          ++wrong;
+          continue;
+        }
+        covered[r] = 1;
+        for (int64_t col = 0; col < H_; ++col) {
+          StoreFromFloat(expect.data(), c_.dtype, static_cast<size_t>(col), TokenValue(src, t, col));
+        }
+        if (std::memcmp(expect.data(), recv_rows_.data() + r * row_bytes_, row_bytes_) != 0 ||
+            recv_w_[r] != TopkWeightValue(src, t, tok_k_[at])) {
+          ++wrong;
+        }
+      }
+    });
+  }
+  std::fill(expect.begin(), expect.end(), 0);
+  for (int64_t r = 0; r < rows; ++r) {  // padding: zero rows, zero weights
+    if (covered[r]) continue;
+    if (std::memcmp(expect.data(), recv_rows_.data() + r * row_bytes_, row_bytes_) != 0 ||
+        recv_w_[r] != 0.0f) {
+      ++wrong;
+    }
+  }
+  return wrong;
+}
+
+int64_t Runner::CheckPrefetch(const planner::Plan& plan) {
+  int64_t wrong = 0;
+  for (int32_t s = 0; s < slots_; ++s) {
+    if (plan.slot_expert[static_cast<size_t>(rank_) * slots_ + s] < 0) continue;
+    for (int m = 0; m < kParams; ++m) {
+      const size_t at = m * param_elems_[0] * ds_, bytes = param_elems_[m] * ds_;
+      if (std::memcmp(slot_weights_[s].data() + at, expected_slot_w_[s].data() + at, bytes) != 0) {
+        ++wrong;
+      }
+    }
+  }
+  return wrong;
+}
+
+int64_t Runner::CheckReduce(const planner::Plan& plan) {
+  (void)plan;
+  int64_t wrong = 0;
+  const size_t n = param_elems_[0];
+  for (size_t b = 0; b < static_cast<size_t>(epn_) * kParams; ++b) {
+    if (std::memcmp(home_grads_.data() + b * n, expected_home_g_.data() + b * n,
+                    n * sizeof(float)) != 0) {
+      ++wrong;
+    }
+  }
+  return wrong;
+}
+
+absl::Status Runner::TransportPipeline(bool measured, bool record) {
+  Pipeline& p = measured ? measured_ : none_;
+  transport::Transport* tr = p.transport.get();
+  const int32_t* ids = routing_.ids_of(rank_);
+  const TensorView x = TensorView::Contiguous(x_.data(), c_.dtype, {T_, H_});
+  const TensorView y = TensorView::Contiguous(y_.data(), c_.dtype, {T_, H_});
+  const TensorView rows = TensorView::Contiguous(recv_rows_.data(), c_.dtype, {capacity_, H_});
+
+  MOONEP_RETURN_IF_ERROR(Timed(Key("counts", measured), record, [&] {
+    return tr->ExchangeCounts(absl::MakeConstSpan(ids, static_cast<size_t>(T_ * K_)), T_, K_, E_,
+                              capacity_, &p.handle);
+  }));
+  {
+    int64_t wrong = 0;
+    for (size_t i = 0; i < routing_.counts.size(); ++i) {
+      wrong += p.handle.counts()[i] != routing_.counts[i];
+    }
+    Count(Key("counts", measured), wrong, static_cast<int64_t>(routing_.counts.size()));
+  }
+
+  MOONEP_RETURN_IF_ERROR(Timed(Key("plan", measured), record,
+                               [&] { return p.planner->MakePlan(p.handle.counts(), &p.plan); }));
+  {
+    // A plan is right when it keeps every invariant and every rank made the same bytes.
+    int64_t wrong = planner::ValidatePlan(p.plan, p.handle.counts()).ok() ? 0 : 1;
+    const std::string bytes = planner::SerializePlan(p.plan);
+    uint64_t h = 1469598103934665603ull;
+    for (char ch : bytes) h = (h ^ static_cast<unsigned char>(ch)) * 1099511628211ull;
+    uint64_t lo = h, hi = h;
+    MPI_Allreduce(MPI_IN_PLACE, &lo, 1, MPI_UINT64_T, MPI_MIN, comm_);
+    MPI_Allreduce(MPI_IN_PLACE, &hi, 1, MPI_UINT64_T, MPI_MAX, comm_);
+    if (lo != hi) ++wrong;
+    Count(Key("plan", measured), wrong, 1);
+  }
+
+  if (measured) {
+    MOONEP_RETURN_IF_ERROR(EnsureSlots(p.plan));
+    for (auto& s : slot_weights_) {
+      if (!s.empty()) Poison(s.data(), s.size());
+    }
+    const ExpertBlocks params{kParams, home_w_views_, slot_w_views_};
+    MOONEP_RETURN_IF_ERROR(
+        Timed(Key("prefetch", true), record, [&] { return tr->Prefetch(p.plan, params); }));
+    Count(Key("prefetch", true), CheckPrefetch(p.plan), p.plan.stats.replicas * kParams);
+  }
+
+  Poison(recv_rows_.data(), recv_rows_.size());
+  Poison(recv_w_.data(), recv_w_.size() * sizeof(float));
+  MOONEP_RETURN_IF_ERROR(Timed(Key("dispatch", measured), record, [&] {
+    return tr->Dispatch(p.plan, x, topk_w_, &p.handle, rows, absl::MakeSpan(recv_w_));
+  }));
+  Count(Key("dispatch", measured), CheckDispatch(p.plan, p.handle.counts()),
+        p.plan.rank_rows[rank_]);
+
+  // Identity experts: combine must give sum_k w[t,k] x[t] (exact, so bit for bit).
+  Poison(y_.data(), y_.size());
+  MOONEP_RETURN_IF_ERROR(
+      Timed(Key("combine", measured), record, [&] { return tr->Combine(&p.handle, rows, y); }));
+  Count(Key("combine", measured),
+        CountWrongRows(y_.data(), expected_y_.data(), T_, row_bytes_), T_);
+
+  if (measured) {
+    std::memcpy(home_grads_.data(), home_grads_init_.data(), home_grads_.size() * sizeof(float));
+    const ExpertBlocks grads{kParams, home_g_views_, slot_g_views_};
+    MOONEP_RETURN_IF_ERROR(
+        Timed(Key("reduce", true), record, [&] { return tr->Reduce(p.plan, grads); }));
+    Count(Key("reduce", true), CheckReduce(p.plan), static_cast<int64_t>(epn_) * kParams);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Runner::A2aPipeline(bool record) {
+  // Dispatch as a trainer without MoonEP does it: pack rows by home rank, one MPI_Alltoallv.
+  MOONEP_RETURN_IF_ERROR(Timed("dispatch/a2av", record, [&] {
+    for (size_t i = 0; i < a2a_send_entry_.size(); ++i) {
+      std::memcpy(a2a_send_.data() + i * row_bytes_,
+                  x_.data() + static_cast<size_t>(a2a_send_entry_[i] / K_) * row_bytes_, row_bytes_);
+    }
+    const int rc = MPI_Alltoallv(a2a_send_.data(), a2a_scount_.data(), a2a_sdispl_.data(), row_type_,
+                                 a2a_recv_.data(), a2a_rcount_.data(), a2a_rdispl_.data(), row_type_,
+                                 a2a_comm_);
+    return rc == MPI_SUCCESS ? absl::OkStatus() : Internal("MPI_Alltoallv failed (%d)", rc);
+  }));
+  {
+    int64_t wrong = 0;
+    std::vector<char> expect(row_bytes_);
+    for (size_t i = 0; i < a2a_recv_src_.size(); ++i) {
+      for (int64_t col = 0; col < H_; ++col) {
+        StoreFromFloat(expect.data(), c_.dtype, static_cast<size_t>(col),
+                       TokenValue(static_cast<int32_t>(a2a_recv_src_[i]), a2a_recv_token_[i], col));
+      }
+      if (std::memcmp(expect.data(), a2a_recv_.data() + i * row_bytes_, row_bytes_) != 0) ++wrong;
+    }
+    Count("dispatch/a2av", wrong, static_cast<int64_t>(a2a_recv_src_.size()));
+  }
+  // Combine: identity experts' rows back by the reverse MPI_Alltoallv, then the weighted sum.
+  Poison(a2a_send_.data(), a2a_send_.size());
+  Poison(y_.data(), y_.size());
+  std::vector<float> acc(static_cast<size_t>(H_));
+  MOONEP_RETURN_IF_ERROR(Timed("combine/a2av", record, [&] {
+    const int rc = MPI_Alltoallv(a2a_recv_.data(), a2a_rcount_.data(), a2a_rdispl_.data(), row_type_,
+                                 a2a_send_.data(), a2a_scount_.data(), a2a_sdispl_.data(), row_type_,
+                                 a2a_comm_);
+    if (rc != MPI_SUCCESS) return Internal("MPI_Alltoallv failed (%d)", rc);
+    // The K rows of a token are spread over the send order; sum them in token order.
+    const std::vector<int32_t>& where = a2a_where_;
+    for (int64_t t = 0; t < T_; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int32_t k = 0; k < K_; ++k) {
+        const char* row = a2a_send_.data() + static_cast<size_t>(where[t * K_ + k]) * row_bytes_;
+        const float w = topk_w_[t * K_ + k];
+        for (int64_t col = 0; col < H_; ++col) {
+          acc[col] += w * LoadAsFloat(row, c_.dtype, static_cast<size_t>(col));
+        }
+      }
+      ConvertFromFloat(acc.data(), y_.data() + t * row_bytes_, c_.dtype, static_cast<size_t>(H_));
+    }
+    return absl::OkStatus();
+  }));
+  Count("combine/a2av", CountWrongRows(y_.data(), expected_y_.data(), T_, row_bytes_), T_);
+  return absl::OkStatus();
+}
+
+absl::Status Runner::LayerStep(bool measured, bool record) {
+  runtime::MoeLayer* layer = measured ? layer_measured_.get() : layer_none_.get();
+  std::vector<float>& gbuf = measured ? gbuf_measured_ : gbuf_none_;
+  const TensorView x = TensorView::Contiguous(x_.data(), c_.dtype, {T_, H_});
+  const TensorView y = TensorView::Contiguous(y_.data(), c_.dtype, {T_, H_});
+  const int32_t* ids = routing_.ids_of(rank_);
+  Poison(y_.data(), y_.size());
+  runtime::LayerHandle handle;
+  MOONEP_RETURN_IF_ERROR(Timed(Key("layer-fwd", measured), record, [&]() -> absl::Status {
+    auto h = layer->Forward(T_, x, absl::MakeConstSpan(ids, static_cast<size_t>(T_ * K_)), topk_w_, y);
+    if (!h.ok()) return h.status();
+    handle = *h;
+    return absl::OkStatus();
+  }));
+  std::vector<double> got(static_cast<size_t>(sample_ * H_));
+  for (size_t i = 0; i < got.size(); ++i) got[i] = LoadAsFloat(y_.data(), c_.dtype, i);
+  Count(Key("layer-fwd", measured), CountOutside(got, y_ref_, tol_),
+        static_cast<int64_t>(got.size()));
+
+  std::fill(gbuf.begin(), gbuf.end(), 0.0f);
+  Poison(dx_.data(), dx_.size());
+  Poison(dtopk_.data(), dtopk_.size() * sizeof(float));
+  const TensorView dy = TensorView::Contiguous(dy_.data(), c_.dtype, {T_, H_});
+  const TensorView dx = TensorView::Contiguous(dx_.data(), c_.dtype, {T_, H_});
+  MOONEP_RETURN_IF_ERROR(Timed(Key("layer-bwd", measured), record, [&] {
+    return layer->Backward(handle, dy, dx, absl::MakeSpan(dtopk_));
+  }));
+  for (size_t i = 0; i < got.size(); ++i) got[i] = LoadAsFloat(dx_.data(), c_.dtype, i);
+  int64_t wrong = CountOutside(got, dx_ref_, tol_);
+  std::vector<double> gotw(dtopk_.begin(), dtopk_.begin() + sample_ * K_);
+  wrong += CountOutside(gotw, dtopk_ref_, tol_);
+  int64_t checked = static_cast<int64_t>(got.size() + gotw.size());
+  if (!measured) {
+    // Weight gradients after the reduction do not depend on the plan: compare with policy none.
+    std::vector<double> a(gbuf_measured_.begin(), gbuf_measured_.end());
+    std::vector<double> b(gbuf_none_.begin(), gbuf_none_.end());
+    wrong += CountOutside(a, b, tol_);
+    checked += static_cast<int64_t>(a.size());
+  }
+  Count(Key("layer-bwd", measured), wrong, checked);
+  return absl::OkStatus();
+}
+
+absl::Status Runner::Iteration(bool record) {
+  MOONEP_RETURN_IF_ERROR(TransportPipeline(true, record));
+  if (run_none_) MOONEP_RETURN_IF_ERROR(TransportPipeline(false, record));
+  if (c_.baselines) MOONEP_RETURN_IF_ERROR(A2aPipeline(record));
+  if (c_.layer) {
+    MOONEP_RETURN_IF_ERROR(LayerStep(true, record));
+    if (run_none_) MOONEP_RETURN_IF_ERROR(LayerStep(false, record));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Runner::Run(ConfigResult* out) {
+  MOONEP_RETURN_IF_ERROR(Setup());
+  for (int32_t it = 0; it < c_.warmup + c_.iters; ++it) {
+    const bool record = it >= c_.warmup;
+    if (it == c_.warmup) {
+      measured_.transport->ResetCounters();
+      if (run_none_) none_.transport->ResetCounters();
+    }
+    MOONEP_RETURN_IF_ERROR(Iteration(record));
+  }
+
+  out->config = c_;
+  out->num_ranks = R_;
+  out->zipf_s = routing_.zipf_s;
+  out->maxvio = routing_.maxvio;
+  out->plan_stats = measured_.plan.stats;
+  out->none_stats = run_none_ ? none_.plan.stats : measured_.plan.stats;
+  out->recv_capacity_rows = capacity_;
+  MPI_Allreduce(MPI_IN_PLACE, &out->recv_capacity_rows, 1, MPI_INT64_T, MPI_MAX, comm_);
+
+  const std::string type = DTypeName(c_.dtype);
+  const int64_t routed = T_ * K_;
+  const double a2a_factor = static_cast<double>(R_ - 1) / R_;
+  const int64_t expert_bytes = static_cast<int64_t>(3 * H_ * I_ * ds_);
+  auto busiest = [&](const planner::Plan& plan, int64_t bytes_per_expert) {
+    // Bytes in or out of the busiest rank: replicas it sends (as home) or receives (as slot).
+    std::vector<int64_t> io(R_, 0), in(R_, 0);
+    for (int32_t d = 0; d < R_; ++d) {
+      for (int32_t s = 0; s < plan.slots; ++s) {
+        const int32_t e = plan.slot_expert[static_cast<size_t>(d) * plan.slots + s];
+        if (e < 0) continue;
+        io[plan.home[e]] += bytes_per_expert;
+        in[d] += bytes_per_expert;
+      }
+    }
+    int64_t m = 0;
+    for (int32_t r = 0; r < R_; ++r) m = std::max({m, io[r], in[r]});
+    return m;
+  };
+  std::vector<std::pair<std::string, std::string>> order;  // (op, impl) in print order
+  const std::string pol = planner::PolicyName(c_.policy);
+  auto add = [&](const char* op, const std::string& impl) { order.push_back({op, impl}); };
+  add("counts", pol);
+  if (run_none_) add("counts", "none");
+  add("plan", pol);
+  if (run_none_) add("plan", "none");
+  add("dispatch", pol);
+  if (run_none_) add("dispatch", "none");
+  if (c_.baselines) add("dispatch", "a2av");
+  add("combine", pol);
+  if (run_none_) add("combine", "none");
+  if (c_.baselines) add("combine", "a2av");
+  add("prefetch", pol);
+  add("reduce", pol);
+  if (c_.layer) {
+    add("layer-fwd", pol);
+    if (run_none_) add("layer-fwd", "none");
+    add("layer-bwd", pol);
+    if (run_none_) add("layer-bwd", "none");
+  }
+  for (const auto& [op, impl] : order) {
+    Series& s = series_[op + "/" + impl];
+    OpResult r;
+    r.op = op;
+    r.impl = impl;
+    r.type = type;
+    r.iter_us = s.us;
+    r.iter_us.resize(static_cast<size_t>(c_.iters), 0.0);
+    MPI_Allreduce(MPI_IN_PLACE, r.iter_us.data(), c_.iters, MPI_DOUBLE, MPI_MAX, comm_);
+    int64_t wc[2] = {s.wrong, s.checked};
+    MPI_Allreduce(MPI_IN_PLACE, wc, 2, MPI_INT64_T, MPI_SUM, comm_);
+    r.wrong = wc[0];
+    r.checked = wc[1];
+    const planner::Plan& plan = impl == "none" ? none_.plan : measured_.plan;
+    transport::Transport* tr =
+        impl == "none" ? none_.transport.get() : impl == "a2av" ? nullptr : measured_.transport.get();
+    OpKind kind = OpKind::kNumKinds;
+    if (op == "counts") {
+      r.size_bytes = static_cast<int64_t>(R_) * E_ * 8;
+      r.count = static_cast<int64_t>(R_) * E_;
+      r.type = "int64";
+      r.has_bandwidth = true;
+      r.bus_factor = a2a_factor;
+      kind = OpKind::kCounts;
+    } else if (op == "plan") {
+      r.count = E_;
+      r.type = "-";
+    } else if (op == "dispatch" || op == "combine") {
+      r.size_bytes = routed * static_cast<int64_t>(row_bytes_);
+      r.count = routed * H_;
+      r.has_bandwidth = true;
+      r.bus_factor = a2a_factor;
+      kind = op == "dispatch" ? OpKind::kDispatch : OpKind::kCombine;
+    } else if (op == "prefetch" || op == "reduce") {
+      const int64_t per = op == "prefetch" ? expert_bytes : static_cast<int64_t>(3 * H_ * I_ * 4);
+      r.size_bytes = static_cast<int64_t>(plan.stats.replicas) * per;
+      r.count = static_cast<int64_t>(plan.stats.replicas) * 3 * H_ * I_;
+      if (op == "reduce") r.type = "fp32";  // gradients are fp32
+      r.has_bandwidth = r.size_bytes > 0;
+      r.bus_bytes = busiest(plan, per);
+      kind = op == "prefetch" ? OpKind::kPrefetch : OpKind::kReduce;
+    } else {  // layer steps: the dispatched payload, time only
+      r.size_bytes = routed * static_cast<int64_t>(row_bytes_);
+      r.count = routed * H_;
+    }
+    if (tr != nullptr && kind != OpKind::kNumKinds) {
+      const transport::OpCounters oc = tr->counters(kind);
+      int64_t v[2] = {oc.calls > 0 ? oc.bytes_sent / oc.calls : 0,
+                      oc.calls > 0 ? oc.rows_deduplicated / oc.calls : 0};
+      MPI_Allreduce(MPI_IN_PLACE, v, 2, MPI_INT64_T, MPI_MAX, comm_);
+      r.sent_bytes_max = v[0];
+      r.dedup_rows_max = v[1];
+    } else if (impl == "a2av") {
+      int64_t v = 0;
+      for (int32_t d = 0; d < R_; ++d) {
+        if (d != rank_) v += static_cast<int64_t>(op == "dispatch" ? a2a_scount_[d] : a2a_rcount_[d]);
+      }
+      v *= static_cast<int64_t>(row_bytes_);
+      MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_INT64_T, MPI_MAX, comm_);
+      r.sent_bytes_max = v;
+    }
+    r.Finish();
+    out->ops.push_back(std::move(r));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status RunConfig(const BenchConfig& config, MPI_Comm comm, runtime::Communicator* rt_comm,
+                       ConfigResult* result) {
+  Runner runner(config, comm, rt_comm);
+  return runner.Run(result);
+}
+
+}  // namespace moonep::bench
