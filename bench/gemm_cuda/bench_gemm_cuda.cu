@@ -315,7 +315,7 @@ int main(int argc, char** argv) {
     CHECK_OK((*staging)->Begin());
     CHECK_OK((*gemm)->Plan(&batch, staging->get()));
     CHECK_OK((*staging)->Upload(stream));
-    CHECK_OK((*gemm)->Run(batch, **staging));
+    CHECK_OK((*gemm)->Run(&batch, **staging));
   };
   for (const ShapeSpec& s : shapes) {
     for (bool zipf : {false, true}) {
@@ -346,7 +346,7 @@ int main(int argc, char** argv) {
       row.chunked_ms = TimeMs(stream, opt.reps, [&] { run(GemmStrategy::kChunked); });
       row.chunk_rows = batch.chunk_rows;
       run(GemmStrategy::kAuto);
-      row.pick = GemmStrategyName(batch.chosen);
+      row.pick = GemmStrategyName(batch.ran);
       CHECK_CUDA(cudaStreamSynchronize(stream));
       rows.push_back(row);
       if (shapes_file != nullptr) {

@@ -274,28 +274,36 @@ TEST(CudaExecutor, EmptyGroupsNeedNoTensors) {
   EXPECT_EQ(NonZeroPadding(none, y0h), 0);
 }
 
-// The auto strategy: row-chunked batches once some group has a full chunk, grouped for tiny
-// groups; the weight-gradient batches (rows are the reduction) never chunk.
+// The auto strategy: near-uniform or small groups run row-chunked, skewed large groups per group
+// over streams, tiny groups grouped; the weight-gradient batches (rows are the reduction) never
+// chunk.
 TEST(CudaExecutor, AutoStrategyFollowsGroupSizes) {
   MOONEP_SKIP_WITHOUT_GPU();
-  const int64_t threshold = param::CudaGemmStreamsMinRows();
-  Problem small(Spec(16, 8, kBF16, kF32, {1, 2, 3, 0}, 1, 51));
-  Problem large(Spec(16, 8, kBF16, kF32, {threshold, threshold + 1, threshold}, 1, 52));
-  for (Problem* p : {&small, &large}) {
-    DeviceProblem d(*p, false);
-    auto ex = MakeExecutor(*p, GemmStrategy::kAuto);
+  const int64_t big = param::CudaGemmStreamsMinRows();
+  struct AutoCase {
+    std::vector<int64_t> counts;
+    GemmStrategy down;  // what the down-projection batch (bf16 -> bf16) runs as
+  };
+  const std::vector<AutoCase> cases = {
+      {{1, 2, 3, 0}, GemmStrategy::kGrouped},
+      {{big, big + 1, big}, GemmStrategy::kChunked},
+      {{130, 0, 7, 60}, GemmStrategy::kChunked},
+      // mean >= big, but 512-row chunks would leave over a third of the rows in remainders
+      {{2 * big + 300, big / 2 + 200, big + 400, 3 * big / 2}, GemmStrategy::kStreams}};
+  for (const AutoCase& c : cases) {
+    Problem p(Spec(16, 8, kBF16, kF32, c.counts, 1, 51));
+    DeviceProblem d(p, false);
+    auto ex = MakeExecutor(p, GemmStrategy::kAuto);
     ASSERT_NE(ex, nullptr);
-    const int64_t R = p->view.total_rows;
-    DeviceBuffer y(R * 16 * 2);
+    const int64_t R = p.view.total_rows;
+    DeviceBuffer y(R * 16 * 2), dx(R * 16 * 2);
     ASSERT_TRUE(ex->Forward(d.view, d.x.View(R, 16, kBF16), y.View(R, 16, kBF16), {}).ok());
-    const GemmStrategy want = p == &small ? GemmStrategy::kGrouped : GemmStrategy::kChunked;
     ASSERT_EQ(ex->last_strategies().size(), 2u);
-    for (GemmStrategy s : ex->last_strategies()) EXPECT_EQ(s, want) << cuda::GemmStrategyName(s);
-    DeviceBuffer dx(R * 16 * 2);
+    EXPECT_EQ(ex->last_strategies()[1], c.down) << cuda::GemmStrategyName(ex->last_strategies()[1]);
     ASSERT_TRUE(ex->Backward(d.view, d.x.View(R, 16, kBF16), d.dy.View(R, 16, kBF16), dx.View(R, 16, kBF16), {}).ok());
-    // recompute a|b, dh, dx (row-chunked), then the fp32 weight gradients (never chunked)
-    ASSERT_EQ(ex->last_strategies().size(), 4u);
-    EXPECT_NE(ex->last_strategies()[3], GemmStrategy::kChunked);
+    // a|b, dh, dx = da Wg^T, dx += db Wu^T, then the fp32 weight gradients (never chunked)
+    ASSERT_EQ(ex->last_strategies().size(), 5u);
+    EXPECT_NE(ex->last_strategies()[4], GemmStrategy::kChunked);
   }
 }
 

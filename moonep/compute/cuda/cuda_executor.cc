@@ -239,15 +239,17 @@ void CudaExecutor::AddPreactivationGemms(const ComputeView& view, const TensorVi
 absl::Status CudaExecutor::PlanAndUpload(int batches) {
   last_strategies_.clear();
   for (int i = 0; i < batches; ++i) {
+    batches_[i].ran = GemmStrategy::kAuto;
     MOONEP_RETURN_IF_ERROR(gemm_->Plan(&batches_[i], staging_.get()));
-    if (!batches_[i].problems.empty()) last_strategies_.push_back(batches_[i].chosen);
   }
   return staging_->Upload(stream_);
 }
 
 absl::Status CudaExecutor::RunBatch(int i) {
-  if (i < 0) return absl::OkStatus();
-  return gemm_->Run(batches_[i], *staging_);
+  if (i < 0 || batches_[i].problems.empty()) return absl::OkStatus();
+  MOONEP_RETURN_IF_ERROR(gemm_->Run(&batches_[i], *staging_));
+  last_strategies_.push_back(batches_[i].ran);
+  return absl::OkStatus();
 }
 
 absl::Status CudaExecutor::Finish() {

@@ -72,7 +72,8 @@ class CudaExecutor final : public Executor {
   void set_synchronous(bool s) { synchronous_ = s; }
   void set_gemm_strategy(GemmStrategy s) { gemm_->set_strategy(s); }
   GemmStrategy gemm_strategy() const { return gemm_->strategy(); }
-  // The strategy each GEMM batch of the last call ran with, in issue order (for tests and benchmarks).
+  // The strategy each non-empty GEMM batch of the last call ran with, in issue order (for tests
+  // and benchmarks).
   const std::vector<GemmStrategy>& last_strategies() const { return last_strategies_; }
   // Waits for the work queued on stream() and returns its first error.
   absl::Status Synchronize();

@@ -163,7 +163,7 @@ void GroupedGemm::StagePointers(const std::vector<GemmProblem>& problems, Stagin
   *offset = staging->Add(ptrs_.data(), ptrs_.size() * sizeof(void*));
 }
 
-bool GroupedGemm::PlanChunked(GemmBatch* batch, Staging* staging) {
+bool GroupedGemm::PlanChunked(GemmBatch* batch, Staging* staging, bool require_512) {
   if (batch->trans_a || batch->problems.empty()) return false;
   const GemmProblem& p0 = batch->problems[0];
   int64_t total = 0;
@@ -183,6 +183,7 @@ bool GroupedGemm::PlanChunked(GemmBatch* batch, Staging* staging) {
       break;
     }
   }
+  if (require_512 && c != 512) return false;
   int64_t chunks = 0;
   for (const GemmProblem& p : batch->problems) chunks += p.m / c;
   if (chunks == 0) return false;  // only remainders: that is kGrouped
@@ -208,7 +209,9 @@ bool GroupedGemm::PlanChunked(GemmBatch* batch, Staging* staging) {
   batch->chunk_offset = staging->Add(ptrs_.data(), ptrs_.size() * sizeof(void*));
   batch->chunk_rows = c;
   batch->chunks = chunks;
-  if (batch->remainders.size() > 1) StagePointers(batch->remainders, staging, &batch->staged_offset);
+  if (batch->remainders.size() > 1 && !GroupedRefused(*batch)) {
+    StagePointers(batch->remainders, staging, &batch->staged_offset);
+  }
   return true;
 }
 
@@ -223,32 +226,35 @@ absl::Status GroupedGemm::Plan(GemmBatch* batch, Staging* staging) {
     rows += p.rows;
   }
   const int64_t mean = count == 0 ? 0 : rows / static_cast<int64_t>(count);
+  const bool large = mean >= param::CudaGemmStreamsMinRows();
   GemmStrategy s = strategy_;
   if (count <= 1) s = GemmStrategy::kStreams;  // one GEMM needs no grouping
   if (s == GemmStrategy::kAuto || s == GemmStrategy::kChunked) {
-    const bool want_chunked =
-        s == GemmStrategy::kChunked || mean < param::CudaGemmChunkedMaxRows();
-    if (want_chunked && PlanChunked(batch, staging)) {
+    // kAuto: skewed large groups run best one by one over streams (docs/cuda.md).
+    if (PlanChunked(batch, staging, s == GemmStrategy::kAuto && large)) {
       batch->chosen = GemmStrategy::kChunked;
       return absl::OkStatus();
     }
-    s = mean >= param::CudaGemmStreamsMinRows() ? GemmStrategy::kStreams : GemmStrategy::kGrouped;
+    s = large ? GemmStrategy::kStreams : GemmStrategy::kGrouped;
   }
-  if (grouped_unsupported_) s = GemmStrategy::kStreams;  // cuBLAS refused a grouped call before
+  if (s == GemmStrategy::kGrouped && GroupedRefused(*batch)) s = GemmStrategy::kStreams;
   batch->chosen = s;
   if (s == GemmStrategy::kGrouped) StagePointers(batch->problems, staging, &batch->staged_offset);
   return absl::OkStatus();
 }
 
-absl::Status GroupedGemm::Run(const GemmBatch& batch, const Staging& staging) {
-  if (batch.problems.empty()) return absl::OkStatus();
-  if (batch.chosen == GemmStrategy::kChunked) return RunChunked(batch, staging);
-  if (batch.chosen == GemmStrategy::kGrouped) {
+absl::Status GroupedGemm::Run(GemmBatch* batch, const Staging& staging) {
+  batch->ran = batch->chosen;
+  if (batch->problems.empty()) return absl::OkStatus();
+  if (batch->chosen == GemmStrategy::kChunked) return RunChunked(*batch, staging);
+  if (batch->chosen == GemmStrategy::kGrouped) {
     bool refused = false;
-    MOONEP_RETURN_IF_ERROR(RunGrouped(0, batch, batch.problems, batch.staged_offset, staging, &refused));
+    MOONEP_RETURN_IF_ERROR(
+        RunGrouped(0, *batch, batch->problems, batch->staged_offset, staging, &refused));
     if (!refused) return absl::OkStatus();
+    batch->ran = GemmStrategy::kStreams;
   }
-  return RunStreams(batch);
+  return RunStreams(*batch);
 }
 
 absl::Status GroupedGemm::RunOne(int stream, bool trans_a, bool trans_b, cudaDataType_t ab,
@@ -333,10 +339,10 @@ absl::Status GroupedGemm::RunGrouped(int stream, const GemmBatch& batch,
       ldb_.data(), beta_.data(), c_ptrs, CudaType(batch.c_dtype), ldc_.data(),
       static_cast<int>(count), group_size_.data(), CUBLAS_COMPUTE_32F);
   if (st == CUBLAS_STATUS_NOT_SUPPORTED) {
-    MOONEP_WARN("cublasGemmGroupedBatchedEx does not support %s x %s -> %s here; using per-group "
-                "GEMMs instead",
+    MOONEP_INFO("cublasGemmGroupedBatchedEx does not support %s x %s -> %s here; using per-group "
+                "GEMMs for those types",
                 DTypeName(batch.ab_dtype), DTypeName(batch.ab_dtype), DTypeName(batch.c_dtype));
-    grouped_unsupported_ = true;
+    grouped_refused_ |= 1u << TypePair(batch);
     *refused = true;
     return absl::OkStatus();
   }
@@ -361,7 +367,7 @@ absl::Status GroupedGemm::RunChunked(const GemmBatch& batch, const Staging& stag
       ct, static_cast<int>(p0.ldc), static_cast<int>(batch.chunks), CUBLAS_COMPUTE_32F,
       CUBLAS_GEMM_DEFAULT));
   if (rest) {
-    bool refused = batch.remainders.size() == 1;
+    bool refused = batch.remainders.size() == 1 || GroupedRefused(batch);
     if (!refused) {
       MOONEP_RETURN_IF_ERROR(
           RunGrouped(rs, batch, batch.remainders, batch.staged_offset, staging, &refused));

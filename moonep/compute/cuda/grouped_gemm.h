@@ -11,9 +11,13 @@
 //             (< c rows each) run as one grouped call on a second stream at the same time.
 //             c is the largest of 512, 256, 128 that leaves at most 1/8 of the rows in remainders
 //             (else 128);
-//   kAuto:    per batch, from the host-known sizes: kChunked where it applies, else kStreams when
-//             the batch's mean rows per problem reach MOONEP_CUDA_GEMM_STREAMS_MIN_ROWS, else
-//             kGrouped (docs/cuda.md has the measurements behind the rule).
+//   kAuto:    per batch, from the host-known sizes (docs/cuda.md has the measurements behind it):
+//             with a mean of at least MOONEP_CUDA_GEMM_STREAMS_MIN_ROWS rows per problem, kChunked
+//             if 512-row chunks leave at most 1/8 of the rows over (near-uniform sizes), else
+//             kStreams (skewed sizes: the large groups fill the GPU on their own); below that
+//             mean, kChunked where it applies, else kGrouped.
+// cuBLAS 13.1 refuses cublasGemmGroupedBatchedEx for bf16 inputs with fp32 outputs; such a batch
+// (or chunk remainder) runs per problem instead, and that type pair is not tried again.
 // Empty problems are never added, so an empty group costs nothing. Arithmetic is fp32
 // (CUBLAS_COMPUTE_32F: no TF32 for fp32 storage), inputs fp32 or bf16, outputs fp32 or bf16.
 #pragma once
@@ -31,9 +35,7 @@
 #include "moonep/core/env.h"
 
 namespace moonep::param {
-// kAuto: chunked below this mean rows per GEMM (where chunking applies) ...
-MOONEP_INT_PARAM(CudaGemmChunkedMaxRows, "CUDA_GEMM_CHUNKED_MAX_ROWS", int64_t{1} << 40)
-// ... else per-group GEMMs over streams at or above this mean, grouped below it.
+// kAuto: mean rows per GEMM from which skewed batches run per group over streams.
 MOONEP_INT_PARAM(CudaGemmStreamsMinRows, "CUDA_GEMM_STREAMS_MIN_ROWS", 512)
 // Streams of a CUDA executor (1..16).
 MOONEP_INT_PARAM(CudaGemmStreams, "CUDA_GEMM_STREAMS", 4)
@@ -67,8 +69,10 @@ struct GemmBatch {
   DType c_dtype = DType::kFloat32;
   std::vector<GemmProblem> problems;
 
-  // Filled by GroupedGemm::Plan.
+  // Filled by GroupedGemm::Plan (chosen) and Run (ran: chosen, or kStreams where cuBLAS refused
+  // a grouped call).
   GemmStrategy chosen = GemmStrategy::kAuto;
+  GemmStrategy ran = GemmStrategy::kAuto;
   size_t staged_offset = 0;  // byte offset of the A, B, C pointer arrays in the staging buffer
   // kChunked: `chunks` full chunks of `chunk_rows` rows (pointer arrays at chunk_offset), and the
   // remainders as problems of their own (pointer arrays at staged_offset when more than one).
@@ -134,7 +138,7 @@ class GroupedGemm {
   absl::Status Plan(GemmBatch* batch, Staging* staging);
   // Enqueues the batch on the main stream (forking to and joining the side streams for kStreams).
   // For kGrouped the staging must have been uploaded.
-  absl::Status Run(const GemmBatch& batch, const Staging& staging);
+  absl::Status Run(GemmBatch* batch, const Staging& staging);
 
  private:
   GroupedGemm() = default;
@@ -146,8 +150,13 @@ class GroupedGemm {
   absl::Status RunGrouped(int stream, const GemmBatch& batch, const std::vector<GemmProblem>& problems,
                           size_t staged_offset, const Staging& staging, bool* refused);
   absl::Status RunChunked(const GemmBatch& batch, const Staging& staging);
-  // Plans kChunked for the batch if it applies (returns false otherwise, staging nothing).
-  bool PlanChunked(GemmBatch* batch, Staging* staging);
+  // Plans kChunked for the batch if it applies, and with require_512 only if 512-row chunks are
+  // chosen (returns false otherwise, staging nothing).
+  bool PlanChunked(GemmBatch* batch, Staging* staging, bool require_512);
+  bool GroupedRefused(const GemmBatch& b) const { return (grouped_refused_ >> TypePair(b)) & 1u; }
+  static int TypePair(const GemmBatch& b) {
+    return (b.ab_dtype == DType::kBFloat16 ? 2 : 0) + (b.c_dtype == DType::kBFloat16 ? 1 : 0);
+  }
   void StagePointers(const std::vector<GemmProblem>& problems, Staging* staging, size_t* offset);
   void Fork(int used);
   absl::Status Join(int used);
@@ -157,7 +166,7 @@ class GroupedGemm {
   std::vector<cublasHandle_t> handles_;
   std::vector<cudaEvent_t> joins_;      // one per side stream
   cudaEvent_t fork_ = nullptr;
-  bool grouped_unsupported_ = false;    // set when cuBLAS refused a grouped call's types
+  uint32_t grouped_refused_ = 0;        // bit TypePair: cuBLAS refused a grouped call of those types
   // Host scratch reused by every call (grown once for larger batches).
   std::vector<int32_t> order_;
   std::vector<double> load_;
