@@ -1040,16 +1040,27 @@ MpiTransport::~MpiTransport() {
   // MPI hands messages for a freed context id to the next communicator that reuses the id, where
   // they break its matching; so communicators are freed only when every rank agrees that none of
   // them failed (a bounded, collective check), and are otherwise left allocated.
-  int mine = dirty_ ? 1 : 0, any = 1, done = 0;
-  MPI_Request request = MPI_REQUEST_NULL;
-  if (MPI_Iallreduce(&mine, &any, 1, MPI_INT, MPI_MAX, rows_comm_, &request) == MPI_SUCCESS) {
+  // The check's buffers outlive this object when a silent peer keeps it from completing.
+  struct Check {
+    int mine = 0, any = 1;
+    MPI_Request request = MPI_REQUEST_NULL;
+  };
+  auto* check = new Check;
+  check->mine = dirty_ ? 1 : 0;
+  int done = 0;
+  if (MPI_Iallreduce(&check->mine, &check->any, 1, MPI_INT, MPI_MAX, rows_comm_,
+                     &check->request) == MPI_SUCCESS) {
     const Clock::time_point until = Clock::now() + std::chrono::milliseconds(timeout_ms_);
     while (!done && Clock::now() < until) {
-      MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+      MPI_Test(&check->request, &done, MPI_STATUS_IGNORE);
       if (!done) std::this_thread::yield();
     }
+  } else {
+    done = 1;  // nothing pending
   }
-  if (!done || any != 0) {
+  const bool clean = done && check->any == 0;
+  if (done) delete check;  // else left to the pending request, with the communicators
+  if (!clean) {
     MOONEP_INFO("transport mpi: a rank failed; keeping its communicators allocated");
     return;
   }
