@@ -480,5 +480,77 @@ TEST(PlannerValidate, NamesTheBrokenInvariant) {
   broken([&](Plan& p) { p.alloc.pop_back(); }, "shape");
 }
 
+
+TEST(PlannerSpeeds, BalancesTimeNotTokens) {
+  std::mt19937_64 rng(21);
+  const int R = 8, E = 32;
+  auto counts = MakeCounts(Skew::kZipf, R, E, 2048, 4, 1.0, rng);
+  PlannerConfig c;
+  c.num_ranks = R;
+  c.num_experts = E;
+  c.speeds = {1, 1, 2, 2, 1, 0.5, 1, 4};
+  const Plan plan = MustPlan(c, counts);
+  const auto loads = RankLoads(plan);
+  // Capacities are floor/ceil of T * w_d / sum(w), w = speed / max speed * 2^20 (exact here).
+  const int64_t T = plan.stats.total_tokens;
+  const double W = 12.5;
+  int64_t sum = 0;
+  for (int d = 0; d < R; ++d) {
+    const double ideal = T * c.speeds[d] / W;
+    EXPECT_GE(loads[d], static_cast<int64_t>(std::floor(ideal))) << "rank " << d;
+    EXPECT_LE(loads[d], static_cast<int64_t>(std::ceil(ideal))) << "rank " << d;
+    sum += loads[d];
+  }
+  EXPECT_EQ(sum, T);
+}
+
+TEST(PlannerTopology, ReplicasStayInTheHomeNodeWhenEquallyGood) {
+  // Two nodes of two ranks; rank 0 is hot, ranks 1 (same node) and 2 (other node) have equal room.
+  const int R = 4, E = 4;
+  std::vector<int64_t> counts(R * E, 0);
+  counts[0] = 40;  // source 0 -> expert 0 (home rank 0)
+  counts[1] = 10;  // expert 1 (home 1)
+  counts[2] = 10;  // expert 2 (home 2)
+  counts[3] = 40;  // expert 3 (home 3)
+  PlannerConfig c;
+  c.num_ranks = R;
+  c.num_experts = E;
+  c.ranks_per_node = 2;
+  const Plan plan = MustPlan(c, counts);
+  EXPECT_EQ(plan.stats.max_load_after, 25);
+  EXPECT_EQ(plan.stats.replicas, 2);
+  EXPECT_EQ(plan.stats.prefetch_inter, 0) << "replicas left the home node";
+}
+
+TEST(PlannerPadding, PadsLayoutsNotLoads) {
+  std::mt19937_64 rng(8);
+  auto counts = MakeCounts(Skew::kZipf, 8, 32, 1000, 4, 1.3, rng);
+  PlannerConfig c;
+  c.num_ranks = 8;
+  c.num_experts = 32;
+  c.pad_multiple = 64;
+  const Plan padded = MustPlan(c, counts);
+  c.pad_multiple = 1;
+  const Plan plain = MustPlan(c, counts);
+  EXPECT_EQ(padded.alloc, plain.alloc);
+  EXPECT_EQ(padded.stats.max_load_after, (padded.stats.total_tokens + 7) / 8);
+  for (size_t i = 0; i < padded.group_padded.size(); ++i) EXPECT_EQ(padded.group_padded[i] % 64, 0);
+}
+
+TEST(PlannerSlotLimit, MinimisesMaxLoadWhenPerfectIsOutOfReach) {
+  // One slot per rank and one very hot expert: it can be split over at most R ranks.
+  const int R = 4, E = 8;
+  std::vector<int64_t> counts(R * E, 1);
+  counts[0] = 1000;
+  PlannerConfig c;
+  c.num_ranks = R;
+  c.num_experts = E;
+  c.slots = 1;
+  const Plan plan = MustPlan(c, counts);
+  const int64_t lb = LoadLowerBound(Planner::Create(c).value()->config(), counts);
+  EXPECT_EQ(plan.stats.max_load_after, lb);
+  std::printf("[slot limit] max/mean %.3f with %d replicas (lower bound %lld)\n", plan.stats.imbalance_after(),
+              plan.stats.replicas, static_cast<long long>(lb));
+}
 }  // namespace
 }  // namespace moonep::planner
