@@ -69,6 +69,9 @@ ABSL_FLAG(std::string, policies, "all",
 ABSL_FLAG(bool, lower_bound, true, "also report the planner's load lower bound");
 ABSL_FLAG(int32_t, slots, -1, "replica slots per rank (-1: E/R)");
 ABSL_FLAG(int32_t, pad_multiple, 1, "group row padding multiple (GEMM alignment)");
+ABSL_FLAG(bool, shadow_from_cost_model, false,
+          "fastermoe-shadow decides with this machine's compute rate and inter-node bandwidth "
+          "instead of the planner's defaults (which the runtime uses, so counts match it)");
 ABSL_FLAG(int32_t, eplb_period, 10, "eplb: re-plan every this many steps on the average of past counts");
 
 // Run and output.
@@ -170,6 +173,7 @@ absl::Status BuildOptions(SimOptions* o) {
   o->slots = absl::GetFlag(FLAGS_slots);
   o->pad_multiple = absl::GetFlag(FLAGS_pad_multiple);
   o->eplb_period = absl::GetFlag(FLAGS_eplb_period);
+  o->shadow_from_cost_model = absl::GetFlag(FLAGS_shadow_from_cost_model);
 
   CostConfig& c = o->cost;
   c.tflops = absl::GetFlag(FLAGS_tflops);

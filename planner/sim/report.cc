@@ -352,10 +352,10 @@ std::string ImbalanceSvg(const SimResult& r) {
 }
 
 std::string RankLoadSvg(const SimResult& r) {
-  Chart chart(900, 420,
+  Chart chart(960, 420,
               r.snapshot_step >= 0 ? absl::StrFormat("Per-rank load at step %d", r.snapshot_step)
                                    : std::string("Per-rank load (snapshot step not reached)"));
-  chart.SetArea(70, 40, 180, 45);
+  chart.SetArea(70, 40, 240, 45);
   const int32_t R = static_cast<int32_t>(r.snapshot_home_load.size());
   double ymax = 1;
   for (int64_t v : r.snapshot_home_load) ymax = std::max<double>(ymax, v);

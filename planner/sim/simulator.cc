@@ -120,9 +120,12 @@ absl::StatusOr<std::unique_ptr<Simulator>> Simulator::Create(const SimOptions& o
     c.row_bytes = o.cost.row_bytes();
     c.expert_bytes = o.cost.expert_weight_bytes();
     c.eplb_period = o.eplb_period;
-    // FasterMoE decides shadowing from the same machine the cost model describes.
-    c.shadow_compute_s_per_token = o.cost.flops_per_token() / (o.cost.tflops * 1e12);
-    c.shadow_broadcast_s_per_byte = 1.0 / (o.cost.inter_gbps * 1e9);
+    // FasterMoE's shadowing rule: the planner's defaults, as the runtime uses them (so counts
+    // agree with it), or the machine the cost model describes.
+    if (o.shadow_from_cost_model) {
+      c.shadow_compute_s_per_token = o.cost.flops_per_token() / (o.cost.tflops * 1e12);
+      c.shadow_broadcast_s_per_byte = 1.0 / (o.cost.inter_gbps * 1e9);
+    }
     MOONEP_ASSIGN_OR_RETURN(std::unique_ptr<Planner> planner, Planner::Create(c));
     st.planners.push_back(std::move(planner));
     st.names.push_back(planner::PolicyName(p));

@@ -37,6 +37,8 @@ struct SimOptions {
   CostConfig cost;                 // cost.ranks_per_node is also the planner's topology
   DetailChoice detail = DetailChoice::kAuto;
   int64_t snapshot_step = 0;       // step whose per-rank loads are kept for the load plot
+  bool shadow_from_cost_model = false;  // fastermoe-shadow: rates from `cost`, not the planner's
+                                        // defaults (which the runtime uses)
   int32_t threads = 0;             // policies planned in parallel (0: one per core); each thread
                                    // holds its own Plan, so memory grows with it
 };
