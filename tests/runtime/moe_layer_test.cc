@@ -13,6 +13,7 @@
 #include "moonep/runtime/communicator.h"
 #include "moonep/runtime/moe_layer.h"
 #include "planner/plan.h"
+#include "planner/sim/trace.h"
 #include "tests/harness/mpi_test.h"
 #include "tests/runtime/layer_problem.h"
 
@@ -312,6 +313,23 @@ TEST_F(MoeLayerTest, TraceRecordsCountsOfEveryStep) {
     }
   }
   EXPECT_FALSE(std::getline(in, line));
+  // The simulator's reader replays the same records.
+  auto reader = sim::TraceReader::Open(path, sim::TraceFormat::kAuto, 0, 0);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  EXPECT_EQ((*reader)->num_ranks(), size());
+  EXPECT_EQ((*reader)->num_experts(), E);
+  EXPECT_EQ((*reader)->topk(), kTopK);
+  sim::TraceRecord record;
+  for (int step = 0; step < 2; ++step) {
+    auto more = (*reader)->Next(&record);
+    ASSERT_TRUE(more.ok() && *more) << more.status();
+    EXPECT_EQ(record.step, step);
+    EXPECT_EQ(record.layer, 3);
+    EXPECT_EQ(record.counts.size(), static_cast<size_t>(size()) * E);
+  }
+  auto end = (*reader)->Next(&record);
+  ASSERT_TRUE(end.ok());
+  EXPECT_FALSE(*end);
   std::remove(path.c_str());
 }
 
