@@ -63,6 +63,10 @@ ABSL_FLAG(int32_t, check_tokens, 2,
           "reference every iteration");
 ABSL_FLAG(int32_t, threads, 0,
           "executor threads per rank for the layer (0: the host's cores / ranks on the host)");
+ABSL_FLAG(std::string, corrupt, "",
+          "self-test of the checks: rank 0 flips a byte of this operation's result ("
+          "dispatch, combine, prefetch, reduce, layer-fwd) before checking it; the run must then "
+          "report #wrong > 0 and exit 1");
 ABSL_FLAG(std::string, json, "", "write every figure as JSON to this file (rank 0)");
 
 namespace moonep::bench {
@@ -179,6 +183,11 @@ absl::Status BuildConfigs(int32_t num_ranks, int32_t threads, std::vector<BenchC
   const int32_t warmup = absl::GetFlag(FLAGS_warmup), iters = absl::GetFlag(FLAGS_iters);
   MOONEP_CHECK_ARG(warmup >= -1, "--warmup must be >= 0, got %d", warmup);
   MOONEP_CHECK_ARG(iters == -1 || iters >= 1, "--iters must be >= 1, got %d", iters);
+  const std::string corrupt = absl::GetFlag(FLAGS_corrupt);
+  MOONEP_CHECK_ARG(corrupt.empty() || corrupt == "dispatch" ||
+                       corrupt == "combine" || corrupt == "prefetch" || corrupt == "reduce" ||
+                       corrupt == "layer-fwd",
+                   "--corrupt: unknown operation '%s'", corrupt);
   MOONEP_CHECK_ARG(absl::GetFlag(FLAGS_check_tokens) >= 0, "--check_tokens must be >= 0");
   MOONEP_CHECK_ARG(absl::GetFlag(FLAGS_pad_multiple) >= 1, "--pad_multiple must be >= 1");
   MOONEP_CHECK_ARG(absl::GetFlag(FLAGS_slots) >= -1, "--slots must be >= -1");
@@ -215,6 +224,7 @@ absl::Status BuildConfigs(int32_t num_ranks, int32_t threads, std::vector<BenchC
                     c.layer = absl::GetFlag(FLAGS_layer);
                     c.check_tokens = absl::GetFlag(FLAGS_check_tokens);
                     c.threads = threads;
+                    c.corrupt_op = absl::GetFlag(FLAGS_corrupt);
                     out->push_back(c);
                   }
                 }

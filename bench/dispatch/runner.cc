@@ -120,6 +120,12 @@ class Runner {
     if (record) series_[key].us.push_back(dt * 1e6);
     return s;
   }
+  void MaybeCorrupt(const char* op, void* data, size_t bytes) {
+    // Four bytes from an aligned middle offset, exponent bits included: far outside any tolerance.
+    if (rank_ != 0 || bytes < 4 || c_.corrupt_op != op) return;
+    char* at = static_cast<char*>(data) + (bytes / 2) / 4 * 4;
+    for (int i = 0; i < 4; ++i) at[i] ^= 0x7f;
+  }
   void Count(const std::string& key, int64_t wrong, int64_t checked) {
     series_[key].wrong += wrong;
     series_[key].checked += checked;
@@ -626,6 +632,12 @@ absl::Status Runner::TransportPipeline(bool measured, bool record) {
     const ExpertBlocks params{kParams, home_w_views_, slot_w_views_};
     MOONEP_RETURN_IF_ERROR(
         Timed(Key("prefetch", true), record, [&] { return tr->Prefetch(p.plan, params); }));
+    for (auto& s : slot_weights_) {
+      if (!s.empty()) {
+        MaybeCorrupt("prefetch", s.data(), s.size());
+        break;
+      }
+    }
     Count(Key("prefetch", true), CheckPrefetch(p.plan), p.plan.stats.replicas * kParams);
   }
 
@@ -634,6 +646,8 @@ absl::Status Runner::TransportPipeline(bool measured, bool record) {
   MOONEP_RETURN_IF_ERROR(Timed(Key("dispatch", measured), record, [&] {
     return tr->Dispatch(p.plan, x, topk_w_, &p.handle, rows, absl::MakeSpan(recv_w_));
   }));
+  MaybeCorrupt("dispatch", recv_rows_.data(),
+               static_cast<size_t>(p.plan.rank_rows[rank_]) * row_bytes_);
   Count(Key("dispatch", measured), CheckDispatch(p.plan, p.handle.counts()),
         p.plan.rank_rows[rank_]);
 
@@ -641,6 +655,7 @@ absl::Status Runner::TransportPipeline(bool measured, bool record) {
   Poison(y_.data(), y_.size());
   MOONEP_RETURN_IF_ERROR(
       Timed(Key("combine", measured), record, [&] { return tr->Combine(&p.handle, rows, y); }));
+  MaybeCorrupt("combine", y_.data(), y_.size());
   Count(Key("combine", measured),
         CountWrongRows(y_.data(), expected_y_.data(), T_, row_bytes_), T_);
 
@@ -649,6 +664,7 @@ absl::Status Runner::TransportPipeline(bool measured, bool record) {
     const ExpertBlocks grads{kParams, home_g_views_, slot_g_views_};
     MOONEP_RETURN_IF_ERROR(
         Timed(Key("reduce", true), record, [&] { return tr->Reduce(p.plan, grads); }));
+    MaybeCorrupt("reduce", home_grads_.data(), home_grads_.size() * sizeof(float));
     Count(Key("reduce", true), CheckReduce(p.plan), static_cast<int64_t>(epn_) * kParams);
   }
   return absl::OkStatus();
@@ -720,6 +736,7 @@ absl::Status Runner::LayerStep(bool measured, bool record) {
     handle = *h;
     return absl::OkStatus();
   }));
+  MaybeCorrupt("layer-fwd", y_.data(), static_cast<size_t>(sample_) * row_bytes_);
   std::vector<double> got(static_cast<size_t>(sample_ * H_));
   for (size_t i = 0; i < got.size(); ++i) got[i] = LoadAsFloat(y_.data(), c_.dtype, i);
   Count(Key("layer-fwd", measured), CountOutside(got, y_ref_, tol_),
