@@ -299,10 +299,14 @@ int64_t LoadLowerBound(const PlannerConfig& c, absl::Span<const int64_t> counts)
   }
   for (int64_t l : home_load) max_home = std::max(max_home, l);
   if (c.slots == 0 || R == 1) return max_home;
-  std::vector<int64_t> cap;
-  BalancedCapacities(c, home_load, total, &cap);
-  int64_t bound = *std::max_element(cap.begin(), cap.end());
+  // Some rank computes at least the mean. (With speeds, balancing time may leave every rank
+  // below the fastest rank's perfect capacity in tokens when slots run short, so the bound stays
+  // at the unweighted mean.)
+  int64_t bound = (total + R - 1) / R;
   if (c.speeds.empty()) {
+    std::vector<int64_t> cap;
+    BalancedCapacities(c, home_load, total, &cap);
+    bound = *std::max_element(cap.begin(), cap.end());
     // An expert can be split over its home and at most min(R - 1, R * slots) replicas.
     const int64_t holders = 1 + std::min<int64_t>(R - 1, static_cast<int64_t>(R) * c.slots);
     for (int32_t e = 0; e < E; ++e) bound = std::max(bound, (totals[e] + holders - 1) / holders);

@@ -51,8 +51,9 @@ class Planner {
 // the home rank, layouts in bounds and non-overlapping, padding) and names the one that broke.
 absl::Status ValidatePlan(const Plan& plan, absl::Span<const int64_t> counts);
 
-// The lower bound of the maximum rank load for these counts: ceil(total / R) (speed-weighted
-// when the config has speeds), raised by what the slot limit makes unavoidable where known.
+// A lower bound of the maximum rank load (tokens) for these counts: ceil(total / R), raised by
+// what the slot limit makes unavoidable where known (no slots: the home placement; each expert
+// split over at most 1 + min(R - 1, R * slots) ranks). With speeds only ceil(total / R).
 int64_t LoadLowerBound(const PlannerConfig& resolved, absl::Span<const int64_t> counts);
 
 // Canonical bytes of a plan (for determinism checks and the C API).

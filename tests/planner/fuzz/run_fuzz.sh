@@ -16,4 +16,4 @@ cmake -S $SRC/tests/planner/fuzz -B $BUILD -G Ninja -DCMAKE_CXX_COMPILER=$CXX -D
   -DCMAKE_BUILD_TYPE= > $BUILD.cmake.log 2>&1 || { cat $BUILD.cmake.log; exit 1; }
 cmake --build $BUILD -j2 > $BUILD.build.log 2>&1 || { tail -50 $BUILD.build.log; exit 1; }
 mkdir -p $BUILD/corpus
-cd $BUILD && ./planner_fuzz -max_total_time=$SECONDS_TO_RUN -max_len=4096 -seed=1 -print_final_stats=1 corpus
+cd $BUILD && ./planner_fuzz -error_exitcode=1 -max_total_time=$SECONDS_TO_RUN -max_len=4096 -seed=1 -print_final_stats=1 corpus $SRC/tests/planner/fuzz/seeds
