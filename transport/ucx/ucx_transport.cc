@@ -40,7 +40,18 @@ constexpr int64_t kSignalDepth = 32;
 constexpr size_t kMaxRegions = 256;
 constexpr uint16_t kAmId = 7;
 
-enum MsgType : int32_t { kMsgCounts = 1, kMsgReady = 2, kMsgAbort = 3, kMsgDropKey = 4 };
+enum MsgType : int32_t {
+  kMsgCounts = 1,
+  kMsgReady = 2,
+  kMsgAbort = 3,
+  kMsgDropKey = 4,
+  kMsgEagerBlocks = 5,  // small reduce contributions carried inside the control message
+};
+// A replica rank's reduce contribution to one home rank up to this size travels eagerly inside a
+// control message (UCX buffers it at the home rank): no round trip for the home rank's ready, and
+// the replica rank does not wait for the home rank. Larger ones are puts into the home rank's
+// reduction staging. MOONEP_UCX_EAGER_BYTES (default 8192; 0: always puts).
+MOONEP_INT_PARAM(EagerReduceBytes, "UCX_EAGER_BYTES", 8192)
 
 // Every control message (an active message) starts with this header.
 struct MsgHeader {
@@ -99,7 +110,8 @@ absl::Status CheckRows(const TensorView& v, const char* name, int64_t min_rows, 
 }
 
 // One UCP context per process, shared by every transport (each has its own worker): reading the
-// configuration and opening the transports is the slow part of setup.
+// configuration and opening the transports is the slow part of setup. UCX_* variables are read
+// when the first transport is made.
 struct SharedContext {
   std::mutex mu;
   ucp_context_h context = nullptr;
@@ -131,13 +143,12 @@ absl::StatusOr<ucp_context_h> AcquireContext() {
   return s.context;
 }
 
+// The context stays for the life of the process once made: transports come and go (one per
+// test, per layer configuration), and opening UCX again each time costs 100+ ms.
 void ReleaseContext() {
   SharedContext& s = Shared();
   std::lock_guard<std::mutex> lock(s.mu);
-  if (--s.users == 0) {
-    ucp_cleanup(s.context);
-    s.context = nullptr;
-  }
+  --s.users;
 }
 
 // A remote buffer a sender may write: bounds and key, from a ready message.
@@ -184,7 +195,8 @@ class UcxOp : public Request {
   // A bounds-checked put of bytes into target + offset.
   absl::Status Put(int peer, const void* src, uint64_t bytes, const Target& target,
                    uint64_t offset);
-  // Fence, completion signal, then a flush whose completion ends this rank's part for `peer`.
+  // Flush (remote completion of the data), completion signal, then a flush of the signal whose
+  // completion ends this rank's part for `peer`.
   absl::Status SignalAndFlush(int peer);
 
   UcxTransport* transport_;
@@ -198,18 +210,21 @@ class UcxOp : public Request {
   absl::Status Fail(absl::Status status);
   void Cleanup();
   absl::Status TimeoutStatus() const;
+  absl::Status Flush(int peer, bool signal_next);
+  absl::Status PutSignal(int peer);
 
   struct Awaited {
     int peer;
     int32_t type;
   };
-  struct Flush {
+  struct PendingFlush {
     int peer;
     void* request;
+    bool signal_next;  // the data is flushed: the signal goes next
   };
   std::vector<Awaited> awaiting_message_;
   std::vector<int> awaiting_signal_;
-  std::vector<Flush> flushes_;
+  std::vector<PendingFlush> flushes_;
   std::vector<uint64_t> pinned_;
   uint64_t signal_value_ = 0;
   bool done_ = false;
@@ -484,8 +499,26 @@ absl::Status UcxOp::Put(int peer, const void* src, uint64_t bytes, const Target&
 }
 
 absl::Status UcxOp::SignalAndFlush(int peer) {
-  // The fence orders the data before the signal: a receiver that sees the signal sees the rows.
-  MOONEP_RETURN_IF_ERROR(UcsCheck(ucp_worker_fence(transport_->worker()), "ucp_worker_fence"));
+  // ucp_worker_fence orders operations per lane only (UCX 1.13): rows that travel as emulated RMA
+  // over a shared-memory queue can arrive after a signal stored directly into the mapped signal
+  // area. A flush (remote completion of every put to this peer) before the signal holds on every
+  // transport; the signal follows when the flush completes (see Test).
+  return Flush(peer, /*signal_next=*/true);
+}
+
+absl::Status UcxOp::Flush(int peer, bool signal_next) {
+  ucp_request_param_t param;
+  std::memset(&param, 0, sizeof(param));
+  ucs_status_ptr_t r = ucp_ep_flush_nbx(transport_->ep(peer), &param);
+  if (UCS_PTR_IS_ERR(r)) return Annotate(UcsCheck(UCS_PTR_STATUS(r), "ucp_ep_flush_nbx"), OpName(kind_));
+  if (r != nullptr) {
+    flushes_.push_back(PendingFlush{peer, r, signal_next});
+    return absl::OkStatus();
+  }
+  return signal_next ? PutSignal(peer) : absl::OkStatus();
+}
+
+absl::Status UcxOp::PutSignal(int peer) {
   ucp_request_param_t param;
   std::memset(&param, 0, sizeof(param));
   ucs_status_ptr_t r =
@@ -493,11 +526,10 @@ absl::Status UcxOp::SignalAndFlush(int peer) {
                   transport_->RemoteSignalAddress(peer, channel_, seq_),
                   transport_->signal_rkey(peer), &param);
   if (UCS_PTR_IS_ERR(r)) return Annotate(UcsCheck(UCS_PTR_STATUS(r), "signal put"), OpName(kind_));
-  if (r != nullptr) ucp_request_free(r);
-  std::memset(&param, 0, sizeof(param));
-  r = ucp_ep_flush_nbx(transport_->ep(peer), &param);
-  if (UCS_PTR_IS_ERR(r)) return Annotate(UcsCheck(UCS_PTR_STATUS(r), "ucp_ep_flush_nbx"), OpName(kind_));
-  if (r != nullptr) flushes_.push_back(Flush{peer, r});
+  // This rank's part for `peer` ends when the signal put completed locally. Not a flush: that
+  // would need the receiver's progress after it already saw the signal and may have left
+  // MoonEP (emulated RMA over tcp acknowledges in the target's progress).
+  if (r != nullptr) flushes_.push_back(PendingFlush{peer, r, false});
   return absl::OkStatus();
 }
 
@@ -508,7 +540,7 @@ absl::Status UcxOp::TimeoutStatus() const {
   };
   for (const Awaited& a : awaiting_message_) add(&silent, a.peer);
   for (int p : awaiting_signal_) add(&silent, p);
-  for (const Flush& f : flushes_) add(&unreceived, f.peer);
+  for (const PendingFlush& f : flushes_) add(&unreceived, f.peer);
   std::sort(silent.begin(), silent.end());
   std::sort(unreceived.begin(), unreceived.end());
   if (!silent.empty()) {
@@ -560,9 +592,14 @@ absl::StatusOr<bool> UcxOp::Test() {
     }
     ucp_request_free(flushes_[i].request);
     const int peer = flushes_[i].peer;
+    const bool signal_next = flushes_[i].signal_next;
     flushes_.erase(flushes_.begin() + static_cast<ptrdiff_t>(i));
     if (st != UCS_OK) {
       return Fail(Annotate(UcsCheck(st, "flush"), absl::StrCat(OpName(kind_), " to rank ", peer)));
+    }
+    if (signal_next) {
+      absl::Status s = PutSignal(peer);
+      if (!s.ok()) return Fail(s);
     }
   }
   if (awaiting_message_.empty() && awaiting_signal_.empty() && flushes_.empty()) {
@@ -611,7 +648,7 @@ absl::Status UcxOp::Fail(absl::Status status) {
 void UcxOp::Cleanup() {
   // Flushes still pending complete in the background; their requests are released now. Puts
   // already issued cannot be recalled: a failed transport is destroyed, not reused.
-  for (const Flush& f : flushes_) ucp_request_free(f.request);
+  for (const PendingFlush& f : flushes_) ucp_request_free(f.request);
   flushes_.clear();
   for (uint64_t id : pinned_) transport_->Pin(id, -1);
   pinned_.clear();
@@ -1225,31 +1262,73 @@ class ReduceOp : public UcxOp {
     std::vector<char>& staging = transport_->reduce_staging;
     if (static_cast<int64_t>(staging.size()) < need) staging.resize(static_cast<size_t>(need));
     int64_t offset = 0;
+    offset_from_.assign(R, 0);
+    bytes_from_ = bytes_from;
     for (int32_t d = 0; d < R; ++d) {
       if (blocks_from[d] == 0) continue;
-      std::vector<char> targets;
-      MOONEP_RETURN_IF_ERROR(AddTarget(d, staging.data() + offset,
-                                       static_cast<uint64_t>(bytes_from[d]), &targets));
-      MOONEP_RETURN_IF_ERROR(SendReady(d, -1, blocks_from[d], 1, std::move(targets)));
-      ExpectSignal(d);
+      offset_from_[d] = offset;
+      if (bytes_from[d] <= EagerReduceBytes()) {
+        ExpectMessage(d, kMsgEagerBlocks);
+      } else {
+        std::vector<char> targets;
+        MOONEP_RETURN_IF_ERROR(AddTarget(d, staging.data() + offset,
+                                         static_cast<uint64_t>(bytes_from[d]), &targets));
+        MOONEP_RETURN_IF_ERROR(SendReady(d, -1, blocks_from[d], 1, std::move(targets)));
+        ExpectSignal(d);
+      }
       offset += bytes_from[d];
     }
+    // Sender part: this rank's slot gradients, per home rank in (slot, tensor) order.
     for (int32_t h = 0; h < R; ++h) {
       if (h == me_) continue;
+      int64_t total = 0;
       bool sends = false;
       for (int32_t sl = 0; sl < S; ++sl) {
         const int32_t e = plan.slot_expert[static_cast<size_t>(me_) * S + sl];
-        sends |= e >= 0 && plan.home[e] == h;
+        if (e < 0 || plan.home[e] != h) continue;
+        sends = true;
+        for (int32_t i = 0; i < nt; ++i) {
+          total += static_cast<int64_t>(b.slots[static_cast<size_t>(sl) * nt + i].nbytes());
+        }
       }
-      if (sends) ExpectMessage(h, kMsgReady);
+      if (!sends) continue;
+      if (total > EagerReduceBytes()) {
+        ExpectMessage(h, kMsgReady);
+        continue;
+      }
+      std::vector<char> payload(static_cast<size_t>(total));
+      int64_t at = 0;
+      for (int32_t sl = 0; sl < S; ++sl) {
+        const int32_t e = plan.slot_expert[static_cast<size_t>(me_) * S + sl];
+        if (e < 0 || plan.home[e] != h) continue;
+        for (int32_t i = 0; i < nt; ++i) {
+          const TensorView& src = b.slots[static_cast<size_t>(sl) * nt + i];
+          if (src.nbytes() > 0) std::memcpy(payload.data() + at, src.data, src.nbytes());
+          at += static_cast<int64_t>(src.nbytes());
+          ++counters_.rows_sent;
+        }
+      }
+      counters_.bytes_sent += total;
+      ++counters_.messages_sent;
+      MOONEP_RETURN_IF_ERROR(
+          transport_->SendMessage(h, kMsgEagerBlocks, channel_, seq_, 0, std::move(payload)));
     }
     return absl::OkStatus();
   }
 
  private:
-  absl::Status OnMessage(int h, int32_t, const std::vector<char>& m) override {
+  absl::Status OnMessage(int h, int32_t type, const std::vector<char>& m) override {
     const planner::Plan& plan = *plan_;
     const int32_t S = plan.slots, nt = blocks_.tensors_per_expert;
+    if (type == kMsgEagerBlocks) {  // home part: `h` is the replica rank here
+      if (static_cast<int64_t>(m.size()) != bytes_from_[h]) {
+        return InvalidArgument("reduce: rank %d sent %d bytes of gradients, rank %d expected %d "
+                               "(sizes differ across ranks?)", h, m.size(), me_, bytes_from_[h]);
+      }
+      if (!m.empty()) std::memcpy(transport_->reduce_staging.data() + offset_from_[h], m.data(), m.size());
+      counters_.bytes_received += static_cast<int64_t>(m.size());
+      return OnSignal(h);
+    }
     ReadyHeader header;
     std::vector<Target> targets;
     MOONEP_RETURN_IF_ERROR(ParseReady(h, m, 1, &header, &targets));
@@ -1326,6 +1405,7 @@ class ReduceOp : public UcxOp {
 
   const planner::Plan* plan_ = nullptr;
   ExpertBlocks blocks_;
+  std::vector<int64_t> offset_from_, bytes_from_;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -1401,7 +1481,6 @@ absl::StatusOr<std::unique_ptr<Transport>> UcxTransport::Create(const TransportO
                    "options: max_tokens, max_top_k, max_row_bytes and timeout_ms must be >= 0");
   MOONEP_CHECK_ARG(options.max_row_bytes <= (int64_t{1} << 30),
                    "options.max_row_bytes = %d is above 1 GiB", options.max_row_bytes);
-  const auto tdbg0 = Clock::now();
   std::unique_ptr<UcxTransport> t(new UcxTransport());
   t->options_ = options;
   t->timeout_ms_ = options.timeout_ms > 0 ? options.timeout_ms : param::TimeoutMs();
@@ -1451,7 +1530,6 @@ absl::StatusOr<std::unique_ptr<Transport>> UcxTransport::Create(const TransportO
     std::memset(attr.address, 0, mp.length);
     return absl::OkStatus();
   }();
-  fprintf(stderr, "DBG local setup %.1f ms\n", std::chrono::duration<double, std::milli>(Clock::now() - tdbg0).count());
   int ok = local.ok() ? 1 : 0, all_ok = 0;
   MOONEP_RETURN_IF_ERROR(
       mpi(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, t->comm_), "MPI_Allreduce"));
@@ -1510,33 +1588,35 @@ absl::StatusOr<std::unique_ptr<Transport>> UcxTransport::Create(const TransportO
         ucp_ep_rkey_unpack(t->eps_[r], keys.data() + key_at[r] + sizeof(uint64_t), &t->signal_rkeys_[r]),
         "ucp_ep_rkey_unpack"));
   }
-  fprintf(stderr, "DBG create %.1f ms\n", std::chrono::duration<double, std::milli>(Clock::now() - tdbg0).count());
   log::SetRank(t->rank_);
   MOONEP_INFO("transport ucx: %d ranks, timeout %d ms", t->size_, t->timeout_ms_);
   return std::unique_ptr<Transport>(std::move(t));
 }
 
 UcxTransport::~UcxTransport() {
-  const Clock::time_point until = Clock::now() + std::chrono::milliseconds(
-                                                     std::min<int64_t>(timeout_ms_, 10000));
-  // Peers may still need this worker's progress to finish their puts and flushes: progress
-  // until every rank got here (or the deadline passes), then close.
-  auto progress_until = [&](MPI_Request* request) {
+  // Peers may still be finishing (or timing out) an operation and need this worker's progress to
+  // complete their puts: progress until every rank got here, then close. A peer that never comes
+  // (it died) bounds the wait; the communicator is then left allocated rather than freed under a
+  // pending barrier.
+  bool barrier_done = true;
+  auto progress_until_barrier = [&]() {
+    const Clock::time_point until =
+        Clock::now() + std::chrono::milliseconds(2 * timeout_ms_ + 2000);
+    MPI_Request request;
+    if (MPI_Ibarrier(comm_, &request) != MPI_SUCCESS) return false;
     int done = 0;
     while (!done && Clock::now() < until) {
-      if (worker_) Progress();
-      MPI_Test(request, &done, MPI_STATUS_IGNORE);
+      Progress();
+      MPI_Test(&request, &done, MPI_STATUS_IGNORE);
       if (!done) std::this_thread::yield();
     }
     return done != 0;
   };
   if (comm_ != MPI_COMM_NULL && worker_ != nullptr) {
-    while (!outbox_.empty() && Clock::now() < until) Progress();
-    MPI_Request barrier;
-    if (MPI_Ibarrier(comm_, &barrier) == MPI_SUCCESS && !progress_until(&barrier)) {
-      MOONEP_WARN("transport ucx: not every rank reached destruction; closing anyway");
-    }
+    barrier_done = progress_until_barrier();
+    if (!barrier_done) MOONEP_WARN("transport ucx: not every rank reached destruction; closing anyway");
   }
+  const Clock::time_point until = Clock::now() + std::chrono::milliseconds(2000);
   for (Outgoing& o : outbox_) ucp_request_free(o.request);
   outbox_.clear();
   for (auto& kv : remote_keys_) ucp_rkey_destroy(kv.second);
@@ -1562,17 +1642,16 @@ UcxTransport::~UcxTransport() {
     }
     ucp_request_free(r);
   }
-  if (comm_ != MPI_COMM_NULL && worker_ != nullptr) {
-    MPI_Request barrier;
-    if (MPI_Ibarrier(comm_, &barrier) == MPI_SUCCESS) progress_until(&barrier);
+  // Every rank closed its endpoints before any worker goes away.
+  if (barrier_done && comm_ != MPI_COMM_NULL && worker_ != nullptr) {
+    barrier_done = progress_until_barrier();
   }
-  fprintf(stderr, "DBG destroy %.1f ms\n", std::chrono::duration<double, std::milli>(Clock::now() - until).count());
   for (Region& r : regions_) ucp_mem_unmap(context_, r.memh);
   regions_.clear();
   if (signal_memh_) ucp_mem_unmap(context_, signal_memh_);
   if (worker_) ucp_worker_destroy(worker_);
   if (context_) ReleaseContext();
-  if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+  if (comm_ != MPI_COMM_NULL && barrier_done) MPI_Comm_free(&comm_);
 }
 
 void UcxTransport::Progress() {
