@@ -79,6 +79,11 @@ class MpiOp : public Request {
   absl::Status Begin(absl::Status started);
 
  protected:
+  // Fails an unfinished op (cancels its receives); derived destructors call it first, so that no
+  // receive is left writing into members being destroyed.
+  void Release();
+
+ protected:
   struct Pending {
     int peer = 0;
     bool recv = false;
@@ -100,6 +105,10 @@ class MpiOp : public Request {
   // without poisoning; others are fatal.
   virtual bool OnSizeMismatch(size_t /*index*/, int64_t /*got*/) { return false; }
 
+  // True when a send was released unfinished: MPI may still read its buffer later, so buffers
+  // the op owns must then outlive it.
+  bool sends_released() const { return sends_released_; }
+
   MpiTransport* transport_;
   OpKind kind_;
   MPI_Comm comm_;
@@ -117,7 +126,7 @@ class MpiOp : public Request {
   std::vector<int> indices_;
   std::vector<MPI_Status> statuses_;
   int active_ = 0;
-  bool done_ = false;
+  bool done_ = false, sends_released_ = false;
   absl::Status status_;
   Clock::time_point deadline_;
   int64_t timeout_ms_;
@@ -221,7 +230,9 @@ MpiOp::MpiOp(MpiTransport* transport, OpKind kind, MPI_Comm comm, int64_t seq)
                tag_base_ + kSubTags - 1);
 }
 
-MpiOp::~MpiOp() {
+MpiOp::~MpiOp() { Release(); }
+
+void MpiOp::Release() {
   if (!done_) {
     Fail(InvalidUsage("%s: request destroyed before it completed", OpName(kind_))).IgnoreError();
   }
@@ -406,6 +417,7 @@ void MpiOp::Cleanup() {
       }
     } else {
       MPI_Request_free(&requests_[i]);
+      sends_released_ = true;
     }
   }
 }
@@ -424,7 +436,11 @@ constexpr int kCountHeader = 5;
 class CountsOp : public MpiOp {
  public:
   CountsOp(MpiTransport* t, MPI_Comm comm, int64_t seq, DispatchHandle* handle)
-      : MpiOp(t, OpKind::kCounts, comm, seq), handle_(handle) {}
+      : MpiOp(t, OpKind::kCounts, comm, seq), handle_(handle), mine_(*new std::vector<int64_t>) {}
+  ~CountsOp() override {
+    Release();
+    if (!sends_released()) delete &mine_;  // else MPI may still read it: leaked on purpose
+  }
 
   absl::Status Start(absl::Status local, absl::Span<const int32_t> ids, int64_t T, int32_t K,
                      int32_t E, int64_t capacity) {
@@ -503,7 +519,8 @@ class CountsOp : public MpiOp {
   DispatchHandle* handle_;
   absl::Status local_;
   int32_t E_ = 0, R_ = 0;
-  std::vector<int64_t> mine_, all_;
+  std::vector<int64_t>& mine_;  // what this rank sends (heap: see ~CountsOp)
+  std::vector<int64_t> all_;
   std::vector<char> mismatch_;
 };
 
