@@ -91,6 +91,22 @@ void BM_Plan(benchmark::State& state, Shape shape, Policy policy, bool decide_on
   }
 }
 
+// The floor every full plan pays: one pass summing counts[R][E] into per-expert totals.
+void BM_SumCounts(benchmark::State& state, Shape shape) {
+  std::vector<std::vector<int64_t>> steps;
+  for (int i = 0; i < 4; ++i) steps.push_back(ZipfCounts(shape, 1.2, 100 + i));
+  std::vector<int64_t> totals(shape.E);
+  size_t i = 0;
+  for (auto _ : state) {
+    const int64_t* c = steps[i++ % 4].data();
+    std::fill(totals.begin(), totals.end(), 0);
+    for (int r = 0; r < shape.R; ++r) {
+      for (int e = 0; e < shape.E; ++e) totals[e] += c[static_cast<size_t>(r) * shape.E + e];
+    }
+    benchmark::DoNotOptimize(totals.data());
+  }
+}
+
 // Collects each benchmark's median (or its only run) to print the ratio summary.
 class RatioReporter : public benchmark::ConsoleReporter {
  public:
@@ -108,8 +124,8 @@ class RatioReporter : public benchmark::ConsoleReporter {
     }
   }
   void Summary() const {
-    std::printf("\n%-18s %-8s %12s %12s %12s %12s\n", "shape", "mode", "moonep_us", "greedy_us",
-                "none_us", "moonep/greedy");
+    std::printf("\n%-18s %-8s %12s %12s %12s %12s %14s\n", "shape", "mode", "moonep_us", "greedy_us",
+                "none_us", "moonep/greedy", "sum_counts_us");
     for (const Shape& s : kShapes) {
       for (const char* mode : {"plan", "decide"}) {
         auto get = [&](const char* policy) {
@@ -118,7 +134,9 @@ class RatioReporter : public benchmark::ConsoleReporter {
         };
         const double m = get("moonep"), g = get("moonep-greedy"), n = get("none");
         if (std::isnan(m) && std::isnan(g)) continue;
-        std::printf("%-18s %-8s %12.2f %12.2f %12.2f %12.3f\n", s.name, mode, m, g, n, m / g);
+        auto sum = times_us_.find(std::string("sum_counts/") + s.name);
+        std::printf("%-18s %-8s %12.2f %12.2f %12.2f %12.3f %14.2f\n", s.name, mode, m, g, n, m / g,
+                    sum == times_us_.end() ? NAN : sum->second);
       }
     }
   }
@@ -151,6 +169,12 @@ int main(int argc, char** argv) {
             ->ReportAggregatesOnly(true);
       }
     }
+  }
+  for (const Shape& s : kShapes) {
+    benchmark::RegisterBenchmark((std::string("sum_counts/") + s.name).c_str(), BM_SumCounts, s)
+        ->Unit(benchmark::kMicrosecond)
+        ->Repetitions(5)
+        ->ReportAggregatesOnly(true);
   }
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
