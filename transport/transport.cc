@@ -9,6 +9,9 @@
 #ifdef MOONEP_HAVE_UCX
 #include "transport/ucx/ucx_transport.h"
 #endif
+#ifdef MOONEP_HAVE_NCCL
+#include "transport/nccl/nccl_transport.h"
+#endif
 
 namespace moonep::transport {
 
@@ -82,6 +85,10 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(absl::string_view bac
   if (backend == "mpi") return mpi::CreateMpiTransport(options);
 #ifdef MOONEP_HAVE_UCX
   if (backend == "ucx") return ucx::CreateUcxTransport(options);
+#endif
+#ifdef MOONEP_HAVE_NCCL
+  // Device memory only, so not in AvailableBackends() (whose suites pass host buffers).
+  if (backend == "nccl") return nccl::CreateNcclTransport(options);
 #endif
   std::string available;
   for (const std::string& b : AvailableBackends()) absl::StrAppend(&available, available.empty() ? "" : ", ", b);

@@ -1,0 +1,1682 @@
+#include "transport/nccl/nccl_transport.h"
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "moonep/compute/cuda/cuda_check.h"
+#include "moonep/compute/cuda/kernels.h"
+#include "moonep/core/env.h"
+#include "moonep/core/logging.h"
+#include "moonep/core/status.h"
+#include "planner/plan_builder.h"
+#include "transport/layout.h"
+#include "transport/nccl/nccl_kernels.h"
+#include "transport/testing_hooks.h"
+
+namespace moonep::transport::nccl {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+namespace kernels = ::moonep::compute::cuda;
+
+absl::Status NcclStatus(ncclResult_t r, const char* what) {
+  if (r == ncclSuccess || r == ncclInProgress) return absl::OkStatus();
+  return MakeStatus(moonepCudaError,
+                    absl::StrFormat("%s: %s (%d)", what, ncclGetErrorString(r), static_cast<int>(r)));
+}
+#define MOONEP_NCCL_RETURN_IF_ERROR(call) MOONEP_RETURN_IF_ERROR(NcclStatus((call), #call))
+
+// Waits until a non-blocking communicator has no operation in progress, or the deadline.
+absl::Status WaitComm(ncclComm_t comm, Clock::time_point deadline, const char* what) {
+  while (true) {
+    ncclResult_t state = ncclSuccess;
+    MOONEP_NCCL_RETURN_IF_ERROR(ncclCommGetAsyncError(comm, &state));
+    if (state == ncclSuccess) return absl::OkStatus();
+    if (state != ncclInProgress) return NcclStatus(state, what);
+    if (Clock::now() >= deadline) return Timeout("%s did not complete before the deadline", what);
+    std::this_thread::yield();
+  }
+}
+
+bool IsRowDType(DType d) { return d == DType::kFloat32 || d == DType::kBFloat16; }
+
+// A device allocation that grows on demand (never in a steady state: sizes repeat step to step).
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() {
+    if (data_) cudaFree(data_);
+  }
+  absl::Status Reserve(size_t bytes, const char* what) {
+    if (bytes <= bytes_) return absl::OkStatus();
+    if (data_) cudaFree(data_);
+    data_ = nullptr;
+    bytes_ = 0;
+    bytes = (bytes + 255) / 256 * 256;
+    if (cudaMalloc(&data_, bytes) != cudaSuccess) {
+      cudaGetLastError();
+      return OutOfMemory("NCCL transport: cannot allocate %d device bytes for %s", bytes, what);
+    }
+    bytes_ = bytes;
+    return absl::OkStatus();
+  }
+  template <typename T = char>
+  T* get() const { return static_cast<T*>(data_); }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Pinned host memory (for copies that overlap and for small D2H reads), growing on demand.
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  ~PinnedBuffer() {
+    if (data_) cudaFreeHost(data_);
+  }
+  absl::Status Reserve(size_t bytes, const char* what) {
+    if (bytes <= bytes_) return absl::OkStatus();
+    if (data_) cudaFreeHost(data_);
+    data_ = nullptr;
+    bytes_ = 0;
+    bytes = (bytes + 255) / 256 * 256;
+    if (cudaMallocHost(&data_, bytes) != cudaSuccess) {
+      cudaGetLastError();
+      return OutOfMemory("NCCL transport: cannot allocate %d pinned bytes for %s", bytes, what);
+    }
+    bytes_ = bytes;
+    return absl::OkStatus();
+  }
+  template <typename T = char>
+  T* get() const { return static_cast<T*>(data_); }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Host tables packed into one block (256-byte aligned parts) so one copy uploads them all.
+class TableBlock {
+ public:
+  template <typename T>
+  size_t Add(size_t count) {
+    const size_t at = size_;
+    size_ += (count * sizeof(T) + 255) / 256 * 256;
+    return at;
+  }
+  size_t size() const { return size_; }
+  void Clear() { size_ = 0; }
+
+ private:
+  size_t size_ = 0;
+};
+
+// Device state of one DispatchHandle: its tables, metadata and staging.
+struct HandleState {
+  // Count exchange.
+  PinnedBuffer header_host, header_all_host, counts_all_host, ids_host;
+  DeviceBuffer header_dev, header_all_dev, counts_dev, counts_all_dev;
+  // Tables of the last dispatch (one upload per dispatch).
+  PinnedBuffer tables_host;
+  DeviceBuffer tables_dev;
+  size_t off_pack_index = 0, off_meta_unique = 0, off_meta_entries = 0, off_row_source = 0,
+         off_combine_index = 0, off_pos_row = 0, off_unique_send = 0;
+  std::vector<int64_t> pack_begin, staging_begin, unique_from;
+  PinnedBuffer unique_recv_host, staging_begin_host, bad_host;
+  DeviceBuffer unique_recv_dev, staging_begin_dev, bad_dev;
+  DeviceBuffer weights_dev, ones_dev, meta_send_dev, meta_recv_dev;
+  DeviceBuffer send_staging, recv_staging;
+  int64_t ones_count = 0;
+
+  template <typename T>
+  T* table(size_t offset) const { return reinterpret_cast<T*>(tables_dev.get() + offset); }
+  template <typename T>
+  T* host_table(size_t offset) const { return reinterpret_cast<T*>(tables_host.get() + offset); }
+};
+
+class NcclTransportImpl;
+
+// One operation: device work in stages. A stage enqueues work and records the op's event; when
+// the event completes, Test() runs the next stage's host step (reading sizes copied to the host)
+// or, after the last stage, Finish(). While waiting it polls NCCL's asynchronous errors and the
+// deadline; a failure aborts the communicators so no device work stays blocked.
+class NcclOp : public NcclRequest {
+ public:
+  using Step = std::function<absl::Status()>;
+  NcclOp(NcclTransportImpl* t, OpKind kind, cudaStream_t stream, std::vector<int> peers);
+  ~NcclOp() override;
+  absl::StatusOr<bool> Test() override;
+  absl::Status Wait() override;
+  cudaEvent_t done_event() const override { return event_; }
+
+  // Runs the first step; later steps run from Test().
+  absl::Status Start(std::vector<Step> steps, Step finish);
+  absl::Status Record();
+  OpCounters& counters() { return counters_; }
+  // Ends the op after the current step with `verdict`, without aborting: for errors every rank
+  // reaches in the same step from the same exchanged data (the transport stays usable).
+  void Stop(absl::Status verdict) {
+    stop_ = true;
+    verdict_ = std::move(verdict);
+  }
+
+ private:
+  absl::Status Fail(absl::Status status);
+
+  NcclTransportImpl* transport_;
+  OpKind kind_;
+  cudaStream_t stream_;
+  std::vector<int> peers_;
+  cudaEvent_t event_ = nullptr;
+  std::vector<Step> steps_;
+  Step finish_;
+  size_t next_ = 0;
+  bool stop_ = false;
+  absl::Status verdict_;
+  bool done_ = false;
+  absl::Status status_;
+  Clock::time_point deadline_;
+  OpCounters counters_;
+};
+
+class DoneRequest : public NcclRequest {
+ public:
+  absl::StatusOr<bool> Test() override { return true; }
+  absl::Status Wait() override { return absl::OkStatus(); }
+  cudaEvent_t done_event() const override { return nullptr; }
+};
+
+class NcclTransportImpl : public NcclTransport {
+ public:
+  ~NcclTransportImpl() override;
+  static absl::StatusOr<std::unique_ptr<Transport>> Create(const TransportOptions& options,
+                                                           const NcclBootstrap& bootstrap);
+
+  const char* backend() const override { return "nccl"; }
+  int32_t rank() const override { return rank_; }
+  int32_t size() const override { return size_; }
+  int64_t timeout_ms() const override { return timeout_ms_; }
+  int device() const override { return device_; }
+  void set_caller_stream(cudaStream_t stream) override { caller_stream_ = stream; }
+  cudaStream_t rows_stream() const override { return rows_stream_; }
+  cudaStream_t weights_stream() const override { return weights_stream_; }
+  ncclComm_t comm() const override { return rows_comm_; }
+
+  absl::StatusOr<RequestPtr> StartExchangeCounts(absl::Span<const int32_t> topk_ids,
+                                                 int64_t num_tokens, int32_t top_k,
+                                                 int32_t num_experts, int64_t recv_capacity_rows,
+                                                 DispatchHandle* handle) override;
+  absl::StatusOr<RequestPtr> StartDispatch(const planner::Plan& plan, const TensorView& x,
+                                           absl::Span<const float> topk_weights,
+                                           DispatchHandle* handle, const TensorView& recv_rows,
+                                           absl::Span<float> recv_weights) override;
+  absl::StatusOr<RequestPtr> StartCombine(DispatchHandle* handle, const TensorView& expert_rows,
+                                          const TensorView& y) override;
+  absl::StatusOr<RequestPtr> StartCombineBackward(DispatchHandle* handle, const TensorView& dy,
+                                                  const TensorView& dy_rows) override;
+  absl::StatusOr<RequestPtr> StartDispatchBackward(DispatchHandle* handle,
+                                                   const TensorView& dx_rows,
+                                                   const TensorView& dx) override;
+  absl::StatusOr<RequestPtr> StartTopkWeightGrad(DispatchHandle* handle,
+                                                 const TensorView& dy_rows,
+                                                 const TensorView& expert_rows,
+                                                 absl::Span<float> d_topk_weights) override;
+  absl::StatusOr<RequestPtr> StartPrefetch(const planner::Plan& plan,
+                                           const ExpertBlocks& params) override;
+  absl::StatusOr<RequestPtr> StartReduce(const planner::Plan& plan,
+                                         const ExpertBlocks& grads) override;
+
+  OpCounters counters(OpKind kind) const override { return counters_[static_cast<int>(kind)]; }
+  void ResetCounters() override { counters_.fill(OpCounters{}); }
+
+  // Shared with ops.
+  absl::Status Usable() const;
+  // Aborts the communicators (a stuck peer, an NCCL error, a local failure after work was
+  // posted) and makes the transport unusable.
+  void Abort(const absl::Status& status);
+  absl::Status PollAsyncErrors() const;
+  void AddCounters(OpKind kind, const OpCounters& c);
+
+ private:
+  NcclTransportImpl() = default;
+  absl::Status Fatal(absl::Status status);
+  HandleState* StateOf(const DispatchHandle* h);
+  absl::Status CheckDevicePointer(const void* p, const char* name) const;
+  absl::Status CheckRows(const TensorView& v, const char* name, int64_t min_rows,
+                         int64_t cols) const;
+  absl::Status CheckDispatched(OpKind kind, DispatchHandle* h);
+  absl::Status CheckBlocks(const planner::Plan& plan, const ExpertBlocks& b, const char* name) const;
+  // The op's stream waits for the caller's queued work.
+  absl::Status WaitCaller(cudaStream_t stream);
+  absl::Status GroupEnd(ncclComm_t comm, const char* what) {
+    const ncclResult_t r = ncclGroupEnd();
+    if (r == ncclInProgress) {
+      return WaitComm(comm, Clock::now() + std::chrono::milliseconds(timeout_ms_), what);
+    }
+    return NcclStatus(r, what);
+  }
+  std::unique_ptr<NcclOp> NewOp(OpKind kind, cudaStream_t stream, std::vector<int> peers) {
+    return std::make_unique<NcclOp>(this, kind, stream, std::move(peers));
+  }
+  absl::StatusOr<RequestPtr> Run(std::unique_ptr<NcclOp> op, std::vector<NcclOp::Step> steps,
+                                 NcclOp::Step finish) {
+    MOONEP_RETURN_IF_ERROR(op->Start(std::move(steps), std::move(finish)));
+    return RequestPtr(std::move(op));
+  }
+  // Every peer this rank exchanges rows with (both directions) under the handle's layouts.
+  std::vector<int> RowPeers(const DispatchHandle* h) const;
+  absl::StatusOr<RequestPtr> StartRowsBack(OpKind kind, DispatchHandle* h, const TensorView& rows,
+                                           const TensorView& y);
+  absl::StatusOr<RequestPtr> StartRowsOut(OpKind kind, DispatchHandle* h, const TensorView& x,
+                                          const TensorView& rows);
+
+  TransportOptions options_;
+  int32_t rank_ = 0, size_ = 1;
+  int device_ = 0;
+  int64_t timeout_ms_ = 0;
+  bool owns_base_comm_ = true;
+  ncclComm_t rows_comm_ = nullptr, weights_comm_ = nullptr;
+  cudaStream_t rows_stream_ = nullptr, weights_stream_ = nullptr;
+  cudaStream_t caller_stream_ = nullptr;  // legacy default stream
+  cudaEvent_t caller_ready_ = nullptr;
+  absl::Status poisoned_;
+  std::unordered_map<const DispatchHandle*, std::unique_ptr<HandleState>> states_;
+  // Reduce: staging of incoming replica gradients and the per-home-tensor source pointer table.
+  DeviceBuffer reduce_staging_, reduce_sources_dev_;
+  PinnedBuffer reduce_sources_host_;
+  std::array<OpCounters, static_cast<int>(OpKind::kNumKinds)> counters_{};
+};
+
+// ---------------------------------------------------------------------------------------------
+// NcclOp
+
+NcclOp::NcclOp(NcclTransportImpl* t, OpKind kind, cudaStream_t stream, std::vector<int> peers)
+    : transport_(t),
+      kind_(kind),
+      stream_(stream),
+      peers_(std::move(peers)),
+      deadline_(Clock::now() + std::chrono::milliseconds(t->timeout_ms())) {
+  counters_.calls = 1;
+  if (cudaEventCreateWithFlags(&event_, cudaEventDisableTiming) != cudaSuccess) {
+    cudaGetLastError();
+    event_ = nullptr;
+  }
+}
+
+NcclOp::~NcclOp() {
+  if (!done_) {
+    // Device work may still use the caller's buffers: abort it rather than leave it running.
+    Fail(InvalidUsage("%s: request destroyed before it completed", OpName(kind_))).IgnoreError();
+  }
+  if (event_) cudaEventDestroy(event_);
+}
+
+absl::Status NcclOp::Record() {
+  return kernels::CudaStatus(cudaEventRecord(event_, stream_), "cudaEventRecord");
+}
+
+absl::Status NcclOp::Start(std::vector<Step> steps, Step finish) {
+  if (event_ == nullptr) return Fail(SystemError("%s: cudaEventCreate failed", OpName(kind_)));
+  steps_ = std::move(steps);
+  finish_ = std::move(finish);
+  MOONEP_TRACE("transport nccl: %s starts, %d stages", OpName(kind_), steps_.size());
+  next_ = 1;
+  absl::Status s = steps_.empty() ? Record() : steps_[0]();
+  if (s.ok() && !steps_.empty()) s = Record();
+  if (!s.ok()) return Fail(s);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> NcclOp::Test() {
+  if (done_) {
+    if (!status_.ok()) return status_;
+    return true;
+  }
+  {
+    absl::Status usable = transport_->Usable();
+    if (!usable.ok()) return Fail(usable);
+  }
+  while (true) {
+    const cudaError_t q = cudaEventQuery(event_);
+    if (q == cudaErrorNotReady) break;
+    if (q != cudaSuccess) {
+      cudaGetLastError();
+      return Fail(Annotate(kernels::CudaStatus(q, "device work"), OpName(kind_)));
+    }
+    if (next_ < steps_.size()) {
+      absl::Status s = steps_[next_++]();
+      if (s.ok() && stop_) {
+        done_ = true;
+        status_ = verdict_;
+        if (!status_.ok()) return status_;
+        return true;
+      }
+      if (s.ok()) s = Record();
+      if (!s.ok()) return Fail(s);
+      continue;
+    }
+    absl::Status s = finish_ ? finish_() : absl::OkStatus();
+    if (!s.ok()) {
+      done_ = true;  // Finish errors are local verdicts on completed work (see FailAgreed)
+      status_ = s;
+      return s;
+    }
+    done_ = true;
+    transport_->AddCounters(kind_, counters_);
+    return true;
+  }
+  {
+    absl::Status s = transport_->PollAsyncErrors();
+    if (!s.ok()) return Fail(Annotate(s, OpName(kind_)));
+  }
+  if (Clock::now() >= deadline_) {
+    return Fail(Timeout("%s timed out after %d ms on rank %d waiting for the exchange with rank(s) "
+                        "%s (NCCL does not tell which peer is late)",
+                        OpName(kind_), transport_->timeout_ms(), transport_->rank(),
+                        peers_.empty() ? std::string("none") : absl::StrJoin(peers_, ",")));
+  }
+  return false;
+}
+
+absl::Status NcclOp::Wait() {
+  while (true) {
+    absl::StatusOr<bool> r = Test();
+    if (!r.ok()) return r.status();
+    if (*r) return absl::OkStatus();
+    std::this_thread::yield();
+  }
+}
+
+absl::Status NcclOp::Fail(absl::Status status) {
+  if (done_) return status_;
+  done_ = true;
+  status_ = status;
+  transport_->Abort(status);
+  return status;
+}
+
+// ---------------------------------------------------------------------------------------------
+// NcclTransportImpl: creation, checks.
+
+absl::StatusOr<std::unique_ptr<Transport>> NcclTransportImpl::Create(
+    const TransportOptions& options, const NcclBootstrap& bootstrap) {
+  MOONEP_CHECK_ARG(options.max_tokens >= 0 && options.max_top_k >= 0 &&
+                       options.max_row_bytes >= 0 && options.timeout_ms >= 0,
+                   "options: max_tokens, max_top_k, max_row_bytes and timeout_ms must be >= 0");
+  MOONEP_CHECK_ARG(options.max_top_k <= 32, "options.max_top_k = %d: the NCCL transport's "
+                   "combine kernel supports top_k <= 32", options.max_top_k);
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    cudaGetLastError();
+    return Unavailable("NCCL transport: no CUDA device is visible");
+  }
+  std::unique_ptr<NcclTransportImpl> t(new NcclTransportImpl());
+  t->options_ = options;
+  t->timeout_ms_ = options.timeout_ms > 0 ? options.timeout_ms : param::TimeoutMs();
+  if (t->timeout_ms_ <= 0) t->timeout_ms_ = 60000;
+  const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(t->timeout_ms_);
+
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;  // so that a peer that never joins becomes a timeout, not a hang
+  ncclComm_t base = nullptr;
+  ncclUniqueId id{};
+  int32_t rank = -1, size = 0;
+  switch (bootstrap.kind) {
+    case NcclBootstrap::Kind::kWrap: {
+      MOONEP_CHECK_ARG(bootstrap.comm != nullptr, "bootstrap.comm is null");
+      base = bootstrap.comm;
+      t->owns_base_comm_ = false;
+      int n = 0, r = 0, dev = 0;
+      MOONEP_NCCL_RETURN_IF_ERROR(ncclCommCount(base, &n));
+      MOONEP_NCCL_RETURN_IF_ERROR(ncclCommUserRank(base, &r));
+      MOONEP_NCCL_RETURN_IF_ERROR(ncclCommCuDevice(base, &dev));
+      rank = r;
+      size = n;
+      t->device_ = dev;
+      break;
+    }
+    case NcclBootstrap::Kind::kMpi: {
+      int initialized = 0;
+      MPI_Initialized(&initialized);
+      if (!initialized) return InvalidUsage("NCCL transport: MPI is not initialized");
+      MOONEP_CHECK_ARG(options.comm != MPI_COMM_NULL, "options.comm is MPI_COMM_NULL");
+      int r = 0, n = 0;
+      MPI_Comm_rank(options.comm, &r);
+      MPI_Comm_size(options.comm, &n);
+      int made = 1;
+      if (r == 0) made = ncclGetUniqueId(&id) == ncclSuccess ? 1 : 0;
+      if (MPI_Bcast(&made, 1, MPI_INT, 0, options.comm) != MPI_SUCCESS ||
+          MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, options.comm) != MPI_SUCCESS) {
+        return SystemError("NCCL transport: MPI_Bcast of the unique id failed");
+      }
+      if (!made) return SystemError("NCCL transport: ncclGetUniqueId failed on rank 0");
+      rank = r;
+      size = n;
+      break;
+    }
+    case NcclBootstrap::Kind::kUniqueId:
+      id = bootstrap.unique_id;
+      rank = bootstrap.rank;
+      size = bootstrap.size;
+      break;
+  }
+  MOONEP_CHECK_ARG(size >= 1 && rank >= 0 && rank < size,
+                   "bootstrap: rank %d is not in [0, size = %d)", rank, size);
+  if (bootstrap.kind != NcclBootstrap::Kind::kWrap) {
+    if (bootstrap.device >= 0) {
+      MOONEP_CHECK_ARG(bootstrap.device < devices, "bootstrap.device = %d, but %d device(s) exist",
+                       bootstrap.device, devices);
+      t->device_ = bootstrap.device;
+    } else {
+      MOONEP_CUDA_RETURN_IF_ERROR(cudaGetDevice(&t->device_));
+    }
+  }
+  t->rank_ = rank;
+  t->size_ = size;
+  MOONEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(t->device_));
+  if (bootstrap.kind != NcclBootstrap::Kind::kWrap) {
+    ncclResult_t r = ncclCommInitRankConfig(&base, size, id, rank, &config);
+    if (r != ncclSuccess && r != ncclInProgress) {
+      return Annotate(NcclStatus(r, "ncclCommInitRankConfig"),
+                      absl::StrFormat("NCCL transport rank %d of %d on GPU %d (one rank per GPU)",
+                                      rank, size, t->device_));
+    }
+    t->rows_comm_ = base;  // owned from here on (the destructor frees or aborts it)
+    absl::Status s = WaitComm(base, deadline, "NCCL communicator creation");
+    if (!s.ok()) {
+      t->Abort(s);
+      return Annotate(s, absl::StrFormat("NCCL transport rank %d of %d on GPU %d", rank, size,
+                                         t->device_));
+    }
+  } else {
+    t->rows_comm_ = base;
+  }
+  // The weight class gets its own communicator: one communicator's operations run in issue
+  // order, so a prefetch could not overlap a dispatch on it.
+  {
+    ncclResult_t r = ncclCommSplit(base, 0, rank, &t->weights_comm_, &config);
+    absl::Status s = NcclStatus(r, "ncclCommSplit");
+    if (s.ok() && t->weights_comm_ != nullptr) s = WaitComm(t->weights_comm_, deadline, "ncclCommSplit");
+    if (s.ok() && t->weights_comm_ == nullptr) s = SystemError("ncclCommSplit returned no communicator");
+    if (!s.ok()) {
+      t->Abort(s);
+      return s;
+    }
+  }
+  MOONEP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&t->rows_stream_, cudaStreamNonBlocking));
+  MOONEP_CUDA_RETURN_IF_ERROR(
+      cudaStreamCreateWithFlags(&t->weights_stream_, cudaStreamNonBlocking));
+  MOONEP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&t->caller_ready_, cudaEventDisableTiming));
+  log::SetRank(rank);
+  MOONEP_INFO("transport nccl: %d ranks, GPU %d, timeout %d ms", size, t->device_, t->timeout_ms_);
+  return std::unique_ptr<Transport>(std::move(t));
+}
+
+NcclTransportImpl::~NcclTransportImpl() {
+  cudaSetDevice(device_);
+  // Let queued work finish (bounded): freeing buffers under running kernels is undefined.
+  bool drained = true;
+  const Clock::time_point until = Clock::now() + std::chrono::milliseconds(timeout_ms_);
+  for (cudaStream_t s : {rows_stream_, weights_stream_}) {
+    if (s == nullptr) continue;
+    while (true) {
+      const cudaError_t q = cudaStreamQuery(s);
+      if (q != cudaErrorNotReady) break;
+      if (Clock::now() >= until) {
+        drained = false;
+        break;
+      }
+      std::this_thread::yield();
+    }
+  }
+  cudaGetLastError();
+  if (!drained) Abort(Timeout("NCCL transport destroyed with work still queued"));
+  if (weights_comm_) {
+    ncclCommDestroy(weights_comm_);
+    weights_comm_ = nullptr;
+  }
+  if (rows_comm_ && owns_base_comm_) ncclCommDestroy(rows_comm_);
+  rows_comm_ = nullptr;
+  states_.clear();
+  if (caller_ready_) cudaEventDestroy(caller_ready_);
+  if (rows_stream_) cudaStreamDestroy(rows_stream_);
+  if (weights_stream_) cudaStreamDestroy(weights_stream_);
+}
+
+absl::Status NcclTransportImpl::Usable() const {
+  if (poisoned_.ok()) return absl::OkStatus();
+  return InvalidUsage("transport is unusable after an earlier failure (%s); destroy it",
+                      std::string(poisoned_.message()));
+}
+
+void NcclTransportImpl::Abort(const absl::Status& status) {
+  if (poisoned_.ok()) {
+    poisoned_ = status;
+    MOONEP_WARN("transport nccl: aborting the communicators after: %s",
+                std::string(status.message()));
+  }
+  // ncclCommAbort makes the communicators' kernels return, so the streams drain. A wrapped
+  // communicator is aborted too: left alone it would keep the caller's stream blocked forever.
+  if (weights_comm_) {
+    ncclCommAbort(weights_comm_);
+    weights_comm_ = nullptr;
+  }
+  if (rows_comm_) {
+    ncclCommAbort(rows_comm_);
+    rows_comm_ = nullptr;
+  }
+}
+
+absl::Status NcclTransportImpl::Fatal(absl::Status status) {
+  Abort(status);
+  return status;
+}
+
+absl::Status NcclTransportImpl::PollAsyncErrors() const {
+  for (ncclComm_t c : {rows_comm_, weights_comm_}) {
+    if (c == nullptr) continue;
+    ncclResult_t state = ncclSuccess;
+    MOONEP_NCCL_RETURN_IF_ERROR(ncclCommGetAsyncError(c, &state));
+    if (state != ncclSuccess && state != ncclInProgress) {
+      return NcclStatus(state, "NCCL asynchronous error (a peer failed or the network broke)");
+    }
+  }
+  return absl::OkStatus();
+}
+
+void NcclTransportImpl::AddCounters(OpKind kind, const OpCounters& c) {
+  OpCounters& o = counters_[static_cast<int>(kind)];
+  o.calls += c.calls;
+  o.rows_sent += c.rows_sent;
+  o.bytes_sent += c.bytes_sent;
+  o.rows_received += c.rows_received;
+  o.bytes_received += c.bytes_received;
+  o.rows_deduplicated += c.rows_deduplicated;
+  o.bytes_deduplicated += c.bytes_deduplicated;
+  o.rows_local += c.rows_local;
+  o.messages_sent += c.messages_sent;
+}
+
+HandleState* NcclTransportImpl::StateOf(const DispatchHandle* h) {
+  std::unique_ptr<HandleState>& s = states_[h];
+  if (!s) s = std::make_unique<HandleState>();
+  return s.get();
+}
+
+absl::Status NcclTransportImpl::CheckDevicePointer(const void* p, const char* name) const {
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+    cudaGetLastError();
+    return InvalidArgument("%s: not a CUDA pointer (the NCCL transport needs device memory)", name);
+  }
+  MOONEP_CHECK_ARG(attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged,
+                   "%s: host memory; the NCCL transport needs memory of GPU %d", name, device_);
+  MOONEP_CHECK_ARG(attr.device == device_, "%s: memory of GPU %d, the transport runs on GPU %d",
+                   name, attr.device, device_);
+  return absl::OkStatus();
+}
+
+absl::Status NcclTransportImpl::CheckRows(const TensorView& v, const char* name, int64_t min_rows,
+                                          int64_t cols) const {
+  MOONEP_CHECK_ARG(v.ndim == 2, "%s: expected a 2-D tensor, got %s", name, v.DebugString());
+  MOONEP_CHECK_ARG(v.device == Device::kCuda, "%s: the NCCL transport needs device memory, got %s",
+                   name, v.DebugString());
+  MOONEP_CHECK_ARG(IsRowDType(v.dtype), "%s: dtype must be fp32 or bf16", name);
+  MOONEP_CHECK_ARG(v.shape[0] >= min_rows, "%s: has %d rows, needs at least %d", name, v.shape[0],
+                   min_rows);
+  MOONEP_CHECK_ARG(cols < 0 || v.shape[1] == cols, "%s: has %d columns, expected %d", name,
+                   v.shape[1], cols);
+  MOONEP_CHECK_ARG(v.is_contiguous(), "%s: tensor must be contiguous", name);
+  MOONEP_CHECK_ARG(reinterpret_cast<uintptr_t>(v.data) % DTypeSize(v.dtype) == 0,
+                   "%s: data pointer is not aligned to its element size", name);
+  const int64_t row_bytes = v.shape[1] * static_cast<int64_t>(DTypeSize(v.dtype));
+  MOONEP_CHECK_ARG(row_bytes <= options_.max_row_bytes,
+                   "%s: a row has %d bytes, above the declared max_row_bytes = %d", name, row_bytes,
+                   options_.max_row_bytes);
+  if (v.numel() == 0) return absl::OkStatus();
+  MOONEP_CHECK_ARG(v.data != nullptr, "%s: null data pointer", name);
+  return CheckDevicePointer(v.data, name);
+}
+
+absl::Status NcclTransportImpl::WaitCaller(cudaStream_t stream) {
+  MOONEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(caller_ready_, caller_stream_));
+  MOONEP_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, caller_ready_, 0));
+  return absl::OkStatus();
+}
+
+std::vector<int> NcclTransportImpl::RowPeers(const DispatchHandle* h) const {
+  std::vector<int> peers;
+  for (int32_t r = 0; r < size_; ++r) {
+    if (r != rank_ && (h->send_.rows_to(r) > 0 || h->recv_.rows_from(r) > 0)) peers.push_back(r);
+  }
+  return peers;
+}
+
+absl::Status NcclTransportImpl::CheckDispatched(OpKind kind, DispatchHandle* h) {
+  if (h == nullptr) return Fatal(InvalidArgument("%s: handle is null", OpName(kind)));
+  if (!h->counted_ || h->num_ranks_ != size_ || h->rank_ != rank_ ||
+      states_.find(h) == states_.end()) {
+    return Fatal(InvalidUsage("%s: the handle has no count exchange of this transport",
+                              OpName(kind)));
+  }
+  if (kind != OpKind::kDispatch && !h->dispatched_) {
+    return Fatal(InvalidUsage("%s: the handle has not been dispatched", OpName(kind)));
+  }
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Count exchange: [flag, T, K, E, capacity] allgathered first (so ranks agree on E before sizing
+// the second exchange), then [invalid, counts[E]] computed on the device from the device ids.
+
+constexpr int kHeader = 5;
+
+absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
+    absl::Span<const int32_t> topk_ids, int64_t num_tokens, int32_t top_k, int32_t num_experts,
+    int64_t recv_capacity_rows, DispatchHandle* h) {
+  MOONEP_RETURN_IF_ERROR(Usable());
+  if (testing::ShouldSkip(rank_, OpKind::kCounts)) {
+    MOONEP_WARN("transport nccl: test hook: rank %d skips this operation", rank_);
+    return RequestPtr(new DoneRequest());
+  }
+  // Nothing can be described to the peers without a handle and E: they time out on this rank.
+  if (h == nullptr) return Fatal(InvalidArgument("handle is null"));
+  if (num_experts < 1) return Fatal(InvalidArgument("num_experts must be >= 1, got %d", num_experts));
+  absl::Status local;
+  if (num_tokens < 0 || top_k < 0) {
+    local = InvalidArgument("num_tokens = %d and top_k = %d must be >= 0", num_tokens, top_k);
+  } else if (static_cast<int64_t>(topk_ids.size()) != num_tokens * top_k) {
+    local = InvalidArgument("topk_ids: has %d entries, need num_tokens * top_k = %d",
+                            topk_ids.size(), num_tokens * top_k);
+  } else if (num_tokens > options_.max_tokens) {
+    local = OutOfMemory("num_tokens = %d exceeds the declared max_tokens = %d", num_tokens,
+                        options_.max_tokens);
+  } else if (top_k > options_.max_top_k) {
+    local = OutOfMemory("top_k = %d exceeds the declared max_top_k = %d", top_k,
+                        options_.max_top_k);
+  } else if (recv_capacity_rows < 0) {
+    local = InvalidArgument("recv_capacity_rows must be >= 0, got %d", recv_capacity_rows);
+  } else if (!topk_ids.empty()) {
+    local = CheckDevicePointer(topk_ids.data(), "topk_ids");
+  }
+  if (!local.ok()) local = Annotate(local, absl::StrFormat("count exchange on rank %d", rank_));
+
+
+  HandleState* st = StateOf(h);
+  const int32_t R = size_, E = num_experts;
+  const int64_t width = 1 + E;
+  const int64_t entries = local.ok() ? num_tokens * top_k : 0;
+  {
+    absl::Status s = st->header_host.Reserve(kHeader * 8, "the count header");
+    if (s.ok()) s = st->header_all_host.Reserve(static_cast<size_t>(R) * kHeader * 8, "count headers");
+    if (s.ok()) s = st->counts_all_host.Reserve(static_cast<size_t>(R * width) * 8, "counts");
+    if (s.ok()) s = st->ids_host.Reserve(static_cast<size_t>(std::max<int64_t>(entries, 1)) * 4, "ids");
+    if (s.ok()) s = st->header_dev.Reserve(kHeader * 8, "the count header");
+    if (s.ok()) s = st->header_all_dev.Reserve(static_cast<size_t>(R) * kHeader * 8, "count headers");
+    if (s.ok()) s = st->counts_dev.Reserve(static_cast<size_t>(width) * 8, "counts");
+    if (s.ok()) s = st->counts_all_dev.Reserve(static_cast<size_t>(R * width) * 8, "counts");
+    if (!s.ok()) return Fatal(s);
+  }
+  h->counted_ = false;
+  h->dispatched_ = false;
+  int64_t* header = st->header_host.get<int64_t>();
+  header[0] = local.ok() ? 0 : 1;
+  header[1] = num_tokens;
+  header[2] = top_k;
+  header[3] = E;
+  header[4] = recv_capacity_rows;
+  std::vector<int> peers;
+  for (int32_t r = 0; r < R; ++r) {
+    if (r != rank_) peers.push_back(r);
+  }
+  auto op = NewOp(OpKind::kCounts, rows_stream_, peers);
+  NcclOp* raw = op.get();
+  const int32_t* ids = topk_ids.data();
+  const int64_t T = num_tokens;
+  const int32_t K = top_k, me = rank_;
+  const cudaStream_t stream = rows_stream_;
+  raw->counters().bytes_sent = (kHeader + width) * 8 * (R - 1);
+  auto exchange_header = [=]() -> absl::Status {
+    MOONEP_RETURN_IF_ERROR(WaitCaller(stream));
+    MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st->header_dev.get(), st->header_host.get(),
+                                                kHeader * 8, cudaMemcpyHostToDevice, stream));
+    MOONEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st->counts_dev.get(), 0, width * 8, stream));
+    if (entries > 0) {
+      int64_t* counts = st->counts_dev.get<int64_t>();
+      MOONEP_CUDA_RETURN_IF_ERROR(
+          LaunchCountRouting(ids, T, K, E, counts + 1, counts, stream));
+      MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st->ids_host.get(), ids,
+                                                  static_cast<size_t>(entries) * 4,
+                                                  cudaMemcpyDeviceToHost, stream));
+    }
+    MOONEP_NCCL_RETURN_IF_ERROR(ncclAllGather(st->header_dev.get(), st->header_all_dev.get(),
+                                              kHeader, ncclInt64, rows_comm_, stream));
+    MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st->header_all_host.get(), st->header_all_dev.get(),
+                                                static_cast<size_t>(R) * kHeader * 8,
+                                                cudaMemcpyDeviceToHost, stream));
+    return absl::OkStatus();
+  };
+  auto exchange_counts = [=]() -> absl::Status {
+    // Every rank reads the same headers, so every rank reaches the same verdict here.
+    const int64_t* all = st->header_all_host.get<int64_t>();
+    std::vector<int> bad;
+    for (int32_t r = 0; r < R; ++r) {
+      if (all[r * kHeader + 3] != E) {
+        raw->Stop(InvalidArgument("count exchange: rank %d uses num_experts = %d, rank %d uses %d",
+                                  r, all[r * kHeader + 3], me, E));
+        return absl::OkStatus();
+      }
+      if (all[r * kHeader] != 0) bad.push_back(r);
+    }
+    if (!local.ok()) {
+      raw->Stop(local);
+      return absl::OkStatus();
+    }
+    if (!bad.empty()) {
+      raw->Stop(RemoteError("count exchange: rank(s) %s rejected their routing input",
+                            absl::StrJoin(bad, ",")));
+      return absl::OkStatus();
+    }
+    MOONEP_NCCL_RETURN_IF_ERROR(ncclAllGather(st->counts_dev.get(), st->counts_all_dev.get(),
+                                              static_cast<size_t>(width), ncclInt64, rows_comm_,
+                                              stream));
+    MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st->counts_all_host.get(), st->counts_all_dev.get(),
+                                                static_cast<size_t>(R * width) * 8,
+                                                cudaMemcpyDeviceToHost, stream));
+    return absl::OkStatus();
+  };
+  auto finish = [=]() -> absl::Status {
+    const int64_t* all = st->header_all_host.get<int64_t>();
+    const int64_t* counts = st->counts_all_host.get<int64_t>();
+    const int32_t* ids_copy = st->ids_host.get<int32_t>();
+    std::vector<int> bad;
+    for (int32_t r = 0; r < R; ++r) {
+      if (counts[r * width] != 0) bad.push_back(r);
+    }
+    if (counts[me * width] != 0) {
+      // The device found a bad id; the host copy names it.
+      absl::Status why = ValidateRouting(absl::MakeConstSpan(ids_copy, static_cast<size_t>(entries)),
+                                         T, K, E);
+      if (why.ok()) why = Internal("the device rejected routing that the host accepts");
+      return Annotate(why, absl::StrFormat("count exchange on rank %d", me));
+    }
+    if (!bad.empty()) {
+      return RemoteError("count exchange: rank(s) %s rejected their routing input",
+                         absl::StrJoin(bad, ","));
+    }
+    h->rank_ = me;
+    h->num_ranks_ = R;
+    h->num_experts_ = E;
+    h->num_tokens_ = T;
+    h->top_k_ = K;
+    h->topk_ids_.assign(ids_copy, ids_copy + entries);
+    h->counts_.resize(static_cast<size_t>(R) * E);
+    h->rank_tokens_.resize(R);
+    h->rank_capacity_.resize(R);
+    for (int32_t r = 0; r < R; ++r) {
+      h->rank_tokens_[r] = all[r * kHeader + 1];
+      h->rank_capacity_[r] = all[r * kHeader + 4];
+      std::copy(counts + r * width + 1, counts + (r + 1) * width, h->counts_.begin() + r * E);
+    }
+    planner::ComputeSourceOffsets(h->counts_, R, E, &h->offsets_);
+    h->counted_ = true;
+    return absl::OkStatus();
+  };
+  return Run(std::move(op), {exchange_header, exchange_counts}, finish);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dispatch: (1) per-row metadata and the unique-row count of every pair (the receiver needs the
+// count to post its receive; it reads it on the host); (2) the pack kernel writes this rank's
+// unique rows in destination order, grouped sends/receives move them into a receive staging, and
+// one expansion kernel writes every row of the compute layout (duplicates expanded, local rows
+// from x, padding zeroed) with its top-k weight.
+
+absl::StatusOr<RequestPtr> NcclTransportImpl::StartDispatch(const planner::Plan& plan,
+                                                            const TensorView& x,
+                                                            absl::Span<const float> topk_weights,
+                                                            DispatchHandle* h,
+                                                            const TensorView& recv_rows,
+                                                            absl::Span<float> recv_weights) {
+  MOONEP_RETURN_IF_ERROR(Usable());
+  if (testing::ShouldSkip(rank_, OpKind::kDispatch)) return RequestPtr(new DoneRequest());
+  MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kDispatch, h));
+  // Agreed checks: functions of (plan, counts, capacities), identical on every rank.
+  {
+    absl::Status s;
+    if (plan.num_ranks != size_ || plan.num_experts != h->num_experts_) {
+      s = InvalidArgument("dispatch: plan is for %d ranks and %d experts, the counts for %d and %d",
+                          plan.num_ranks, plan.num_experts, size_, h->num_experts_);
+    }
+    if (s.ok()) s = Annotate(CheckPlanForTransport(plan, h->counts_), "dispatch");
+    if (!s.ok()) return s;
+    for (int32_t r = 0; r < size_; ++r) {
+      if (plan.rank_rows[r] <= h->rank_capacity_[r]) continue;
+      if (r == rank_) {
+        return OutOfMemory("dispatch: the plan gives rank %d %d rows, its receive buffer holds %d",
+                           r, plan.rank_rows[r], h->rank_capacity_[r]);
+      }
+      return RemoteError("dispatch: the plan gives rank %d %d rows, its receive buffer holds %d",
+                         r, plan.rank_rows[r], h->rank_capacity_[r]);
+    }
+  }
+  const int64_t T = h->num_tokens_;
+  const int32_t K = h->top_k_, R = size_, me = rank_;
+  // Local checks: a failure here leaves the peers waiting, so it is fatal (they time out).
+  {
+    absl::Status s = CheckRows(x, "x", T, -1);
+    if (s.ok() && x.shape[0] != T) {
+      s = InvalidArgument("x: has %d rows, the count exchange had num_tokens = %d", x.shape[0], T);
+    }
+    if (s.ok()) s = CheckRows(recv_rows, "recv_rows", plan.rank_rows[me], x.shape[1]);
+    if (s.ok() && recv_rows.dtype != x.dtype) {
+      s = InvalidArgument("recv_rows: dtype %s differs from x's %s", DTypeName(recv_rows.dtype),
+                          DTypeName(x.dtype));
+    }
+    if (s.ok() && static_cast<int64_t>(topk_weights.size()) != T * K) {
+      s = InvalidArgument("topk_weights: has %d entries, need num_tokens * top_k = %d",
+                          topk_weights.size(), T * K);
+    }
+    if (s.ok() && !topk_weights.empty()) s = CheckDevicePointer(topk_weights.data(), "topk_weights");
+    if (s.ok() && static_cast<int64_t>(recv_weights.size()) < plan.rank_rows[me]) {
+      s = InvalidArgument("recv_weights: has %d entries, the plan needs %d", recv_weights.size(),
+                          plan.rank_rows[me]);
+    }
+    if (s.ok() && !recv_weights.empty()) s = CheckDevicePointer(recv_weights.data(), "recv_weights");
+    if (s.ok() && RangesOverlap(x.data, x.nbytes(), recv_rows.data, recv_rows.nbytes())) {
+      s = InvalidArgument("x and recv_rows overlap");
+    }
+    if (!s.ok()) return Fatal(Annotate(s, "dispatch"));
+  }
+  h->plan_ = plan;
+  h->dispatched_ = false;
+  {
+    absl::Status s = BuildSendLayout(h->plan_, h->offsets_, me, h->topk_ids_, T, K, &h->send_);
+    if (!s.ok()) return Fatal(Annotate(s, "dispatch"));
+  }
+  BuildReceiveLayout(h->plan_, h->offsets_, me, &h->recv_);
+  const SendLayout& send = h->send_;
+  const ReceiveLayout& recv = h->recv_;
+  HandleState* st = StateOf(h);
+  const int64_t n_entries = T * K;
+  const int64_t sent_entries = send.entry_begin[R];   // entries with a destination
+  const int64_t recv_total = recv.rows_begin[R];      // rows arriving, this rank's own included
+  const int64_t rank_rows = plan.rank_rows[me];
+  const size_t row_bytes = static_cast<size_t>(x.shape[1]) * DTypeSize(x.dtype);
+
+  // Tables: built on the host from the layouts, uploaded with one copy.
+  st->pack_begin.assign(R + 1, 0);
+  for (int32_t d = 0; d < R; ++d) {
+    st->pack_begin[d + 1] = st->pack_begin[d] + (d == me ? 0 : send.unique_to(d));
+  }
+  const int64_t pack_rows = st->pack_begin[R];
+  TableBlock block;
+  st->off_pack_index = block.Add<int32_t>(static_cast<size_t>(pack_rows));
+  st->off_meta_unique = block.Add<int32_t>(static_cast<size_t>(sent_entries));
+  st->off_meta_entries = block.Add<int32_t>(static_cast<size_t>(sent_entries));
+  st->off_row_source = block.Add<RowSource>(static_cast<size_t>(rank_rows));
+  st->off_combine_index = block.Add<int32_t>(static_cast<size_t>(n_entries));
+  st->off_pos_row = block.Add<int32_t>(static_cast<size_t>(recv_total));
+  st->off_unique_send = block.Add<int64_t>(static_cast<size_t>(R));
+  {
+    absl::Status s = st->tables_host.Reserve(block.size(), "dispatch tables");
+    if (s.ok()) s = st->tables_dev.Reserve(block.size(), "dispatch tables");
+    if (s.ok()) s = st->unique_recv_host.Reserve(static_cast<size_t>(R) * 8, "unique counts");
+    if (s.ok()) s = st->unique_recv_dev.Reserve(static_cast<size_t>(R) * 8, "unique counts");
+    if (s.ok()) s = st->staging_begin_host.Reserve(static_cast<size_t>(R + 1) * 8, "staging offsets");
+    if (s.ok()) s = st->staging_begin_dev.Reserve(static_cast<size_t>(R + 1) * 8, "staging offsets");
+    if (s.ok()) s = st->bad_host.Reserve(8, "error counter");
+    if (s.ok()) s = st->bad_dev.Reserve(8, "error counter");
+    if (s.ok()) s = st->weights_dev.Reserve(static_cast<size_t>(std::max<int64_t>(n_entries, 1)) * 4, "top-k weights");
+    if (s.ok()) s = st->meta_send_dev.Reserve(static_cast<size_t>(std::max<int64_t>(sent_entries, 1)) * sizeof(RowMeta), "row metadata");
+    if (s.ok()) s = st->meta_recv_dev.Reserve(static_cast<size_t>(std::max<int64_t>(recv_total, 1)) * sizeof(RowMeta), "row metadata");
+    if (s.ok()) s = st->send_staging.Reserve(static_cast<size_t>(std::max<int64_t>(pack_rows, 1)) * row_bytes, "send staging");
+    if (s.ok()) s = st->recv_staging.Reserve(static_cast<size_t>(std::max<int64_t>(recv_total, 1)) * row_bytes, "receive staging");
+    if (!s.ok()) return Fatal(s);
+  }
+  {
+    int32_t* pack_index = st->host_table<int32_t>(st->off_pack_index);
+    for (int32_t d = 0, at = 0; d < R; ++d) {
+      if (d == me) continue;
+      for (int64_t i = send.unique_begin[d]; i < send.unique_begin[d + 1]; ++i) {
+        pack_index[at++] = send.unique_tokens[i];
+      }
+    }
+    int32_t* meta_unique = st->host_table<int32_t>(st->off_meta_unique);
+    int32_t* meta_entries = st->host_table<int32_t>(st->off_meta_entries);
+    std::copy(send.entry_unique.begin(), send.entry_unique.begin() + sent_entries, meta_unique);
+    std::copy(send.entries.begin(), send.entries.begin() + sent_entries, meta_entries);
+    RowSource* source = st->host_table<RowSource>(st->off_row_source);
+    std::fill(source, source + rank_rows, RowSource{-1, -1});
+    int32_t* pos_row = st->host_table<int32_t>(st->off_pos_row);
+    for (int32_t s = 0; s < R; ++s) {
+      int64_t i = 0;
+      for (int64_t run = recv.run_begin[s]; run < recv.run_begin[s + 1]; ++run) {
+        for (int64_t j = 0; j < recv.run_count[run]; ++j, ++i) {
+          const int64_t row = recv.run_row[run] + j;
+          pos_row[recv.rows_begin[s] + i] = static_cast<int32_t>(row);
+          if (s != me) source[row] = RowSource{static_cast<int32_t>(recv.rows_begin[s] + i), s};
+        }
+      }
+    }
+    for (int64_t i = send.entry_begin[me]; i < send.entry_begin[me + 1]; ++i) {
+      const int32_t entry = send.entries[i];
+      source[send.dest_row[entry]] = RowSource{entry, -2};
+    }
+    int32_t* combine_index = st->host_table<int32_t>(st->off_combine_index);
+    std::fill(combine_index, combine_index + n_entries, -1);
+    for (int64_t i = 0; i < sent_entries; ++i) combine_index[send.entries[i]] = static_cast<int32_t>(i);
+    int64_t* unique_send = st->host_table<int64_t>(st->off_unique_send);
+    for (int32_t d = 0; d < R; ++d) unique_send[d] = d == me ? 0 : send.unique_to(d);
+  }
+  st->unique_from.assign(R, 0);
+  st->staging_begin.assign(R + 1, 0);
+
+  auto op = NewOp(OpKind::kDispatch, rows_stream_, RowPeers(h));
+  NcclOp* raw = op.get();
+  const cudaStream_t stream = rows_stream_;
+  const size_t table_bytes = block.size();
+  const float* weights_in = topk_weights.data();
+  float* weights_out = recv_weights.data();
+  const TensorView x_view = x, rows_view = recv_rows;
+  {
+    OpCounters& c = raw->counters();
+    for (int32_t d = 0; d < R; ++d) {
+      if (d == me || send.rows_to(d) == 0) continue;
+      c.rows_sent += send.unique_to(d);
+      c.bytes_sent += send.unique_to(d) * static_cast<int64_t>(row_bytes) +
+                      send.rows_to(d) * static_cast<int64_t>(sizeof(RowMeta));
+      c.rows_deduplicated += send.rows_to(d) - send.unique_to(d);
+      c.bytes_deduplicated += (send.rows_to(d) - send.unique_to(d)) * static_cast<int64_t>(row_bytes);
+      c.messages_sent += 3;
+    }
+    c.rows_local = send.rows_to(me);
+  }
+  auto exchange_meta = [=]() -> absl::Status {
+    const SendLayout& send = h->send_;
+    const ReceiveLayout& recv = h->recv_;
+    MOONEP_RETURN_IF_ERROR(WaitCaller(stream));
+    MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st->tables_dev.get(), st->tables_host.get(),
+                                                table_bytes, cudaMemcpyHostToDevice, stream));
+    MOONEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st->bad_dev.get(), 0, 8, stream));
+    MOONEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st->unique_recv_dev.get(), 0, R * 8, stream));
+    if (n_entries > 0) {
+      MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st->weights_dev.get(), weights_in,
+                                                  static_cast<size_t>(n_entries) * 4,
+                                                  cudaMemcpyDeviceToDevice, stream));
+    }
+    RowMeta* meta_send = st->meta_send_dev.get<RowMeta>();
+    MOONEP_CUDA_RETURN_IF_ERROR(LaunchFillRowMeta(
+        st->table<int32_t>(st->off_meta_unique), st->table<int32_t>(st->off_meta_entries),
+        st->weights_dev.get<float>(), n_entries, sent_entries, meta_send,
+        st->bad_dev.get<int32_t>(), stream));
+    RowMeta* meta_recv = st->meta_recv_dev.get<RowMeta>();
+    const int64_t* unique_send = st->table<int64_t>(st->off_unique_send);
+    int64_t* unique_recv = st->unique_recv_dev.get<int64_t>();
+    MOONEP_NCCL_RETURN_IF_ERROR(ncclGroupStart());
+    for (int32_t d = 0; d < R; ++d) {
+      const int64_t n = send.rows_to(d);
+      if (d == me || n == 0) continue;
+      ncclSend(meta_send + send.entry_begin[d], static_cast<size_t>(n) * sizeof(RowMeta), ncclUint8,
+               d, rows_comm_, stream);
+      ncclSend(unique_send + d, 1, ncclInt64, d, rows_comm_, stream);
+    }
+    for (int32_t s = 0; s < R; ++s) {
+      const int64_t n = recv.rows_from(s);
+      if (s == me || n == 0) continue;
+      ncclRecv(meta_recv + recv.rows_begin[s], static_cast<size_t>(n) * sizeof(RowMeta), ncclUint8,
+               s, rows_comm_, stream);
+      ncclRecv(unique_recv + s, 1, ncclInt64, s, rows_comm_, stream);
+    }
+    MOONEP_RETURN_IF_ERROR(GroupEnd(rows_comm_, "dispatch metadata (ncclGroupEnd)"));
+    MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st->unique_recv_host.get(), unique_recv, R * 8,
+                                                cudaMemcpyDeviceToHost, stream));
+    return absl::OkStatus();
+  };
+  auto exchange_rows = [=]() -> absl::Status {
+    const ReceiveLayout& recv = h->recv_;
+    const int64_t* unique_recv = st->unique_recv_host.get<int64_t>();
+    int64_t* staging_begin = st->staging_begin_host.get<int64_t>();
+    staging_begin[0] = 0;
+    for (int32_t s = 0; s < R; ++s) {
+      const int64_t n = s == me ? 0 : recv.rows_from(s);
+      const int64_t u = n == 0 ? 0 : unique_recv[s];
+      if (u < 1 && n > 0) {
+        return Internal("dispatch: rank %d announced %d unique rows for %d rows", s, u, n);
+      }
+      if (u > n) return Internal("dispatch: rank %d announced %d unique rows for %d rows", s, u, n);
+      st->unique_from[s] = u;
+      staging_begin[s + 1] = staging_begin[s] + u;
+    }
+    std::copy(staging_begin, staging_begin + R + 1, st->staging_begin.begin());
+    MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st->staging_begin_dev.get(), staging_begin,
+                                                static_cast<size_t>(R + 1) * 8,
+                                                cudaMemcpyHostToDevice, stream));
+    char* send_staging = st->send_staging.get();
+    char* recv_staging = st->recv_staging.get();
+    if (pack_rows > 0) {
+      MOONEP_CUDA_RETURN_IF_ERROR(kernels::LaunchPackRows(
+          x_view.data, T, st->table<int32_t>(st->off_pack_index), pack_rows, send_staging,
+          row_bytes, st->bad_dev.get<int32_t>(), stream));
+    }
+    MOONEP_NCCL_RETURN_IF_ERROR(ncclGroupStart());
+    for (int32_t d = 0; d < R; ++d) {
+      const int64_t u = st->pack_begin[d + 1] - st->pack_begin[d];
+      if (d == me || u == 0) continue;
+      ncclSend(send_staging + st->pack_begin[d] * row_bytes, static_cast<size_t>(u) * row_bytes,
+               ncclUint8, d, rows_comm_, stream);
+    }
+    for (int32_t s = 0; s < R; ++s) {
+      const int64_t u = st->unique_from[s];
+      if (s == me || u == 0) continue;
+      ncclRecv(recv_staging + staging_begin[s] * row_bytes, static_cast<size_t>(u) * row_bytes,
+               ncclUint8, s, rows_comm_, stream);
+    }
+    MOONEP_RETURN_IF_ERROR(GroupEnd(rows_comm_, "dispatch rows (ncclGroupEnd)"));
+    MOONEP_CUDA_RETURN_IF_ERROR(LaunchExpandRows(
+        st->table<RowSource>(st->off_row_source), rank_rows, st->meta_recv_dev.get<RowMeta>(),
+        recv_total, st->staging_begin_dev.get<int64_t>(), R, recv_staging, x_view.data, n_entries,
+        K, st->weights_dev.get<float>(), row_bytes, rows_view.data, weights_out,
+        st->bad_dev.get<int32_t>(), stream));
+    MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st->bad_host.get(), st->bad_dev.get(), 4,
+                                                cudaMemcpyDeviceToHost, stream));
+    raw->counters().rows_received = staging_begin[R];
+    raw->counters().bytes_received = staging_begin[R] * static_cast<int64_t>(row_bytes);
+    return absl::OkStatus();
+  };
+  auto finish = [=]() -> absl::Status {
+    const int32_t bad = *st->bad_host.get<int32_t>();
+    if (bad != 0) {
+      return Fatal(Internal("dispatch: %d rows had an out-of-range index (a peer sent metadata "
+                            "that does not match the plan)", bad));
+    }
+    h->dispatched_ = true;
+    return absl::OkStatus();
+  };
+  return Run(std::move(op), {exchange_meta, exchange_rows}, finish);
+}
+
+// Combine-backward: the movement of dispatch with the saved metadata, one stage.
+absl::StatusOr<RequestPtr> NcclTransportImpl::StartRowsOut(OpKind kind, DispatchHandle* h,
+                                                           const TensorView& x,
+                                                           const TensorView& rows) {
+  const int32_t R = size_, me = rank_, K = h->top_k_;
+  const int64_t T = h->num_tokens_, n_entries = T * K;
+  HandleState* st = StateOf(h);
+  const SendLayout& send = h->send_;
+  const ReceiveLayout& recv = h->recv_;
+  const int64_t rank_rows = recv.rank_rows, recv_total = recv.rows_begin[R];
+  const int64_t pack_rows = st->pack_begin[R];
+  const size_t row_bytes = static_cast<size_t>(x.shape[1]) * DTypeSize(x.dtype);
+  {
+    absl::Status s = st->send_staging.Reserve(static_cast<size_t>(std::max<int64_t>(pack_rows, 1)) * row_bytes, "send staging");
+    if (s.ok()) s = st->recv_staging.Reserve(static_cast<size_t>(std::max<int64_t>(st->staging_begin[R], 1)) * row_bytes, "receive staging");
+    if (!s.ok()) return Fatal(s);
+  }
+  auto op = NewOp(kind, rows_stream_, RowPeers(h));
+  NcclOp* raw = op.get();
+  const cudaStream_t stream = rows_stream_;
+  {
+    OpCounters& c = raw->counters();
+    c.rows_sent = pack_rows;
+    c.bytes_sent = pack_rows * static_cast<int64_t>(row_bytes);
+    c.rows_received = st->staging_begin[R];
+    c.bytes_received = st->staging_begin[R] * static_cast<int64_t>(row_bytes);
+    for (int32_t d = 0; d < R; ++d) {
+      if (d != me) c.rows_deduplicated += send.rows_to(d) - send.unique_to(d);
+    }
+    c.bytes_deduplicated = c.rows_deduplicated * static_cast<int64_t>(row_bytes);
+    c.rows_local = send.rows_to(me);
+  }
+  const TensorView x_view = x, rows_view = rows;
+  auto move = [=]() -> absl::Status {
+    MOONEP_RETURN_IF_ERROR(WaitCaller(stream));
+    MOONEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st->bad_dev.get(), 0, 8, stream));
+    char* send_staging = st->send_staging.get();
+    char* recv_staging = st->recv_staging.get();
+    if (pack_rows > 0) {
+      MOONEP_CUDA_RETURN_IF_ERROR(kernels::LaunchPackRows(
+          x_view.data, T, st->table<int32_t>(st->off_pack_index), pack_rows, send_staging,
+          row_bytes, st->bad_dev.get<int32_t>(), stream));
+    }
+    MOONEP_NCCL_RETURN_IF_ERROR(ncclGroupStart());
+    for (int32_t d = 0; d < R; ++d) {
+      const int64_t u = st->pack_begin[d + 1] - st->pack_begin[d];
+      if (d == me || u == 0) continue;
+      ncclSend(send_staging + st->pack_begin[d] * row_bytes, static_cast<size_t>(u) * row_bytes,
+               ncclUint8, d, rows_comm_, stream);
+    }
+    for (int32_t s = 0; s < R; ++s) {
+      const int64_t u = st->unique_from[s];
+      if (s == me || u == 0) continue;
+      ncclRecv(recv_staging + st->staging_begin[s] * row_bytes, static_cast<size_t>(u) * row_bytes,
+               ncclUint8, s, rows_comm_, stream);
+    }
+    MOONEP_RETURN_IF_ERROR(GroupEnd(rows_comm_, "combine-backward rows (ncclGroupEnd)"));
+    MOONEP_CUDA_RETURN_IF_ERROR(LaunchExpandRows(
+        st->table<RowSource>(st->off_row_source), rank_rows, st->meta_recv_dev.get<RowMeta>(),
+        recv_total, st->staging_begin_dev.get<int64_t>(), R, recv_staging, x_view.data, n_entries,
+        K, st->weights_dev.get<float>(), row_bytes, rows_view.data, nullptr,
+        st->bad_dev.get<int32_t>(), stream));
+    MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st->bad_host.get(), st->bad_dev.get(), 4,
+                                                cudaMemcpyDeviceToHost, stream));
+    return absl::OkStatus();
+  };
+  const char* name = OpName(kind);
+  auto finish = [=]() -> absl::Status {
+    const int32_t bad = *st->bad_host.get<int32_t>();
+    if (bad != 0) return Fatal(Internal("%s: %d rows had an out-of-range index", name, bad));
+    return absl::OkStatus();
+  };
+  return Run(std::move(op), {move}, finish);
+}
+
+absl::StatusOr<RequestPtr> NcclTransportImpl::StartCombineBackward(DispatchHandle* h,
+                                                                   const TensorView& dy,
+                                                                   const TensorView& dy_rows) {
+  MOONEP_RETURN_IF_ERROR(Usable());
+  if (testing::ShouldSkip(rank_, OpKind::kCombineBackward)) return RequestPtr(new DoneRequest());
+  MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kCombineBackward, h));
+  absl::Status s = CheckRows(dy, "dy", h->num_tokens_, -1);
+  if (s.ok() && dy.shape[0] != h->num_tokens_) {
+    s = InvalidArgument("dy: has %d rows, need num_tokens = %d", dy.shape[0], h->num_tokens_);
+  }
+  if (s.ok()) s = CheckRows(dy_rows, "dy_rows", h->recv_.rank_rows, dy.shape[1]);
+  if (s.ok() && dy_rows.dtype != dy.dtype) s = InvalidArgument("dy_rows: dtype differs from dy's");
+  if (s.ok() && RangesOverlap(dy.data, dy.nbytes(), dy_rows.data, dy_rows.nbytes())) {
+    s = InvalidArgument("dy and dy_rows overlap");
+  }
+  if (!s.ok()) return Fatal(Annotate(s, "combine-backward"));
+  return StartRowsOut(OpKind::kCombineBackward, h, dy, dy_rows);
+}
+
+// Combine (weighted) and dispatch-backward (unweighted): the pack kernel lays this rank's rows out
+// in receive order (one contiguous slice per source), grouped sends return them, the source
+// receives them in its send order, and the combine kernel sums each token's entries in k order.
+absl::StatusOr<RequestPtr> NcclTransportImpl::StartRowsBack(OpKind kind, DispatchHandle* h,
+                                                            const TensorView& rows,
+                                                            const TensorView& y) {
+  const char* name = OpName(kind);
+  absl::Status s = CheckRows(rows, kind == OpKind::kCombine ? "expert_rows" : "dx_rows",
+                             h->recv_.rank_rows, -1);
+  if (s.ok()) s = CheckRows(y, kind == OpKind::kCombine ? "y" : "dx", h->num_tokens_, rows.shape[1]);
+  if (s.ok() && y.shape[0] != h->num_tokens_) {
+    s = InvalidArgument("%s: has %d rows, need num_tokens = %d",
+                        kind == OpKind::kCombine ? "y" : "dx", y.shape[0], h->num_tokens_);
+  }
+  if (s.ok() && RangesOverlap(rows.data, rows.nbytes(), y.data, y.nbytes())) {
+    s = InvalidArgument("the rows and the output overlap");
+  }
+  if (!s.ok()) return Fatal(Annotate(s, name));
+  const int32_t R = size_, me = rank_, K = h->top_k_;
+  const int64_t T = h->num_tokens_, n_entries = T * K, H = rows.shape[1];
+  HandleState* st = StateOf(h);
+  const SendLayout& send = h->send_;
+  const ReceiveLayout& recv = h->recv_;
+  const int64_t recv_total = recv.rows_begin[R], sent_entries = send.entry_begin[R];
+  const size_t row_bytes = static_cast<size_t>(H) * DTypeSize(rows.dtype);
+  {
+    absl::Status r = st->send_staging.Reserve(static_cast<size_t>(std::max<int64_t>(recv_total, 1)) * row_bytes, "send staging");
+    if (r.ok()) r = st->recv_staging.Reserve(static_cast<size_t>(std::max<int64_t>(sent_entries, 1)) * row_bytes, "receive staging");
+    if (r.ok() && kind == OpKind::kDispatchBackward && st->ones_count < n_entries) {
+      r = st->ones_dev.Reserve(static_cast<size_t>(n_entries) * 4, "unit weights");
+      if (r.ok()) {
+        std::vector<float> ones(static_cast<size_t>(n_entries), 1.0f);
+        r = kernels::CudaStatus(cudaMemcpy(st->ones_dev.get(), ones.data(), ones.size() * 4,
+                                           cudaMemcpyHostToDevice),
+                                "cudaMemcpy");
+        if (r.ok()) st->ones_count = n_entries;
+      }
+    }
+    if (!r.ok()) return Fatal(r);
+  }
+  auto op = NewOp(kind, rows_stream_, RowPeers(h));
+  NcclOp* raw = op.get();
+  const cudaStream_t stream = rows_stream_;
+  {
+    OpCounters& c = raw->counters();
+    c.rows_sent = recv_total - recv.rows_from(me);
+    c.bytes_sent = c.rows_sent * static_cast<int64_t>(row_bytes);
+    c.rows_received = sent_entries - send.rows_to(me);
+    c.bytes_received = c.rows_received * static_cast<int64_t>(row_bytes);
+    c.rows_local = send.rows_to(me);
+  }
+  const TensorView rows_view = rows, y_view = y;
+  const float* weights = kind == OpKind::kCombine ? st->weights_dev.get<float>()
+                                                  : st->ones_dev.get<float>();
+  auto move = [=]() -> absl::Status {
+    const SendLayout& send = h->send_;
+    const ReceiveLayout& recv = h->recv_;
+    MOONEP_RETURN_IF_ERROR(WaitCaller(stream));
+    MOONEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st->bad_dev.get(), 0, 8, stream));
+    char* send_staging = st->send_staging.get();
+    char* recv_staging = st->recv_staging.get();
+    if (recv_total > 0) {
+      MOONEP_CUDA_RETURN_IF_ERROR(kernels::LaunchPackRows(
+          rows_view.data, rows_view.shape[0], st->table<int32_t>(st->off_pos_row), recv_total,
+          send_staging, row_bytes, st->bad_dev.get<int32_t>(), stream));
+    }
+    MOONEP_NCCL_RETURN_IF_ERROR(ncclGroupStart());
+    for (int32_t src = 0; src < R; ++src) {
+      const int64_t n = recv.rows_from(src);
+      if (src == me || n == 0) continue;
+      ncclSend(send_staging + recv.rows_begin[src] * row_bytes, static_cast<size_t>(n) * row_bytes,
+               ncclUint8, src, rows_comm_, stream);
+    }
+    for (int32_t d = 0; d < R; ++d) {
+      const int64_t n = send.rows_to(d);
+      if (d == me || n == 0) continue;
+      ncclRecv(recv_staging + send.entry_begin[d] * row_bytes, static_cast<size_t>(n) * row_bytes,
+               ncclUint8, d, rows_comm_, stream);
+    }
+    MOONEP_RETURN_IF_ERROR(GroupEnd(rows_comm_, "rows back (ncclGroupEnd)"));
+    if (send.rows_to(me) > 0) {
+      MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+          recv_staging + send.entry_begin[me] * row_bytes,
+          send_staging + recv.rows_begin[me] * row_bytes,
+          static_cast<size_t>(send.rows_to(me)) * row_bytes, cudaMemcpyDeviceToDevice, stream));
+    }
+    if (T > 0) {
+      MOONEP_CUDA_RETURN_IF_ERROR(kernels::LaunchCombineRows(
+          recv_staging, rows_view.dtype, sent_entries, st->table<int32_t>(st->off_combine_index),
+          weights, T, K, H, y_view.data, y_view.dtype, st->bad_dev.get<int32_t>(), stream));
+    }
+    MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st->bad_host.get(), st->bad_dev.get(), 4,
+                                                cudaMemcpyDeviceToHost, stream));
+    return absl::OkStatus();
+  };
+  auto finish = [=]() -> absl::Status {
+    const int32_t bad = *st->bad_host.get<int32_t>();
+    if (bad != 0) return Fatal(Internal("%s: %d rows had an out-of-range index", name, bad));
+    return absl::OkStatus();
+  };
+  return Run(std::move(op), {move}, finish);
+}
+
+absl::StatusOr<RequestPtr> NcclTransportImpl::StartCombine(DispatchHandle* h,
+                                                           const TensorView& expert_rows,
+                                                           const TensorView& y) {
+  MOONEP_RETURN_IF_ERROR(Usable());
+  if (testing::ShouldSkip(rank_, OpKind::kCombine)) return RequestPtr(new DoneRequest());
+  MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kCombine, h));
+  return StartRowsBack(OpKind::kCombine, h, expert_rows, y);
+}
+
+absl::StatusOr<RequestPtr> NcclTransportImpl::StartDispatchBackward(DispatchHandle* h,
+                                                                    const TensorView& dx_rows,
+                                                                    const TensorView& dx) {
+  MOONEP_RETURN_IF_ERROR(Usable());
+  if (testing::ShouldSkip(rank_, OpKind::kDispatchBackward)) return RequestPtr(new DoneRequest());
+  MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kDispatchBackward, h));
+  return StartRowsBack(OpKind::kDispatchBackward, h, dx_rows, dx);
+}
+
+// d topk weights: one dot product per row where the rows are, one float back per row, scattered
+// to (t, k) by the combine index (0 where the id is -1).
+absl::StatusOr<RequestPtr> NcclTransportImpl::StartTopkWeightGrad(DispatchHandle* h,
+                                                                  const TensorView& dy_rows,
+                                                                  const TensorView& expert_rows,
+                                                                  absl::Span<float> d_topk_weights) {
+  MOONEP_RETURN_IF_ERROR(Usable());
+  if (testing::ShouldSkip(rank_, OpKind::kTopkWeightGrad)) return RequestPtr(new DoneRequest());
+  MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kTopkWeightGrad, h));
+  const int32_t R = size_, me = rank_, K = h->top_k_;
+  const int64_t T = h->num_tokens_, n_entries = T * K;
+  absl::Status s = CheckRows(dy_rows, "dy_rows", h->recv_.rank_rows, -1);
+  if (s.ok()) s = CheckRows(expert_rows, "expert_rows", h->recv_.rank_rows, dy_rows.shape[1]);
+  if (s.ok() && expert_rows.dtype != dy_rows.dtype) {
+    s = InvalidArgument("expert_rows: dtype %s differs from dy_rows' %s",
+                        DTypeName(expert_rows.dtype), DTypeName(dy_rows.dtype));
+  }
+  if (s.ok() && static_cast<int64_t>(d_topk_weights.size()) != n_entries) {
+    s = InvalidArgument("d_topk_weights: has %d entries, need num_tokens * top_k = %d",
+                        d_topk_weights.size(), n_entries);
+  }
+  if (s.ok() && n_entries > 0) s = CheckDevicePointer(d_topk_weights.data(), "d_topk_weights");
+  if (!s.ok()) return Fatal(Annotate(s, "topk-weight-grad"));
+  HandleState* st = StateOf(h);
+  const SendLayout& send = h->send_;
+  const ReceiveLayout& recv = h->recv_;
+  const int64_t recv_total = recv.rows_begin[R], sent_entries = send.entry_begin[R];
+  {
+    absl::Status r = st->send_staging.Reserve(static_cast<size_t>(std::max<int64_t>(recv_total, 1)) * 4, "send staging");
+    if (r.ok()) r = st->recv_staging.Reserve(static_cast<size_t>(std::max<int64_t>(sent_entries, 1)) * 4, "receive staging");
+    if (!r.ok()) return Fatal(r);
+  }
+  auto op = NewOp(OpKind::kTopkWeightGrad, rows_stream_, RowPeers(h));
+  NcclOp* raw = op.get();
+  const cudaStream_t stream = rows_stream_;
+  {
+    OpCounters& c = raw->counters();
+    c.rows_sent = recv_total - recv.rows_from(me);
+    c.bytes_sent = c.rows_sent * 4;
+    c.rows_received = sent_entries - send.rows_to(me);
+    c.bytes_received = c.rows_received * 4;
+    c.rows_local = send.rows_to(me);
+  }
+  const TensorView a = dy_rows, b = expert_rows;
+  float* dw = d_topk_weights.data();
+  auto move = [=]() -> absl::Status {
+    const SendLayout& send = h->send_;
+    const ReceiveLayout& recv = h->recv_;
+    MOONEP_RETURN_IF_ERROR(WaitCaller(stream));
+    MOONEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st->bad_dev.get(), 0, 8, stream));
+    float* dots_send = st->send_staging.get<float>();
+    float* dots_recv = st->recv_staging.get<float>();
+    MOONEP_CUDA_RETURN_IF_ERROR(LaunchRowDots(a.data, b.data, a.dtype, a.shape[1],
+                                              st->table<int32_t>(st->off_pos_row),
+                                              std::min(a.shape[0], b.shape[0]), recv_total,
+                                              dots_send, st->bad_dev.get<int32_t>(), stream));
+    MOONEP_NCCL_RETURN_IF_ERROR(ncclGroupStart());
+    for (int32_t src = 0; src < R; ++src) {
+      const int64_t n = recv.rows_from(src);
+      if (src == me || n == 0) continue;
+      ncclSend(dots_send + recv.rows_begin[src], static_cast<size_t>(n), ncclFloat32, src,
+               rows_comm_, stream);
+    }
+    for (int32_t d = 0; d < R; ++d) {
+      const int64_t n = send.rows_to(d);
+      if (d == me || n == 0) continue;
+      ncclRecv(dots_recv + send.entry_begin[d], static_cast<size_t>(n), ncclFloat32, d,
+               rows_comm_, stream);
+    }
+    MOONEP_RETURN_IF_ERROR(GroupEnd(rows_comm_, "topk-weight-grad (ncclGroupEnd)"));
+    if (send.rows_to(me) > 0) {
+      MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+          dots_recv + send.entry_begin[me], dots_send + recv.rows_begin[me],
+          static_cast<size_t>(send.rows_to(me)) * 4, cudaMemcpyDeviceToDevice, stream));
+    }
+    MOONEP_CUDA_RETURN_IF_ERROR(LaunchScatterValues(dots_recv, sent_entries,
+                                                    st->table<int32_t>(st->off_combine_index),
+                                                    n_entries, dw, st->bad_dev.get<int32_t>(),
+                                                    stream));
+    MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st->bad_host.get(), st->bad_dev.get(), 4,
+                                                cudaMemcpyDeviceToHost, stream));
+    return absl::OkStatus();
+  };
+  auto finish = [=]() -> absl::Status {
+    const int32_t bad = *st->bad_host.get<int32_t>();
+    if (bad != 0) return Fatal(Internal("topk-weight-grad: %d rows had an out-of-range index", bad));
+    return absl::OkStatus();
+  };
+  return Run(std::move(op), {move}, finish);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Weight ops: every (rank, slot, tensor) in increasing order on both sides, so the grouped sends
+// and receives of one pair match in order.
+
+absl::Status NcclTransportImpl::CheckBlocks(const planner::Plan& plan, const ExpertBlocks& b,
+                                            const char* name) const {
+  const int32_t nt = b.tensors_per_expert;
+  MOONEP_CHECK_ARG(nt >= 1, "%s.tensors_per_expert must be >= 1, got %d", name, nt);
+  MOONEP_CHECK_ARG(b.home.size() == static_cast<size_t>(plan.experts_per_rank) * nt,
+                   "%s.home has %d tensors, need experts_per_rank * tensors_per_expert = %d", name,
+                   b.home.size(), static_cast<int64_t>(plan.experts_per_rank) * nt);
+  MOONEP_CHECK_ARG(b.slots.size() == static_cast<size_t>(plan.slots) * nt,
+                   "%s.slots has %d tensors, need slots * tensors_per_expert = %d", name,
+                   b.slots.size(), static_cast<int64_t>(plan.slots) * nt);
+  auto check = [&](const TensorView& v, const char* part, size_t index) -> absl::Status {
+    const TensorView& ref = b.home.empty() ? b.slots[index % nt] : b.home[index % nt];
+    MOONEP_CHECK_ARG(v.device == Device::kCuda,
+                     "%s.%s[%d]: the NCCL transport needs device memory", name, part, index);
+    MOONEP_CHECK_ARG(IsRowDType(v.dtype), "%s.%s[%d]: dtype must be fp32 or bf16", name, part,
+                     index);
+    MOONEP_CHECK_ARG(v.is_contiguous(), "%s.%s[%d]: must be contiguous", name, part, index);
+    MOONEP_CHECK_ARG(v.dtype == ref.dtype && v.numel() == ref.numel(),
+                     "%s.%s[%d]: %s does not match tensor %d of the first expert (%s)", name, part,
+                     index, v.DebugString(), index % nt, ref.DebugString());
+    if (v.numel() == 0) return absl::OkStatus();
+    MOONEP_CHECK_ARG(v.data != nullptr, "%s.%s[%d]: null data pointer", name, part, index);
+    return CheckDevicePointer(v.data, absl::StrFormat("%s.%s[%d]", name, part, index).c_str());
+  };
+  for (size_t i = 0; i < b.home.size(); ++i) MOONEP_RETURN_IF_ERROR(check(b.home[i], "home", i));
+  for (size_t i = 0; i < b.slots.size(); ++i) MOONEP_RETURN_IF_ERROR(check(b.slots[i], "slots", i));
+  return absl::OkStatus();
+}
+
+// Agreed plan checks for the weight operations (the plan is identical on every rank).
+absl::Status CheckSlotPlan(const planner::Plan& plan, int32_t R) {
+  MOONEP_CHECK_ARG(plan.num_ranks == R, "plan is for %d ranks, the transport has %d",
+                   plan.num_ranks, R);
+  const int32_t E = plan.num_experts;
+  MOONEP_CHECK_ARG(E >= 1 && plan.slots >= 0 && plan.experts_per_rank * R == E &&
+                       plan.home.size() == static_cast<size_t>(E) &&
+                       plan.home_group.size() == static_cast<size_t>(E) &&
+                       plan.slot_expert.size() == static_cast<size_t>(R) * plan.slots,
+                   "plan: array sizes do not match its ranks, experts and slots");
+  for (int32_t e = 0; e < E; ++e) {
+    MOONEP_CHECK_ARG(plan.home[e] >= 0 && plan.home[e] < R && plan.home_group[e] >= 0 &&
+                         plan.home_group[e] < plan.experts_per_rank,
+                     "plan: home of expert %d is invalid", e);
+  }
+  for (int32_t i = 0; i < R * plan.slots; ++i) {
+    const int32_t e = plan.slot_expert[i];
+    MOONEP_CHECK_ARG(e >= -1 && e < E, "plan: slot_expert[%d] = %d is not an expert", i, e);
+    MOONEP_CHECK_ARG(e < 0 || plan.home[e] != i / plan.slots,
+                     "plan: rank %d holds a replica of its own expert %d", i / plan.slots, e);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<RequestPtr> NcclTransportImpl::StartPrefetch(const planner::Plan& plan,
+                                                            const ExpertBlocks& params) {
+  MOONEP_RETURN_IF_ERROR(Usable());
+  if (testing::ShouldSkip(rank_, OpKind::kPrefetch)) return RequestPtr(new DoneRequest());
+  MOONEP_RETURN_IF_ERROR(Annotate(CheckSlotPlan(plan, size_), "prefetch"));
+  {
+    absl::Status s = CheckBlocks(plan, params, "params");
+    if (!s.ok()) return Fatal(Annotate(s, "prefetch"));
+  }
+  const int32_t R = plan.num_ranks, S = plan.slots, nt = params.tensors_per_expert, me = rank_;
+  // The transfers, listed once on the host (pointers stay valid: the caller keeps the blocks).
+  struct Transfer {
+    bool send;
+    int peer;
+    void* data;
+    size_t bytes;
+  };
+  std::vector<Transfer> transfers;
+  std::vector<int> peers;
+  for (int32_t d = 0; d < R; ++d) {
+    for (int32_t sl = 0; sl < S; ++sl) {
+      const int32_t e = plan.slot_expert[static_cast<size_t>(d) * S + sl];
+      if (e < 0) continue;
+      const int32_t home = plan.home[e], g = plan.home_group[e];
+      if (home != me && d != me) continue;
+      for (int32_t i = 0; i < nt; ++i) {
+        if (home == me) {
+          const TensorView& src = params.home[static_cast<size_t>(g) * nt + i];
+          transfers.push_back({true, d, src.data, src.nbytes()});
+        } else {
+          const TensorView& dst = params.slots[static_cast<size_t>(sl) * nt + i];
+          transfers.push_back({false, home, dst.data, dst.nbytes()});
+        }
+      }
+      const int peer = home == me ? d : home;
+      if (std::find(peers.begin(), peers.end(), peer) == peers.end()) peers.push_back(peer);
+    }
+  }
+  std::sort(peers.begin(), peers.end());
+  auto op = NewOp(OpKind::kPrefetch, weights_stream_, peers);
+  NcclOp* raw = op.get();
+  for (const Transfer& t : transfers) {
+    if (t.send) {
+      ++raw->counters().rows_sent;
+      raw->counters().bytes_sent += static_cast<int64_t>(t.bytes);
+      ++raw->counters().messages_sent;
+    } else {
+      ++raw->counters().rows_received;
+      raw->counters().bytes_received += static_cast<int64_t>(t.bytes);
+    }
+  }
+  const cudaStream_t stream = weights_stream_;
+  auto move = [=]() -> absl::Status {
+    MOONEP_RETURN_IF_ERROR(WaitCaller(stream));
+    if (transfers.empty()) return absl::OkStatus();
+    MOONEP_NCCL_RETURN_IF_ERROR(ncclGroupStart());
+    for (const Transfer& t : transfers) {
+      if (t.bytes == 0) continue;
+      if (t.send) {
+        ncclSend(t.data, t.bytes, ncclUint8, t.peer, weights_comm_, stream);
+      } else {
+        ncclRecv(t.data, t.bytes, ncclUint8, t.peer, weights_comm_, stream);
+      }
+    }
+    return GroupEnd(weights_comm_, "prefetch (ncclGroupEnd)");
+  };
+  return Run(std::move(op), {move}, nullptr);
+}
+
+absl::StatusOr<RequestPtr> NcclTransportImpl::StartReduce(const planner::Plan& plan,
+                                                          const ExpertBlocks& grads) {
+  MOONEP_RETURN_IF_ERROR(Usable());
+  if (testing::ShouldSkip(rank_, OpKind::kReduce)) return RequestPtr(new DoneRequest());
+  MOONEP_RETURN_IF_ERROR(Annotate(CheckSlotPlan(plan, size_), "reduce"));
+  {
+    absl::Status s = CheckBlocks(plan, grads, "grads");
+    if (!s.ok()) return Fatal(Annotate(s, "reduce"));
+  }
+  const int32_t R = plan.num_ranks, S = plan.slots, nt = grads.tensors_per_expert, me = rank_;
+  const int32_t epn = plan.experts_per_rank;
+  struct Transfer {
+    bool send;
+    int peer;
+    void* data;       // send: the slot's gradient; receive: unused (staging offset below)
+    size_t offset;    // receive: offset in the staging
+    size_t bytes;
+  };
+  std::vector<Transfer> transfers;
+  std::vector<int> peers;
+  // Incoming blocks per (home group, tensor), in increasing rank: the order of the sum.
+  std::vector<std::vector<size_t>> sources(static_cast<size_t>(epn) * nt);
+  size_t staging_bytes = 0;
+  for (int32_t d = 0; d < R; ++d) {
+    for (int32_t sl = 0; sl < S; ++sl) {
+      const int32_t e = plan.slot_expert[static_cast<size_t>(d) * S + sl];
+      if (e < 0) continue;
+      const int32_t home = plan.home[e], g = plan.home_group[e];
+      if (home == d || (home != me && d != me)) continue;
+      for (int32_t i = 0; i < nt; ++i) {
+        if (d == me) {
+          const TensorView& src = grads.slots[static_cast<size_t>(sl) * nt + i];
+          transfers.push_back({true, home, src.data, 0, src.nbytes()});
+        } else {
+          const TensorView& dst = grads.home[static_cast<size_t>(g) * nt + i];
+          transfers.push_back({false, d, nullptr, staging_bytes, dst.nbytes()});
+          sources[static_cast<size_t>(g) * nt + i].push_back(staging_bytes);
+          staging_bytes += (dst.nbytes() + 255) / 256 * 256;
+        }
+      }
+      const int peer = d == me ? home : d;
+      if (std::find(peers.begin(), peers.end(), peer) == peers.end()) peers.push_back(peer);
+    }
+  }
+  std::sort(peers.begin(), peers.end());
+  size_t num_pointers = 0;
+  for (const auto& list : sources) num_pointers += list.size();
+  {
+    absl::Status s = reduce_staging_.Reserve(std::max<size_t>(staging_bytes, 256), "reduce staging");
+    if (s.ok()) s = reduce_sources_dev_.Reserve(std::max<size_t>(num_pointers, 1) * sizeof(void*), "reduce table");
+    if (s.ok()) s = reduce_sources_host_.Reserve(std::max<size_t>(num_pointers, 1) * sizeof(void*), "reduce table");
+    if (!s.ok()) return Fatal(s);
+  }
+  // Source pointer table (device addresses of the staged blocks), uploaded with the op.
+  struct Sum {
+    void* home;
+    DType dtype;
+    int64_t n;
+    size_t first;  // index in the pointer table
+    int32_t count;
+  };
+  std::vector<Sum> sums;
+  {
+    const void** table = reduce_sources_host_.get<const void*>();
+    size_t at = 0;
+    for (size_t gi = 0; gi < sources.size(); ++gi) {
+      if (sources[gi].empty()) continue;
+      const TensorView& home = grads.home[gi];
+      sums.push_back({home.data, home.dtype, home.numel(), at,
+                      static_cast<int32_t>(sources[gi].size())});
+      for (size_t offset : sources[gi]) table[at++] = reduce_staging_.get() + offset;
+    }
+  }
+  auto op = NewOp(OpKind::kReduce, weights_stream_, peers);
+  NcclOp* raw = op.get();
+  for (const Transfer& t : transfers) {
+    if (t.send) {
+      ++raw->counters().rows_sent;
+      raw->counters().bytes_sent += static_cast<int64_t>(t.bytes);
+      ++raw->counters().messages_sent;
+    } else {
+      ++raw->counters().rows_received;
+      raw->counters().bytes_received += static_cast<int64_t>(t.bytes);
+    }
+  }
+  const cudaStream_t stream = weights_stream_;
+  char* staging = reduce_staging_.get();
+  const void* const* table_dev = reduce_sources_dev_.get<const void*>();
+  const void* table_host = reduce_sources_host_.get();
+  auto move = [=]() -> absl::Status {
+    MOONEP_RETURN_IF_ERROR(WaitCaller(stream));
+    if (transfers.empty()) return absl::OkStatus();
+    if (num_pointers > 0) {
+      MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(const_cast<const void**>(table_dev), table_host,
+                                                  num_pointers * sizeof(void*),
+                                                  cudaMemcpyHostToDevice, stream));
+    }
+    MOONEP_NCCL_RETURN_IF_ERROR(ncclGroupStart());
+    for (const Transfer& t : transfers) {
+      if (t.bytes == 0) continue;
+      if (t.send) {
+        ncclSend(t.data, t.bytes, ncclUint8, t.peer, weights_comm_, stream);
+      } else {
+        ncclRecv(staging + t.offset, t.bytes, ncclUint8, t.peer, weights_comm_, stream);
+      }
+    }
+    MOONEP_RETURN_IF_ERROR(GroupEnd(weights_comm_, "reduce (ncclGroupEnd)"));
+    // home + replica of the lowest rank + the next ..., in fp32, stored once.
+    for (const Sum& sum : sums) {
+      MOONEP_CUDA_RETURN_IF_ERROR(LaunchSumInOrder(sum.home, sum.dtype, sum.n,
+                                                   table_dev + sum.first, sum.count, stream));
+    }
+    return absl::OkStatus();
+  };
+  return Run(std::move(op), {move}, nullptr);
+}
+
+}  // namespace
+
+absl::StatusOr<ncclUniqueId> GetUniqueId() {
+  ncclUniqueId id{};
+  MOONEP_NCCL_RETURN_IF_ERROR(ncclGetUniqueId(&id));
+  return id;
+}
+
+absl::StatusOr<std::unique_ptr<Transport>> CreateNcclTransport(const TransportOptions& options,
+                                                               const NcclBootstrap& bootstrap) {
+  return NcclTransportImpl::Create(options, bootstrap);
+}
+
+absl::StatusOr<std::unique_ptr<Transport>> CreateNcclTransport(const TransportOptions& options) {
+  return NcclTransportImpl::Create(options, NcclBootstrap{});
+}
+
+}  // namespace moonep::transport::nccl
