@@ -64,7 +64,7 @@ ABSL_FLAG(int32_t, check_tokens, 2,
 ABSL_FLAG(int32_t, threads, 0,
           "executor threads per rank for the layer (0: the host's cores / ranks on the host)");
 ABSL_FLAG(std::string, corrupt, "",
-          "self-test of the checks: rank 0 flips a byte of this operation's result ("
+          "self-test of the checks: every rank flips bytes of this operation's result ("
           "dispatch, combine, prefetch, reduce, layer-fwd) before checking it; the run must then "
           "report #wrong > 0 and exit 1");
 ABSL_FLAG(std::string, json, "", "write every figure as JSON to this file (rank 0)");

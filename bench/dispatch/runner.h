@@ -36,7 +36,7 @@ struct BenchConfig {
   bool layer = true;      // whole layer forward / backward (MoeLayer)
   int32_t check_tokens = 2;  // tokens per rank checked against the fp64 reference (layer)
   int32_t threads = 1;       // executor threads per rank (layer)
-  // Self-test of the checks: rank 0 flips one byte of this operation's result after it completes
+  // Self-test of the checks: every rank flips bytes of this operation's result after it completes
   // and before it is checked (e.g. "combine"), so the run must report #wrong > 0.
   std::string corrupt_op;
 };

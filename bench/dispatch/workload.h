@@ -72,8 +72,16 @@ absl::StatusOr<Routing> MakeRouting(const RoutingSpec& spec);
 
 // Value generators (pure functions of their coordinates).
 uint64_t Mix(uint64_t a, uint64_t b, uint64_t c, uint64_t d);
+// x[t][col] of a rank: one full hash per row, then one multiply per element (checks of large
+// dispatches recompute every received element, every iteration).
+inline uint64_t TokenKey(int32_t rank, int64_t token) { return Mix(1, rank, token, 0); }
+inline float TokenValueOfKey(uint64_t key, int64_t col) {
+  uint64_t z = (key ^ (static_cast<uint64_t>(col) * 0x9e3779b97f4a7c15ull)) * 0xd6e8feb86659fd93ull;
+  z ^= z >> 32;
+  return static_cast<float>(static_cast<int64_t>(z % 17) - 8) / 8.0f;
+}
 inline float TokenValue(int32_t rank, int64_t token, int64_t col) {
-  return static_cast<float>(static_cast<int64_t>(Mix(1, rank, token, col) % 17) - 8) / 8.0f;
+  return TokenValueOfKey(TokenKey(rank, token), col);
 }
 inline float TopkWeightValue(int32_t rank, int64_t token, int32_t k) {
   return static_cast<float>(1 + Mix(2, rank, token, k) % 16) / 16.0f;
