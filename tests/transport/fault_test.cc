@@ -223,7 +223,20 @@ TEST_P(FaultTest, RankThatNeverJoinsReduceTimesOutItsPeers) {
   }
   testing::SetSkipRank(silent, OpKind::kReduce);
   const auto start = Clock::now();
-  absl::Status st = t_->Reduce(plan_, ExpertBlocks{1, hv, sv});
+  // The asynchronous form: Test() alone (no Wait) must also end with the timeout.
+  auto request = t_->StartReduce(plan_, ExpertBlocks{1, hv, sv});
+  ASSERT_TRUE(request.ok()) << request.status();
+  absl::Status st;
+  while (true) {
+    absl::StatusOr<bool> done = (*request)->Test();
+    if (!done.ok()) {
+      st = done.status();
+      break;
+    }
+    if (*done) break;
+    const double waited = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+    ASSERT_LT(waited, 10000.0) << "Test() never reported the timeout";
+  }
   const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
   if (rank() == silent) {
     EXPECT_TRUE(st.ok());
