@@ -14,10 +14,6 @@ using Clock = std::chrono::steady_clock;
 double Since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
-bool LeavesTransportUsable(const absl::Status& status) {
-  const moonepResult_t r = ToResult(status);
-  return r == moonepInvalidArgument || r == moonepOutOfMemory || r == moonepRemoteError;
-}
 }  // namespace
 
 struct EpBuffer::Context {
@@ -85,7 +81,7 @@ size_t EpBuffer::MemoryBytes() const {
 }
 
 absl::Status EpBuffer::Fail(absl::Status status) {
-  if (!status.ok() && !LeavesTransportUsable(status) && broken_.ok()) {
+  if (!status.ok() && broken_.ok()) {
     broken_ = Annotate(status, "an earlier call failed and left the EP buffer unusable");
   }
   return status;
@@ -140,9 +136,10 @@ absl::StatusOr<LayerHandle> EpBuffer::Dispatch(int64_t num_tokens, const TensorV
   transport_->ResetCounters();
   const auto start = Clock::now();
   auto t = Clock::now();
+  // Errors of the count exchange are agreed by every rank; the buffer stays usable.
   absl::Status s = transport_->ExchangeCounts(topk_ids, num_tokens, config_.top_k,
                                               config_.num_experts, capacity_, &ctx->dispatch);
-  if (!s.ok()) return Fail(s);
+  if (!s.ok()) return s;
   stats_.seconds[static_cast<int>(Phase::kCounts)] = Since(t);
   ++stats_.step;
   if (TraceWriter* trace = comm_->trace()) {

@@ -43,13 +43,6 @@ TensorView Rows(void* data, DType dtype, int64_t rows, int64_t hidden) {
   return TensorView::Contiguous(data, dtype, {rows, hidden});
 }
 
-// Errors that the transport reports as agreed input errors leave it usable; everything else
-// (timeouts, remote failures outside the count exchange, MPI errors) does not.
-bool LeavesTransportUsable(const absl::Status& status) {
-  const moonepResult_t r = ToResult(status);
-  return r == moonepInvalidArgument || r == moonepOutOfMemory || r == moonepRemoteError;
-}
-
 }  // namespace
 
 // The state one forward saves for its backward.
@@ -192,7 +185,7 @@ absl::Status MoeLayer::BindParameters(absl::Span<const compute::ExpertParams> we
 }
 
 absl::Status MoeLayer::Fail(absl::Status status) {
-  if (!status.ok() && !LeavesTransportUsable(status) && broken_.ok()) {
+  if (!status.ok() && broken_.ok()) {
     broken_ = Annotate(status, "an earlier step failed and left the layer unusable");
   }
   return status;
@@ -275,10 +268,13 @@ absl::StatusOr<LayerHandle> MoeLayer::Forward(int64_t num_tokens, const TensorVi
   ctx->busy = true;
   ctx->generation = ++next_generation_;
   ctx->num_tokens = num_tokens;
+  moving_ = false;
   const absl::Status status = RunForward(ctx, x, topk_ids, topk_weights, y);
   if (!status.ok()) {
     ctx->busy = false;
-    return Fail(status);
+    // Errors of the count exchange and of planning are agreed by every rank (same counts, same
+    // plan): the layer stays usable. Anything later may leave a peer mid-operation.
+    return moving_ ? Fail(status) : status;
   }
   return LayerHandle{index, ctx->generation};
 }
@@ -425,6 +421,7 @@ absl::Status MoeLayer::RunForward(Context* ctx, const TensorView& x, absl::Span<
   ctx->token = comm_->NextToken();
   MOONEP_RETURN_IF_ERROR(BuildViews(ctx, /*need_grads=*/false));
 
+  moving_ = true;
   MOONEP_ASSIGN_OR_RETURN(transport::RequestPtr prefetch, StartPrefetchIfNeeded(ctx));
   const TensorView x_rows = Rows(ctx->x_rows.data(), config_.dtype, capacity_, config_.hidden);
   const TensorView y_rows = Rows(ctx->y_rows.data(), config_.dtype, capacity_, config_.hidden);

@@ -118,7 +118,9 @@ class MoeLayer {
   struct Context;
   MoeLayer() = default;
   absl::StatusOr<Context*> Lookup(LayerHandle handle) const;
-  absl::Status Fail(absl::Status status);  // marks the layer unusable when the transport is
+  // Marks the layer unusable: any failure once rows or weights are moving (the transport only
+  // agrees on errors of the count exchange; after that a peer may be left mid-operation).
+  absl::Status Fail(absl::Status status);
   absl::Status RunForward(Context* ctx, const TensorView& x, absl::Span<const int32_t> ids,
                           absl::Span<const float> weights, const TensorView& y);
   absl::Status RunBackward(Context* ctx, const TensorView& dy, const TensorView& dx,
@@ -135,6 +137,7 @@ class MoeLayer {
   int64_t capacity_ = 0;
   size_t row_bytes_ = 0;
   absl::Status broken_;
+  bool moving_ = false;  // the current forward got past the count exchange and planning
 
   std::unique_ptr<transport::Transport> transport_;
   std::unique_ptr<planner::Planner> planner_;
