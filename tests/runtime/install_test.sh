@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the build tree into a temporary prefix, then configures and builds examples/c against
-# it with find_package(MoonEP), checks moonep.pc and the SONAME, and runs the example on 2 ranks.
+# it with find_package(MoonEP), checks moonep.pc, the SONAME and that only moonep* symbols are
+# exported, and runs the example on 2 ranks.
 # Usage: install_test.sh <build dir> <source dir> <mpiexec> [mpiexec flags...]
 set -euo pipefail
 build=$1 src=$2 mpiexec=$3
@@ -11,6 +12,9 @@ cmake --install "$build" --prefix "$tmp/prefix" >/dev/null
 lib=$(ls "$tmp"/prefix/lib*/libmoonep.so.*.*.* | head -1)
 soname=$(objdump -p "$lib" | awk '/SONAME/ {print $2}')
 [[ "$soname" == libmoonep.so.0 ]] || { echo "unexpected SONAME '$soname'"; exit 1; }
+# Only the C API is exported.
+leaked=$(nm -D --defined-only "$lib" | awk '$2 ~ /^[TDBRVW]$/ {print $3}' | grep -v '^moonep' || true)
+[[ -z "$leaked" ]] || { echo "symbols exported beyond moonep*: $leaked" | head -5; exit 1; }
 test -f "$tmp/prefix/include/moonep/moonep.h"
 test -f "$tmp/prefix/include/moonep/moonep_runtime.h"
 pc=$(ls "$tmp"/prefix/lib*/pkgconfig/moonep.pc)
