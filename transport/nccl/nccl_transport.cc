@@ -265,12 +265,16 @@ class NcclTransportImpl : public NcclTransport {
   absl::Status CheckBlocks(const planner::Plan& plan, const ExpertBlocks& b, const char* name) const;
   // The op's stream waits for the caller's queued work.
   absl::Status WaitCaller(cudaStream_t stream);
-  absl::Status GroupEnd(ncclComm_t comm, const char* what) {
-    const ncclResult_t r = ncclGroupEnd();
+  // A non-blocking communicator may answer ncclInProgress while it enqueues; the next call on it
+  // has to wait until it settles.
+  absl::Status Settle(ncclResult_t r, ncclComm_t comm, const char* what) const {
     if (r == ncclInProgress) {
       return WaitComm(comm, Clock::now() + std::chrono::milliseconds(timeout_ms_), what);
     }
     return NcclStatus(r, what);
+  }
+  absl::Status GroupEnd(ncclComm_t comm, const char* what) const {
+    return Settle(ncclGroupEnd(), comm, what);
   }
   std::unique_ptr<NcclOp> NewOp(OpKind kind, cudaStream_t stream, std::vector<int> peers) {
     return std::make_unique<NcclOp>(this, kind, stream, std::move(peers));
@@ -516,6 +520,7 @@ absl::StatusOr<std::unique_ptr<Transport>> NcclTransportImpl::Create(
     if (s.ok() && t->weights_comm_ != nullptr) s = WaitComm(t->weights_comm_, deadline, "ncclCommSplit");
     if (s.ok() && t->weights_comm_ == nullptr) s = SystemError("ncclCommSplit returned no communicator");
     if (!s.ok()) {
+      if (!t->owns_base_comm_) t->rows_comm_ = nullptr;  // the caller's: left as it was
       t->Abort(s);
       return s;
     }
@@ -548,11 +553,20 @@ NcclTransportImpl::~NcclTransportImpl() {
   }
   cudaGetLastError();
   if (!drained) Abort(Timeout("NCCL transport destroyed with work still queued"));
-  if (weights_comm_) {
-    ncclCommDestroy(weights_comm_);
-    weights_comm_ = nullptr;
+  // ncclCommDestroy waits for the peers on this node; a peer that failed would make it hang, so
+  // finalize with a deadline first and abort what does not finalize.
+  for (ncclComm_t* c : {&weights_comm_, &rows_comm_}) {
+    if (*c == nullptr || (c == &rows_comm_ && !owns_base_comm_)) continue;
+    absl::Status s = NcclStatus(ncclCommFinalize(*c), "ncclCommFinalize");
+    if (s.ok()) s = WaitComm(*c, Clock::now() + std::chrono::milliseconds(timeout_ms_), "ncclCommFinalize");
+    if (s.ok()) {
+      ncclCommDestroy(*c);
+    } else {
+      MOONEP_WARN("transport nccl: %s; aborting the communicator", std::string(s.message()));
+      ncclCommAbort(*c);
+    }
+    *c = nullptr;
   }
-  if (rows_comm_ && owns_base_comm_) ncclCommDestroy(rows_comm_);
   rows_comm_ = nullptr;
   states_.clear();
   if (caller_ready_) cudaEventDestroy(caller_ready_);
@@ -766,8 +780,9 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
                                                   static_cast<size_t>(entries) * 4,
                                                   cudaMemcpyDeviceToHost, stream));
     }
-    MOONEP_NCCL_RETURN_IF_ERROR(ncclAllGather(st->header_dev.get(), st->header_all_dev.get(),
-                                              kHeader, ncclInt64, rows_comm_, stream));
+    MOONEP_RETURN_IF_ERROR(Settle(ncclAllGather(st->header_dev.get(), st->header_all_dev.get(),
+                                                kHeader, ncclInt64, rows_comm_, stream),
+                                  rows_comm_, "count exchange (ncclAllGather of headers)"));
     MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st->header_all_host.get(), st->header_all_dev.get(),
                                                 static_cast<size_t>(R) * kHeader * 8,
                                                 cudaMemcpyDeviceToHost, stream));
@@ -794,9 +809,10 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
                             absl::StrJoin(bad, ",")));
       return absl::OkStatus();
     }
-    MOONEP_NCCL_RETURN_IF_ERROR(ncclAllGather(st->counts_dev.get(), st->counts_all_dev.get(),
-                                              static_cast<size_t>(width), ncclInt64, rows_comm_,
-                                              stream));
+    MOONEP_RETURN_IF_ERROR(Settle(ncclAllGather(st->counts_dev.get(), st->counts_all_dev.get(),
+                                                static_cast<size_t>(width), ncclInt64, rows_comm_,
+                                                stream),
+                                  rows_comm_, "count exchange (ncclAllGather of counts)"));
     MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st->counts_all_host.get(), st->counts_all_dev.get(),
                                                 static_cast<size_t>(R * width) * 8,
                                                 cudaMemcpyDeviceToHost, stream));
@@ -1293,7 +1309,9 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartRowsBack(OpKind kind, Dispatc
           send_staging + recv.rows_begin[me] * row_bytes,
           static_cast<size_t>(send.rows_to(me)) * row_bytes, cudaMemcpyDeviceToDevice, stream));
     }
-    if (T > 0) {
+    if (T > 0 && K == 0) {
+      MOONEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(y_view.data, 0, y_view.nbytes(), stream));
+    } else if (T > 0) {
       MOONEP_CUDA_RETURN_IF_ERROR(kernels::LaunchCombineRows(
           recv_staging, rows_view.dtype, sent_entries, st->table<int32_t>(st->off_combine_index),
           weights, T, K, H, y_view.data, y_view.dtype, st->bad_dev.get<int32_t>(), stream));

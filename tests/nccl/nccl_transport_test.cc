@@ -1,0 +1,584 @@
+// NCCL transport on device memory, one rank per GPU (NCCL refuses two ranks on one GPU). Every
+// test skips visibly (GTEST_SKIP) when the node has fewer GPUs than ranks, e.g. in CI.
+//
+// The checks mirror the host-memory suite (tests/transport/transport_test.cc), with every buffer
+// on the device: rows land where a brute-force placement says, combined outputs and the backward
+// forms match fp64 sums, the layer forward and top-k weight gradient match the fp64 reference
+// layer with replica slots filled by prefetch, prefetch is bitwise, reduce sums exactly, and a
+// silent peer becomes a Timeout naming the phase.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "moonep/core/dtype.h"
+#include "moonep/core/status.h"
+#include "moonep/reference/gradient_check.h"
+#include "moonep/reference/reference_moe.h"
+#include "planner/planner.h"
+#include "tests/harness/mpi_test.h"
+#include "tests/transport/transport_test_util.h"
+#include "transport/nccl/nccl_transport.h"
+#include "transport/testing_hooks.h"
+#include "transport/transport.h"
+
+namespace moonep::transport {
+namespace {
+
+using test::BruteForcePlacement;
+using test::ExpertOfRow;
+using test::MakeProblem;
+using test::Problem;
+
+// A device array that frees itself; copies are blocking (tests only).
+template <typename T>
+class DeviceVector {
+ public:
+  explicit DeviceVector(size_t n) : n_(n) {
+    if (cudaMalloc(&p_, std::max<size_t>(n, 1) * sizeof(T)) != cudaSuccess) p_ = nullptr;
+  }
+  explicit DeviceVector(const std::vector<T>& v) : DeviceVector(v.size()) { Upload(v); }
+  DeviceVector(const DeviceVector&) = delete;
+  DeviceVector& operator=(const DeviceVector&) = delete;
+  ~DeviceVector() { cudaFree(p_); }
+  void Upload(const std::vector<T>& v) {
+    cudaMemcpy(p_, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice);
+  }
+  std::vector<T> Download() const {
+    std::vector<T> v(n_);
+    cudaMemcpy(v.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost);
+    return v;
+  }
+  T* get() const { return p_; }
+  absl::Span<T> span() const { return absl::Span<T>(p_, n_); }
+  TensorView Matrix(int64_t rows, int64_t cols, DType dtype = DType::kFloat32) const {
+    return TensorView::Contiguous(p_, dtype, {rows, cols}, Device::kCuda);
+  }
+
+ private:
+  T* p_ = nullptr;
+  size_t n_ = 0;
+};
+
+// Ranks on this node (one GPU each).
+int LocalRankAndSize(int* local_size) {
+  MPI_Comm node;
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+  int r = 0;
+  MPI_Comm_rank(node, &r);
+  MPI_Comm_size(node, local_size);
+  MPI_Comm_free(&node);
+  return r;
+}
+
+class NcclTest : public moonep::testing::MpiTest {
+ protected:
+  void SetUp() override {
+    int devices = 0;
+    if (cudaGetDeviceCount(&devices) != cudaSuccess) {
+      cudaGetLastError();
+      devices = 0;
+    }
+    int local_size = 1;
+    const int local_rank = LocalRankAndSize(&local_size);
+    if (devices < local_size) {
+      GTEST_SKIP() << "the NCCL transport needs one GPU per rank: " << local_size
+                   << " rank(s) on this node, " << devices << " GPU(s) visible";
+    }
+    ASSERT_EQ(cudaSetDevice(local_rank), cudaSuccess);
+  }
+
+  std::unique_ptr<Transport> MakeTransport(int64_t max_tokens, int32_t max_top_k,
+                                           int64_t max_row_bytes, int64_t timeout_ms = 0) {
+    TransportOptions o;
+    o.max_tokens = std::max<int64_t>(1, max_tokens);
+    o.max_top_k = max_top_k;
+    o.max_row_bytes = max_row_bytes;
+    o.timeout_ms = timeout_ms;
+    auto t = CreateTransport("nccl", o);
+    EXPECT_TRUE(t.ok()) << t.status();
+    return t.ok() ? std::move(*t) : nullptr;
+  }
+};
+
+absl::Status MakePlanOfKind(const std::string& kind, const Problem& p, uint64_t seed,
+                            planner::Plan* plan) {
+  if (kind == "home" || kind == "random") {
+    return test::MakeRandomPlan(kind, p, seed, kind == "home" ? 0 : 2, 2, plan);
+  }
+  planner::PlannerConfig c;
+  c.num_ranks = p.R;
+  c.num_experts = p.E;
+  c.pad_multiple = 2;
+  if (!planner::ParsePolicy(kind, &c.policy)) return absl::InvalidArgumentError(kind);
+  auto made = planner::Planner::Create(c);
+  if (!made.ok()) return made.status();
+  return (*made)->MakePlan(p.counts, plan);
+}
+
+float Scale(int32_t e) { return 1.0f + 0.25f * static_cast<float>(e % 5); }
+
+int64_t CapacityRows(const Problem& p, int32_t groups, int32_t pad) {
+  int64_t total = 0;
+  for (int32_t r = 0; r < p.R; ++r) total += p.T[r] * p.K;
+  return total + static_cast<int64_t>(groups) * pad;
+}
+
+std::string ParamName(const ::testing::TestParamInfo<std::string>& info) {
+  std::string name = info.param;
+  for (char& ch : name) {
+    if (ch == '-') ch = '_';
+  }
+  return name;
+}
+
+const std::vector<std::string> kPlanKinds = {"home", "random", "moonep", "test-force-replicas"};
+
+// ---------------------------------------------------------------------------------------------
+// Rows: dispatch -> scaled-identity experts (on the host) -> combine, then the backward forms.
+
+class NcclRowsTest : public NcclTest, public ::testing::WithParamInterface<std::string> {};
+
+TEST_P(NcclRowsTest, ForwardAndBackwardMatchBruteForceAndFp64) {
+  const int32_t R = size(), me = rank();
+  const Problem p = MakeProblem(R, 2 * R, std::min(3, 2 * R), 8, 12, 31, R > 2 ? 1 : -1);
+  planner::Plan plan;
+  ASSERT_TRUE(MakePlanOfKind(GetParam(), p, 31, &plan).ok());
+  const int32_t E = p.E, K = p.K;
+  const int64_t H = p.H, T = p.T[me];
+  const int64_t cap = CapacityRows(p, plan.num_groups(), plan.pad_multiple);
+  auto t = MakeTransport(p.max_tokens(), K, H * 4);
+  ASSERT_NE(t, nullptr);
+
+  DeviceVector<int32_t> ids(p.ids[me]);
+  DeviceVector<float> x(p.x[me]), weights(p.weights[me]), dy(p.dy[me]);
+  DispatchHandle h;
+  absl::Status st = t->ExchangeCounts(ids.span(), T, K, E, cap, &h);
+  ASSERT_TRUE(st.ok()) << st;
+  ASSERT_EQ(std::vector<int64_t>(h.counts().begin(), h.counts().end()), p.counts);
+
+  DeviceVector<float> rows_d(std::vector<float>(cap * H, -1.0f)), row_w_d(std::vector<float>(cap, -1.0f));
+  st = t->Dispatch(plan, x.Matrix(T, H), weights.span(), &h, rows_d.Matrix(cap, H), row_w_d.span());
+  ASSERT_TRUE(st.ok()) << st;
+  const std::vector<float> rows = rows_d.Download(), row_w = row_w_d.Download();
+
+  const auto truth = BruteForcePlacement(p, plan);
+  std::vector<char> filled(cap, 0);
+  int64_t remote_rows = 0, remote_unique = 0;
+  for (int32_t s = 0; s < R; ++s) {
+    for (int64_t tok = 0; tok < p.T[s]; ++tok) {
+      std::vector<int32_t> dests;
+      for (int32_t k = 0; k < K; ++k) {
+        const auto& pl = truth[s][tok * K + k];
+        if (pl.rank < 0) continue;
+        if (s == me && pl.rank != me) {
+          ++remote_rows;
+          if (std::find(dests.begin(), dests.end(), pl.rank) == dests.end()) ++remote_unique;
+          dests.push_back(pl.rank);
+        }
+        if (pl.rank != me) continue;
+        filled[pl.row] = 1;
+        ASSERT_EQ(0, std::memcmp(&rows[pl.row * H], &p.x[s][tok * H], H * 4))
+            << "row " << pl.row << " should hold token " << tok << " of rank " << s;
+        ASSERT_EQ(row_w[pl.row], p.weights[s][tok * K + k]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < plan.rank_rows[me]; ++r) {
+    if (filled[r]) continue;
+    for (int64_t j = 0; j < H; ++j) ASSERT_EQ(rows[r * H + j], 0.0f) << "padding row " << r;
+    ASSERT_EQ(row_w[r], 0.0f);
+  }
+  for (int64_t r = plan.rank_rows[me]; r < cap; ++r) ASSERT_EQ(row_w[r], -1.0f) << "beyond the layout";
+  EXPECT_EQ(t->counters(OpKind::kDispatch).rows_sent, remote_unique);
+  EXPECT_EQ(t->counters(OpKind::kDispatch).rows_deduplicated, remote_rows - remote_unique);
+
+  std::vector<float> out(cap * H, 0.0f);
+  for (int64_t r = 0; r < plan.rank_rows[me]; ++r) {
+    const int32_t e = ExpertOfRow(plan, me, r);
+    if (e < 0) continue;
+    for (int64_t j = 0; j < H; ++j) out[r * H + j] = Scale(e) * rows[r * H + j];
+  }
+  DeviceVector<float> out_d(out), y_d(std::vector<float>(T * H, 99.0f));
+  st = t->Combine(&h, out_d.Matrix(cap, H), y_d.Matrix(T, H));
+  ASSERT_TRUE(st.ok()) << st;
+  const std::vector<float> y = y_d.Download();
+  for (int64_t tok = 0; tok < T; ++tok) {
+    for (int64_t j = 0; j < H; ++j) {
+      double want = 0, mag = 0;
+      for (int32_t k = 0; k < K; ++k) {
+        const int32_t e = p.ids[me][tok * K + k];
+        if (e < 0) continue;
+        const double term = static_cast<double>(p.weights[me][tok * K + k]) * Scale(e) * p.x[me][tok * H + j];
+        want += term;
+        mag += std::fabs(term);
+      }
+      ASSERT_NEAR(y[tok * H + j], want, 1e-5 * mag + 1e-7) << "token " << tok;
+    }
+  }
+
+  DeviceVector<float> dy_rows_d(std::vector<float>(cap * H, -3.0f));
+  st = t->CombineBackward(&h, dy.Matrix(T, H), dy_rows_d.Matrix(cap, H));
+  ASSERT_TRUE(st.ok()) << st;
+  const std::vector<float> dy_rows = dy_rows_d.Download();
+  for (int32_t s = 0; s < R; ++s) {
+    for (int64_t tok = 0; tok < p.T[s]; ++tok) {
+      for (int32_t k = 0; k < K; ++k) {
+        const auto& pl = truth[s][tok * K + k];
+        if (pl.rank != me) continue;
+        ASSERT_EQ(0, std::memcmp(&dy_rows[pl.row * H], &p.dy[s][tok * H], H * 4));
+      }
+    }
+  }
+  DeviceVector<float> dw_d(std::vector<float>(T * K, 7.0f));
+  st = t->TopkWeightGrad(&h, dy_rows_d.Matrix(cap, H), out_d.Matrix(cap, H), dw_d.span());
+  ASSERT_TRUE(st.ok()) << st;
+  std::vector<float> dx_rows(cap * H, 0.0f);
+  for (int64_t r = 0; r < plan.rank_rows[me]; ++r) {
+    const int32_t e = ExpertOfRow(plan, me, r);
+    if (e < 0) continue;
+    for (int64_t j = 0; j < H; ++j) dx_rows[r * H + j] = Scale(e) * dy_rows[r * H + j];
+  }
+  DeviceVector<float> dx_rows_d(dx_rows), dx_d(std::vector<float>(T * H, 5.0f));
+  st = t->DispatchBackward(&h, dx_rows_d.Matrix(cap, H), dx_d.Matrix(T, H));
+  ASSERT_TRUE(st.ok()) << st;
+  const std::vector<float> dw = dw_d.Download(), dx = dx_d.Download();
+  for (int64_t tok = 0; tok < T; ++tok) {
+    double scale_sum = 0;
+    for (int32_t k = 0; k < K; ++k) {
+      const int32_t e = p.ids[me][tok * K + k];
+      double dot = 0, mag = 0;
+      if (e >= 0) {
+        scale_sum += Scale(e);
+        for (int64_t j = 0; j < H; ++j) {
+          const double term = static_cast<double>(p.dy[me][tok * H + j]) * Scale(e) * p.x[me][tok * H + j];
+          dot += term;
+          mag += std::fabs(term);
+        }
+      }
+      ASSERT_NEAR(dw[tok * K + k], dot, 1e-5 * mag + 1e-7) << "token " << tok << " k " << k;
+    }
+    for (int64_t j = 0; j < H; ++j) {
+      const double want = scale_sum * p.dy[me][tok * H + j];
+      ASSERT_NEAR(dx[tok * H + j], want, 1e-5 * std::fabs(want) + 1e-7);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Plans, NcclRowsTest, ::testing::ValuesIn(kPlanKinds), ParamName);
+
+// ---------------------------------------------------------------------------------------------
+// The layer against the fp64 reference: prefetch fills the replica slots, the "executor" runs each
+// group's FFN with the weights this rank holds for it (home or slot, read back from the device).
+
+class NcclReferenceTest : public NcclTest, public ::testing::WithParamInterface<std::string> {};
+
+TEST_P(NcclReferenceTest, ForwardAndTopkWeightGradMatchReferenceLayer) {
+  const int32_t R = size(), me = rank();
+  reference::MoeShape shape{2 * R, std::min(2, 2 * R), 8, 6};
+  const int64_t E = shape.num_experts, K = shape.top_k, H = shape.hidden, I = shape.intermediate;
+  reference::ExpertWeights w = reference::MakeRandomProblem(shape, 0, 777, 0.0).weights;
+  for (auto* v : {&w.wg, &w.wu, &w.wd}) {
+    for (double& d : *v) d = static_cast<float>(d);
+  }
+  Problem p;
+  p.R = R;
+  p.E = static_cast<int32_t>(E);
+  p.K = static_cast<int32_t>(K);
+  p.H = H;
+  p.counts.assign(R * E, 0);
+  std::vector<reference::RandomProblem> data(R);
+  for (int32_t r = 0; r < R; ++r) {
+    const int64_t T = 9 + r % 3;
+    data[r] = reference::MakeRandomProblem(shape, T, 100 + r, 0.2);
+    for (double& d : data[r].x) d = static_cast<float>(d);
+    for (double& d : data[r].dy) d = static_cast<float>(d);
+    for (double& d : data[r].topk_weights) d = static_cast<float>(d);
+    p.T.push_back(T);
+    p.ids.push_back(data[r].topk_ids);
+    for (int32_t e : data[r].topk_ids) {
+      if (e >= 0) ++p.counts[r * E + e];
+    }
+  }
+  planner::Plan plan;
+  ASSERT_TRUE(MakePlanOfKind(GetParam(), p, 9, &plan).ok());
+  auto t = MakeTransport(p.max_tokens(), p.K, H * 4);
+  ASSERT_NE(t, nullptr);
+
+  // Parameter blocks on the device: gate, up, down per expert; slots start as garbage.
+  const int32_t epn = plan.experts_per_rank, S = plan.slots;
+  const int64_t sizes[3] = {H * I, H * I, I * H};
+  const std::vector<double>* src[3] = {&w.wg, &w.wu, &w.wd};
+  std::vector<std::unique_ptr<DeviceVector<float>>> store;
+  std::vector<TensorView> home_v, slot_v;
+  for (int32_t b = 0; b < epn + S; ++b) {
+    const int32_t e = b < epn ? plan.local_experts[me * epn + b] : -1;
+    for (int i = 0; i < 3; ++i) {
+      std::vector<float> v(sizes[i], -9.0f);
+      if (e >= 0) {
+        for (int64_t j = 0; j < sizes[i]; ++j) v[j] = static_cast<float>((*src[i])[e * sizes[i] + j]);
+      }
+      store.push_back(std::make_unique<DeviceVector<float>>(v));
+      (b < epn ? home_v : slot_v)
+          .push_back(TensorView::Contiguous(store.back()->get(), DType::kFloat32, {sizes[i]}, Device::kCuda));
+    }
+  }
+  absl::Status st = t->Prefetch(plan, ExpertBlocks{3, home_v, slot_v});
+  ASSERT_TRUE(st.ok()) << st;
+
+  const int64_t T = p.T[me];
+  std::vector<float> x(T * H), dy(T * H), tw(T * K);
+  for (int64_t i = 0; i < T * H; ++i) {
+    x[i] = static_cast<float>(data[me].x[i]);
+    dy[i] = static_cast<float>(data[me].dy[i]);
+  }
+  for (int64_t i = 0; i < T * K; ++i) tw[i] = static_cast<float>(data[me].topk_weights[i]);
+  const int64_t cap = CapacityRows(p, plan.num_groups(), plan.pad_multiple);
+  DeviceVector<int32_t> ids_d(p.ids[me]);
+  DeviceVector<float> x_d(x), dy_d(dy), tw_d(tw), rows_d(cap * H), row_w_d(cap);
+  DispatchHandle h;
+  st = t->ExchangeCounts(ids_d.span(), T, p.K, p.E, cap, &h);
+  ASSERT_TRUE(st.ok()) << st;
+  st = t->Dispatch(plan, x_d.Matrix(T, H), tw_d.span(), &h, rows_d.Matrix(cap, H), row_w_d.span());
+  ASSERT_TRUE(st.ok()) << st;
+  const std::vector<float> rows = rows_d.Download();
+  std::vector<float> out(cap * H, 0.0f);
+  reference::MoeShape one{1, 1, H, I};
+  for (int32_t g = 0; g < plan.num_groups(); ++g) {
+    const int64_t off = plan.group_offset[me * plan.num_groups() + g];
+    const int64_t n = plan.group_count[me * plan.num_groups() + g];
+    if (n == 0) continue;
+    reference::ExpertWeights ew;
+    std::vector<float> parts[3];
+    for (int i = 0; i < 3; ++i) parts[i] = store[g * 3 + i]->Download();
+    ew.wg.assign(parts[0].begin(), parts[0].end());
+    ew.wu.assign(parts[1].begin(), parts[1].end());
+    ew.wd.assign(parts[2].begin(), parts[2].end());
+    std::vector<double> in(H), res(H);
+    for (int64_t r = off; r < off + n; ++r) {
+      for (int64_t j = 0; j < H; ++j) in[j] = rows[r * H + j];
+      reference::ExpertForward(one, ew, 0, in.data(), res.data());
+      for (int64_t j = 0; j < H; ++j) out[r * H + j] = static_cast<float>(res[j]);
+    }
+  }
+  DeviceVector<float> out_d(out), y_d(T * H), dy_rows_d(cap * H), dw_d(T * K);
+  st = t->Combine(&h, out_d.Matrix(cap, H), y_d.Matrix(T, H));
+  ASSERT_TRUE(st.ok()) << st;
+  st = t->CombineBackward(&h, dy_d.Matrix(T, H), dy_rows_d.Matrix(cap, H));
+  ASSERT_TRUE(st.ok()) << st;
+  st = t->TopkWeightGrad(&h, dy_rows_d.Matrix(cap, H), out_d.Matrix(cap, H), dw_d.span());
+  ASSERT_TRUE(st.ok()) << st;
+
+  reference::ForwardResult ref;
+  ASSERT_TRUE(reference::Forward(shape, w, T, data[me].x, data[me].topk_ids, data[me].topk_weights, &ref).ok());
+  reference::BackwardResult grad;
+  ASSERT_TRUE(reference::Backward(shape, w, T, data[me].x, data[me].topk_ids, data[me].topk_weights,
+                                  data[me].dy, &grad).ok());
+  const std::vector<float> y = y_d.Download(), dw = dw_d.Download();
+  double scale = 1e-30, dscale = 1e-30;
+  for (double v : ref.y) scale = std::max(scale, std::fabs(v));
+  for (double v : grad.dtopk_weights) dscale = std::max(dscale, std::fabs(v));
+  for (int64_t i = 0; i < T * H; ++i) ASSERT_LT(std::fabs(y[i] - ref.y[i]) / scale, 1e-5) << i;
+  for (int64_t i = 0; i < T * K; ++i) {
+    ASSERT_LT(std::fabs(dw[i] - grad.dtopk_weights[i]) / dscale, 1e-5) << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Plans, NcclReferenceTest,
+                         ::testing::Values(std::string("random"), std::string("moonep"),
+                                           std::string("test-force-replicas")),
+                         ParamName);
+
+// ---------------------------------------------------------------------------------------------
+// Prefetch (home -> slots, bitwise) and reduce (slots -> home, exact small-integer sums, fixed
+// order so bit-identical across runs). Tensors: fp32 [24] and bf16 [5] per expert.
+
+class NcclWeightsTest : public NcclTest, public ::testing::WithParamInterface<std::string> {
+ protected:
+  void SetUp() override {
+    NcclTest::SetUp();
+    if (IsSkipped()) return;
+    const int32_t R = size();
+    p_ = MakeProblem(R, 2 * R, std::min(2, 2 * R), 1, 20, 23, -1);
+    ASSERT_TRUE(MakePlanOfKind(GetParam(), p_, 23, &plan_).ok());
+    t_ = MakeTransport(p_.max_tokens(), p_.K, 4);
+    ASSERT_NE(t_, nullptr);
+    const int32_t blocks = plan_.experts_per_rank + plan_.slots;
+    for (int32_t b = 0; b < blocks; ++b) {
+      f32_.push_back(std::make_unique<DeviceVector<float>>(24));
+      b16_.push_back(std::make_unique<DeviceVector<BFloat16>>(5));
+    }
+  }
+  // Block b: home group b (b < epn) or slot b - epn.
+  void Fill(const std::function<float(int32_t, int, int32_t)>& f) {
+    for (size_t b = 0; b < f32_.size(); ++b) {
+      std::vector<float> a(24);
+      std::vector<BFloat16> c(5);
+      for (int32_t j = 0; j < 24; ++j) a[j] = f(static_cast<int32_t>(b), 0, j);
+      for (int32_t j = 0; j < 5; ++j) c[j] = BFloat16::FromFloat(f(static_cast<int32_t>(b), 1, j));
+      f32_[b]->Upload(a);
+      b16_[b]->Upload(c);
+    }
+  }
+  float Get(int32_t b, int k, int32_t j) const {
+    return k == 0 ? f32_[b]->Download()[j] : b16_[b]->Download()[j].ToFloat();
+  }
+  ExpertBlocks View() {
+    views_.clear();
+    for (size_t b = 0; b < f32_.size(); ++b) {
+      views_.push_back(TensorView::Contiguous(f32_[b]->get(), DType::kFloat32, {24}, Device::kCuda));
+      views_.push_back(TensorView::Contiguous(b16_[b]->get(), DType::kBFloat16, {5}, Device::kCuda));
+    }
+    const size_t home = static_cast<size_t>(plan_.experts_per_rank) * 2;
+    return ExpertBlocks{2, absl::MakeConstSpan(views_.data(), home),
+                        absl::MakeConstSpan(views_.data() + home, views_.size() - home)};
+  }
+  int32_t BlockExpert(int32_t b) const {
+    const int32_t epn = plan_.experts_per_rank;
+    return b < epn ? plan_.local_experts[rank() * epn + b]
+                   : plan_.slot_expert[rank() * plan_.slots + (b - epn)];
+  }
+
+  Problem p_;
+  planner::Plan plan_;
+  std::unique_ptr<Transport> t_;
+  std::vector<std::unique_ptr<DeviceVector<float>>> f32_;
+  std::vector<std::unique_ptr<DeviceVector<BFloat16>>> b16_;
+  std::vector<TensorView> views_;
+};
+
+TEST_P(NcclWeightsTest, PrefetchMakesEverySlotBitwiseEqualToItsHome) {
+  const int32_t epn = plan_.experts_per_rank;
+  const auto value = [](int32_t e, int k, int32_t j) { return static_cast<float>(e * 64 + k * 8 + j) * 0.375f; };
+  Fill([&](int32_t b, int k, int32_t j) { return b < epn ? value(BlockExpert(b), k, j) : -2.0f; });
+  absl::Status st = t_->Prefetch(plan_, View());
+  ASSERT_TRUE(st.ok()) << st;
+  int replicas = 0;
+  for (int32_t s = 0; s < plan_.slots; ++s) {
+    const int32_t e = BlockExpert(epn + s);
+    replicas += e >= 0;
+    for (int k = 0; k < 2; ++k) {
+      for (int32_t j = 0; j < (k == 0 ? 24 : 5); ++j) {
+        const float want = e < 0 ? -2.0f : (k == 0 ? value(e, k, j) : BFloat16::FromFloat(value(e, k, j)).ToFloat());
+        ASSERT_EQ(Get(epn + s, k, j), want) << "slot " << s << " expert " << e;
+      }
+    }
+  }
+  EXPECT_EQ(t_->counters(OpKind::kPrefetch).rows_received, replicas * 2);
+}
+
+TEST_P(NcclWeightsTest, ReduceSumsContributionsExactlyAndReproducibly) {
+  const int32_t epn = plan_.experts_per_rank;
+  const auto home_grad = [](int32_t e, int k, int32_t j) { return static_cast<float>((e + k + j) % 7); };
+  const auto slot_grad = [](int32_t d, int32_t e, int k, int32_t j) {
+    return static_cast<float>((d * 3 + e + k + j) % 5 + 1);
+  };
+  for (int run = 0; run < 2; ++run) {
+    Fill([&](int32_t b, int k, int32_t j) {
+      const int32_t e = BlockExpert(b);
+      if (b < epn) return home_grad(e, k, j);
+      return e < 0 ? 0.0f : slot_grad(rank(), e, k, j);
+    });
+    absl::Status st = t_->Reduce(plan_, View());
+    ASSERT_TRUE(st.ok()) << st;
+    for (int32_t g = 0; g < epn; ++g) {
+      const int32_t e = BlockExpert(g);
+      for (int k = 0; k < 2; ++k) {
+        for (int32_t j = 0; j < (k == 0 ? 24 : 5); ++j) {
+          float want = home_grad(e, k, j);
+          for (int32_t d = 0; d < plan_.num_ranks; ++d) {
+            for (int32_t s = 0; s < plan_.slots; ++s) {
+              if (plan_.slot_expert[d * plan_.slots + s] == e) want += slot_grad(d, e, k, j);
+            }
+          }
+          ASSERT_EQ(Get(g, k, j), want) << "run " << run << " expert " << e << " tensor " << k;
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Plans, NcclWeightsTest,
+                         ::testing::Values(std::string("random"), std::string("moonep"),
+                                           std::string("test-force-replicas")),
+                         ParamName);
+
+// ---------------------------------------------------------------------------------------------
+// Misuse and faults.
+
+TEST_F(NcclTest, HostMemoryIsRefusedWithTheArgumentNamed) {
+  const Problem p = MakeProblem(size(), 2 * size(), 2, 4, 6, 5, -1);
+  auto t = MakeTransport(p.max_tokens(), p.K, 16);
+  ASSERT_NE(t, nullptr);
+  EXPECT_STREQ(t->backend(), "nccl");
+  // Host ids: refused before anything is sent; every rank passes host ids, so all agree.
+  DispatchHandle h;
+  absl::Status st = t->ExchangeCounts(p.ids[rank()], p.T[rank()], p.K, p.E, 1000, &h);
+  if (p.T[rank()] > 0) {
+    EXPECT_FALSE(st.ok());
+    EXPECT_NE(std::string(st.message()).find("topk_ids"), std::string::npos) << st;
+  }
+}
+
+TEST_F(NcclTest, SilentPeerBecomesATimeoutNamingThePhase) {
+  if (size() < 2) GTEST_SKIP() << "needs two ranks";
+  const Problem p = MakeProblem(size(), 2 * size(), 2, 4, 6, 7, -1);
+  auto t = MakeTransport(p.max_tokens(), p.K, 16, /*timeout_ms=*/2000);
+  ASSERT_NE(t, nullptr);
+  DeviceVector<int32_t> ids(p.ids[rank()]);
+  testing::SetSkipRank(size() - 1, OpKind::kCounts);
+  DispatchHandle h;
+  absl::Status st = t->ExchangeCounts(ids.span(), p.T[rank()], p.K, p.E, 1000, &h);
+  testing::ClearSkip();
+  if (rank() != size() - 1) {
+    ASSERT_FALSE(st.ok());
+    EXPECT_EQ(ToResult(st), moonepTimeout) << st;
+    EXPECT_NE(std::string(st.message()).find("count exchange"), std::string::npos) << st;
+    // Unusable afterwards, with a clear message.
+    EXPECT_EQ(ToResult(t->ExchangeCounts(ids.span(), p.T[rank()], p.K, p.E, 1000, &h)),
+              moonepInvalidUsage);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+TEST_F(NcclTest, CommunicatorFromAUniqueId) {
+  ncclUniqueId id{};
+  if (rank() == 0) {
+    auto made = nccl::GetUniqueId();
+    ASSERT_TRUE(made.ok()) << made.status();
+    id = *made;
+  }
+  MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, MPI_COMM_WORLD);
+  nccl::NcclBootstrap b;
+  b.kind = nccl::NcclBootstrap::Kind::kUniqueId;
+  b.unique_id = id;
+  b.rank = rank();
+  b.size = size();
+  TransportOptions o;
+  o.max_tokens = 4;
+  o.max_top_k = 1;
+  o.max_row_bytes = 4;
+  auto t = nccl::CreateNcclTransport(o, b);
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ((*t)->rank(), rank());
+  EXPECT_EQ((*t)->size(), size());
+  // One count exchange over the new communicator: token r of rank r picks expert r.
+  const int32_t E = size();
+  DeviceVector<int32_t> ids(std::vector<int32_t>{rank()});
+  DispatchHandle h;
+  absl::Status st = (*t)->ExchangeCounts(ids.span(), 1, 1, E, 4, &h);
+  ASSERT_TRUE(st.ok()) << st;
+  for (int32_t r = 0; r < size(); ++r) {
+    for (int32_t e = 0; e < E; ++e) EXPECT_EQ(h.counts()[r * E + e], r == e ? 1 : 0);
+  }
+}
+
+}  // namespace
+}  // namespace moonep::transport
