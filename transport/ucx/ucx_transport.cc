@@ -7,7 +7,6 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
-#include <deque>
 #include <map>
 #include <mutex>
 #include <string>
@@ -186,6 +185,9 @@ class UcxOp : public Request {
 
   // Registers [data, data + bytes) (cached) and pins it for this op; fills the ready entry.
   absl::Status AddTarget(int peer, const void* data, uint64_t bytes, std::vector<char>* msg);
+  // A control message of this op; the op completes only after it left this rank (a peer may
+  // depend on it while this rank is outside MoonEP and makes no progress).
+  absl::Status SendTracked(int peer, int32_t type, std::vector<char> payload);
   // Sends a ready message: header then the targets added by AddTarget.
   absl::Status SendReady(int peer, int64_t row_bytes, int64_t count, int32_t num_targets,
                          std::vector<char> targets);
@@ -225,6 +227,11 @@ class UcxOp : public Request {
   std::vector<Awaited> awaiting_message_;
   std::vector<int> awaiting_signal_;
   std::vector<PendingFlush> flushes_;
+  struct Sent {
+    int peer;
+    uint64_t id;
+  };
+  std::vector<Sent> sent_;
   std::vector<uint64_t> pinned_;
   uint64_t signal_value_ = 0;
   bool done_ = false;
@@ -280,8 +287,15 @@ class UcxTransport : public Transport {
   absl::Status PollAbort();
   // One ucp_worker_progress for every operation and peer, then completed sends are reaped.
   void Progress();
+  // Sends a control message; *id (if given) names it for MessagePending (0: already complete).
   absl::Status SendMessage(int peer, int32_t type, int channel, int64_t seq, int32_t aux,
-                           std::vector<char> payload);
+                           std::vector<char> payload, uint64_t* id = nullptr);
+  bool MessagePending(uint64_t id) const {
+    for (const Outgoing& o : outbox_) {
+      if (o.id == id) return true;
+    }
+    return false;
+  }
   // Takes the message (channel, seq, from, type) if it arrived.
   bool TakeMessage(int channel, int64_t seq, int from, int32_t type, std::vector<char>* out);
   void DropMessages(int channel, int64_t seq);
@@ -347,6 +361,7 @@ class UcxTransport : public Transport {
   struct Outgoing {
     void* request;
     std::unique_ptr<std::vector<char>> bytes;
+    uint64_t id;
   };
 
   TransportOptions options_;
@@ -363,7 +378,8 @@ class UcxTransport : public Transport {
   std::vector<ucp_rkey_h> signal_rkeys_;
   // Control messages that arrived, by (channel, seq, from, type).
   std::map<std::tuple<int, int64_t, int, int32_t>, std::vector<char>> inbox_;
-  std::deque<Outgoing> outbox_;
+  std::vector<Outgoing> outbox_;
+  uint64_t next_message_id_ = 1;
   std::vector<Region> regions_;
   uint64_t next_region_id_ = 1, use_clock_ = 0;
   std::map<std::pair<int, uint64_t>, ucp_rkey_h> remote_keys_;
@@ -438,7 +454,15 @@ absl::Status UcxOp::SendReady(int peer, int64_t row_bytes, int64_t count, int32_
   std::vector<char> msg(sizeof(h) + targets.size());
   std::memcpy(msg.data(), &h, sizeof(h));
   if (!targets.empty()) std::memcpy(msg.data() + sizeof(h), targets.data(), targets.size());
-  return transport_->SendMessage(peer, kMsgReady, channel_, seq_, 0, std::move(msg));
+  return SendTracked(peer, kMsgReady, std::move(msg));
+}
+
+absl::Status UcxOp::SendTracked(int peer, int32_t type, std::vector<char> payload) {
+  uint64_t id = 0;
+  MOONEP_RETURN_IF_ERROR(
+      transport_->SendMessage(peer, type, channel_, seq_, 0, std::move(payload), &id));
+  if (id != 0) sent_.push_back(Sent{peer, id});
+  return absl::OkStatus();
 }
 
 absl::Status UcxOp::ParseReady(int peer, const std::vector<char>& m, int32_t want_targets,
@@ -541,6 +565,7 @@ absl::Status UcxOp::TimeoutStatus() const {
   for (const Awaited& a : awaiting_message_) add(&silent, a.peer);
   for (int p : awaiting_signal_) add(&silent, p);
   for (const PendingFlush& f : flushes_) add(&unreceived, f.peer);
+  for (const Sent& m : sent_) add(&unreceived, m.peer);
   std::sort(silent.begin(), silent.end());
   std::sort(unreceived.begin(), unreceived.end());
   if (!silent.empty()) {
@@ -602,7 +627,14 @@ absl::StatusOr<bool> UcxOp::Test() {
       if (!s.ok()) return Fail(s);
     }
   }
-  if (awaiting_message_.empty() && awaiting_signal_.empty() && flushes_.empty()) {
+  for (size_t i = 0; i < sent_.size();) {
+    if (transport_->MessagePending(sent_[i].id)) {
+      ++i;
+    } else {
+      sent_.erase(sent_.begin() + static_cast<ptrdiff_t>(i));
+    }
+  }
+  if (awaiting_message_.empty() && awaiting_signal_.empty() && flushes_.empty() && sent_.empty()) {
     absl::Status s = Finish();
     if (!s.ok()) return Fail(s);
     done_ = true;
@@ -695,7 +727,7 @@ class CountsOp : public UcxOp {
       std::vector<char> payload(static_cast<size_t>(width) * 8);
       std::memcpy(payload.data(), mine_.data(), payload.size());
       MOONEP_RETURN_IF_ERROR(
-          transport_->SendMessage(r, kMsgCounts, channel_, seq_, 0, std::move(payload)));
+          SendTracked(r, kMsgCounts, std::move(payload)));
       counters_.bytes_sent += width * 8;
       ++counters_.messages_sent;
     }
@@ -1311,7 +1343,7 @@ class ReduceOp : public UcxOp {
       counters_.bytes_sent += total;
       ++counters_.messages_sent;
       MOONEP_RETURN_IF_ERROR(
-          transport_->SendMessage(h, kMsgEagerBlocks, channel_, seq_, 0, std::move(payload)));
+          SendTracked(h, kMsgEagerBlocks, std::move(payload)));
     }
     return absl::OkStatus();
   }
@@ -1657,11 +1689,14 @@ UcxTransport::~UcxTransport() {
 void UcxTransport::Progress() {
   while (ucp_worker_progress(worker_) != 0) {
   }
-  while (!outbox_.empty()) {
-    const ucs_status_t st = ucp_request_check_status(outbox_.front().request);
-    if (st == UCS_INPROGRESS) break;
-    ucp_request_free(outbox_.front().request);
-    outbox_.pop_front();
+  for (size_t i = 0; i < outbox_.size();) {
+    const ucs_status_t st = ucp_request_check_status(outbox_[i].request);
+    if (st == UCS_INPROGRESS) {
+      ++i;
+      continue;
+    }
+    ucp_request_free(outbox_[i].request);
+    outbox_.erase(outbox_.begin() + static_cast<ptrdiff_t>(i));
     if (st != UCS_OK) Poison(UcsCheck(st, "control message"));
   }
   if (ops_in_flight_[0] == 0) DestroyDroppedKeys();
@@ -1673,7 +1708,8 @@ void UcxTransport::DestroyDroppedKeys() {
 }
 
 absl::Status UcxTransport::SendMessage(int peer, int32_t type, int channel, int64_t seq,
-                                       int32_t aux, std::vector<char> payload) {
+                                       int32_t aux, std::vector<char> payload, uint64_t* id) {
+  if (id) *id = 0;
   auto bytes = std::make_unique<std::vector<char>>(sizeof(MsgHeader) + payload.size());
   MsgHeader h;
   std::memset(&h, 0, sizeof(h));
@@ -1692,7 +1728,11 @@ absl::Status UcxTransport::SendMessage(int peer, int32_t type, int channel, int6
   ucs_status_ptr_t r = ucp_am_send_nbx(eps_[peer], kAmId, bytes->data(), sizeof(MsgHeader),
                                        bytes->data() + sizeof(MsgHeader), payload.size(), &param);
   if (UCS_PTR_IS_ERR(r)) return UcsCheck(UCS_PTR_STATUS(r), "ucp_am_send_nbx");
-  if (r != nullptr) outbox_.push_back(Outgoing{r, std::move(bytes)});
+  if (r != nullptr) {
+    outbox_.push_back(Outgoing{r, std::move(bytes), next_message_id_});
+    if (id) *id = next_message_id_;
+    ++next_message_id_;
+  }
   return absl::OkStatus();
 }
 
