@@ -52,6 +52,26 @@ absl::Status WaitComm(ncclComm_t comm, Clock::time_point deadline, const char* w
 
 bool IsRowDType(DType d) { return d == DType::kFloat32 || d == DType::kBFloat16; }
 
+// Makes the transport's GPU current for the host steps of an op, and restores the caller's.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+    if (previous_ != device) cudaSetDevice(device);
+  }
+  ~DeviceGuard() {
+    int now = -1;
+    if (previous_ >= 0 && cudaGetDevice(&now) == cudaSuccess && now != previous_) {
+      cudaSetDevice(previous_);
+    }
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
 // A device allocation that grows on demand (never in a steady state: sizes repeat step to step).
 class DeviceBuffer {
  public:
@@ -179,6 +199,8 @@ class NcclOp : public NcclRequest {
 
  private:
   absl::Status Fail(absl::Status status);
+  // Names the phase, this rank and the peers in a step's error.
+  absl::Status Context(const absl::Status& status) const;
 
   NcclTransportImpl* transport_;
   OpKind kind_;
@@ -342,10 +364,18 @@ absl::Status NcclOp::Start(std::vector<Step> steps, Step finish) {
   finish_ = std::move(finish);
   MOONEP_TRACE("transport nccl: %s starts, %d stages", OpName(kind_), steps_.size());
   next_ = 1;
+  DeviceGuard guard(transport_->device());
   absl::Status s = steps_.empty() ? Record() : steps_[0]();
   if (s.ok() && !steps_.empty()) s = Record();
-  if (!s.ok()) return Fail(s);
+  if (!s.ok()) return Fail(Context(s));
   return absl::OkStatus();
+}
+
+absl::Status NcclOp::Context(const absl::Status& status) const {
+  return Annotate(status, absl::StrFormat("%s on rank %d (peers: %s)", OpName(kind_),
+                                          transport_->rank(),
+                                          peers_.empty() ? std::string("none")
+                                                         : absl::StrJoin(peers_, ",")));
 }
 
 absl::StatusOr<bool> NcclOp::Test() {
@@ -357,6 +387,7 @@ absl::StatusOr<bool> NcclOp::Test() {
     absl::Status usable = transport_->Usable();
     if (!usable.ok()) return Fail(usable);
   }
+  DeviceGuard guard(transport_->device());
   while (true) {
     const cudaError_t q = cudaEventQuery(event_);
     if (q == cudaErrorNotReady) break;
@@ -373,12 +404,12 @@ absl::StatusOr<bool> NcclOp::Test() {
         return true;
       }
       if (s.ok()) s = Record();
-      if (!s.ok()) return Fail(s);
+      if (!s.ok()) return Fail(Context(s));
       continue;
     }
     absl::Status s = finish_ ? finish_() : absl::OkStatus();
     if (!s.ok()) {
-      done_ = true;  // Finish errors are local verdicts on completed work (see FailAgreed)
+      done_ = true;  // verdicts on completed work; fatal ones already aborted (Fatal)
       status_ = s;
       return s;
     }
@@ -706,6 +737,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
     absl::Span<const int32_t> topk_ids, int64_t num_tokens, int32_t top_k, int32_t num_experts,
     int64_t recv_capacity_rows, DispatchHandle* h) {
   MOONEP_RETURN_IF_ERROR(Usable());
+  DeviceGuard guard(device_);
   if (testing::ShouldSkip(rank_, OpKind::kCounts)) {
     MOONEP_WARN("transport nccl: test hook: rank %d skips this operation", rank_);
     return RequestPtr(new DoneRequest());
@@ -872,6 +904,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartDispatch(const planner::Plan&
                                                             const TensorView& recv_rows,
                                                             absl::Span<float> recv_weights) {
   MOONEP_RETURN_IF_ERROR(Usable());
+  DeviceGuard guard(device_);
   if (testing::ShouldSkip(rank_, OpKind::kDispatch)) return RequestPtr(new DoneRequest());
   MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kDispatch, h));
   // Agreed checks: functions of (plan, counts, capacities), identical on every rank.
@@ -1208,6 +1241,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartCombineBackward(DispatchHandl
                                                                    const TensorView& dy,
                                                                    const TensorView& dy_rows) {
   MOONEP_RETURN_IF_ERROR(Usable());
+  DeviceGuard guard(device_);
   if (testing::ShouldSkip(rank_, OpKind::kCombineBackward)) return RequestPtr(new DoneRequest());
   MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kCombineBackward, h));
   absl::Status s = CheckRows(dy, "dy", h->num_tokens_, -1);
@@ -1332,6 +1366,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartCombine(DispatchHandle* h,
                                                            const TensorView& expert_rows,
                                                            const TensorView& y) {
   MOONEP_RETURN_IF_ERROR(Usable());
+  DeviceGuard guard(device_);
   if (testing::ShouldSkip(rank_, OpKind::kCombine)) return RequestPtr(new DoneRequest());
   MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kCombine, h));
   return StartRowsBack(OpKind::kCombine, h, expert_rows, y);
@@ -1341,6 +1376,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartDispatchBackward(DispatchHand
                                                                     const TensorView& dx_rows,
                                                                     const TensorView& dx) {
   MOONEP_RETURN_IF_ERROR(Usable());
+  DeviceGuard guard(device_);
   if (testing::ShouldSkip(rank_, OpKind::kDispatchBackward)) return RequestPtr(new DoneRequest());
   MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kDispatchBackward, h));
   return StartRowsBack(OpKind::kDispatchBackward, h, dx_rows, dx);
@@ -1353,6 +1389,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartTopkWeightGrad(DispatchHandle
                                                                   const TensorView& expert_rows,
                                                                   absl::Span<float> d_topk_weights) {
   MOONEP_RETURN_IF_ERROR(Usable());
+  DeviceGuard guard(device_);
   if (testing::ShouldSkip(rank_, OpKind::kTopkWeightGrad)) return RequestPtr(new DoneRequest());
   MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kTopkWeightGrad, h));
   const int32_t R = size_, me = rank_, K = h->top_k_;
@@ -1497,6 +1534,7 @@ absl::Status CheckSlotPlan(const planner::Plan& plan, int32_t R) {
 absl::StatusOr<RequestPtr> NcclTransportImpl::StartPrefetch(const planner::Plan& plan,
                                                             const ExpertBlocks& params) {
   MOONEP_RETURN_IF_ERROR(Usable());
+  DeviceGuard guard(device_);
   if (testing::ShouldSkip(rank_, OpKind::kPrefetch)) return RequestPtr(new DoneRequest());
   MOONEP_RETURN_IF_ERROR(Annotate(CheckSlotPlan(plan, size_), "prefetch"));
   {
@@ -1566,6 +1604,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartPrefetch(const planner::Plan&
 absl::StatusOr<RequestPtr> NcclTransportImpl::StartReduce(const planner::Plan& plan,
                                                           const ExpertBlocks& grads) {
   MOONEP_RETURN_IF_ERROR(Usable());
+  DeviceGuard guard(device_);
   if (testing::ShouldSkip(rank_, OpKind::kReduce)) return RequestPtr(new DoneRequest());
   MOONEP_RETURN_IF_ERROR(Annotate(CheckSlotPlan(plan, size_), "reduce"));
   {
