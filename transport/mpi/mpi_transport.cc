@@ -118,7 +118,7 @@ class MpiOp : public Request {
   std::vector<Pending> pending_;
 
  private:
-  absl::Status Fail(absl::Status status);
+  absl::Status Fail(absl::Status status, bool notify_peers = true);
   void Cleanup();
   absl::Status TimeoutStatus() const;
 
@@ -315,7 +315,8 @@ absl::StatusOr<bool> MpiOp::Test() {
   {
     absl::Status usable = transport_->Usable();
     if (usable.ok()) usable = transport_->PollAbort();
-    if (!usable.ok()) return Fail(usable);
+    // Peers were told (or time out) already: no second notice.
+    if (!usable.ok()) return Fail(usable, /*notify_peers=*/false);
   }
   while (active_ > 0) {
     const int n = static_cast<int>(requests_.size());
@@ -377,7 +378,7 @@ absl::Status MpiOp::Wait() {
   }
 }
 
-absl::Status MpiOp::Fail(absl::Status status) {
+absl::Status MpiOp::Fail(absl::Status status, bool notify_peers) {
   if (done_) return status_;
   done_ = true;
   status_ = status;
@@ -387,7 +388,7 @@ absl::Status MpiOp::Fail(absl::Status status) {
   if (active_ != 0 ||
       !(absl::IsInvalidArgument(status) || absl::IsResourceExhausted(status) || remote)) {
     // Peers blocked on this rank learn at once, except on a timeout: each rank reports its own.
-    if (!remote && !absl::IsDeadlineExceeded(status)) {
+    if (notify_peers && !remote && !absl::IsDeadlineExceeded(status)) {
       transport_->AbortPeers(kind_, status).IgnoreError();
     }
     transport_->Poison(status);
