@@ -250,7 +250,8 @@ TEST_P(FaultTest, RankThatNeverJoinsReduceTimesOutItsPeers) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, FaultTest, ::testing::ValuesIn(AvailableBackends()));
+INSTANTIATE_TEST_SUITE_P(Backends, FaultTest, ::testing::ValuesIn(AvailableBackends()),
+                         [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
 
 }  // namespace
 }  // namespace moonep::transport
