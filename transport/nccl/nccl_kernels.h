@@ -12,24 +12,9 @@
 #include <cstdint>
 
 #include "moonep/core/dtype.h"
+#include "transport/nccl/nccl_tables.h"
 
 namespace moonep::transport::nccl {
-
-// Sent per dispatched row, sender -> receiver: the index of its token among the sender's unique
-// rows to that receiver (dedup), and its top-k weight.
-struct RowMeta {
-  int32_t unique;
-  float weight;
-};
-static_assert(sizeof(RowMeta) == 8, "RowMeta is sent as bytes");
-
-// Where a row of the compute layout comes from: src >= 0: the unique row meta[pos].unique of source
-// rank src's rows in the receive staging (which starts at staging_begin[src]); src == -2: the
-// local token entry `pos` (= t * K + k) of x; src == -1: padding (zero row, zero weight).
-struct RowSource {
-  int32_t pos;
-  int32_t src;
-};
 
 // counts[e] += number of entries with id e; *invalid = 1 when an id is outside [-1, E) or a token
 // names an expert twice. counts must be zeroed before.

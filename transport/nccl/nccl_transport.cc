@@ -9,6 +9,7 @@
 #include <functional>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -23,6 +24,7 @@
 #include "planner/plan_builder.h"
 #include "transport/layout.h"
 #include "transport/nccl/nccl_kernels.h"
+#include "transport/nccl/nccl_tables.h"
 #include "transport/testing_hooks.h"
 
 namespace moonep::transport::nccl {
@@ -158,6 +160,7 @@ struct HandleState {
   DeviceBuffer tables_dev;
   size_t off_pack_index = 0, off_meta_unique = 0, off_meta_entries = 0, off_row_source = 0,
          off_combine_index = 0, off_pos_row = 0, off_unique_send = 0;
+  DispatchTables tables;
   std::vector<int64_t> pack_begin, staging_begin, unique_from;
   PinnedBuffer unique_recv_host, staging_begin_host, bad_host;
   DeviceBuffer unique_recv_dev, staging_begin_dev, bad_dev;
@@ -971,19 +974,18 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartDispatch(const planner::Plan&
   const size_t row_bytes = static_cast<size_t>(x.shape[1]) * DTypeSize(x.dtype);
 
   // Tables: built on the host from the layouts, uploaded with one copy.
-  st->pack_begin.assign(R + 1, 0);
-  for (int32_t d = 0; d < R; ++d) {
-    st->pack_begin[d + 1] = st->pack_begin[d] + (d == me ? 0 : send.unique_to(d));
-  }
+  BuildDispatchTables(send, recv, me, &st->tables);
+  const DispatchTables& tab = st->tables;
+  st->pack_begin = tab.pack_begin;
   const int64_t pack_rows = st->pack_begin[R];
   TableBlock block;
-  st->off_pack_index = block.Add<int32_t>(static_cast<size_t>(pack_rows));
-  st->off_meta_unique = block.Add<int32_t>(static_cast<size_t>(sent_entries));
-  st->off_meta_entries = block.Add<int32_t>(static_cast<size_t>(sent_entries));
-  st->off_row_source = block.Add<RowSource>(static_cast<size_t>(rank_rows));
-  st->off_combine_index = block.Add<int32_t>(static_cast<size_t>(n_entries));
-  st->off_pos_row = block.Add<int32_t>(static_cast<size_t>(recv_total));
-  st->off_unique_send = block.Add<int64_t>(static_cast<size_t>(R));
+  st->off_pack_index = block.Add<int32_t>(tab.pack_index.size());
+  st->off_meta_unique = block.Add<int32_t>(tab.meta_unique.size());
+  st->off_meta_entries = block.Add<int32_t>(tab.meta_entries.size());
+  st->off_row_source = block.Add<RowSource>(tab.row_source.size());
+  st->off_combine_index = block.Add<int32_t>(tab.combine_index.size());
+  st->off_pos_row = block.Add<int32_t>(tab.pos_row.size());
+  st->off_unique_send = block.Add<int64_t>(tab.unique_send.size());
   {
     absl::Status s = st->tables_host.Reserve(block.size(), "dispatch tables");
     if (s.ok()) s = st->tables_dev.Reserve(block.size(), "dispatch tables");
@@ -1001,39 +1003,16 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartDispatch(const planner::Plan&
     if (!s.ok()) return Fatal(s);
   }
   {
-    int32_t* pack_index = st->host_table<int32_t>(st->off_pack_index);
-    for (int32_t d = 0, at = 0; d < R; ++d) {
-      if (d == me) continue;
-      for (int64_t i = send.unique_begin[d]; i < send.unique_begin[d + 1]; ++i) {
-        pack_index[at++] = send.unique_tokens[i];
-      }
-    }
-    int32_t* meta_unique = st->host_table<int32_t>(st->off_meta_unique);
-    int32_t* meta_entries = st->host_table<int32_t>(st->off_meta_entries);
-    std::copy(send.entry_unique.begin(), send.entry_unique.begin() + sent_entries, meta_unique);
-    std::copy(send.entries.begin(), send.entries.begin() + sent_entries, meta_entries);
-    RowSource* source = st->host_table<RowSource>(st->off_row_source);
-    std::fill(source, source + rank_rows, RowSource{-1, -1});
-    int32_t* pos_row = st->host_table<int32_t>(st->off_pos_row);
-    for (int32_t s = 0; s < R; ++s) {
-      int64_t i = 0;
-      for (int64_t run = recv.run_begin[s]; run < recv.run_begin[s + 1]; ++run) {
-        for (int64_t j = 0; j < recv.run_count[run]; ++j, ++i) {
-          const int64_t row = recv.run_row[run] + j;
-          pos_row[recv.rows_begin[s] + i] = static_cast<int32_t>(row);
-          if (s != me) source[row] = RowSource{static_cast<int32_t>(recv.rows_begin[s] + i), s};
-        }
-      }
-    }
-    for (int64_t i = send.entry_begin[me]; i < send.entry_begin[me + 1]; ++i) {
-      const int32_t entry = send.entries[i];
-      source[send.dest_row[entry]] = RowSource{entry, -2};
-    }
-    int32_t* combine_index = st->host_table<int32_t>(st->off_combine_index);
-    std::fill(combine_index, combine_index + n_entries, -1);
-    for (int64_t i = 0; i < sent_entries; ++i) combine_index[send.entries[i]] = static_cast<int32_t>(i);
-    int64_t* unique_send = st->host_table<int64_t>(st->off_unique_send);
-    for (int32_t d = 0; d < R; ++d) unique_send[d] = d == me ? 0 : send.unique_to(d);
+    auto put = [&](size_t offset, const auto& v) {
+      std::copy(v.begin(), v.end(), st->host_table<typename std::decay_t<decltype(v)>::value_type>(offset));
+    };
+    put(st->off_pack_index, tab.pack_index);
+    put(st->off_meta_unique, tab.meta_unique);
+    put(st->off_meta_entries, tab.meta_entries);
+    put(st->off_row_source, tab.row_source);
+    put(st->off_combine_index, tab.combine_index);
+    put(st->off_pos_row, tab.pos_row);
+    put(st->off_unique_send, tab.unique_send);
   }
   st->unique_from.assign(R, 0);
   st->staging_begin.assign(R + 1, 0);
