@@ -195,15 +195,17 @@ absl::Status Planner::MakePlan(absl::Span<const int64_t> counts, Plan* plan) {
   st.build.block_totals.assign(static_cast<size_t>((R + block - 1) / block) * E, 0);
   constexpr int64_t kMaxTokens = int64_t{1} << 52;
   for (int32_t s = 0; s < R; ++s) {
-    const int64_t* row = counts.data() + static_cast<size_t>(s) * E;
+    const int64_t* __restrict row = counts.data() + static_cast<size_t>(s) * E;
     // One vectorizable pass: OR of all entries has a bit >= 52 (or the sign) set iff some entry
     // is negative or >= 2^52.
     uint64_t bits = 0;
-    int64_t* blk = st.build.block_totals.data() + static_cast<size_t>(s / block) * E;
+    int64_t* __restrict blk = st.build.block_totals.data() + static_cast<size_t>(s / block) * E;
+    int64_t* __restrict sum = totals;
     for (int32_t e = 0; e < E; ++e) {
-      totals[e] += row[e];
-      blk[e] += row[e];
-      bits |= static_cast<uint64_t>(row[e]);
+      const int64_t v = row[e];
+      sum[e] += v;
+      blk[e] += v;
+      bits |= static_cast<uint64_t>(v);
     }
     if ((bits >> 52) != 0) {
       for (int32_t e = 0; e < E; ++e) {
