@@ -70,7 +70,8 @@ TEST(PlannerBruteForce, PerfectWheneverFeasibleAndFewReplicas) {
   std::mt19937_64 rng(12345);
   int cases = 0, feasible = 0, optimal = 0, infeasible_known = 0;
   double gap_sum = 0, gap_worst = 0;
-  int64_t sum_moonep = 0, sum_greedy = 0, sum_opt = 0;
+  int64_t sum_moonep = 0, sum_greedy = 0, sum_opt = 0, sum_moonep_both = 0, sum_opt_both = 0;
+  int both = 0;
   for (int R : {2, 3, 4}) {
     for (int epn : {1, 2}) {
       const int E = R * epn;
@@ -115,7 +116,12 @@ TEST(PlannerBruteForce, PerfectWheneverFeasibleAndFewReplicas) {
             gap_worst = std::max(gap_worst, rel);
             sum_moonep += mine.stats.replicas;
             sum_opt += bf.min_replicas;
-            if (greedy_perfect) sum_greedy += greedy.stats.replicas;
+            if (greedy_perfect) {
+              sum_greedy += greedy.stats.replicas;
+              sum_moonep_both += mine.stats.replicas;
+              sum_opt_both += bf.min_replicas;
+              ++both;
+            }
           } else if (bf.exhausted) {
             ++infeasible_known;
             EXPECT_FALSE(mine_perfect) << "brute force says infeasible, yet moonep found a perfect plan";
@@ -125,11 +131,12 @@ TEST(PlannerBruteForce, PerfectWheneverFeasibleAndFewReplicas) {
     }
   }
   std::printf("[brute force] %d cases, %d perfect-feasible, %d proven infeasible; moonep optimal in %d; "
-              "replica gap to optimum: mean %.2f%%, worst %.0f%%; replicas total moonep %lld, optimum %lld, "
-              "greedy %lld (on cases greedy also balanced)\n",
+              "replica gap to optimum: mean %.2f%%, worst %.0f%%; replicas total moonep %lld vs optimum %lld; "
+              "on the %d cases moonep-greedy also balanced: moonep %lld, moonep-greedy %lld, optimum %lld\n",
               cases, feasible, infeasible_known, optimal, 100.0 * gap_sum / std::max(feasible, 1),
-              100.0 * gap_worst, static_cast<long long>(sum_moonep), static_cast<long long>(sum_opt),
-              static_cast<long long>(sum_greedy));
+              100.0 * gap_worst, static_cast<long long>(sum_moonep), static_cast<long long>(sum_opt), both,
+              static_cast<long long>(sum_moonep_both), static_cast<long long>(sum_greedy),
+              static_cast<long long>(sum_opt_both));
   EXPECT_LT(gap_sum / std::max(feasible, 1), 0.05);
 }
 
