@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <fstream>
 #include <sstream>
@@ -196,6 +197,23 @@ absl::Status BuildConfigs(int32_t num_ranks, int32_t threads, std::vector<BenchC
                      "--experts=%d must be a positive multiple of the number of ranks (%d)", e,
                      num_ranks);
   }
+  // The checks RunConfig would make, up front, so bad flags end every rank cleanly.
+  for (int64_t t : tokens) MOONEP_CHECK_ARG(t >= 1, "--tokens must be >= 1, got %d", t);
+  for (int64_t h : hidden) MOONEP_CHECK_ARG(h >= 1, "--hidden must be >= 1, got %d", h);
+  for (int64_t i : inter) MOONEP_CHECK_ARG(i >= 1, "--intermediate must be >= 1, got %d", i);
+  for (int32_t e : experts) {
+    for (int32_t k : topk) {
+      MOONEP_CHECK_ARG(k >= 1 && k <= e, "--topk=%d must be in [1, experts=%d]", k, e);
+      for (const SkewSpec& skew : skews) {
+        MOONEP_CHECK_ARG(skew.value >= 0, "--%s must be >= 0, got %g",
+                         skew.kind == SkewSpec::Kind::kZipf ? "zipf" : "maxvio", skew.value);
+        MOONEP_CHECK_ARG(skew.kind == SkewSpec::Kind::kZipf ||
+                             skew.value <= static_cast<double>(e) / k - 1.0 + 1e-9,
+                         "--maxvio=%g cannot be reached with experts=%d, topk=%d (at most E/K - 1 "
+                         "= %g)", skew.value, e, k, static_cast<double>(e) / k - 1.0);
+      }
+    }
+  }
   for (const std::string& backend : backends) {
     for (planner::Policy policy : policies) {
       for (DType dtype : dtypes) {
@@ -353,6 +371,9 @@ int main(int argc, char** argv) {
   for (int i = 0; i < argc; ++i) command += (i ? " " : "") + std::string(argv[i]);
   std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {
+    // MPI is not up yet: only the launcher's rank 0 speaks.
+    const char* launcher_rank = std::getenv("OMPI_COMM_WORLD_RANK");
+    if (launcher_rank != nullptr && std::string(launcher_rank) != "0") return 2;
     std::fprintf(stderr,
                  "moonep-bench-dispatch: error: unexpected argument '%s' (flags take the form "
                  "--name=value)\n", rest[1]);

@@ -86,7 +86,7 @@ void PrintConfig(const ConfigResult& r, int32_t index, int32_t total, std::FILE*
                "slots=%d pad=%d, %d+%d iterations\n",
                index, total, c.backend.c_str(), PolicyOf(r).c_str(), DTypeName(c.dtype),
                c.num_experts, c.top_k, static_cast<long>(c.hidden), static_cast<long>(c.intermediate),
-               static_cast<long>(c.tokens), c.slots, c.pad_multiple, c.warmup, c.iters);
+               static_cast<long>(c.tokens), r.slots, c.pad_multiple, c.warmup, c.iters);
   std::fprintf(out,
                "#   skew %s -> Zipf s=%.3f, maxvio %.3f; slowest rank's load / mean %.2f -> %.2f, "
                "%d replicas; receive capacity %ld rows\n",
@@ -176,7 +176,7 @@ std::string ToJson(const RunInfo& info, const std::vector<ConfigResult>& results
         "\"hidden\": %d, \"intermediate\": %d, \"tokens\": %d, \"slots\": %d, \"pad_multiple\": %d, "
         "\"warmup\": %d, \"iters\": %d, \"seed\": %d, \"threads\": %d,\n     ",
         JsonString(c.backend), JsonString(PolicyOf(r)), JsonString(DTypeName(c.dtype)),
-        c.num_experts, c.top_k, c.hidden, c.intermediate, c.tokens, c.slots, c.pad_multiple,
+        c.num_experts, c.top_k, c.hidden, c.intermediate, c.tokens, r.slots, c.pad_multiple,
         c.warmup, c.iters, c.seed, c.threads);
     absl::StrAppendFormat(
         &s, "\"skew\": {\"spec\": %s, \"zipf_s\": %s, \"maxvio\": %s},\n     ",

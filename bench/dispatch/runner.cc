@@ -817,6 +817,7 @@ absl::Status Runner::Run(ConfigResult* out) {
   out->plan_stats = measured_.plan.stats;
   out->none_stats = run_none_ ? none_.plan.stats : measured_.plan.stats;
   out->recv_capacity_rows = capacity_;
+  out->slots = slots_;
   MPI_Allreduce(MPI_IN_PLACE, &out->recv_capacity_rows, 1, MPI_INT64_T, MPI_MAX, comm_);
 
   const std::string type = DTypeName(c_.dtype);

@@ -66,6 +66,7 @@ struct ConfigResult {
   double zipf_s = 0, maxvio = 0;
   planner::PlanStats plan_stats, none_stats;
   int64_t recv_capacity_rows = 0;
+  int32_t slots = 0;  // replica slots per rank, resolved
   std::vector<OpResult> ops;
   const OpResult* Find(const std::string& op, const std::string& impl) const;
 };
