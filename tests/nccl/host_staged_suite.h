@@ -15,8 +15,8 @@ namespace moonep::transport {
 // {"nccl"}.
 std::vector<std::string> NcclSuiteBackends();
 // CreateTransport for "nccl": the NCCL transport behind a host-staging adapter.
-absl::StatusOr<std::unique_ptr<Transport>> NcclSuiteCreateTransport(absl::string_view backend,
-                                                                    const TransportOptions& options);
+absl::StatusOr<std::unique_ptr<Transport>> NcclSuiteCreateTransport(
+    absl::string_view backend, const TransportOptions& options);
 }  // namespace moonep::transport
 
 #define AvailableBackends NcclSuiteBackends

@@ -47,8 +47,8 @@ class Staging {
   template <typename T>
   absl::Span<T> Span(absl::Span<T> s, bool output) {
     using U = std::remove_const_t<T>;
-    return absl::Span<T>(static_cast<T*>(Mirror(const_cast<U*>(s.data()), s.size() * sizeof(T), output)),
-                         s.size());
+    return absl::Span<T>(
+        static_cast<T*>(Mirror(const_cast<U*>(s.data()), s.size() * sizeof(T), output)), s.size());
   }
   ExpertBlocks Blocks(const ExpertBlocks& b, bool home_out, bool slots_out) {
     home_.clear();
@@ -129,8 +129,8 @@ class HostStagedTransport : public Transport {
                                                  const TensorView& rows,
                                                  absl::Span<float> dw) override {
     Staging s;
-    return s.Finish(inner_->TopkWeightGrad(h, s.View(dy_rows, false), s.View(rows, false),
-                                           s.Span(dw, true)));
+    return s.Finish(
+        inner_->TopkWeightGrad(h, s.View(dy_rows, false), s.View(rows, false), s.Span(dw, true)));
   }
   absl::StatusOr<RequestPtr> StartPrefetch(const planner::Plan& plan,
                                            const ExpertBlocks& params) override {

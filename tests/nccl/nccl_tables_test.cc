@@ -3,6 +3,8 @@
 // drives the kernels and the grouped sends/receives (pack, metadata, unique counts, expansion,
 // rows back, weighted combine, row dots and scatter). Runs without a GPU; the results are checked
 // against the brute-force placement (tests/transport/transport_test_util.h) and fp64 sums.
+#include "transport/nccl/nccl_tables.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -14,7 +16,6 @@
 #include "planner/planner.h"
 #include "tests/transport/transport_test_util.h"
 #include "transport/layout.h"
-#include "transport/nccl/nccl_tables.h"
 
 namespace moonep::transport::nccl {
 namespace {
@@ -43,8 +44,7 @@ absl::Status MakePlan(const std::string& kind, const Problem& p, planner::Plan* 
   return (*made)->MakePlan(p.counts, plan);
 }
 
-class NcclTablesTest
-    : public ::testing::TestWithParam<std::tuple<int32_t, std::string>> {};
+class NcclTablesTest : public ::testing::TestWithParam<std::tuple<int32_t, std::string>> {};
 
 TEST_P(NcclTablesTest, EmulatedDispatchCombineAndBackwardMatchBruteForce) {
   const int32_t R = std::get<0>(GetParam());
@@ -99,7 +99,8 @@ TEST_P(NcclTablesTest, EmulatedDispatchCombineAndBackwardMatchBruteForce) {
     const DispatchTables& t = st[s].tables;
     for (int32_t d = 0; d < R; ++d) {
       if (d == s) continue;
-      ASSERT_EQ(t.pack_begin[d + 1] - t.pack_begin[d], staging_begin[d][s + 1] - staging_begin[d][s]);
+      ASSERT_EQ(t.pack_begin[d + 1] - t.pack_begin[d],
+                staging_begin[d][s + 1] - staging_begin[d][s]);
       for (int64_t i = t.pack_begin[d]; i < t.pack_begin[d + 1]; ++i) {
         const int32_t token = t.pack_index[i];
         ASSERT_TRUE(token >= 0 && token < p.T[s]);
@@ -186,7 +187,8 @@ TEST_P(NcclTablesTest, EmulatedDispatchCombineAndBackwardMatchBruteForce) {
           ASSERT_EQ(idx < 0, e < 0);
           if (e < 0) continue;
           got += static_cast<double>(p.weights[s][tok * K + k]) * back[s][idx * H + j];
-          const double term = static_cast<double>(p.weights[s][tok * K + k]) * Scale(e) * p.x[s][tok * H + j];
+          const double term =
+              static_cast<double>(p.weights[s][tok * K + k]) * Scale(e) * p.x[s][tok * H + j];
           want += term;
           mag += std::fabs(term);
         }
@@ -203,7 +205,8 @@ INSTANTIATE_TEST_SUITE_P(
                                          std::string("moonep"),
                                          std::string("test-force-replicas"))),
     [](const ::testing::TestParamInfo<std::tuple<int32_t, std::string>>& info) {
-      std::string name = "R" + std::to_string(std::get<0>(info.param)) + "_" + std::get<1>(info.param);
+      std::string name =
+          "R" + std::to_string(std::get<0>(info.param)) + "_" + std::get<1>(info.param);
       for (char& ch : name) {
         if (ch == '-') ch = '_';
       }

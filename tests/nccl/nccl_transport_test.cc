@@ -6,6 +6,8 @@
 // forms match fp64 sums, the layer forward and top-k weight gradient match the fp64 reference
 // layer with replica slots filled by prefetch, prefetch is bitwise, reduce sums exactly, and a
 // silent peer becomes a Timeout naming the phase.
+#include "transport/nccl/nccl_transport.h"
+
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -25,7 +27,6 @@
 #include "planner/planner.h"
 #include "tests/harness/mpi_test.h"
 #include "tests/transport/transport_test_util.h"
-#include "transport/nccl/nccl_transport.h"
 #include "transport/testing_hooks.h"
 #include "transport/transport.h"
 
@@ -164,7 +165,8 @@ TEST_P(NcclRowsTest, ForwardAndBackwardMatchBruteForceAndFp64) {
   ASSERT_TRUE(st.ok()) << st;
   ASSERT_EQ(std::vector<int64_t>(h.counts().begin(), h.counts().end()), p.counts);
 
-  DeviceVector<float> rows_d(std::vector<float>(cap * H, -1.0f)), row_w_d(std::vector<float>(cap, -1.0f));
+  DeviceVector<float> rows_d(std::vector<float>(cap * H, -1.0f)),
+      row_w_d(std::vector<float>(cap, -1.0f));
   st = t->Dispatch(plan, x.Matrix(T, H), weights.span(), &h, rows_d.Matrix(cap, H), row_w_d.span());
   ASSERT_TRUE(st.ok()) << st;
   const std::vector<float> rows = rows_d.Download(), row_w = row_w_d.Download();
@@ -196,7 +198,8 @@ TEST_P(NcclRowsTest, ForwardAndBackwardMatchBruteForceAndFp64) {
     for (int64_t j = 0; j < H; ++j) ASSERT_EQ(rows[r * H + j], 0.0f) << "padding row " << r;
     ASSERT_EQ(row_w[r], 0.0f);
   }
-  for (int64_t r = plan.rank_rows[me]; r < cap; ++r) ASSERT_EQ(row_w[r], -1.0f) << "beyond the layout";
+  for (int64_t r = plan.rank_rows[me]; r < cap; ++r)
+    ASSERT_EQ(row_w[r], -1.0f) << "beyond the layout";
   EXPECT_EQ(t->counters(OpKind::kDispatch).rows_sent, remote_unique);
   EXPECT_EQ(t->counters(OpKind::kDispatch).rows_deduplicated, remote_rows - remote_unique);
 
@@ -216,7 +219,8 @@ TEST_P(NcclRowsTest, ForwardAndBackwardMatchBruteForceAndFp64) {
       for (int32_t k = 0; k < K; ++k) {
         const int32_t e = p.ids[me][tok * K + k];
         if (e < 0) continue;
-        const double term = static_cast<double>(p.weights[me][tok * K + k]) * Scale(e) * p.x[me][tok * H + j];
+        const double term =
+            static_cast<double>(p.weights[me][tok * K + k]) * Scale(e) * p.x[me][tok * H + j];
         want += term;
         mag += std::fabs(term);
       }
@@ -258,7 +262,8 @@ TEST_P(NcclRowsTest, ForwardAndBackwardMatchBruteForceAndFp64) {
       if (e >= 0) {
         scale_sum += Scale(e);
         for (int64_t j = 0; j < H; ++j) {
-          const double term = static_cast<double>(p.dy[me][tok * H + j]) * Scale(e) * p.x[me][tok * H + j];
+          const double term =
+              static_cast<double>(p.dy[me][tok * H + j]) * Scale(e) * p.x[me][tok * H + j];
           dot += term;
           mag += std::fabs(term);
         }
@@ -323,11 +328,13 @@ TEST_P(NcclReferenceTest, ForwardAndTopkWeightGradMatchReferenceLayer) {
     for (int i = 0; i < 3; ++i) {
       std::vector<float> v(sizes[i], -9.0f);
       if (e >= 0) {
-        for (int64_t j = 0; j < sizes[i]; ++j) v[j] = static_cast<float>((*src[i])[e * sizes[i] + j]);
+        for (int64_t j = 0; j < sizes[i]; ++j)
+          v[j] = static_cast<float>((*src[i])[e * sizes[i] + j]);
       }
       store.push_back(std::make_unique<DeviceVector<float>>(v));
       (b < epn ? home_v : slot_v)
-          .push_back(TensorView::Contiguous(store.back()->get(), DType::kFloat32, {sizes[i]}, Device::kCuda));
+          .push_back(TensorView::Contiguous(store.back()->get(), DType::kFloat32, {sizes[i]},
+                                            Device::kCuda));
     }
   }
   absl::Status st = t->Prefetch(plan, ExpertBlocks{3, home_v, slot_v});
@@ -377,10 +384,13 @@ TEST_P(NcclReferenceTest, ForwardAndTopkWeightGradMatchReferenceLayer) {
   ASSERT_TRUE(st.ok()) << st;
 
   reference::ForwardResult ref;
-  ASSERT_TRUE(reference::Forward(shape, w, T, data[me].x, data[me].topk_ids, data[me].topk_weights, &ref).ok());
+  ASSERT_TRUE(
+      reference::Forward(shape, w, T, data[me].x, data[me].topk_ids, data[me].topk_weights, &ref)
+          .ok());
   reference::BackwardResult grad;
   ASSERT_TRUE(reference::Backward(shape, w, T, data[me].x, data[me].topk_ids, data[me].topk_weights,
-                                  data[me].dy, &grad).ok());
+                                  data[me].dy, &grad)
+                  .ok());
   const std::vector<float> y = y_d.Download(), dw = dw_d.Download();
   double scale = 1e-30, dscale = 1e-30;
   for (double v : ref.y) scale = std::max(scale, std::fabs(v));
@@ -433,8 +443,10 @@ class NcclWeightsTest : public NcclTest, public ::testing::WithParamInterface<st
   ExpertBlocks View() {
     views_.clear();
     for (size_t b = 0; b < f32_.size(); ++b) {
-      views_.push_back(TensorView::Contiguous(f32_[b]->get(), DType::kFloat32, {24}, Device::kCuda));
-      views_.push_back(TensorView::Contiguous(b16_[b]->get(), DType::kBFloat16, {5}, Device::kCuda));
+      views_.push_back(
+          TensorView::Contiguous(f32_[b]->get(), DType::kFloat32, {24}, Device::kCuda));
+      views_.push_back(
+          TensorView::Contiguous(b16_[b]->get(), DType::kBFloat16, {5}, Device::kCuda));
     }
     const size_t home = static_cast<size_t>(plan_.experts_per_rank) * 2;
     return ExpertBlocks{2, absl::MakeConstSpan(views_.data(), home),
@@ -456,7 +468,9 @@ class NcclWeightsTest : public NcclTest, public ::testing::WithParamInterface<st
 
 TEST_P(NcclWeightsTest, PrefetchMakesEverySlotBitwiseEqualToItsHome) {
   const int32_t epn = plan_.experts_per_rank;
-  const auto value = [](int32_t e, int k, int32_t j) { return static_cast<float>(e * 64 + k * 8 + j) * 0.375f; };
+  const auto value = [](int32_t e, int k, int32_t j) {
+    return static_cast<float>(e * 64 + k * 8 + j) * 0.375f;
+  };
   Fill([&](int32_t b, int k, int32_t j) { return b < epn ? value(BlockExpert(b), k, j) : -2.0f; });
   absl::Status st = t_->Prefetch(plan_, View());
   ASSERT_TRUE(st.ok()) << st;
@@ -466,7 +480,9 @@ TEST_P(NcclWeightsTest, PrefetchMakesEverySlotBitwiseEqualToItsHome) {
     replicas += e >= 0;
     for (int k = 0; k < 2; ++k) {
       for (int32_t j = 0; j < (k == 0 ? 24 : 5); ++j) {
-        const float want = e < 0 ? -2.0f : (k == 0 ? value(e, k, j) : BFloat16::FromFloat(value(e, k, j)).ToFloat());
+        const float want =
+            e < 0 ? -2.0f
+                  : (k == 0 ? value(e, k, j) : BFloat16::FromFloat(value(e, k, j)).ToFloat());
         ASSERT_EQ(Get(epn + s, k, j), want) << "slot " << s << " expert " << e;
       }
     }
@@ -476,7 +492,9 @@ TEST_P(NcclWeightsTest, PrefetchMakesEverySlotBitwiseEqualToItsHome) {
 
 TEST_P(NcclWeightsTest, ReduceSumsContributionsExactlyAndReproducibly) {
   const int32_t epn = plan_.experts_per_rank;
-  const auto home_grad = [](int32_t e, int k, int32_t j) { return static_cast<float>((e + k + j) % 7); };
+  const auto home_grad = [](int32_t e, int k, int32_t j) {
+    return static_cast<float>((e + k + j) % 7);
+  };
   const auto slot_grad = [](int32_t d, int32_t e, int k, int32_t j) {
     return static_cast<float>((d * 3 + e + k + j) % 5 + 1);
   };

@@ -109,7 +109,8 @@ __global__ void RowDotsKernel(const void* a, const void* b, bool bf16, int64_t c
     } else if (lane == 0 && bad) {
       atomicAdd(bad, 1);
     }
-    for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, offset);
+    for (int offset = 16; offset > 0; offset >>= 1)
+      sum += __shfl_down_sync(0xffffffffu, sum, offset);
     if (lane == 0) dots[p] = static_cast<float>(sum);
   }
 }
@@ -163,21 +164,22 @@ cudaError_t LaunchFillRowMeta(const int32_t* unique, const int32_t* entries, con
                               cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   FillRowMetaKernel<<<Blocks(n, kThreads), kThreads, 0, stream>>>(unique, entries, weights,
-                                                                   num_entries, n, meta, bad);
+                                                                  num_entries, n, meta, bad);
   return cudaGetLastError();
 }
 
 cudaError_t LaunchExpandRows(const RowSource* source, int64_t num_rows, const RowMeta* meta,
                              int64_t num_meta, const int64_t* staging_begin, int32_t num_ranks,
-                             const void* staging, const void* x, int64_t num_entries,
-                             int32_t top_k, const float* topk_weights, size_t row_bytes,
-                             void* rows, float* weights_out, int32_t* bad, cudaStream_t stream) {
+                             const void* staging, const void* x, int64_t num_entries, int32_t top_k,
+                             const float* topk_weights, size_t row_bytes, void* rows,
+                             float* weights_out, int32_t* bad, cudaStream_t stream) {
   if (num_rows <= 0) return cudaSuccess;
   const int blocks = Blocks(num_rows, kWarpsPerBlock);
   const auto* s = static_cast<const char*>(staging);
   const auto* xs = static_cast<const char*>(x);
   auto* out = static_cast<char*>(rows);
-  const bool a16 = row_bytes % 16 == 0 && Aligned(staging, 16) && Aligned(x, 16) && Aligned(rows, 16);
+  const bool a16 =
+      row_bytes % 16 == 0 && Aligned(staging, 16) && Aligned(x, 16) && Aligned(rows, 16);
   const bool a4 = row_bytes % 4 == 0 && Aligned(staging, 4) && Aligned(x, 4) && Aligned(rows, 4);
   if (a16) {
     ExpandRowsKernel<uint4><<<blocks, kThreads, 0, stream>>>(
@@ -215,8 +217,8 @@ cudaError_t LaunchScatterValues(const float* values, int64_t num_values, const i
 cudaError_t LaunchSumInOrder(void* home, DType dtype, int64_t n, const void* const* sources,
                              int32_t num_sources, cudaStream_t stream) {
   if (n <= 0 || num_sources <= 0) return cudaSuccess;
-  SumInOrderKernel<<<Blocks(n, kThreads), kThreads, 0, stream>>>(
-      home, dtype == DType::kBFloat16, n, sources, num_sources);
+  SumInOrderKernel<<<Blocks(n, kThreads), kThreads, 0, stream>>>(home, dtype == DType::kBFloat16, n,
+                                                                 sources, num_sources);
   return cudaGetLastError();
 }
 

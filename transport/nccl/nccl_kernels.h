@@ -33,9 +33,9 @@ cudaError_t LaunchFillRowMeta(const int32_t* unique, const int32_t* entries, con
 // received metadata in receive order (num_meta entries); staging_begin: [R + 1].
 cudaError_t LaunchExpandRows(const RowSource* source, int64_t num_rows, const RowMeta* meta,
                              int64_t num_meta, const int64_t* staging_begin, int32_t num_ranks,
-                             const void* staging, const void* x, int64_t num_entries,
-                             int32_t top_k, const float* topk_weights, size_t row_bytes,
-                             void* rows, float* weights_out, int32_t* bad, cudaStream_t stream);
+                             const void* staging, const void* x, int64_t num_entries, int32_t top_k,
+                             const float* topk_weights, size_t row_bytes, void* rows,
+                             float* weights_out, int32_t* bad, cudaStream_t stream);
 
 // dots[p] = <a[row[p]], b[row[p]]> for p < n, rows of `cols` elements of `dtype`, fp64 sums.
 cudaError_t LaunchRowDots(const void* a, const void* b, DType dtype, int64_t cols,

@@ -28,14 +28,14 @@ struct RowSource {
 
 struct DispatchTables {
   // Send staging: this rank's unique rows to each remote destination, in destination order.
-  std::vector<int64_t> pack_begin;    // [R + 1]
-  std::vector<int32_t> pack_index;    // [pack_begin[R]] token of each staging row
+  std::vector<int64_t> pack_begin;  // [R + 1]
+  std::vector<int32_t> pack_index;  // [pack_begin[R]] token of each staging row
   // Per entry with a destination, in send order (entry_begin): its unique index and its entry.
   std::vector<int32_t> meta_unique, meta_entries;
-  std::vector<int64_t> unique_send;   // [R] unique rows sent to each rank (0 to itself)
-  std::vector<RowSource> row_source;  // [rank_rows]
-  std::vector<int32_t> pos_row;       // [rows received, own included] row of each receive position
-  std::vector<int32_t> combine_index; // [T * K] send-order position of each entry, -1 if none
+  std::vector<int64_t> unique_send;    // [R] unique rows sent to each rank (0 to itself)
+  std::vector<RowSource> row_source;   // [rank_rows]
+  std::vector<int32_t> pos_row;        // [rows received, own included] row of each receive position
+  std::vector<int32_t> combine_index;  // [T * K] send-order position of each entry, -1 if none
 };
 
 // Builds rank `me`'s tables. Vectors keep their capacity across calls.

@@ -35,8 +35,8 @@ namespace kernels = ::moonep::compute::cuda;
 
 absl::Status NcclStatus(ncclResult_t r, const char* what) {
   if (r == ncclSuccess || r == ncclInProgress) return absl::OkStatus();
-  return MakeStatus(moonepCudaError,
-                    absl::StrFormat("%s: %s (%d)", what, ncclGetErrorString(r), static_cast<int>(r)));
+  return MakeStatus(moonepCudaError, absl::StrFormat("%s: %s (%d)", what, ncclGetErrorString(r),
+                                                     static_cast<int>(r)));
 }
 #define MOONEP_NCCL_RETURN_IF_ERROR(call) MOONEP_RETURN_IF_ERROR(NcclStatus((call), #call))
 
@@ -50,6 +50,11 @@ absl::Status WaitComm(ncclComm_t comm, Clock::time_point deadline, const char* w
     if (Clock::now() >= deadline) return Timeout("%s did not complete before the deadline", what);
     std::this_thread::yield();
   }
+}
+
+// Keeps the first error of the calls inside an NCCL group (the group must still be ended).
+void Keep(absl::Status* first, ncclResult_t r, const char* what) {
+  if (first->ok()) *first = NcclStatus(r, what);
 }
 
 bool IsRowDType(DType d) { return d == DType::kFloat32 || d == DType::kBFloat16; }
@@ -97,7 +102,9 @@ class DeviceBuffer {
     return absl::OkStatus();
   }
   template <typename T = char>
-  T* get() const { return static_cast<T*>(data_); }
+  T* get() const {
+    return static_cast<T*>(data_);
+  }
 
  private:
   void* data_ = nullptr;
@@ -127,7 +134,9 @@ class PinnedBuffer {
     return absl::OkStatus();
   }
   template <typename T = char>
-  T* get() const { return static_cast<T*>(data_); }
+  T* get() const {
+    return static_cast<T*>(data_);
+  }
 
  private:
   void* data_ = nullptr;
@@ -169,9 +178,13 @@ struct HandleState {
   int64_t ones_count = 0;
 
   template <typename T>
-  T* table(size_t offset) const { return reinterpret_cast<T*>(tables_dev.get() + offset); }
+  T* table(size_t offset) const {
+    return reinterpret_cast<T*>(tables_dev.get() + offset);
+  }
   template <typename T>
-  T* host_table(size_t offset) const { return reinterpret_cast<T*>(tables_host.get() + offset); }
+  T* host_table(size_t offset) const {
+    return reinterpret_cast<T*>(tables_host.get() + offset);
+  }
 };
 
 class NcclTransportImpl;
@@ -259,8 +272,7 @@ class NcclTransportImpl : public NcclTransport {
   absl::StatusOr<RequestPtr> StartDispatchBackward(DispatchHandle* handle,
                                                    const TensorView& dx_rows,
                                                    const TensorView& dx) override;
-  absl::StatusOr<RequestPtr> StartTopkWeightGrad(DispatchHandle* handle,
-                                                 const TensorView& dy_rows,
+  absl::StatusOr<RequestPtr> StartTopkWeightGrad(DispatchHandle* handle, const TensorView& dy_rows,
                                                  const TensorView& expert_rows,
                                                  absl::Span<float> d_topk_weights) override;
   absl::StatusOr<RequestPtr> StartPrefetch(const planner::Plan& plan,
@@ -287,7 +299,8 @@ class NcclTransportImpl : public NcclTransport {
   absl::Status CheckRows(const TensorView& v, const char* name, int64_t min_rows,
                          int64_t cols) const;
   absl::Status CheckDispatched(OpKind kind, DispatchHandle* h);
-  absl::Status CheckBlocks(const planner::Plan& plan, const ExpertBlocks& b, const char* name) const;
+  absl::Status CheckBlocks(const planner::Plan& plan, const ExpertBlocks& b,
+                           const char* name) const;
   // The op's stream waits for the caller's queued work.
   absl::Status WaitCaller(cudaStream_t stream);
   // A non-blocking communicator may answer ncclInProgress while it enqueues; the next call on it
@@ -375,10 +388,9 @@ absl::Status NcclOp::Start(std::vector<Step> steps, Step finish) {
 }
 
 absl::Status NcclOp::Context(const absl::Status& status) const {
-  return Annotate(status, absl::StrFormat("%s on rank %d (peers: %s)", OpName(kind_),
-                                          transport_->rank(),
-                                          peers_.empty() ? std::string("none")
-                                                         : absl::StrJoin(peers_, ",")));
+  return Annotate(
+      status, absl::StrFormat("%s on rank %d (peers: %s)", OpName(kind_), transport_->rank(),
+                              peers_.empty() ? std::string("none") : absl::StrJoin(peers_, ",")));
 }
 
 absl::StatusOr<bool> NcclOp::Test() {
@@ -425,10 +437,11 @@ absl::StatusOr<bool> NcclOp::Test() {
     if (!s.ok()) return Fail(Annotate(s, OpName(kind_)));
   }
   if (Clock::now() >= deadline_) {
-    return Fail(Timeout("%s timed out after %d ms on rank %d waiting for the exchange with rank(s) "
-                        "%s (NCCL does not tell which peer is late)",
-                        OpName(kind_), transport_->timeout_ms(), transport_->rank(),
-                        peers_.empty() ? std::string("none") : absl::StrJoin(peers_, ",")));
+    return Fail(
+        Timeout("%s timed out after %d ms on rank %d waiting for the exchange with rank(s) "
+                "%s (NCCL does not tell which peer is late)",
+                OpName(kind_), transport_->timeout_ms(), transport_->rank(),
+                peers_.empty() ? std::string("none") : absl::StrJoin(peers_, ",")));
   }
   return false;
 }
@@ -458,8 +471,10 @@ absl::StatusOr<std::unique_ptr<Transport>> NcclTransportImpl::Create(
   MOONEP_CHECK_ARG(options.max_tokens >= 0 && options.max_top_k >= 0 &&
                        options.max_row_bytes >= 0 && options.timeout_ms >= 0,
                    "options: max_tokens, max_top_k, max_row_bytes and timeout_ms must be >= 0");
-  MOONEP_CHECK_ARG(options.max_top_k <= 32, "options.max_top_k = %d: the NCCL transport's "
-                   "combine kernel supports top_k <= 32", options.max_top_k);
+  MOONEP_CHECK_ARG(options.max_top_k <= 32,
+                   "options.max_top_k = %d: the NCCL transport's "
+                   "combine kernel supports top_k <= 32",
+                   options.max_top_k);
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     cudaGetLastError();
@@ -540,8 +555,8 @@ absl::StatusOr<std::unique_ptr<Transport>> NcclTransportImpl::Create(
     absl::Status s = WaitComm(base, deadline, "NCCL communicator creation");
     if (!s.ok()) {
       t->Abort(s);
-      return Annotate(s, absl::StrFormat("NCCL transport rank %d of %d on GPU %d", rank, size,
-                                         t->device_));
+      return Annotate(
+          s, absl::StrFormat("NCCL transport rank %d of %d on GPU %d", rank, size, t->device_));
     }
   } else {
     t->rows_comm_ = base;
@@ -551,8 +566,10 @@ absl::StatusOr<std::unique_ptr<Transport>> NcclTransportImpl::Create(
   {
     ncclResult_t r = ncclCommSplit(base, 0, rank, &t->weights_comm_, &config);
     absl::Status s = NcclStatus(r, "ncclCommSplit");
-    if (s.ok() && t->weights_comm_ != nullptr) s = WaitComm(t->weights_comm_, deadline, "ncclCommSplit");
-    if (s.ok() && t->weights_comm_ == nullptr) s = SystemError("ncclCommSplit returned no communicator");
+    if (s.ok() && t->weights_comm_ != nullptr)
+      s = WaitComm(t->weights_comm_, deadline, "ncclCommSplit");
+    if (s.ok() && t->weights_comm_ == nullptr)
+      s = SystemError("ncclCommSplit returned no communicator");
     if (!s.ok()) {
       if (!t->owns_base_comm_) t->rows_comm_ = nullptr;  // the caller's: left as it was
       t->Abort(s);
@@ -592,7 +609,8 @@ NcclTransportImpl::~NcclTransportImpl() {
   for (ncclComm_t* c : {&weights_comm_, &rows_comm_}) {
     if (*c == nullptr || (c == &rows_comm_ && !owns_base_comm_)) continue;
     absl::Status s = NcclStatus(ncclCommFinalize(*c), "ncclCommFinalize");
-    if (s.ok()) s = WaitComm(*c, Clock::now() + std::chrono::milliseconds(timeout_ms_), "ncclCommFinalize");
+    if (s.ok())
+      s = WaitComm(*c, Clock::now() + std::chrono::milliseconds(timeout_ms_), "ncclCommFinalize");
     if (s.ok()) {
       ncclCommDestroy(*c);
     } else {
@@ -721,8 +739,8 @@ absl::Status NcclTransportImpl::CheckDispatched(OpKind kind, DispatchHandle* h) 
   if (h == nullptr) return Fatal(InvalidArgument("%s: handle is null", OpName(kind)));
   if (!h->counted_ || h->num_ranks_ != size_ || h->rank_ != rank_ ||
       states_.find(h) == states_.end()) {
-    return Fatal(InvalidUsage("%s: the handle has no count exchange of this transport",
-                              OpName(kind)));
+    return Fatal(
+        InvalidUsage("%s: the handle has no count exchange of this transport", OpName(kind)));
   }
   if (kind != OpKind::kDispatch && !h->dispatched_) {
     return Fatal(InvalidUsage("%s: the handle has not been dispatched", OpName(kind)));
@@ -747,7 +765,8 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
   }
   // Nothing can be described to the peers without a handle and E: they time out on this rank.
   if (h == nullptr) return Fatal(InvalidArgument("handle is null"));
-  if (num_experts < 1) return Fatal(InvalidArgument("num_experts must be >= 1, got %d", num_experts));
+  if (num_experts < 1)
+    return Fatal(InvalidArgument("num_experts must be >= 1, got %d", num_experts));
   absl::Status local;
   if (num_tokens < 0 || top_k < 0) {
     local = InvalidArgument("num_tokens = %d and top_k = %d must be >= 0", num_tokens, top_k);
@@ -758,8 +777,8 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
     local = OutOfMemory("num_tokens = %d exceeds the declared max_tokens = %d", num_tokens,
                         options_.max_tokens);
   } else if (top_k > options_.max_top_k) {
-    local = OutOfMemory("top_k = %d exceeds the declared max_top_k = %d", top_k,
-                        options_.max_top_k);
+    local =
+        OutOfMemory("top_k = %d exceeds the declared max_top_k = %d", top_k, options_.max_top_k);
   } else if (recv_capacity_rows < 0) {
     local = InvalidArgument("recv_capacity_rows must be >= 0, got %d", recv_capacity_rows);
   } else if (!topk_ids.empty()) {
@@ -767,18 +786,20 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
   }
   if (!local.ok()) local = Annotate(local, absl::StrFormat("count exchange on rank %d", rank_));
 
-
   HandleState* st = StateOf(h);
   const int32_t R = size_, E = num_experts;
   const int64_t width = 1 + E;
   const int64_t entries = local.ok() ? num_tokens * top_k : 0;
   {
     absl::Status s = st->header_host.Reserve(kHeader * 8, "the count header");
-    if (s.ok()) s = st->header_all_host.Reserve(static_cast<size_t>(R) * kHeader * 8, "count headers");
+    if (s.ok())
+      s = st->header_all_host.Reserve(static_cast<size_t>(R) * kHeader * 8, "count headers");
     if (s.ok()) s = st->counts_all_host.Reserve(static_cast<size_t>(R * width) * 8, "counts");
-    if (s.ok()) s = st->ids_host.Reserve(static_cast<size_t>(std::max<int64_t>(entries, 1)) * 4, "ids");
+    if (s.ok())
+      s = st->ids_host.Reserve(static_cast<size_t>(std::max<int64_t>(entries, 1)) * 4, "ids");
     if (s.ok()) s = st->header_dev.Reserve(kHeader * 8, "the count header");
-    if (s.ok()) s = st->header_all_dev.Reserve(static_cast<size_t>(R) * kHeader * 8, "count headers");
+    if (s.ok())
+      s = st->header_all_dev.Reserve(static_cast<size_t>(R) * kHeader * 8, "count headers");
     if (s.ok()) s = st->counts_dev.Reserve(static_cast<size_t>(width) * 8, "counts");
     if (s.ok()) s = st->counts_all_dev.Reserve(static_cast<size_t>(R * width) * 8, "counts");
     if (!s.ok()) return Fatal(s);
@@ -809,8 +830,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
     MOONEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st->counts_dev.get(), 0, width * 8, stream));
     if (entries > 0) {
       int64_t* counts = st->counts_dev.get<int64_t>();
-      MOONEP_CUDA_RETURN_IF_ERROR(
-          LaunchCountRouting(ids, T, K, E, counts + 1, counts, stream));
+      MOONEP_CUDA_RETURN_IF_ERROR(LaunchCountRouting(ids, T, K, E, counts + 1, counts, stream));
       MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st->ids_host.get(), ids,
                                                   static_cast<size_t>(entries) * 4,
                                                   cudaMemcpyDeviceToHost, stream));
@@ -844,10 +864,10 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
                             absl::StrJoin(bad, ",")));
       return absl::OkStatus();
     }
-    MOONEP_RETURN_IF_ERROR(Settle(ncclAllGather(st->counts_dev.get(), st->counts_all_dev.get(),
-                                                static_cast<size_t>(width), ncclInt64, rows_comm_,
-                                                stream),
-                                  rows_comm_, "count exchange (ncclAllGather of counts)"));
+    MOONEP_RETURN_IF_ERROR(
+        Settle(ncclAllGather(st->counts_dev.get(), st->counts_all_dev.get(),
+                             static_cast<size_t>(width), ncclInt64, rows_comm_, stream),
+               rows_comm_, "count exchange (ncclAllGather of counts)"));
     MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st->counts_all_host.get(), st->counts_all_dev.get(),
                                                 static_cast<size_t>(R * width) * 8,
                                                 cudaMemcpyDeviceToHost, stream));
@@ -863,8 +883,8 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
     }
     if (counts[me * width] != 0) {
       // The device found a bad id; the host copy names it.
-      absl::Status why = ValidateRouting(absl::MakeConstSpan(ids_copy, static_cast<size_t>(entries)),
-                                         T, K, E);
+      absl::Status why =
+          ValidateRouting(absl::MakeConstSpan(ids_copy, static_cast<size_t>(entries)), T, K, E);
       if (why.ok()) why = Internal("the device rejected routing that the host accepts");
       return Annotate(why, absl::StrFormat("count exchange on rank %d", me));
     }
@@ -900,12 +920,9 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
 // one expansion kernel writes every row of the compute layout (duplicates expanded, local rows
 // from x, padding zeroed) with its top-k weight.
 
-absl::StatusOr<RequestPtr> NcclTransportImpl::StartDispatch(const planner::Plan& plan,
-                                                            const TensorView& x,
-                                                            absl::Span<const float> topk_weights,
-                                                            DispatchHandle* h,
-                                                            const TensorView& recv_rows,
-                                                            absl::Span<float> recv_weights) {
+absl::StatusOr<RequestPtr> NcclTransportImpl::StartDispatch(
+    const planner::Plan& plan, const TensorView& x, absl::Span<const float> topk_weights,
+    DispatchHandle* h, const TensorView& recv_rows, absl::Span<float> recv_weights) {
   MOONEP_RETURN_IF_ERROR(Usable());
   DeviceGuard guard(device_);
   if (testing::ShouldSkip(rank_, OpKind::kDispatch)) return RequestPtr(new DoneRequest());
@@ -925,8 +942,8 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartDispatch(const planner::Plan&
         return OutOfMemory("dispatch: the plan gives rank %d %d rows, its receive buffer holds %d",
                            r, plan.rank_rows[r], h->rank_capacity_[r]);
       }
-      return RemoteError("dispatch: the plan gives rank %d %d rows, its receive buffer holds %d",
-                         r, plan.rank_rows[r], h->rank_capacity_[r]);
+      return RemoteError("dispatch: the plan gives rank %d %d rows, its receive buffer holds %d", r,
+                         plan.rank_rows[r], h->rank_capacity_[r]);
     }
   }
   const int64_t T = h->num_tokens_;
@@ -946,12 +963,14 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartDispatch(const planner::Plan&
       s = InvalidArgument("topk_weights: has %d entries, need num_tokens * top_k = %d",
                           topk_weights.size(), T * K);
     }
-    if (s.ok() && !topk_weights.empty()) s = CheckDevicePointer(topk_weights.data(), "topk_weights");
+    if (s.ok() && !topk_weights.empty())
+      s = CheckDevicePointer(topk_weights.data(), "topk_weights");
     if (s.ok() && static_cast<int64_t>(recv_weights.size()) < plan.rank_rows[me]) {
       s = InvalidArgument("recv_weights: has %d entries, the plan needs %d", recv_weights.size(),
                           plan.rank_rows[me]);
     }
-    if (s.ok() && !recv_weights.empty()) s = CheckDevicePointer(recv_weights.data(), "recv_weights");
+    if (s.ok() && !recv_weights.empty())
+      s = CheckDevicePointer(recv_weights.data(), "recv_weights");
     if (s.ok() && RangesOverlap(x.data, x.nbytes(), recv_rows.data, recv_rows.nbytes())) {
       s = InvalidArgument("x and recv_rows overlap");
     }
@@ -968,8 +987,8 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartDispatch(const planner::Plan&
   const ReceiveLayout& recv = h->recv_;
   HandleState* st = StateOf(h);
   const int64_t n_entries = T * K;
-  const int64_t sent_entries = send.entry_begin[R];   // entries with a destination
-  const int64_t recv_total = recv.rows_begin[R];      // rows arriving, this rank's own included
+  const int64_t sent_entries = send.entry_begin[R];  // entries with a destination
+  const int64_t recv_total = recv.rows_begin[R];     // rows arriving, this rank's own included
   const int64_t rank_rows = plan.rank_rows[me];
   const size_t row_bytes = static_cast<size_t>(x.shape[1]) * DTypeSize(x.dtype);
 
@@ -991,20 +1010,34 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartDispatch(const planner::Plan&
     if (s.ok()) s = st->tables_dev.Reserve(block.size(), "dispatch tables");
     if (s.ok()) s = st->unique_recv_host.Reserve(static_cast<size_t>(R) * 8, "unique counts");
     if (s.ok()) s = st->unique_recv_dev.Reserve(static_cast<size_t>(R) * 8, "unique counts");
-    if (s.ok()) s = st->staging_begin_host.Reserve(static_cast<size_t>(R + 1) * 8, "staging offsets");
-    if (s.ok()) s = st->staging_begin_dev.Reserve(static_cast<size_t>(R + 1) * 8, "staging offsets");
+    if (s.ok())
+      s = st->staging_begin_host.Reserve(static_cast<size_t>(R + 1) * 8, "staging offsets");
+    if (s.ok())
+      s = st->staging_begin_dev.Reserve(static_cast<size_t>(R + 1) * 8, "staging offsets");
     if (s.ok()) s = st->bad_host.Reserve(8, "error counter");
     if (s.ok()) s = st->bad_dev.Reserve(8, "error counter");
-    if (s.ok()) s = st->weights_dev.Reserve(static_cast<size_t>(std::max<int64_t>(n_entries, 1)) * 4, "top-k weights");
-    if (s.ok()) s = st->meta_send_dev.Reserve(static_cast<size_t>(std::max<int64_t>(sent_entries, 1)) * sizeof(RowMeta), "row metadata");
-    if (s.ok()) s = st->meta_recv_dev.Reserve(static_cast<size_t>(std::max<int64_t>(recv_total, 1)) * sizeof(RowMeta), "row metadata");
-    if (s.ok()) s = st->send_staging.Reserve(static_cast<size_t>(std::max<int64_t>(pack_rows, 1)) * row_bytes, "send staging");
-    if (s.ok()) s = st->recv_staging.Reserve(static_cast<size_t>(std::max<int64_t>(recv_total, 1)) * row_bytes, "receive staging");
+    if (s.ok())
+      s = st->weights_dev.Reserve(static_cast<size_t>(std::max<int64_t>(n_entries, 1)) * 4,
+                                  "top-k weights");
+    if (s.ok())
+      s = st->meta_send_dev.Reserve(
+          static_cast<size_t>(std::max<int64_t>(sent_entries, 1)) * sizeof(RowMeta),
+          "row metadata");
+    if (s.ok())
+      s = st->meta_recv_dev.Reserve(
+          static_cast<size_t>(std::max<int64_t>(recv_total, 1)) * sizeof(RowMeta), "row metadata");
+    if (s.ok())
+      s = st->send_staging.Reserve(static_cast<size_t>(std::max<int64_t>(pack_rows, 1)) * row_bytes,
+                                   "send staging");
+    if (s.ok())
+      s = st->recv_staging.Reserve(
+          static_cast<size_t>(std::max<int64_t>(recv_total, 1)) * row_bytes, "receive staging");
     if (!s.ok()) return Fatal(s);
   }
   {
     auto put = [&](size_t offset, const auto& v) {
-      std::copy(v.begin(), v.end(), st->host_table<typename std::decay_t<decltype(v)>::value_type>(offset));
+      std::copy(v.begin(), v.end(),
+                st->host_table<typename std::decay_t<decltype(v)>::value_type>(offset));
     };
     put(st->off_pack_index, tab.pack_index);
     put(st->off_meta_unique, tab.meta_unique);
@@ -1032,7 +1065,8 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartDispatch(const planner::Plan&
       c.bytes_sent += send.unique_to(d) * static_cast<int64_t>(row_bytes) +
                       send.rows_to(d) * static_cast<int64_t>(sizeof(RowMeta));
       c.rows_deduplicated += send.rows_to(d) - send.unique_to(d);
-      c.bytes_deduplicated += (send.rows_to(d) - send.unique_to(d)) * static_cast<int64_t>(row_bytes);
+      c.bytes_deduplicated +=
+          (send.rows_to(d) - send.unique_to(d)) * static_cast<int64_t>(row_bytes);
       c.messages_sent += 3;
     }
     c.rows_local = send.rows_to(me);
@@ -1051,29 +1085,35 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartDispatch(const planner::Plan&
                                                   cudaMemcpyDeviceToDevice, stream));
     }
     RowMeta* meta_send = st->meta_send_dev.get<RowMeta>();
-    MOONEP_CUDA_RETURN_IF_ERROR(LaunchFillRowMeta(
-        st->table<int32_t>(st->off_meta_unique), st->table<int32_t>(st->off_meta_entries),
-        st->weights_dev.get<float>(), n_entries, sent_entries, meta_send,
-        st->bad_dev.get<int32_t>(), stream));
+    MOONEP_CUDA_RETURN_IF_ERROR(
+        LaunchFillRowMeta(st->table<int32_t>(st->off_meta_unique),
+                          st->table<int32_t>(st->off_meta_entries), st->weights_dev.get<float>(),
+                          n_entries, sent_entries, meta_send, st->bad_dev.get<int32_t>(), stream));
     RowMeta* meta_recv = st->meta_recv_dev.get<RowMeta>();
     const int64_t* unique_send = st->table<int64_t>(st->off_unique_send);
     int64_t* unique_recv = st->unique_recv_dev.get<int64_t>();
+    absl::Status group;  // first enqueue error; the group is closed either way
     MOONEP_NCCL_RETURN_IF_ERROR(ncclGroupStart());
     for (int32_t d = 0; d < R; ++d) {
       const int64_t n = send.rows_to(d);
       if (d == me || n == 0) continue;
-      ncclSend(meta_send + send.entry_begin[d], static_cast<size_t>(n) * sizeof(RowMeta), ncclUint8,
-               d, rows_comm_, stream);
-      ncclSend(unique_send + d, 1, ncclInt64, d, rows_comm_, stream);
+      Keep(&group,
+           ncclSend(meta_send + send.entry_begin[d], static_cast<size_t>(n) * sizeof(RowMeta),
+                    ncclUint8, d, rows_comm_, stream),
+           "ncclSend");
+      Keep(&group, ncclSend(unique_send + d, 1, ncclInt64, d, rows_comm_, stream), "ncclSend");
     }
     for (int32_t s = 0; s < R; ++s) {
       const int64_t n = recv.rows_from(s);
       if (s == me || n == 0) continue;
-      ncclRecv(meta_recv + recv.rows_begin[s], static_cast<size_t>(n) * sizeof(RowMeta), ncclUint8,
-               s, rows_comm_, stream);
-      ncclRecv(unique_recv + s, 1, ncclInt64, s, rows_comm_, stream);
+      Keep(&group,
+           ncclRecv(meta_recv + recv.rows_begin[s], static_cast<size_t>(n) * sizeof(RowMeta),
+                    ncclUint8, s, rows_comm_, stream),
+           "ncclRecv");
+      Keep(&group, ncclRecv(unique_recv + s, 1, ncclInt64, s, rows_comm_, stream), "ncclRecv");
     }
     MOONEP_RETURN_IF_ERROR(GroupEnd(rows_comm_, "dispatch metadata (ncclGroupEnd)"));
+    MOONEP_RETURN_IF_ERROR(group);
     MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st->unique_recv_host.get(), unique_recv, R * 8,
                                                 cudaMemcpyDeviceToHost, stream));
     return absl::OkStatus();
@@ -1100,31 +1140,37 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartDispatch(const planner::Plan&
     char* send_staging = st->send_staging.get();
     char* recv_staging = st->recv_staging.get();
     if (pack_rows > 0) {
-      MOONEP_CUDA_RETURN_IF_ERROR(kernels::LaunchPackRows(
-          x_view.data, T, st->table<int32_t>(st->off_pack_index), pack_rows, send_staging,
-          row_bytes, st->bad_dev.get<int32_t>(), stream));
+      MOONEP_CUDA_RETURN_IF_ERROR(
+          kernels::LaunchPackRows(x_view.data, T, st->table<int32_t>(st->off_pack_index), pack_rows,
+                                  send_staging, row_bytes, st->bad_dev.get<int32_t>(), stream));
     }
+    absl::Status group;  // first enqueue error; the group is closed either way
     MOONEP_NCCL_RETURN_IF_ERROR(ncclGroupStart());
     for (int32_t d = 0; d < R; ++d) {
       const int64_t u = st->pack_begin[d + 1] - st->pack_begin[d];
       if (d == me || u == 0) continue;
-      ncclSend(send_staging + st->pack_begin[d] * row_bytes, static_cast<size_t>(u) * row_bytes,
-               ncclUint8, d, rows_comm_, stream);
+      Keep(&group,
+           ncclSend(send_staging + st->pack_begin[d] * row_bytes,
+                    static_cast<size_t>(u) * row_bytes, ncclUint8, d, rows_comm_, stream),
+           "ncclSend");
     }
     for (int32_t s = 0; s < R; ++s) {
       const int64_t u = st->unique_from[s];
       if (s == me || u == 0) continue;
-      ncclRecv(recv_staging + staging_begin[s] * row_bytes, static_cast<size_t>(u) * row_bytes,
-               ncclUint8, s, rows_comm_, stream);
+      Keep(&group,
+           ncclRecv(recv_staging + staging_begin[s] * row_bytes, static_cast<size_t>(u) * row_bytes,
+                    ncclUint8, s, rows_comm_, stream),
+           "ncclRecv");
     }
     MOONEP_RETURN_IF_ERROR(GroupEnd(rows_comm_, "dispatch rows (ncclGroupEnd)"));
+    MOONEP_RETURN_IF_ERROR(group);
     MOONEP_CUDA_RETURN_IF_ERROR(LaunchExpandRows(
         st->table<RowSource>(st->off_row_source), rank_rows, st->meta_recv_dev.get<RowMeta>(),
         recv_total, st->staging_begin_dev.get<int64_t>(), R, recv_staging, x_view.data, n_entries,
         K, st->weights_dev.get<float>(), row_bytes, rows_view.data, weights_out,
         st->bad_dev.get<int32_t>(), stream));
-    MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st->bad_host.get(), st->bad_dev.get(), 4,
-                                                cudaMemcpyDeviceToHost, stream));
+    MOONEP_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(st->bad_host.get(), st->bad_dev.get(), 4, cudaMemcpyDeviceToHost, stream));
     raw->counters().rows_received = staging_begin[R];
     raw->counters().bytes_received = staging_begin[R] * static_cast<int64_t>(row_bytes);
     return absl::OkStatus();
@@ -1132,8 +1178,10 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartDispatch(const planner::Plan&
   auto finish = [=]() -> absl::Status {
     const int32_t bad = *st->bad_host.get<int32_t>();
     if (bad != 0) {
-      return Fatal(Internal("dispatch: %d rows had an out-of-range index (a peer sent metadata "
-                            "that does not match the plan)", bad));
+      return Fatal(
+          Internal("dispatch: %d rows had an out-of-range index (a peer sent metadata "
+                   "that does not match the plan)",
+                   bad));
     }
     h->dispatched_ = true;
     return absl::OkStatus();
@@ -1154,8 +1202,12 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartRowsOut(OpKind kind, Dispatch
   const int64_t pack_rows = st->pack_begin[R];
   const size_t row_bytes = static_cast<size_t>(x.shape[1]) * DTypeSize(x.dtype);
   {
-    absl::Status s = st->send_staging.Reserve(static_cast<size_t>(std::max<int64_t>(pack_rows, 1)) * row_bytes, "send staging");
-    if (s.ok()) s = st->recv_staging.Reserve(static_cast<size_t>(std::max<int64_t>(st->staging_begin[R], 1)) * row_bytes, "receive staging");
+    absl::Status s = st->send_staging.Reserve(
+        static_cast<size_t>(std::max<int64_t>(pack_rows, 1)) * row_bytes, "send staging");
+    if (s.ok())
+      s = st->recv_staging.Reserve(
+          static_cast<size_t>(std::max<int64_t>(st->staging_begin[R], 1)) * row_bytes,
+          "receive staging");
     if (!s.ok()) return Fatal(s);
   }
   auto op = NewOp(kind, rows_stream_, RowPeers(h));
@@ -1180,31 +1232,37 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartRowsOut(OpKind kind, Dispatch
     char* send_staging = st->send_staging.get();
     char* recv_staging = st->recv_staging.get();
     if (pack_rows > 0) {
-      MOONEP_CUDA_RETURN_IF_ERROR(kernels::LaunchPackRows(
-          x_view.data, T, st->table<int32_t>(st->off_pack_index), pack_rows, send_staging,
-          row_bytes, st->bad_dev.get<int32_t>(), stream));
+      MOONEP_CUDA_RETURN_IF_ERROR(
+          kernels::LaunchPackRows(x_view.data, T, st->table<int32_t>(st->off_pack_index), pack_rows,
+                                  send_staging, row_bytes, st->bad_dev.get<int32_t>(), stream));
     }
+    absl::Status group;  // first enqueue error; the group is closed either way
     MOONEP_NCCL_RETURN_IF_ERROR(ncclGroupStart());
     for (int32_t d = 0; d < R; ++d) {
       const int64_t u = st->pack_begin[d + 1] - st->pack_begin[d];
       if (d == me || u == 0) continue;
-      ncclSend(send_staging + st->pack_begin[d] * row_bytes, static_cast<size_t>(u) * row_bytes,
-               ncclUint8, d, rows_comm_, stream);
+      Keep(&group,
+           ncclSend(send_staging + st->pack_begin[d] * row_bytes,
+                    static_cast<size_t>(u) * row_bytes, ncclUint8, d, rows_comm_, stream),
+           "ncclSend");
     }
     for (int32_t s = 0; s < R; ++s) {
       const int64_t u = st->unique_from[s];
       if (s == me || u == 0) continue;
-      ncclRecv(recv_staging + st->staging_begin[s] * row_bytes, static_cast<size_t>(u) * row_bytes,
-               ncclUint8, s, rows_comm_, stream);
+      Keep(&group,
+           ncclRecv(recv_staging + st->staging_begin[s] * row_bytes,
+                    static_cast<size_t>(u) * row_bytes, ncclUint8, s, rows_comm_, stream),
+           "ncclRecv");
     }
     MOONEP_RETURN_IF_ERROR(GroupEnd(rows_comm_, "combine-backward rows (ncclGroupEnd)"));
+    MOONEP_RETURN_IF_ERROR(group);
     MOONEP_CUDA_RETURN_IF_ERROR(LaunchExpandRows(
         st->table<RowSource>(st->off_row_source), rank_rows, st->meta_recv_dev.get<RowMeta>(),
         recv_total, st->staging_begin_dev.get<int64_t>(), R, recv_staging, x_view.data, n_entries,
         K, st->weights_dev.get<float>(), row_bytes, rows_view.data, nullptr,
         st->bad_dev.get<int32_t>(), stream));
-    MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st->bad_host.get(), st->bad_dev.get(), 4,
-                                                cudaMemcpyDeviceToHost, stream));
+    MOONEP_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(st->bad_host.get(), st->bad_dev.get(), 4, cudaMemcpyDeviceToHost, stream));
     return absl::OkStatus();
   };
   const char* name = OpName(kind);
@@ -1243,9 +1301,10 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartRowsBack(OpKind kind, Dispatc
                                                             const TensorView& rows,
                                                             const TensorView& y) {
   const char* name = OpName(kind);
-  absl::Status s = CheckRows(rows, kind == OpKind::kCombine ? "expert_rows" : "dx_rows",
-                             h->recv_.rank_rows, -1);
-  if (s.ok()) s = CheckRows(y, kind == OpKind::kCombine ? "y" : "dx", h->num_tokens_, rows.shape[1]);
+  absl::Status s =
+      CheckRows(rows, kind == OpKind::kCombine ? "expert_rows" : "dx_rows", h->recv_.rank_rows, -1);
+  if (s.ok())
+    s = CheckRows(y, kind == OpKind::kCombine ? "y" : "dx", h->num_tokens_, rows.shape[1]);
   if (s.ok() && y.shape[0] != h->num_tokens_) {
     s = InvalidArgument("%s: has %d rows, need num_tokens = %d",
                         kind == OpKind::kCombine ? "y" : "dx", y.shape[0], h->num_tokens_);
@@ -1262,15 +1321,18 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartRowsBack(OpKind kind, Dispatc
   const int64_t recv_total = recv.rows_begin[R], sent_entries = send.entry_begin[R];
   const size_t row_bytes = static_cast<size_t>(H) * DTypeSize(rows.dtype);
   {
-    absl::Status r = st->send_staging.Reserve(static_cast<size_t>(std::max<int64_t>(recv_total, 1)) * row_bytes, "send staging");
-    if (r.ok()) r = st->recv_staging.Reserve(static_cast<size_t>(std::max<int64_t>(sent_entries, 1)) * row_bytes, "receive staging");
+    absl::Status r = st->send_staging.Reserve(
+        static_cast<size_t>(std::max<int64_t>(recv_total, 1)) * row_bytes, "send staging");
+    if (r.ok())
+      r = st->recv_staging.Reserve(
+          static_cast<size_t>(std::max<int64_t>(sent_entries, 1)) * row_bytes, "receive staging");
     if (r.ok() && kind == OpKind::kDispatchBackward && st->ones_count < n_entries) {
       r = st->ones_dev.Reserve(static_cast<size_t>(n_entries) * 4, "unit weights");
       if (r.ok()) {
         std::vector<float> ones(static_cast<size_t>(n_entries), 1.0f);
-        r = kernels::CudaStatus(cudaMemcpy(st->ones_dev.get(), ones.data(), ones.size() * 4,
-                                           cudaMemcpyHostToDevice),
-                                "cudaMemcpy");
+        r = kernels::CudaStatus(
+            cudaMemcpy(st->ones_dev.get(), ones.data(), ones.size() * 4, cudaMemcpyHostToDevice),
+            "cudaMemcpy");
         if (r.ok()) st->ones_count = n_entries;
       }
     }
@@ -1288,8 +1350,8 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartRowsBack(OpKind kind, Dispatc
     c.rows_local = send.rows_to(me);
   }
   const TensorView rows_view = rows, y_view = y;
-  const float* weights = kind == OpKind::kCombine ? st->weights_dev.get<float>()
-                                                  : st->ones_dev.get<float>();
+  const float* weights =
+      kind == OpKind::kCombine ? st->weights_dev.get<float>() : st->ones_dev.get<float>();
   auto move = [=]() -> absl::Status {
     const SendLayout& send = h->send_;
     const ReceiveLayout& recv = h->recv_;
@@ -1302,25 +1364,31 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartRowsBack(OpKind kind, Dispatc
           rows_view.data, rows_view.shape[0], st->table<int32_t>(st->off_pos_row), recv_total,
           send_staging, row_bytes, st->bad_dev.get<int32_t>(), stream));
     }
+    absl::Status group;  // first enqueue error; the group is closed either way
     MOONEP_NCCL_RETURN_IF_ERROR(ncclGroupStart());
     for (int32_t src = 0; src < R; ++src) {
       const int64_t n = recv.rows_from(src);
       if (src == me || n == 0) continue;
-      ncclSend(send_staging + recv.rows_begin[src] * row_bytes, static_cast<size_t>(n) * row_bytes,
-               ncclUint8, src, rows_comm_, stream);
+      Keep(&group,
+           ncclSend(send_staging + recv.rows_begin[src] * row_bytes,
+                    static_cast<size_t>(n) * row_bytes, ncclUint8, src, rows_comm_, stream),
+           "ncclSend");
     }
     for (int32_t d = 0; d < R; ++d) {
       const int64_t n = send.rows_to(d);
       if (d == me || n == 0) continue;
-      ncclRecv(recv_staging + send.entry_begin[d] * row_bytes, static_cast<size_t>(n) * row_bytes,
-               ncclUint8, d, rows_comm_, stream);
+      Keep(&group,
+           ncclRecv(recv_staging + send.entry_begin[d] * row_bytes,
+                    static_cast<size_t>(n) * row_bytes, ncclUint8, d, rows_comm_, stream),
+           "ncclRecv");
     }
     MOONEP_RETURN_IF_ERROR(GroupEnd(rows_comm_, "rows back (ncclGroupEnd)"));
+    MOONEP_RETURN_IF_ERROR(group);
     if (send.rows_to(me) > 0) {
-      MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-          recv_staging + send.entry_begin[me] * row_bytes,
-          send_staging + recv.rows_begin[me] * row_bytes,
-          static_cast<size_t>(send.rows_to(me)) * row_bytes, cudaMemcpyDeviceToDevice, stream));
+      MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(recv_staging + send.entry_begin[me] * row_bytes,
+                                                  send_staging + recv.rows_begin[me] * row_bytes,
+                                                  static_cast<size_t>(send.rows_to(me)) * row_bytes,
+                                                  cudaMemcpyDeviceToDevice, stream));
     }
     if (T > 0 && K == 0) {
       MOONEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(y_view.data, 0, y_view.nbytes(), stream));
@@ -1329,8 +1397,8 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartRowsBack(OpKind kind, Dispatc
           recv_staging, rows_view.dtype, sent_entries, st->table<int32_t>(st->off_combine_index),
           weights, T, K, H, y_view.data, y_view.dtype, st->bad_dev.get<int32_t>(), stream));
     }
-    MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st->bad_host.get(), st->bad_dev.get(), 4,
-                                                cudaMemcpyDeviceToHost, stream));
+    MOONEP_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(st->bad_host.get(), st->bad_dev.get(), 4, cudaMemcpyDeviceToHost, stream));
     return absl::OkStatus();
   };
   auto finish = [=]() -> absl::Status {
@@ -1363,10 +1431,9 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartDispatchBackward(DispatchHand
 
 // d topk weights: one dot product per row where the rows are, one float back per row, scattered
 // to (t, k) by the combine index (0 where the id is -1).
-absl::StatusOr<RequestPtr> NcclTransportImpl::StartTopkWeightGrad(DispatchHandle* h,
-                                                                  const TensorView& dy_rows,
-                                                                  const TensorView& expert_rows,
-                                                                  absl::Span<float> d_topk_weights) {
+absl::StatusOr<RequestPtr> NcclTransportImpl::StartTopkWeightGrad(
+    DispatchHandle* h, const TensorView& dy_rows, const TensorView& expert_rows,
+    absl::Span<float> d_topk_weights) {
   MOONEP_RETURN_IF_ERROR(Usable());
   DeviceGuard guard(device_);
   if (testing::ShouldSkip(rank_, OpKind::kTopkWeightGrad)) return RequestPtr(new DoneRequest());
@@ -1390,8 +1457,11 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartTopkWeightGrad(DispatchHandle
   const ReceiveLayout& recv = h->recv_;
   const int64_t recv_total = recv.rows_begin[R], sent_entries = send.entry_begin[R];
   {
-    absl::Status r = st->send_staging.Reserve(static_cast<size_t>(std::max<int64_t>(recv_total, 1)) * 4, "send staging");
-    if (r.ok()) r = st->recv_staging.Reserve(static_cast<size_t>(std::max<int64_t>(sent_entries, 1)) * 4, "receive staging");
+    absl::Status r = st->send_staging.Reserve(
+        static_cast<size_t>(std::max<int64_t>(recv_total, 1)) * 4, "send staging");
+    if (r.ok())
+      r = st->recv_staging.Reserve(static_cast<size_t>(std::max<int64_t>(sent_entries, 1)) * 4,
+                                   "receive staging");
     if (!r.ok()) return Fatal(r);
   }
   auto op = NewOp(OpKind::kTopkWeightGrad, rows_stream_, RowPeers(h));
@@ -1418,36 +1488,42 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartTopkWeightGrad(DispatchHandle
                                               st->table<int32_t>(st->off_pos_row),
                                               std::min(a.shape[0], b.shape[0]), recv_total,
                                               dots_send, st->bad_dev.get<int32_t>(), stream));
+    absl::Status group;  // first enqueue error; the group is closed either way
     MOONEP_NCCL_RETURN_IF_ERROR(ncclGroupStart());
     for (int32_t src = 0; src < R; ++src) {
       const int64_t n = recv.rows_from(src);
       if (src == me || n == 0) continue;
-      ncclSend(dots_send + recv.rows_begin[src], static_cast<size_t>(n), ncclFloat32, src,
-               rows_comm_, stream);
+      Keep(&group,
+           ncclSend(dots_send + recv.rows_begin[src], static_cast<size_t>(n), ncclFloat32, src,
+                    rows_comm_, stream),
+           "ncclSend");
     }
     for (int32_t d = 0; d < R; ++d) {
       const int64_t n = send.rows_to(d);
       if (d == me || n == 0) continue;
-      ncclRecv(dots_recv + send.entry_begin[d], static_cast<size_t>(n), ncclFloat32, d,
-               rows_comm_, stream);
+      Keep(&group,
+           ncclRecv(dots_recv + send.entry_begin[d], static_cast<size_t>(n), ncclFloat32, d,
+                    rows_comm_, stream),
+           "ncclRecv");
     }
     MOONEP_RETURN_IF_ERROR(GroupEnd(rows_comm_, "topk-weight-grad (ncclGroupEnd)"));
+    MOONEP_RETURN_IF_ERROR(group);
     if (send.rows_to(me) > 0) {
       MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
           dots_recv + send.entry_begin[me], dots_send + recv.rows_begin[me],
           static_cast<size_t>(send.rows_to(me)) * 4, cudaMemcpyDeviceToDevice, stream));
     }
-    MOONEP_CUDA_RETURN_IF_ERROR(LaunchScatterValues(dots_recv, sent_entries,
-                                                    st->table<int32_t>(st->off_combine_index),
-                                                    n_entries, dw, st->bad_dev.get<int32_t>(),
-                                                    stream));
-    MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st->bad_host.get(), st->bad_dev.get(), 4,
-                                                cudaMemcpyDeviceToHost, stream));
+    MOONEP_CUDA_RETURN_IF_ERROR(
+        LaunchScatterValues(dots_recv, sent_entries, st->table<int32_t>(st->off_combine_index),
+                            n_entries, dw, st->bad_dev.get<int32_t>(), stream));
+    MOONEP_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(st->bad_host.get(), st->bad_dev.get(), 4, cudaMemcpyDeviceToHost, stream));
     return absl::OkStatus();
   };
   auto finish = [=]() -> absl::Status {
     const int32_t bad = *st->bad_host.get<int32_t>();
-    if (bad != 0) return Fatal(Internal("topk-weight-grad: %d rows had an out-of-range index", bad));
+    if (bad != 0)
+      return Fatal(Internal("topk-weight-grad: %d rows had an out-of-range index", bad));
     return absl::OkStatus();
   };
   return Run(std::move(op), {move}, finish);
@@ -1469,8 +1545,8 @@ absl::Status NcclTransportImpl::CheckBlocks(const planner::Plan& plan, const Exp
                    b.slots.size(), static_cast<int64_t>(plan.slots) * nt);
   auto check = [&](const TensorView& v, const char* part, size_t index) -> absl::Status {
     const TensorView& ref = b.home.empty() ? b.slots[index % nt] : b.home[index % nt];
-    MOONEP_CHECK_ARG(v.device == Device::kCuda,
-                     "%s.%s[%d]: the NCCL transport needs device memory", name, part, index);
+    MOONEP_CHECK_ARG(v.device == Device::kCuda, "%s.%s[%d]: the NCCL transport needs device memory",
+                     name, part, index);
     MOONEP_CHECK_ARG(IsRowDType(v.dtype), "%s.%s[%d]: dtype must be fp32 or bf16", name, part,
                      index);
     MOONEP_CHECK_ARG(v.is_contiguous(), "%s.%s[%d]: must be contiguous", name, part, index);
@@ -1566,16 +1642,20 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartPrefetch(const planner::Plan&
   auto move = [=]() -> absl::Status {
     MOONEP_RETURN_IF_ERROR(WaitCaller(stream));
     if (transfers.empty()) return absl::OkStatus();
+    absl::Status group;  // first enqueue error; the group is closed either way
     MOONEP_NCCL_RETURN_IF_ERROR(ncclGroupStart());
     for (const Transfer& t : transfers) {
       if (t.bytes == 0) continue;
       if (t.send) {
-        ncclSend(t.data, t.bytes, ncclUint8, t.peer, weights_comm_, stream);
+        Keep(&group, ncclSend(t.data, t.bytes, ncclUint8, t.peer, weights_comm_, stream),
+             "ncclSend");
       } else {
-        ncclRecv(t.data, t.bytes, ncclUint8, t.peer, weights_comm_, stream);
+        Keep(&group, ncclRecv(t.data, t.bytes, ncclUint8, t.peer, weights_comm_, stream),
+             "ncclRecv");
       }
     }
-    return GroupEnd(weights_comm_, "prefetch (ncclGroupEnd)");
+    MOONEP_RETURN_IF_ERROR(GroupEnd(weights_comm_, "prefetch (ncclGroupEnd)"));
+    return group;
   };
   return Run(std::move(op), {move}, nullptr);
 }
@@ -1595,8 +1675,8 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartReduce(const planner::Plan& p
   struct Transfer {
     bool send;
     int peer;
-    void* data;       // send: the slot's gradient; receive: unused (staging offset below)
-    size_t offset;    // receive: offset in the staging
+    void* data;     // send: the slot's gradient; receive: unused (staging offset below)
+    size_t offset;  // receive: offset in the staging
     size_t bytes;
   };
   std::vector<Transfer> transfers;
@@ -1629,9 +1709,14 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartReduce(const planner::Plan& p
   size_t num_pointers = 0;
   for (const auto& list : sources) num_pointers += list.size();
   {
-    absl::Status s = reduce_staging_.Reserve(std::max<size_t>(staging_bytes, 256), "reduce staging");
-    if (s.ok()) s = reduce_sources_dev_.Reserve(std::max<size_t>(num_pointers, 1) * sizeof(void*), "reduce table");
-    if (s.ok()) s = reduce_sources_host_.Reserve(std::max<size_t>(num_pointers, 1) * sizeof(void*), "reduce table");
+    absl::Status s =
+        reduce_staging_.Reserve(std::max<size_t>(staging_bytes, 256), "reduce staging");
+    if (s.ok())
+      s = reduce_sources_dev_.Reserve(std::max<size_t>(num_pointers, 1) * sizeof(void*),
+                                      "reduce table");
+    if (s.ok())
+      s = reduce_sources_host_.Reserve(std::max<size_t>(num_pointers, 1) * sizeof(void*),
+                                       "reduce table");
     if (!s.ok()) return Fatal(s);
   }
   // Source pointer table (device addresses of the staged blocks), uploaded with the op.
@@ -1649,8 +1734,8 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartReduce(const planner::Plan& p
     for (size_t gi = 0; gi < sources.size(); ++gi) {
       if (sources[gi].empty()) continue;
       const TensorView& home = grads.home[gi];
-      sums.push_back({home.data, home.dtype, home.numel(), at,
-                      static_cast<int32_t>(sources[gi].size())});
+      sums.push_back(
+          {home.data, home.dtype, home.numel(), at, static_cast<int32_t>(sources[gi].size())});
       for (size_t offset : sources[gi]) table[at++] = reduce_staging_.get() + offset;
     }
   }
@@ -1678,20 +1763,25 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartReduce(const planner::Plan& p
                                                   num_pointers * sizeof(void*),
                                                   cudaMemcpyHostToDevice, stream));
     }
+    absl::Status group;  // first enqueue error; the group is closed either way
     MOONEP_NCCL_RETURN_IF_ERROR(ncclGroupStart());
     for (const Transfer& t : transfers) {
       if (t.bytes == 0) continue;
       if (t.send) {
-        ncclSend(t.data, t.bytes, ncclUint8, t.peer, weights_comm_, stream);
+        Keep(&group, ncclSend(t.data, t.bytes, ncclUint8, t.peer, weights_comm_, stream),
+             "ncclSend");
       } else {
-        ncclRecv(staging + t.offset, t.bytes, ncclUint8, t.peer, weights_comm_, stream);
+        Keep(&group,
+             ncclRecv(staging + t.offset, t.bytes, ncclUint8, t.peer, weights_comm_, stream),
+             "ncclRecv");
       }
     }
     MOONEP_RETURN_IF_ERROR(GroupEnd(weights_comm_, "reduce (ncclGroupEnd)"));
+    MOONEP_RETURN_IF_ERROR(group);
     // home + replica of the lowest rank + the next ..., in fp32, stored once.
     for (const Sum& sum : sums) {
-      MOONEP_CUDA_RETURN_IF_ERROR(LaunchSumInOrder(sum.home, sum.dtype, sum.n,
-                                                   table_dev + sum.first, sum.count, stream));
+      MOONEP_CUDA_RETURN_IF_ERROR(
+          LaunchSumInOrder(sum.home, sum.dtype, sum.n, table_dev + sum.first, sum.count, stream));
     }
     return absl::OkStatus();
   };
