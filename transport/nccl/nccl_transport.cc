@@ -6,6 +6,7 @@
 #include <array>
 #include <chrono>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <string>
 #include <thread>
@@ -202,9 +203,8 @@ class NcclOp : public NcclRequest {
   absl::Status Wait() override;
   cudaEvent_t done_event() const override { return event_; }
 
-  // Runs the first step; later steps run from Test().
+  // Queues the op on its channel; its steps are posted by the channel's progress (Progress).
   absl::Status Start(std::vector<Step> steps, Step finish);
-  absl::Status Record();
   OpCounters& counters() { return counters_; }
   // Ends the op after the current step with `verdict`, without aborting: for errors every rank
   // reaches in the same step from the same exchanged data (the transport stays usable).
@@ -213,14 +213,22 @@ class NcclOp : public NcclRequest {
     verdict_ = std::move(verdict);
   }
 
+  // For the channel's progress: true when nothing remains to post (or the op ended).
+  bool AllPosted() const { return done_ || stop_ || next_ >= steps_.size(); }
+  // Posts the next step if the previous one's device work is complete. False: still waiting.
+  bool TryPostNext();
+  int channel() const { return channel_; }
+
  private:
   absl::Status Fail(absl::Status status);
   // Names the phase, this rank and the peers in a step's error.
   absl::Status Context(const absl::Status& status) const;
+  absl::Status Record();
 
   NcclTransportImpl* transport_;
   OpKind kind_;
   cudaStream_t stream_;
+  int channel_;
   std::vector<int> peers_;
   cudaEvent_t event_ = nullptr;
   std::vector<Step> steps_;
@@ -290,6 +298,26 @@ class NcclTransportImpl : public NcclTransport {
   void Abort(const absl::Status& status);
   absl::Status PollAsyncErrors() const;
   void AddCounters(OpKind kind, const OpCounters& c);
+  // NCCL needs the same order of operations on a communicator on every rank. Ops with several
+  // steps post later steps only after a host read, so each channel (rows, weights) keeps its ops
+  // in start order and posts an op's steps only once every op started before it posted all of
+  // its own: the order on the communicator is the start order on every rank.
+  void Enqueue(NcclOp* op) { queue_[op->channel()].push_back(op); }
+  void Dequeue(NcclOp* op) {
+    auto& q = queue_[op->channel()];
+    q.erase(std::remove(q.begin(), q.end(), op), q.end());
+  }
+  void Progress(int channel) {
+    auto& q = queue_[channel];
+    while (!q.empty()) {
+      NcclOp* head = q.front();
+      if (head->AllPosted()) {
+        q.pop_front();
+        continue;
+      }
+      if (!head->TryPostNext()) break;
+    }
+  }
 
  private:
   NcclTransportImpl() = default;
@@ -344,6 +372,7 @@ class NcclTransportImpl : public NcclTransport {
   DeviceBuffer reduce_staging_, reduce_sources_dev_;
   PinnedBuffer reduce_sources_host_;
   std::array<OpCounters, static_cast<int>(OpKind::kNumKinds)> counters_{};
+  std::array<std::deque<NcclOp*>, 2> queue_;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -353,6 +382,7 @@ NcclOp::NcclOp(NcclTransportImpl* t, OpKind kind, cudaStream_t stream, std::vect
     : transport_(t),
       kind_(kind),
       stream_(stream),
+      channel_(stream == t->weights_stream() ? 1 : 0),
       peers_(std::move(peers)),
       deadline_(Clock::now() + std::chrono::milliseconds(t->timeout_ms())) {
   counters_.calls = 1;
@@ -363,10 +393,11 @@ NcclOp::NcclOp(NcclTransportImpl* t, OpKind kind, cudaStream_t stream, std::vect
 }
 
 NcclOp::~NcclOp() {
-  if (!done_) {
+  if (!done_ && !(stop_ && AllPosted())) {
     // Device work may still use the caller's buffers: abort it rather than leave it running.
     Fail(InvalidUsage("%s: request destroyed before it completed", OpName(kind_))).IgnoreError();
   }
+  transport_->Dequeue(this);
   if (event_) cudaEventDestroy(event_);
 }
 
@@ -379,12 +410,32 @@ absl::Status NcclOp::Start(std::vector<Step> steps, Step finish) {
   steps_ = std::move(steps);
   finish_ = std::move(finish);
   MOONEP_TRACE("transport nccl: %s starts, %d stages", OpName(kind_), steps_.size());
-  next_ = 1;
-  DeviceGuard guard(transport_->device());
-  absl::Status s = steps_.empty() ? Record() : steps_[0]();
-  if (s.ok() && !steps_.empty()) s = Record();
-  if (!s.ok()) return Fail(Context(s));
+  if (steps_.empty()) {
+    absl::Status s = Record();
+    if (!s.ok()) return Fail(Context(s));
+    return absl::OkStatus();
+  }
+  transport_->Enqueue(this);
+  transport_->Progress(channel_);
+  if (done_ && !status_.ok()) return status_;
   return absl::OkStatus();
+}
+
+bool NcclOp::TryPostNext() {
+  if (AllPosted()) return true;
+  if (next_ > 0) {
+    const cudaError_t q = cudaEventQuery(event_);
+    if (q == cudaErrorNotReady) return false;
+    if (q != cudaSuccess) {
+      cudaGetLastError();
+      Fail(Context(kernels::CudaStatus(q, "device work"))).IgnoreError();
+      return true;
+    }
+  }
+  absl::Status s = steps_[next_++]();
+  if (s.ok() && !stop_) s = Record();
+  if (!s.ok()) Fail(Context(s)).IgnoreError();
+  return true;
 }
 
 absl::Status NcclOp::Context(const absl::Status& status) const {
@@ -403,38 +454,31 @@ absl::StatusOr<bool> NcclOp::Test() {
     if (!usable.ok()) return Fail(usable);
   }
   DeviceGuard guard(transport_->device());
-  while (true) {
-    const cudaError_t q = cudaEventQuery(event_);
-    if (q == cudaErrorNotReady) break;
-    if (q != cudaSuccess) {
-      cudaGetLastError();
-      return Fail(Annotate(kernels::CudaStatus(q, "device work"), OpName(kind_)));
-    }
-    if (next_ < steps_.size()) {
-      absl::Status s = steps_[next_++]();
-      if (s.ok() && stop_) {
-        done_ = true;
-        status_ = verdict_;
-        if (!status_.ok()) return status_;
-        return true;
-      }
-      if (s.ok()) s = Record();
-      if (!s.ok()) return Fail(Context(s));
-      continue;
-    }
-    absl::Status s = finish_ ? finish_() : absl::OkStatus();
-    if (!s.ok()) {
-      done_ = true;  // verdicts on completed work; fatal ones already aborted (Fatal)
-      status_ = s;
-      return s;
-    }
+  transport_->Progress(channel_);
+  if (done_) return Test();
+  if (stop_) {
     done_ = true;
-    transport_->AddCounters(kind_, counters_);
-    return true;
+    status_ = verdict_;
+    return Test();
+  }
+  if (AllPosted()) {
+    const cudaError_t q = cudaEventQuery(event_);
+    if (q == cudaSuccess) {
+      absl::Status s = finish_ ? finish_() : absl::OkStatus();
+      done_ = true;  // finish errors are verdicts on completed work; fatal ones already aborted
+      status_ = s;
+      if (!s.ok()) return s;
+      transport_->AddCounters(kind_, counters_);
+      return true;
+    }
+    if (q != cudaErrorNotReady) {
+      cudaGetLastError();
+      return Fail(Context(kernels::CudaStatus(q, "device work")));
+    }
   }
   {
     absl::Status s = transport_->PollAsyncErrors();
-    if (!s.ok()) return Fail(Annotate(s, OpName(kind_)));
+    if (!s.ok()) return Fail(Context(s));
   }
   if (Clock::now() >= deadline_) {
     return Fail(
