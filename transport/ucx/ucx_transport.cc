@@ -328,7 +328,11 @@ class UcxTransport : public Transport {
   void ChannelDelta(int channel, int delta) { channel_in_flight_[channel] += delta; }
 
   std::vector<char> reduce_staging;
-  int64_t region_registrations = 0;  // ucp_mem_map calls of caller or staging memory
+  RegistrationStats stats() const {
+    RegistrationStats s = stats_;
+    s.regions_cached = static_cast<int64_t>(regions_.size());
+    return s;
+  }
 
  private:
   UcxTransport() = default;
@@ -391,6 +395,7 @@ class UcxTransport : public Transport {
   int32_t abort_rank_ = -1, abort_kind_ = 0;
   absl::Status poisoned_;
   std::array<OpCounters, static_cast<int>(OpKind::kNumKinds)> counters_{};
+  RegistrationStats stats_;
 
   friend class UcxOp;
 };
@@ -1489,6 +1494,7 @@ ucs_status_t UcxTransport::OnActiveMessage(void* arg, const void* header, size_t
             auto it = t->remote_keys_.find(key);
             if (it != t->remote_keys_.end()) t->dropped_keys_.push_back(it->second);
             t->remote_keys_[key] = rkey;
+            ++t->stats_.keys_unpacked;
           }
         }
         at += ref.rkey_bytes;
@@ -1782,7 +1788,7 @@ absl::StatusOr<uint64_t> UcxTransport::Register(const void* data, uint64_t bytes
   ucp_rkey_buffer_release(packed);
   r.peer_has_key.assign(size_, 0);
   r.last_use = ++use_clock_;
-  ++region_registrations;
+  ++stats_.regions_registered;
   regions_.push_back(std::move(r));
   return regions_.back().id;
 }
@@ -1807,6 +1813,7 @@ void UcxTransport::EvictRegions() {
     }
     ucp_mem_unmap(context_, r.memh);
     regions_.erase(regions_.begin() + static_cast<ptrdiff_t>(victim));
+    ++stats_.regions_evicted;
   }
 }
 
@@ -1824,6 +1831,7 @@ const std::vector<char>* UcxTransport::KeyFor(uint64_t id, int peer) {
     if (r.id != id) continue;
     if (r.peer_has_key[peer]) return nullptr;
     r.peer_has_key[peer] = 1;
+    ++stats_.keys_sent;
     return &r.packed_key;
   }
   return nullptr;
@@ -2196,4 +2204,12 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(const TransportOpt
   return UcxTransport::Create(options);
 }
 
-}  // namespace moonep::transport::mpi
+absl::StatusOr<RegistrationStats> GetRegistrationStats(const Transport& transport) {
+  const auto* t = dynamic_cast<const UcxTransport*>(&transport);
+  if (t == nullptr) {
+    return InvalidArgument("transport: backend '%s' is not ucx", transport.backend());
+  }
+  return t->stats();
+}
+
+}  // namespace moonep::transport::ucx

@@ -16,4 +16,15 @@ namespace moonep::transport::ucx {
 // (UCX_TLS, UCX_NET_DEVICES, ...).
 absl::StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(const TransportOptions& options);
 
+// Memory registration of one UCX transport since its creation (the signal area not included).
+struct RegistrationStats {
+  int64_t regions_registered = 0;  // ucp_mem_map calls for receive buffers, staging and slots
+  int64_t regions_evicted = 0;     // unregistered to keep the cache bounded
+  int64_t regions_cached = 0;      // registered now
+  int64_t keys_sent = 0;           // packed keys sent to peers (once per region and peer)
+  int64_t keys_unpacked = 0;       // peers' keys unpacked here
+};
+// InvalidArgument when `transport` is not a UCX transport.
+absl::StatusOr<RegistrationStats> GetRegistrationStats(const Transport& transport);
+
 }  // namespace moonep::transport::ucx

@@ -1,0 +1,132 @@
+// UCX backend specifics the shared suite cannot see: memory is registered once per buffer and its
+// key sent once per peer (steady-state steps register nothing and send no keys), a new buffer is
+// registered on first use, and the bounded registration cache evicts old regions (peers drop their
+// keys) while results stay correct, also for a buffer used again after its eviction.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "tests/harness/mpi_test.h"
+#include "tests/transport/transport_test_util.h"
+#include "transport/transport.h"
+#include "transport/ucx/ucx_transport.h"
+
+namespace moonep::transport {
+namespace {
+
+using test::BruteForcePlacement;
+using test::MakeProblem;
+using test::Problem;
+
+class UcxRegistrationTest : public moonep::testing::MpiTest {
+ protected:
+  void SetUp() override {
+    p_ = MakeProblem(size(), 2 * size(), 2, 4, 8, 77, -1);
+    ASSERT_TRUE(test::MakeRandomPlan("random", p_, 77, 2, 1, &plan_).ok());
+    TransportOptions o;
+    o.max_tokens = p_.max_tokens();
+    o.max_top_k = p_.K;
+    o.max_row_bytes = p_.H * 4;
+    auto t = CreateTransport("ucx", o);
+    ASSERT_TRUE(t.ok()) << t.status();
+    t_ = std::move(*t);
+    cap_ = 0;
+    for (int32_t r = 0; r < p_.R; ++r) cap_ += p_.T[r] * p_.K;
+    cap_ += plan_.num_groups();
+    truth_ = BruteForcePlacement(p_, plan_);
+  }
+  void TearDown() override {
+    t_.reset();
+    moonep::testing::MpiTest::TearDown();
+  }
+  ucx::RegistrationStats Stats() {
+    auto s = ucx::GetRegistrationStats(*t_);
+    EXPECT_TRUE(s.ok()) << s.status();
+    return s.ok() ? *s : ucx::RegistrationStats{};
+  }
+  // One step into `rows`; checks every row this rank receives against the brute-force placement.
+  void Step(std::vector<float>* rows) {
+    const int32_t me = rank();
+    const int64_t T = p_.T[me], H = p_.H;
+    rows->assign(cap_ * H, -1.0f);
+    std::vector<float> w(cap_), y(T * H);
+    ASSERT_TRUE(t_->ExchangeCounts(p_.ids[me], T, p_.K, p_.E, cap_, &h_).ok());
+    TensorView rows_v = TensorView::Contiguous(rows->data(), DType::kFloat32, {cap_, H});
+    ASSERT_TRUE(t_->Dispatch(plan_, TensorView::Contiguous(p_.x[me].data(), DType::kFloat32, {T, H}),
+                             p_.weights[me], &h_, rows_v, absl::MakeSpan(w)).ok());
+    for (int32_t s = 0; s < p_.R; ++s) {
+      for (size_t i = 0; i < truth_[s].size(); ++i) {
+        if (truth_[s][i].rank != me) continue;
+        ASSERT_EQ(0, std::memcmp(&(*rows)[truth_[s][i].row * H], &p_.x[s][(i / p_.K) * H], H * 4))
+            << "row " << truth_[s][i].row << " from rank " << s;
+      }
+    }
+    ASSERT_TRUE(t_->Combine(&h_, rows_v, TensorView::Contiguous(y.data(), DType::kFloat32, {T, H})).ok());
+  }
+  bool ReceivesRemoteRows() const {
+    for (int32_t s = 0; s < p_.R; ++s) {
+      if (s != rank() && h_.receive_layout().rows_from(s) > 0) return true;
+    }
+    return false;
+  }
+
+  Problem p_;
+  planner::Plan plan_;
+  std::unique_ptr<Transport> t_;
+  DispatchHandle h_;
+  int64_t cap_ = 0;
+  std::vector<std::vector<test::Placement>> truth_;
+};
+
+TEST_F(UcxRegistrationTest, SteadyStateRegistersNothingAndSendsNoKeys) {
+  if (size() < 2) GTEST_SKIP() << "needs peers";
+  std::vector<float> rows;
+  Step(&rows);
+  const ucx::RegistrationStats first = Stats();
+  for (int step = 0; step < 4; ++step) Step(&rows);
+  const ucx::RegistrationStats later = Stats();
+  EXPECT_EQ(later.regions_registered, first.regions_registered);
+  EXPECT_EQ(later.keys_sent, first.keys_sent);
+  EXPECT_EQ(later.keys_unpacked, first.keys_unpacked);
+  // A receive buffer at new addresses is registered on first use, once.
+  std::vector<float> other;
+  other.reserve(rows.size() + 1024);  // alive beside `rows`: distinct addresses
+  Step(&other);
+  const ucx::RegistrationStats moved = Stats();
+  EXPECT_EQ(moved.regions_registered, later.regions_registered + (ReceivesRemoteRows() ? 1 : 0));
+  Step(&other);
+  EXPECT_EQ(Stats().regions_registered, moved.regions_registered);
+}
+
+TEST_F(UcxRegistrationTest, CacheStaysBoundedAndEvictedBuffersWorkAgain) {
+  if (size() < 2) GTEST_SKIP() << "needs peers";
+  // More live receive buffers than the cache holds (256 regions), each used once, then the first
+  // (long evicted) again: its peers destroyed the old key and get a new one.
+  std::vector<std::vector<float>> buffers(300);
+  for (auto& b : buffers) {
+    Step(&b);
+    if (HasFatalFailure()) return;
+  }
+  const ucx::RegistrationStats s = Stats();
+  EXPECT_LE(s.regions_cached, 256);
+  if (ReceivesRemoteRows()) {
+    EXPECT_GT(s.regions_evicted, 0);
+  }
+  Step(&buffers[0]);
+}
+
+TEST(UcxStats, OtherBackendsAreRejected) {
+  TransportOptions o;
+  o.max_tokens = 1;
+  o.max_top_k = 1;
+  o.max_row_bytes = 4;
+  auto t = CreateTransport("mpi", o);
+  ASSERT_TRUE(t.ok()) << t.status();
+  auto s = ucx::GetRegistrationStats(**t);
+  EXPECT_TRUE(absl::IsInvalidArgument(s.status())) << s.status();
+}
+
+}  // namespace
+}  // namespace moonep::transport
