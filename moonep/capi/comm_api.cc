@@ -60,11 +60,12 @@ absl::Status CheckHandle(const void* object, Kind kind, const char* name) {
   return absl::OkStatus();
 }
 
-absl::Status ReadDType(moonepDataType_t dtype, const char* name, DType* out) {
-  if (!IsValidDType(static_cast<int32_t>(dtype))) {
-    return InvalidArgument("%s = %d is not a moonepDataType_t", name, static_cast<int>(dtype));
+absl::Status ReadDType(const moonepDataType_t& dtype, const char* name, DType* out) {
+  const int value = RawEnum(dtype);
+  if (!IsValidDType(value)) {
+    return InvalidArgument("%s = %d is not a moonepDataType_t", name, value);
   }
-  *out = static_cast<DType>(dtype);
+  *out = static_cast<DType>(value);
   return absl::OkStatus();
 }
 
@@ -91,17 +92,18 @@ absl::Status ReadLayerConfig(const moonepLayerConfig_t* c, runtime::LayerConfig*
   if (MOONEP_HAS_FIELD(slots)) d.slots = c->slots;
   if (MOONEP_HAS_FIELD(pad_multiple)) d.pad_multiple = c->pad_multiple;
   if (MOONEP_HAS_FIELD(policy)) {
-    const int policy = static_cast<int>(c->policy);
+    const int policy = RawEnum(c->policy);
     if (policy < moonepPolicyNone || policy > moonepPolicyTestForceReplicas) {
       return InvalidArgument("config->policy = %d is not a moonepPlannerPolicy_t", policy);
     }
     d.policy = static_cast<planner::Policy>(policy);
   }
   if (MOONEP_HAS_FIELD(device)) {
-    if (c->device != moonepDeviceCpu && c->device != moonepDeviceCuda) {
-      return InvalidArgument("config->device = %d is not a moonepDevice_t", static_cast<int>(c->device));
+    const int device = RawEnum(c->device);
+    if (device != moonepDeviceCpu && device != moonepDeviceCuda) {
+      return InvalidArgument("config->device = %d is not a moonepDevice_t", device);
     }
-    d.device = static_cast<Device>(c->device);
+    d.device = static_cast<Device>(device);
   }
   if (MOONEP_HAS_FIELD(max_tokens)) d.max_tokens = c->max_tokens;
   if (MOONEP_HAS_FIELD(max_recv_rows)) d.max_recv_rows = c->max_recv_rows;
