@@ -529,6 +529,75 @@ INSTANTIATE_TEST_SUITE_P(Plans, NcclWeightsTest,
                          ParamName);
 
 // ---------------------------------------------------------------------------------------------
+// Asynchronous use: two dispatches (two layers) and a prefetch in flight at once, waited for in
+// reverse order. The dispatches post their second step only after a host read, so this checks
+// that every rank still issues the NCCL operations in the same order.
+
+TEST_F(NcclTest, TwoDispatchesAndAPrefetchInFlightWaitedInReverseOrder) {
+  const int32_t R = size(), me = rank();
+  const Problem a = MakeProblem(R, 2 * R, std::min(2, 2 * R), 4, 9, 51, -1);
+  const Problem b = MakeProblem(R, 2 * R, std::min(2, 2 * R), 4, 7, 52, -1);
+  planner::Plan plan_a, plan_b;
+  ASSERT_TRUE(MakePlanOfKind("random", a, 3, &plan_a).ok());
+  ASSERT_TRUE(MakePlanOfKind("random", b, 4, &plan_b).ok());
+  auto t = MakeTransport(std::max(a.max_tokens(), b.max_tokens()), a.K, a.H * 4);
+  ASSERT_NE(t, nullptr);
+  const int64_t H = a.H;
+  const int64_t cap_a = CapacityRows(a, plan_a.num_groups(), plan_a.pad_multiple);
+  const int64_t cap_b = CapacityRows(b, plan_b.num_groups(), plan_b.pad_multiple);
+  DeviceVector<int32_t> ids_a(a.ids[me]), ids_b(b.ids[me]);
+  DeviceVector<float> x_a(a.x[me]), x_b(b.x[me]), w_a(a.weights[me]), w_b(b.weights[me]);
+  DeviceVector<float> rows_a(cap_a * H), rows_b(cap_b * H), rw_a(cap_a), rw_b(cap_b);
+  DispatchHandle h_a, h_b;
+  ASSERT_TRUE(t->ExchangeCounts(ids_a.span(), a.T[me], a.K, a.E, cap_a, &h_a).ok());
+  ASSERT_TRUE(t->ExchangeCounts(ids_b.span(), b.T[me], b.K, b.E, cap_b, &h_b).ok());
+  // Prefetch of one fp32 tensor per expert, on the weights channel.
+  const int32_t epn = plan_a.experts_per_rank, S = plan_a.slots;
+  std::vector<std::unique_ptr<DeviceVector<float>>> blocks;
+  std::vector<TensorView> home_v, slot_v;
+  for (int32_t blk = 0; blk < epn + S; ++blk) {
+    const int32_t e = blk < epn ? plan_a.local_experts[me * epn + blk] : -1;
+    blocks.push_back(
+        std::make_unique<DeviceVector<float>>(std::vector<float>(16, e < 0 ? -1.0f : e * 1.5f)));
+    (blk < epn ? home_v : slot_v)
+        .push_back(
+            TensorView::Contiguous(blocks.back()->get(), DType::kFloat32, {16}, Device::kCuda));
+  }
+  auto da = t->StartDispatch(plan_a, x_a.Matrix(a.T[me], H), w_a.span(), &h_a,
+                             rows_a.Matrix(cap_a, H), rw_a.span());
+  ASSERT_TRUE(da.ok()) << da.status();
+  auto pf = t->StartPrefetch(plan_a, ExpertBlocks{1, home_v, slot_v});
+  ASSERT_TRUE(pf.ok()) << pf.status();
+  auto db = t->StartDispatch(plan_b, x_b.Matrix(b.T[me], H), w_b.span(), &h_b,
+                             rows_b.Matrix(cap_b, H), rw_b.span());
+  ASSERT_TRUE(db.ok()) << db.status();
+  absl::Status st = (*db)->Wait();
+  ASSERT_TRUE(st.ok()) << st;
+  st = (*pf)->Wait();
+  ASSERT_TRUE(st.ok()) << st;
+  st = (*da)->Wait();
+  ASSERT_TRUE(st.ok()) << st;
+  for (int32_t sl = 0; sl < S; ++sl) {
+    const int32_t e = plan_a.slot_expert[me * S + sl];
+    const std::vector<float> got = blocks[epn + sl]->Download();
+    for (float v : got) ASSERT_EQ(v, e < 0 ? -1.0f : e * 1.5f) << "slot " << sl;
+  }
+  for (int pass = 0; pass < 2; ++pass) {
+    const Problem& p = pass == 0 ? a : b;
+    const planner::Plan& plan = pass == 0 ? plan_a : plan_b;
+    const std::vector<float> rows = (pass == 0 ? rows_a : rows_b).Download();
+    const auto truth = BruteForcePlacement(p, plan);
+    for (int32_t s = 0; s < R; ++s) {
+      for (int64_t i = 0; i < p.T[s] * p.K; ++i) {
+        if (truth[s][i].rank != me) continue;
+        ASSERT_EQ(0, std::memcmp(&rows[truth[s][i].row * H], &p.x[s][(i / p.K) * H], H * 4))
+            << "dispatch " << pass << " row " << truth[s][i].row;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Misuse and faults.
 
 TEST_F(NcclTest, HostMemoryIsRefusedWithTheArgumentNamed) {
