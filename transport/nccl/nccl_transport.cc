@@ -324,8 +324,9 @@ class NcclTransportImpl : public NcclTransport {
   absl::Status Fatal(absl::Status status);
   HandleState* StateOf(const DispatchHandle* h);
   absl::Status CheckDevicePointer(const void* p, const char* name) const;
-  absl::Status CheckRows(const TensorView& v, const char* name, int64_t min_rows,
-                         int64_t cols) const;
+  // row_operand: rows that travel (bounded by max_row_bytes); outputs summed locally are not.
+  absl::Status CheckRows(const TensorView& v, const char* name, int64_t min_rows, int64_t cols,
+                         bool row_operand = true) const;
   absl::Status CheckDispatched(OpKind kind, DispatchHandle* h);
   absl::Status CheckBlocks(const planner::Plan& plan, const ExpertBlocks& b,
                            const char* name) const;
@@ -744,7 +745,7 @@ absl::Status NcclTransportImpl::CheckDevicePointer(const void* p, const char* na
 }
 
 absl::Status NcclTransportImpl::CheckRows(const TensorView& v, const char* name, int64_t min_rows,
-                                          int64_t cols) const {
+                                          int64_t cols, bool row_operand) const {
   MOONEP_CHECK_ARG(v.ndim == 2, "%s: expected a 2-D tensor, got %s", name, v.DebugString());
   MOONEP_CHECK_ARG(v.device == Device::kCuda, "%s: the NCCL transport needs device memory, got %s",
                    name, v.DebugString());
@@ -757,7 +758,7 @@ absl::Status NcclTransportImpl::CheckRows(const TensorView& v, const char* name,
   MOONEP_CHECK_ARG(reinterpret_cast<uintptr_t>(v.data) % DTypeSize(v.dtype) == 0,
                    "%s: data pointer is not aligned to its element size", name);
   const int64_t row_bytes = v.shape[1] * static_cast<int64_t>(DTypeSize(v.dtype));
-  MOONEP_CHECK_ARG(row_bytes <= options_.max_row_bytes,
+  MOONEP_CHECK_ARG(!row_operand || row_bytes <= options_.max_row_bytes,
                    "%s: a row has %d bytes, above the declared max_row_bytes = %d", name, row_bytes,
                    options_.max_row_bytes);
   if (v.numel() == 0) return absl::OkStatus();
@@ -1347,8 +1348,10 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartRowsBack(OpKind kind, Dispatc
   const char* name = OpName(kind);
   absl::Status s =
       CheckRows(rows, kind == OpKind::kCombine ? "expert_rows" : "dx_rows", h->recv_.rank_rows, -1);
-  if (s.ok())
-    s = CheckRows(y, kind == OpKind::kCombine ? "y" : "dx", h->num_tokens_, rows.shape[1]);
+  if (s.ok()) {
+    s = CheckRows(y, kind == OpKind::kCombine ? "y" : "dx", h->num_tokens_, rows.shape[1],
+                  /*row_operand=*/false);
+  }
   if (s.ok() && y.shape[0] != h->num_tokens_) {
     s = InvalidArgument("%s: has %d rows, need num_tokens = %d",
                         kind == OpKind::kCombine ? "y" : "dx", y.shape[0], h->num_tokens_);
