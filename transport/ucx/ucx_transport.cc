@@ -129,8 +129,10 @@ absl::StatusOr<ucp_context_h> AcquireContext() {
     MOONEP_RETURN_IF_ERROR(UcsCheck(ucp_config_read(nullptr, nullptr, &config), "ucp_config_read"));
     ucp_params_t params;
     std::memset(&params, 0, sizeof(params));
-    params.field_mask = UCP_PARAM_FIELD_FEATURES;
+    params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
     params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM;
+    // Transports (one worker each) may be used from different threads; they share the context.
+    params.mt_workers_shared = 1;
     const ucs_status_t st = ucp_init(&params, config, &s.context);
     ucp_config_release(config);
     if (st != UCS_OK) {
