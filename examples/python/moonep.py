@@ -45,7 +45,7 @@ class _LayerConfig(ctypes.Structure):
                 ("max_tokens", ctypes.c_int64), ("max_recv_rows", ctypes.c_int64),
                 ("max_inflight", ctypes.c_int), ("layer_id", ctypes.c_int),
                 ("num_threads", ctypes.c_int), ("ranks_per_node", ctypes.c_int),
-                ("eplb_period", ctypes.c_int)]
+                ("eplb_period", ctypes.c_int), ("transport", ctypes.c_char_p)]
 
 
 class _StepStats(ctypes.Structure):
@@ -192,7 +192,7 @@ class Layer:
                          slots=slots, pad_multiple=1, policy=_POLICIES[policy], device=0,
                          device_index=0, max_tokens=max_tokens, max_recv_rows=0,
                          max_inflight=max_inflight, layer_id=-1, num_threads=num_threads,
-                         ranks_per_node=0, eplb_period=1)
+                         ranks_per_node=0, eplb_period=1, transport=None)
         h = ctypes.c_void_p()
         _check("moonepLayerCreate", _lib().moonepLayerCreate(comm._h, ctypes.byref(c),
                                                              ctypes.byref(h)))

@@ -112,6 +112,12 @@ absl::Status ReadLayerConfig(const moonepLayerConfig_t* c, runtime::LayerConfig*
   if (MOONEP_HAS_FIELD(num_threads)) d.num_threads = c->num_threads;
   if (MOONEP_HAS_FIELD(ranks_per_node)) d.ranks_per_node = c->ranks_per_node;
   if (MOONEP_HAS_FIELD(eplb_period)) d.eplb_period = c->eplb_period;
+  if (MOONEP_HAS_FIELD(transport) && c->transport != nullptr) {
+    d.transport = c->transport;
+    if (d.transport.size() > 15) {
+      return InvalidArgument("config->transport '%s' is not a transport backend", d.transport);
+    }
+  }
 #undef MOONEP_HAS_FIELD
   *out = d;
   return absl::OkStatus();

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/strings/str_join.h"
+#include "moonep/core/env.h"
 #include "moonep/core/status.h"
 #include "moonep/runtime/communicator.h"
 
@@ -46,6 +47,14 @@ absl::Status CheckLayerConfig(const LayerConfig& c, int32_t num_ranks, bool need
   return absl::OkStatus();
 }
 
+namespace {
+MOONEP_STRING_PARAM(TransportParam, "TRANSPORT", "mpi")
+}  // namespace
+
+std::string TransportBackend(const LayerConfig& config) {
+  return config.transport.empty() ? TransportParam() : config.transport;
+}
+
 int64_t RecvCapacityRows(const LayerConfig& c, int32_t num_ranks) {
   if (c.max_recv_rows > 0) return c.max_recv_rows;
   const int64_t epn = c.num_experts / std::max(num_ranks, 1);
@@ -65,6 +74,7 @@ struct Fingerprint {
   int64_t hidden, intermediate;
   int32_t dtype, grad_dtype, slots, pad_multiple, policy, ranks_per_node, eplb_period, device,
       max_inflight;
+  char transport[16];
 };
 
 }  // namespace
@@ -87,6 +97,8 @@ absl::Status AgreeOnConfig(Communicator* comm, const LayerConfig& c,
   mine.eplb_period = c.eplb_period;
   mine.device = static_cast<int32_t>(c.device);
   mine.max_inflight = c.max_inflight;
+  const std::string backend = TransportBackend(c);
+  std::strncpy(mine.transport, backend.c_str(), sizeof(mine.transport) - 1);
   std::string gathered;
   MOONEP_RETURN_IF_ERROR(comm->Allgather(
       absl::Span<const char>(reinterpret_cast<const char*>(&mine), sizeof(mine)), &gathered,
@@ -122,6 +134,13 @@ absl::Status AgreeOnConfig(Communicator* comm, const LayerConfig& c,
       {"device", [](const Fingerprint& f) -> int64_t { return f.device; }},
       {"max_inflight", [](const Fingerprint& f) -> int64_t { return f.max_inflight; }},
   };
+  for (int r = 1; r < comm->size(); ++r) {
+    if (std::strncmp(all[r].transport, all[0].transport, sizeof(all[0].transport)) != 0) {
+      return InvalidArgument(
+          "%s: config differs between ranks: transport is '%s' on rank 0 but '%s' on rank %d "
+          "(set MOONEP_TRANSPORT alike everywhere)", what, all[0].transport, all[r].transport, r);
+    }
+  }
   for (const Field& field : kFields) {
     const int64_t first = field.get(all[0]);
     for (int r = 1; r < comm->size(); ++r) {

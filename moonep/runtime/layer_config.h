@@ -36,7 +36,12 @@ struct LayerConfig {
   int32_t max_inflight = 1;   // forward handles alive at once (micro-batches before backward)
   int32_t layer_id = -1;      // id in routing traces; -1: creation order on the communicator
   int32_t num_threads = 0;    // executor threads; 0: MOONEP_NUM_THREADS, else every core
+  // Transport backend ("mpi", "ucx" where built); empty: MOONEP_TRANSPORT, else "mpi".
+  std::string transport;
 };
+
+// The backend a config selects (its transport field, else MOONEP_TRANSPORT, else "mpi").
+std::string TransportBackend(const LayerConfig& config);
 
 // Local checks; `need_executor` requires I > 0. Errors name the field.
 absl::Status CheckLayerConfig(const LayerConfig& config, int32_t num_ranks, bool need_executor);

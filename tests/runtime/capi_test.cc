@@ -200,6 +200,12 @@ TEST_F(CApiTest, BadConfigsFailOnEveryRank) {
     ASSERT_EQ(r, moonepSuccess);
     moonepLayerDestroy(layer);
   }
+  // A transport backend that differs between ranks, or does not exist, fails on every rank.
+  c = Config(moonepPolicyMoonEP);
+  c.transport = rank() == size() - 1 ? "no-such-backend" : "mpi";
+  EXPECT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepInvalidArgument);
+  EXPECT_NE(std::string(moonepGetLastError(comm_)).find(size() > 1 ? "transport" : "no-such-backend"),
+            std::string::npos) << moonepGetLastError(comm_);
   // Forward with a NULL x on one rank fails on every rank.
   c = Config(moonepPolicyMoonEP);
   ASSERT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepSuccess) << moonepGetLastError(comm_);

@@ -188,11 +188,13 @@ typedef struct {
   int num_threads;         /* executor threads; 0: MOONEP_NUM_THREADS or every core */
   int ranks_per_node;      /* 0: flat; else topology for the planner */
   int eplb_period;         /* eplb: re-plan every this many steps */
+  const char* transport;   /* backend: "mpi", "ucx" where built; NULL: $MOONEP_TRANSPORT, else
+                              "mpi". Must agree on every rank. Copied at creation. */
 } moonepLayerConfig_t;
 
 #define MOONEP_LAYER_CONFIG_INITIALIZER                                                       \
   { sizeof(moonepLayerConfig_t), MOONEP_CONFIG_MAGIC, MOONEP_VERSION, 0, 0, 0, 0, moonepFloat32, \
-    moonepFloat32, -1, 1, moonepPolicyMoonEP, moonepDeviceCpu, 0, 0, 0, 1, -1, 0, 0, 1 }
+    moonepFloat32, -1, 1, moonepPolicyMoonEP, moonepDeviceCpu, 0, 0, 0, 1, -1, 0, 0, 1, NULL }
 
 /* [collective] Checks the config and that every rank passed the same one (all fields but
  * max_tokens, max_recv_rows, layer_id, num_threads, device_index): a difference fails on every
