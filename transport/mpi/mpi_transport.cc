@@ -187,7 +187,6 @@ class MpiTransport : public Transport {
   absl::Status AbortPeers(OpKind kind, absl::Status status);
   // Checks for a peer's abort notice.
   absl::Status PollAbort();
-  int64_t reduce_staging_bytes = 0;
   std::vector<char> reduce_staging;
 
  private:
@@ -917,6 +916,9 @@ class PrefetchOp : public MpiOp {
   }
 };
 
+// Staging blocks start at multiples of 16 bytes, so every element type is aligned.
+int64_t AlignUp(int64_t bytes) { return (bytes + 15) / 16 * 16; }
+
 class ReduceOp : public MpiOp {
  public:
   ReduceOp(MpiTransport* t, MPI_Comm comm, int64_t seq) : MpiOp(t, OpKind::kReduce, comm, seq) {}
@@ -932,7 +934,7 @@ class ReduceOp : public MpiOp {
         const int32_t e = plan.slot_expert[static_cast<size_t>(d) * S + sl];
         if (e < 0 || plan.home[e] != me_ || d == me_) continue;
         for (int32_t i = 0; i < nt; ++i) {
-          need += static_cast<int64_t>(b.home[static_cast<size_t>(plan.home_group[e]) * nt + i].nbytes());
+          need += AlignUp(static_cast<int64_t>(b.home[static_cast<size_t>(plan.home_group[e]) * nt + i].nbytes()));
         }
       }
     }
@@ -958,7 +960,7 @@ class ReduceOp : public MpiOp {
             const int64_t bytes =
                 static_cast<int64_t>(b.home[static_cast<size_t>(plan.home_group[e]) * nt + i].nbytes());
             MOONEP_RETURN_IF_ERROR(RecvBytes(staging + offset, bytes, d, kSubData));
-            offset += bytes;
+            offset += AlignUp(bytes);
             ++counters_.rows_received;
           }
         }
@@ -983,7 +985,7 @@ class ReduceOp : public MpiOp {
         const int32_t g = plan.home_group[e];
         for (int32_t i = 0; i < nt; ++i) {
           sources[static_cast<size_t>(g) * nt + i].push_back(staging + offset);
-          offset += static_cast<int64_t>(blocks_.home[static_cast<size_t>(g) * nt + i].nbytes());
+          offset += AlignUp(static_cast<int64_t>(blocks_.home[static_cast<size_t>(g) * nt + i].nbytes()));
         }
       }
     }
