@@ -185,6 +185,9 @@ class UcxOp : public Request {
   // Count-exchange style errors that every rank sees alike keep the transport usable.
   virtual bool Agreed(const absl::Status& /*s*/) const { return false; }
 
+  // Registers (cached) and pins a whole buffer, so targets inside it (per-peer ranges that move
+  // with the routing) reuse one registration and one key.
+  absl::Status PinBuffer(const void* data, uint64_t bytes);
   // Registers [data, data + bytes) (cached) and pins it for this op; fills the ready entry.
   absl::Status AddTarget(int peer, const void* data, uint64_t bytes, std::vector<char>* msg);
   // A control message of this op; the op completes only after it left this rank (a peer may
@@ -427,6 +430,14 @@ UcxOp::~UcxOp() {
 
 absl::Status UcxOp::Begin(absl::Status started) {
   if (!started.ok()) return Fail(started);
+  return absl::OkStatus();
+}
+
+absl::Status UcxOp::PinBuffer(const void* data, uint64_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  MOONEP_ASSIGN_OR_RETURN(const uint64_t id, transport_->Register(data, bytes));
+  transport_->Pin(id, 1);
+  pinned_.push_back(id);
   return absl::OkStatus();
 }
 
@@ -855,7 +866,15 @@ class DispatchOp : public UcxOp {
     row_bytes_ = static_cast<int64_t>(x.shape[1]) * DTypeSize(x.dtype);
     ZeroUnfilledRows(h_->plan_, me_, rows, weights);
     if (forward_) {
+      // Sized for the receive capacity, so its address (and registration) survives routing changes.
+      const size_t meta_capacity =
+          static_cast<size_t>(std::max<int64_t>(h_->rank_capacity_[me_], recv.rows_begin[R])) *
+          sizeof(RowMeta);
+      if (h_->meta_recv_.capacity() < meta_capacity) h_->meta_recv_.reserve(meta_capacity);
       h_->meta_recv_.resize(static_cast<size_t>(recv.rows_begin[R]) * sizeof(RowMeta));
+      if (recv.rows_begin[R] > recv.rows_from(me_)) {
+        MOONEP_RETURN_IF_ERROR(PinBuffer(h_->meta_recv_.data(), h_->meta_recv_.capacity()));
+      }
       h_->recv_unique_.assign(static_cast<size_t>(recv.rows_begin[R]), -1);
       h_->landing_.assign(static_cast<size_t>(recv.rows_begin[R]), -1);
       h_->unique_from_.assign(R, 0);
@@ -1012,6 +1031,9 @@ class CombineOp : public UcxOp {
     y_ = y;
     row_bytes_ = static_cast<int64_t>(rows.shape[1]) * DTypeSize(rows.dtype);
     char* staging = h_->rows_staging_.data();
+    if (send.entries.size() > static_cast<size_t>(send.rows_to(me_))) {
+      MOONEP_RETURN_IF_ERROR(PinBuffer(staging, h_->rows_staging_.size()));
+    }
     for (int32_t d = 0; d < R; ++d) {
       const int64_t n = send.rows_to(d);
       if (d == me_ || n == 0) continue;
@@ -1118,6 +1140,9 @@ class TopkWeightGradOp : public UcxOp {
     }
     std::vector<float>& incoming = h_->scalar_staging_;
     if (incoming.size() < send.entries.size()) incoming.resize(send.entries.size());
+    if (send.entries.size() > static_cast<size_t>(send.rows_to(me_))) {
+      MOONEP_RETURN_IF_ERROR(PinBuffer(incoming.data(), incoming.size() * sizeof(float)));
+    }
     for (int32_t d = 0; d < R; ++d) {
       const int64_t n = send.rows_to(d);
       if (d == me_ || n == 0) continue;
@@ -1300,6 +1325,7 @@ class ReduceOp : public UcxOp {
     }
     std::vector<char>& staging = transport_->reduce_staging;
     if (static_cast<int64_t>(staging.size()) < need) staging.resize(static_cast<size_t>(need));
+    if (need > 0) MOONEP_RETURN_IF_ERROR(PinBuffer(staging.data(), staging.size()));
     int64_t offset = 0;
     offset_from_.assign(R, 0);
     bytes_from_ = bytes_from;
