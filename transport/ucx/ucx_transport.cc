@@ -1300,6 +1300,10 @@ class PrefetchOp : public UcxOp {
 // Reduce: each replica rank puts its slot gradients into the home rank's reduction staging (one
 // contiguous range per replica rank, in (rank, slot, tensor) order); the home rank sums them in
 // that fixed order after every signal: home + lowest rank's replica + the next ...
+// Blocks sit in the reduction staging at 16-byte aligned offsets (a bf16 block of odd length must
+// not leave the next fp32 block misaligned); both sides use this size.
+int64_t StagedBytes(size_t bytes) { return (static_cast<int64_t>(bytes) + 15) & ~int64_t{15}; }
+
 class ReduceOp : public UcxOp {
  public:
   ReduceOp(UcxTransport* t, int channel, int64_t seq) : UcxOp(t, OpKind::kReduce, channel, seq) {}
@@ -1316,7 +1320,7 @@ class ReduceOp : public UcxOp {
         if (e < 0 || plan.home[e] != me_ || d == me_) continue;
         for (int32_t i = 0; i < nt; ++i) {
           const int64_t n =
-              static_cast<int64_t>(b.home[static_cast<size_t>(plan.home_group[e]) * nt + i].nbytes());
+              StagedBytes(b.home[static_cast<size_t>(plan.home_group[e]) * nt + i].nbytes());
           bytes_from[d] += n;
           ++blocks_from[d];
           need += n;
@@ -1353,7 +1357,7 @@ class ReduceOp : public UcxOp {
         if (e < 0 || plan.home[e] != h) continue;
         sends = true;
         for (int32_t i = 0; i < nt; ++i) {
-          total += static_cast<int64_t>(b.slots[static_cast<size_t>(sl) * nt + i].nbytes());
+          total += StagedBytes(b.slots[static_cast<size_t>(sl) * nt + i].nbytes());
         }
       }
       if (!sends) continue;
@@ -1369,7 +1373,7 @@ class ReduceOp : public UcxOp {
         for (int32_t i = 0; i < nt; ++i) {
           const TensorView& src = b.slots[static_cast<size_t>(sl) * nt + i];
           if (src.nbytes() > 0) std::memcpy(payload.data() + at, src.data, src.nbytes());
-          at += static_cast<int64_t>(src.nbytes());
+          at += StagedBytes(src.nbytes());
           ++counters_.rows_sent;
         }
       }
@@ -1403,7 +1407,7 @@ class ReduceOp : public UcxOp {
       const int32_t e = plan.slot_expert[static_cast<size_t>(me_) * S + sl];
       if (e < 0 || plan.home[e] != h) continue;
       for (int32_t i = 0; i < nt; ++i) {
-        total += blocks_.slots[static_cast<size_t>(sl) * nt + i].nbytes();
+        total += static_cast<uint64_t>(StagedBytes(blocks_.slots[static_cast<size_t>(sl) * nt + i].nbytes()));
         ++blocks;
       }
     }
@@ -1419,7 +1423,7 @@ class ReduceOp : public UcxOp {
       for (int32_t i = 0; i < nt; ++i) {
         const TensorView& src = blocks_.slots[static_cast<size_t>(sl) * nt + i];
         MOONEP_RETURN_IF_ERROR(Put(h, src.data, src.nbytes(), targets[0], offset));
-        offset += src.nbytes();
+        offset += static_cast<uint64_t>(StagedBytes(src.nbytes()));
         counters_.bytes_sent += static_cast<int64_t>(src.nbytes());
         ++counters_.rows_sent;
       }
@@ -1451,7 +1455,7 @@ class ReduceOp : public UcxOp {
         const int32_t g = plan.home_group[e];
         for (int32_t i = 0; i < nt; ++i) {
           sources[static_cast<size_t>(g) * nt + i].push_back(staging + offset);
-          offset += static_cast<int64_t>(blocks_.home[static_cast<size_t>(g) * nt + i].nbytes());
+          offset += StagedBytes(blocks_.home[static_cast<size_t>(g) * nt + i].nbytes());
         }
       }
     }
