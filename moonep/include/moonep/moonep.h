@@ -158,4 +158,7 @@ MOONEP_API const char* moonepPlannerGetLastError(moonepPlanner_t planner);
 } /* extern "C" */
 #endif
 
+/* Communicators, the EP buffer and the MoE layer (levels 2 and 3). */
+#include "moonep_runtime.h"
+
 #endif /* MOONEP_H_ */
