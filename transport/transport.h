@@ -190,6 +190,10 @@ class Transport {
 
   virtual OpCounters counters(OpKind kind) const = 0;
   virtual void ResetCounters() = 0;
+  // OK while the transport is usable; after a failure the ranks did not agree on (a timeout, a
+  // peer's abort notice, an MPI error), the status of that failure. Callers use it to tell an
+  // agreed, recoverable error from one that leaves the transport unusable.
+  virtual absl::Status health() const { return absl::OkStatus(); }
 
   // Blocking forms.
   absl::Status ExchangeCounts(absl::Span<const int32_t> topk_ids, int64_t num_tokens,

@@ -274,8 +274,9 @@ absl::StatusOr<LayerHandle> MoeLayer::Forward(int64_t num_tokens, const TensorVi
   if (!status.ok()) {
     ctx->busy = false;
     // Errors of the count exchange and of planning are agreed by every rank (same counts, same
-    // plan): the layer stays usable. Anything later may leave a peer mid-operation.
-    return moving_ ? Fail(status) : status;
+    // plan): the layer stays usable. Anything later may leave a peer mid-operation, and so does
+    // a peer's abort notice that reaches this rank while it still finishes the count exchange.
+    return (moving_ || !transport_->health().ok()) ? Fail(status) : status;
   }
   return LayerHandle{index, ctx->generation};
 }

@@ -290,6 +290,7 @@ class NcclTransportImpl : public NcclTransport {
 
   OpCounters counters(OpKind kind) const override { return counters_[static_cast<int>(kind)]; }
   void ResetCounters() override { counters_.fill(OpCounters{}); }
+  absl::Status health() const override { return poisoned_; }
 
   // Shared with ops.
   absl::Status Usable() const;

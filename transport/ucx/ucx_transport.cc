@@ -281,6 +281,7 @@ class UcxTransport : public Transport {
 
   OpCounters counters(OpKind kind) const override { return counters_[static_cast<int>(kind)]; }
   void ResetCounters() override { counters_.fill(OpCounters{}); }
+  absl::Status health() const override { return poisoned_; }
 
   // Shared with ops.
   const TransportOptions& options() const { return options_; }
