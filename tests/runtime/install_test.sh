@@ -20,13 +20,16 @@ test -f "$tmp/prefix/include/moonep/moonep_runtime.h"
 pc=$(ls "$tmp"/prefix/lib*/pkgconfig/moonep.pc)
 grep -q -- "-lmoonep" "$pc"
 if command -v pkg-config >/dev/null; then
-  PKG_CONFIG_PATH=$(dirname "$pc") pkg-config --cflags --libs moonep | grep -q -- "-lmoonep"
+  # Capture first: `cmd | grep -q` fails under pipefail when grep exits before cmd finishes writing.
+  flags=$(PKG_CONFIG_PATH=$(dirname "$pc") pkg-config --cflags --libs moonep)
+  [[ "$flags" == *-lmoonep* ]] || { echo "pkg-config gives '$flags'"; exit 1; }
 fi
 cmake -S "$src/examples/c" -B "$tmp/example" -DCMAKE_PREFIX_PATH="$tmp/prefix" \
   -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build "$tmp/example" >/dev/null
 # The example must resolve libmoonep from the prefix, not the build tree.
-LD_LIBRARY_PATH="$(dirname "$lib")" ldd "$tmp/example/moonep_example_c" | grep -q "$tmp/prefix"
+deps=$(LD_LIBRARY_PATH="$(dirname "$lib")" ldd "$tmp/example/moonep_example_c")
+[[ "$deps" == *"$tmp/prefix"* ]] || { echo "example does not load libmoonep from the prefix: $deps"; exit 1; }
 LD_LIBRARY_PATH="$(dirname "$lib")" "$mpiexec" -n 2 "$@" -x LD_LIBRARY_PATH \
   "$tmp/example/moonep_example_c"
 echo "install test: PASS (prefix $tmp/prefix, SONAME $soname)"
