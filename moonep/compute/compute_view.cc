@@ -37,6 +37,82 @@ size_t SpanBytes(const TensorView& t) {
   return static_cast<size_t>((t.shape[0] - 1) * t.strides[0] + t.shape[1]) * DTypeSize(t.dtype);
 }
 
+namespace {
+
+// A 2-D view as byte ranges: rows ranges of `width` bytes, the first at `base`, `stride` apart.
+struct ByteRows {
+  int64_t base = 0, rows = 0, stride = 0, width = 0;
+};
+
+bool AsByteRows(const TensorView& t, ByteRows* out) {
+  if (t.ndim != 2 || t.strides[1] != 1 || t.strides[0] < 0) return false;
+  const int64_t e = static_cast<int64_t>(DTypeSize(t.dtype));
+  *out = ByteRows{static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data)), t.shape[0],
+                  t.strides[0] * e, t.shape[1] * e};
+  return true;
+}
+
+int64_t FloorDiv(int64_t a, int64_t b) {  // b > 0
+  return a >= 0 ? a / b : -((-a + b - 1) / b);
+}
+
+// Rows of `a` and `b` sharing a byte, both rows `stride` bytes apart (stride > 0). Row i of a is
+// [i S, i S + wa), row j of b is [d + j S, d + j S + wb) with d = b.base - a.base; they meet iff
+// k = i - j satisfies d - wa < k S < d + wb, with k in [-(nb - 1), na - 1].
+bool SameStrideOverlap(const ByteRows& a, const ByteRows& b, int64_t stride) {
+  const int64_t d = b.base - a.base;
+  const int64_t k_lo = std::max(FloorDiv(d - a.width, stride) + 1, -(b.rows - 1));
+  const int64_t k_hi = std::min(-FloorDiv(-(d + b.width), stride) - 1, a.rows - 1);
+  return k_lo <= k_hi;
+}
+
+bool ByteRowsOverlap(ByteRows a, ByteRows b) {
+  if (a.rows <= 0 || b.rows <= 0 || a.width <= 0 || b.width <= 0) return false;
+  // Bounding spans first: disjoint spans (the usual case) cost nothing more.
+  const int64_t a_end = a.base + (a.rows - 1) * a.stride + a.width;
+  const int64_t b_end = b.base + (b.rows - 1) * b.stride + b.width;
+  if (a.base >= b_end || b.base >= a_end) return false;
+  if (a.rows == 1) a.stride = b.stride;
+  if (b.rows == 1) b.stride = a.stride;
+  if (a.stride == b.stride) {
+    if (a.stride <= 0) return true;  // rows on top of each other, spans meet
+    return SameStrideOverlap(a, b, a.stride);
+  }
+  // Different strides: each row of the view with fewer rows against the other, O(1) each.
+  if (a.rows > b.rows) std::swap(a, b);
+  for (int64_t r = 0; r < a.rows; ++r) {
+    const ByteRows one{a.base + r * a.stride, 1, b.stride, a.width};
+    if (b.stride <= 0 ? RangesOverlap(reinterpret_cast<void*>(one.base), one.width,
+                                      reinterpret_cast<void*>(b.base), b.width)
+                      : SameStrideOverlap(one, b, b.stride)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+bool TensorsOverlap(const TensorView& a, const TensorView& b) {
+  if (a.data == nullptr || b.data == nullptr || a.numel() <= 0 || b.numel() <= 0) return false;
+  ByteRows ra, rb;
+  if (AsByteRows(a, &ra) && AsByteRows(b, &rb)) return ByteRowsOverlap(ra, rb);
+  // Other layouts: the whole span from the first element to one past the last (a negative stride
+  // counts as overlapping anything, which no parameter check lets through anyway).
+  auto span = [](const TensorView& t, size_t* bytes) {
+    int64_t last = 0;
+    for (int d = 0; d < t.ndim; ++d) {
+      if (t.strides[d] < 0) return false;
+      last += (t.shape[d] - 1) * t.strides[d];
+    }
+    *bytes = static_cast<size_t>(last + 1) * DTypeSize(t.dtype);
+    return true;
+  };
+  size_t sa = 0, sb = 0;
+  if (!span(a, &sa) || !span(b, &sb)) return true;
+  return RangesOverlap(a.data, sa, b.data, sb);
+}
+
 absl::Status CheckParamMatrix(const TensorView& t, const char* what, int32_t group, int64_t rows,
                               int64_t cols, DType dtype, Device device) {
   if (t.ndim != 2 || t.shape[0] != rows || t.shape[1] != cols) {
@@ -104,7 +180,8 @@ absl::Status CheckComputeView(const ComputeView& view, bool need_grads) {
     }
   }
   if (!need_grads) return absl::OkStatus();
-  // Gradients are written concurrently per group: two groups sharing gradient memory would race.
+  // Gradients are written concurrently per group: two gradient tensors sharing an element would
+  // race. Element-exact, so gate and up gradients interleaved in one fused [H, 2I] tensor pass.
   for (int32_t a = 0; a < G; ++a) {
     if (view.groups[a].row_count == 0) continue;
     for (int pa = 0; pa < 3; ++pa) {
@@ -113,7 +190,7 @@ absl::Status CheckComputeView(const ComputeView& view, bool need_grads) {
         if (view.groups[b].row_count == 0) continue;
         for (int pb = (b == a ? pa + 1 : 0); pb < 3; ++pb) {
           const TensorView& tb = Param(view.groups[b].grads, pb);
-          if (RangesOverlap(ta.data, SpanBytes(ta), tb.data, SpanBytes(tb))) {
+          if (TensorsOverlap(ta, tb)) {
             return InvalidArgument("group %d grad %s overlaps group %d grad %s", a,
                                    kParamNames[pa], b, kParamNames[pb]);
           }
@@ -121,7 +198,7 @@ absl::Status CheckComputeView(const ComputeView& view, bool need_grads) {
       }
       for (int p = 0; p < 3; ++p) {
         const TensorView& w = Param(view.groups[a].weights, p);
-        if (RangesOverlap(ta.data, SpanBytes(ta), w.data, SpanBytes(w))) {
+        if (TensorsOverlap(ta, w)) {
           return InvalidArgument("group %d grad %s overlaps its weight %s", a, kParamNames[pa],
                                  kParamNames[p]);
         }

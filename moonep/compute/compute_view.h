@@ -72,7 +72,9 @@ absl::Status BuildComputeView(const planner::Plan& plan, int32_t rank,
 // Checks a view (however it was built): H, I > 0, groups lie inside [0, total_rows) without
 // overlapping, row_count <= padded_count, and every non-empty group has weights of the right shape,
 // dtype and device (and gradients of the right shape, fp32 or view dtype, when `need_grads`), with
-// no two groups' gradients overlapping. Errors name the group and the tensor.
+// no two gradient tensors (of one group or of two) sharing an element and no gradient sharing an
+// element with its group's weights (TensorsOverlap: the gate and up halves of one fused [H, 2I]
+// gradient are fine). Errors name the group and the tensor.
 absl::Status CheckComputeView(const ComputeView& view, bool need_grads);
 
 // Row stride check for one parameter tensor: 2-D, shape [rows, cols], unit column stride, row
@@ -82,6 +84,15 @@ absl::Status CheckParamMatrix(const TensorView& t, const char* what, int32_t gro
 
 // Bytes spanned by a 2-D strided view, from its first to one past its last element.
 size_t SpanBytes(const TensorView& t);
+
+// True when two views share at least one byte of an element. Exact for 2-D views with unit column
+// stride (each is the set of byte ranges [data + r * row_stride, + cols * elem) for r < rows): the
+// gate and up halves of one fused [H, 2I] tensor interleave row by row without overlapping and
+// are reported disjoint, while views sharing any element are not. Views of any other layout
+// (not 2-D, or a column stride other than 1) are compared by their whole span, conservatively.
+// Views with no elements or a null pointer overlap nothing. Cost O(1) when the row strides are
+// equal (or one view has a single row), else O(min(rows)) when the spans intersect.
+bool TensorsOverlap(const TensorView& a, const TensorView& b);
 
 // Owns the weights and gradients of `slots` replica experts in one host allocation made at
 // creation. Each slot's parameters form one contiguous block [gate | up | down] of

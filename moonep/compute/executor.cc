@@ -51,7 +51,7 @@ absl::Status CheckDisjointFromParams(const TensorView& out, const char* out_name
     const ExpertParams* sets[2] = {&gv.weights, &gv.grads};
     for (int k = 0; k < (grads ? 2 : 1); ++k) {
       for (const TensorView* t : {&sets[k]->gate, &sets[k]->up, &sets[k]->down}) {
-        if (RangesOverlap(out.data, Bytes(out), t->data, SpanBytes(*t))) {
+        if (TensorsOverlap(out, *t)) {
           return InvalidArgument("%s overlaps the %s of group %d", out_name,
                                  k == 0 ? "weights" : "gradients", static_cast<int>(g));
         }
@@ -112,7 +112,7 @@ absl::Status CheckBackwardArgs(const ExecutorConfig& config, Device device,
       for (const auto& [buf, name] : {std::pair<const TensorView*, const char*>{&x_rows, "x_rows"},
                                       {&dy_rows, "dy_rows"},
                                       {&pre, "options.preactivations"}}) {
-        if (RangesOverlap(t->data, SpanBytes(*t), buf->data, Bytes(*buf))) {
+        if (TensorsOverlap(*t, *buf)) {
           return InvalidArgument("the gradients of group %d overlap %s", static_cast<int>(g),
                                  name);
         }

@@ -3,7 +3,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
+#include <random>
 
 #include "moonep/compute/cpu/cpu_executor.h"
 #include "moonep/core/status.h"
@@ -342,6 +344,120 @@ TEST_F(ExecutorArgs, ViewAgainstExecutorAndGroups) {
   v = p.view;
   v.groups[0].grads.gate = TensorView::Contiguous(p.x.data(), DType::kFloat32, {10, 6});
   ExpectBackwardError(v, dx.view(), "overlap x_rows");
+  // Nothing was written by the rejected calls.
+  for (testing::Buffer& g : p.grads)
+    for (int64_t r = 0; r < g.rows(); ++r)
+      for (int64_t c = 0; c < g.cols(); ++c) ASSERT_EQ(g.Get(r, c), 0.0f);
+}
+
+// A strided view into a [rows, stride] block starting at element `offset` of `base`.
+TensorView Strided(void* base, DType dt, int64_t offset, int64_t rows, int64_t cols, int64_t stride) {
+  TensorView t = TensorView::Contiguous(static_cast<char*>(base) + offset * DTypeSize(dt), dt,
+                                        {rows, cols});
+  t.strides[0] = stride;
+  return t;
+}
+
+// TensorsOverlap against brute force: mark every byte of one view, look for any in the other.
+TEST(TensorsOverlap, MatchesBruteForce) {
+  constexpr int64_t kArena = 1024;  // bytes
+  alignas(64) static char arena[kArena];
+  std::mt19937_64 rng(99);
+  auto pick = [&](int64_t lo, int64_t hi) {
+    return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+  };
+  auto random_view = [&]() {
+    const DType dt = pick(0, 1) ? DType::kFloat32 : DType::kBFloat16;
+    const int64_t e = static_cast<int64_t>(DTypeSize(dt));
+    const int64_t rows = pick(1, 6), cols = pick(1, 9), stride = cols + pick(0, 12) * pick(0, 1);
+    const int64_t span = ((rows - 1) * stride + cols) * e;
+    const int64_t offset = pick(0, (kArena - span) / e);
+    return Strided(arena, dt, offset, rows, cols, stride);
+  };
+  auto bytes_of = [&](const TensorView& t) {
+    std::vector<bool> m(kArena, false);
+    const int64_t e = static_cast<int64_t>(DTypeSize(t.dtype));
+    const int64_t base = static_cast<char*>(t.data) - arena;
+    for (int64_t r = 0; r < t.shape[0]; ++r)
+      for (int64_t b = 0; b < t.shape[1] * e; ++b) m[base + r * t.strides[0] * e + b] = true;
+    return m;
+  };
+  int overlapping = 0, disjoint_interleaved = 0;
+  for (int trial = 0; trial < 40000; ++trial) {
+    const TensorView a = random_view();
+    TensorView b = random_view();
+    if (trial % 2 == 0) {  // same stride, near a: the interleaved (fused) cases
+      b = Strided(arena, a.dtype, 0, a.shape[0], pick(1, a.strides[0]), a.strides[0]);
+      const int64_t e = static_cast<int64_t>(DTypeSize(a.dtype));
+      const int64_t span = ((b.shape[0] - 1) * b.strides[0] + b.shape[1]) * e;
+      const int64_t a_off = (static_cast<char*>(a.data) - arena) / e;
+      const int64_t off = std::clamp<int64_t>(a_off + pick(-3 * a.strides[0], 3 * a.strides[0]),
+                                              0, (kArena - span) / e);
+      b.data = arena + off * e;
+    }
+    const std::vector<bool> ma = bytes_of(a), mb = bytes_of(b);
+    bool want = false;
+    for (int64_t k = 0; k < kArena && !want; ++k) want = ma[k] && mb[k];
+    ASSERT_EQ(TensorsOverlap(a, b), want) << a.DebugString() << " vs " << b.DebugString();
+    ASSERT_EQ(TensorsOverlap(b, a), want);
+    if (want) ++overlapping;
+    else if (RangesOverlap(a.data, SpanBytes(a), b.data, SpanBytes(b))) ++disjoint_interleaved;
+  }
+  // Both outcomes, and disjoint views whose spans meet, are well represented.
+  EXPECT_GT(overlapping, 5000);
+  EXPECT_GT(disjoint_interleaved, 1000);
+  // Empty views overlap nothing.
+  TensorView a = Strided(arena, DType::kFloat32, 0, 4, 4, 4);
+  EXPECT_FALSE(TensorsOverlap(a, Strided(arena, DType::kFloat32, 0, 0, 4, 4)));
+  EXPECT_FALSE(TensorsOverlap(a, TensorView{}));
+}
+
+// Gate and up gradients as the two halves of one fused [H, 2I] tensor (like fused weights) pass
+// the view check; any pair of gradient views sharing an element is rejected, naming both.
+TEST_F(ExecutorArgs, FusedGradientsAcceptedOverlapsRejected) {
+  const int64_t H = 10, I = 6;
+  Buffer fused0(H, 2 * I, DType::kFloat32), fused2(H, 2 * I, DType::kFloat32);
+  fused0.Fill(0.0f);
+  fused2.Fill(0.0f);
+  ComputeView v = p.view;
+  v.groups[0].grads.gate = Strided(fused0.data(), DType::kFloat32, 0, H, I, 2 * I);
+  v.groups[0].grads.up = Strided(fused0.data(), DType::kFloat32, I, H, I, 2 * I);
+  v.groups[2].grads.gate = Strided(fused2.data(), DType::kFloat32, 0, H, I, 2 * I);
+  v.groups[2].grads.up = Strided(fused2.data(), DType::kFloat32, I, H, I, 2 * I);
+  EXPECT_TRUE(CheckComputeView(v, /*need_grads=*/true).ok());
+  EXPECT_TRUE(ex->Backward(v, p.x.view(), p.dy.view(), dx.view(), {}).ok());
+  p.ZeroGrads();  // that call added into the down gradients
+
+  // Two groups' gate|up pairs interleaved in one [H, 4I] tensor: disjoint, accepted.
+  Buffer wide(H, 4 * I, DType::kFloat32);
+  wide.Fill(0.0f);
+  ComputeView w = p.view;
+  for (int k = 0; k < 2; ++k) {
+    const int g = k == 0 ? 0 : 2;
+    w.groups[g].grads.gate = Strided(wide.data(), DType::kFloat32, 2 * k * I, H, I, 4 * I);
+    w.groups[g].grads.up = Strided(wide.data(), DType::kFloat32, (2 * k + 1) * I, H, I, 4 * I);
+  }
+  EXPECT_TRUE(CheckComputeView(w, true).ok());
+
+  // up shifted one column left: shares column I-1 of every row with gate.
+  ComputeView bad = v;
+  bad.groups[0].grads.up = Strided(fused0.data(), DType::kFloat32, I - 1, H, I, 2 * I);
+  ExpectBackwardError(bad, dx.view(), "group 0 grad gate overlaps group 0 grad up");
+  bad = v;
+  // A contiguous [H, I] up gradient laid over the gaps of gate's rows: row 0 fits the gap, row 1
+  // lands on gate's row 1 (different row strides).
+  bad.groups[2].grads.up = Strided(fused0.data(), DType::kFloat32, I, H, I, I);
+  ExpectBackwardError(bad, dx.view(), "group 0 grad gate overlaps group 2 grad up");
+  // A gradient sharing elements with its own fused weights.
+  Buffer fw(H, 2 * I, DType::kFloat32);
+  bad = v;
+  bad.groups[2].weights.gate = Strided(fw.data(), DType::kFloat32, 0, H, I, 2 * I);
+  bad.groups[2].weights.up = Strided(fw.data(), DType::kFloat32, I, H, I, 2 * I);
+  for (int64_t r = 0; r < H; ++r)
+    for (int64_t c = 0; c < 2 * I; ++c) fw.Set(r, c, p.weights[6 + c / I].Get(r, c % I));
+  EXPECT_TRUE(CheckComputeView(bad, true).ok());
+  bad.groups[2].grads.up = Strided(fw.data(), DType::kFloat32, I, H, I, 2 * I);
+  ExpectBackwardError(bad, dx.view(), "group 2 grad up overlaps its weight up");
   // Nothing was written by the rejected calls.
   for (testing::Buffer& g : p.grads)
     for (int64_t r = 0; r < g.rows(); ++r)
