@@ -58,6 +58,12 @@ struct PlannerConfig {
   // set, which selects the hierarchical policy; otherwise the global policy).
   int32_t eplb_redundant = -1;
   int32_t eplb_num_groups = 0;
+  // test-force-replicas only, one-rank mode: when num_ranks == 1, replica slots hold copies of
+  // the rank's own experts (slot s -> its home group s, for s < E) and take a share of their
+  // tokens, so a one-rank run still routes through replica slots, prefetch and reduce. Such a
+  // plan has Plan::home_replicas set; every other plan keeps the rule "no replica of an expert on
+  // its home rank". Ignored by other policies and when num_ranks > 1.
+  bool test_home_replicas = false;
 };
 
 struct PlanStats {
@@ -85,6 +91,12 @@ struct Plan {
   int32_t slots = 0;
   int32_t pad_multiple = 1;
   int32_t ranks_per_node = 0;
+  // Replica slots may hold an expert on its own home rank (only test-force-replicas with
+  // PlannerConfig::test_home_replicas at one rank). Then rank home(e) computes e in two groups:
+  // its home group and the slot; alloc[e][home] is their sum, slot_alloc[slot] the slot's part,
+  // GroupOf() names the home group, and a piece belongs to the group whose rows hold piece_row.
+  // A transport prefetches such a slot by a local copy and reduces it by a local add.
+  bool home_replicas = false;
 
   std::vector<int32_t> home;           // [E]
   std::vector<int32_t> local_experts;  // [R * epn] rank r's home group g is expert local_experts[r*epn+g]
@@ -92,7 +104,8 @@ struct Plan {
   std::vector<int64_t> alloc;          // [E * R] tokens of expert e computed on rank d: alloc[e*R + d]
   std::vector<int32_t> slot_expert;    // [R * slots] expert in each replica slot, -1 if unused
   std::vector<int64_t> slot_alloc;     // [R * slots] tokens computed in each slot (0 if unused);
-                                       // equals alloc[slot_expert * R + rank] (added for O(R*slots) readers)
+                                       // equals alloc[slot_expert * R + rank] (added for O(R*slots) readers),
+                                       // except for a slot on its expert's home rank (home_replicas)
 
   // Compute layout, G = epn + slots groups per rank, indexed [rank * G + g].
   std::vector<int64_t> group_offset;
@@ -113,7 +126,8 @@ struct Plan {
   PlanStats stats;
 
   int32_t num_groups() const { return experts_per_rank + slots; }
-  // Group index of expert e on rank d, or -1 when d does not compute e.
+  // Group index of expert e on rank d, or -1 when d does not compute e (the home group on the home
+  // rank, even where home_replicas puts a second copy of e in a slot there).
   int32_t GroupOf(int32_t rank, int32_t expert) const;
   // Expert computed by group g of rank d (-1 for an unused slot).
   int32_t ExpertOfGroup(int32_t rank, int32_t group) const;

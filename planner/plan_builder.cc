@@ -86,6 +86,7 @@ void InitPlan(const PlannerConfig& c, Plan* plan) {
   plan->slots = c.slots;
   plan->pad_multiple = c.pad_multiple;
   plan->ranks_per_node = c.ranks_per_node;
+  plan->home_replicas = HomeReplicas(c);
   plan->home.assign(c.home.begin(), c.home.end());
   plan->local_experts.resize(static_cast<size_t>(R) * epn);
   plan->home_group.resize(E);
@@ -131,7 +132,8 @@ absl::Status FinalizePlan(const PlannerConfig& c, absl::Span<const int64_t> coun
       const int32_t e = plan->slot_expert[static_cast<size_t>(d) * S + s];
       if (e < 0) continue;
       MOONEP_CHECK_ARG(e < E, "slot %d of rank %d holds expert %d, not in [0, %d)", s, d, e, E);
-      MOONEP_CHECK_ARG(plan->home[e] != d, "rank %d holds a replica of its own expert %d", d, e);
+      MOONEP_CHECK_ARG(plan->home_replicas || plan->home[e] != d,
+                       "rank %d holds a replica of its own expert %d", d, e);
       ++scratch->replica_begin[e + 1];
     }
   }
@@ -140,12 +142,17 @@ absl::Status FinalizePlan(const PlannerConfig& c, absl::Span<const int64_t> coun
   scratch->replica_rank.resize(num_replicas);
   scratch->replica_start.resize(num_replicas);
   scratch->replica_end.resize(num_replicas);
+  std::vector<int64_t>& replica_slot = scratch->next_row;  // slot index d * S + s of each replica
+  replica_slot.resize(num_replicas);
   {
     std::vector<int32_t>& cursor = scratch->replica_begin;  // reuse: shift back afterwards
     for (int32_t d = 0; d < R; ++d) {
       for (int32_t s = 0; s < S; ++s) {
         const int32_t e = plan->slot_expert[static_cast<size_t>(d) * S + s];
-        if (e >= 0) scratch->replica_rank[cursor[e]++] = d;
+        if (e >= 0) {
+          replica_slot[cursor[e]] = static_cast<int64_t>(d) * S + s;
+          scratch->replica_rank[cursor[e]++] = d;
+        }
       }
     }
     for (int32_t e = E; e > 0; --e) cursor[e] = cursor[e - 1];
@@ -170,19 +177,33 @@ absl::Status FinalizePlan(const PlannerConfig& c, absl::Span<const int64_t> coun
       }
     }
   }
+  // A slot on its expert's home rank (home_replicas) keeps the slot_alloc the caller set; the
+  // home group computes the rest of alloc[e][home].
   plan->slot_alloc.resize(static_cast<size_t>(R) * S);
   for (int32_t d = 0; d < R; ++d) {
     for (int32_t g = 0; g < G; ++g) {
       const int32_t e = plan->ExpertOfGroup(d, g);
-      const int64_t n = e < 0 ? 0 : plan->alloc[static_cast<size_t>(e) * R + d];
+      int64_t n = e < 0 ? 0 : plan->alloc[static_cast<size_t>(e) * R + d];
+      if (g >= epn) {
+        int64_t& slot_alloc = plan->slot_alloc[static_cast<size_t>(d) * S + (g - epn)];
+        if (e >= 0 && plan->home[e] == d) {
+          n = slot_alloc;
+          MOONEP_CHECK_ARG(n >= 0, "slot %d of rank %d: slot_alloc %d is negative", g - epn, d, n);
+          int64_t& home_count = plan->group_count[static_cast<size_t>(d) * G + plan->home_group[e]];
+          MOONEP_CHECK_ARG(home_count >= n, "expert %d: its home-rank slot computes %d of the %d tokens on rank %d",
+                           e, n, home_count, d);
+          home_count -= n;
+        }
+        slot_alloc = n;
+      }
       plan->group_count[static_cast<size_t>(d) * G + g] = n;
-      if (g >= epn) plan->slot_alloc[static_cast<size_t>(d) * S + (g - epn)] = n;
     }
   }
   // Every token of an expert must be computed by a rank that holds it.
   for (int32_t e = 0; e < E; ++e) {
     int64_t held = plan->alloc[static_cast<size_t>(e) * R + plan->home[e]];
     for (int32_t j = rb[e]; j < rb[e + 1]; ++j) {
+      if (scratch->replica_rank[j] == plan->home[e]) continue;  // inside alloc[e][home]
       held += plan->alloc[static_cast<size_t>(e) * R + scratch->replica_rank[j]];
     }
     MOONEP_CHECK_ARG(held == totals[e],
@@ -208,11 +229,12 @@ absl::Status FinalizePlan(const PlannerConfig& c, absl::Span<const int64_t> coun
   plan->piece_start.clear();
   plan->piece_count.clear();
   plan->piece_row.clear();
-  auto add_piece = [&](int32_t dest, int64_t start, int64_t count) {
+  auto add_piece = [&](int32_t dest, int64_t start, int64_t count, int64_t row) {
     if (count <= 0) return;
     plan->piece_dest.push_back(dest);
     plan->piece_start.push_back(start);
     plan->piece_count.push_back(count);
+    plan->piece_row.push_back(row);
   };
   for (int32_t e = 0; e < E; ++e) {
     plan->piece_begin[e] = static_cast<int32_t>(plan->piece_dest.size());
@@ -221,7 +243,7 @@ absl::Status FinalizePlan(const PlannerConfig& c, absl::Span<const int64_t> coun
     int64_t cursor = 0;
     for (int32_t j = first; j < last; ++j) {
       const int32_t d = scratch->replica_rank[j];
-      const int64_t a = plan->alloc[static_cast<size_t>(e) * R + d];
+      const int64_t a = plan->slot_alloc[replica_slot[j]];
       const int64_t want = scratch->src_offsets[static_cast<size_t>(d) * E + e];
       scratch->replica_start[j] = std::max(want, cursor);
       scratch->replica_end[j] = scratch->replica_start[j] + a;
@@ -236,33 +258,27 @@ absl::Status FinalizePlan(const PlannerConfig& c, absl::Span<const int64_t> coun
       }
       limit = scratch->replica_start[j];
     }
-    int64_t pos = 0;
+    int64_t pos = 0, home_rows = 0;
     const int32_t h = plan->home[e];
+    const int64_t home_row = plan->group_offset[static_cast<size_t>(h) * G + plan->home_group[e]];
     for (int32_t j = first; j < last; ++j) {
-      add_piece(h, pos, scratch->replica_start[j] - pos);
-      add_piece(scratch->replica_rank[j], scratch->replica_start[j],
-                scratch->replica_end[j] - scratch->replica_start[j]);
+      add_piece(h, pos, scratch->replica_start[j] - pos, home_row + home_rows);
+      home_rows += std::max<int64_t>(0, scratch->replica_start[j] - pos);
+      const int32_t d = scratch->replica_rank[j];
+      add_piece(d, scratch->replica_start[j], scratch->replica_end[j] - scratch->replica_start[j],
+                plan->group_offset[static_cast<size_t>(d) * G + epn + replica_slot[j] % S]);
       pos = scratch->replica_end[j];
     }
-    add_piece(h, pos, N - pos);
+    add_piece(h, pos, N - pos, home_row + home_rows);
   }
   plan->piece_begin[E] = static_cast<int32_t>(plan->piece_dest.size());
 
-  // Rows of pieces, and stats.
+  // Row stats.
   PlanStats& st = plan->stats;
   st = PlanStats{};
-  plan->piece_row.resize(plan->piece_dest.size());
   for (int32_t e = 0; e < E; ++e) {
-    int64_t home_rows = 0;
     for (int32_t p = plan->piece_begin[e]; p < plan->piece_begin[e + 1]; ++p) {
       const int32_t d = plan->piece_dest[p];
-      const int32_t g = plan->GroupOf(d, e);
-      int64_t row = plan->group_offset[static_cast<size_t>(d) * G + g];
-      if (d == plan->home[e]) {
-        row += home_rows;
-        home_rows += plan->piece_count[p];
-      }
-      plan->piece_row[p] = row;
       const int64_t p0 = plan->piece_start[p], p1 = p0 + plan->piece_count[p];
       const int64_t* col = scratch->src_offsets.data() + e;
       const int64_t local = Overlap(p0, p1, col[static_cast<size_t>(d) * E], col[static_cast<size_t>(d + 1) * E]);
@@ -314,7 +330,7 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
     const int32_t e = plan->slot_expert[i];
     if (e < 0) continue;
     MOONEP_CHECK_ARG(e < E, "slot %d of rank %d holds expert %d, not in [0, %d)", i % S, i / S, e, E);
-    MOONEP_CHECK_ARG(plan->home[e] != static_cast<int32_t>(i / S),
+    MOONEP_CHECK_ARG(plan->home_replicas || plan->home[e] != static_cast<int32_t>(i / S),
                      "rank %d holds a replica of its own expert %d", i / S, e);
     ++rb[e + 1];
   }
@@ -352,7 +368,15 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
     for (int32_t s = 0; s < S; ++s) {
       const size_t i = static_cast<size_t>(d) * S + s;
       const int32_t e = plan->slot_expert[i];
-      const int64_t n = e < 0 ? 0 : plan->alloc[static_cast<size_t>(e) * R + d];
+      int64_t n = e < 0 ? 0 : plan->alloc[static_cast<size_t>(e) * R + d];
+      if (e >= 0 && plan->home[e] == d) {  // home_replicas: the slot's part of alloc[e][home]
+        n = plan->slot_alloc[i];
+        int64_t& home_count = plan->group_count[static_cast<size_t>(d) * G + plan->home_group[e]];
+        MOONEP_CHECK_ARG(n >= 0 && n <= home_count,
+                         "expert %d: its home-rank slot computes %d of the %d tokens on rank %d", e, n,
+                         home_count, d);
+        home_count -= n;
+      }
       MOONEP_CHECK_ARG(plan->slot_alloc[i] == n, "slot %d of rank %d: slot_alloc %d != alloc %d", s, d,
                        plan->slot_alloc[i], n);
       plan->group_count[static_cast<size_t>(d) * G + epn + s] = n;
@@ -362,6 +386,7 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
     int64_t held = plan->alloc[static_cast<size_t>(e) * R + plan->home[e]];
     MOONEP_CHECK_ARG(held >= 0, "alloc[%d][%d] = %d is negative", e, plan->home[e], held);
     for (int32_t j = rb[e]; j < rb[e + 1]; ++j) {
+      if (scratch->replica_rank[j] == plan->home[e]) continue;  // inside alloc[e][home]
       const int64_t a = plan->alloc[static_cast<size_t>(e) * R + scratch->replica_rank[j]];
       MOONEP_CHECK_ARG(a >= 0, "alloc[%d][%d] = %d is negative", e, scratch->replica_rank[j], a);
       held += a;
@@ -439,7 +464,7 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
     int64_t cursor = 0;
     for (int32_t j = first; j < last; ++j) {
       const int32_t d = scratch->replica_rank[j];
-      const int64_t a = plan->alloc[static_cast<size_t>(e) * R + d];
+      const int64_t a = plan->slot_alloc[static_cast<size_t>(d) * S + (slot_group[j] - epn)];
       scratch->replica_start[j] = std::max(col(e, d), cursor);
       scratch->replica_end[j] = scratch->replica_start[j] + a;
       cursor = scratch->replica_end[j];

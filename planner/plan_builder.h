@@ -45,6 +45,13 @@ inline int32_t BlockSize(const PlannerConfig& resolved) {
   return resolved.ranks_per_node > 0 ? resolved.ranks_per_node : 16;
 }
 
+// Whether plans of this config may hold replicas on their expert's home rank (Plan::home_replicas):
+// test-force-replicas with test_home_replicas at one rank.
+inline bool HomeReplicas(const PlannerConfig& resolved) {
+  return resolved.policy == Policy::kTestForceReplicas && resolved.test_home_replicas &&
+         resolved.num_ranks == 1;
+}
+
 // Prepares `plan` for a resolved config: sizes every array and fills home, local_experts and
 // home_group; alloc and slot_expert are zeroed / set to -1.
 void InitPlan(const PlannerConfig& resolved, Plan* plan);

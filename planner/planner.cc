@@ -63,7 +63,8 @@ bool SameShape(const PlannerConfig& c, const Plan& plan) {
   const size_t R = c.num_ranks, E = c.num_experts, S = c.slots;
   return plan.num_ranks == c.num_ranks && plan.num_experts == c.num_experts &&
          plan.slots == c.slots && plan.pad_multiple == c.pad_multiple &&
-         plan.ranks_per_node == c.ranks_per_node && plan.alloc.size() == E * R &&
+         plan.ranks_per_node == c.ranks_per_node && plan.home_replicas == HomeReplicas(c) &&
+         plan.alloc.size() == E * R &&
          plan.slot_expert.size() == R * S && plan.slot_alloc.size() == R * S &&
          plan.home.size() == E && plan.local_experts.size() == E && plan.home_group.size() == E &&
          plan.group_offset.size() == R * (E / R + S) && plan.piece_begin.size() == E + 1 &&
@@ -112,7 +113,7 @@ void EmitDecisions(const PlannerConfig& c, const Decisions& dec, const PolicyInp
       const size_t i = static_cast<size_t>(d) * S + s;
       const int32_t e = dec.slot_expert[i];
       if (e < 0) continue;
-      plan->alloc[static_cast<size_t>(e) * R + d] = dec.slot_amount[i];
+      plan->alloc[static_cast<size_t>(e) * R + d] += dec.slot_amount[i];  // += : a home-rank slot
       after += dec.slot_amount[i];
       ++st.replicas;
     }
@@ -364,6 +365,7 @@ std::string SerializePlan(const Plan& p) {
   }
   for (int32_t x : {s.replicas, s.prefetch_intra, s.prefetch_inter}) AppendScalar(x, &out);
   AppendScalar(s.mean_load, &out);
+  if (p.home_replicas) out.append("HOMEREPLICAS");  // only then: other plans' bytes unchanged
   return out;
 }
 

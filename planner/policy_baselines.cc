@@ -149,10 +149,20 @@ absl::Status DecideFasterMoEShadow(const PolicyInput& in, PolicyScratch* sc, Dec
 // Tests only: every slot of every rank holds a distinct foreign expert (slot s of rank d takes
 // group s % epn of rank (d + 1 + s / epn) % R), and each expert's tokens are split evenly over
 // its home and all its replicas, so plans have many replicas and split experts for any counts.
+// One-rank mode (config.test_home_replicas, R == 1, Plan::home_replicas): slot s holds the rank's
+// own home group s (s < epn), split evenly with the home group the same way.
 absl::Status DecideTestForceReplicas(const PolicyInput& in, PolicyScratch* sc, Decisions* dec) {
   const PlannerConfig& c = *in.config;
   const int32_t R = c.num_ranks, E = c.num_experts, S = c.slots, epn = E / R;
   sc->remaining.assign(E, 1);  // holders per expert
+  if (in.plan->home_replicas) {
+    for (int32_t s = 0; s < std::min(S, epn); ++s) {
+      const int32_t e = in.plan->local_experts[s];
+      dec->slot_expert[s] = e;
+      dec->slots_used[0] = s + 1;
+      ++sc->remaining[e];
+    }
+  }
   for (int32_t d = 0; d < R; ++d) {
     for (int32_t s = 0; s < S; ++s) {
       if (s / epn >= R - 1) break;

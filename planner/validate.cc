@@ -43,7 +43,9 @@ absl::Status ValidatePlan(const Plan& p, absl::Span<const int64_t> counts) {
                "home: expert %d is not at its home group", e);
   }
 
-  // Replica slots: valid expert, not on its home rank, no expert twice on a rank.
+  // Replica slots: valid expert, not on its home rank (unless the plan says home_replicas: then
+  // the slot computes slot_alloc of the alloc[e][home] tokens), no expert twice on a rank.
+  std::vector<int64_t> home_slot(E, 0);  // tokens of e in a slot on its own home rank
   for (int32_t d = 0; d < R; ++d) {
     for (int32_t s = 0; s < S; ++s) {
       const size_t i = static_cast<size_t>(d) * S + s;
@@ -53,10 +55,18 @@ absl::Status ValidatePlan(const Plan& p, absl::Span<const int64_t> counts) {
         PLAN_CHECK(p.slot_alloc[i] == 0, "slots: unused slot %d of rank %d has %d tokens", s, d, p.slot_alloc[i]);
         continue;
       }
-      PLAN_CHECK(p.home[e] != d, "no replica on home: rank %d slot %d replicates its own expert %d", d, s, e);
+      PLAN_CHECK(p.home_replicas || p.home[e] != d,
+                 "no replica on home: rank %d slot %d replicates its own expert %d", d, s, e);
       for (int32_t s2 = 0; s2 < s; ++s2) {
         PLAN_CHECK(p.slot_expert[static_cast<size_t>(d) * S + s2] != e,
                    "no duplicates: expert %d twice on rank %d (slots %d and %d)", e, d, s2, s);
+      }
+      if (p.home[e] == d) {
+        PLAN_CHECK(p.slot_alloc[i] >= 0 && p.slot_alloc[i] <= p.alloc[static_cast<size_t>(e) * R + d],
+                   "slots: home-rank slot %d of rank %d computes %d tokens of expert %d, alloc %d", s, d,
+                   p.slot_alloc[i], e, p.alloc[static_cast<size_t>(e) * R + d]);
+        home_slot[e] = p.slot_alloc[i];
+        continue;
       }
       PLAN_CHECK(p.slot_alloc[i] == p.alloc[static_cast<size_t>(e) * R + d],
                  "slots: slot_alloc of rank %d slot %d != alloc[%d][%d]", d, s, e, d);
@@ -90,7 +100,10 @@ absl::Status ValidatePlan(const Plan& p, absl::Span<const int64_t> counts) {
     for (int32_t g = 0; g < G; ++g) {
       const size_t i = static_cast<size_t>(d) * G + g;
       const int32_t e = p.ExpertOfGroup(d, g);
-      const int64_t want = e < 0 ? 0 : p.alloc[static_cast<size_t>(e) * R + d];
+      int64_t want = e < 0 ? 0 : p.alloc[static_cast<size_t>(e) * R + d];
+      if (e >= 0 && p.home[e] == d) {  // a home-rank slot splits alloc[e][d] with the home group
+        want = g < epn ? want - home_slot[e] : home_slot[e];
+      }
       PLAN_CHECK(p.group_count[i] == want, "layout: rank %d group %d has count %d, alloc says %d", d, g,
                  p.group_count[i], want);
       const int64_t n = p.group_count[i], padded = p.group_padded[i];
@@ -131,8 +144,19 @@ absl::Status ValidatePlan(const Plan& p, absl::Span<const int64_t> counts) {
                  "conservation per (source, expert): expert %d positions [%d, %d) are %s", e,
                  std::min(pos, p.piece_start[q]), std::max(pos, p.piece_start[q]),
                  p.piece_start[q] > pos ? "computed nowhere" : "computed twice");
-      const int32_t g = p.GroupOf(d, e);
+      int32_t g = p.GroupOf(d, e);
       PLAN_CHECK(g >= 0, "pieces: rank %d computes a piece of expert %d but holds no copy", d, e);
+      if (p.home_replicas && d == p.home[e]) {
+        // Two groups of e on this rank: the piece belongs to the one whose next row it starts at.
+        for (int32_t s = 0; s < S; ++s) {
+          const size_t k = static_cast<size_t>(d) * G + epn + s;
+          if (p.slot_expert[static_cast<size_t>(d) * S + s] == e &&
+              p.piece_row[q] == p.group_offset[k] + filled[k] &&
+              filled[k] + p.piece_count[q] <= p.group_count[k]) {
+            g = epn + s;
+          }
+        }
+      }
       const size_t i = static_cast<size_t>(d) * G + g;
       PLAN_CHECK(p.piece_row[q] == p.group_offset[i] + filled[i],
                  "pieces: piece %d of expert %d lands at row %d of rank %d, expected %d", q, e, p.piece_row[q], d,

@@ -418,6 +418,92 @@ TEST(PlannerDecide, MatchesMakePlanDecisions) {
   }
 }
 
+// One-rank mode of test-force-replicas: the slots hold copies of the rank's own experts and take
+// half of their tokens (the home rule is waived only for these plans, flagged home_replicas).
+TEST(PlannerTestForceReplicas, OneRankModeRoutesThroughOwnSlots) {
+  std::mt19937_64 rng(5);
+  for (int32_t E : {1, 4, 6}) {
+    for (int32_t S : {-1, 1, 3, 8}) {
+      if (S > E) continue;
+      std::vector<int64_t> counts(E);
+      for (int32_t e = 0; e < E; ++e) counts[e] = e == 1 ? 0 : static_cast<int64_t>(rng() % 50) + 1;
+      PlannerConfig c;
+      c.num_ranks = 1;
+      c.num_experts = E;
+      c.slots = S;
+      c.pad_multiple = 4;
+      c.policy = Policy::kTestForceReplicas;
+      c.test_home_replicas = true;
+      const Plan p = MustPlan(c, counts);  // validates, and equals the dense FinalizePlan
+      ASSERT_TRUE(p.home_replicas);
+      const int32_t slots = S < 0 ? E : S, used = std::min(slots, E);
+      EXPECT_EQ(p.stats.replicas, used);
+      EXPECT_EQ(p.stats.max_load_after, std::accumulate(counts.begin(), counts.end(), int64_t{0}));
+      // Independent expectation: slot s holds expert s with floor(t/2) tokens, the home group the
+      // rest; every token of e lands on exactly one row, in order, home and slot rows disjoint.
+      for (int32_t s = 0; s < slots; ++s) {
+        const int32_t e = s < E ? s : -1;
+        ASSERT_EQ(p.slot_expert[s], e);
+        if (e < 0) continue;
+        EXPECT_EQ(p.slot_alloc[s], counts[e] / 2);
+        EXPECT_EQ(p.alloc[e], counts[e]);
+        EXPECT_EQ(p.group_count[p.home_group[e]], counts[e] - counts[e] / 2);
+        EXPECT_EQ(p.group_count[E + s], counts[e] / 2);
+      }
+      const int32_t G = p.num_groups();
+      std::vector<int> hits(static_cast<size_t>(p.rank_rows[0]), 0);
+      for (int32_t e = 0; e < E; ++e) {
+        int64_t pos = 0;
+        for (int32_t q = p.piece_begin[e]; q < p.piece_begin[e + 1]; ++q) {
+          EXPECT_EQ(p.piece_dest[q], 0);
+          EXPECT_EQ(p.piece_start[q], pos);
+          pos += p.piece_count[q];
+          for (int64_t r = p.piece_row[q]; r < p.piece_row[q] + p.piece_count[q]; ++r) ++hits[r];
+        }
+        EXPECT_EQ(pos, counts[e]);
+      }
+      for (int32_t g = 0; g < G; ++g) {
+        for (int64_t r = p.group_offset[g]; r < p.group_offset[g] + p.group_padded[g]; ++r) {
+          EXPECT_EQ(hits[r], r < p.group_offset[g] + p.group_count[g] ? 1 : 0) << "row " << r;
+        }
+      }
+      // The same plan without the flag breaks the home rule.
+      if (used > 0) {
+        Plan q = p;
+        q.home_replicas = false;
+        const absl::Status v = ValidatePlan(q, counts);
+        EXPECT_FALSE(v.ok());
+        EXPECT_NE(std::string(v.message()).find("no replica on home"), std::string::npos) << v;
+      }
+      // Decide (totals only) agrees with MakePlan.
+      auto planner = Planner::Create(c).value();
+      Plan decided;
+      for (int rep = 0; rep < 2; ++rep) ASSERT_TRUE(planner->Decide(counts, &decided).ok());
+      EXPECT_EQ(decided.alloc, p.alloc);
+      EXPECT_EQ(decided.slot_alloc, p.slot_alloc);
+      EXPECT_EQ(decided.stats.replicas, p.stats.replicas);
+    }
+  }
+  // The option changes nothing for other policies, nor for test-force-replicas at R > 1.
+  std::mt19937_64 rng2(6);
+  for (int32_t R : {1, 4}) {
+    auto counts = MakeCounts(Skew::kZipf, R, 8, 256, 2, 1.2, rng2);
+    for (Policy pol : {Policy::kNone, Policy::kMoonEP, Policy::kMoonEPGreedy, Policy::kEplb,
+                       Policy::kFasterMoEShadow, Policy::kTestForceReplicas}) {
+      if (pol == Policy::kTestForceReplicas && R == 1) continue;
+      PlannerConfig c;
+      c.num_ranks = R;
+      c.num_experts = 8;
+      c.policy = pol;
+      const std::string plain = SerializePlan(MustPlan(c, counts));
+      c.test_home_replicas = true;
+      const Plan p = MustPlan(c, counts);
+      EXPECT_FALSE(p.home_replicas) << PolicyName(pol);
+      EXPECT_EQ(SerializePlan(p), plain) << PolicyName(pol) << " R=" << R;
+    }
+  }
+}
+
 TEST(PlannerBadInput, ClearErrors) {
   auto expect_error = [](const PlannerConfig& c, const std::string& needle) {
     auto p = Planner::Create(c);
