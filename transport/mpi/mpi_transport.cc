@@ -15,6 +15,7 @@
 #include "moonep/core/logging.h"
 #include "moonep/core/status.h"
 #include "planner/plan_builder.h"
+#include "transport/common/host_checks.h"
 #include "transport/layout.h"
 #include "transport/testing_hooks.h"
 
@@ -43,26 +44,10 @@ absl::Status MpiCheck(int rc, const char* what) {
   return SystemError("%s failed: %s", what, std::string(text, len));
 }
 
-std::string RankList(const std::vector<int>& ranks) { return absl::StrJoin(ranks, ","); }
+using common::RankList;
 
-bool IsRowDType(DType d) { return d == DType::kFloat32 || d == DType::kBFloat16; }
-
-// A 2-D contiguous CPU matrix with at least `min_rows` rows and `cols` columns (cols < 0: any).
-absl::Status CheckRows(const TensorView& v, const char* name, int64_t min_rows, int64_t cols) {
-  MOONEP_CHECK_ARG(v.ndim == 2, "%s: expected a 2-D tensor, got %s", name, v.DebugString());
-  MOONEP_CHECK_ARG(v.device == Device::kCpu, "%s: the MPI transport needs host memory, got %s",
-                   name, v.DebugString());
-  MOONEP_CHECK_ARG(IsRowDType(v.dtype), "%s: dtype must be fp32 or bf16", name);
-  MOONEP_CHECK_ARG(v.shape[0] >= min_rows, "%s: has %d rows, needs at least %d", name, v.shape[0],
-                   min_rows);
-  MOONEP_CHECK_ARG(cols < 0 || v.shape[1] == cols, "%s: has %d columns, expected %d", name,
-                   v.shape[1], cols);
-  MOONEP_CHECK_ARG(v.is_contiguous(), "%s: tensor must be contiguous", name);
-  MOONEP_CHECK_ARG(v.numel() == 0 || v.data != nullptr, "%s: null data pointer", name);
-  MOONEP_CHECK_ARG(reinterpret_cast<uintptr_t>(v.data) % DTypeSize(v.dtype) == 0,
-                   "%s: data pointer is not aligned to its element size", name);
-  return absl::OkStatus();
-}
+// Names this backend in argument errors ("the MPI transport needs host memory").
+constexpr char kBackendName[] = "MPI";
 
 class MpiTransport;
 
@@ -194,8 +179,6 @@ class MpiTransport : public Transport {
   MpiTransport() = default;
   // Checks that the handle is ready for an operation that needs a dispatch (local misuse aborts).
   absl::Status CheckDispatched(OpKind kind, DispatchHandle* handle);
-  absl::Status CheckBlocks(const planner::Plan& plan, const ExpertBlocks& blocks,
-                           const char* name) const;
   absl::StatusOr<RequestPtr> Skipped();
   void EnsureRowStaging(DispatchHandle* handle) const;
 
@@ -1170,19 +1153,8 @@ absl::StatusOr<RequestPtr> MpiTransport::StartExchangeCounts(absl::Span<const in
     return AbortPeers(OpKind::kCounts,
                       InvalidArgument("num_experts must be >= 1, got %d", num_experts));
   }
-  absl::Status local = ValidateRouting(topk_ids, num_tokens, top_k, num_experts);
-  if (local.ok() && num_tokens > options_.max_tokens) {
-    local = OutOfMemory("num_tokens = %d exceeds the declared max_tokens = %d", num_tokens,
-                        options_.max_tokens);
-  }
-  if (local.ok() && top_k > options_.max_top_k) {
-    local = OutOfMemory("top_k = %d exceeds the declared max_top_k = %d", top_k,
-                        options_.max_top_k);
-  }
-  if (local.ok() && recv_capacity_rows < 0) {
-    local = InvalidArgument("recv_capacity_rows must be >= 0, got %d", recv_capacity_rows);
-  }
-  if (!local.ok()) local = Annotate(local, absl::StrCat("count exchange on rank ", rank_));
+  const absl::Status local = common::CheckCountsInput(topk_ids, num_tokens, top_k, num_experts,
+                                                      recv_capacity_rows, options_, rank_);
   auto op = std::make_unique<CountsOp>(this, rows_comm_, rows_seq_++, handle);
   handle->seq_ = rows_seq_ - 1;
   MOONEP_RETURN_IF_ERROR(op->Begin(
@@ -1191,15 +1163,8 @@ absl::StatusOr<RequestPtr> MpiTransport::StartExchangeCounts(absl::Span<const in
 }
 
 absl::Status MpiTransport::CheckDispatched(OpKind kind, DispatchHandle* h) {
-  if (h == nullptr) return AbortPeers(kind, InvalidArgument("%s: handle is null", OpName(kind)));
-  if (!h->counted_ || h->num_ranks_ != size_ || h->rank_ != rank_) {
-    return AbortPeers(kind, InvalidUsage("%s: the handle has no count exchange of this transport",
-                                         OpName(kind)));
-  }
-  if (kind != OpKind::kDispatch && !h->dispatched_) {
-    return AbortPeers(kind, InvalidUsage("%s: the handle has not been dispatched", OpName(kind)));
-  }
-  return absl::OkStatus();
+  absl::Status s = common::CheckHandleReady(kind, h, rank_, size_);
+  return s.ok() ? s : AbortPeers(kind, s);
 }
 
 absl::StatusOr<RequestPtr> MpiTransport::StartDispatch(const planner::Plan& plan,
@@ -1211,59 +1176,12 @@ absl::StatusOr<RequestPtr> MpiTransport::StartDispatch(const planner::Plan& plan
   MOONEP_RETURN_IF_ERROR(Usable());
   if (testing::ShouldSkip(rank_, OpKind::kDispatch)) return Skipped();
   MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kDispatch, h));
-  // Agreed checks: functions of (plan, counts, capacities), identical on every rank.
-  {
-    absl::Status s;
-    if (plan.num_ranks != size_ || plan.num_experts != h->num_experts_) {
-      s = InvalidArgument("dispatch: plan is for %d ranks and %d experts, the counts for %d and %d",
-                          plan.num_ranks, plan.num_experts, size_, h->num_experts_);
-    }
-    if (s.ok()) s = Annotate(CheckPlanForTransport(plan, h->counts_), "dispatch");
-    if (!s.ok()) return s;
-    for (int32_t r = 0; r < size_; ++r) {
-      if (plan.rank_rows[r] <= h->rank_capacity_[r]) continue;
-      if (r == rank_) {
-        return OutOfMemory("dispatch: the plan gives rank %d %d rows, its receive buffer holds %d",
-                           r, plan.rank_rows[r], h->rank_capacity_[r]);
-      }
-      return RemoteError("dispatch: the plan gives rank %d %d rows, its receive buffer holds %d",
-                         r, plan.rank_rows[r], h->rank_capacity_[r]);
-    }
-  }
-  // Local checks.
-  {
-    absl::Status s = CheckRows(x, "x", h->num_tokens_, -1);
-    if (s.ok()) s = CheckRows(recv_rows, "recv_rows", plan.rank_rows[rank_], x.shape[1]);
-    if (s.ok() && recv_rows.dtype != x.dtype) {
-      s = InvalidArgument("recv_rows: dtype %s differs from x's %s", DTypeName(recv_rows.dtype),
-                          DTypeName(x.dtype));
-    }
-    if (s.ok() && x.shape[0] != h->num_tokens_) {
-      s = InvalidArgument("x: has %d rows, the count exchange had num_tokens = %d", x.shape[0],
-                          h->num_tokens_);
-    }
-    if (s.ok() && static_cast<int64_t>(topk_weights.size()) != h->num_tokens_ * h->top_k_) {
-      s = InvalidArgument("topk_weights: has %d entries, need num_tokens * top_k = %d",
-                          topk_weights.size(), h->num_tokens_ * h->top_k_);
-    }
-    if (s.ok() && static_cast<int64_t>(recv_weights.size()) < plan.rank_rows[rank_]) {
-      s = InvalidArgument("recv_weights: has %d entries, the plan needs %d", recv_weights.size(),
-                          plan.rank_rows[rank_]);
-    }
-    if (s.ok() && RangesOverlap(x.data, x.nbytes(), recv_rows.data, recv_rows.nbytes())) {
-      s = InvalidArgument("x and recv_rows overlap");
-    }
-    if (!s.ok()) return AbortPeers(OpKind::kDispatch, s);
-  }
-  h->plan_ = plan;
-  h->topk_weights_.assign(topk_weights.begin(), topk_weights.end());
-  h->dispatched_ = false;
-  {
-    absl::Status s = BuildSendLayout(h->plan_, h->offsets_, rank_, h->topk_ids_, h->num_tokens_,
-                                     h->top_k_, &h->send_);
-    if (!s.ok()) return AbortPeers(OpKind::kDispatch, Annotate(s, "dispatch"));
-  }
-  BuildReceiveLayout(h->plan_, h->offsets_, rank_, &h->recv_);
+  // Agreed checks (identical on every rank) are returned as they are; local ones abort the peers.
+  MOONEP_RETURN_IF_ERROR(common::CheckDispatchAgreed(plan, *h, rank_, size_));
+  absl::Status s = common::CheckDispatchBuffers(plan, x, topk_weights, *h, recv_rows,
+                                                recv_weights, rank_, kBackendName);
+  if (s.ok()) s = common::PrepareDispatch(plan, topk_weights, rank_, h);
+  if (!s.ok()) return AbortPeers(OpKind::kDispatch, s);
   auto op = std::make_unique<DispatchOp>(this, OpKind::kDispatch, rows_comm_, rows_seq_++, h);
   MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(x, recv_rows, recv_weights.data())));
   return RequestPtr(std::move(op));
@@ -1275,18 +1193,9 @@ absl::StatusOr<RequestPtr> MpiTransport::StartCombineBackward(DispatchHandle* h,
   MOONEP_RETURN_IF_ERROR(Usable());
   if (testing::ShouldSkip(rank_, OpKind::kCombineBackward)) return Skipped();
   MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kCombineBackward, h));
-  absl::Status s = CheckRows(dy, "dy", h->num_tokens_, -1);
-  if (s.ok() && dy.shape[0] != h->num_tokens_) {
-    s = InvalidArgument("dy: has %d rows, need num_tokens = %d", dy.shape[0], h->num_tokens_);
-  }
-  if (s.ok()) s = CheckRows(dy_rows, "dy_rows", h->recv_.rank_rows, dy.shape[1]);
-  if (s.ok() && dy_rows.dtype != dy.dtype) s = InvalidArgument("dy_rows: dtype differs from dy's");
-  if (s.ok() && RangesOverlap(dy.data, dy.nbytes(), dy_rows.data, dy_rows.nbytes())) {
-    s = InvalidArgument("dy and dy_rows overlap");
-  }
+  absl::Status s = common::CheckCombineBackwardBuffers(*h, dy, dy_rows, kBackendName);
   if (!s.ok()) return AbortPeers(OpKind::kCombineBackward, s);
-  auto op =
-      std::make_unique<DispatchOp>(this, OpKind::kCombineBackward, rows_comm_, rows_seq_++, h);
+  auto op = std::make_unique<DispatchOp>(this, OpKind::kCombineBackward, rows_comm_, rows_seq_++, h);
   MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(dy, dy_rows, nullptr)));
   return RequestPtr(std::move(op));
 }
@@ -1297,20 +1206,8 @@ absl::StatusOr<RequestPtr> MpiTransport::StartCombine(DispatchHandle* h,
   MOONEP_RETURN_IF_ERROR(Usable());
   if (testing::ShouldSkip(rank_, OpKind::kCombine)) return Skipped();
   MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kCombine, h));
-  absl::Status s = CheckRows(expert_rows, "expert_rows", h->recv_.rank_rows, -1);
-  if (s.ok()) s = CheckRows(y, "y", h->num_tokens_, expert_rows.shape[1]);
-  if (s.ok() && y.shape[0] != h->num_tokens_) {
-    s = InvalidArgument("y: has %d rows, need num_tokens = %d", y.shape[0], h->num_tokens_);
-  }
-  if (s.ok() && expert_rows.shape[1] * static_cast<int64_t>(DTypeSize(expert_rows.dtype)) >
-                    options_.max_row_bytes) {
-    s = OutOfMemory("expert_rows: a row has %d bytes, above the declared max_row_bytes = %d",
-                    expert_rows.shape[1] * static_cast<int64_t>(DTypeSize(expert_rows.dtype)),
-                    options_.max_row_bytes);
-  }
-  if (s.ok() && RangesOverlap(expert_rows.data, expert_rows.nbytes(), y.data, y.nbytes())) {
-    s = InvalidArgument("expert_rows and y overlap");
-  }
+  absl::Status s =
+      common::CheckCombineBuffers(*h, expert_rows, y, options_.max_row_bytes, kBackendName);
   if (!s.ok()) return AbortPeers(OpKind::kCombine, s);
   EnsureRowStaging(h);
   auto op = std::make_unique<CombineOp>(this, OpKind::kCombine, rows_comm_, rows_seq_++, h);
@@ -1324,24 +1221,11 @@ absl::StatusOr<RequestPtr> MpiTransport::StartDispatchBackward(DispatchHandle* h
   MOONEP_RETURN_IF_ERROR(Usable());
   if (testing::ShouldSkip(rank_, OpKind::kDispatchBackward)) return Skipped();
   MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kDispatchBackward, h));
-  absl::Status s = CheckRows(dx_rows, "dx_rows", h->recv_.rank_rows, -1);
-  if (s.ok()) s = CheckRows(dx, "dx", h->num_tokens_, dx_rows.shape[1]);
-  if (s.ok() && dx.shape[0] != h->num_tokens_) {
-    s = InvalidArgument("dx: has %d rows, need num_tokens = %d", dx.shape[0], h->num_tokens_);
-  }
-  if (s.ok() && dx_rows.shape[1] * static_cast<int64_t>(DTypeSize(dx_rows.dtype)) >
-                    options_.max_row_bytes) {
-    s = OutOfMemory("dx_rows: a row has %d bytes, above the declared max_row_bytes = %d",
-                    dx_rows.shape[1] * static_cast<int64_t>(DTypeSize(dx_rows.dtype)),
-                    options_.max_row_bytes);
-  }
-  if (s.ok() && RangesOverlap(dx_rows.data, dx_rows.nbytes(), dx.data, dx.nbytes())) {
-    s = InvalidArgument("dx_rows and dx overlap");
-  }
+  absl::Status s =
+      common::CheckDispatchBackwardBuffers(*h, dx_rows, dx, options_.max_row_bytes, kBackendName);
   if (!s.ok()) return AbortPeers(OpKind::kDispatchBackward, s);
   EnsureRowStaging(h);
-  auto op =
-      std::make_unique<CombineOp>(this, OpKind::kDispatchBackward, rows_comm_, rows_seq_++, h);
+  auto op = std::make_unique<CombineOp>(this, OpKind::kDispatchBackward, rows_comm_, rows_seq_++, h);
   MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(dx_rows, dx)));
   return RequestPtr(std::move(op));
 }
@@ -1353,79 +1237,20 @@ absl::StatusOr<RequestPtr> MpiTransport::StartTopkWeightGrad(DispatchHandle* h,
   MOONEP_RETURN_IF_ERROR(Usable());
   if (testing::ShouldSkip(rank_, OpKind::kTopkWeightGrad)) return Skipped();
   MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kTopkWeightGrad, h));
-  absl::Status s = CheckRows(dy_rows, "dy_rows", h->recv_.rank_rows, -1);
-  if (s.ok()) s = CheckRows(expert_rows, "expert_rows", h->recv_.rank_rows, dy_rows.shape[1]);
-  if (s.ok() && static_cast<int64_t>(d_topk_weights.size()) != h->num_tokens_ * h->top_k_) {
-    s = InvalidArgument("d_topk_weights: has %d entries, need num_tokens * top_k = %d",
-                        d_topk_weights.size(), h->num_tokens_ * h->top_k_);
-  }
+  absl::Status s =
+      common::CheckTopkWeightGradBuffers(*h, dy_rows, expert_rows, d_topk_weights, kBackendName);
   if (!s.ok()) return AbortPeers(OpKind::kTopkWeightGrad, s);
   auto op = std::make_unique<TopkWeightGradOp>(this, rows_comm_, rows_seq_++, h);
   MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(dy_rows, expert_rows, d_topk_weights.data())));
   return RequestPtr(std::move(op));
 }
 
-absl::Status MpiTransport::CheckBlocks(const planner::Plan& plan, const ExpertBlocks& b,
-                                       const char* name) const {
-  const int32_t nt = b.tensors_per_expert;
-  MOONEP_CHECK_ARG(nt >= 1, "%s.tensors_per_expert must be >= 1, got %d", name, nt);
-  MOONEP_CHECK_ARG(b.home.size() == static_cast<size_t>(plan.experts_per_rank) * nt,
-                   "%s.home has %d tensors, need experts_per_rank * tensors_per_expert = %d", name,
-                   b.home.size(), static_cast<int64_t>(plan.experts_per_rank) * nt);
-  MOONEP_CHECK_ARG(b.slots.size() == static_cast<size_t>(plan.slots) * nt,
-                   "%s.slots has %d tensors, need slots * tensors_per_expert = %d", name,
-                   b.slots.size(), static_cast<int64_t>(plan.slots) * nt);
-  auto check = [&](const TensorView& v, const char* part, size_t index) -> absl::Status {
-    const TensorView& ref = b.home.empty() ? b.slots[index % nt] : b.home[index % nt];
-    MOONEP_CHECK_ARG(v.device == Device::kCpu, "%s.%s[%d]: the MPI transport needs host memory",
-                     name, part, index);
-    MOONEP_CHECK_ARG(IsRowDType(v.dtype), "%s.%s[%d]: dtype must be fp32 or bf16", name, part,
-                     index);
-    MOONEP_CHECK_ARG(v.is_contiguous(), "%s.%s[%d]: must be contiguous", name, part, index);
-    MOONEP_CHECK_ARG(v.numel() == 0 || v.data != nullptr, "%s.%s[%d]: null data pointer", name,
-                     part, index);
-    MOONEP_CHECK_ARG(v.dtype == ref.dtype && v.numel() == ref.numel(),
-                     "%s.%s[%d]: %s does not match tensor %d of the first expert (%s)", name, part,
-                     index, v.DebugString(), index % nt, ref.DebugString());
-    return absl::OkStatus();
-  };
-  for (size_t i = 0; i < b.home.size(); ++i) MOONEP_RETURN_IF_ERROR(check(b.home[i], "home", i));
-  for (size_t i = 0; i < b.slots.size(); ++i) MOONEP_RETURN_IF_ERROR(check(b.slots[i], "slots", i));
-  return absl::OkStatus();
-}
-
-namespace {
-// Agreed plan checks for the weight operations (the plan is identical on every rank).
-absl::Status CheckSlotPlan(const planner::Plan& plan, int32_t R) {
-  MOONEP_CHECK_ARG(plan.num_ranks == R, "plan is for %d ranks, the transport has %d",
-                   plan.num_ranks, R);
-  const int32_t E = plan.num_experts;
-  MOONEP_CHECK_ARG(E >= 1 && plan.slots >= 0 && plan.experts_per_rank * R == E &&
-                       plan.home.size() == static_cast<size_t>(E) &&
-                       plan.home_group.size() == static_cast<size_t>(E) &&
-                       plan.slot_expert.size() == static_cast<size_t>(R) * plan.slots,
-                   "plan: array sizes do not match its ranks, experts and slots");
-  for (int32_t e = 0; e < E; ++e) {
-    MOONEP_CHECK_ARG(plan.home[e] >= 0 && plan.home[e] < R && plan.home_group[e] >= 0 &&
-                         plan.home_group[e] < plan.experts_per_rank,
-                     "plan: home of expert %d is invalid", e);
-  }
-  for (int32_t i = 0; i < R * plan.slots; ++i) {
-    const int32_t e = plan.slot_expert[i];
-    MOONEP_CHECK_ARG(e >= -1 && e < E, "plan: slot_expert[%d] = %d is not an expert", i, e);
-    MOONEP_CHECK_ARG(e < 0 || plan.home[e] != i / plan.slots,
-                     "plan: rank %d holds a replica of its own expert %d", i / plan.slots, e);
-  }
-  return absl::OkStatus();
-}
-}  // namespace
-
 absl::StatusOr<RequestPtr> MpiTransport::StartPrefetch(const planner::Plan& plan,
                                                        const ExpertBlocks& params) {
   MOONEP_RETURN_IF_ERROR(Usable());
   if (testing::ShouldSkip(rank_, OpKind::kPrefetch)) return Skipped();
-  MOONEP_RETURN_IF_ERROR(Annotate(CheckSlotPlan(plan, size_), "prefetch"));
-  absl::Status s = CheckBlocks(plan, params, "params");
+  MOONEP_RETURN_IF_ERROR(Annotate(common::CheckSlotPlan(plan, size_), "prefetch"));
+  absl::Status s = common::CheckHostBlocks(plan, params, "params", kBackendName);
   if (!s.ok()) return AbortPeers(OpKind::kPrefetch, Annotate(s, "prefetch"));
   auto op = std::make_unique<PrefetchOp>(this, weights_comm_, weights_seq_++);
   MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(plan, params)));
@@ -1436,8 +1261,8 @@ absl::StatusOr<RequestPtr> MpiTransport::StartReduce(const planner::Plan& plan,
                                                      const ExpertBlocks& grads) {
   MOONEP_RETURN_IF_ERROR(Usable());
   if (testing::ShouldSkip(rank_, OpKind::kReduce)) return Skipped();
-  MOONEP_RETURN_IF_ERROR(Annotate(CheckSlotPlan(plan, size_), "reduce"));
-  absl::Status s = CheckBlocks(plan, grads, "grads");
+  MOONEP_RETURN_IF_ERROR(Annotate(common::CheckSlotPlan(plan, size_), "reduce"));
+  absl::Status s = common::CheckHostBlocks(plan, grads, "grads", kBackendName);
   if (!s.ok()) return AbortPeers(OpKind::kReduce, Annotate(s, "reduce"));
   auto op = std::make_unique<ReduceOp>(this, weights_comm_, weights_seq_++);
   MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(plan, grads)));

@@ -1,0 +1,243 @@
+#include "transport/common/host_checks.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "moonep/core/status.h"
+#include "transport/layout.h"
+
+namespace moonep::transport::common {
+
+std::string RankList(const std::vector<int>& ranks) { return absl::StrJoin(ranks, ","); }
+
+bool IsRowDType(DType d) { return d == DType::kFloat32 || d == DType::kBFloat16; }
+
+absl::Status CheckHostRows(const TensorView& v, const char* name, int64_t min_rows, int64_t cols,
+                           const char* backend) {
+  MOONEP_CHECK_ARG(v.ndim == 2, "%s: expected a 2-D tensor, got %s", name, v.DebugString());
+  MOONEP_CHECK_ARG(v.device == Device::kCpu, "%s: the %s transport needs host memory, got %s",
+                   name, backend, v.DebugString());
+  MOONEP_CHECK_ARG(IsRowDType(v.dtype), "%s: dtype must be fp32 or bf16", name);
+  MOONEP_CHECK_ARG(v.shape[0] >= min_rows, "%s: has %d rows, needs at least %d", name, v.shape[0],
+                   min_rows);
+  MOONEP_CHECK_ARG(cols < 0 || v.shape[1] == cols, "%s: has %d columns, expected %d", name,
+                   v.shape[1], cols);
+  MOONEP_CHECK_ARG(v.is_contiguous(), "%s: tensor must be contiguous", name);
+  MOONEP_CHECK_ARG(v.numel() == 0 || v.data != nullptr, "%s: null data pointer", name);
+  MOONEP_CHECK_ARG(reinterpret_cast<uintptr_t>(v.data) % DTypeSize(v.dtype) == 0,
+                   "%s: data pointer is not aligned to its element size", name);
+  return absl::OkStatus();
+}
+
+absl::Status CheckCountsInput(absl::Span<const int32_t> topk_ids, int64_t num_tokens,
+                              int32_t top_k, int32_t num_experts, int64_t recv_capacity_rows,
+                              const TransportOptions& options, int32_t rank) {
+  absl::Status local = ValidateRouting(topk_ids, num_tokens, top_k, num_experts);
+  if (local.ok() && num_tokens > options.max_tokens) {
+    local = OutOfMemory("num_tokens = %d exceeds the declared max_tokens = %d", num_tokens,
+                        options.max_tokens);
+  }
+  if (local.ok() && top_k > options.max_top_k) {
+    local = OutOfMemory("top_k = %d exceeds the declared max_top_k = %d", top_k,
+                        options.max_top_k);
+  }
+  if (local.ok() && recv_capacity_rows < 0) {
+    local = InvalidArgument("recv_capacity_rows must be >= 0, got %d", recv_capacity_rows);
+  }
+  if (!local.ok()) local = Annotate(local, absl::StrCat("count exchange on rank ", rank));
+  return local;
+}
+
+absl::Status CheckHandleReady(OpKind kind, const DispatchHandle* h, int32_t rank, int32_t size) {
+  if (h == nullptr) return InvalidArgument("%s: handle is null", OpName(kind));
+  if (!h->counted_ || h->num_ranks_ != size || h->rank_ != rank) {
+    return InvalidUsage("%s: the handle has no count exchange of this transport", OpName(kind));
+  }
+  if (kind != OpKind::kDispatch && !h->dispatched_) {
+    return InvalidUsage("%s: the handle has not been dispatched", OpName(kind));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckDispatchAgreed(const planner::Plan& plan, const DispatchHandle& h,
+                                 int32_t rank, int32_t size) {
+  absl::Status s;
+  if (plan.num_ranks != size || plan.num_experts != h.num_experts_) {
+    s = InvalidArgument("dispatch: plan is for %d ranks and %d experts, the counts for %d and %d",
+                        plan.num_ranks, plan.num_experts, size, h.num_experts_);
+  }
+  if (s.ok()) s = Annotate(CheckPlanForTransport(plan, h.counts_), "dispatch");
+  if (!s.ok()) return s;
+  for (int32_t r = 0; r < size; ++r) {
+    if (plan.rank_rows[r] <= h.rank_capacity_[r]) continue;
+    if (r == rank) {
+      return OutOfMemory("dispatch: the plan gives rank %d %d rows, its receive buffer holds %d",
+                         r, plan.rank_rows[r], h.rank_capacity_[r]);
+    }
+    return RemoteError("dispatch: the plan gives rank %d %d rows, its receive buffer holds %d", r,
+                       plan.rank_rows[r], h.rank_capacity_[r]);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckDispatchBuffers(const planner::Plan& plan, const TensorView& x,
+                                  absl::Span<const float> topk_weights, const DispatchHandle& h,
+                                  const TensorView& recv_rows, absl::Span<float> recv_weights,
+                                  int32_t rank, const char* backend) {
+  MOONEP_RETURN_IF_ERROR(CheckHostRows(x, "x", h.num_tokens_, -1, backend));
+  MOONEP_RETURN_IF_ERROR(
+      CheckHostRows(recv_rows, "recv_rows", plan.rank_rows[rank], x.shape[1], backend));
+  if (recv_rows.dtype != x.dtype) {
+    return InvalidArgument("recv_rows: dtype %s differs from x's %s", DTypeName(recv_rows.dtype),
+                           DTypeName(x.dtype));
+  }
+  if (x.shape[0] != h.num_tokens_) {
+    return InvalidArgument("x: has %d rows, the count exchange had num_tokens = %d", x.shape[0],
+                           h.num_tokens_);
+  }
+  if (static_cast<int64_t>(topk_weights.size()) != h.num_tokens_ * h.top_k_) {
+    return InvalidArgument("topk_weights: has %d entries, need num_tokens * top_k = %d",
+                           topk_weights.size(), h.num_tokens_ * h.top_k_);
+  }
+  if (static_cast<int64_t>(recv_weights.size()) < plan.rank_rows[rank]) {
+    return InvalidArgument("recv_weights: has %d entries, the plan needs %d", recv_weights.size(),
+                           plan.rank_rows[rank]);
+  }
+  if (RangesOverlap(x.data, x.nbytes(), recv_rows.data, recv_rows.nbytes())) {
+    return InvalidArgument("x and recv_rows overlap");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PrepareDispatch(const planner::Plan& plan, absl::Span<const float> topk_weights,
+                             int32_t rank, DispatchHandle* h) {
+  h->plan_ = plan;
+  h->topk_weights_.assign(topk_weights.begin(), topk_weights.end());
+  h->dispatched_ = false;
+  absl::Status s = BuildSendLayout(h->plan_, h->offsets_, rank, h->topk_ids_, h->num_tokens_,
+                                   h->top_k_, &h->send_);
+  if (!s.ok()) return Annotate(s, "dispatch");
+  BuildReceiveLayout(h->plan_, h->offsets_, rank, &h->recv_);
+  return absl::OkStatus();
+}
+
+absl::Status CheckCombineBackwardBuffers(const DispatchHandle& h, const TensorView& dy,
+                                         const TensorView& dy_rows, const char* backend) {
+  MOONEP_RETURN_IF_ERROR(CheckHostRows(dy, "dy", h.num_tokens_, -1, backend));
+  if (dy.shape[0] != h.num_tokens_) {
+    return InvalidArgument("dy: has %d rows, need num_tokens = %d", dy.shape[0], h.num_tokens_);
+  }
+  MOONEP_RETURN_IF_ERROR(CheckHostRows(dy_rows, "dy_rows", h.recv_.rank_rows, dy.shape[1], backend));
+  if (dy_rows.dtype != dy.dtype) return InvalidArgument("dy_rows: dtype differs from dy's");
+  if (RangesOverlap(dy.data, dy.nbytes(), dy_rows.data, dy_rows.nbytes())) {
+    return InvalidArgument("dy and dy_rows overlap");
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+// Rows summed per token are staged at most max_row_bytes wide.
+absl::Status CheckRowBytes(const TensorView& rows, const char* name, int64_t max_row_bytes) {
+  const int64_t bytes = rows.shape[1] * static_cast<int64_t>(DTypeSize(rows.dtype));
+  if (bytes > max_row_bytes) {
+    return OutOfMemory("%s: a row has %d bytes, above the declared max_row_bytes = %d", name,
+                       bytes, max_row_bytes);
+  }
+  return absl::OkStatus();
+}
+}  // namespace
+
+absl::Status CheckCombineBuffers(const DispatchHandle& h, const TensorView& expert_rows,
+                                 const TensorView& y, int64_t max_row_bytes, const char* backend) {
+  MOONEP_RETURN_IF_ERROR(CheckHostRows(expert_rows, "expert_rows", h.recv_.rank_rows, -1, backend));
+  MOONEP_RETURN_IF_ERROR(CheckHostRows(y, "y", h.num_tokens_, expert_rows.shape[1], backend));
+  if (y.shape[0] != h.num_tokens_) {
+    return InvalidArgument("y: has %d rows, need num_tokens = %d", y.shape[0], h.num_tokens_);
+  }
+  MOONEP_RETURN_IF_ERROR(CheckRowBytes(expert_rows, "expert_rows", max_row_bytes));
+  if (RangesOverlap(expert_rows.data, expert_rows.nbytes(), y.data, y.nbytes())) {
+    return InvalidArgument("expert_rows and y overlap");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckDispatchBackwardBuffers(const DispatchHandle& h, const TensorView& dx_rows,
+                                          const TensorView& dx, int64_t max_row_bytes,
+                                          const char* backend) {
+  MOONEP_RETURN_IF_ERROR(CheckHostRows(dx_rows, "dx_rows", h.recv_.rank_rows, -1, backend));
+  MOONEP_RETURN_IF_ERROR(CheckHostRows(dx, "dx", h.num_tokens_, dx_rows.shape[1], backend));
+  if (dx.shape[0] != h.num_tokens_) {
+    return InvalidArgument("dx: has %d rows, need num_tokens = %d", dx.shape[0], h.num_tokens_);
+  }
+  MOONEP_RETURN_IF_ERROR(CheckRowBytes(dx_rows, "dx_rows", max_row_bytes));
+  if (RangesOverlap(dx_rows.data, dx_rows.nbytes(), dx.data, dx.nbytes())) {
+    return InvalidArgument("dx_rows and dx overlap");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckTopkWeightGradBuffers(const DispatchHandle& h, const TensorView& dy_rows,
+                                        const TensorView& expert_rows,
+                                        absl::Span<float> d_topk_weights, const char* backend) {
+  MOONEP_RETURN_IF_ERROR(CheckHostRows(dy_rows, "dy_rows", h.recv_.rank_rows, -1, backend));
+  MOONEP_RETURN_IF_ERROR(
+      CheckHostRows(expert_rows, "expert_rows", h.recv_.rank_rows, dy_rows.shape[1], backend));
+  if (static_cast<int64_t>(d_topk_weights.size()) != h.num_tokens_ * h.top_k_) {
+    return InvalidArgument("d_topk_weights: has %d entries, need num_tokens * top_k = %d",
+                           d_topk_weights.size(), h.num_tokens_ * h.top_k_);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckHostBlocks(const planner::Plan& plan, const ExpertBlocks& b, const char* name,
+                             const char* backend) {
+  const int32_t nt = b.tensors_per_expert;
+  MOONEP_CHECK_ARG(nt >= 1, "%s.tensors_per_expert must be >= 1, got %d", name, nt);
+  MOONEP_CHECK_ARG(b.home.size() == static_cast<size_t>(plan.experts_per_rank) * nt,
+                   "%s.home has %d tensors, need experts_per_rank * tensors_per_expert = %d", name,
+                   b.home.size(), static_cast<int64_t>(plan.experts_per_rank) * nt);
+  MOONEP_CHECK_ARG(b.slots.size() == static_cast<size_t>(plan.slots) * nt,
+                   "%s.slots has %d tensors, need slots * tensors_per_expert = %d", name,
+                   b.slots.size(), static_cast<int64_t>(plan.slots) * nt);
+  auto check = [&](const TensorView& v, const char* part, size_t index) -> absl::Status {
+    const TensorView& ref = b.home.empty() ? b.slots[index % nt] : b.home[index % nt];
+    MOONEP_CHECK_ARG(v.device == Device::kCpu, "%s.%s[%d]: the %s transport needs host memory",
+                     name, part, index, backend);
+    MOONEP_CHECK_ARG(IsRowDType(v.dtype), "%s.%s[%d]: dtype must be fp32 or bf16", name, part,
+                     index);
+    MOONEP_CHECK_ARG(v.is_contiguous(), "%s.%s[%d]: must be contiguous", name, part, index);
+    MOONEP_CHECK_ARG(v.numel() == 0 || v.data != nullptr, "%s.%s[%d]: null data pointer", name,
+                     part, index);
+    MOONEP_CHECK_ARG(v.dtype == ref.dtype && v.numel() == ref.numel(),
+                     "%s.%s[%d]: %s does not match tensor %d of the first expert (%s)", name, part,
+                     index, v.DebugString(), index % nt, ref.DebugString());
+    return absl::OkStatus();
+  };
+  for (size_t i = 0; i < b.home.size(); ++i) MOONEP_RETURN_IF_ERROR(check(b.home[i], "home", i));
+  for (size_t i = 0; i < b.slots.size(); ++i) MOONEP_RETURN_IF_ERROR(check(b.slots[i], "slots", i));
+  return absl::OkStatus();
+}
+
+absl::Status CheckSlotPlan(const planner::Plan& plan, int32_t R) {
+  MOONEP_CHECK_ARG(plan.num_ranks == R, "plan is for %d ranks, the transport has %d",
+                   plan.num_ranks, R);
+  const int32_t E = plan.num_experts;
+  MOONEP_CHECK_ARG(E >= 1 && plan.slots >= 0 && plan.experts_per_rank * R == E &&
+                       plan.home.size() == static_cast<size_t>(E) &&
+                       plan.home_group.size() == static_cast<size_t>(E) &&
+                       plan.slot_expert.size() == static_cast<size_t>(R) * plan.slots,
+                   "plan: array sizes do not match its ranks, experts and slots");
+  for (int32_t e = 0; e < E; ++e) {
+    MOONEP_CHECK_ARG(plan.home[e] >= 0 && plan.home[e] < R && plan.home_group[e] >= 0 &&
+                         plan.home_group[e] < plan.experts_per_rank,
+                     "plan: home of expert %d is invalid", e);
+  }
+  for (int32_t i = 0; i < R * plan.slots; ++i) {
+    const int32_t e = plan.slot_expert[i];
+    MOONEP_CHECK_ARG(e >= -1 && e < E, "plan: slot_expert[%d] = %d is not an expert", i, e);
+    MOONEP_CHECK_ARG(e < 0 || plan.home[e] != i / plan.slots,
+                     "plan: rank %d holds a replica of its own expert %d", i / plan.slots, e);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace moonep::transport::common

@@ -1,0 +1,77 @@
+// Argument and plan checks shared by the host-memory backends (mpi/, ucx/): each returns the error
+// to report and has no side effect, so the backend decides how the peers learn of it (an agreed
+// error is returned as is; a local one goes through the backend's abort channel).
+//
+// `backend` is the name used in messages ("MPI", "UCX": "the MPI transport needs host memory").
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "moonep/core/tensor.h"
+#include "planner/plan.h"
+#include "transport/transport.h"
+
+namespace moonep::transport::common {
+
+// "1,3,4": ranks for messages.
+std::string RankList(const std::vector<int>& ranks);
+
+bool IsRowDType(DType d);
+
+// A 2-D contiguous host matrix of fp32 or bf16 with at least `min_rows` rows and `cols` columns
+// (cols < 0: any), non-null when it has elements, aligned to its element size.
+absl::Status CheckHostRows(const TensorView& v, const char* name, int64_t min_rows, int64_t cols,
+                           const char* backend);
+
+// This rank's count-exchange input: the routing (ValidateRouting) and the declared maxima. The
+// result is this rank's local verdict, annotated with the rank; the count exchange shares it with
+// the peers so that every rank agrees. (A null handle or num_experts < 1 is checked before.)
+absl::Status CheckCountsInput(absl::Span<const int32_t> topk_ids, int64_t num_tokens,
+                              int32_t top_k, int32_t num_experts, int64_t recv_capacity_rows,
+                              const TransportOptions& options, int32_t rank);
+
+// The handle has a count exchange of this transport (rank, size) and, for every operation but
+// dispatch, a dispatch. A local misuse: the caller aborts its peers with it.
+absl::Status CheckHandleReady(OpKind kind, const DispatchHandle* handle, int32_t rank, int32_t size);
+
+// Dispatch checks that every rank makes alike (functions of plan, counts and capacities): plan
+// shape, CheckPlanForTransport, and every rank's rows within its receive capacity (OutOfMemory on
+// the rank at fault, RemoteError elsewhere). Returned as is: the transport stays usable.
+absl::Status CheckDispatchAgreed(const planner::Plan& plan, const DispatchHandle& h,
+                                 int32_t rank, int32_t size);
+
+// This rank's dispatch buffers (local checks).
+absl::Status CheckDispatchBuffers(const planner::Plan& plan, const TensorView& x,
+                                  absl::Span<const float> topk_weights, const DispatchHandle& h,
+                                  const TensorView& recv_rows, absl::Span<float> recv_weights,
+                                  int32_t rank, const char* backend);
+
+// Stores the plan and the top-k weights in the handle and builds its send and receive layouts.
+// An error (a routing the plan does not cover) is local.
+absl::Status PrepareDispatch(const planner::Plan& plan, absl::Span<const float> topk_weights,
+                             int32_t rank, DispatchHandle* h);
+
+// Local checks of the operations that reuse a dispatched handle.
+absl::Status CheckCombineBackwardBuffers(const DispatchHandle& h, const TensorView& dy,
+                                         const TensorView& dy_rows, const char* backend);
+absl::Status CheckCombineBuffers(const DispatchHandle& h, const TensorView& expert_rows,
+                                 const TensorView& y, int64_t max_row_bytes, const char* backend);
+absl::Status CheckDispatchBackwardBuffers(const DispatchHandle& h, const TensorView& dx_rows,
+                                          const TensorView& dx, int64_t max_row_bytes,
+                                          const char* backend);
+absl::Status CheckTopkWeightGradBuffers(const DispatchHandle& h, const TensorView& dy_rows,
+                                        const TensorView& expert_rows,
+                                        absl::Span<float> d_topk_weights, const char* backend);
+
+// Per-expert host blocks (prefetch params, reduce grads) of this rank against the plan (local).
+absl::Status CheckHostBlocks(const planner::Plan& plan, const ExpertBlocks& blocks,
+                             const char* name, const char* backend);
+
+// The plan's replica slots (agreed: the plan is identical on every rank).
+absl::Status CheckSlotPlan(const planner::Plan& plan, int32_t num_ranks);
+
+}  // namespace moonep::transport::common
