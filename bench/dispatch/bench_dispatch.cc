@@ -3,6 +3,7 @@
 #include <mpi.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
@@ -18,8 +19,10 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "bench/dispatch/device.h"
 #include "bench/dispatch/report.h"
 #include "bench/dispatch/runner.h"
 #include "moonep/core/status.h"
@@ -47,7 +50,9 @@ ABSL_FLAG(std::string, zipf, "",
 ABSL_FLAG(std::string, policy, "moonep",
           "planner policies to measure, list: none, moonep, moonep-greedy, eplb, fastermoe-shadow");
 ABSL_FLAG(std::string, backend, "mpi",
-          "transport backends, list, or 'all' for every backend built (see --list_backends)");
+          "transport backends, list, or 'all' for every backend built (see --list_backends). nccl: "
+          "device memory, one GPU per rank (rank r on GPU local_rank % GPUs); 'all' leaves it out "
+          "where a rank has no GPU of its own");
 ABSL_FLAG(bool, list_backends, false, "print the transport backends built and exit");
 ABSL_FLAG(int32_t, slots, -1, "replica slots per rank (-1: E / R)");
 ABSL_FLAG(int32_t, pad_multiple, 1, "rows of each expert group padded to a multiple of this");
@@ -110,6 +115,23 @@ std::vector<std::string> Words(const std::string& text) {
   return absl::StrSplit(text, ',', absl::SkipWhitespace());
 }
 
+// The backends this binary can run: the transport library's (host memory) and nccl (device
+// memory; the library leaves it out of AvailableBackends() because its suites pass host buffers).
+std::vector<std::string> BuiltBackends() {
+  std::vector<std::string> built = transport::AvailableBackends();
+#ifdef MOONEP_BENCH_WITH_NCCL
+  built.push_back("nccl");
+#endif
+  return built;
+}
+
+// Whether every rank has a GPU of its own (the NCCL transport refuses two ranks on one GPU).
+struct GpuPlacement {
+  bool enough = false;         // on every host, GPUs >= ranks
+  int32_t max_local_ranks = 0;  // over hosts
+  int32_t min_gpus = 0;         // over hosts
+};
+
 std::string LoadAverage() {
   std::ifstream f("/proc/loadavg");
   std::string a, b, c;
@@ -117,7 +139,8 @@ std::string LoadAverage() {
   return a.empty() ? "unknown" : a + " " + b + " " + c;
 }
 
-absl::Status BuildConfigs(int32_t num_ranks, int32_t threads, std::vector<BenchConfig>* out) {
+absl::Status BuildConfigs(int32_t num_ranks, int32_t threads, const GpuPlacement& gpus,
+                          std::vector<BenchConfig>* out, std::vector<std::string>* notes) {
   const std::string preset_name = absl::GetFlag(FLAGS_preset);
   const Preset* preset = nullptr;
   std::vector<std::string> names;
@@ -172,12 +195,30 @@ absl::Status BuildConfigs(int32_t num_ranks, int32_t threads, std::vector<BenchC
     policies.push_back(policy);
   }
   if (policies.empty()) return InvalidArgument("--policy: empty list");
-  const std::vector<std::string> built = transport::AvailableBackends();
+  const std::vector<std::string> built = BuiltBackends();
   std::vector<std::string> backends = Words(absl::GetFlag(FLAGS_backend));
-  if (backends.size() == 1 && backends[0] == "all") backends = built;
+  const bool all = backends.size() == 1 && backends[0] == "all";
+  if (all) {
+    backends.clear();
+    for (const std::string& b : built) {
+      if (b == "nccl" && !gpus.enough) {
+        notes->push_back(absl::StrFormat(
+            "--backend=all: nccl left out: it needs one GPU per rank (%d rank(s) on a host, %d "
+            "GPU(s) visible)", gpus.max_local_ranks, gpus.min_gpus));
+        continue;
+      }
+      backends.push_back(b);
+    }
+  }
   for (const std::string& b : backends) {
     if (std::find(built.begin(), built.end(), b) == built.end()) {
       return InvalidArgument("--backend: '%s' is not built (built: %s)", b, absl::StrJoin(built, ", "));
+    }
+    if (b == "nccl" && !gpus.enough) {
+      return InvalidArgument(
+          "--backend=nccl needs one GPU per rank: %d rank(s) on a host, %d GPU(s) visible there "
+          "(run on a machine with GPUs, with at most one rank per GPU)",
+          gpus.max_local_ranks, gpus.min_gpus);
     }
   }
   if (backends.empty()) return InvalidArgument("--backend: empty list");
@@ -264,7 +305,7 @@ int Main(int argc, char** argv, const std::string& command) {
   (void)argc;
   (void)argv;
   if (absl::GetFlag(FLAGS_list_backends)) {
-    if (root) std::printf("%s\n", absl::StrJoin(transport::AvailableBackends(), "\n").c_str());
+    if (root) std::printf("%s\n", absl::StrJoin(BuiltBackends(), "\n").c_str());
     return 0;
   }
   // Ranks on this host decide the default executor threads.
@@ -282,10 +323,35 @@ int Main(int argc, char** argv, const std::string& command) {
     threads = std::max(1, hw / std::max(1, local_size));
   }
 
+  GpuPlacement gpus;
+  {
+    // Collective, so every rank reaches the same verdict. Without CUDA built in: 0 GPUs.
+    int v[2] = {local_size, -DeviceCount()};
+    MPI_Allreduce(MPI_IN_PLACE, v, 2, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    gpus.max_local_ranks = v[0];
+    gpus.min_gpus = -v[1];
+    int enough = DeviceCount() >= local_size ? 1 : 0;
+    MPI_Allreduce(MPI_IN_PLACE, &enough, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+    gpus.enough = enough == 1;
+  }
   std::vector<BenchConfig> configs;
-  if (absl::Status s = BuildConfigs(size, threads, &configs); !s.ok()) {
+  std::vector<std::string> notes;
+  if (absl::Status s = BuildConfigs(size, threads, gpus, &configs, &notes); !s.ok()) {
     if (root) std::fprintf(stderr, "moonep-bench-dispatch: error: %s\n", std::string(s.message()).c_str());
     return 2;  // every rank reached the same verdict from the same flags
+  }
+  bool uses_gpu = false;
+  for (const BenchConfig& c : configs) uses_gpu |= c.backend == "nccl";
+  if (uses_gpu) {
+    // One rank per GPU: the host's rank i on GPU i (gpus.enough: there are that many).
+    int ok = 1;
+    if (absl::Status s = SelectDevice(local_rank % std::max(1, DeviceCount())); !s.ok()) {
+      std::fprintf(stderr, "[rank %d] moonep-bench-dispatch: error: %s\n", rank,
+                   std::string(s.message()).c_str());
+      ok = 0;
+    }
+    MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+    if (!ok) return 1;
   }
   auto rt = runtime::Communicator::FromMpi(MPI_COMM_WORLD);
   if (!rt.ok()) {
@@ -297,7 +363,7 @@ int Main(int argc, char** argv, const std::string& command) {
   RunInfo info;
   info.num_ranks = size;
   info.num_hosts = leaders;
-  info.backends = transport::AvailableBackends();
+  info.backends = BuiltBackends();
   info.command = command;
   info.load_start = LoadAverage();
   {
@@ -308,6 +374,7 @@ int Main(int argc, char** argv, const std::string& command) {
   }
   if (root) {
     PrintRunHeader(info, stdout);
+    for (const std::string& n : notes) std::printf("# %s\n", n.c_str());
     std::fflush(stdout);
   }
   std::vector<ConfigResult> results;

@@ -93,6 +93,7 @@ void PrintConfig(const ConfigResult& r, int32_t index, int32_t total, std::FILE*
                c.skew.Label().c_str(), r.zipf_s, r.maxvio, r.plan_stats.imbalance_before(),
                r.plan_stats.imbalance_after(), r.plan_stats.replicas,
                static_cast<long>(r.recv_capacity_rows));
+  if (!r.note.empty()) std::fprintf(out, "#   %s\n", r.note.c_str());
   std::fprintf(out, "#%11s %9s %12s %11s %8s %11s %11s %12s %12s %7s %7s %7s\n", "op", "impl",
                "size(B)", "count", "type", "time(us)", "p99(us)", "algbw(GB/s)", "busbw(GB/s)",
                "#wrong", "t/none", "t/a2av");
@@ -183,6 +184,7 @@ std::string ToJson(const RunInfo& info, const std::vector<ConfigResult>& results
         JsonString(c.skew.Label()), JsonNumber(r.zipf_s), JsonNumber(r.maxvio));
     absl::StrAppendFormat(&s, "\"plan\": %s,\n     \"plan_none\": %s,\n     ",
                           PlanStatsJson(r.plan_stats), PlanStatsJson(r.none_stats));
+    if (!r.note.empty()) absl::StrAppendFormat(&s, "\"note\": %s,\n     ", JsonString(r.note));
     absl::StrAppendFormat(&s, "\"recv_capacity_rows\": %d,\n     \"ops\": [", r.recv_capacity_rows);
     for (size_t j = 0; j < r.ops.size(); ++j) {
       const OpResult& o = r.ops[j];

@@ -8,6 +8,8 @@
 #include <memory>
 #include <utility>
 
+#include "absl/strings/str_format.h"
+#include "bench/dispatch/device.h"
 #include "moonep/compute/compute_view.h"
 #include "moonep/core/status.h"
 #include "moonep/reference/reference_moe.h"
@@ -102,23 +104,48 @@ class Runner {
   absl::Status SetupBlocks();
   absl::Status SetupA2a();
   absl::Status SetupLayers();
+  absl::Status SetupDevice();
   absl::Status EnsureSlots(const planner::Plan& plan);
   absl::Status Iteration(bool record);
   absl::Status TransportPipeline(bool measured, bool record);
   absl::Status A2aPipeline(bool record);
   absl::Status LayerStep(bool measured, bool record);
 
-  int64_t CheckDispatch(const planner::Plan& plan, absl::Span<const int64_t> counts);
+  int64_t CheckDispatch(const planner::Plan& plan, absl::Span<const int64_t> counts,
+                        const char* rows, const float* weights);
   int64_t CheckPrefetch(const planner::Plan& plan);
   int64_t CheckReduce(const planner::Plan& plan);
 
   absl::Status Timed(const std::string& key, bool record, const std::function<absl::Status()>& f) {
+    // Device work queued before (poisoning, uploads) finishes outside the timed region.
+    if (device_) MOONEP_RETURN_IF_ERROR(DeviceSynchronize());
     MPI_Barrier(comm_);
     const double t0 = MPI_Wtime();
     absl::Status s = f();
     const double dt = MPI_Wtime() - t0;
     if (record) series_[key].us.push_back(dt * 1e6);
     return s;
+  }
+  // Buffers the transport reads and writes: host memory, or with the nccl backend the device twin
+  // (outputs are poisoned on the device before and copied back after each operation, outside the
+  // timed region, so the same host-side checks apply).
+  void* Data(std::vector<char>& host, DeviceBuffer& dev) { return device_ ? dev.get() : host.data(); }
+  template <typename T>
+  T* Data(std::vector<T>& host, DeviceBuffer& dev) {
+    return device_ ? static_cast<T*>(dev.get()) : host.data();
+  }
+  TensorView Matrix(void* data, int64_t rows, int64_t cols) const {
+    return TensorView::Contiguous(data, c_.dtype, {rows, cols}, device_ ? Device::kCuda : Device::kCpu);
+  }
+  template <typename T>
+  absl::Status PoisonOutput(std::vector<T>& host, DeviceBuffer& dev) {
+    if (device_) return dev.Fill(0xff);
+    Poison(host.data(), host.size() * sizeof(T));
+    return absl::OkStatus();
+  }
+  template <typename T>
+  absl::Status Fetch(std::vector<T>& host, const DeviceBuffer& dev, size_t elems) {
+    return device_ ? dev.Download(host.data(), elems * sizeof(T)) : absl::OkStatus();
   }
   void MaybeCorrupt(const char* op, void* data, size_t bytes) {
     // Four bytes from an aligned middle offset, exponent bits included: far outside any tolerance.
@@ -141,6 +168,9 @@ class Runner {
   int64_t T_ = 0, H_ = 0, I_ = 0;
   size_t ds_ = 4, row_bytes_ = 0;
   bool run_none_ = false;  // policy none as a separate baseline
+  bool device_ = false;    // nccl backend: every transport buffer in device memory
+  bool a2a_ = false;       // the MPI_Alltoallv baseline (host memory: not with device_)
+  bool layer_ = false;     // the MoeLayer steps (the runtime runs on host memory: not with device_)
   Routing routing_;
   std::vector<int64_t> offsets_;
 
@@ -153,6 +183,16 @@ class Runner {
   int64_t capacity_ = 0;
   std::vector<char> recv_rows_;
   std::vector<float> recv_w_;
+  // Backward forms, with identity experts and dy = x: combine-backward gives the dispatched rows
+  // again (bwd_rows_), topk-weight-grad <x[t], x[t]> per valid (t, k), dispatch-backward of the
+  // dispatched rows K_t * x[t] (K_t: valid experts of t). Values are exact: checked bit for bit.
+  std::vector<char> bwd_rows_, bwd_dx_, expected_dx_;
+  std::vector<float> bwd_dtopk_, expected_dtopk_;
+
+  // Device twins (nccl backend), allocated once in SetupDevice / EnsureSlots.
+  DeviceBuffer d_ids_, d_topk_w_, d_x_, d_y_, d_rows_, d_rows_w_, d_bwd_rows_, d_bwd_dx_,
+      d_bwd_dtopk_, d_home_w_, d_dummy_w_, d_dummy_g_;
+  std::vector<DeviceBuffer> d_slot_w_, d_slot_g_, d_home_g_;
 
   struct Pipeline {
     std::unique_ptr<transport::Transport> transport;
@@ -217,6 +257,9 @@ absl::Status Runner::Setup() {
   ds_ = DTypeSize(c_.dtype);
   row_bytes_ = static_cast<size_t>(H_) * ds_;
   run_none_ = c_.baselines && c_.policy != planner::Policy::kNone;
+  device_ = c_.backend == "nccl";
+  a2a_ = c_.baselines && !device_;
+  layer_ = c_.layer && !device_;
   tol_ = c_.dtype == DType::kFloat32 ? 1e-5 : 1e-2;
 
   RoutingSpec spec;
@@ -262,6 +305,32 @@ absl::Status Runner::Setup() {
       StoreFromFloat(expected_y_.data(), c_.dtype, static_cast<size_t>(t * H_ + col), acc);
     }
   }
+  {
+    const int32_t* ids = routing_.ids_of(rank_);
+    expected_dx_.resize(x_.size());
+    expected_dtopk_.assign(static_cast<size_t>(T_ * K_), 0.0f);
+    for (int64_t t = 0; t < T_; ++t) {
+      double dot = 0;
+      int32_t valid = 0;
+      for (int64_t col = 0; col < H_; ++col) {
+        const double v = LoadAsFloat(x_.data(), c_.dtype, static_cast<size_t>(t * H_ + col));
+        dot += v * v;
+      }
+      for (int32_t k = 0; k < K_; ++k) {
+        if (ids[t * K_ + k] < 0) continue;
+        ++valid;
+        expected_dtopk_[t * K_ + k] = static_cast<float>(dot);
+      }
+      for (int64_t col = 0; col < H_; ++col) {
+        const float v = LoadAsFloat(x_.data(), c_.dtype, static_cast<size_t>(t * H_ + col));
+        float acc = 0;
+        for (int32_t k = 0; k < valid; ++k) acc += v;
+        StoreFromFloat(expected_dx_.data(), c_.dtype, static_cast<size_t>(t * H_ + col), acc);
+      }
+    }
+    bwd_dx_.resize(x_.size());
+    bwd_dtopk_.resize(expected_dtopk_.size());
+  }
 
   // Planners and transports; the receive capacity from the plans this routing gives.
   planner::PlannerConfig pc;
@@ -293,10 +362,57 @@ absl::Status Runner::Setup() {
   capacity_ = std::max<int64_t>(capacity_, 1);
   recv_rows_.resize(static_cast<size_t>(capacity_) * row_bytes_);
   recv_w_.resize(static_cast<size_t>(capacity_));
+  bwd_rows_.resize(recv_rows_.size());
   MOONEP_RETURN_IF_ERROR(SetupBlocks());
-  if (c_.baselines) MOONEP_RETURN_IF_ERROR(SetupA2a());
-  if (c_.layer) MOONEP_RETURN_IF_ERROR(SetupLayers());
+  if (device_) MOONEP_RETURN_IF_ERROR(SetupDevice());
+  if (a2a_) MOONEP_RETURN_IF_ERROR(SetupA2a());
+  if (layer_) MOONEP_RETURN_IF_ERROR(SetupLayers());
   return absl::OkStatus();
+}
+
+absl::Status Runner::SetupDevice() {
+  // Inputs uploaded once; outputs sized like their host twins. The expert blocks' views point at
+  // device memory (the dummy block stands for slots and home gradients the plan does not use).
+  const int32_t* ids = routing_.ids_of(rank_);
+  MOONEP_RETURN_IF_ERROR(d_ids_.Allocate(static_cast<size_t>(T_ * K_) * sizeof(int32_t)));
+  MOONEP_RETURN_IF_ERROR(d_ids_.Upload(ids, d_ids_.bytes()));
+  MOONEP_RETURN_IF_ERROR(d_topk_w_.Allocate(topk_w_.size() * sizeof(float)));
+  MOONEP_RETURN_IF_ERROR(d_topk_w_.Upload(topk_w_.data(), d_topk_w_.bytes()));
+  MOONEP_RETURN_IF_ERROR(d_x_.Allocate(x_.size()));
+  MOONEP_RETURN_IF_ERROR(d_x_.Upload(x_.data(), x_.size()));
+  MOONEP_RETURN_IF_ERROR(d_y_.Allocate(y_.size()));
+  MOONEP_RETURN_IF_ERROR(d_rows_.Allocate(recv_rows_.size()));
+  MOONEP_RETURN_IF_ERROR(d_rows_w_.Allocate(recv_w_.size() * sizeof(float)));
+  MOONEP_RETURN_IF_ERROR(d_bwd_rows_.Allocate(bwd_rows_.size()));
+  MOONEP_RETURN_IF_ERROR(d_bwd_dx_.Allocate(bwd_dx_.size()));
+  MOONEP_RETURN_IF_ERROR(d_bwd_dtopk_.Allocate(bwd_dtopk_.size() * sizeof(float)));
+  MOONEP_RETURN_IF_ERROR(d_home_w_.Allocate(home_weights_.size()));
+  MOONEP_RETURN_IF_ERROR(d_home_w_.Upload(home_weights_.data(), home_weights_.size()));
+  MOONEP_RETURN_IF_ERROR(d_dummy_w_.Allocate(dummy_weights_.size()));
+  MOONEP_RETURN_IF_ERROR(d_dummy_g_.Allocate(dummy_grads_.size() * sizeof(float)));
+  d_slot_w_.resize(static_cast<size_t>(slots_));
+  d_slot_g_.resize(static_cast<size_t>(slots_));
+  d_home_g_.resize(static_cast<size_t>(epn_));
+  const size_t expert_elems = 3 * param_elems_[0];
+  for (int32_t g = 0; g < epn_; ++g) {
+    for (int m = 0; m < kParams; ++m) {
+      const size_t at = (static_cast<size_t>(g) * expert_elems + m * param_elems_[0]) * ds_;
+      TensorView& w = home_w_views_[g * kParams + m];
+      w.data = static_cast<char*>(d_home_w_.get()) + at;
+      w.device = Device::kCuda;
+      home_g_views_[g * kParams + m].data = d_dummy_g_.get();
+      home_g_views_[g * kParams + m].device = Device::kCuda;
+    }
+  }
+  for (TensorView& v : slot_w_views_) {
+    v.data = d_dummy_w_.get();
+    v.device = Device::kCuda;
+  }
+  for (TensorView& v : slot_g_views_) {
+    v.data = d_dummy_g_.get();
+    v.device = Device::kCuda;
+  }
+  return DeviceSynchronize();
 }
 
 absl::Status Runner::SetupBlocks() {
@@ -354,10 +470,18 @@ absl::Status Runner::EnsureSlots(const planner::Plan& plan) {
       slot_weights_[s].resize(expert_elems * ds_);
       slot_grads_[s].resize(expert_elems);
       expected_slot_w_[s].resize(expert_elems * ds_);
+      char* w = slot_weights_[s].data();
+      char* g = reinterpret_cast<char*>(slot_grads_[s].data());
+      if (device_) {
+        MOONEP_RETURN_IF_ERROR(d_slot_w_[s].Allocate(slot_weights_[s].size()));
+        MOONEP_RETURN_IF_ERROR(d_slot_g_[s].Allocate(slot_grads_[s].size() * sizeof(float)));
+        w = static_cast<char*>(d_slot_w_[s].get());
+        g = static_cast<char*>(d_slot_g_[s].get());
+      }
       for (int m = 0; m < kParams; ++m) {
         const size_t at = m * param_elems_[0];
-        slot_w_views_[s * kParams + m].data = slot_weights_[s].data() + at * ds_;
-        slot_g_views_[s * kParams + m].data = slot_grads_[s].data() + at;
+        slot_w_views_[s * kParams + m].data = w + at * ds_;
+        slot_g_views_[s * kParams + m].data = g + at * sizeof(float);
       }
     }
     if (slot_filled_for_[s] != e) {
@@ -368,6 +492,10 @@ absl::Status Runner::EnsureSlots(const planner::Plan& plan) {
         for (size_t i = 0; i < param_elems_[m]; ++i) {
           slot_grads_[s][at + i] = SlotGradValue(rank_, e, m, static_cast<int64_t>(i));
         }
+      }
+      if (device_) {
+        MOONEP_RETURN_IF_ERROR(
+            d_slot_g_[s].Upload(slot_grads_[s].data(), slot_grads_[s].size() * sizeof(float)));
       }
       slot_filled_for_[s] = e;
     }
@@ -382,12 +510,17 @@ absl::Status Runner::EnsureSlots(const planner::Plan& plan) {
       if (home_grads_[g].empty()) {
         home_grads_[g].resize(expert_elems);
         home_grads_init_[g].resize(expert_elems);
+        float* base = home_grads_[g].data();
+        if (device_) {
+          MOONEP_RETURN_IF_ERROR(d_home_g_[g].Allocate(expert_elems * sizeof(float)));
+          base = static_cast<float*>(d_home_g_[g].get());
+        }
         for (int m = 0; m < kParams; ++m) {
           const size_t at = m * param_elems_[0];
           for (size_t i = 0; i < param_elems_[m]; ++i) {
             home_grads_init_[g][at + i] = HomeGradValue(e, m, static_cast<int64_t>(i));
           }
-          home_g_views_[g * kParams + m].data = home_grads_[g].data() + at;
+          home_g_views_[g * kParams + m].data = base + at;
         }
         expected_home_g_[g] = home_grads_init_[g];
       }
@@ -533,7 +666,10 @@ absl::Status Runner::SetupLayers() {
   return absl::OkStatus();
 }
 
-int64_t Runner::CheckDispatch(const planner::Plan& plan, absl::Span<const int64_t> counts) {
+// Rows (and, unless null, row weights) of this rank's compute layout against what every source's
+// tokens must have put there.
+int64_t Runner::CheckDispatch(const planner::Plan& plan, absl::Span<const int64_t> counts,
+                              const char* got_rows, const float* got_weights) {
   std::vector<int64_t> offsets;
   planner::ComputeSourceOffsets(counts, R_, E_, &offsets);
   const int64_t rows = plan.rank_rows[rank_];
@@ -556,8 +692,8 @@ int64_t Runner::CheckDispatch(const planner::Plan& plan, absl::Span<const int64_
         for (int64_t col = 0; col < H_; ++col) {
           StoreFromFloat(expect.data(), c_.dtype, static_cast<size_t>(col), TokenValueOfKey(key, col));
         }
-        if (std::memcmp(expect.data(), recv_rows_.data() + r * row_bytes_, row_bytes_) != 0 ||
-            recv_w_[r] != TopkWeightValue(src, t, tok_k_[at])) {
+        if (std::memcmp(expect.data(), got_rows + r * row_bytes_, row_bytes_) != 0 ||
+            (got_weights != nullptr && got_weights[r] != TopkWeightValue(src, t, tok_k_[at]))) {
           ++wrong;
         }
       }
@@ -566,8 +702,8 @@ int64_t Runner::CheckDispatch(const planner::Plan& plan, absl::Span<const int64_
   std::fill(expect.begin(), expect.end(), 0);
   for (int64_t r = 0; r < rows; ++r) {  // padding: zero rows, zero weights
     if (covered[r]) continue;
-    if (std::memcmp(expect.data(), recv_rows_.data() + r * row_bytes_, row_bytes_) != 0 ||
-        recv_w_[r] != 0.0f) {
+    if (std::memcmp(expect.data(), got_rows + r * row_bytes_, row_bytes_) != 0 ||
+        (got_weights != nullptr && got_weights[r] != 0.0f)) {
       ++wrong;
     }
   }
@@ -607,11 +743,15 @@ int64_t Runner::CheckReduce(const planner::Plan& plan) {
 absl::Status Runner::TransportPipeline(bool measured, bool record) {
   Pipeline& p = measured ? measured_ : none_;
   transport::Transport* tr = p.transport.get();
-  const int32_t* ids = routing_.ids_of(rank_);
-  const TensorView x = TensorView::Contiguous(x_.data(), c_.dtype, {T_, H_});
-  const TensorView y = TensorView::Contiguous(y_.data(), c_.dtype, {T_, H_});
-  const TensorView rows = TensorView::Contiguous(recv_rows_.data(), c_.dtype, {capacity_, H_});
+  const int32_t* ids = device_ ? static_cast<const int32_t*>(d_ids_.get()) : routing_.ids_of(rank_);
+  const absl::Span<const float> topk_w(Data(topk_w_, d_topk_w_), topk_w_.size());
+  const TensorView x = Matrix(Data(x_, d_x_), T_, H_);
+  const TensorView y = Matrix(Data(y_, d_y_), T_, H_);
+  const TensorView rows = Matrix(Data(recv_rows_, d_rows_), capacity_, H_);
+  const TensorView bwd_rows = Matrix(Data(bwd_rows_, d_bwd_rows_), capacity_, H_);
+  const TensorView bwd_dx = Matrix(Data(bwd_dx_, d_bwd_dx_), T_, H_);
 
+  // Count exchange: with nccl it includes the transport's device-to-host copies of the counts.
   MOONEP_RETURN_IF_ERROR(Timed(Key("counts", measured), record, [&] {
     return tr->ExchangeCounts(absl::MakeConstSpan(ids, static_cast<size_t>(T_ * K_)), T_, K_, E_,
                               capacity_, &p.handle);
@@ -624,6 +764,7 @@ absl::Status Runner::TransportPipeline(bool measured, bool record) {
     Count(Key("counts", measured), wrong, static_cast<int64_t>(routing_.counts.size()));
   }
 
+  // Planning runs on the host whatever the backend.
   MOONEP_RETURN_IF_ERROR(Timed(Key("plan", measured), record,
                                [&] { return p.planner->MakePlan(p.handle.counts(), &p.plan); }));
   {
@@ -641,49 +782,97 @@ absl::Status Runner::TransportPipeline(bool measured, bool record) {
 
   if (measured) {
     MOONEP_RETURN_IF_ERROR(EnsureSlots(p.plan));
-    for (auto& s : slot_weights_) {
-      if (!s.empty()) Poison(s.data(), s.size());
+    for (size_t s = 0; s < slot_weights_.size(); ++s) {
+      if (!slot_weights_[s].empty()) MOONEP_RETURN_IF_ERROR(PoisonOutput(slot_weights_[s], d_slot_w_[s]));
     }
     const ExpertBlocks params{kParams, home_w_views_, slot_w_views_};
     MOONEP_RETURN_IF_ERROR(
         Timed(Key("prefetch", true), record, [&] { return tr->Prefetch(p.plan, params); }));
-    for (auto& s : slot_weights_) {
-      if (!s.empty()) {
-        MaybeCorrupt("prefetch", s.data(), s.size());
-        break;
-      }
+    bool corrupted = false;
+    for (size_t s = 0; s < slot_weights_.size(); ++s) {
+      if (slot_weights_[s].empty()) continue;
+      MOONEP_RETURN_IF_ERROR(Fetch(slot_weights_[s], d_slot_w_[s], slot_weights_[s].size()));
+      if (!corrupted) MaybeCorrupt("prefetch", slot_weights_[s].data(), slot_weights_[s].size());
+      corrupted = true;
     }
     Count(Key("prefetch", true), CheckPrefetch(p.plan), p.plan.stats.replicas * kParams);
   }
 
-  Poison(recv_rows_.data(), recv_rows_.size());
-  Poison(recv_w_.data(), recv_w_.size() * sizeof(float));
+  const int64_t my_rows = p.plan.rank_rows[rank_];
+  MOONEP_RETURN_IF_ERROR(PoisonOutput(recv_rows_, d_rows_));
+  MOONEP_RETURN_IF_ERROR(PoisonOutput(recv_w_, d_rows_w_));
   MOONEP_RETURN_IF_ERROR(Timed(Key("dispatch", measured), record, [&] {
-    return tr->Dispatch(p.plan, x, topk_w_, &p.handle, rows, absl::MakeSpan(recv_w_));
+    return tr->Dispatch(p.plan, x, topk_w, &p.handle, rows,
+                        absl::MakeSpan(Data(recv_w_, d_rows_w_), recv_w_.size()));
   }));
-  MaybeCorrupt("dispatch", recv_rows_.data(),
-               static_cast<size_t>(p.plan.rank_rows[rank_]) * row_bytes_);
-  Count(Key("dispatch", measured), CheckDispatch(p.plan, p.handle.counts()),
-        p.plan.rank_rows[rank_]);
+  MOONEP_RETURN_IF_ERROR(Fetch(recv_rows_, d_rows_, static_cast<size_t>(my_rows) * row_bytes_));
+  MOONEP_RETURN_IF_ERROR(Fetch(recv_w_, d_rows_w_, static_cast<size_t>(my_rows)));
+  MaybeCorrupt("dispatch", recv_rows_.data(), static_cast<size_t>(my_rows) * row_bytes_);
+  Count(Key("dispatch", measured),
+        CheckDispatch(p.plan, p.handle.counts(), recv_rows_.data(), recv_w_.data()), my_rows);
 
   // Identity experts: combine must give sum_k w[t,k] x[t] (exact, so bit for bit).
-  Poison(y_.data(), y_.size());
+  MOONEP_RETURN_IF_ERROR(PoisonOutput(y_, d_y_));
   MOONEP_RETURN_IF_ERROR(
       Timed(Key("combine", measured), record, [&] { return tr->Combine(&p.handle, rows, y); }));
+  MOONEP_RETURN_IF_ERROR(Fetch(y_, d_y_, y_.size()));
   MaybeCorrupt("combine", y_.data(), y_.size());
   Count(Key("combine", measured),
         CountWrongRows(y_.data(), expected_y_.data(), T_, row_bytes_), T_);
 
+  // Backward forms with dy = x: combine-backward dispatches it again with the saved layout.
+  MOONEP_RETURN_IF_ERROR(PoisonOutput(bwd_rows_, d_bwd_rows_));
+  MOONEP_RETURN_IF_ERROR(Timed(Key("combine-bwd", measured), record, [&] {
+    return tr->CombineBackward(&p.handle, x, bwd_rows);
+  }));
+  MOONEP_RETURN_IF_ERROR(Fetch(bwd_rows_, d_bwd_rows_, static_cast<size_t>(my_rows) * row_bytes_));
+  Count(Key("combine-bwd", measured),
+        CheckDispatch(p.plan, p.handle.counts(), bwd_rows_.data(), nullptr), my_rows);
+
+  // d topk_weights[t, k] = <dy[t], out(t, k)> = <x[t], x[t]> with identity experts.
+  MOONEP_RETURN_IF_ERROR(PoisonOutput(bwd_dtopk_, d_bwd_dtopk_));
+  MOONEP_RETURN_IF_ERROR(Timed(Key("topk-grad", measured), record, [&] {
+    return tr->TopkWeightGrad(&p.handle, bwd_rows, rows,
+                              absl::MakeSpan(Data(bwd_dtopk_, d_bwd_dtopk_), bwd_dtopk_.size()));
+  }));
+  MOONEP_RETURN_IF_ERROR(Fetch(bwd_dtopk_, d_bwd_dtopk_, bwd_dtopk_.size()));
+  {
+    int64_t wrong = 0;
+    for (size_t i = 0; i < bwd_dtopk_.size(); ++i) {
+      if (std::memcmp(&bwd_dtopk_[i], &expected_dtopk_[i], sizeof(float)) != 0) ++wrong;
+    }
+    Count(Key("topk-grad", measured), wrong, static_cast<int64_t>(bwd_dtopk_.size()));
+  }
+
+  // dispatch-backward of the dispatched rows: dx[t] = sum over t's valid k of x[t].
+  MOONEP_RETURN_IF_ERROR(PoisonOutput(bwd_dx_, d_bwd_dx_));
+  MOONEP_RETURN_IF_ERROR(Timed(Key("dispatch-bwd", measured), record, [&] {
+    return tr->DispatchBackward(&p.handle, rows, bwd_dx);
+  }));
+  MOONEP_RETURN_IF_ERROR(Fetch(bwd_dx_, d_bwd_dx_, bwd_dx_.size()));
+  Count(Key("dispatch-bwd", measured),
+        CountWrongRows(bwd_dx_.data(), expected_dx_.data(), T_, row_bytes_), T_);
+
   if (measured) {
-    for (int32_t g = 0; g < epn_; ++g) home_grads_[g] = home_grads_init_[g];  // same size: no allocation
+    for (int32_t g = 0; g < epn_; ++g) {
+      if (home_grads_[g].empty()) continue;
+      home_grads_[g] = home_grads_init_[g];  // same size: no allocation
+      if (device_) {
+        MOONEP_RETURN_IF_ERROR(
+            d_home_g_[g].Upload(home_grads_[g].data(), home_grads_[g].size() * sizeof(float)));
+      }
+    }
     const ExpertBlocks grads{kParams, home_g_views_, slot_g_views_};
     MOONEP_RETURN_IF_ERROR(
         Timed(Key("reduce", true), record, [&] { return tr->Reduce(p.plan, grads); }));
-    for (auto& g : home_grads_) {
-      if (!g.empty()) {
-        MaybeCorrupt("reduce", g.data(), g.size() * sizeof(float));
-        break;
+    bool corrupted = false;
+    for (int32_t g = 0; g < epn_; ++g) {
+      if (home_grads_[g].empty()) continue;
+      MOONEP_RETURN_IF_ERROR(Fetch(home_grads_[g], d_home_g_[g], home_grads_[g].size()));
+      if (!corrupted) {
+        MaybeCorrupt("reduce", home_grads_[g].data(), home_grads_[g].size() * sizeof(float));
       }
+      corrupted = true;
     }
     int64_t blocks = 0;
     for (const auto& g : home_grads_) blocks += g.empty() ? 0 : kParams;
@@ -791,8 +980,8 @@ absl::Status Runner::LayerStep(bool measured, bool record) {
 absl::Status Runner::Iteration(bool record) {
   MOONEP_RETURN_IF_ERROR(TransportPipeline(true, record));
   if (run_none_) MOONEP_RETURN_IF_ERROR(TransportPipeline(false, record));
-  if (c_.baselines) MOONEP_RETURN_IF_ERROR(A2aPipeline(record));
-  if (c_.layer) {
+  if (a2a_) MOONEP_RETURN_IF_ERROR(A2aPipeline(record));
+  if (layer_) {
     MOONEP_RETURN_IF_ERROR(LayerStep(true, record));
     if (run_none_) MOONEP_RETURN_IF_ERROR(LayerStep(false, record));
   }
@@ -818,6 +1007,11 @@ absl::Status Runner::Run(ConfigResult* out) {
   out->none_stats = run_none_ ? none_.plan.stats : measured_.plan.stats;
   out->recv_capacity_rows = capacity_;
   out->slots = slots_;
+  if (device_) {
+    out->note = absl::StrFormat(
+        "device memory (rank 0: %s); not measured here: the MPI_Alltoallv baseline and the "
+        "layer steps (host memory only)", DeviceName());
+  }
   MPI_Allreduce(MPI_IN_PLACE, &out->recv_capacity_rows, 1, MPI_INT64_T, MPI_MAX, comm_);
 
   const std::string type = DTypeName(c_.dtype);
@@ -848,13 +1042,17 @@ absl::Status Runner::Run(ConfigResult* out) {
   if (run_none_) add("plan", "none");
   add("dispatch", pol);
   if (run_none_) add("dispatch", "none");
-  if (c_.baselines) add("dispatch", "a2av");
+  if (a2a_) add("dispatch", "a2av");
   add("combine", pol);
   if (run_none_) add("combine", "none");
-  if (c_.baselines) add("combine", "a2av");
+  if (a2a_) add("combine", "a2av");
+  for (const char* op : {"combine-bwd", "topk-grad", "dispatch-bwd"}) {
+    add(op, pol);
+    if (run_none_) add(op, "none");
+  }
   add("prefetch", pol);
   add("reduce", pol);
-  if (c_.layer) {
+  if (layer_) {
     add("layer-fwd", pol);
     if (run_none_) add("layer-fwd", "none");
     add("layer-bwd", pol);
@@ -887,12 +1085,23 @@ absl::Status Runner::Run(ConfigResult* out) {
     } else if (op == "plan") {
       r.count = E_;
       r.type = "-";
-    } else if (op == "dispatch" || op == "combine") {
+    } else if (op == "dispatch" || op == "combine" || op == "combine-bwd" || op == "dispatch-bwd") {
       r.size_bytes = routed * static_cast<int64_t>(row_bytes_);
       r.count = routed * H_;
       r.has_bandwidth = true;
       r.bus_factor = a2a_factor;
-      kind = op == "dispatch" ? OpKind::kDispatch : OpKind::kCombine;
+      kind = op == "dispatch"      ? OpKind::kDispatch
+             : op == "combine"     ? OpKind::kCombine
+             : op == "combine-bwd" ? OpKind::kCombineBackward
+                                   : OpKind::kDispatchBackward;
+    } else if (op == "topk-grad") {
+      // One fp32 per routed (token, k) travels back; the row dots are computed where rows are.
+      r.size_bytes = routed * 4;
+      r.count = routed;
+      r.type = "fp32";
+      r.has_bandwidth = true;
+      r.bus_factor = a2a_factor;
+      kind = OpKind::kTopkWeightGrad;
     } else if (op == "prefetch" || op == "reduce") {
       const int64_t per = op == "prefetch" ? expert_bytes : static_cast<int64_t>(3 * H_ * I_ * 4);
       r.size_bytes = static_cast<int64_t>(plan.stats.replicas) * per;

@@ -32,8 +32,8 @@ struct BenchConfig {
   int32_t slots = -1, pad_multiple = 1;
   int32_t warmup = 0, iters = 0;
   uint64_t seed = 1;
-  bool baselines = true;  // policy none and MPI_Alltoallv in the same run
-  bool layer = true;      // whole layer forward / backward (MoeLayer)
+  bool baselines = true;  // policy none and MPI_Alltoallv (host backends) in the same run
+  bool layer = true;      // whole layer forward / backward (MoeLayer; host backends only)
   int32_t check_tokens = 2;  // tokens per rank checked against the fp64 reference (layer)
   int32_t threads = 1;       // executor threads per rank (layer)
   // Self-test of the checks: every rank flips bytes of this operation's result after it completes
@@ -42,7 +42,8 @@ struct BenchConfig {
 };
 
 struct OpResult {
-  std::string op;    // counts, plan, dispatch, combine, prefetch, reduce, layer-fwd, layer-bwd
+  std::string op;    // counts, plan, dispatch, combine, combine-bwd, topk-grad, dispatch-bwd,
+                     // prefetch, reduce, layer-fwd, layer-bwd
   std::string impl;  // the policy's name, or "a2av"
   int64_t size_bytes = 0;  // see docs/benchmarks-dispatch.md for each op's size and bandwidths
   int64_t count = 0;
@@ -67,6 +68,7 @@ struct ConfigResult {
   planner::PlanStats plan_stats, none_stats;
   int64_t recv_capacity_rows = 0;
   int32_t slots = 0;  // replica slots per rank, resolved
+  std::string note;   // printed under the configuration's header (e.g. what a backend skips)
   std::vector<OpResult> ops;
   const OpResult* Find(const std::string& op, const std::string& impl) const;
 };
