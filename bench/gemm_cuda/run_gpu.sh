@@ -2,13 +2,13 @@
 # Runs the CUDA backend's tests, sanitizers and benchmarks on the GPU machine in one go, from a
 # bundle made here with
 #   /work/shared/tools/device-bundle.sh .device build-cuda/bin/cuda_test build-cuda/bin/moonep-bench-gemm-cuda
-# and carried as .device. Logs go to $OUT/logs.tgz (or ./gpu-out); the last lines printed are the tables.
+# and carried as .device. Logs go to $OUT/gemm-logs.tgz (or ./gpu-out); the last lines printed are the tables.
 #   bench/gemm_cuda/run_gpu.sh [tests|sanitize|streams8|bench]...   (default: tests sanitize bench)
 set -uo pipefail
 final=${OUT:-gpu-out}
-out=$(mktemp -d)  # every log; packed into $final/logs.tgz at the end (8 files come back at most)
+out=$(mktemp -d)  # every log; packed into $final/gemm-logs.tgz at the end (8 files come back at most)
 mkdir -p "$final"
-trap 'tar czf "$final/logs.tgz" -C "$out" . ; cp "$out"/bench.log "$out"/torch.log "$out"/ours.csv "$out"/torch.csv "$final"/ 2>/dev/null' EXIT
+trap 'tar czf "$final/gemm-logs.tgz" -C "$out" . ; cp "$out"/bench.log "$out"/torch.log "$out"/ours.csv "$out"/torch.csv "$final"/ 2>/dev/null' EXIT
 export LD_LIBRARY_PATH=$PWD/.device/lib:${LD_LIBRARY_PATH:-}
 bin=.device/bin
 san=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)

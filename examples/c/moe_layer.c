@@ -92,8 +92,8 @@ int main(int argc, char** argv) {
   }
 
   moonepLayerHandle_t handle;
-  CHECK(moonepLayerForward(layer, kTokens, x, ids, topw, y, &handle));
-  CHECK(moonepLayerBackward(layer, handle, dy, dx, dtopw));
+  CHECK(moonepLayerForward(layer, kTokens, x, ids, topw, y, &handle, NULL)); /* NULL: no stream (CPU) */
+  CHECK(moonepLayerBackward(layer, handle, dy, dx, dtopw, NULL));
   moonepStepStats_t stats = MOONEP_STEP_STATS_INITIALIZER;
   CHECK(moonepLayerGetStats(layer, &stats));
 

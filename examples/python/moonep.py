@@ -107,10 +107,10 @@ def _lib():
                                        ctypes.c_int]
     lib.moonepLayerForward.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                       ctypes.POINTER(ctypes.c_void_p)]
+                                       ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
     for f in ("moonepCommDestroy", "moonepLayerDestroy"):
         getattr(lib, f).argtypes = [ctypes.c_void_p]
-    lib.moonepLayerBackward.argtypes = [ctypes.c_void_p] * 5
+    lib.moonepLayerBackward.argtypes = [ctypes.c_void_p] * 6
     lib.moonepLayerRelease.argtypes = [ctypes.c_void_p] * 2
     lib.moonepLayerBindParams.argtypes = [ctypes.c_void_p] * 3
     lib.moonepLayerGetStats.argtypes = [ctypes.c_void_p, ctypes.POINTER(_StepStats)]
@@ -182,15 +182,23 @@ class Comm:
 
 
 class Layer:
-    """A MoE layer over a communicator: forward/backward with MoonEP's executor (fp32 here)."""
+    """A MoE layer over a communicator: forward/backward with MoonEP's executor (fp32 here).
+
+    device="cpu": numpy arrays through forward/backward/bind. device="cuda": GPU memory of GPU
+    device_index through the *_ptr methods (raw device pointers and a cudaStream_t, e.g. from
+    torch tensors' data_ptr() and torch.cuda.current_stream().cuda_stream)."""
 
     def __init__(self, comm, num_experts, top_k, hidden, intermediate, max_tokens,
-                 policy="moonep", slots=-1, max_inflight=1, num_threads=0):
+                 policy="moonep", slots=-1, max_inflight=1, num_threads=0, device="cpu",
+                 device_index=0):
+        if device not in ("cpu", "cuda"):
+            raise ValueError("device must be 'cpu' or 'cuda'")
         c = _LayerConfig(size=ctypes.sizeof(_LayerConfig), magic=_CONFIG_MAGIC,
                          version=version(), num_experts=num_experts, top_k=top_k, hidden=hidden,
                          intermediate=intermediate, dtype=_FLOAT32, grad_dtype=_FLOAT32,
-                         slots=slots, pad_multiple=1, policy=_POLICIES[policy], device=0,
-                         device_index=0, max_tokens=max_tokens, max_recv_rows=0,
+                         slots=slots, pad_multiple=1, policy=_POLICIES[policy],
+                         device=1 if device == "cuda" else 0,
+                         device_index=device_index, max_tokens=max_tokens, max_recv_rows=0,
                          max_inflight=max_inflight, layer_id=-1, num_threads=num_threads,
                          ranks_per_node=0, eplb_period=1, transport=None)
         h = ctypes.c_void_p()
@@ -211,6 +219,27 @@ class Layer:
             self._h, ctypes.byref(w), ctypes.byref(g) if g_gate is not None else None))
         self._bound = (w_gate, w_up, w_down, g_gate, g_up, g_down)  # keep them alive
 
+    def bind_ptr(self, w_gate, w_up, w_down, g_gate=None, g_up=None, g_down=None):
+        """Binds fp32 [epn][H][I], [epn][H][I], [epn][I][H] tensors by address (the caller keeps
+        them alive)."""
+        w = _ExpertTensors(w_gate, w_up, w_down, _FLOAT32)
+        g = _ExpertTensors(g_gate, g_up, g_down, _FLOAT32)
+        _check("moonepLayerBindParams", _lib().moonepLayerBindParams(
+            self._h, ctypes.byref(w), ctypes.byref(g) if g_gate is not None else None))
+
+    def forward_ptr(self, num_tokens, x, topk_ids, topk_weights, y, stream=None):
+        """Forward on addresses (device memory for a cuda layer); returns after y is complete."""
+        h = ctypes.c_void_p()
+        _check("moonepLayerForward", _lib().moonepLayerForward(
+            self._h, num_tokens, x, topk_ids, topk_weights, y, ctypes.byref(h), stream))
+        self._saved.append((h, num_tokens))
+
+    def backward_ptr(self, dy, dx, d_topk_weights, stream=None):
+        """Backward of the most recent forward_ptr, on addresses; gradients += into the bound ones."""
+        h, _ = self._saved.pop()
+        _check("moonepLayerBackward", _lib().moonepLayerBackward(self._h, h, dy, dx,
+                                                                 d_topk_weights, stream))
+
     def forward(self, x, topk_ids, topk_weights):
         x = np.ascontiguousarray(x, dtype=np.float32)
         ids = np.ascontiguousarray(topk_ids, dtype=np.int32)
@@ -218,7 +247,7 @@ class Layer:
         y = np.empty_like(x)
         h = ctypes.c_void_p()
         _check("moonepLayerForward", _lib().moonepLayerForward(
-            self._h, x.shape[0], _ptr(x), _ptr(ids), _ptr(w), _ptr(y), ctypes.byref(h)))
+            self._h, x.shape[0], _ptr(x), _ptr(ids), _ptr(w), _ptr(y), ctypes.byref(h), None))
         self._saved.append((h, x.shape[0]))
         return y
 
@@ -229,7 +258,7 @@ class Layer:
         dx = np.empty_like(dy)
         dtopk = np.empty((tokens, self.top_k), dtype=np.float32)
         _check("moonepLayerBackward", _lib().moonepLayerBackward(self._h, h, _ptr(dy), _ptr(dx),
-                                                                 _ptr(dtopk)))
+                                                                 _ptr(dtopk), None))
         return dx, dtopk
 
     def release(self):

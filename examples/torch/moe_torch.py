@@ -1,7 +1,11 @@
 """A torch.autograd.Function over the MoonEP C API, checked against a pure-PyTorch MoE layer
-(SwiGLU experts, top-k routing) on CPU tensors:
+(SwiGLU experts, top-k routing), on CPU tensors or on CUDA tensors:
 
     mpirun -np 2 python3 examples/torch/moe_torch.py
+    mpirun -np 1 python3 examples/torch/moe_torch.py --device cuda   # one rank per GPU (NCCL)
+
+On CUDA, MoonEP reads and writes the tensors in GPU memory (data_ptr()) and orders its work after
+the current torch stream (torch.cuda.current_stream()); rank r uses GPU r % device_count.
 
 MoonEPMoE.apply(x, topk_weights, w_gate, w_up, w_down, layer, topk_ids) runs MoonEP's forward;
 its backward returns dx, d topk_weights and this rank's expert weight gradients, so autograd
@@ -23,41 +27,68 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import moonep  # noqa: E402
 
 
+def _stream(t):
+    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else None
+
+
 class MoonEPMoE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_weights, w_gate, w_up, w_down, layer, topk_ids):
         ctx.layer = layer
-        y = layer.forward(x.detach().contiguous().numpy(), topk_ids.contiguous().numpy(),
-                          topk_weights.detach().contiguous().numpy())
-        return torch.from_numpy(y)
+        if not x.is_cuda:
+            y = layer.forward(x.detach().contiguous().numpy(), topk_ids.contiguous().numpy(),
+                              topk_weights.detach().contiguous().numpy())
+            return torch.from_numpy(y)
+        # Device memory: MoonEP reads x, ids, weights and writes y in place, after the work
+        # queued on the current stream; the call returns when y is complete.
+        x, ids = x.detach().contiguous(), topk_ids.to(torch.int32).contiguous()
+        w = topk_weights.detach().float().contiguous()
+        y = torch.empty_like(x)
+        layer.forward_ptr(x.shape[0], x.data_ptr(), ids.data_ptr(), w.data_ptr(), y.data_ptr(),
+                          _stream(x))
+        ctx.shape = (x.shape[0], ids.shape[1])
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         layer = ctx.layer
         for g in layer.grads:  # MoonEP accumulates into the bound buffers: start from zero
             g.zero_()
-        dx, dtopk = layer.backward(dy.contiguous().numpy())
-        return (torch.from_numpy(dx), torch.from_numpy(dtopk),
-                layer.grads[0].clone(), layer.grads[1].clone(), layer.grads[2].clone(), None,
-                None)
+        if not dy.is_cuda:
+            dx, dtopk = layer.backward(dy.contiguous().numpy())
+            dx, dtopk = torch.from_numpy(dx), torch.from_numpy(dtopk)
+        else:
+            dy = dy.contiguous()
+            dx = torch.empty_like(dy)
+            dtopk = torch.empty(ctx.shape, dtype=torch.float32, device=dy.device)
+            layer.backward_ptr(dy.data_ptr(), dx.data_ptr(), dtopk.data_ptr(), _stream(dy))
+        return (dx, dtopk, layer.grads[0].clone(), layer.grads[1].clone(),
+                layer.grads[2].clone(), None, None)
 
 
 class MoonEPLayer(torch.nn.Module):
     """This rank's share of a MoE layer: E/R experts' parameters, MoonEP underneath."""
 
     def __init__(self, comm, num_experts, top_k, hidden, intermediate, max_tokens, w_gate, w_up,
-                 w_down):
+                 w_down, device=torch.device("cpu"), policy="moonep"):
         super().__init__()
-        self.w_gate = torch.nn.Parameter(w_gate.clone().contiguous())
-        self.w_up = torch.nn.Parameter(w_up.clone().contiguous())
-        self.w_down = torch.nn.Parameter(w_down.clone().contiguous())
+        self.w_gate = torch.nn.Parameter(w_gate.clone().contiguous().to(device))
+        self.w_up = torch.nn.Parameter(w_up.clone().contiguous().to(device))
+        self.w_down = torch.nn.Parameter(w_down.clone().contiguous().to(device))
+        cuda = device.type == "cuda"
         self.layer = moonep.Layer(comm, num_experts=num_experts, top_k=top_k, hidden=hidden,
                                   intermediate=intermediate, max_tokens=max_tokens,
-                                  num_threads=1)
+                                  num_threads=1, policy=policy,
+                                  device="cuda" if cuda else "cpu",
+                                  device_index=device.index or 0)
         self.layer.grads = [torch.zeros_like(p) for p in (self.w_gate, self.w_up, self.w_down)]
-        # MoonEP reads the parameters in place (numpy views share the tensors' memory).
-        self.layer.bind(*(p.detach().numpy() for p in (self.w_gate, self.w_up, self.w_down)),
-                        *(g.numpy() for g in self.layer.grads))
+        params = (self.w_gate, self.w_up, self.w_down)
+        if cuda:  # MoonEP reads the parameters and accumulates the gradients in GPU memory
+            self.layer.bind_ptr(*(p.data_ptr() for p in params),
+                                *(g.data_ptr() for g in self.layer.grads))
+        else:  # numpy views share the tensors' memory
+            self.layer.bind(*(p.detach().numpy() for p in params),
+                            *(g.numpy() for g in self.layer.grads))
 
     def forward(self, x, topk_ids, topk_weights):
         return MoonEPMoE.apply(x, topk_weights, self.w_gate, self.w_up, self.w_down, self.layer,
@@ -92,8 +123,17 @@ def rel(a, b):
 
 
 def main():
+    cuda = "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cuda"
+    # Replicas on one rank come from the test policy only (a single rank has no peer to help).
+    policy = sys.argv[sys.argv.index("--policy") + 1] if "--policy" in sys.argv else "moonep"
+    if cuda and not torch.cuda.is_available():
+        print("SKIPPED: --device cuda but torch.cuda.is_available() is False")
+        return 77
     comm = moonep.Comm.from_env()
     R, rank = comm.size, comm.rank
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
     epn, K, H, I = 2, 2, 16, 32
     E = epn * R
     tokens = [24 + 5 * r for r in range(R)]
@@ -112,15 +152,17 @@ def main():
 
     lo, hi = sum(tokens[:rank]), sum(tokens[:rank + 1])
     mine = slice(rank * epn, (rank + 1) * epn)
-    ours = MoonEPLayer(comm, E, K, H, I, max(tokens), w_gate[mine], w_up[mine], w_down[mine])
+    ours = MoonEPLayer(comm, E, K, H, I, max(tokens), w_gate[mine], w_up[mine], w_down[mine],
+                       device=device, policy=policy)
     ref = TorchMoE(w_gate.double(), w_up.double(), w_down.double())
 
     # Router weights from logits, so d topk_weights flows on into the router's input too.
-    x_ours = x[lo:hi].clone().requires_grad_(True)
-    logits_ours = logits[lo:hi].clone().requires_grad_(True)
-    w_ours = torch.softmax(logits_ours, dim=1) * (ids[lo:hi] >= 0)
-    y_ours = ours(x_ours, ids[lo:hi], w_ours)
-    (y_ours * dy[lo:hi]).sum().backward()
+    x_ours = x[lo:hi].clone().to(device).requires_grad_(True)
+    logits_ours = logits[lo:hi].clone().to(device).requires_grad_(True)
+    ids_ours = ids[lo:hi].contiguous().to(device)
+    w_ours = torch.softmax(logits_ours, dim=1) * (ids_ours >= 0)
+    y_ours = ours(x_ours, ids_ours, w_ours)
+    (y_ours * dy[lo:hi].to(device)).sum().backward()
 
     x_ref = x.double().requires_grad_(True)
     logits_ref = logits.double().requires_grad_(True)
@@ -128,14 +170,16 @@ def main():
     y_ref = ref(x_ref, ids.long(), w_ref)
     (y_ref * dy.double()).sum().backward()
 
-    errors = {"y": rel(y_ours.detach(), y_ref.detach()[lo:hi]),
-              "dx": rel(x_ours.grad, x_ref.grad[lo:hi]),
-              "dlogits": rel(logits_ours.grad, logits_ref.grad[lo:hi]),
-              "dWg": rel(ours.w_gate.grad, ref.w_gate.grad[mine]),
-              "dWu": rel(ours.w_up.grad, ref.w_up.grad[mine]),
-              "dWd": rel(ours.w_down.grad, ref.w_down.grad[mine])}
+    errors = {"y": rel(y_ours.detach().cpu(), y_ref.detach()[lo:hi]),
+              "dx": rel(x_ours.grad.cpu(), x_ref.grad[lo:hi]),
+              "dlogits": rel(logits_ours.grad.cpu(), logits_ref.grad[lo:hi]),
+              "dWg": rel(ours.w_gate.grad.cpu(), ref.w_gate.grad[mine]),
+              "dWu": rel(ours.w_up.grad.cpu(), ref.w_up.grad[mine]),
+              "dWd": rel(ours.w_down.grad.cpu(), ref.w_down.grad[mine])}
     ok = all(v < 1e-5 for v in errors.values())
-    print(f"[rank {rank}] torch {torch.__version__}: MoonEP autograd.Function vs pure PyTorch: "
+    replicas = ours.layer.stats()["replicas"]
+    print(f"[rank {rank}] torch {torch.__version__} on {device} ({policy}, {replicas} replicas): "
+          "MoonEP autograd.Function vs pure PyTorch: "
           + " ".join(f"{k} {v:.1e}" for k, v in errors.items()) + (" -> PASS" if ok else " -> FAIL"),
           flush=True)
     ours.layer.destroy()

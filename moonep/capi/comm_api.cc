@@ -105,6 +105,7 @@ absl::Status ReadLayerConfig(const moonepLayerConfig_t* c, runtime::LayerConfig*
     }
     d.device = static_cast<Device>(device);
   }
+  if (MOONEP_HAS_FIELD(device_index)) d.device_index = c->device_index;
   if (MOONEP_HAS_FIELD(max_tokens)) d.max_tokens = c->max_tokens;
   if (MOONEP_HAS_FIELD(max_recv_rows)) d.max_recv_rows = c->max_recv_rows;
   if (MOONEP_HAS_FIELD(max_inflight)) d.max_inflight = c->max_inflight;
@@ -124,7 +125,7 @@ absl::Status ReadLayerConfig(const moonepLayerConfig_t* c, runtime::LayerConfig*
 }
 
 absl::Status ReadExpertTensors(const moonepExpertTensors_t* t, const char* name, int64_t experts,
-                               int64_t hidden, int64_t intermediate, DType expected,
+                               int64_t hidden, int64_t intermediate, DType expected, Device device,
                                std::vector<compute::ExpertParams>* out) {
   if (t == nullptr) return InvalidArgument("%s is NULL", name);
   DType dtype;
@@ -141,11 +142,11 @@ absl::Status ReadExpertTensors(const moonepExpertTensors_t* t, const char* name,
   for (int64_t e = 0; e < experts; ++e) {
     compute::ExpertParams p;
     p.gate = TensorView::Contiguous(static_cast<char*>(t->gate) + e * block, dtype,
-                                    {hidden, intermediate});
+                                    {hidden, intermediate}, device);
     p.up = TensorView::Contiguous(static_cast<char*>(t->up) + e * block, dtype,
-                                  {hidden, intermediate});
+                                  {hidden, intermediate}, device);
     p.down = TensorView::Contiguous(static_cast<char*>(t->down) + e * block, dtype,
-                                    {intermediate, hidden});
+                                    {intermediate, hidden}, device);
     out->push_back(p);
   }
   return absl::OkStatus();

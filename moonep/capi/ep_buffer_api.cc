@@ -28,8 +28,9 @@ absl::Status CheckPtr(const void* p, int64_t elements, const char* name) {
   return absl::OkStatus();
 }
 
-TensorView Matrix(const void* p, moonep::DType dtype, int64_t rows, int64_t cols) {
-  return TensorView::Contiguous(const_cast<void*>(p), dtype, {rows, cols});
+// [rows, H] of the buffer's dtype, on its device.
+TensorView Matrix(const void* p, const moonep::runtime::LayerConfig& c, int64_t rows) {
+  return TensorView::Contiguous(const_cast<void*>(p), c.dtype, {rows, c.hidden}, c.device);
 }
 
 }  // namespace
@@ -94,7 +95,7 @@ moonepResult_t moonepEpDispatch(moonepEpBuffer_t buffer, int64_t num_tokens, con
     if (local.ok()) local = CheckPtr(topk_weights, entries, "topk_weights");
     const int64_t T = local.ok() ? num_tokens : 0;
     auto h = buffer->impl->Dispatch(
-        local.ok() ? num_tokens : -1, Matrix(x, c.dtype, T, c.hidden),
+        local.ok() ? num_tokens : -1, Matrix(x, c, T),
         absl::Span<const int32_t>(topk_ids, static_cast<size_t>(local.ok() ? entries : 0)),
         absl::Span<const float>(topk_weights, static_cast<size_t>(local.ok() ? entries : 0)));
     if (!local.ok()) return local;
@@ -133,8 +134,8 @@ moonepResult_t moonepEpCombine(moonepEpBuffer_t buffer, moonepEpHandle_t handle,
     const int64_t T = buffer->impl->TokensOf(handle->handle);
     MOONEP_RETURN_IF_ERROR(CheckPtr(out_rows, l.num_rows, "out_rows"));
     MOONEP_RETURN_IF_ERROR(CheckPtr(y, T, "y"));
-    return buffer->impl->Combine(handle->handle, Matrix(out_rows, c.dtype, l.num_rows, c.hidden),
-                                 Matrix(y, c.dtype, T, c.hidden));
+    return buffer->impl->Combine(handle->handle, Matrix(out_rows, c, l.num_rows),
+                                 Matrix(y, c, T));
   });
 }
 
@@ -147,8 +148,8 @@ moonepResult_t moonepEpCombineBackward(moonepEpBuffer_t buffer, moonepEpHandle_t
     const int64_t T = buffer->impl->TokensOf(handle->handle);
     MOONEP_RETURN_IF_ERROR(CheckPtr(dy, T, "dy"));
     MOONEP_RETURN_IF_ERROR(CheckPtr(dy_rows, l.num_rows, "dy_rows"));
-    return buffer->impl->CombineBackward(handle->handle, Matrix(dy, c.dtype, T, c.hidden),
-                                         Matrix(dy_rows, c.dtype, l.num_rows, c.hidden));
+    return buffer->impl->CombineBackward(handle->handle, Matrix(dy, c, T),
+                                         Matrix(dy_rows, c, l.num_rows));
   });
 }
 
@@ -164,8 +165,8 @@ moonepResult_t moonepEpTopkWeightGrad(moonepEpBuffer_t buffer, moonepEpHandle_t 
     MOONEP_RETURN_IF_ERROR(CheckPtr(out_rows, l.num_rows, "out_rows"));
     MOONEP_RETURN_IF_ERROR(CheckPtr(d_topk_weights, T * c.top_k, "d_topk_weights"));
     return buffer->impl->TopkWeightGrad(
-        handle->handle, Matrix(dy_rows, c.dtype, l.num_rows, c.hidden),
-        Matrix(out_rows, c.dtype, l.num_rows, c.hidden),
+        handle->handle, Matrix(dy_rows, c, l.num_rows),
+        Matrix(out_rows, c, l.num_rows),
         absl::Span<float>(d_topk_weights, static_cast<size_t>(T * c.top_k)));
   });
 }
@@ -180,8 +181,8 @@ moonepResult_t moonepEpDispatchBackward(moonepEpBuffer_t buffer, moonepEpHandle_
     MOONEP_RETURN_IF_ERROR(CheckPtr(dx_rows, l.num_rows, "dx_rows"));
     MOONEP_RETURN_IF_ERROR(CheckPtr(dx, T, "dx"));
     return buffer->impl->DispatchBackward(handle->handle,
-                                          Matrix(dx_rows, c.dtype, l.num_rows, c.hidden),
-                                          Matrix(dx, c.dtype, T, c.hidden));
+                                          Matrix(dx_rows, c, l.num_rows),
+                                          Matrix(dx, c, T));
   });
 }
 
@@ -195,10 +196,10 @@ moonepResult_t moonepEpPrefetch(moonepEpBuffer_t buffer, moonepEpHandle_t handle
     std::vector<moonep::compute::ExpertParams> home, slots;
     MOONEP_RETURN_IF_ERROR(moonep::capi::ReadExpertTensors(
         home_weights, "home_weights", buffer->impl->experts_per_rank(), c.hidden, c.intermediate,
-        c.dtype, &home));
+        c.dtype, c.device, &home));
     MOONEP_RETURN_IF_ERROR(moonep::capi::ReadExpertTensors(
         replica_weights, "replica_weights", buffer->impl->slots(), c.hidden, c.intermediate,
-        c.dtype, &slots));
+        c.dtype, c.device, &slots));
     return buffer->impl->Prefetch(handle->handle, home, slots);
   });
 }
@@ -213,10 +214,10 @@ moonepResult_t moonepEpReduce(moonepEpBuffer_t buffer, moonepEpHandle_t handle,
     std::vector<moonep::compute::ExpertParams> home, slots;
     MOONEP_RETURN_IF_ERROR(moonep::capi::ReadExpertTensors(
         home_grads, "home_grads", buffer->impl->experts_per_rank(), c.hidden, c.intermediate,
-        c.grad_dtype, &home));
+        c.grad_dtype, c.device, &home));
     MOONEP_RETURN_IF_ERROR(moonep::capi::ReadExpertTensors(
         replica_grads, "replica_grads", buffer->impl->slots(), c.hidden, c.intermediate,
-        c.grad_dtype, &slots));
+        c.grad_dtype, c.device, &slots));
     return buffer->impl->Reduce(handle->handle, home, slots);
   });
 }

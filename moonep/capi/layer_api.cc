@@ -72,10 +72,12 @@ moonepResult_t moonepLayerBindParams(moonepLayer_t layer, const moonepExpertTens
     const int64_t epn = c.num_experts / layer->comm->impl->size();
     std::vector<moonep::compute::ExpertParams> w, g;
     MOONEP_RETURN_IF_ERROR(moonep::capi::ReadExpertTensors(weights, "weights", epn, c.hidden,
-                                                           c.intermediate, c.dtype, &w));
+                                                           c.intermediate, c.dtype, c.device,
+                                                           &w));
     if (grads != nullptr) {
       MOONEP_RETURN_IF_ERROR(moonep::capi::ReadExpertTensors(grads, "grads", epn, c.hidden,
-                                                             c.intermediate, c.grad_dtype, &g));
+                                                             c.intermediate, c.grad_dtype,
+                                                             c.device, &g));
     }
     return layer->impl->BindParameters(w, g);
   });
@@ -83,7 +85,7 @@ moonepResult_t moonepLayerBindParams(moonepLayer_t layer, const moonepExpertTens
 
 moonepResult_t moonepLayerForward(moonepLayer_t layer, int64_t num_tokens, const void* x,
                                   const int32_t* topk_ids, const float* topk_weights, void* y,
-                                  moonepLayerHandle_t* handle) {
+                                  moonepLayerHandle_t* handle, void* stream) {
   return GuardOn(CommOf(layer), "moonepLayerForward", [&]() -> absl::Status {
     MOONEP_RETURN_IF_ERROR(CheckHandle(layer, Kind::kLayer, "layer"));
     MOONEP_CHECK_ARG(handle != nullptr, "handle is NULL");
@@ -103,10 +105,10 @@ moonepResult_t moonepLayerForward(moonepLayer_t layer, int64_t num_tokens, const
     const int64_t T = local.ok() ? num_tokens : 0;
     auto h = layer->impl->Forward(
         local.ok() ? num_tokens : -1,
-        TensorView::Contiguous(const_cast<void*>(x), c.dtype, {T, c.hidden}),
+        TensorView::Contiguous(const_cast<void*>(x), c.dtype, {T, c.hidden}, c.device),
         absl::Span<const int32_t>(topk_ids, static_cast<size_t>(local.ok() ? entries : 0)),
         absl::Span<const float>(topk_weights, static_cast<size_t>(local.ok() ? entries : 0)),
-        TensorView::Contiguous(y, c.dtype, {T, c.hidden}));
+        TensorView::Contiguous(y, c.dtype, {T, c.hidden}, c.device), stream);
     if (!local.ok()) return local;  // Forward failed everywhere; report the C-level reason
     if (!h.ok()) return h.status();
     moonepLayerHandle* slot = layer->handles[static_cast<size_t>(h->index)].get();
@@ -118,7 +120,8 @@ moonepResult_t moonepLayerForward(moonepLayer_t layer, int64_t num_tokens, const
 }
 
 moonepResult_t moonepLayerBackward(moonepLayer_t layer, moonepLayerHandle_t handle,
-                                   const void* dy, void* dx, float* d_topk_weights) {
+                                   const void* dy, void* dx, float* d_topk_weights,
+                                   void* stream) {
   return GuardOn(CommOf(layer), "moonepLayerBackward", [&]() -> absl::Status {
     MOONEP_RETURN_IF_ERROR(CheckHandle(layer, Kind::kLayer, "layer"));
     MOONEP_RETURN_IF_ERROR(CheckHandle(handle, Kind::kLayerHandle, "handle"));
@@ -132,11 +135,13 @@ moonepResult_t moonepLayerBackward(moonepLayer_t layer, moonepLayerHandle_t hand
     MOONEP_RETURN_IF_ERROR(CheckPtr(dy, T, "dy"));
     MOONEP_RETURN_IF_ERROR(CheckPtr(dx, T, "dx"));
     const absl::Status status = layer->impl->Backward(
-        handle->handle, TensorView::Contiguous(const_cast<void*>(dy), c.dtype, {T, c.hidden}),
-        TensorView::Contiguous(dx, c.dtype, {T, c.hidden}),
+        handle->handle,
+        TensorView::Contiguous(const_cast<void*>(dy), c.dtype, {T, c.hidden}, c.device),
+        TensorView::Contiguous(dx, c.dtype, {T, c.hidden}, c.device),
         d_topk_weights == nullptr
             ? absl::Span<float>()
-            : absl::Span<float>(d_topk_weights, static_cast<size_t>(T * c.top_k)));
+            : absl::Span<float>(d_topk_weights, static_cast<size_t>(T * c.top_k)),
+        stream);
     // A refused argument leaves the handle usable; a backward that ran (or failed midway)
     // spends it.
     handle->in_use = layer->impl->PlanOf(handle->handle).ok();

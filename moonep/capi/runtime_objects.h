@@ -72,9 +72,11 @@ moonepResult_t GuardOn(moonepComm* comm, const char* function, Body&& body) {
 absl::Status ReadLayerConfig(const moonepLayerConfig_t* config, runtime::LayerConfig* out);
 
 // E experts of `tensors` (gate [E][H][I], up [E][H][I], down [E][I][H]) as ExpertParams.
+// Views carry `device` (the memory is not inspected; the backend checks it).
 absl::Status ReadExpertTensors(const moonepExpertTensors_t* tensors, const char* name,
                                int64_t experts, int64_t hidden, int64_t intermediate,
-                               DType expected, std::vector<compute::ExpertParams>* out);
+                               DType expected, Device device,
+                               std::vector<compute::ExpertParams>* out);
 
 // The integer stored in a C enum field, read without assuming it is a valid enumerator (a caller
 // may pass any int there; loading it as the enum type would be undefined behaviour).

@@ -15,10 +15,12 @@
 #include <memory>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "moonep/compute/compute_view.h"
+#include "moonep/runtime/device.h"
 #include "moonep/runtime/trace_writer.h"
 
 namespace moonep::runtime {
@@ -31,8 +33,15 @@ struct UniqueId {
 // The replica weight and gradient buffer shared by the layers of one shape on a communicator,
 // and which (layer, forward) last filled its weight slots, so a backward right after its own
 // forward skips the second prefetch.
+// The storage is host memory (a compute::ReplicaBuffer) for CPU layers and one GPU allocation for
+// CUDA layers, laid out alike: every slot's gate, up, down weights, then every slot's gradients.
 struct SharedReplicas {
-  std::unique_ptr<compute::ReplicaBuffer> buffer;
+  Device device = Device::kCpu;
+  std::unique_ptr<compute::ReplicaBuffer> buffer;  // CPU layers
+  DeviceMemory device_storage;                     // CUDA layers
+  std::vector<compute::ExpertParams> weights, grads;  // per slot, views into the storage
+  std::vector<char*> slot_grads;                      // per slot, its contiguous gradient block
+  size_t slot_grad_bytes = 0, total_bytes = 0;
   uint64_t loaded_by = 0;  // 0: nothing valid; else the token of the forward that prefetched
 };
 
@@ -66,9 +75,11 @@ class Communicator {
   int32_t rank() const { return rank_; }
   int32_t size() const { return size_; }
 
-  // The replica buffer for layers of this shape, created on first use (local, not collective).
+  // The replica buffer for layers of this shape on `device` (the current GPU for kCuda), created
+  // on first use (local, not collective).
   absl::StatusOr<SharedReplicas*> Replicas(int32_t slots, int64_t hidden, int64_t intermediate,
-                                           DType dtype, DType grad_dtype);
+                                           DType dtype, DType grad_dtype,
+                                           Device device = Device::kCpu);
   // Bytes held by every shared replica buffer.
   size_t ReplicaBytes() const;
 
@@ -95,7 +106,8 @@ class Communicator {
   int32_t next_layer_id_ = 0;
   uint64_t token_ = 0;
   std::unique_ptr<TraceWriter> trace_;
-  std::map<std::tuple<int32_t, int64_t, int64_t, int32_t, int32_t>, std::unique_ptr<SharedReplicas>>
+  std::map<std::tuple<int32_t, int64_t, int64_t, int32_t, int32_t, int32_t>,
+           std::unique_ptr<SharedReplicas>>
       replicas_;
 };
 

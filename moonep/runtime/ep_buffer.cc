@@ -21,8 +21,8 @@ struct EpBuffer::Context {
   uint64_t generation = 0;
   transport::DispatchHandle dispatch;
   planner::Plan plan;
-  std::vector<char> rows;
-  std::vector<float> row_weights;
+  DeviceMemory rows;         // [capacity, H] on the buffer's device
+  DeviceMemory row_weights;  // [capacity] fp32
   std::vector<int32_t> group_expert;
   std::vector<int64_t> group_offset, group_count;
 };
@@ -30,7 +30,8 @@ struct EpBuffer::Context {
 absl::StatusOr<std::unique_ptr<EpBuffer>> EpBuffer::Create(Communicator* comm,
                                                            const LayerConfig& config) {
   if (comm == nullptr) return InvalidArgument("comm is null");
-  const absl::Status local = CheckLayerConfig(config, comm->size(), /*need_executor=*/false);
+  absl::Status local = CheckLayerConfig(config, comm->size(), /*need_executor=*/false);
+  if (local.ok()) local = UseDevice(config.device, config.device_index);
   MOONEP_RETURN_IF_ERROR(AgreeOnConfig(comm, config, local, "EP buffer creation"));
   std::unique_ptr<EpBuffer> buf(new EpBuffer());
   buf->comm_ = comm;
@@ -61,8 +62,14 @@ absl::StatusOr<std::unique_ptr<EpBuffer>> EpBuffer::Create(Communicator* comm,
   MOONEP_ASSIGN_OR_RETURN(buf->transport_, transport::CreateTransport(TransportBackend(config), to));
   for (int32_t i = 0; i < config.max_inflight; ++i) {
     auto ctx = std::make_unique<Context>();
-    ctx->rows.assign(static_cast<size_t>(buf->capacity_ * row_bytes), 0);
-    ctx->row_weights.assign(static_cast<size_t>(buf->capacity_), 0.0f);
+    MOONEP_ASSIGN_OR_RETURN(ctx->rows,
+                            DeviceMemory::Allocate(config.device,
+                                                   static_cast<size_t>(buf->capacity_ * row_bytes),
+                                                   "EP buffer rows"));
+    MOONEP_ASSIGN_OR_RETURN(ctx->row_weights,
+                            DeviceMemory::Allocate(config.device,
+                                                   static_cast<size_t>(buf->capacity_) * 4,
+                                                   "EP buffer row weights"));
     const size_t groups = static_cast<size_t>(buf->epn_ + buf->slots_);
     ctx->group_expert.assign(groups, -1);
     ctx->group_offset.assign(groups, 0);
@@ -76,7 +83,7 @@ EpBuffer::~EpBuffer() = default;
 
 size_t EpBuffer::MemoryBytes() const {
   size_t bytes = 0;
-  for (const auto& c : contexts_) bytes += c->rows.capacity() + c->row_weights.capacity() * 4;
+  for (const auto& c : contexts_) bytes += c->rows.bytes() + c->row_weights.bytes();
   return bytes;
 }
 
@@ -159,8 +166,9 @@ absl::StatusOr<LayerHandle> EpBuffer::Dispatch(int64_t num_tokens, const TensorV
   t = Clock::now();
   s = transport_->Dispatch(
       ctx->plan, x, topk_weights, &ctx->dispatch,
-      TensorView::Contiguous(ctx->rows.data(), config_.dtype, {capacity_, config_.hidden}),
-      absl::MakeSpan(ctx->row_weights));
+      TensorView::Contiguous(ctx->rows.get(), config_.dtype, {capacity_, config_.hidden},
+                             config_.device),
+      absl::MakeSpan(ctx->row_weights.get<float>(), static_cast<size_t>(capacity_)));
   if (!s.ok()) return Fail(s);
   stats_.seconds[static_cast<int>(Phase::kDispatch)] = Since(t);
   const int32_t G = ctx->plan.num_groups();
@@ -186,8 +194,8 @@ absl::StatusOr<LayerHandle> EpBuffer::Dispatch(int64_t num_tokens, const TensorV
 absl::Status EpBuffer::Layout(LayerHandle handle, EpLayout* layout) const {
   MOONEP_ASSIGN_OR_RETURN(Context * ctx, Lookup(handle));
   layout->num_rows = ctx->plan.rank_rows[comm_->rank()];
-  layout->rows = ctx->rows.data();
-  layout->row_weights = ctx->row_weights.data();
+  layout->rows = ctx->rows.get();
+  layout->row_weights = ctx->row_weights.get<float>();
   layout->num_groups = ctx->plan.num_groups();
   layout->group_expert = ctx->group_expert.data();
   layout->group_offset = ctx->group_offset.data();

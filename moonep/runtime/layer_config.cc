@@ -9,6 +9,7 @@
 #include "moonep/core/env.h"
 #include "moonep/core/status.h"
 #include "moonep/runtime/communicator.h"
+#include "moonep/runtime/device.h"
 
 namespace moonep::runtime {
 
@@ -36,9 +37,21 @@ absl::Status CheckLayerConfig(const LayerConfig& c, int32_t num_ranks, bool need
   MOONEP_CHECK_ARG(c.pad_multiple >= 1, "pad_multiple is %d; must be >= 1", c.pad_multiple);
   MOONEP_CHECK_ARG(c.ranks_per_node >= 0, "ranks_per_node is %d; must be >= 0", c.ranks_per_node);
   MOONEP_CHECK_ARG(c.eplb_period >= 1, "eplb_period is %d; must be >= 1", c.eplb_period);
-  MOONEP_CHECK_ARG(c.device == Device::kCpu,
-                   "device: only the CPU executor and MPI transport are built (CUDA comes with the "
-                   "NCCL backend)");
+  MOONEP_CHECK_ARG(c.device == Device::kCpu || c.device == Device::kCuda,
+                   "device %d is not a MoonEP device", static_cast<int32_t>(c.device));
+  if (c.device == Device::kCuda && !CudaBuilt()) {
+    return Unavailable("device cuda: this MoonEP was built without CUDA (configure with "
+                       "-DMOONEP_WITH_CUDA=ON -DMOONEP_WITH_NCCL=ON)");
+  }
+  MOONEP_CHECK_ARG(c.device_index >= 0, "device_index is %d; must be >= 0", c.device_index);
+  {
+    const std::string backend = TransportBackend(c);
+    const bool device_backend = backend == "nccl";
+    MOONEP_CHECK_ARG(device_backend == (c.device == Device::kCuda),
+                     "transport '%s' does not move %s memory: device cuda needs transport 'nccl', "
+                     "device cpu 'mpi' or 'ucx'", backend,
+                     c.device == Device::kCuda ? "GPU" : "host");
+  }
   MOONEP_CHECK_ARG(c.max_tokens > 0, "max_tokens is %d; must be positive (it sizes every buffer)",
                    c.max_tokens);
   MOONEP_CHECK_ARG(c.max_recv_rows >= 0, "max_recv_rows is %d; must be >= 0", c.max_recv_rows);
@@ -48,11 +61,14 @@ absl::Status CheckLayerConfig(const LayerConfig& c, int32_t num_ranks, bool need
 }
 
 namespace {
-MOONEP_STRING_PARAM(TransportParam, "TRANSPORT", "mpi")
+// Empty: by device ("nccl" for device cuda, "mpi" for the CPU).
+MOONEP_STRING_PARAM(TransportParam, "TRANSPORT", "")
 }  // namespace
 
 std::string TransportBackend(const LayerConfig& config) {
-  return config.transport.empty() ? TransportParam() : config.transport;
+  if (!config.transport.empty()) return config.transport;
+  if (!TransportParam().empty()) return TransportParam();
+  return config.device == Device::kCuda ? "nccl" : "mpi";
 }
 
 int64_t RecvCapacityRows(const LayerConfig& c, int32_t num_ranks) {

@@ -26,7 +26,11 @@ struct LayerConfig {
   planner::Policy policy = planner::Policy::kMoonEP;
   int32_t ranks_per_node = 0; // 0: flat topology
   int32_t eplb_period = 1;
+  // Where x, y, dy, dx, topk_ids, topk_weights, d_topk_weights, weights and gradients live.
+  // kCuda: GPU `device_index` of this node (one rank per GPU), the CUDA executor and the NCCL
+  // transport; Forward / Backward take the caller's CUDA stream.
   Device device = Device::kCpu;
+  int32_t device_index = 0;
   // Static memory: the largest token count this rank will pass (may differ between ranks).
   int64_t max_tokens = 0;
   // Rows this rank's dispatch buffer holds; 0: the worst case R * max_tokens * min(K, G) plus
@@ -36,7 +40,8 @@ struct LayerConfig {
   int32_t max_inflight = 1;   // forward handles alive at once (micro-batches before backward)
   int32_t layer_id = -1;      // id in routing traces; -1: creation order on the communicator
   int32_t num_threads = 0;    // executor threads; 0: MOONEP_NUM_THREADS, else every core
-  // Transport backend ("mpi", "ucx" where built); empty: MOONEP_TRANSPORT, else "mpi".
+  // Transport backend ("mpi", "ucx" where built, "nccl" for device cuda); empty:
+  // MOONEP_TRANSPORT, else "nccl" for device cuda and "mpi" for the CPU.
   std::string transport;
 };
 
@@ -47,9 +52,9 @@ std::string TransportBackend(const LayerConfig& config);
 absl::Status CheckLayerConfig(const LayerConfig& config, int32_t num_ranks, bool need_executor);
 
 // Collective: every rank sends its local verdict and the fields that must agree (all but
-// max_tokens, max_recv_rows, layer_id, num_threads). On disagreement every rank fails with the
-// same message naming the field and the ranks (InvalidArgument on a rank whose own config is
-// bad, RemoteError naming it on the others).
+// max_tokens, max_recv_rows, layer_id, num_threads, device_index). On disagreement every rank
+// fails with the same message naming the field and the ranks (InvalidArgument on a rank whose
+// own config is bad, RemoteError naming it on the others).
 absl::Status AgreeOnConfig(Communicator* comm, const LayerConfig& config,
                            const absl::Status& local_verdict, const char* what);
 

@@ -4,9 +4,12 @@
 #include <cstring>
 #include <utility>
 
-#include "moonep/compute/cpu/cpu_executor.h"
 #include "moonep/core/logging.h"
 #include "moonep/core/status.h"
+
+#ifdef MOONEP_HAVE_NCCL
+#include "transport/nccl/nccl_transport.h"
+#endif
 
 namespace moonep::runtime {
 
@@ -39,8 +42,8 @@ double Since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-TensorView Rows(void* data, DType dtype, int64_t rows, int64_t hidden) {
-  return TensorView::Contiguous(data, dtype, {rows, hidden});
+TensorView Rows(void* data, DType dtype, int64_t rows, int64_t hidden, Device device) {
+  return TensorView::Contiguous(data, dtype, {rows, hidden}, device);
 }
 
 }  // namespace
@@ -53,8 +56,8 @@ struct MoeLayer::Context {
   int64_t num_tokens = 0;
   transport::DispatchHandle dispatch;
   planner::Plan plan;
-  std::vector<char> x_rows, y_rows;  // [cap, H] each
-  std::vector<float> row_weights;    // [cap]
+  DeviceMemory x_rows, y_rows;  // [cap, H] each, on the layer's device
+  DeviceMemory row_weights;     // [cap] fp32
   compute::ComputeView full, home, replica;
   int64_t split = 0;       // rows [0, split) hold home groups, [split, rank_rows) replica groups
   bool splittable = true;  // false: one pass after the prefetch
@@ -63,7 +66,9 @@ struct MoeLayer::Context {
 absl::StatusOr<std::unique_ptr<MoeLayer>> MoeLayer::Create(Communicator* comm,
                                                            const LayerConfig& config) {
   if (comm == nullptr) return InvalidArgument("comm is null");
-  const absl::Status local = CheckLayerConfig(config, comm->size(), /*need_executor=*/true);
+  absl::Status local = CheckLayerConfig(config, comm->size(), /*need_executor=*/true);
+  // A rank without its GPU fails creation on every rank (not a hang in the transport's setup).
+  if (local.ok()) local = UseDevice(config.device, config.device_index);
   MOONEP_RETURN_IF_ERROR(AgreeOnConfig(comm, config, local, "MoE layer creation"));
 
   std::unique_ptr<MoeLayer> layer(new MoeLayer());
@@ -96,7 +101,9 @@ absl::StatusOr<std::unique_ptr<MoeLayer>> MoeLayer::Create(Communicator* comm,
   ec.dtype = config.dtype;
   ec.max_rows = layer->capacity_;
   ec.num_threads = config.num_threads;
-  MOONEP_ASSIGN_OR_RETURN(layer->executor_, compute::cpu::CpuExecutor::Create(ec));
+  MOONEP_ASSIGN_OR_RETURN(DeviceBackend backend, MakeDeviceBackend(config.device, ec));
+  layer->executor_ = std::move(backend.executor);
+  layer->ops_ = std::move(backend.ops);
 
   transport::TransportOptions to;
   to.comm = comm->mpi_comm();
@@ -108,40 +115,46 @@ absl::StatusOr<std::unique_ptr<MoeLayer>> MoeLayer::Create(Communicator* comm,
 
   MOONEP_ASSIGN_OR_RETURN(layer->replicas_,
                           comm->Replicas(layer->slots_, config.hidden, config.intermediate,
-                                         config.dtype, config.grad_dtype));
+                                         config.dtype, config.grad_dtype, config.device));
 
+  const Device dev = config.device;
   const size_t rows_bytes = static_cast<size_t>(layer->capacity_) * layer->row_bytes_;
+  const size_t cap = static_cast<size_t>(layer->capacity_);
   for (int32_t i = 0; i < config.max_inflight; ++i) {
     auto ctx = std::make_unique<Context>();
-    ctx->x_rows.assign(rows_bytes, 0);
-    ctx->y_rows.assign(rows_bytes, 0);
-    ctx->row_weights.assign(static_cast<size_t>(layer->capacity_), 0.0f);
+    MOONEP_ASSIGN_OR_RETURN(ctx->x_rows, DeviceMemory::Allocate(dev, rows_bytes, "x rows"));
+    MOONEP_ASSIGN_OR_RETURN(ctx->y_rows, DeviceMemory::Allocate(dev, rows_bytes, "y rows"));
+    MOONEP_ASSIGN_OR_RETURN(ctx->row_weights,
+                            DeviceMemory::Allocate(dev, cap * sizeof(float), "row weights"));
     layer->contexts_.push_back(std::move(ctx));
   }
-  layer->dy_rows_.assign(rows_bytes, 0);
-  layer->dx_rows_.assign(rows_bytes, 0);
-  layer->dtopk_scratch_.assign(static_cast<size_t>(config.max_tokens * config.top_k), 0.0f);
+  MOONEP_ASSIGN_OR_RETURN(layer->dy_rows_, DeviceMemory::Allocate(dev, rows_bytes, "dy rows"));
+  MOONEP_ASSIGN_OR_RETURN(layer->dx_rows_, DeviceMemory::Allocate(dev, rows_bytes, "dx rows"));
+  MOONEP_ASSIGN_OR_RETURN(
+      layer->dtopk_scratch_,
+      DeviceMemory::Allocate(dev, static_cast<size_t>(config.max_tokens * config.top_k) * 4,
+                             "d topk_weights scratch"));
 
-  const auto& rb = *layer->replicas_->buffer;
   for (int32_t s = 0; s < layer->slots_; ++s) {
-    const compute::ExpertParams& w = rb.weights()[s];
-    const compute::ExpertParams& g = rb.grads()[s];
+    const compute::ExpertParams& w = layer->replicas_->weights[s];
+    const compute::ExpertParams& g = layer->replicas_->grads[s];
     layer->slot_weight_blocks_.insert(layer->slot_weight_blocks_.end(), {w.gate, w.up, w.down});
     layer->slot_grad_blocks_.insert(layer->slot_grad_blocks_.end(), {g.gate, g.up, g.down});
   }
-  MOONEP_INFO("MoE layer %d: E=%d K=%d H=%d I=%d %s slots=%d policy=%s capacity=%d rows, %d bytes",
-              layer->layer_id_, config.num_experts, config.top_k, config.hidden,
-              config.intermediate, DTypeName(config.dtype), layer->slots_,
-              planner::PolicyName(config.policy), layer->capacity_, layer->MemoryBytes());
+  MOONEP_INFO("MoE layer %d: E=%d K=%d H=%d I=%d %s slots=%d policy=%s device=%s transport=%s "
+              "capacity=%d rows, %d bytes", layer->layer_id_, config.num_experts, config.top_k,
+              config.hidden, config.intermediate, DTypeName(config.dtype), layer->slots_,
+              planner::PolicyName(config.policy), dev == Device::kCuda ? "cuda" : "cpu",
+              layer->transport_->backend(), layer->capacity_, layer->MemoryBytes());
   return layer;
 }
 
 MoeLayer::~MoeLayer() = default;
 
 size_t MoeLayer::MemoryBytes() const {
-  size_t bytes = dy_rows_.capacity() + dx_rows_.capacity() + dtopk_scratch_.capacity() * 4;
+  size_t bytes = dy_rows_.bytes() + dx_rows_.bytes() + dtopk_scratch_.bytes();
   for (const auto& ctx : contexts_) {
-    bytes += ctx->x_rows.capacity() + ctx->y_rows.capacity() + ctx->row_weights.capacity() * 4;
+    bytes += ctx->x_rows.bytes() + ctx->y_rows.bytes() + ctx->row_weights.bytes();
   }
   if (executor_) bytes += executor_->WorkspaceBytes();
   return bytes;
@@ -219,11 +232,23 @@ absl::Status MoeLayer::Release(LayerHandle handle) {
   return absl::OkStatus();
 }
 
+void MoeLayer::UseCallerStream(void* stream) {
+#ifdef MOONEP_HAVE_NCCL
+  if (auto* nccl = dynamic_cast<transport::nccl::NcclTransport*>(transport_.get())) {
+    nccl->set_caller_stream(static_cast<cudaStream_t>(stream));
+  }
+#else
+  (void)stream;
+#endif
+}
+
 absl::StatusOr<LayerHandle> MoeLayer::Forward(int64_t num_tokens, const TensorView& x,
                                               absl::Span<const int32_t> topk_ids,
                                               absl::Span<const float> topk_weights,
-                                              const TensorView& y) {
+                                              const TensorView& y, void* stream) {
   MOONEP_RETURN_IF_ERROR(broken_);
+  ScopedDevice device(config_.device, config_.device_index);
+  UseCallerStream(stream);
   // Local argument checks. A failing rank still joins the count exchange, with routing that the
   // transport rejects, so that every other rank fails at once (RemoteError) instead of waiting.
   absl::Status local = absl::OkStatus();
@@ -282,11 +307,11 @@ absl::StatusOr<LayerHandle> MoeLayer::Forward(int64_t num_tokens, const TensorVi
 }
 
 absl::Status MoeLayer::BuildViews(Context* ctx, bool need_grads) {
-  const auto& rb = *replicas_->buffer;
   absl::Span<const compute::ExpertParams> no_params;
   MOONEP_RETURN_IF_ERROR(compute::BuildComputeView(
       ctx->plan, comm_->rank(), weights_, need_grads ? absl::MakeConstSpan(grads_) : no_params,
-      rb.weights(), need_grads ? rb.grads() : no_params, &ctx->full));
+      replicas_->weights, need_grads ? absl::MakeConstSpan(replicas_->grads) : no_params,
+      &ctx->full));
   // Home groups first, replica groups once their weights are here: two views over disjoint row
   // ranges, so computing one never touches the rows of the other.
   const int32_t rank = comm_->rank();
@@ -350,7 +375,7 @@ absl::Status MoeLayer::Compute(Context* ctx, bool backward, transport::Request* 
   const size_t rb = row_bytes_;
   auto slice = [&](const TensorView& rows, int64_t begin, int64_t count) {
     return Rows(static_cast<char*>(rows.data) + static_cast<size_t>(begin) * rb, config_.dtype,
-                count, H);
+                count, H, config_.device);
   };
   auto run = [&](const compute::ComputeView& view, int64_t begin) -> absl::Status {
     bool any = false;
@@ -425,11 +450,14 @@ absl::Status MoeLayer::RunForward(Context* ctx, const TensorView& x, absl::Span<
 
   moving_ = true;
   MOONEP_ASSIGN_OR_RETURN(transport::RequestPtr prefetch, StartPrefetchIfNeeded(ctx));
-  const TensorView x_rows = Rows(ctx->x_rows.data(), config_.dtype, capacity_, config_.hidden);
-  const TensorView y_rows = Rows(ctx->y_rows.data(), config_.dtype, capacity_, config_.hidden);
+  const TensorView x_rows = Rows(ctx->x_rows.get(), config_.dtype, capacity_, config_.hidden,
+                                 config_.device);
+  const TensorView y_rows = Rows(ctx->y_rows.get(), config_.dtype, capacity_, config_.hidden,
+                                 config_.device);
   t = Clock::now();
-  absl::Status dispatched = transport_->Dispatch(ctx->plan, x, weights, &ctx->dispatch, x_rows,
-                                                 absl::MakeSpan(ctx->row_weights));
+  absl::Status dispatched = transport_->Dispatch(
+      ctx->plan, x, weights, &ctx->dispatch, x_rows,
+      absl::MakeSpan(ctx->row_weights.get<float>(), static_cast<size_t>(capacity_)));
   stats_.seconds[static_cast<int>(Phase::kDispatch)] = Since(t);
   if (!dispatched.ok()) {
     if (prefetch) (void)prefetch->Wait();
@@ -456,8 +484,10 @@ absl::Status MoeLayer::RunForward(Context* ctx, const TensorView& x, absl::Span<
 }
 
 absl::Status MoeLayer::Backward(LayerHandle handle, const TensorView& dy, const TensorView& dx,
-                                absl::Span<float> d_topk_weights) {
+                                absl::Span<float> d_topk_weights, void* stream) {
   MOONEP_RETURN_IF_ERROR(broken_);
+  ScopedDevice device(config_.device, config_.device_index);
+  UseCallerStream(stream);
   MOONEP_ASSIGN_OR_RETURN(Context * ctx, Lookup(handle));
   const int64_t T = ctx->num_tokens;
   if (!grads_bound_) {
@@ -469,7 +499,8 @@ absl::Status MoeLayer::Backward(LayerHandle handle, const TensorView& dy, const 
     return InvalidArgument("dx overlaps dy");
   }
   if (d_topk_weights.data() == nullptr) {
-    d_topk_weights = absl::MakeSpan(dtopk_scratch_.data(), static_cast<size_t>(T * config_.top_k));
+    d_topk_weights = absl::MakeSpan(dtopk_scratch_.get<float>(),
+                                    static_cast<size_t>(T * config_.top_k));
   }
   MOONEP_CHECK_ARG(d_topk_weights.size() == static_cast<size_t>(T * config_.top_k),
                    "d_topk_weights has %d entries; expected num_tokens * top_k = %d",
@@ -488,10 +519,11 @@ absl::Status MoeLayer::RunBackward(Context* ctx, const TensorView& dy, const Ten
   }
   transport_->ResetCounters();
   const int64_t H = config_.hidden;
-  const TensorView x_rows = Rows(ctx->x_rows.data(), config_.dtype, capacity_, H);
-  const TensorView y_rows = Rows(ctx->y_rows.data(), config_.dtype, capacity_, H);
-  const TensorView dy_rows = Rows(dy_rows_.data(), config_.dtype, capacity_, H);
-  const TensorView dx_rows = Rows(dx_rows_.data(), config_.dtype, capacity_, H);
+  const Device dev = config_.device;
+  const TensorView x_rows = Rows(ctx->x_rows.get(), config_.dtype, capacity_, H, dev);
+  const TensorView y_rows = Rows(ctx->y_rows.get(), config_.dtype, capacity_, H, dev);
+  const TensorView dy_rows = Rows(dy_rows_.get(), config_.dtype, capacity_, H, dev);
+  const TensorView dx_rows = Rows(dx_rows_.get(), config_.dtype, capacity_, H, dev);
 
   auto t = Clock::now();
   MOONEP_RETURN_IF_ERROR(transport_->CombineBackward(&ctx->dispatch, dy, dy_rows));
@@ -502,22 +534,16 @@ absl::Status MoeLayer::RunBackward(Context* ctx, const TensorView& dy, const Ten
   stats_.seconds[static_cast<int>(Phase::kTopkGrad)] = Since(t);
 
   // y = sum_k w_k FFN_k(x): each row's expert sees dy scaled by its token's top-k weight.
+  // (Padding rows carry weight 0; rows outside the groups are never read by the executor.)
   MOONEP_RETURN_IF_ERROR(BuildViews(ctx, /*need_grads=*/true));
-  for (const auto& group : ctx->full.groups) {
-    for (int64_t r = group.row_offset; r < group.row_offset + group.row_count; ++r) {
-      const float w = ctx->row_weights[static_cast<size_t>(r)];
-      char* row = dy_rows.row(r);
-      for (int64_t h = 0; h < H; ++h) {
-        StoreFromFloat(row, config_.dtype, h, LoadAsFloat(row, config_.dtype, h) * w);
-      }
-    }
-  }
+  MOONEP_RETURN_IF_ERROR(ops_->ScaleRows(dy_rows.data, config_.dtype,
+                                         ctx->plan.rank_rows[comm_->rank()], H,
+                                         ctx->row_weights.get<float>()));
   // Replica weights: still in the slots when this backward follows its own forward directly.
   MOONEP_ASSIGN_OR_RETURN(transport::RequestPtr prefetch, StartPrefetchIfNeeded(ctx));
-  auto& rb = *replicas_->buffer;
   for (int32_t s = 0; s < slots_; ++s) {
     if (ctx->plan.slot_expert[static_cast<size_t>(comm_->rank()) * slots_ + s] >= 0) {
-      std::memset(rb.slot_grads(s), 0, rb.slot_grad_bytes());
+      MOONEP_RETURN_IF_ERROR(ops_->Zero(replicas_->slot_grads[s], replicas_->slot_grad_bytes));
     }
   }
   MOONEP_RETURN_IF_ERROR(Compute(ctx, /*backward=*/true, prefetch.get(), x_rows, dy_rows, dx_rows));

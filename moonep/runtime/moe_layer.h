@@ -34,6 +34,7 @@
 #include "moonep/compute/executor.h"
 #include "moonep/core/tensor.h"
 #include "moonep/runtime/communicator.h"
+#include "moonep/runtime/device.h"
 #include "moonep/runtime/layer_config.h"
 #include "planner/planner.h"
 #include "transport/transport.h"
@@ -92,13 +93,20 @@ class MoeLayer {
 
   // x [T, H] and y [T, H] of the layer dtype, topk_ids / topk_weights [T * K]. T may differ
   // between ranks and steps (<= max_tokens). Returns the handle Backward or Release takes.
+  //
+  // Device cuda: every tensor and span is memory of the layer's GPU, and `stream` is the
+  // caller's cudaStream_t (null: the legacy default stream): the layer's work starts after the
+  // work queued on it, and the call returns once y is complete in GPU memory, so work queued on
+  // any stream afterwards may read it. The CPU ignores `stream`.
   absl::StatusOr<LayerHandle> Forward(int64_t num_tokens, const TensorView& x,
                                       absl::Span<const int32_t> topk_ids,
-                                      absl::Span<const float> topk_weights, const TensorView& y);
+                                      absl::Span<const float> topk_weights, const TensorView& y,
+                                      void* stream = nullptr);
   // Accumulates weight gradients into the bound gradients, writes dx [T, H] and
-  // d_topk_weights [T * K] (0 where the id is -1), and releases the handle.
+  // d_topk_weights [T * K] (0 where the id is -1), and releases the handle. `stream` as for
+  // Forward: the call returns once dx, d_topk_weights and the gradients are complete.
   absl::Status Backward(LayerHandle handle, const TensorView& dy, const TensorView& dx,
-                        absl::Span<float> d_topk_weights);
+                        absl::Span<float> d_topk_weights, void* stream = nullptr);
   // Releases a forward's handle without backward (inference). Local.
   absl::Status Release(LayerHandle handle);
 
@@ -121,6 +129,8 @@ class MoeLayer {
   // Marks the layer unusable: any failure once rows or weights are moving (the transport only
   // agrees on errors of the count exchange; after that a peer may be left mid-operation).
   absl::Status Fail(absl::Status status);
+  // Orders the transport's next operations after the work queued on the caller's stream.
+  void UseCallerStream(void* stream);
   absl::Status RunForward(Context* ctx, const TensorView& x, absl::Span<const int32_t> ids,
                           absl::Span<const float> weights, const TensorView& y);
   absl::Status RunBackward(Context* ctx, const TensorView& dy, const TensorView& dx,
@@ -142,6 +152,7 @@ class MoeLayer {
   std::unique_ptr<transport::Transport> transport_;
   std::unique_ptr<planner::Planner> planner_;
   std::unique_ptr<compute::Executor> executor_;
+  std::unique_ptr<DeviceOps> ops_;  // row scaling and zeroing, ordered before the executor
   SharedReplicas* replicas_ = nullptr;
 
   bool bound_ = false, grads_bound_ = false;
@@ -151,8 +162,8 @@ class MoeLayer {
 
   std::vector<std::unique_ptr<Context>> contexts_;
   uint64_t next_generation_ = 0;
-  std::vector<char> dy_rows_, dx_rows_;
-  std::vector<float> dtopk_scratch_;  // d topk_weights when the caller passes none
+  DeviceMemory dy_rows_, dx_rows_;  // [cap, H] each, on the layer's device
+  DeviceMemory dtopk_scratch_;      // fp32 d topk_weights when the caller passes none
   StepStats stats_;
 };
 

@@ -3,13 +3,13 @@
 #   /work/shared/tools/device-bundle.sh .device build-nccl/bin/nccl_transport_test \
 #       build-nccl/bin/nccl_suite_test build-nccl/bin/nccl_tables_test
 # and carried as .device. One rank per GPU: np1 on one H200; np2/np4/np8 when that many GPUs are
-# lent (they skip otherwise). Logs go to $OUT/logs.tgz (or ./gpu-out).
+# lent (they skip otherwise). Logs go to $OUT/nccl-logs.tgz (or ./gpu-out).
 #   tests/nccl/run_gpu.sh [np...]        (default: every np up to the number of GPUs)
 set -uo pipefail
 final=${OUT:-gpu-out}
 out=$(mktemp -d)
 mkdir -p "$final"
-trap 'tar czf "$final/logs.tgz" -C "$out" .' EXIT
+trap 'tar czf "$final/nccl-logs.tgz" -C "$out" .' EXIT
 export LD_LIBRARY_PATH=$PWD/.device/lib:${LD_LIBRARY_PATH:-}
 bin=.device/bin
 gpus=$(nvidia-smi -L | wc -l)

@@ -126,10 +126,10 @@ TEST_F(CApiTest, LayerMatchesReferenceAndReportsStats) {
   ASSERT_EQ(moonepLayerBindParams(layer, &w, &gr), moonepSuccess) << moonepGetLastError(comm_);
   moonepLayerHandle_t h = nullptr;
   ASSERT_EQ(moonepLayerForward(layer, t.tokens, t.x.data(), t.ids.data(), t.weights.data(),
-                               t.y.data(), &h),
+                               t.y.data(), &h, nullptr),
             moonepSuccess)
       << moonepGetLastError(comm_);
-  ASSERT_EQ(moonepLayerBackward(layer, h, t.dy.data(), t.dx.data(), t.dtopk.data()), moonepSuccess)
+  ASSERT_EQ(moonepLayerBackward(layer, h, t.dy.data(), t.dx.data(), t.dtopk.data(), nullptr), moonepSuccess)
       << moonepGetLastError(comm_);
   reference::ForwardResult f;
   reference::BackwardResult b;
@@ -158,10 +158,10 @@ TEST_F(CApiTest, LayerMatchesReferenceAndReportsStats) {
   EXPECT_EQ(replica_bytes, static_cast<size_t>(epn()) * 3 * kHidden * kInter * (4 + 4));
 
   // Misuse: every call returns an error code and a message.
-  EXPECT_EQ(moonepLayerBackward(layer, h, t.dy.data(), t.dx.data(), nullptr), moonepInvalidUsage);
+  EXPECT_EQ(moonepLayerBackward(layer, h, t.dy.data(), t.dx.data(), nullptr, nullptr), moonepInvalidUsage);
   EXPECT_EQ(moonepLayerRelease(layer, h), moonepInvalidUsage);
   EXPECT_EQ(moonepLayerForward(nullptr, 1, t.x.data(), t.ids.data(), t.weights.data(), t.y.data(),
-                               &h), moonepInvalidArgument);
+                               &h, nullptr), moonepInvalidArgument);
   EXPECT_EQ(moonepLayerBindParams(layer, nullptr, nullptr), moonepInvalidArgument);
   EXPECT_NE(std::string(moonepGetLastError(comm_)).find("weights is NULL"), std::string::npos);
   moonepExpertTensors_t wrong = w;
@@ -174,8 +174,8 @@ TEST_F(CApiTest, LayerMatchesReferenceAndReportsStats) {
   EXPECT_EQ(moonepLayerDestroy(layer), moonepSuccess);
   // After destroy: refused, not dereferenced.
   EXPECT_EQ(moonepLayerForward(layer, t.tokens, t.x.data(), t.ids.data(), t.weights.data(),
-                               t.y.data(), &h), moonepInvalidUsage);
-  EXPECT_EQ(moonepLayerBackward(layer, h, t.dy.data(), t.dx.data(), nullptr), moonepInvalidUsage);
+                               t.y.data(), &h, nullptr), moonepInvalidUsage);
+  EXPECT_EQ(moonepLayerBackward(layer, h, t.dy.data(), t.dx.data(), nullptr, nullptr), moonepInvalidUsage);
   EXPECT_EQ(moonepLayerDestroy(layer), moonepInvalidUsage);
   EXPECT_NE(std::string(moonepGetLastThreadError()).find("not a live layer"), std::string::npos);
 }
@@ -216,12 +216,12 @@ TEST_F(CApiTest, BadConfigsFailOnEveryRank) {
   ASSERT_EQ(moonepLayerBindParams(layer, &w, nullptr), moonepSuccess);
   moonepLayerHandle_t h = nullptr;
   const moonepResult_t fr = moonepLayerForward(layer, t.tokens, rank() == 0 ? nullptr : t.x.data(),
-                                               t.ids.data(), t.weights.data(), t.y.data(), &h);
+                                               t.ids.data(), t.weights.data(), t.y.data(), &h, nullptr);
   EXPECT_EQ(fr, rank() == 0 ? moonepInvalidArgument : moonepRemoteError) << moonepGetLastError(comm_);
   // Forward-only layer: backward is refused, release works.
   ASSERT_EQ(moonepLayerForward(layer, t.tokens, t.x.data(), t.ids.data(), t.weights.data(),
-                               t.y.data(), &h), moonepSuccess) << moonepGetLastError(comm_);
-  EXPECT_EQ(moonepLayerBackward(layer, h, t.dy.data(), t.dx.data(), nullptr), moonepInvalidUsage);
+                               t.y.data(), &h, nullptr), moonepSuccess) << moonepGetLastError(comm_);
+  EXPECT_EQ(moonepLayerBackward(layer, h, t.dy.data(), t.dx.data(), nullptr, nullptr), moonepInvalidUsage);
   EXPECT_EQ(moonepLayerRelease(layer, h), moonepSuccess);
   EXPECT_EQ(moonepLayerDestroy(layer), moonepSuccess);
 }

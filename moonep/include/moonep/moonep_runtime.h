@@ -11,8 +11,10 @@
  *   - Config structs carry their own size and version. Initialise them with their
  *     ..._INITIALIZER macro, then set fields: a library newer than the header reads only `size`
  *     bytes and uses defaults for the rest.
- *   - Tensors are row-major and contiguous, in host memory (device CPU), of the layer dtype unless
- *     said otherwise. Top-k ids are int32 (-1: no expert), top-k weights fp32.
+ *   - Tensors are row-major and contiguous, of the layer dtype unless said otherwise, in host
+ *     memory for moonepDeviceCpu and in the GPU memory of config->device_index for
+ *     moonepDeviceCuda (MoE layer and EP buffer; the EP buffer's calls order themselves after the
+ *     legacy default stream). Top-k ids are int32 (-1: no expert), top-k weights fp32.
  *   - Collective calls (marked [collective]) must be called by every rank of the communicator, in
  *     the same order. A bad argument on one rank fails that call on every rank (the others get
  *     moonepRemoteError naming it) where the call begins with an exchange (creation, forward,
@@ -23,11 +25,10 @@
  * threads; one communicator and its objects must not be used by two threads at once. The
  * moonepGetUniqueId, moonepGetVersion and moonepGetErrorString calls may be made from any thread.
  *
- * Backends: MPI is the only transport built so far. Every communicator therefore needs an MPI
- * launch (mpirun, srun): moonepCommInitRank and moonepCommInitFromEnv build the communicator out
- * of MPI_COMM_WORLD. A job started without MPI (e.g. plain torchrun) needs the UCX or NCCL
- * backend, which come later. When MoonEP initialises MPI itself it finalizes it when its last
- * communicator is destroyed.
+ * Backends: transports mpi, ucx (host memory) and nccl (GPU memory). Every communicator is built
+ * on MPI (mpirun, srun): moonepCommInitRank and moonepCommInitFromEnv build it out of
+ * MPI_COMM_WORLD, and the UCX and NCCL transports bootstrap over it. When MoonEP initialises MPI
+ * itself it finalizes it when its last communicator is destroyed.
  */
 #ifndef MOONEP_RUNTIME_H_
 #define MOONEP_RUNTIME_H_
@@ -178,8 +179,9 @@ typedef struct {
   int slots;               /* replica slots per rank; -1: E / R */
   int pad_multiple;        /* rows of each expert group padded to a multiple of this */
   moonepPlannerPolicy_t policy; /* moonepPolicyMoonEP by default (see moonep.h) */
-  moonepDevice_t device;   /* moonepDeviceCpu (CUDA comes with the NCCL backend) */
-  int device_index;
+  moonepDevice_t device;   /* moonepDeviceCpu, or moonepDeviceCuda (built with CUDA + NCCL):
+                              tensors in GPU memory, the CUDA executor, the NCCL transport */
+  int device_index;        /* the GPU of this rank (moonepDeviceCuda); made current at creation */
   int64_t max_tokens;      /* largest token count this rank will pass; sizes every buffer */
   int64_t max_recv_rows;   /* rows of this rank's dispatch buffer; 0: the worst case (see
                               docs/runtime.md) */
@@ -188,8 +190,9 @@ typedef struct {
   int num_threads;         /* executor threads; 0: MOONEP_NUM_THREADS or every core */
   int ranks_per_node;      /* 0: flat; else topology for the planner */
   int eplb_period;         /* eplb: re-plan every this many steps */
-  const char* transport;   /* backend: "mpi", "ucx" where built; NULL: $MOONEP_TRANSPORT, else
-                              "mpi". Must agree on every rank. Copied at creation. */
+  const char* transport;   /* backend: "mpi", "ucx" where built (host memory), "nccl" (device
+                              cuda); NULL: $MOONEP_TRANSPORT, else "nccl" for moonepDeviceCuda
+                              and "mpi" for the CPU. Must agree on every rank. Copied. */
 } moonepLayerConfig_t;
 
 #define MOONEP_LAYER_CONFIG_INITIALIZER                                                       \
@@ -214,16 +217,22 @@ MOONEP_API moonepResult_t moonepLayerBindParams(moonepLayer_t layer,
 
 /* [collective] x [num_tokens][H] -> y [num_tokens][H], y[t] = sum_k topk_weights[t][k] *
  * FFN_{topk_ids[t][k]}(x[t]). num_tokens may differ between ranks and steps (<= max_tokens).
- * *handle is needed by backward (or release). */
+ * *handle is needed by backward (or release).
+ * stream: for a moonepDeviceCuda layer, the caller's cudaStream_t (NULL: the legacy default
+ * stream); every pointer is then memory of the layer's GPU. The layer's work starts after the work
+ * queued on `stream`, and the call returns once y is complete in GPU memory. Ignored (pass NULL)
+ * for moonepDeviceCpu. */
 MOONEP_API moonepResult_t moonepLayerForward(moonepLayer_t layer, int64_t num_tokens,
                                              const void* x, const int32_t* topk_ids,
                                              const float* topk_weights, void* y,
-                                             moonepLayerHandle_t* handle);
+                                             moonepLayerHandle_t* handle, void* stream);
 /* [collective] dy [T][H] -> dx [T][H], d_topk_weights [T][K] (fp32; NULL to skip), and the
  * weight gradients += into the bound gradients (replica gradients reduced in a fixed order, so
- * results are bit-identical run to run). Releases the handle. */
+ * results are bit-identical run to run). Releases the handle. `stream` as for forward: the call
+ * returns once dx, d_topk_weights and the gradients are complete. */
 MOONEP_API moonepResult_t moonepLayerBackward(moonepLayer_t layer, moonepLayerHandle_t handle,
-                                              const void* dy, void* dx, float* d_topk_weights);
+                                              const void* dy, void* dx, float* d_topk_weights,
+                                              void* stream);
 /* Local. Releases a forward's handle without backward (inference). */
 MOONEP_API moonepResult_t moonepLayerRelease(moonepLayer_t layer, moonepLayerHandle_t handle);
 
