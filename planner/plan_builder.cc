@@ -320,220 +320,278 @@ absl::Status FinalizePlan(const PlannerConfig& c, absl::Span<const int64_t> coun
 }
 
 absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> counts,
-                             absl::Span<const int64_t> totals, Plan* plan, BuildScratch* scratch) {
+                             absl::Span<const int64_t> totals, Plan* plan, BuildScratch* scratch,
+                             const int64_t* home_keep, const int64_t* home_load) {
   const int32_t R = c.num_ranks, E = c.num_experts, epn = E / R, S = c.slots, G = epn + S;
   const int32_t rpn = c.ranks_per_node;
-  // Replicas per expert, by increasing rank, with their slot's group.
+  const int64_t pad = c.pad_multiple;
+  const int32_t* slot_expert = plan->slot_expert.data();
+  const int64_t* slot_alloc = plan->slot_alloc.data();
+  const int32_t* home = plan->home.data();
+  const int64_t* alloc = plan->alloc.data();
+  int64_t* group_count = plan->group_count.data();
+  int64_t* group_offset = plan->group_offset.data();
+  int64_t* group_padded = plan->group_padded.data();
+
+  // Replicas per expert, by increasing rank (CSR), with their slot index.
   std::vector<int32_t>& rb = scratch->replica_begin;
-  rb.assign(E + 1, 0);
-  for (size_t i = 0; i < plan->slot_expert.size(); ++i) {
-    const int32_t e = plan->slot_expert[i];
-    if (e < 0) continue;
-    MOONEP_CHECK_ARG(e < E, "slot %d of rank %d holds expert %d, not in [0, %d)", i % S, i / S, e, E);
-    MOONEP_CHECK_ARG(plan->home_replicas || plan->home[e] != static_cast<int32_t>(i / S),
-                     "rank %d holds a replica of its own expert %d", i / S, e);
-    ++rb[e + 1];
+  rb.assign(static_cast<size_t>(E) + 1, 0);
+  for (int32_t d = 0; d < R; ++d) {
+    const int32_t* se = slot_expert + static_cast<size_t>(d) * S;
+    for (int32_t s = 0; s < S; ++s) {
+      const int32_t e = se[s];
+      if (e < 0) continue;
+      MOONEP_CHECK_ARG(e < E, "slot %d of rank %d holds expert %d, not in [0, %d)", s, d, e, E);
+      MOONEP_CHECK_ARG(plan->home_replicas || home[e] != d, "rank %d holds a replica of its own expert %d",
+                       d, e);
+      ++rb[e + 1];
+    }
   }
   for (int32_t e = 0; e < E; ++e) rb[e + 1] += rb[e];
   const int32_t num_replicas = rb[E];
   scratch->replica_rank.resize(num_replicas);
   scratch->replica_start.resize(num_replicas);
   scratch->replica_end.resize(num_replicas);
-  std::vector<int64_t>& slot_group = scratch->next_row;  // group index of each replica
-  slot_group.resize(num_replicas);
+  std::vector<int64_t>& replica_slot = scratch->next_row;  // d * S + s of each replica
+  replica_slot.resize(num_replicas);
+  int32_t* rrank = scratch->replica_rank.data();
+  int64_t* rslot = replica_slot.data();
   for (int32_t d = 0; d < R; ++d) {
+    const int32_t* se = slot_expert + static_cast<size_t>(d) * S;
     for (int32_t s = 0; s < S; ++s) {
-      const int32_t e = plan->slot_expert[static_cast<size_t>(d) * S + s];
+      const int32_t e = se[s];
       if (e < 0) continue;
       const int32_t j = rb[e]++;
-      scratch->replica_rank[j] = d;
-      slot_group[j] = epn + s;
+      rrank[j] = d;
+      rslot[j] = static_cast<int64_t>(d) * S + s;
     }
   }
   for (int32_t e = E; e > 0; --e) rb[e] = rb[e - 1];
   rb[0] = 0;
-  for (int32_t e = 0; e < E; ++e) {
-    for (int32_t j = rb[e] + 1; j < rb[e + 1]; ++j) {
-      MOONEP_CHECK_ARG(scratch->replica_rank[j] != scratch->replica_rank[j - 1],
-                       "expert %d has two replicas on rank %d", e, scratch->replica_rank[j]);
-    }
-  }
 
-  // Group counts and conservation over holders.
+  // Per rank: group counts (a home-rank slot takes its part out of the home group), layout
+  // (padded groups back to back) and loads.
+  PlanStats& st = plan->stats;
+  st = PlanStats{};
   for (int32_t d = 0; d < R; ++d) {
-    for (int32_t g = 0; g < epn; ++g) {
-      const int32_t e = plan->local_experts[static_cast<size_t>(d) * epn + g];
-      plan->group_count[static_cast<size_t>(d) * G + g] = plan->alloc[static_cast<size_t>(e) * R + d];
-    }
-    for (int32_t s = 0; s < S; ++s) {
-      const size_t i = static_cast<size_t>(d) * S + s;
-      const int32_t e = plan->slot_expert[i];
-      int64_t n = e < 0 ? 0 : plan->alloc[static_cast<size_t>(e) * R + d];
-      if (e >= 0 && plan->home[e] == d) {  // home_replicas: the slot's part of alloc[e][home]
-        n = plan->slot_alloc[i];
-        int64_t& home_count = plan->group_count[static_cast<size_t>(d) * G + plan->home_group[e]];
-        MOONEP_CHECK_ARG(n >= 0 && n <= home_count,
-                         "expert %d: its home-rank slot computes %d of the %d tokens on rank %d", e, n,
-                         home_count, d);
-        home_count -= n;
+    const int32_t* local = plan->local_experts.data() + static_cast<size_t>(d) * epn;
+    int64_t* gc = group_count + static_cast<size_t>(d) * G;
+    int64_t before = 0, after = 0;
+    if (home_keep != nullptr && home_load != nullptr) {
+      for (int32_t g = 0; g < epn; ++g) gc[g] = home_keep[local[g]];
+      before = home_load[d];
+    } else {
+      for (int32_t g = 0; g < epn; ++g) {
+        const int32_t e = local[g];
+        gc[g] = alloc[static_cast<size_t>(e) * R + d];
+        before += totals[e];
       }
-      MOONEP_CHECK_ARG(plan->slot_alloc[i] == n, "slot %d of rank %d: slot_alloc %d != alloc %d", s, d,
-                       plan->slot_alloc[i], n);
-      plan->group_count[static_cast<size_t>(d) * G + epn + s] = n;
     }
-  }
-  for (int32_t e = 0; e < E; ++e) {
-    int64_t held = plan->alloc[static_cast<size_t>(e) * R + plan->home[e]];
-    MOONEP_CHECK_ARG(held >= 0, "alloc[%d][%d] = %d is negative", e, plan->home[e], held);
-    for (int32_t j = rb[e]; j < rb[e + 1]; ++j) {
-      if (scratch->replica_rank[j] == plan->home[e]) continue;  // inside alloc[e][home]
-      const int64_t a = plan->alloc[static_cast<size_t>(e) * R + scratch->replica_rank[j]];
-      MOONEP_CHECK_ARG(a >= 0, "alloc[%d][%d] = %d is negative", e, scratch->replica_rank[j], a);
-      held += a;
+    const int32_t* se = slot_expert + static_cast<size_t>(d) * S;
+    const int64_t* sa = slot_alloc + static_cast<size_t>(d) * S;
+    for (int32_t s = 0; s < S; ++s) {
+      const int32_t e = se[s];
+      int64_t n = 0;
+      if (e >= 0) {
+        n = alloc[static_cast<size_t>(e) * R + d];
+        if (home[e] == d) {  // home_replicas: the slot's part of alloc[e][home]
+          n = sa[s];
+          int64_t& home_count = gc[plan->home_group[e]];
+          MOONEP_CHECK_ARG(n >= 0 && n <= home_count,
+                           "expert %d: its home-rank slot computes %d of the %d tokens on rank %d", e,
+                           n, home_count, d);
+          home_count -= n;
+        }
+      }
+      MOONEP_CHECK_ARG(sa[s] == n, "slot %d of rank %d: slot_alloc %d != alloc %d", s, d, sa[s], n);
+      gc[epn + s] = n;
     }
-    MOONEP_CHECK_ARG(held == totals[e], "expert %d: its holders compute %d of its %d tokens", e, held,
-                     totals[e]);
-  }
-
-  // Layout: padded groups back to back.
-  for (int32_t d = 0; d < R; ++d) {
     int64_t row = 0;
-    for (int32_t g = 0; g < G; ++g) {
-      const size_t i = static_cast<size_t>(d) * G + g;
-      plan->group_offset[i] = row;
-      plan->group_padded[i] = (plan->group_count[i] + c.pad_multiple - 1) / c.pad_multiple * c.pad_multiple;
-      row += plan->group_padded[i];
+    int64_t* go = group_offset + static_cast<size_t>(d) * G;
+    int64_t* gp = group_padded + static_cast<size_t>(d) * G;
+    if (pad == 1) {
+      for (int32_t g = 0; g < G; ++g) {
+        go[g] = row;
+        gp[g] = gc[g];
+        row += gc[g];
+      }
+    } else {
+      for (int32_t g = 0; g < G; ++g) {
+        go[g] = row;
+        gp[g] = (gc[g] + pad - 1) / pad * pad;
+        row += gp[g];
+      }
     }
+    for (int32_t g = 0; g < G; ++g) after += gc[g];
     plan->rank_rows[d] = row;
+    st.max_load_before = std::max(st.max_load_before, before);
+    st.max_load_after = std::max(st.max_load_after, after);
   }
 
-  // Source blocks: col(x) = sum of counts[s][e] for s < x is a block prefix plus < B entries.
+  // Source blocks: col(e, x) = sum of counts[s][e] for s < x is a block prefix plus < B entries.
   if (scratch->block_size <= 0) {
     scratch->block_size = BlockSize(c);
     const int32_t B = scratch->block_size, NB = (R + B - 1) / B;
-    scratch->block_totals.assign(static_cast<size_t>(NB) * E, 0);
-    for (int32_t s = 0; s < R; ++s) {
-      int64_t* blk = scratch->block_totals.data() + static_cast<size_t>(s / B) * E;
-      const int64_t* row = counts.data() + static_cast<size_t>(s) * E;
-      for (int32_t e = 0; e < E; ++e) blk[e] += row[e];
+    std::vector<int64_t>& bp = scratch->block_prefix;
+    bp.assign(static_cast<size_t>(NB + 1) * E, 0);
+    for (int32_t b = 0; b < NB; ++b) {
+      int64_t* blk = bp.data() + static_cast<size_t>(b + 1) * E;
+      std::copy(blk - E, blk, blk);
+      for (int32_t s = b * B; s < std::min(R, (b + 1) * B); ++s) {
+        const int64_t* row = counts.data() + static_cast<size_t>(s) * E;
+        for (int32_t e = 0; e < E; ++e) blk[e] += row[e];
+      }
     }
   }
-  const int32_t B = scratch->block_size, NB = (R + B - 1) / B;
-  std::vector<int64_t>& bp = scratch->block_prefix;
-  bp.resize(static_cast<size_t>(NB) + 1);
-  int32_t col_expert = -1;
+  const int32_t B = scratch->block_size;
+  const int64_t* bp = scratch->block_prefix.data();
+  const int64_t* cnt = counts.data();
   auto col = [&](int32_t e, int32_t x) -> int64_t {
-    if (x >= R) return totals[e];
-    if (col_expert != e) {
-      bp[0] = 0;
-      for (int32_t b = 0; b < NB; ++b) bp[b + 1] = bp[b] + scratch->block_totals[static_cast<size_t>(b) * E + e];
-      col_expert = e;
-    }
-    int64_t v = bp[x / B];
-    for (int32_t s = x / B * B; s < x; ++s) v += counts[static_cast<size_t>(s) * E + e];
+    const int32_t b = x / B;
+    int64_t v = bp[static_cast<size_t>(b) * E + e];
+    for (int32_t s = b * B; s < x; ++s) v += cnt[static_cast<size_t>(s) * E + e];
     return v;
   };
+  // With nodes the blocks are nodes: a node's range is two block prefixes.
+  auto node_range = [&](int32_t e, int32_t rank, int64_t* lo, int64_t* hi) {
+    const int32_t b = rank / rpn;
+    *lo = bp[static_cast<size_t>(b) * E + e];
+    *hi = bp[static_cast<size_t>(b + 1) * E + e];
+  };
 
-  // Pieces, rows and row stats, one expert at a time.
-  plan->piece_dest.clear();
-  plan->piece_start.clear();
-  plan->piece_count.clear();
-  plan->piece_row.clear();
-  PlanStats& st = plan->stats;
-  st = PlanStats{};
+  // Pieces, rows and row stats, one expert at a time (at most 1 + 2 * replicas pieces each).
+  const size_t max_pieces = static_cast<size_t>(E) + 2 * static_cast<size_t>(num_replicas);
+  if (plan->piece_dest.size() < max_pieces) {
+    plan->piece_dest.resize(max_pieces);
+    plan->piece_start.resize(max_pieces);
+    plan->piece_count.resize(max_pieces);
+    plan->piece_row.resize(max_pieces);
+  }
+  int32_t* pdest = plan->piece_dest.data();
+  int64_t* pstart = plan->piece_start.data();
+  int64_t* pcount = plan->piece_count.data();
+  int64_t* prow = plan->piece_row.data();
+  int32_t* pbegin = plan->piece_begin.data();
+  const int32_t* home_group = plan->home_group.data();
+  int64_t* rstart = scratch->replica_start.data();
+  int64_t* rend = scratch->replica_end.data();
+  int32_t P = 0;
+  int64_t rows_local = 0, rows_intra = 0, rows_inter = 0, total_tokens = 0;
   for (int32_t e = 0; e < E; ++e) {
-    plan->piece_begin[e] = static_cast<int32_t>(plan->piece_dest.size());
+    pbegin[e] = P;
     const int64_t N = totals[e];
-    const int32_t h = plan->home[e], first = rb[e], last = rb[e + 1];
-    const int64_t home_row = plan->group_offset[static_cast<size_t>(h) * G + plan->home_group[e]];
-    st.total_tokens += N;
+    const int32_t h = home[e], first = rb[e], last = rb[e + 1];
+    const int64_t home_row = group_offset[static_cast<size_t>(h) * G + home_group[e]];
+    int64_t held = group_count[static_cast<size_t>(h) * G + home_group[e]];
+    MOONEP_CHECK_ARG(held >= 0, "alloc[%d][%d] = %d is negative", e, h, held);
+    total_tokens += N;
     if (first == last) {
+      MOONEP_CHECK_ARG(held == N, "expert %d: its holders compute %d of its %d tokens", e, held, N);
       if (N == 0) continue;
-      plan->piece_dest.push_back(h);
-      plan->piece_start.push_back(0);
-      plan->piece_count.push_back(N);
-      plan->piece_row.push_back(home_row);
-      const int64_t local = counts[static_cast<size_t>(h) * E + e];
-      // With nodes, blocks are nodes: the home node's sources are one block.
-      const int64_t same_node = rpn > 0 ? scratch->block_totals[static_cast<size_t>(h / rpn) * E + e] : local;
-      st.rows_local += local;
-      st.rows_travel_intra += same_node - local;
-      st.rows_travel_inter += N - same_node;
+      pdest[P] = h;
+      pstart[P] = 0;
+      pcount[P] = N;
+      prow[P] = home_row;
+      ++P;
+      const int64_t local = cnt[static_cast<size_t>(h) * E + e];
+      int64_t same_node = local;
+      if (rpn > 0) {
+        int64_t lo, hi;
+        node_range(e, h, &lo, &hi);
+        same_node = hi - lo;
+      }
+      rows_local += local;
+      rows_intra += same_node - local;
+      rows_inter += N - same_node;
       continue;
     }
     int64_t cursor = 0;
     for (int32_t j = first; j < last; ++j) {
-      const int32_t d = scratch->replica_rank[j];
-      const int64_t a = plan->slot_alloc[static_cast<size_t>(d) * S + (slot_group[j] - epn)];
-      scratch->replica_start[j] = std::max(col(e, d), cursor);
-      scratch->replica_end[j] = scratch->replica_start[j] + a;
-      cursor = scratch->replica_end[j];
+      MOONEP_CHECK_ARG(j == first || rrank[j] != rrank[j - 1], "expert %d has two replicas on rank %d", e,
+                       rrank[j]);
+      const int64_t a = slot_alloc[rslot[j]];
+      MOONEP_CHECK_ARG(a >= 0, "alloc[%d][%d] = %d is negative", e, rrank[j], a);
+      held += a;
+      rstart[j] = std::max(col(e, rrank[j]), cursor);
+      rend[j] = rstart[j] + a;
+      cursor = rend[j];
     }
+    MOONEP_CHECK_ARG(held == N, "expert %d: its holders compute %d of its %d tokens", e, held, N);
     int64_t limit = N;
     for (int32_t j = last - 1; j >= first; --j) {
-      const int64_t a = scratch->replica_end[j] - scratch->replica_start[j];
-      if (scratch->replica_end[j] > limit) {
-        scratch->replica_end[j] = limit;
-        scratch->replica_start[j] = limit - a;
+      if (rend[j] > limit) {
+        rstart[j] -= rend[j] - limit;
+        rend[j] = limit;
       }
-      limit = scratch->replica_start[j];
+      limit = rstart[j];
     }
-    int64_t home_rows = 0;
     // The home's own and node ranges, used by every home piece.
-    const int64_t h0 = col(e, h), h1 = col(e, h + 1);
-    const int64_t hn0 = rpn > 0 ? col(e, h / rpn * rpn) : h0;
-    const int64_t hn1 = rpn > 0 ? col(e, std::min(R, h / rpn * rpn + rpn)) : h1;
-    auto add_piece = [&](int32_t dest, int64_t start, int64_t count, int64_t row) {
-      if (count <= 0) return;
-      plan->piece_dest.push_back(dest);
-      plan->piece_start.push_back(start);
-      plan->piece_count.push_back(count);
-      plan->piece_row.push_back(row);
+    const int64_t h0 = col(e, h), h1 = h0 + cnt[static_cast<size_t>(h) * E + e];
+    int64_t hn0 = h0, hn1 = h1;
+    if (rpn > 0) node_range(e, h, &hn0, &hn1);
+    int64_t home_rows = 0, pos = 0;
+    auto home_piece = [&](int64_t start, int64_t count) {
+      pdest[P] = h;
+      pstart[P] = start;
+      pcount[P] = count;
+      prow[P] = home_row + home_rows;
+      ++P;
+      home_rows += count;
       const int64_t p1 = start + count;
-      int64_t local, same_node;
-      if (dest == h) {
-        local = Overlap(start, p1, h0, h1);
-        same_node = rpn > 0 ? Overlap(start, p1, hn0, hn1) : local;
-      } else {
-        local = Overlap(start, p1, col(e, dest), col(e, dest + 1));
-        same_node = local;
-        if (rpn > 0) {
-          const int32_t n0 = dest / rpn * rpn, n1 = std::min(R, n0 + rpn);
-          same_node = Overlap(start, p1, col(e, n0), col(e, n1));
-        }
-      }
-      st.rows_local += local;
-      st.rows_travel_intra += same_node - local;
-      st.rows_travel_inter += count - same_node;
+      const int64_t local = Overlap(start, p1, h0, h1);
+      const int64_t same_node = rpn > 0 ? Overlap(start, p1, hn0, hn1) : local;
+      rows_local += local;
+      rows_intra += same_node - local;
+      rows_inter += count - same_node;
     };
-    int64_t pos = 0;
+    const int32_t home_node = rpn > 0 ? h / rpn : h;
     for (int32_t j = first; j < last; ++j) {
-      const int32_t d = scratch->replica_rank[j];
-      const int64_t n = scratch->replica_start[j] - pos;
-      add_piece(h, pos, n, home_row + home_rows);
-      if (n > 0) home_rows += n;
-      add_piece(d, scratch->replica_start[j], scratch->replica_end[j] - scratch->replica_start[j],
-                plan->group_offset[static_cast<size_t>(d) * G + slot_group[j]]);
-      pos = scratch->replica_end[j];
-    }
-    add_piece(h, pos, N - pos, home_row + home_rows);
-    for (int32_t j = first; j < last; ++j) {
-      if (NodeOf(*plan, scratch->replica_rank[j]) == NodeOf(*plan, h)) {
+      const int32_t d = rrank[j];
+      if (rstart[j] > pos) home_piece(pos, rstart[j] - pos);
+      const int64_t count = rend[j] - rstart[j];
+      if (rpn > 0 ? d / rpn == home_node : d == h) {
         ++st.prefetch_intra;
       } else {
         ++st.prefetch_inter;
       }
+      pos = rend[j];
+      if (count <= 0) continue;
+      const int64_t start = rstart[j], p1 = rend[j];
+      pdest[P] = d;
+      pstart[P] = start;
+      pcount[P] = count;
+      prow[P] = group_offset[static_cast<size_t>(d) * G + epn + (rslot[j] - static_cast<int64_t>(d) * S)];
+      ++P;
+      int64_t local, same_node;
+      if (d == h) {
+        local = Overlap(start, p1, h0, h1);
+        same_node = rpn > 0 ? Overlap(start, p1, hn0, hn1) : local;
+      } else {
+        const int64_t d0 = col(e, d);
+        local = Overlap(start, p1, d0, d0 + cnt[static_cast<size_t>(d) * E + e]);
+        same_node = local;
+        if (rpn > 0) {
+          int64_t lo, hi;
+          node_range(e, d, &lo, &hi);
+          same_node = Overlap(start, p1, lo, hi);
+        }
+      }
+      rows_local += local;
+      rows_intra += same_node - local;
+      rows_inter += count - same_node;
     }
+    if (N > pos) home_piece(pos, N - pos);
   }
-  plan->piece_begin[E] = static_cast<int32_t>(plan->piece_dest.size());
+  pbegin[E] = P;
+  plan->piece_dest.resize(P);
+  plan->piece_start.resize(P);
+  plan->piece_count.resize(P);
+  plan->piece_row.resize(P);
+  st.total_tokens = total_tokens;
+  st.rows_local = rows_local;
+  st.rows_travel_intra = rows_intra;
+  st.rows_travel_inter = rows_inter;
   st.replicas = num_replicas;
-  for (int32_t d = 0; d < R; ++d) {
-    int64_t before = 0, after = 0;
-    for (int32_t g = 0; g < epn; ++g) before += totals[plan->local_experts[static_cast<size_t>(d) * epn + g]];
-    for (int32_t g = 0; g < G; ++g) after += plan->group_count[static_cast<size_t>(d) * G + g];
-    st.max_load_before = std::max(st.max_load_before, before);
-    st.max_load_after = std::max(st.max_load_after, after);
-  }
   st.mean_load = static_cast<double>(st.total_tokens) / R;
   st.dispatch_bytes_intra = st.rows_travel_intra * c.row_bytes;
   st.dispatch_bytes_inter = st.rows_travel_inter * c.row_bytes;

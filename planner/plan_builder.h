@@ -32,12 +32,12 @@ struct BuildScratch {
   std::vector<int64_t> replica_start, replica_end;
   std::vector<int64_t> next_row;         // per (rank, group): next free row while laying pieces
   std::vector<int64_t> column;           // R + 1: prefix sums of one expert's counts over sources
-  // Per-block sums of counts over sources (blocks of block_size consecutive ranks: the node when
-  // ranks_per_node is set): block_totals[b * E + e]. FinalizeHolders fills them when block_size is
-  // 0; a caller that already passes over counts may fill them (with BlockSize()) to save a pass.
+  // Per-block prefix sums of counts over sources (blocks of block_size consecutive ranks: the node
+  // when ranks_per_node is set): block_prefix[b * E + e] = sum of counts[s][e] over s < b * B,
+  // for b in [0, NB]. FinalizeHolders fills them when block_size is 0; a caller that already
+  // passes over counts may fill them (with BlockSize()) to save a pass.
   int32_t block_size = 0;
-  std::vector<int64_t> block_totals;
-  std::vector<int64_t> block_prefix;     // per block: sum of earlier blocks, for one expert
+  std::vector<int64_t> block_prefix;
 };
 
 // Source blocks for FinalizeHolders: the node size, or 16 ranks when flat.
@@ -69,8 +69,11 @@ absl::Status FinalizePlan(const PlannerConfig& resolved, absl::Span<const int64_
 // slots hold the expert) and whose slot_alloc matches alloc, as Planner policies produce: the
 // same pieces, layouts and stats, without reading all of alloc or writing every source offset
 // (only replicated experts' columns of counts are summed). `totals` are the per-expert totals.
+// `home_keep` ([E], optional) is alloc[e][home(e)] as the caller wrote it and `home_load` ([R],
+// optional) each rank's home load: given, they save strided reads.
 absl::Status FinalizeHolders(const PlannerConfig& resolved, absl::Span<const int64_t> counts,
-                             absl::Span<const int64_t> totals, Plan* plan, BuildScratch* scratch);
+                             absl::Span<const int64_t> totals, Plan* plan, BuildScratch* scratch,
+                             const int64_t* home_keep = nullptr, const int64_t* home_load = nullptr);
 
 // Node of a rank for stats and topology rules (each rank its own node when ranks_per_node == 0).
 inline int32_t NodeOf(const Plan& plan, int32_t rank) {

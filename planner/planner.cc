@@ -78,8 +78,8 @@ void PreparePlan(const PlannerConfig& c, Plan* plan) {
     return;
   }
   const int32_t R = c.num_ranks, E = c.num_experts, S = c.slots;
-  // A plan made by this library has nonzero alloc only at holders: home and filled slots.
-  for (int32_t e = 0; e < E; ++e) plan->alloc[static_cast<size_t>(e) * R + plan->home[e]] = 0;
+  // A plan made by this library has nonzero alloc only at holders: home and filled slots. Every
+  // home entry is written again by EmitDecisions, so only the slots' entries need clearing.
   for (int32_t d = 0; d < R; ++d) {
     for (int32_t s = 0; s < S; ++s) {
       const size_t i = static_cast<size_t>(d) * S + s;
@@ -92,14 +92,28 @@ void PreparePlan(const PlannerConfig& c, Plan* plan) {
   plan->stats = PlanStats{};
 }
 
+// Writes the decisions into alloc, slot_expert and slot_alloc.
+void EmitAlloc(const PlannerConfig& c, const Decisions& dec, Plan* plan) {
+  const int32_t R = c.num_ranks, E = c.num_experts, S = c.slots;
+  int64_t* alloc = plan->alloc.data();
+  const int32_t* home = plan->home.data();
+  for (int32_t e = 0; e < E; ++e) alloc[static_cast<size_t>(e) * R + home[e]] = dec.home_keep[e];
+  std::copy(dec.slot_expert.begin(), dec.slot_expert.end(), plan->slot_expert.begin());
+  std::copy(dec.slot_amount.begin(), dec.slot_amount.end(), plan->slot_alloc.begin());
+  for (int32_t d = 0; d < R; ++d) {
+    for (int32_t s = 0; s < S; ++s) {
+      const size_t i = static_cast<size_t>(d) * S + s;
+      const int32_t e = dec.slot_expert[i];
+      if (e >= 0) alloc[static_cast<size_t>(e) * R + d] += dec.slot_amount[i];  // += : a home-rank slot
+    }
+  }
+}
+
+// EmitAlloc plus the load and replica stats (Decide: no pieces follow).
 void EmitDecisions(const PlannerConfig& c, const Decisions& dec, const PolicyInput& in,
                    Plan* plan) {
   const int32_t R = c.num_ranks, E = c.num_experts, S = c.slots, epn = E / R;
-  for (int32_t e = 0; e < E; ++e) {
-    plan->alloc[static_cast<size_t>(e) * R + plan->home[e]] = dec.home_keep[e];
-  }
-  std::copy(dec.slot_expert.begin(), dec.slot_expert.end(), plan->slot_expert.begin());
-  std::copy(dec.slot_amount.begin(), dec.slot_amount.end(), plan->slot_alloc.begin());
+  EmitAlloc(c, dec, plan);
   PlanStats& st = plan->stats;
   st = PlanStats{};
   st.total_tokens = in.total;
@@ -113,7 +127,6 @@ void EmitDecisions(const PlannerConfig& c, const Decisions& dec, const PolicyInp
       const size_t i = static_cast<size_t>(d) * S + s;
       const int32_t e = dec.slot_expert[i];
       if (e < 0) continue;
-      plan->alloc[static_cast<size_t>(e) * R + d] += dec.slot_amount[i];  // += : a home-rank slot
       after += dec.slot_amount[i];
       ++st.replicas;
     }
@@ -159,6 +172,85 @@ absl::Status SumLoads(const PlannerConfig& c, const Plan& plan, PolicyInput* in)
   return absl::OkStatus();
 }
 
+// Adds rows [s0, s1) of counts into acc[E] (four rows per sweep, so acc is loaded and stored once
+// per four rows) and returns the OR of every entry (bits >= 52 or the sign set: a bad entry).
+// Sums wrap (unsigned) until the caller has rejected bad entries; valid ones never wrap.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+__attribute__((target_clones("avx2", "default")))
+#endif
+uint64_t AddRows(const int64_t* __restrict counts_signed, int32_t s0, int32_t s1, int32_t E,
+                 int64_t* __restrict acc_signed) {
+  const uint64_t* __restrict counts = reinterpret_cast<const uint64_t*>(counts_signed);
+  uint64_t* __restrict acc = reinterpret_cast<uint64_t*>(acc_signed);
+  uint64_t bits = 0;
+  const size_t n = static_cast<size_t>(E);
+  int32_t s = s0;
+  for (; s + 4 <= s1; s += 4) {
+    const uint64_t* __restrict r0 = counts + static_cast<size_t>(s) * n;
+    const uint64_t* __restrict r1 = r0 + n;
+    const uint64_t* __restrict r2 = r1 + n;
+    const uint64_t* __restrict r3 = r2 + n;
+    for (size_t e = 0; e < n; ++e) {
+      const uint64_t a = r0[e], b = r1[e], x = r2[e], y = r3[e];
+      acc[e] += (a + b) + (x + y);
+      bits |= a | b | x | y;
+    }
+  }
+  for (; s < s1; ++s) {
+    const uint64_t* __restrict r0 = counts + static_cast<size_t>(s) * n;
+    for (size_t e = 0; e < n; ++e) {
+      acc[e] += r0[e];
+      bits |= r0[e];
+    }
+  }
+  return bits;
+}
+
+// block_prefix[(b * E) + e] = sum of counts[s][e] over s < b * B, for b in [0, NB]; row NB holds
+// the totals. Fails on a negative entry, an entry >= 2^52 or a total above 2^52.
+absl::Status SumCountBlocks(const int64_t* counts, int32_t R, int32_t E, int32_t B,
+                            std::vector<int64_t>* block_prefix) {
+  constexpr int64_t kMaxTokens = int64_t{1} << 52;
+  const int32_t NB = (R + B - 1) / B;
+  const size_t n = static_cast<size_t>(E);
+  block_prefix->resize(static_cast<size_t>(NB + 1) * n);
+  int64_t* bp = block_prefix->data();
+  std::fill(bp, bp + n, 0);
+  // A sum above 2^52 shows as the sign bit of 2^52 - sum (sums stay below 2^63 throughout).
+  auto over_max = [&](const int64_t* v) {
+    uint64_t sign = 0;
+    for (size_t e = 0; e < n; ++e) sign |= static_cast<uint64_t>(kMaxTokens - v[e]);
+    return (sign >> 63) != 0;
+  };
+  auto fail_over = [&](const int64_t* v) -> absl::Status {
+    for (int32_t e = 0; e < E; ++e) {
+      MOONEP_CHECK_ARG(v[e] <= kMaxTokens, "counts of expert %d sum past 2^52", e);
+    }
+    return absl::OkStatus();
+  };
+  for (int32_t b = 0; b < NB; ++b) {
+    int64_t* blk = bp + static_cast<size_t>(b + 1) * n;
+    const int64_t* prev = blk - n;
+    std::copy(prev, prev + n, blk);  // the block's sum is added onto the prefix (<= 2^52)
+    const int32_t end = std::min(R, (b + 1) * B);
+    // Entries below 2^52: 1024 rows add less than 2^62, so check the sum every 1024 rows.
+    for (int32_t s0 = b * B; s0 < end; s0 += 1024) {
+      const int32_t s1 = std::min(end, s0 + 1024);
+      if ((AddRows(counts, s0, s1, E, blk) >> 52) != 0) {
+        for (int32_t s = s0; s < s1; ++s) {
+          const int64_t* row = counts + static_cast<size_t>(s) * n;
+          for (int32_t e = 0; e < E; ++e) {
+            MOONEP_CHECK_ARG(row[e] >= 0, "counts[%d][%d] = %d is negative", s, e, row[e]);
+            MOONEP_CHECK_ARG(row[e] < kMaxTokens, "counts[%d][%d] = %d is not below 2^52", s, e, row[e]);
+          }
+        }
+      }
+      if (over_max(blk)) MOONEP_RETURN_IF_ERROR(fail_over(blk));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status Planner::Decide(absl::Span<const int64_t> expert_totals, Plan* plan) {
@@ -187,40 +279,13 @@ absl::Status Planner::MakePlan(absl::Span<const int64_t> counts, Plan* plan) {
   const size_t need = static_cast<size_t>(R) * E;
   MOONEP_CHECK_ARG(counts.size() == need, "counts has %d entries, need R*E = %d*%d = %d",
                    counts.size(), R, E, need);
-  // One pass over counts: totals per expert, negative entries and overflow rejected.
-  st.totals.assign(E, 0);
-  int64_t* totals = st.totals.data();
-  // Source-block sums for FinalizeHolders, in the same pass.
-  const int32_t block = BlockSize(c);
+  // One pass over counts: per-block prefix sums (row b of block_prefix = sum of the sources
+  // before block b; row NB = the totals), negative entries and overflow rejected.
+  const int32_t block = BlockSize(c), NB = (R + block - 1) / block;
   st.build.block_size = 0;  // not valid until the pass completes
-  st.build.block_totals.assign(static_cast<size_t>((R + block - 1) / block) * E, 0);
-  constexpr int64_t kMaxTokens = int64_t{1} << 52;
-  for (int32_t s = 0; s < R; ++s) {
-    const int64_t* __restrict row = counts.data() + static_cast<size_t>(s) * E;
-    // One vectorizable pass: OR of all entries has a bit >= 52 (or the sign) set iff some entry
-    // is negative or >= 2^52.
-    uint64_t bits = 0;
-    int64_t* __restrict blk = st.build.block_totals.data() + static_cast<size_t>(s / block) * E;
-    int64_t* __restrict sum = totals;
-    for (int32_t e = 0; e < E; ++e) {
-      const int64_t v = row[e];
-      sum[e] += v;
-      blk[e] += v;
-      bits |= static_cast<uint64_t>(v);
-    }
-    if ((bits >> 52) != 0) {
-      for (int32_t e = 0; e < E; ++e) {
-        MOONEP_CHECK_ARG(row[e] >= 0, "counts[%d][%d] = %d is negative", s, e, row[e]);
-        MOONEP_CHECK_ARG(row[e] < kMaxTokens, "counts[%d][%d] = %d is not below 2^52", s, e, row[e]);
-      }
-    }
-    // Totals stay <= 2^52 at each check, so 1024 more rows of entries < 2^52 cannot wrap.
-    if ((s & 1023) == 1023 || s == R - 1) {
-      for (int32_t e = 0; e < E; ++e) {
-        MOONEP_CHECK_ARG(totals[e] <= kMaxTokens, "counts of expert %d sum past 2^52", e);
-      }
-    }
-  }
+  MOONEP_RETURN_IF_ERROR(SumCountBlocks(counts.data(), R, E, block, &st.build.block_prefix));
+  st.totals.assign(st.build.block_prefix.begin() + static_cast<size_t>(NB) * E,
+                   st.build.block_prefix.begin() + static_cast<size_t>(NB + 1) * E);
   st.build.block_size = block;
   PreparePlan(c, plan);
   st.input.config = &c;
@@ -229,13 +294,10 @@ absl::Status Planner::MakePlan(absl::Span<const int64_t> counts, Plan* plan) {
   st.input.counts = counts.data();
   MOONEP_RETURN_IF_ERROR(SumLoads(c, *plan, &st.input));
   MOONEP_RETURN_IF_ERROR(RunPolicy(c, st.input, &st.scratch, &st.decisions));
-  EmitDecisions(c, st.decisions, st.input, plan);
-  const PlanStats decided = plan->stats;
-  MOONEP_RETURN_IF_ERROR(FinalizeHolders(c, counts, st.input.totals, plan, &st.build));
-  if (plan->stats.replicas != decided.replicas ||
-      plan->stats.max_load_after != decided.max_load_after) {
-    return Internal("planner: FinalizePlan stats disagree with the decisions");
-  }
+  EmitAlloc(c, st.decisions, plan);
+  MOONEP_RETURN_IF_ERROR(FinalizeHolders(c, counts, st.input.totals, plan, &st.build,
+                                         plan->home_replicas ? nullptr : st.decisions.home_keep.data(),
+                                         st.input.home_load.data()));
 #ifndef NDEBUG
   MOONEP_RETURN_IF_ERROR(Annotate(ValidatePlan(*plan, counts), "planner produced an invalid plan"));
 #endif
@@ -259,6 +321,24 @@ void BalancedCapacities(const PlannerConfig& c, absl::Span<const int64_t> home_l
                         std::vector<int64_t>* cap) {
   const int32_t R = c.num_ranks;
   cap->assign(R, 0);
+  if (c.speeds.empty()) {
+    // Equal weights (no allocation): every rank has floor(total / R); when total % R != 0 the
+    // extra tokens go by the same classes as below.
+    const int64_t lo = total / R;
+    int64_t extra = total % R;
+    std::fill(cap->begin(), cap->end(), lo);
+    const int64_t hi = lo + 1;
+    for (int cls = 0; cls < 3 && extra > 0; ++cls) {
+      for (int32_t d = 0; d < R && extra > 0; ++d) {
+        if ((*cap)[d] != lo) continue;
+        const int k = home_load[d] >= hi ? 0 : home_load[d] < lo ? 1 : 2;
+        if (k != cls) continue;
+        (*cap)[d] = hi;
+        --extra;
+      }
+    }
+    return;
+  }
   std::vector<int64_t> w;
   SpeedWeights(c, &w);
   __int128 W = 0;

@@ -55,6 +55,8 @@ struct PolicyScratch {
     int32_t expert;
   };
   std::vector<Chunk> chunks;
+  std::vector<int32_t> order_tree;   // moonep: tournament tree over donors
+  std::vector<int64_t> donor_chunk;  // moonep: each donor's current chunk
   std::vector<int64_t> eplb_sum;    // running sum of totals since the last eplb re-plan
   int64_t eplb_steps_summed = 0;
   int64_t eplb_step = 0;

@@ -29,6 +29,11 @@ struct Balancer {
   // Donors: sc.order2[i] = rank, sc.excess[i] = excess; their experts at sc.order[i*epn..],
   // sorted by remaining tokens, descending.
   int32_t num_donors = 0;
+  // Tournament tree over donors: tree[1] is the donor with the largest chunk (ties: lowest index),
+  // so each step finds it in O(1) and an Apply updates it in O(log donors).
+  int32_t leaves = 1;
+  std::vector<int32_t>& tree = sc.order_tree;
+  std::vector<int64_t>& chunk = sc.donor_chunk;
 
   int32_t Node(int32_t rank) const { return rpn > 0 ? rank / rpn : rank; }
   int64_t Remaining(int32_t e) const { return dec.home_keep[e]; }
@@ -64,6 +69,26 @@ struct Balancer {
       });
     }
     std::sort(sc.rooms.begin(), sc.rooms.end(), RoomLess);
+    leaves = 1;
+    while (leaves < num_donors) leaves *= 2;
+    chunk.assign(leaves, 0);
+    tree.assign(2 * static_cast<size_t>(leaves), -1);
+    for (int32_t i = 0; i < num_donors; ++i) {
+      chunk[i] = Chunk(i);
+      tree[leaves + i] = i;
+    }
+    for (int32_t v = leaves - 1; v >= 1; --v) tree[v] = Better(tree[2 * v], tree[2 * v + 1]);
+  }
+
+  // The donor with the larger chunk, the lower index on ties; -1 entries lose.
+  int32_t Better(int32_t a, int32_t b) const {
+    if (a < 0) return b;
+    if (b < 0) return a;
+    return chunk[b] > chunk[a] || (chunk[b] == chunk[a] && b < a) ? b : a;
+  }
+  void Update(int32_t i) {
+    chunk[i] = sc.excess[i] == 0 ? 0 : Chunk(i);
+    for (int32_t v = (leaves + i) / 2; v >= 1; v /= 2) tree[v] = Better(tree[2 * v], tree[2 * v + 1]);
   }
 
   static bool RoomLess(const PolicyScratch::Room& a, const PolicyScratch::Room& b) {
@@ -83,6 +108,7 @@ struct Balancer {
       if (a > b || (a == b && ex[p] < ex[p + 1])) break;
       std::swap(ex[p], ex[p + 1]);
     }
+    Update(i);
     sc.rooms[k].room -= amount;
     if (sc.rooms[k].room == 0) {
       sc.rooms.erase(sc.rooms.begin() + k);
@@ -99,17 +125,9 @@ struct Balancer {
 
   bool Run() {
     while (true) {
-      int32_t best = -1;
-      int64_t best_chunk = 0;
-      for (int32_t i = 0; i < num_donors; ++i) {
-        if (sc.excess[i] == 0) continue;
-        const int64_t ch = Chunk(i);
-        if (ch > best_chunk) {
-          best = i;
-          best_chunk = ch;
-        }
-      }
-      if (best < 0) return true;  // all excess placed
+      int32_t best = num_donors > 0 ? tree[1] : -1;
+      const int64_t best_chunk = best >= 0 ? chunk[best] : 0;
+      if (best_chunk <= 0) return true;  // all excess placed
       if (sc.rooms.empty()) return false;
       const PolicyScratch::Room top = sc.rooms.back();
       if (best_chunk >= top.room) {
