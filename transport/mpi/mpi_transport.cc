@@ -353,11 +353,24 @@ absl::StatusOr<bool> MpiOp::Test() {
 }
 
 absl::Status MpiOp::Wait() {
+  // Poll hot for 200 us without yielding (a small exchange completes within it, and keeping the
+  // core keeps both sides of a multi-round exchange running; a yield on a contended host gave
+  // the core away for a whole scheduler slice: 4 ms for a 128-byte count exchange), then sleep
+  // between polls, 20 us doubling to 100 us, so that ranks sharing cores hand them to the peer
+  // they wait for. Sleeps never pass the deadline, so a timeout fires when it is due.
+  constexpr auto kSpin = std::chrono::microseconds(200);
+  constexpr auto kFirstSleep = std::chrono::microseconds(20);
+  constexpr auto kMaxSleep = std::chrono::microseconds(100);
+  const Clock::time_point spin_until = Clock::now() + kSpin;
+  Clock::duration sleep = kFirstSleep;
   while (true) {
     absl::StatusOr<bool> r = Test();
     if (!r.ok()) return r.status();
     if (*r) return absl::OkStatus();
-    std::this_thread::yield();
+    const Clock::time_point now = Clock::now();
+    if (now < spin_until) continue;  // no yield: keep the core while the peer is likely running
+    std::this_thread::sleep_for(std::min<Clock::duration>(sleep, deadline_ - now));
+    sleep = std::min<Clock::duration>(sleep * 2, kMaxSleep);
   }
 }
 
