@@ -6,6 +6,7 @@
 #include <cstring>
 #include <thread>
 
+#include "moonep/compute/cpu/activation.h"
 #include "moonep/compute/cpu/gemm.h"
 #include "moonep/core/env.h"
 #include "moonep/core/status.h"
@@ -55,8 +56,6 @@ int ResolveThreads(const ExecutorConfig& c) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(n, 1024)));
 }
 
-inline float Sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
-
 // A parameter matrix from row r0, column c0 on (as a GEMM operand, transposed when `trans`).
 Operand Weight(const TensorView& t, bool trans, int64_t r0, int64_t c0) {
   const char* p = static_cast<const char*>(t.data) +
@@ -69,6 +68,18 @@ const TensorView& Matrix(const ExpertParams& p, int32_t which) {
 }
 
 }  // namespace
+
+int64_t RowBlock(int64_t n) {
+  if (n <= kRowBlock) return n;
+  const int64_t blocks = (n + kRowBlock - 1) / kRowBlock;
+  return std::min<int64_t>(kRowBlock, static_cast<int64_t>(RoundUp(static_cast<size_t>((n + blocks - 1) / blocks), 16)));
+}
+
+int64_t ColTile(int64_t width) {
+  if (width <= kColTile) return width;
+  const int64_t parts = (width + kColTile - 1) / kColTile;
+  return static_cast<int64_t>(RoundUp(static_cast<size_t>((width + parts - 1) / parts), 16));
+}
 
 size_t CpuWorkspaceBytes(const ExecutorConfig& config, int threads) {
   return sizeof(float) * (static_cast<size_t>(threads) * Layout(config).total + SharedFloats(config));
@@ -108,11 +119,13 @@ void CpuExecutor::OrderGroups(const ComputeView& view) {
 
 void CpuExecutor::RowTasks(const ComputeView& view, int64_t width) {
   tasks_.clear();
+  const int64_t tile = ColTile(width);
   for (int32_t g : order_) {
     const int64_t n = view.groups[g].row_count;
-    for (int64_t r = 0; r < n; r += kRowBlock) {
-      for (int64_t c = 0; c < width; c += kColTile) {
-        tasks_.push_back(Task{g, 0, r, std::min(kRowBlock, n - r), c, std::min(kColTile, width - c)});
+    const int64_t block = RowBlock(n);
+    for (int64_t r = 0; r < n; r += block) {
+      for (int64_t c = 0; c < width; c += tile) {
+        tasks_.push_back(Task{g, 0, r, std::min(block, n - r), c, std::min(tile, width - c)});
       }
     }
   }
@@ -208,10 +221,7 @@ absl::Status CpuExecutor::Forward(const ComputeView& view, const TensorView& x_r
     Gemm(n, nc, H, x, Weight(gv.weights.gate, false, 0, c0), 0.0f, a, ldab, s + lay.gemm);
     Gemm(n, nc, H, x, Weight(gv.weights.up, false, 0, c0), 0.0f, b, ldab, s + lay.gemm);
     for (int64_t r = 0; r < n; ++r) {
-      const float* ar = a + r * ldab;
-      const float* br = b + r * ldab;
-      float* hr = h_all + (row0 + r) * I + c0;
-      for (int64_t i = 0; i < nc; ++i) hr[i] = ar[i] * Sigmoid(ar[i]) * br[i];
+      SwiGluForward(a + r * ldab, b + r * ldab, h_all + (row0 + r) * I + c0, nc);
     }
   };
   pool_->Run(static_cast<int64_t>(tasks_.size()), f1);
@@ -273,19 +283,9 @@ absl::Status CpuExecutor::Backward(const ComputeView& view, const TensorView& x_
     float* dh = s + lay.t;
     Gemm(n, nc, H, dy, Weight(gv.weights.down, true, c0, 0), 0.0f, dh, nc, s + lay.gemm);
     for (int64_t r = 0; r < n; ++r) {
-      const float* ar = a + r * ldab;
-      const float* br = b + r * ldab;
       const size_t base = static_cast<size_t>((row0 + r) * I + c0);
-      float* h = h_all + base;
-      float* da = da_all + base;
-      float* db = db_all + base;
-      for (int64_t i = 0; i < nc; ++i) {
-        const float av = ar[i], bv = br[i], g = dh[r * nc + i];
-        const float sg = Sigmoid(av), silu = av * sg;
-        h[i] = silu * bv;
-        da[i] = g * bv * (sg + silu * (1.0f - sg));
-        db[i] = g * silu;
-      }
+      SwiGluBackward(a + r * ldab, b + r * ldab, dh + r * nc, h_all + base, da_all + base,
+                     db_all + base, nc);
     }
   };
   pool_->Run(static_cast<int64_t>(tasks_.size()), b1);

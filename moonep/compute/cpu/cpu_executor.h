@@ -37,8 +37,15 @@
 namespace moonep::compute::cpu {
 
 constexpr int64_t kRowBlock = 256;
-constexpr int64_t kColTile = 256;
+constexpr int64_t kColTile = 1024;
 constexpr int64_t kWeightTile = 256;
+
+// Rows per row block of a group of n rows: n <= kRowBlock is one block; otherwise
+// ceil(n / kRowBlock) blocks of equal size rounded up to 16 (the last one shorter).
+int64_t RowBlock(int64_t n);
+// Columns per column tile of an output `width` wide: at most kColTile, tiles of equal width
+// rounded up to 16 (the last one narrower).
+int64_t ColTile(int64_t width);
 
 // The workspace CpuExecutor allocates for `config` with `threads` threads.
 size_t CpuWorkspaceBytes(const ExecutorConfig& config, int threads);
