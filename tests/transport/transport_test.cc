@@ -15,6 +15,7 @@
 #include "moonep/reference/reference_moe.h"
 #include "planner/planner.h"
 #include "tests/harness/mpi_test.h"
+#include "tests/transport/plan_kinds.h"
 #include "tests/transport/transport_test_util.h"
 #include "transport/transport.h"
 
@@ -32,29 +33,9 @@ const std::vector<std::string> kPlanKinds = {"home",          "random", "none",
                                              "eplb",          "fastermoe-shadow",
                                              "test-force-replicas"};
 
-absl::Status MakePlanOfKind(const std::string& kind, const Problem& p, uint64_t seed,
-                            planner::Plan* plan) {
-  if (kind == "home" || kind == "random") {
-    return test::MakeRandomPlan(kind, p, seed, kind == "home" ? 0 : 2, 2, plan);
-  }
-  planner::PlannerConfig c;
-  c.num_ranks = p.R;
-  c.num_experts = p.E;
-  c.pad_multiple = 2;
-  if (!planner::ParsePolicy(kind, &c.policy)) return absl::InvalidArgumentError(kind);
-  auto made = planner::Planner::Create(c);
-  if (!made.ok()) return made.status();
-  return (*made)->MakePlan(p.counts, plan);
-}
-
-// A fixed, distinct "expert" per id: out = scale(e) * in, so rows mixed up between groups show.
-float Scale(int32_t e) { return 1.0f + 0.25f * static_cast<float>(e % 5); }
-
-int64_t CapacityRows(const Problem& p, int32_t groups, int32_t pad) {
-  int64_t total = 0;
-  for (int32_t r = 0; r < p.R; ++r) total += p.T[r] * p.K;
-  return total + static_cast<int64_t>(groups) * pad;
-}
+using test::CapacityRows;
+using test::MakePlanOfKind;
+using test::Scale;
 
 std::unique_ptr<Transport> MakeTransport(const std::string& backend, const Problem& p,
                                          int64_t max_row_bytes) {
