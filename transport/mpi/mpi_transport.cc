@@ -15,6 +15,7 @@
 #include "moonep/core/logging.h"
 #include "moonep/core/status.h"
 #include "planner/plan_builder.h"
+#include "transport/common/count_exchange.h"
 #include "transport/common/host_checks.h"
 #include "transport/layout.h"
 #include "transport/testing_hooks.h"
@@ -428,7 +429,7 @@ class DoneRequest : public Request {
 // ---------------------------------------------------------------------------------------------
 // Count exchange: [flag, T, K, E, capacity, counts[E]] to every peer.
 
-constexpr int kCountHeader = 5;
+using common::kCountHeader;
 
 class CountsOp : public MpiOp {
  public:
@@ -445,13 +446,7 @@ class CountsOp : public MpiOp {
     E_ = E;
     R_ = transport_->size();
     const int64_t width = kCountHeader + E;
-    mine_.assign(static_cast<size_t>(width), 0);
-    mine_[0] = local.ok() ? 0 : 1;
-    mine_[1] = T;
-    mine_[2] = K;
-    mine_[3] = E;
-    mine_[4] = capacity;
-    if (local.ok()) CountRouting(ids, E, mine_.data() + kCountHeader);
+    common::PackCountMessage(local, ids, T, K, E, capacity, &mine_);
     all_.assign(static_cast<size_t>(R_) * width, 0);
     std::copy(mine_.begin(), mine_.end(), all_.begin() + me_ * width);
     mismatch_.assign(R_, 0);
@@ -466,11 +461,7 @@ class CountsOp : public MpiOp {
           PostSend(mine_.data(), static_cast<int>(width), MPI_INT64_T, r, kSubMeta));
       counters_.bytes_sent += width * 8;
     }
-    if (local.ok()) {
-      handle_->topk_ids_.assign(ids.begin(), ids.end());
-      handle_->num_tokens_ = T;
-      handle_->top_k_ = K;
-    }
+    common::KeepRouting(local, ids, T, K, handle_);
     return absl::OkStatus();
   }
 
@@ -481,36 +472,7 @@ class CountsOp : public MpiOp {
   }
 
   absl::Status Finish() override {
-    handle_->counted_ = false;
-    handle_->dispatched_ = false;
-    const int64_t width = kCountHeader + E_;
-    std::vector<int> bad;
-    for (int r = 0; r < R_; ++r) {
-      if (r != me_ && mine_[0] == 0 && (mismatch_[r] || all_[r * width + 3] != E_)) {
-        return InvalidArgument("count exchange: rank %d uses a different num_experts than rank "
-                               "%d (%d)", r, me_, E_);
-      }
-      if (all_[r * width] != 0) bad.push_back(r);
-    }
-    if (!local_.ok()) return local_;
-    if (!bad.empty()) {
-      return RemoteError("count exchange: rank(s) %s rejected their routing input", RankList(bad));
-    }
-    handle_->rank_ = me_;
-    handle_->num_ranks_ = R_;
-    handle_->num_experts_ = E_;
-    handle_->counts_.resize(static_cast<size_t>(R_) * E_);
-    handle_->rank_tokens_.resize(R_);
-    handle_->rank_capacity_.resize(R_);
-    for (int r = 0; r < R_; ++r) {
-      const int64_t* row = all_.data() + r * width;
-      handle_->rank_tokens_[r] = row[1];
-      handle_->rank_capacity_[r] = row[4];
-      std::copy(row + kCountHeader, row + width, handle_->counts_.begin() + r * E_);
-    }
-    planner::ComputeSourceOffsets(handle_->counts_, R_, E_, &handle_->offsets_);
-    handle_->counted_ = true;
-    return absl::OkStatus();
+    return common::FinishCountExchange(local_, mine_, all_, mismatch_, me_, R_, E_, handle_);
   }
 
   DispatchHandle* handle_;
