@@ -11,7 +11,9 @@
 // The three are timed in interleaved rounds; ratios are medians of per-round ratios.
 //
 //   moonep-bench-gemm [--threads N] [--dtype fp32|bf16] [--reps N] [--rows-per-group N]
-//                     [--min-rows N] [--quick] [--shapes HxI,...] [--groups G,...] [-J]
+//                     [--min-rows N] [--quick] [--shapes HxI,...] [--groups G,...] [--fused] [-J]
+// --fused: each group's gate and up weights (and gradients) are the halves of one [H, 2I] tensor,
+// so the executor computes x [Wg | Wu] as one GEMM (the naive loop still runs two).
 #include <cblas.h>
 
 #include <algorithm>
@@ -44,6 +46,7 @@ struct Options {
   int64_t rows_per_group = 256;
   int64_t min_rows = 0;
   bool json = false;
+  bool fused = false;  // gate|up weights and gradients as one [H, 2I] tensor per group
   std::vector<std::pair<int64_t, int64_t>> shapes = {{1024, 512}, {2048, 1024}, {4096, 2048}};
   std::vector<int> groups = {8, 16, 64};
 };
@@ -110,6 +113,7 @@ std::vector<int64_t> GroupRows(int G, int64_t per_group, bool zipf, int64_t min_
 
 struct Fixture {
   int64_t H, I, total = 0;
+  int64_t ldw = 0;  // row stride of gate and up: I, or 2I when fused
   DType dtype;
   std::vector<int64_t> rows;
   std::vector<std::vector<float>> w32;   // per group: gate|up|down fp32 (naive baseline)
@@ -129,8 +133,10 @@ void Store(const std::vector<float>& src, DType dtype, std::vector<char>* dst) {
   moonep::ConvertFromFloat(src.data(), dst->data(), dtype, src.size());
 }
 
-Fixture Make(int64_t H, int64_t I, DType dtype, const std::vector<int64_t>& rows) {
-  Fixture f{H, I, 0, dtype, rows, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}};
+// Per group, one block of 3 H I elements: gate [H, I], up [H, I], down [I, H] one after the
+// other, or with `fused` a [H, 2I] gate|up tensor (gate columns [0, I), up [I, 2I)) then down.
+Fixture Make(int64_t H, int64_t I, DType dtype, const std::vector<int64_t>& rows, bool fused) {
+  Fixture f{H, I, 0, fused ? 2 * I : I, dtype, rows, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}};
   std::mt19937 rng(7);
   const int G = static_cast<int>(rows.size());
   f.view.hidden = H;
@@ -156,10 +162,17 @@ Fixture Make(int64_t H, int64_t I, DType dtype, const std::vector<int64_t>& rows
     gv.expert = g;
     gv.row_offset = f.total;
     gv.row_count = gv.padded_count = rows[g];
-    gv.weights = {TensorView::Contiguous(wb, dtype, {H, I}), TensorView::Contiguous(wb + part, dtype, {H, I}),
+    // Where up starts and the row stride of gate and up.
+    const size_t up_off = fused ? I * moonep::DTypeSize(dtype) : part;
+    const size_t gup_off = fused ? I * sizeof(float) : gpart;
+    auto strided = [&](char* p, DType dt, size_t off) {
+      TensorView t = TensorView::Contiguous(p + off, dt, {H, I});
+      t.strides[0] = f.ldw;
+      return t;
+    };
+    gv.weights = {strided(wb, dtype, 0), strided(wb, dtype, up_off),
                   TensorView::Contiguous(wb + 2 * part, dtype, {I, H})};
-    gv.grads = {TensorView::Contiguous(gb, DType::kFloat32, {H, I}),
-                TensorView::Contiguous(gb + gpart, DType::kFloat32, {H, I}),
+    gv.grads = {strided(gb, DType::kFloat32, 0), strided(gb, DType::kFloat32, gup_off),
                 TensorView::Contiguous(gb + 2 * gpart, DType::kFloat32, {I, H})};
     f.total += rows[g];
   }
@@ -199,12 +212,13 @@ struct Naive {
       const int64_t n = f.rows[g], off = f.view.groups[g].row_offset;
       if (n == 0) continue;
       const float* wg = f.w32[g].data();
-      const float* wu = wg + H * I;
+      const float* wu = f.ldw == I ? wg + H * I : wg + I;
       const float* wd = wg + 2 * H * I;
+      const int64_t lw = f.ldw;
       const float* x = f.x32.data() + off * H;
       float *A = a.data() + off * I, *B = b.data() + off * I, *Hh = h.data() + off * I;
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, I, H, 1, x, H, wg, I, 0, A, I);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, I, H, 1, x, H, wu, I, 0, B, I);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, I, H, 1, x, H, wg, lw, 0, A, I);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, I, H, 1, x, H, wu, lw, 0, B, I);
       for (int64_t k = 0; k < n * I; ++k) Hh[k] = A[k] / (1.0f + std::exp(-A[k])) * B[k];
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, H, I, 1, Hh, I, wd, H, 0,
                   y.data() + off * H, H);
@@ -219,8 +233,8 @@ struct Naive {
         B[k] = db;
       }
       float* DX = dx.data() + off * H;
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, H, I, 1, A, I, wg, I, 0, DX, H);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, H, I, 1, B, I, wu, I, 1, DX, H);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, H, I, 1, A, I, wg, lw, 0, DX, H);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, H, I, 1, B, I, wu, lw, 1, DX, H);
       cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, H, I, n, 1, x, H, A, I, 1, dw.data(), I);
       cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, H, I, n, 1, x, H, B, I, 1,
                   dw.data() + H * I, I);
@@ -272,7 +286,8 @@ bool ParseShapes(const char* s, std::vector<std::pair<int64_t, int64_t>>* out) {
 int Usage(const char* argv0) {
   std::fprintf(stderr,
                "usage: %s [--threads N] [--dtype fp32|bf16] [--reps N] [--rows-per-group N]\n"
-               "          [--min-rows N] [--shapes HxI,...] [--groups G,...] [--quick] [-J]\n",
+               "          [--min-rows N] [--shapes HxI,...] [--groups G,...] [--fused] [--quick]\n"
+               "          [-J]\n",
                argv0);
   return 2;
 }
@@ -287,6 +302,8 @@ int main(int argc, char** argv) {
     const char* v = nullptr;
     if (a == "-J") {
       o.json = true;
+    } else if (a == "--fused") {
+      o.fused = true;
     } else if (a == "--quick") {
       o.shapes = {{1024, 512}};
       o.groups = {8};
@@ -313,8 +330,10 @@ int main(int argc, char** argv) {
   }
   const int threads = o.threads > 0 ? o.threads : static_cast<int>(std::thread::hardware_concurrency());
   if (!o.json) {
-    std::printf("# moonep-bench-gemm: dtype %s, %d threads, medians of %d interleaved rounds, %ld rows/group mean\n",
-                moonep::DTypeName(o.dtype), threads, o.reps, static_cast<long>(o.rows_per_group));
+    std::printf("# moonep-bench-gemm: dtype %s, %d threads, medians of %d interleaved rounds, %ld rows/group mean, "
+                "min %ld rows, gate|up %s\n",
+                moonep::DTypeName(o.dtype), threads, o.reps, static_cast<long>(o.rows_per_group),
+                static_cast<long>(o.min_rows), o.fused ? "fused [H, 2I]" : "separate [H, I]");
     std::printf("# GF/s of the executor; x1 = executor / one cblas_sgemm of the same FLOPs; "
                 "xN = executor / naive per-group loop\n");
     std::printf("%6s %7s %5s %5s %6s %6s %6s | %8s %6s %6s | %8s %6s %6s | %8s\n", "groups", "sizes",
@@ -328,7 +347,7 @@ int main(int argc, char** argv) {
     for (int G : o.groups) {
       for (bool zipf : {false, true}) {
         const std::vector<int64_t> rows = GroupRows(G, o.rows_per_group, zipf, o.min_rows);
-        Fixture f = Make(H, I, o.dtype, rows);
+        Fixture f = Make(H, I, o.dtype, rows, o.fused);
         ExecutorConfig config{H, I, o.dtype, f.total, threads};
         auto made = cpu::CpuExecutor::Create(config);
         if (!made.ok()) {

@@ -38,7 +38,9 @@ ScratchLayout Layout(const ExecutorConfig& c) {
     l.x = end;
     l.dy = l.x + rbh;
     l.gemm = l.dy + rbh;
-    l.tile = l.gemm + static_cast<size_t>(kPanelK * (tw + M));
+    // B panel of the widest GEMM: M columns, or 2I for the fused gate|up GEMM (I <= kColTile).
+    const int64_t widest = std::max(M, I <= kColTile ? 2 * I : 0);
+    l.tile = l.gemm + static_cast<size_t>(kPanelK * (tw + widest));
     end = l.tile + static_cast<size_t>(tw * M);
   }
   l.total = RoundUp(end, kAlignFloats);
@@ -61,6 +63,27 @@ Operand Weight(const TensorView& t, bool trans, int64_t r0, int64_t c0) {
   const char* p = static_cast<const char*>(t.data) +
                   static_cast<size_t>(r0 * t.strides[0] + c0) * DTypeSize(t.dtype);
   return Operand{p, t.dtype, t.strides[0], trans};
+}
+
+// True when up is the right half of one [H, 2I] gate|up tensor (same dtype and row stride, up
+// starting I elements after gate): then x [Wg | Wu] is one GEMM of 2I columns.
+bool FusedGateUp(const ExpertParams& w, int64_t I) {
+  return w.gate.dtype == w.up.dtype && w.gate.strides[0] == w.up.strides[0] &&
+         w.gate.strides[0] >= 2 * I &&
+         static_cast<const char*>(w.up.data) ==
+             static_cast<const char*>(w.gate.data) + I * DTypeSize(w.gate.dtype);
+}
+
+// a = x Wg, b = x Wu for columns [c0, c0 + nc) of I, into a and b (row stride ldab). When the
+// tile covers all of I, the weights are fused and b == a + I (the [a | b] layout), one GEMM.
+void GateUpGemm(int64_t n, int64_t nc, int64_t c0, int64_t H, int64_t I, const Operand& x,
+                const ExpertParams& w, float* a, float* b, int64_t ldab, float* scratch) {
+  if (nc == I && b == a + I && FusedGateUp(w, I)) {
+    Gemm(n, 2 * I, H, x, Weight(w.gate, false, 0, 0), 0.0f, a, ldab, scratch);
+    return;
+  }
+  Gemm(n, nc, H, x, Weight(w.gate, false, 0, c0), 0.0f, a, ldab, scratch);
+  Gemm(n, nc, H, x, Weight(w.up, false, 0, c0), 0.0f, b, ldab, scratch);
 }
 
 const TensorView& Matrix(const ExpertParams& p, int32_t which) {
@@ -215,11 +238,12 @@ absl::Status CpuExecutor::Forward(const ComputeView& view, const TensorView& x_r
     const int64_t row0 = gv.row_offset + t.row0, n = t.rows, c0 = t.col0, nc = t.cols;
     float* s = ThreadScratch(worker);
     const Operand x = RowsOperand(x_rows, row0, n, s + lay.x);
+    // Scratch a and b side by side ([a | b] rows of 2 nc, like the kept pre-activations), so a
+    // fused gate|up weight is one GEMM either way.
     float* a = saved ? saved + row0 * 2 * I + c0 : s + lay.a;
-    float* b = saved ? saved + row0 * 2 * I + I + c0 : s + lay.b;
-    const int64_t ldab = saved ? 2 * I : nc;
-    Gemm(n, nc, H, x, Weight(gv.weights.gate, false, 0, c0), 0.0f, a, ldab, s + lay.gemm);
-    Gemm(n, nc, H, x, Weight(gv.weights.up, false, 0, c0), 0.0f, b, ldab, s + lay.gemm);
+    float* b = saved ? saved + row0 * 2 * I + I + c0 : s + lay.a + nc;
+    const int64_t ldab = 2 * (saved ? I : nc);
+    GateUpGemm(n, nc, c0, H, I, x, gv.weights, a, b, ldab, s + lay.gemm);
     for (int64_t r = 0; r < n; ++r) {
       SwiGluForward(a + r * ldab, b + r * ldab, h_all + (row0 + r) * I + c0, nc);
     }
@@ -273,11 +297,10 @@ absl::Status CpuExecutor::Backward(const ComputeView& view, const TensorView& x_
       ldab = 2 * I;
     } else {
       const Operand x = RowsOperand(x_rows, row0, n, s + lay.x);
-      Gemm(n, nc, H, x, Weight(gv.weights.gate, false, 0, c0), 0.0f, s + lay.a, nc, s + lay.gemm);
-      Gemm(n, nc, H, x, Weight(gv.weights.up, false, 0, c0), 0.0f, s + lay.b, nc, s + lay.gemm);
+      GateUpGemm(n, nc, c0, H, I, x, gv.weights, s + lay.a, s + lay.a + nc, 2 * nc, s + lay.gemm);
       a = s + lay.a;
-      b = s + lay.b;
-      ldab = nc;
+      b = s + lay.a + nc;
+      ldab = 2 * nc;
     }
     const Operand dy = RowsOperand(dy_rows, row0, n, s + lay.dy);
     float* dh = s + lay.t;
