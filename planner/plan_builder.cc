@@ -446,17 +446,46 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
   const int32_t B = scratch->block_size;
   const int64_t* bp = scratch->block_prefix.data();
   const int64_t* cnt = counts.data();
+  const int32_t NB = (R + B - 1) / B;
+  if (scratch->table_key[0] != R || scratch->table_key[1] != E || scratch->table_key[2] != B ||
+      scratch->table_key[3] != rpn) {
+    scratch->block_row.resize(static_cast<size_t>(R) + 1);
+    scratch->block_first.resize(static_cast<size_t>(R) + 1);
+    scratch->node_lo.resize(R);
+    scratch->node_hi.resize(R);
+    scratch->node_id.resize(R);
+    for (int32_t x = 0; x <= R; ++x) {
+      scratch->block_row[x] = static_cast<int64_t>(x / B) * E;
+      scratch->block_first[x] = x / B * B;
+    }
+    // With nodes, blocks divide nodes: a node's range is two block prefixes (the last node may
+    // end at R inside a block: then its end is the total, row NB).
+    for (int32_t r = 0; r < R; ++r) {
+      scratch->node_id[r] = rpn > 0 ? r / rpn : r;
+      if (rpn > 0) {
+        const int32_t n0 = r / rpn * rpn, n1 = n0 + rpn;
+        scratch->node_lo[r] = static_cast<int64_t>(n0 / B) * E;
+        scratch->node_hi[r] = static_cast<int64_t>(n1 >= R ? NB : n1 / B) * E;
+      }
+    }
+    scratch->table_key[0] = R;
+    scratch->table_key[1] = E;
+    scratch->table_key[2] = B;
+    scratch->table_key[3] = rpn;
+  }
+  const int64_t* block_row = scratch->block_row.data();
+  const int32_t* block_first = scratch->block_first.data();
+  const int64_t* node_lo = scratch->node_lo.data();
+  const int64_t* node_hi = scratch->node_hi.data();
+  const int32_t* node_id = scratch->node_id.data();
   auto col = [&](int32_t e, int32_t x) -> int64_t {
-    const int32_t b = x / B;
-    int64_t v = bp[static_cast<size_t>(b) * E + e];
-    for (int32_t s = b * B; s < x; ++s) v += cnt[static_cast<size_t>(s) * E + e];
+    int64_t v = bp[block_row[x] + e];
+    for (int32_t s = block_first[x]; s < x; ++s) v += cnt[static_cast<size_t>(s) * E + e];
     return v;
   };
-  // With nodes the blocks are nodes: a node's range is two block prefixes.
   auto node_range = [&](int32_t e, int32_t rank, int64_t* lo, int64_t* hi) {
-    const int32_t b = rank / rpn;
-    *lo = bp[static_cast<size_t>(b) * E + e];
-    *hi = bp[static_cast<size_t>(b + 1) * E + e];
+    *lo = bp[node_lo[rank] + e];
+    *hi = bp[node_hi[rank] + e];
   };
 
   // Pieces, rows and row stats, one expert at a time (at most 1 + 2 * replicas pieces each).
@@ -544,12 +573,12 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
       rows_intra += same_node - local;
       rows_inter += count - same_node;
     };
-    const int32_t home_node = rpn > 0 ? h / rpn : h;
+    const int32_t home_node = node_id[h];
     for (int32_t j = first; j < last; ++j) {
       const int32_t d = rrank[j];
       if (rstart[j] > pos) home_piece(pos, rstart[j] - pos);
       const int64_t count = rend[j] - rstart[j];
-      if (rpn > 0 ? d / rpn == home_node : d == h) {
+      if (node_id[d] == home_node) {
         ++st.prefetch_intra;
       } else {
         ++st.prefetch_inter;

@@ -32,17 +32,26 @@ struct BuildScratch {
   std::vector<int64_t> replica_start, replica_end;
   std::vector<int64_t> next_row;         // per (rank, group): next free row while laying pieces
   std::vector<int64_t> column;           // R + 1: prefix sums of one expert's counts over sources
-  // Per-block prefix sums of counts over sources (blocks of block_size consecutive ranks: the node
-  // when ranks_per_node is set): block_prefix[b * E + e] = sum of counts[s][e] over s < b * B,
+  // Per-block prefix sums of counts over sources (blocks of block_size consecutive ranks, which
+  // divides ranks_per_node when set): block_prefix[b * E + e] = sum of counts[s][e] over s < b * B,
   // for b in [0, NB]. FinalizeHolders fills them when block_size is 0; a caller that already
   // passes over counts may fill them (with BlockSize()) to save a pass.
   int32_t block_size = 0;
   std::vector<int64_t> block_prefix;
+  // Per-rank tables for FinalizeHolders (no division per look-up), rebuilt when the key changes:
+  // block_row[x] = (x / B) * E, block_first[x] = x / B * B for x in [0, R]; node_lo/node_hi: offsets
+  // of the rank's node range in block_prefix; node_id: its node (the rank when flat).
+  int64_t table_key[4] = {-1, -1, -1, -1};  // R, E, B, ranks_per_node
+  std::vector<int64_t> block_row, node_lo, node_hi;
+  std::vector<int32_t> block_first, node_id;
 };
 
-// Source blocks for FinalizeHolders: the node size, or 16 ranks when flat.
+// Source blocks for FinalizeHolders: 4 ranks (a prefix of one expert's column is then a block
+// prefix plus at most 3 entries), or the node size when 4 does not divide it (node ranges must be
+// block prefixes).
 inline int32_t BlockSize(const PlannerConfig& resolved) {
-  return resolved.ranks_per_node > 0 ? resolved.ranks_per_node : 16;
+  const int32_t rpn = resolved.ranks_per_node;
+  return rpn > 0 && rpn % 4 != 0 ? rpn : 4;
 }
 
 // Whether plans of this config may hold replicas on their expert's home rank (Plan::home_replicas):

@@ -57,6 +57,10 @@ struct PolicyScratch {
   std::vector<Chunk> chunks;
   std::vector<int32_t> order_tree;   // moonep: tournament tree over donors
   std::vector<int64_t> donor_chunk;  // moonep: each donor's current chunk
+  std::vector<int64_t> donor_rem;    // moonep: remaining tokens of each donor's sorted experts
+  std::vector<int32_t> donor_of;     // moonep: [E] donor index of an expert's home, -1 if none
+  std::vector<int32_t> donor_mark;   // moonep: per donor, FillRoom's stamp
+  std::vector<int32_t> donor_node;   // moonep: per donor, its node
   std::vector<int64_t> eplb_sum;    // running sum of totals since the last eplb re-plan
   int64_t eplb_steps_summed = 0;
   int64_t eplb_step = 0;

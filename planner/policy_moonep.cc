@@ -29,6 +29,7 @@ struct Balancer {
   // Donors: sc.order2[i] = rank, sc.excess[i] = excess; their experts at sc.order[i*epn..],
   // sorted by remaining tokens, descending.
   int32_t num_donors = 0;
+  int32_t mark = 0;  // FillRoom's stamp in sc.donor_mark of donors homing an expert the room holds
   // Tournament tree over donors: tree[1] is the donor with the largest chunk (ties: lowest index),
   // so each step finds it in O(1) and an Apply updates it in O(log donors).
   int32_t leaves = 1;
@@ -38,6 +39,8 @@ struct Balancer {
   int32_t Node(int32_t rank) const { return rpn > 0 ? rank / rpn : rank; }
   int64_t Remaining(int32_t e) const { return dec.home_keep[e]; }
   int32_t* Experts(int32_t i) { return sc.order.data() + static_cast<size_t>(i) * epn; }
+  // Remaining tokens of Experts(i), mirrored in place (contiguous for FillRoom's scan).
+  int64_t* Rem(int32_t i) { return sc.donor_rem.data() + static_cast<size_t>(i) * epn; }
   bool CanTake(int32_t d, int32_t e, bool closes_room) const {
     const int32_t free = S - dec.slots_used[d];
     if (dec.SlotOf(d, e, S) >= 0) return true;
@@ -68,6 +71,16 @@ struct Balancer {
         return in.totals[a] != in.totals[b] ? in.totals[a] > in.totals[b] : a < b;
       });
     }
+    sc.donor_rem.resize(static_cast<size_t>(num_donors) * epn);
+    for (size_t p = 0; p < sc.order.size(); ++p) sc.donor_rem[p] = Remaining(sc.order[p]);
+    sc.donor_of.assign(in.config->num_experts, -1);
+    for (int32_t i = 0; i < num_donors; ++i) {
+      for (int32_t p = 0; p < epn; ++p) sc.donor_of[Experts(i)[p]] = i;
+    }
+    sc.donor_mark.assign(num_donors, 0);
+    sc.donor_node.resize(num_donors);
+    for (int32_t i = 0; i < num_donors; ++i) sc.donor_node[i] = Node(sc.order2[i]);
+    mark = 0;
     std::sort(sc.rooms.begin(), sc.rooms.end(), RoomLess);
     leaves = 1;
     while (leaves < num_donors) leaves *= 2;
@@ -103,10 +116,13 @@ struct Balancer {
     if (!dec.Move(d, e, amount, S)) return false;
     sc.excess[i] -= amount;
     // Expert lost tokens: bubble it toward the end to keep the descending order.
+    int64_t* rem = Rem(i);
+    rem[j] = Remaining(e);
     for (int32_t p = j; p + 1 < epn; ++p) {
-      const int64_t a = Remaining(ex[p]), b = Remaining(ex[p + 1]);
+      const int64_t a = rem[p], b = rem[p + 1];
       if (a > b || (a == b && ex[p] < ex[p + 1])) break;
       std::swap(ex[p], ex[p + 1]);
+      std::swap(rem[p], rem[p + 1]);
     }
     Update(i);
     sc.rooms[k].room -= amount;
@@ -145,35 +161,49 @@ struct Balancer {
     int32_t bi = -1, bj = -1;
     int64_t bv = 0;
     bool b_close = false, b_node = false;
+    // Donors homing an expert that d already holds are the only ones whose choice depends on d's
+    // slots (the held expert is preferred and needs no free slot); the others take their tightest
+    // expert and need a free slot on d.
+    ++mark;
+    const int32_t* held = dec.slot_expert.data() + static_cast<size_t>(d) * S;
+    for (int32_t s = 0; s < dec.slots_used[d]; ++s) {
+      const int32_t i = sc.donor_of[held[s]];
+      if (i >= 0) sc.donor_mark[i] = mark;
+    }
+    const bool has_free = dec.slots_used[d] < S;
+    const int32_t d_node = Node(d);
     for (int32_t i = 0; i < num_donors; ++i) {
       const int64_t x = sc.excess[i];
       if (x < y) continue;
-      int32_t* ex = Experts(i);
+      const int64_t* rem = Rem(i);
+      if (rem[0] < y) continue;
       // Last expert (smallest) whose remaining tokens are >= y.
-      int32_t lo = 0, hi = epn;  // invariant: Remaining(ex[p]) >= y for p < lo
-      while (lo < hi) {
-        const int32_t mid = (lo + hi) / 2;
-        if (Remaining(ex[mid]) >= y) lo = mid + 1; else hi = mid;
-      }
-      if (lo == 0) continue;
+      int32_t lo = 1;
+      while (lo < epn && rem[lo] >= y) ++lo;
       int32_t j = lo - 1;
-      // Prefer an expert d already holds (no new slot), else the tightest one.
-      for (int32_t p = 0; p < lo; ++p) {
-        if (dec.SlotOf(d, ex[p], S) >= 0) {
-          j = p;
-          break;
+      if (sc.donor_mark[i] == mark) {
+        // Prefer an expert d already holds (no new slot), else the tightest one.
+        const int32_t* ex = Experts(i);
+        for (int32_t p = 0; p < lo; ++p) {
+          if (dec.SlotOf(d, ex[p], S) >= 0) {
+            j = p;
+            break;
+          }
         }
+        if (!CanTake(d, ex[j], true)) continue;
+      } else if (!has_free) {
+        continue;
       }
-      if (!CanTake(d, ex[j], true)) continue;
-      const int64_t v = std::min(x, Remaining(ex[j]));
+      const int64_t v = std::min(x, rem[j]);
       const bool close = x == y;
-      const bool node = Node(sc.order2[i]) == Node(d);
+      const bool node = sc.donor_node[i] == d_node;
       if (bi < 0 || v < bv || (v == bv && (close > b_close || (close == b_close && node > b_node)))) {
         bi = i;
         bj = j;
         bv = v;
         b_close = close;
         b_node = node;
+        if (v == y && close && node) break;  // nothing later can beat it
       }
     }
     if (bi >= 0) return Apply(bi, bj, k, y);

@@ -115,6 +115,9 @@ class RatioReporter : public benchmark::ConsoleReporter {
     for (const Run& run : runs) {
       if (run.error_occurred) continue;
       const bool median = run.run_type == Run::RT_Aggregate && run.aggregate_name == "median";
+      if (run.run_type == Run::RT_Aggregate && run.aggregate_name == "min") {
+        min_us_[run.run_name.function_name] = run.GetAdjustedCPUTime() * ToMicros(run.time_unit);
+      }
       if (median || run.run_type == Run::RT_Iteration) {
         const std::string name = run.run_name.function_name;  // without the aggregate suffix
         if (median || !seen_median_.count(name)) times_us_[name] = run.GetAdjustedCPUTime() *
@@ -124,19 +127,28 @@ class RatioReporter : public benchmark::ConsoleReporter {
     }
   }
   void Summary() const {
-    std::printf("\n%-18s %-8s %12s %12s %12s %12s %14s\n", "shape", "mode", "moonep_us", "greedy_us",
+    std::printf("\nmedians (min over repetitions in brackets), CPU us per plan\n");
+    std::printf("%-18s %-8s %18s %18s %18s %14s %18s\n", "shape", "mode", "moonep_us", "greedy_us",
                 "none_us", "moonep/greedy", "sum_counts_us");
     for (const Shape& s : kShapes) {
       for (const char* mode : {"plan", "decide"}) {
-        auto get = [&](const char* policy) {
-          auto it = times_us_.find(std::string(mode) + "/" + policy + "/" + s.name);
-          return it == times_us_.end() ? NAN : it->second;
+        auto find = [](const std::map<std::string, double>& m, const std::string& k) {
+          auto it = m.find(k);
+          return it == m.end() ? NAN : it->second;
         };
-        const double m = get("moonep"), g = get("moonep-greedy"), n = get("none");
+        auto cell = [&](const std::string& k) {
+          char buf[64];
+          std::snprintf(buf, sizeof(buf), "%.2f (%.2f)", find(times_us_, k), find(min_us_, k));
+          return std::string(buf);
+        };
+        const std::string key = std::string(mode) + "/";
+        const double m = find(times_us_, key + "moonep/" + s.name);
+        const double g = find(times_us_, key + "moonep-greedy/" + s.name);
         if (std::isnan(m) && std::isnan(g)) continue;
-        auto sum = times_us_.find(std::string("sum_counts/") + s.name);
-        std::printf("%-18s %-8s %12.2f %12.2f %12.2f %12.3f %14.2f\n", s.name, mode, m, g, n, m / g,
-                    sum == times_us_.end() ? NAN : sum->second);
+        std::printf("%-18s %-8s %18s %18s %18s %14.3f %18s\n", s.name, mode,
+                    cell(key + "moonep/" + s.name).c_str(), cell(key + "moonep-greedy/" + s.name).c_str(),
+                    cell(key + "none/" + s.name).c_str(), m / g,
+                    cell(std::string("sum_counts/") + s.name).c_str());
       }
     }
   }
@@ -150,9 +162,11 @@ class RatioReporter : public benchmark::ConsoleReporter {
       default: return 1e6;
     }
   }
-  std::map<std::string, double> times_us_;
+  std::map<std::string, double> times_us_, min_us_;
   std::map<std::string, bool> seen_median_;
 };
+
+double MinOf(const std::vector<double>& v) { return v.empty() ? NAN : *std::min_element(v.begin(), v.end()); }
 
 }  // namespace
 }  // namespace moonep::planner
@@ -166,6 +180,7 @@ int main(int argc, char** argv) {
         benchmark::RegisterBenchmark(name.c_str(), BM_Plan, s, p, decide)
             ->Unit(benchmark::kMicrosecond)
             ->Repetitions(5)
+            ->ComputeStatistics("min", MinOf)
             ->ReportAggregatesOnly(true);
       }
     }
@@ -174,6 +189,7 @@ int main(int argc, char** argv) {
     benchmark::RegisterBenchmark((std::string("sum_counts/") + s.name).c_str(), BM_SumCounts, s)
         ->Unit(benchmark::kMicrosecond)
         ->Repetitions(5)
+        ->ComputeStatistics("min", MinOf)
         ->ReportAggregatesOnly(true);
   }
   benchmark::Initialize(&argc, argv);
