@@ -265,6 +265,7 @@ absl::Status Planner::Decide(absl::Span<const int64_t> expert_totals, Plan* plan
   st.input.plan = plan;
   st.input.totals = expert_totals;
   st.input.counts = nullptr;
+  st.input.block_prefix = nullptr;
   MOONEP_RETURN_IF_ERROR(SumLoads(c, *plan, &st.input));
   MOONEP_RETURN_IF_ERROR(RunPolicy(c, st.input, &st.scratch, &st.decisions));
   EmitDecisions(c, st.decisions, st.input, plan);
@@ -292,6 +293,8 @@ absl::Status Planner::MakePlan(absl::Span<const int64_t> counts, Plan* plan) {
   st.input.plan = plan;
   st.input.totals = absl::MakeConstSpan(st.totals);
   st.input.counts = counts.data();
+  st.input.block_prefix = st.build.block_prefix.data();
+  st.input.block_size = block;
   MOONEP_RETURN_IF_ERROR(SumLoads(c, *plan, &st.input));
   MOONEP_RETURN_IF_ERROR(RunPolicy(c, st.input, &st.scratch, &st.decisions));
   EmitAlloc(c, st.decisions, plan);

@@ -4,6 +4,7 @@
 // tokens. Decisions are O(E + R * slots); the dense Plan::alloc is written from them afterwards.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -28,6 +29,34 @@ struct Decisions {
   int32_t SlotOf(int32_t rank, int32_t expert, int32_t slots) const;
 };
 
+// Largest value among n slots, ties to the lowest index, in O(1); Set is O(log n).
+struct MaxTree {
+  int32_t leaves = 1;
+  std::vector<int64_t> val;
+  std::vector<int32_t> tree;
+  void Build(absl::Span<const int64_t> values) {
+    const int32_t n = static_cast<int32_t>(values.size());
+    leaves = 1;
+    while (leaves < n) leaves *= 2;
+    val.assign(leaves, 0);
+    std::copy(values.begin(), values.end(), val.begin());
+    tree.assign(2 * static_cast<size_t>(leaves), -1);
+    for (int32_t i = 0; i < n; ++i) tree[leaves + i] = i;
+    for (int32_t v = leaves - 1; v >= 1; --v) tree[v] = Better(tree[2 * v], tree[2 * v + 1]);
+  }
+  int32_t Better(int32_t a, int32_t b) const {
+    if (a < 0) return b;
+    if (b < 0) return a;
+    return val[b] > val[a] || (val[b] == val[a] && b < a) ? b : a;
+  }
+  void Set(int32_t i, int64_t v) {
+    val[i] = v;
+    for (int32_t x = (leaves + i) / 2; x >= 1; x /= 2) tree[x] = Better(tree[2 * x], tree[2 * x + 1]);
+  }
+  // Index of the largest value when it is > 0, else -1.
+  int32_t Top() const { return tree[1] >= 0 && val[tree[1]] > 0 ? tree[1] : -1; }
+};
+
 // Everything a policy may read. `counts` is null when only totals are known (Planner::Decide).
 struct PolicyInput {
   const PlannerConfig* config = nullptr;  // resolved
@@ -38,6 +67,11 @@ struct PolicyInput {
   std::vector<int64_t> home_load;         // [R]
   // counts[src][e], or an even split of the total over sources when counts are unknown.
   int64_t Count(int32_t src, int32_t expert) const;
+  // Prefix over sources: sum of Count(s, expert) for s < x (block prefix sums when counts are
+  // known: block_prefix[(x / block_size) * E + e] holds the sum before x's block).
+  const int64_t* block_prefix = nullptr;
+  int32_t block_size = 0;
+  int64_t Col(int32_t expert, int32_t x) const;
 };
 
 // Reusable scratch of the policies (keeps steady-state planning free of allocation).
@@ -65,7 +99,19 @@ struct PolicyScratch {
   int64_t eplb_steps_summed = 0;
   int64_t eplb_step = 0;
   std::vector<int32_t> eplb_replica_begin, eplb_replica_rank;  // last eplb placement (CSR by expert)
+  MaxTree excess_tree, room_tree;  // moonep-greedy: most overloaded group, rank with most room
+  Decisions alt;                   // moonep: the greedy decisions it is compared with
+  std::vector<int32_t> by_expert_begin, by_expert_rank;  // LocalRows: replicas per expert (CSR)
+  std::vector<int64_t> by_expert_amount, by_expert_start, by_expert_end;
+  std::vector<int32_t> touched;  // LocalRows: experts replicated in either decision set
+  std::vector<char> touched_mark;
 };
+
+// Rows computed on their own source rank among the experts replicated in `a` or `b`, for each
+// (placement rule of FinalizePlan: a replica on rank d takes the positions starting at source d's
+// own tokens; the home keeps the rest). Unreplicated experts contribute the same to both.
+void LocalRows(const PolicyInput& in, const Decisions& a, const Decisions& b, PolicyScratch* sc,
+               int64_t* local_a, int64_t* local_b);
 
 absl::Status DecideNone(const PolicyInput& in, PolicyScratch* scratch, Decisions* out);
 absl::Status DecideMoonEP(const PolicyInput& in, PolicyScratch* scratch, Decisions* out);

@@ -42,6 +42,126 @@ int64_t PolicyInput::Count(int32_t src, int32_t expert) const {
   return t / R + (src < t % R ? 1 : 0);
 }
 
+int64_t PolicyInput::Col(int32_t expert, int32_t x) const {
+  const int32_t R = config->num_ranks, E = config->num_experts;
+  if (counts == nullptr || block_prefix == nullptr) {
+    const int64_t t = totals[expert];
+    return x * (t / R) + std::min<int64_t>(x, t % R);
+  }
+  const int32_t b = x / block_size;
+  int64_t v = block_prefix[static_cast<size_t>(b) * E + expert];
+  for (int32_t s = b * block_size; s < x; ++s) v += counts[static_cast<size_t>(s) * E + expert];
+  return v;
+}
+
+namespace {
+
+int64_t Overlap(int64_t a0, int64_t a1, int64_t b0, int64_t b1) {
+  return std::max<int64_t>(0, std::min(a1, b1) - std::max(a0, b0));
+}
+
+// Local rows of expert e under decisions whose replicas of e are ranks[0..n) (increasing) with
+// amounts[0..n): the placement of FinalizeHolders.
+int64_t ExpertLocalRows(const PolicyInput& in, int32_t e, const int32_t* ranks, const int64_t* amounts,
+                        int32_t n, int64_t* start, int64_t* end) {
+  const int32_t h = in.plan->home[e];
+  const int64_t N = in.totals[e];
+  const int64_t h0 = in.Col(e, h), h1 = h0 + in.Count(h, e);
+  if (n == 0) return h1 - h0;
+  int64_t cursor = 0, local = 0;
+  for (int32_t j = 0; j < n; ++j) {
+    start[j] = std::max(in.Col(e, ranks[j]), cursor);
+    end[j] = start[j] + amounts[j];
+    cursor = end[j];
+  }
+  int64_t limit = N;
+  for (int32_t j = n - 1; j >= 0; --j) {
+    if (end[j] > limit) {
+      start[j] -= end[j] - limit;
+      end[j] = limit;
+    }
+    limit = start[j];
+  }
+  int64_t pos = 0;
+  for (int32_t j = 0; j < n; ++j) {
+    local += Overlap(pos, start[j], h0, h1);  // home piece before the replica
+    const int32_t d = ranks[j];
+    if (d == h) {
+      local += Overlap(start[j], end[j], h0, h1);
+    } else {
+      const int64_t d0 = in.Col(e, d);
+      local += Overlap(start[j], end[j], d0, d0 + in.Count(d, e));
+    }
+    pos = end[j];
+  }
+  return local + Overlap(pos, N, h0, h1);
+}
+
+}  // namespace
+
+void LocalRows(const PolicyInput& in, const Decisions& a, const Decisions& b, PolicyScratch* sc,
+               int64_t* local_a, int64_t* local_b) {
+  const PlannerConfig& c = *in.config;
+  const int32_t R = c.num_ranks, E = c.num_experts, S = c.slots;
+  sc->touched_mark.resize(E, 0);  // all zero between calls
+  sc->touched.clear();
+  const Decisions* both[2] = {&a, &b};
+  for (const Decisions* dec : both) {
+    for (int32_t d = 0; d < R; ++d) {
+      for (int32_t s = 0; s < dec->slots_used[d]; ++s) {
+        const int32_t e = dec->slot_expert[static_cast<size_t>(d) * S + s];
+        if (e >= 0 && !sc->touched_mark[e]) {
+          sc->touched_mark[e] = 1;
+          sc->touched.push_back(e);
+        }
+      }
+    }
+  }
+  int64_t* out[2] = {local_a, local_b};
+  for (int k = 0; k < 2; ++k) {
+    const Decisions& dec = *both[k];
+    // Replicas of the touched experts, by expert then increasing rank (counting sort).
+    std::vector<int32_t>& begin = sc->by_expert_begin;
+    begin.assign(static_cast<size_t>(E) + 1, 0);
+    int32_t n = 0;
+    for (int32_t d = 0; d < R; ++d) {
+      for (int32_t s = 0; s < dec.slots_used[d]; ++s) {
+        const int32_t e = dec.slot_expert[static_cast<size_t>(d) * S + s];
+        if (e >= 0) {
+          ++begin[e + 1];
+          ++n;
+        }
+      }
+    }
+    for (int32_t e = 0; e < E; ++e) begin[e + 1] += begin[e];
+    sc->by_expert_rank.resize(n);
+    sc->by_expert_amount.resize(n);
+    sc->by_expert_start.resize(n);
+    sc->by_expert_end.resize(n);
+    for (int32_t d = 0; d < R; ++d) {
+      for (int32_t s = 0; s < dec.slots_used[d]; ++s) {
+        const size_t i = static_cast<size_t>(d) * S + s;
+        const int32_t e = dec.slot_expert[i];
+        if (e < 0) continue;
+        const int32_t j = begin[e]++;
+        sc->by_expert_rank[j] = d;
+        sc->by_expert_amount[j] = dec.slot_amount[i];
+      }
+    }
+    for (int32_t e = E; e > 0; --e) begin[e] = begin[e - 1];
+    begin[0] = 0;
+    int64_t local = 0;
+    for (int32_t e : sc->touched) {
+      const int32_t j = begin[e];
+      local += ExpertLocalRows(in, e, sc->by_expert_rank.data() + j, sc->by_expert_amount.data() + j,
+                               begin[e + 1] - j, sc->by_expert_start.data() + j,
+                               sc->by_expert_end.data() + j);
+    }
+    *out[k] = local;
+  }
+  for (int32_t e : sc->touched) sc->touched_mark[e] = 0;
+}
+
 absl::Status DecideNone(const PolicyInput&, PolicyScratch*, Decisions*) { return absl::OkStatus(); }
 
 // Published MoonEP greedy (GreedyFill): the most overloaded home group gives exactly the room of the rank with
@@ -59,13 +179,12 @@ bool GreedyFill(const PolicyInput& in, absl::Span<const int64_t> cap, PolicyScra
     if (diff > 0) sc->excess[d] = diff;
     if (diff < 0 && S > 0) sc->room[d] = -diff;
   }
+  // The largest excess and room (ties: lowest rank) from tournament trees, O(log R) per move.
+  sc->excess_tree.Build(sc->excess);
+  sc->room_tree.Build(sc->room);
   sc->order.resize(epn);
   while (true) {
-    int32_t h = -1, d = -1;
-    for (int32_t r = 0; r < R; ++r) {
-      if (sc->excess[r] > 0 && (h < 0 || sc->excess[r] > sc->excess[h])) h = r;
-      if (sc->room[r] > 0 && (d < 0 || sc->room[r] > sc->room[d])) d = r;
-    }
+    const int32_t h = sc->excess_tree.Top(), d = sc->room_tree.Top();
     if (h < 0) return true;
     if (d < 0) return false;
     int64_t quota = std::min(sc->excess[h], sc->room[d]);
@@ -88,6 +207,8 @@ bool GreedyFill(const PolicyInput& in, absl::Span<const int64_t> cap, PolicyScra
       sc->excess[h] -= a;
       sc->room[d] -= a;
     }
+    sc->excess_tree.Set(h, sc->excess[h]);
+    sc->room_tree.Set(d, sc->room[d]);
   }
 }
 

@@ -184,6 +184,7 @@ TEST(PlannerProperties, EveryPolicyValidatesAndMoonEPBeatsGreedy) {
                                      {256, 512, 1, 16, 512, 8}};
   int64_t rep_moonep = 0, rep_greedy = 0, travel_moonep = 0, travel_greedy = 0;
   int plans = 0, fewer_replicas = 0, more_travel_cases = 0, greedy_worse_balance = 0, compared = 0;
+  int more_travel_fewer_replicas = 0;
   for (const Shape& sh : shapes) {
     for (Skew skew : {Skew::kUniform, Skew::kZipf, Skew::kOneExpert, Skew::kAllZero, Skew::kEmptyRank,
                       Skew::kRaggedRanks}) {
@@ -216,23 +217,32 @@ TEST(PlannerProperties, EveryPolicyValidatesAndMoonEPBeatsGreedy) {
           ++greedy_worse_balance;
           continue;
         }
+        if (mine.stats.replicas == greedy.stats.replicas) {
+          // Same balance and replicas: moonep keeps greedy's decisions unless its own travel less.
+          EXPECT_LE(tm, tg) << "R=" << sh.R << " E=" << sh.E;
+        }
         rep_moonep += mine.stats.replicas;
         rep_greedy += greedy.stats.replicas;
         travel_moonep += tm;
         travel_greedy += tg;
         fewer_replicas += mine.stats.replicas < greedy.stats.replicas;
         more_travel_cases += tm > tg;
+        more_travel_fewer_replicas += tm > tg && mine.stats.replicas < greedy.stats.replicas;
         ++compared;
       }
     }
   }
   std::printf("[properties] %d plans validated; moonep-greedy balanced worse on %d inputs; on the %d "
               "inputs balanced equally: replicas moonep %lld vs moonep-greedy %lld (fewer in %d inputs); "
-              "travelling rows moonep %lld vs moonep-greedy %lld (more in %d inputs)\n",
+              "travelling rows moonep %lld vs moonep-greedy %lld (more in %d inputs, %d of them with "
+              "fewer replicas)\n",
               plans, greedy_worse_balance, compared, static_cast<long long>(rep_moonep),
               static_cast<long long>(rep_greedy), fewer_replicas,
-              static_cast<long long>(travel_moonep), static_cast<long long>(travel_greedy), more_travel_cases);
+              static_cast<long long>(travel_moonep), static_cast<long long>(travel_greedy), more_travel_cases,
+              more_travel_fewer_replicas);
   EXPECT_LE(rep_moonep, rep_greedy);
+  // Travelling more than greedy only ever buys a replica less (goal 2 before goal 3).
+  EXPECT_EQ(more_travel_cases, more_travel_fewer_replicas);
 }
 
 TEST(PlannerProperties, LargestShapeValidates) {
