@@ -113,9 +113,21 @@ absl::Status CheckPlanForTransport(const planner::Plan& plan, absl::Span<const i
       MOONEP_CHECK_ARG(plan.piece_start[p] == pos && plan.piece_count[p] > 0,
                        "plan: pieces of expert %d do not cover its order contiguously (piece %d)",
                        e, p);
-      const int32_t g = plan.GroupOf(d, e);
+      int32_t g = plan.GroupOf(d, e);
       MOONEP_CHECK_ARG(g >= 0, "plan: piece %d sends expert %d to rank %d, which does not hold it",
                        p, e, d);
+      if (plan.home_replicas && d == plan.home[e]) {
+        // A home-rank replica: e has a slot group on its home rank too; the piece belongs to the
+        // group whose rows hold its first row.
+        for (int32_t s = 0; s < plan.slots; ++s) {
+          const size_t j = static_cast<size_t>(d) * G + plan.experts_per_rank + s;
+          if (plan.slot_expert[static_cast<size_t>(d) * plan.slots + s] == e &&
+              plan.piece_row[p] >= plan.group_offset[j] &&
+              plan.piece_row[p] < plan.group_offset[j] + plan.group_padded[j]) {
+            g = plan.experts_per_rank + s;
+          }
+        }
+      }
       const size_t i = static_cast<size_t>(d) * G + g;
       MOONEP_CHECK_ARG(plan.piece_row[p] == plan.group_offset[i] + filled[i] &&
                            filled[i] + plan.piece_count[p] <= plan.group_count[i],

@@ -46,8 +46,17 @@ void ForEachRun(const planner::Plan& plan, const int64_t* offsets, int32_t src, 
     const int64_t lo = offsets[static_cast<size_t>(src) * E + e];
     const int64_t hi = offsets[static_cast<size_t>(src + 1) * E + e];
     if (lo == hi) continue;
+    // With home-rank replicas (plan.home_replicas) e has two groups on its home rank: each takes
+    // the pieces whose rows it holds.
+    int64_t row_lo = 0, row_hi = INT64_MAX;
+    if (plan.home_replicas) {
+      const size_t i = static_cast<size_t>(dest) * G + g;
+      row_lo = plan.group_offset[i];
+      row_hi = row_lo + plan.group_padded[i];
+    }
     for (int32_t p = plan.piece_begin[e]; p < plan.piece_begin[e + 1]; ++p) {
       if (plan.piece_dest[p] != dest) continue;
+      if (plan.piece_row[p] < row_lo || plan.piece_row[p] >= row_hi) continue;
       const int64_t start = plan.piece_start[p];
       const int64_t a = start > lo ? start : lo;
       const int64_t end = start + plan.piece_count[p];

@@ -88,6 +88,9 @@ absl::StatusOr<std::unique_ptr<MoeLayer>> MoeLayer::Create(Communicator* comm,
   pc.ranks_per_node = config.ranks_per_node;
   pc.policy = config.policy;
   pc.eplb_period = config.eplb_period;
+  // One rank has no peer to replicate onto: the test policy then routes through the rank's own
+  // slots, so prefetch, replica compute and reduce still run (tests, single-GPU checks).
+  pc.test_home_replicas = true;
   pc.row_bytes = static_cast<int64_t>(layer->row_bytes_);
   pc.expert_bytes = 3 * config.hidden * config.intermediate *
                     static_cast<int64_t>(DTypeSize(config.dtype));

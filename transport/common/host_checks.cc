@@ -217,7 +217,7 @@ absl::Status CheckHostBlocks(const planner::Plan& plan, const ExpertBlocks& b, c
   return absl::OkStatus();
 }
 
-absl::Status CheckSlotPlan(const planner::Plan& plan, int32_t R) {
+absl::Status CheckSlotPlan(const planner::Plan& plan, int32_t R, bool home_replicas_supported) {
   MOONEP_CHECK_ARG(plan.num_ranks == R, "plan is for %d ranks, the transport has %d",
                    plan.num_ranks, R);
   const int32_t E = plan.num_experts;
@@ -234,8 +234,12 @@ absl::Status CheckSlotPlan(const planner::Plan& plan, int32_t R) {
   for (int32_t i = 0; i < R * plan.slots; ++i) {
     const int32_t e = plan.slot_expert[i];
     MOONEP_CHECK_ARG(e >= -1 && e < E, "plan: slot_expert[%d] = %d is not an expert", i, e);
-    MOONEP_CHECK_ARG(e < 0 || plan.home[e] != i / plan.slots,
-                     "plan: rank %d holds a replica of its own expert %d", i / plan.slots, e);
+    // Home-rank replicas exist only in plans that say so (the one-rank test policy).
+    const bool allowed = plan.home_replicas && home_replicas_supported;
+    MOONEP_CHECK_ARG(e < 0 || allowed || plan.home[e] != i / plan.slots,
+                     "plan: rank %d holds a replica of its own expert %d%s", i / plan.slots, e,
+                     plan.home_replicas ? " (home-rank replicas: not supported by this backend)"
+                                        : "");
   }
   return absl::OkStatus();
 }

@@ -72,6 +72,10 @@ absl::Status CheckHostBlocks(const planner::Plan& plan, const ExpertBlocks& bloc
                              const char* name, const char* backend);
 
 // The plan's replica slots (agreed: the plan is identical on every rank).
-absl::Status CheckSlotPlan(const planner::Plan& plan, int32_t num_ranks);
+// home_replicas_supported: the backend prefetches and reduces a slot on its expert's own home
+// rank (plan.home_replicas, the one-rank test policy) by a local copy and add; otherwise such a
+// plan is refused.
+absl::Status CheckSlotPlan(const planner::Plan& plan, int32_t num_ranks,
+                           bool home_replicas_supported = false);
 
 }  // namespace moonep::transport::common

@@ -855,8 +855,12 @@ class PrefetchOp : public MpiOp {
         if (e < 0) continue;
         const int32_t h = plan.home[e], g = plan.home_group[e];
         for (int32_t i = 0; i < nt; ++i) {
-          if (h == me_ && d == me_) continue;  // never in a valid plan
-          if (h == me_) {
+          if (h == me_ && d == me_) {  // a home-rank replica (plan.home_replicas): local copy
+            const TensorView& src = b.home[static_cast<size_t>(g) * nt + i];
+            const TensorView& dst = b.slots[static_cast<size_t>(sl) * nt + i];
+            std::memcpy(dst.data, src.data, src.nbytes());
+            ++counters_.rows_local;
+          } else if (h == me_) {
             const TensorView& src = b.home[static_cast<size_t>(g) * nt + i];
             MOONEP_RETURN_IF_ERROR(SendBytes(src.data, static_cast<int64_t>(src.nbytes()), d,
                                              kSubData));
@@ -940,9 +944,14 @@ class ReduceOp : public MpiOp {
     for (int32_t d = 0; d < R; ++d) {
       for (int32_t sl = 0; sl < S; ++sl) {
         const int32_t e = plan.slot_expert[static_cast<size_t>(d) * S + sl];
-        if (e < 0 || plan.home[e] != me_ || d == me_) continue;
+        if (e < 0 || plan.home[e] != me_) continue;
         const int32_t g = plan.home_group[e];
         for (int32_t i = 0; i < nt; ++i) {
+          if (d == me_) {  // a home-rank replica (plan.home_replicas): added from the slot itself
+            sources[static_cast<size_t>(g) * nt + i].push_back(
+                static_cast<const char*>(blocks_.slots[static_cast<size_t>(sl) * nt + i].data));
+            continue;
+          }
           sources[static_cast<size_t>(g) * nt + i].push_back(staging + offset);
           offset += AlignUp(static_cast<int64_t>(blocks_.home[static_cast<size_t>(g) * nt + i].nbytes()));
         }
@@ -1224,7 +1233,7 @@ absl::StatusOr<RequestPtr> MpiTransport::StartPrefetch(const planner::Plan& plan
                                                        const ExpertBlocks& params) {
   MOONEP_RETURN_IF_ERROR(Usable());
   if (testing::ShouldSkip(rank_, OpKind::kPrefetch)) return Skipped();
-  MOONEP_RETURN_IF_ERROR(Annotate(common::CheckSlotPlan(plan, size_), "prefetch"));
+  MOONEP_RETURN_IF_ERROR(Annotate(common::CheckSlotPlan(plan, size_, true), "prefetch"));
   absl::Status s = common::CheckHostBlocks(plan, params, "params", kBackendName);
   if (!s.ok()) return AbortPeers(OpKind::kPrefetch, Annotate(s, "prefetch"));
   auto op = std::make_unique<PrefetchOp>(this, weights_comm_, weights_seq_++);
@@ -1236,7 +1245,7 @@ absl::StatusOr<RequestPtr> MpiTransport::StartReduce(const planner::Plan& plan,
                                                      const ExpertBlocks& grads) {
   MOONEP_RETURN_IF_ERROR(Usable());
   if (testing::ShouldSkip(rank_, OpKind::kReduce)) return Skipped();
-  MOONEP_RETURN_IF_ERROR(Annotate(common::CheckSlotPlan(plan, size_), "reduce"));
+  MOONEP_RETURN_IF_ERROR(Annotate(common::CheckSlotPlan(plan, size_, true), "reduce"));
   absl::Status s = common::CheckHostBlocks(plan, grads, "grads", kBackendName);
   if (!s.ok()) return AbortPeers(OpKind::kReduce, Annotate(s, "reduce"));
   auto op = std::make_unique<ReduceOp>(this, weights_comm_, weights_seq_++);

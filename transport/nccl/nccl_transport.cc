@@ -297,6 +297,8 @@ class NcclTransportImpl : public NcclTransport {
   // Aborts the communicators (a stuck peer, an NCCL error, a local failure after work was
   // posted) and makes the transport unusable.
   void Abort(const absl::Status& status);
+  // weights_comm_ over the ranks of rows_comm_ (see CreateNcclTransport).
+  absl::Status MakeWeightsComm(ncclConfig_t config, Clock::time_point deadline);
   absl::Status PollAsyncErrors() const;
   void AddCounters(OpKind kind, const OpCounters& c);
   // NCCL needs the same order of operations on a communicator on every rank. Ops with several
@@ -607,28 +609,69 @@ absl::StatusOr<std::unique_ptr<Transport>> NcclTransportImpl::Create(
   } else {
     t->rows_comm_ = base;
   }
+  MOONEP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&t->rows_stream_, cudaStreamNonBlocking));
+  MOONEP_CUDA_RETURN_IF_ERROR(
+      cudaStreamCreateWithFlags(&t->weights_stream_, cudaStreamNonBlocking));
   // The weight class gets its own communicator: one communicator's operations run in issue
-  // order, so a prefetch could not overlap a dispatch on it.
+  // order, so a prefetch could not overlap a dispatch on it. It is made from a fresh unique id that
+  // rank 0 broadcasts over the first communicator (ncclCommSplit of a non-blocking communicator
+  // returned no communicator with NCCL 2.28 on the GPU machine), so every bootstrap, a wrapped
+  // communicator included, works the same way and every step has the deadline.
   {
-    ncclResult_t r = ncclCommSplit(base, 0, rank, &t->weights_comm_, &config);
-    absl::Status s = NcclStatus(r, "ncclCommSplit");
-    if (s.ok() && t->weights_comm_ != nullptr)
-      s = WaitComm(t->weights_comm_, deadline, "ncclCommSplit");
-    if (s.ok() && t->weights_comm_ == nullptr)
-      s = SystemError("ncclCommSplit returned no communicator");
+    absl::Status s = t->MakeWeightsComm(config, deadline);
     if (!s.ok()) {
       if (!t->owns_base_comm_) t->rows_comm_ = nullptr;  // the caller's: left as it was
       t->Abort(s);
       return s;
     }
   }
-  MOONEP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&t->rows_stream_, cudaStreamNonBlocking));
-  MOONEP_CUDA_RETURN_IF_ERROR(
-      cudaStreamCreateWithFlags(&t->weights_stream_, cudaStreamNonBlocking));
   MOONEP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&t->caller_ready_, cudaEventDisableTiming));
   log::SetRank(rank);
   MOONEP_INFO("transport nccl: %d ranks, GPU %d, timeout %d ms", size, t->device_, t->timeout_ms_);
   return std::unique_ptr<Transport>(std::move(t));
+}
+
+absl::Status NcclTransportImpl::MakeWeightsComm(ncclConfig_t config, Clock::time_point deadline) {
+  struct Wire {
+    ncclUniqueId id;
+    int32_t made;
+  };
+  Wire wire{};
+  if (rank_ == 0) wire.made = ncclGetUniqueId(&wire.id) == ncclSuccess ? 1 : 0;
+  Wire* dev = nullptr;
+  MOONEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&dev, sizeof(Wire)));
+  absl::Status s = compute::cuda::CudaStatus(
+      cudaMemcpy(dev, &wire, sizeof(Wire), cudaMemcpyHostToDevice), "cudaMemcpy (weights id)");
+  if (s.ok()) {
+    s = NcclStatus(ncclBroadcast(dev, dev, sizeof(Wire), ncclUint8, 0, rows_comm_, rows_stream_),
+                   "ncclBroadcast (weights communicator id)");
+  }
+  if (s.ok()) s = WaitComm(rows_comm_, deadline, "ncclBroadcast (weights communicator id)");
+  while (s.ok()) {  // the broadcast itself, bounded by the deadline
+    const cudaError_t q = cudaStreamQuery(rows_stream_);
+    if (q == cudaSuccess) break;
+    if (q != cudaErrorNotReady) {
+      s = compute::cuda::CudaStatus(q, "ncclBroadcast (weights communicator id)");
+    } else if (Clock::now() >= deadline) {
+      s = Timeout("NCCL transport creation: the weights communicator's id did not arrive from "
+                  "rank 0 before the deadline (rank %d of %d)", rank_, size_);
+    } else {
+      std::this_thread::yield();
+    }
+  }
+  if (s.ok()) {
+    s = compute::cuda::CudaStatus(cudaMemcpy(&wire, dev, sizeof(Wire), cudaMemcpyDeviceToHost),
+                                  "cudaMemcpy (weights id)");
+  }
+  cudaFree(dev);
+  MOONEP_RETURN_IF_ERROR(s);
+  if (wire.made != 1) return SystemError("NCCL transport: ncclGetUniqueId failed on rank 0");
+  const ncclResult_t r = ncclCommInitRankConfig(&weights_comm_, size_, wire.id, rank_, &config);
+  MOONEP_RETURN_IF_ERROR(NcclStatus(r, "ncclCommInitRankConfig (weights communicator)"));
+  if (weights_comm_ == nullptr) {
+    return SystemError("ncclCommInitRankConfig returned no weights communicator");
+  }
+  return WaitComm(weights_comm_, deadline, "NCCL weights communicator creation");
 }
 
 NcclTransportImpl::~NcclTransportImpl() {
@@ -1628,7 +1671,7 @@ absl::Status CheckSlotPlan(const planner::Plan& plan, int32_t R) {
   for (int32_t i = 0; i < R * plan.slots; ++i) {
     const int32_t e = plan.slot_expert[i];
     MOONEP_CHECK_ARG(e >= -1 && e < E, "plan: slot_expert[%d] = %d is not an expert", i, e);
-    MOONEP_CHECK_ARG(e < 0 || plan.home[e] != i / plan.slots,
+    MOONEP_CHECK_ARG(e < 0 || plan.home_replicas || plan.home[e] != i / plan.slots,
                      "plan: rank %d holds a replica of its own expert %d", i / plan.slots, e);
   }
   return absl::OkStatus();
@@ -1648,9 +1691,10 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartPrefetch(const planner::Plan&
   // The transfers, listed once on the host (pointers stay valid: the caller keeps the blocks).
   struct Transfer {
     bool send;
-    int peer;
+    int peer;  // -1: a local copy from `from` (a home-rank replica, plan.home_replicas)
     void* data;
     size_t bytes;
+    const void* from = nullptr;
   };
   std::vector<Transfer> transfers;
   std::vector<int> peers;
@@ -1660,6 +1704,14 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartPrefetch(const planner::Plan&
       if (e < 0) continue;
       const int32_t home = plan.home[e], g = plan.home_group[e];
       if (home != me && d != me) continue;
+      if (home == me && d == me) {
+        for (int32_t i = 0; i < nt; ++i) {
+          const TensorView& src = params.home[static_cast<size_t>(g) * nt + i];
+          const TensorView& dst = params.slots[static_cast<size_t>(sl) * nt + i];
+          transfers.push_back({false, -1, dst.data, src.nbytes(), src.data});
+        }
+        continue;
+      }
       for (int32_t i = 0; i < nt; ++i) {
         if (home == me) {
           const TensorView& src = params.home[static_cast<size_t>(g) * nt + i];
@@ -1677,7 +1729,9 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartPrefetch(const planner::Plan&
   auto op = NewOp(OpKind::kPrefetch, weights_stream_, peers);
   NcclOp* raw = op.get();
   for (const Transfer& t : transfers) {
-    if (t.send) {
+    if (t.peer < 0) {
+      ++raw->counters().rows_local;
+    } else if (t.send) {
       ++raw->counters().rows_sent;
       raw->counters().bytes_sent += static_cast<int64_t>(t.bytes);
       ++raw->counters().messages_sent;
@@ -1690,10 +1744,16 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartPrefetch(const planner::Plan&
   auto move = [=]() -> absl::Status {
     MOONEP_RETURN_IF_ERROR(WaitCaller(stream));
     if (transfers.empty()) return absl::OkStatus();
+    for (const Transfer& t : transfers) {
+      if (t.peer < 0 && t.bytes > 0) {
+        MOONEP_CUDA_RETURN_IF_ERROR(
+            cudaMemcpyAsync(t.data, t.from, t.bytes, cudaMemcpyDeviceToDevice, stream));
+      }
+    }
     absl::Status group;  // first enqueue error; the group is closed either way
     MOONEP_NCCL_RETURN_IF_ERROR(ncclGroupStart());
     for (const Transfer& t : transfers) {
-      if (t.bytes == 0) continue;
+      if (t.bytes == 0 || t.peer < 0) continue;
       if (t.send) {
         Keep(&group, ncclSend(t.data, t.bytes, ncclUint8, t.peer, weights_comm_, stream),
              "ncclSend");
@@ -1729,14 +1789,26 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartReduce(const planner::Plan& p
   };
   std::vector<Transfer> transfers;
   std::vector<int> peers;
-  // Incoming blocks per (home group, tensor), in increasing rank: the order of the sum.
-  std::vector<std::vector<size_t>> sources(static_cast<size_t>(epn) * nt);
+  // Incoming blocks per (home group, tensor), in increasing rank: the order of the sum. A source
+  // is an offset in the staging, or (home-rank replicas, plan.home_replicas) the slot itself.
+  struct Source {
+    size_t offset;
+    const void* direct;
+  };
+  std::vector<std::vector<Source>> sources(static_cast<size_t>(epn) * nt);
   size_t staging_bytes = 0;
   for (int32_t d = 0; d < R; ++d) {
     for (int32_t sl = 0; sl < S; ++sl) {
       const int32_t e = plan.slot_expert[static_cast<size_t>(d) * S + sl];
       if (e < 0) continue;
       const int32_t home = plan.home[e], g = plan.home_group[e];
+      if (home == d && d == me) {
+        for (int32_t i = 0; i < nt; ++i) {
+          sources[static_cast<size_t>(g) * nt + i].push_back(
+              {0, grads.slots[static_cast<size_t>(sl) * nt + i].data});
+        }
+        continue;
+      }
       if (home == d || (home != me && d != me)) continue;
       for (int32_t i = 0; i < nt; ++i) {
         if (d == me) {
@@ -1745,7 +1817,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartReduce(const planner::Plan& p
         } else {
           const TensorView& dst = grads.home[static_cast<size_t>(g) * nt + i];
           transfers.push_back({false, d, nullptr, staging_bytes, dst.nbytes()});
-          sources[static_cast<size_t>(g) * nt + i].push_back(staging_bytes);
+          sources[static_cast<size_t>(g) * nt + i].push_back({staging_bytes, nullptr});
           staging_bytes += (dst.nbytes() + 255) / 256 * 256;
         }
       }
@@ -1784,7 +1856,9 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartReduce(const planner::Plan& p
       const TensorView& home = grads.home[gi];
       sums.push_back(
           {home.data, home.dtype, home.numel(), at, static_cast<int32_t>(sources[gi].size())});
-      for (size_t offset : sources[gi]) table[at++] = reduce_staging_.get() + offset;
+      for (const Source& src : sources[gi]) {
+        table[at++] = src.direct != nullptr ? src.direct : reduce_staging_.get() + src.offset;
+      }
     }
   }
   auto op = NewOp(OpKind::kReduce, weights_stream_, peers);
@@ -1805,7 +1879,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartReduce(const planner::Plan& p
   const void* table_host = reduce_sources_host_.get();
   auto move = [=]() -> absl::Status {
     MOONEP_RETURN_IF_ERROR(WaitCaller(stream));
-    if (transfers.empty()) return absl::OkStatus();
+    if (transfers.empty() && sums.empty()) return absl::OkStatus();
     if (num_pointers > 0) {
       MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(const_cast<const void**>(table_dev), table_host,
                                                   num_pointers * sizeof(void*),
