@@ -34,7 +34,8 @@ class Planner {
   // max_load_before/after, replicas), and none of the pieces, layouts or row stats. Cost is
   // O(E log E + R * slots) per call after the first for a given Plan (alloc is cleared sparsely,
   // so pass the same Plan again, as filled by this library). Policies that look at per-source
-  // counts (fastermoe-shadow) assume each expert's tokens come evenly from all sources here.
+  // counts (fastermoe-shadow; moonep where it breaks a tie with moonep-greedy's decisions by
+  // travelling rows) assume each expert's tokens come evenly from all sources here.
   // Advances the eplb step counter exactly like MakePlan. On error `plan` is unspecified.
   absl::Status Decide(absl::Span<const int64_t> expert_totals, Plan* plan);
 
