@@ -64,6 +64,10 @@ struct PlannerConfig {
   // plan has Plan::home_replicas set; every other plan keeps the rule "no replica of an expert on
   // its home rank". Ignored by other policies and when num_ranks > 1.
   bool test_home_replicas = false;
+  // moonep: also run moonep-greedy on the same capacities and keep its decisions when they balance
+  // as well with fewer replicas, or as many and fewer travelling rows (a per-input guarantee that
+  // moonep is never worse than the published greedy; roughly doubles the policy's own time).
+  bool moonep_check_greedy = true;
 };
 
 struct PlanStats {

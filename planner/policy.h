@@ -105,6 +105,7 @@ struct PolicyScratch {
   std::vector<int64_t> by_expert_amount, by_expert_start, by_expert_end;
   std::vector<int32_t> touched;  // LocalRows: experts replicated in either decision set
   std::vector<char> touched_mark;
+  std::vector<int32_t> touched_index;
 };
 
 // Rows computed on their own source rank among the experts replicated in `a` or `b`, for each

@@ -106,34 +106,39 @@ void LocalRows(const PolicyInput& in, const Decisions& a, const Decisions& b, Po
   sc->touched_mark.resize(E, 0);  // all zero between calls
   sc->touched.clear();
   const Decisions* both[2] = {&a, &b};
+  int64_t* out[2] = {local_a, local_b};
+  // Index of touched experts.
+  std::vector<int32_t>& index = sc->touched_index;
+  index.resize(E);
   for (const Decisions* dec : both) {
     for (int32_t d = 0; d < R; ++d) {
       for (int32_t s = 0; s < dec->slots_used[d]; ++s) {
         const int32_t e = dec->slot_expert[static_cast<size_t>(d) * S + s];
         if (e >= 0 && !sc->touched_mark[e]) {
           sc->touched_mark[e] = 1;
+          index[e] = static_cast<int32_t>(sc->touched.size());
           sc->touched.push_back(e);
         }
       }
     }
   }
-  int64_t* out[2] = {local_a, local_b};
+  const int32_t T = static_cast<int32_t>(sc->touched.size());
   for (int k = 0; k < 2; ++k) {
     const Decisions& dec = *both[k];
     // Replicas of the touched experts, by expert then increasing rank (counting sort).
     std::vector<int32_t>& begin = sc->by_expert_begin;
-    begin.assign(static_cast<size_t>(E) + 1, 0);
+    begin.assign(static_cast<size_t>(T) + 1, 0);
     int32_t n = 0;
     for (int32_t d = 0; d < R; ++d) {
       for (int32_t s = 0; s < dec.slots_used[d]; ++s) {
         const int32_t e = dec.slot_expert[static_cast<size_t>(d) * S + s];
         if (e >= 0) {
-          ++begin[e + 1];
+          ++begin[index[e] + 1];
           ++n;
         }
       }
     }
-    for (int32_t e = 0; e < E; ++e) begin[e + 1] += begin[e];
+    for (int32_t t = 0; t < T; ++t) begin[t + 1] += begin[t];
     sc->by_expert_rank.resize(n);
     sc->by_expert_amount.resize(n);
     sc->by_expert_start.resize(n);
@@ -143,19 +148,19 @@ void LocalRows(const PolicyInput& in, const Decisions& a, const Decisions& b, Po
         const size_t i = static_cast<size_t>(d) * S + s;
         const int32_t e = dec.slot_expert[i];
         if (e < 0) continue;
-        const int32_t j = begin[e]++;
+        const int32_t j = begin[index[e]]++;
         sc->by_expert_rank[j] = d;
         sc->by_expert_amount[j] = dec.slot_amount[i];
       }
     }
-    for (int32_t e = E; e > 0; --e) begin[e] = begin[e - 1];
+    for (int32_t t = T; t > 0; --t) begin[t] = begin[t - 1];
     begin[0] = 0;
     int64_t local = 0;
-    for (int32_t e : sc->touched) {
-      const int32_t j = begin[e];
-      local += ExpertLocalRows(in, e, sc->by_expert_rank.data() + j, sc->by_expert_amount.data() + j,
-                               begin[e + 1] - j, sc->by_expert_start.data() + j,
-                               sc->by_expert_end.data() + j);
+    for (int32_t t = 0; t < T; ++t) {
+      const int32_t j = begin[t];
+      local += ExpertLocalRows(in, sc->touched[t], sc->by_expert_rank.data() + j,
+                               sc->by_expert_amount.data() + j, begin[t + 1] - j,
+                               sc->by_expert_start.data() + j, sc->by_expert_end.data() + j);
     }
     *out[k] = local;
   }

@@ -318,7 +318,7 @@ absl::Status DecideMoonEP(const PolicyInput& in, PolicyScratch* sc, Decisions* d
   if (R == 1 || c.slots == 0) return absl::OkStatus();
   BalancedCapacities(c, in.home_load, in.total, &sc->cap);
   if (TryAll(in, sc->cap, sc, dec)) {
-    KeepBetterOfGreedy(in, sc, dec);
+    if (c.moonep_check_greedy) KeepBetterOfGreedy(in, sc, dec);
     return absl::OkStatus();
   }
 

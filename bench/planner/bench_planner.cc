@@ -1,5 +1,6 @@
 // moonep-bench-planner: median time per plan for the shapes (Zipf 1.2 routing), for the
-// policies moonep, moonep-greedy and none, full plans (MakePlan) and decisions only (Decide).
+// policies moonep, moonep-greedy and none, full plans (MakePlan) and decisions only (Decide), and
+// moonep without its cross-check against moonep-greedy (moonep-nocheck).
 // After the Google Benchmark table it prints one summary row per shape with the median CPU time
 // (one thread; CPU time so that other processes on the machine do not count) and the ratio of
 // each policy's median to moonep-greedy's, measured in the same run.
@@ -52,8 +53,9 @@ std::vector<int64_t> ZipfCounts(const Shape& s, double exponent, uint64_t seed) 
   return counts;
 }
 
-void BM_Plan(benchmark::State& state, Shape shape, Policy policy, bool decide_only) {
+void BM_Plan(benchmark::State& state, Shape shape, Policy policy, bool decide_only, bool check) {
   PlannerConfig c;
+  c.moonep_check_greedy = check;
   c.num_ranks = shape.R;
   c.num_experts = shape.E;
   c.ranks_per_node = 8;
@@ -128,8 +130,8 @@ class RatioReporter : public benchmark::ConsoleReporter {
   }
   void Summary() const {
     std::printf("\nmedians (min over repetitions in brackets), CPU us per plan\n");
-    std::printf("%-18s %-8s %18s %18s %18s %14s %18s\n", "shape", "mode", "moonep_us", "greedy_us",
-                "none_us", "moonep/greedy", "sum_counts_us");
+    std::printf("%-18s %-8s %18s %18s %18s %18s %14s %18s\n", "shape", "mode", "moonep_us",
+                "moonep-nocheck_us", "greedy_us", "none_us", "moonep/greedy", "sum_counts_us");
     for (const Shape& s : kShapes) {
       for (const char* mode : {"plan", "decide"}) {
         auto find = [](const std::map<std::string, double>& m, const std::string& k) {
@@ -145,8 +147,9 @@ class RatioReporter : public benchmark::ConsoleReporter {
         const double m = find(times_us_, key + "moonep/" + s.name);
         const double g = find(times_us_, key + "moonep-greedy/" + s.name);
         if (std::isnan(m) && std::isnan(g)) continue;
-        std::printf("%-18s %-8s %18s %18s %18s %14.3f %18s\n", s.name, mode,
-                    cell(key + "moonep/" + s.name).c_str(), cell(key + "moonep-greedy/" + s.name).c_str(),
+        std::printf("%-18s %-8s %18s %18s %18s %18s %14.3f %18s\n", s.name, mode,
+                    cell(key + "moonep/" + s.name).c_str(), cell(key + "moonep-nocheck/" + s.name).c_str(),
+                    cell(key + "moonep-greedy/" + s.name).c_str(),
                     cell(key + "none/" + s.name).c_str(), m / g,
                     cell(std::string("sum_counts/") + s.name).c_str());
       }
@@ -177,12 +180,23 @@ int main(int argc, char** argv) {
     for (Policy p : {Policy::kMoonEP, Policy::kMoonEPGreedy, Policy::kNone}) {
       for (bool decide : {false, true}) {
         const std::string name = std::string(decide ? "decide/" : "plan/") + PolicyName(p) + "/" + s.name;
-        benchmark::RegisterBenchmark(name.c_str(), BM_Plan, s, p, decide)
+        benchmark::RegisterBenchmark(name.c_str(), BM_Plan, s, p, decide, true)
             ->Unit(benchmark::kMicrosecond)
             ->Repetitions(5)
             ->ComputeStatistics("min", MinOf)
             ->ReportAggregatesOnly(true);
       }
+    }
+  }
+  // moonep without its cross-check against moonep-greedy (PlannerConfig::moonep_check_greedy).
+  for (const Shape& s : kShapes) {
+    for (bool decide : {false, true}) {
+      const std::string name = std::string(decide ? "decide/" : "plan/") + "moonep-nocheck/" + s.name;
+      benchmark::RegisterBenchmark(name.c_str(), BM_Plan, s, Policy::kMoonEP, decide, false)
+          ->Unit(benchmark::kMicrosecond)
+          ->Repetitions(5)
+          ->ComputeStatistics("min", MinOf)
+          ->ReportAggregatesOnly(true);
     }
   }
   for (const Shape& s : kShapes) {
