@@ -1642,13 +1642,27 @@ UcxTransport::~UcxTransport() {
   for (ucp_rkey_h k : signal_rkeys_) {
     if (k) ucp_rkey_destroy(k);
   }
+  // Flush first, then close in flush mode (a force close purges pending wire-up messages, which
+  // UCX 1.13 asserts on over tcp: "got REQ message" in ucp_ep_purge_lanes). Only when every rank
+  // reached destruction; otherwise (a dead peer) a flush could not complete, so force.
+  if (barrier_done && worker_ != nullptr) {
+    ucp_request_param_t param;
+    std::memset(&param, 0, sizeof(param));
+    ucs_status_ptr_t r = ucp_worker_flush_nbx(worker_, &param);
+    if (r != nullptr && !UCS_PTR_IS_ERR(r)) {
+      while (ucp_request_check_status(r) == UCS_INPROGRESS && Clock::now() < until) {
+        ucp_worker_progress(worker_);
+      }
+      ucp_request_free(r);
+    }
+  }
   std::vector<void*> closing;
   for (ucp_ep_h ep : eps_) {
     if (ep == nullptr) continue;
     ucp_request_param_t param;
     std::memset(&param, 0, sizeof(param));
     param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    param.flags = barrier_done ? 0 : UCP_EP_CLOSE_FLAG_FORCE;
     ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &param);
     if (r != nullptr && !UCS_PTR_IS_ERR(r)) closing.push_back(r);
   }
