@@ -295,6 +295,10 @@ absl::Status Planner::MakePlan(absl::Span<const int64_t> counts, Plan* plan) {
   st.input.counts = counts.data();
   st.input.block_prefix = st.build.block_prefix.data();
   st.input.block_size = block;
+  st.input.block_shift = -1;
+  for (int32_t k = 0; k < 31; ++k) {
+    if ((int32_t{1} << k) == block) st.input.block_shift = k;
+  }
   MOONEP_RETURN_IF_ERROR(SumLoads(c, *plan, &st.input));
   MOONEP_RETURN_IF_ERROR(RunPolicy(c, st.input, &st.scratch, &st.decisions));
   EmitAlloc(c, st.decisions, plan);

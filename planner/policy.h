@@ -29,32 +29,35 @@ struct Decisions {
   int32_t SlotOf(int32_t rank, int32_t expert, int32_t slots) const;
 };
 
-// Largest value among n slots, ties to the lowest index, in O(1); Set is O(log n).
+// Largest value among n slots, ties to the lowest index, in O(1); Set is O(log n). Each node
+// holds its winner's (value, index), so an update compares adjacent pairs without indirection.
 struct MaxTree {
+  struct Node {
+    int64_t val;
+    int32_t idx;  // -1: empty
+  };
   int32_t leaves = 1;
-  std::vector<int64_t> val;
-  std::vector<int32_t> tree;
+  std::vector<Node> tree;
+  static Node Better(const Node& a, const Node& b) {
+    if (a.idx < 0) return b;
+    if (b.idx < 0) return a;
+    return b.val > a.val || (b.val == a.val && b.idx < a.idx) ? b : a;
+  }
   void Build(absl::Span<const int64_t> values) {
     const int32_t n = static_cast<int32_t>(values.size());
     leaves = 1;
     while (leaves < n) leaves *= 2;
-    val.assign(leaves, 0);
-    std::copy(values.begin(), values.end(), val.begin());
-    tree.assign(2 * static_cast<size_t>(leaves), -1);
-    for (int32_t i = 0; i < n; ++i) tree[leaves + i] = i;
+    tree.assign(2 * static_cast<size_t>(leaves), Node{0, -1});
+    for (int32_t i = 0; i < n; ++i) tree[leaves + i] = Node{values[i], i};
     for (int32_t v = leaves - 1; v >= 1; --v) tree[v] = Better(tree[2 * v], tree[2 * v + 1]);
   }
-  int32_t Better(int32_t a, int32_t b) const {
-    if (a < 0) return b;
-    if (b < 0) return a;
-    return val[b] > val[a] || (val[b] == val[a] && b < a) ? b : a;
-  }
   void Set(int32_t i, int64_t v) {
-    val[i] = v;
-    for (int32_t x = (leaves + i) / 2; x >= 1; x /= 2) tree[x] = Better(tree[2 * x], tree[2 * x + 1]);
+    int32_t x = leaves + i;
+    tree[x].val = v;
+    for (x /= 2; x >= 1; x /= 2) tree[x] = Better(tree[2 * x], tree[2 * x + 1]);
   }
   // Index of the largest value when it is > 0, else -1.
-  int32_t Top() const { return tree[1] >= 0 && val[tree[1]] > 0 ? tree[1] : -1; }
+  int32_t Top() const { return tree[1].idx >= 0 && tree[1].val > 0 ? tree[1].idx : -1; }
 };
 
 // Everything a policy may read. `counts` is null when only totals are known (Planner::Decide).
@@ -71,6 +74,7 @@ struct PolicyInput {
   // known: block_prefix[(x / block_size) * E + e] holds the sum before x's block).
   const int64_t* block_prefix = nullptr;
   int32_t block_size = 0;
+  int32_t block_shift = -1;  // log2(block_size) when it is a power of two
   int64_t Col(int32_t expert, int32_t x) const;
 };
 

@@ -48,7 +48,7 @@ int64_t PolicyInput::Col(int32_t expert, int32_t x) const {
     const int64_t t = totals[expert];
     return x * (t / R) + std::min<int64_t>(x, t % R);
   }
-  const int32_t b = x / block_size;
+  const int32_t b = block_shift >= 0 ? x >> block_shift : x / block_size;
   int64_t v = block_prefix[static_cast<size_t>(b) * E + expert];
   for (int32_t s = b * block_size; s < x; ++s) v += counts[static_cast<size_t>(s) * E + expert];
   return v;
@@ -62,15 +62,36 @@ int64_t Overlap(int64_t a0, int64_t a1, int64_t b0, int64_t b1) {
 
 // Local rows of expert e under decisions whose replicas of e are ranks[0..n) (increasing) with
 // amounts[0..n): the placement of FinalizeHolders.
+// One expert's column of counts: prefix over sources and single entries, without a 64-bit
+// division per look-up (an even split of the total when counts are unknown).
+struct Column {
+  const PolicyInput& in;
+  int32_t e;
+  int64_t q = 0, r = 0;  // even split: t / R, t % R
+  int64_t Col(int32_t x) const {
+    if (in.counts == nullptr || in.block_prefix == nullptr) return x * q + std::min<int64_t>(x, r);
+    return in.Col(e, x);
+  }
+  int64_t Count(int32_t s) const {
+    if (in.counts == nullptr) return q + (s < r ? 1 : 0);
+    return in.counts[static_cast<size_t>(s) * in.config->num_experts + e];
+  }
+};
+
 int64_t ExpertLocalRows(const PolicyInput& in, int32_t e, const int32_t* ranks, const int64_t* amounts,
                         int32_t n, int64_t* start, int64_t* end) {
   const int32_t h = in.plan->home[e];
   const int64_t N = in.totals[e];
-  const int64_t h0 = in.Col(e, h), h1 = h0 + in.Count(h, e);
+  Column col{in, e};
+  if (in.counts == nullptr) {
+    col.q = N / in.config->num_ranks;
+    col.r = N % in.config->num_ranks;
+  }
+  const int64_t h0 = col.Col(h), h1 = h0 + col.Count(h);
   if (n == 0) return h1 - h0;
   int64_t cursor = 0, local = 0;
   for (int32_t j = 0; j < n; ++j) {
-    start[j] = std::max(in.Col(e, ranks[j]), cursor);
+    start[j] = std::max(col.Col(ranks[j]), cursor);
     end[j] = start[j] + amounts[j];
     cursor = end[j];
   }
@@ -89,8 +110,8 @@ int64_t ExpertLocalRows(const PolicyInput& in, int32_t e, const int32_t* ranks, 
     if (d == h) {
       local += Overlap(start[j], end[j], h0, h1);
     } else {
-      const int64_t d0 = in.Col(e, d);
-      local += Overlap(start[j], end[j], d0, d0 + in.Count(d, e));
+      const int64_t d0 = col.Col(d);
+      local += Overlap(start[j], end[j], d0, d0 + col.Count(d));
     }
     pos = end[j];
   }
@@ -187,21 +208,31 @@ bool GreedyFill(const PolicyInput& in, absl::Span<const int64_t> cap, PolicyScra
   // The largest excess and room (ties: lowest rank) from tournament trees, O(log R) per move.
   sc->excess_tree.Build(sc->excess);
   sc->room_tree.Build(sc->room);
-  sc->order.resize(epn);
+  // Each overloaded group's experts, most remaining tokens first (ties by expert id), kept sorted
+  // across moves (only the group's own experts lose tokens, so an insertion pass restores it).
+  auto before = [&](int32_t a, int32_t b) {
+    const int64_t ka = dec->home_keep[a], kb = dec->home_keep[b];
+    return ka != kb ? ka > kb : a < b;
+  };
+  sc->order.resize(static_cast<size_t>(R) * epn);
+  for (int32_t r = 0; r < R; ++r) {
+    if (sc->excess[r] == 0) continue;
+    const int32_t* local = in.plan->local_experts.data() + static_cast<size_t>(r) * epn;
+    int32_t* ord = sc->order.data() + static_cast<size_t>(r) * epn;
+    std::copy(local, local + epn, ord);
+    std::sort(ord, ord + epn, before);
+  }
   while (true) {
     const int32_t h = sc->excess_tree.Top(), d = sc->room_tree.Top();
     if (h < 0) return true;
     if (d < 0) return false;
     int64_t quota = std::min(sc->excess[h], sc->room[d]);
-    // The group's experts, most remaining tokens first (ties by expert id).
-    const int32_t* local = in.plan->local_experts.data() + static_cast<size_t>(h) * epn;
-    std::copy(local, local + epn, sc->order.begin());
-    std::sort(sc->order.begin(), sc->order.end(), [&](int32_t a, int32_t b) {
-      const int64_t ka = dec->home_keep[a], kb = dec->home_keep[b];
-      return ka != kb ? ka > kb : a < b;
-    });
+    int32_t* ord = sc->order.data() + static_cast<size_t>(h) * epn;
+    for (int32_t i = 1; i < epn; ++i) {  // insertion pass: restores the order after the last move
+      for (int32_t j = i; j > 0 && before(ord[j], ord[j - 1]); --j) std::swap(ord[j], ord[j - 1]);
+    }
     for (int32_t i = 0; i < epn && quota > 0; ++i) {
-      const int32_t e = sc->order[i];
+      const int32_t e = ord[i];
       const int64_t a = std::min(quota, dec->home_keep[e]);
       if (a <= 0) break;
       if (!dec->Move(d, e, a, S)) {
