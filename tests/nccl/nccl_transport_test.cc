@@ -26,6 +26,7 @@
 #include "moonep/reference/reference_moe.h"
 #include "planner/planner.h"
 #include "tests/harness/mpi_test.h"
+#include "tests/transport/plan_kinds.h"
 #include "tests/transport/transport_test_util.h"
 #include "transport/testing_hooks.h"
 #include "transport/transport.h"
@@ -109,28 +110,14 @@ class NcclTest : public moonep::testing::MpiTest {
   }
 };
 
-absl::Status MakePlanOfKind(const std::string& kind, const Problem& p, uint64_t seed,
-                            planner::Plan* plan) {
-  if (kind == "home" || kind == "random") {
-    return test::MakeRandomPlan(kind, p, seed, kind == "home" ? 0 : 2, 2, plan);
-  }
-  planner::PlannerConfig c;
-  c.num_ranks = p.R;
-  c.num_experts = p.E;
-  c.pad_multiple = 2;
-  if (!planner::ParsePolicy(kind, &c.policy)) return absl::InvalidArgumentError(kind);
-  auto made = planner::Planner::Create(c);
-  if (!made.ok()) return made.status();
-  return (*made)->MakePlan(p.counts, plan);
+// One GPU has no peer: test-force-replicas then replicates the rank's own experts into its slots
+// (home-rank replicas), so prefetch and reduce run with one rank too.
+absl::Status PlanOfKind(const std::string& kind, const Problem& p, uint64_t seed,
+                        planner::Plan* plan) {
+  return test::MakePlanOfKind(kind, p, seed, plan, /*home_replicas=*/true);
 }
-
-float Scale(int32_t e) { return 1.0f + 0.25f * static_cast<float>(e % 5); }
-
-int64_t CapacityRows(const Problem& p, int32_t groups, int32_t pad) {
-  int64_t total = 0;
-  for (int32_t r = 0; r < p.R; ++r) total += p.T[r] * p.K;
-  return total + static_cast<int64_t>(groups) * pad;
-}
+using test::CapacityRows;
+using test::Scale;
 
 std::string ParamName(const ::testing::TestParamInfo<std::string>& info) {
   std::string name = info.param;
@@ -151,7 +138,7 @@ TEST_P(NcclRowsTest, ForwardAndBackwardMatchBruteForceAndFp64) {
   const int32_t R = size(), me = rank();
   const Problem p = MakeProblem(R, 2 * R, std::min(3, 2 * R), 8, 12, 31, R > 2 ? 1 : -1);
   planner::Plan plan;
-  ASSERT_TRUE(MakePlanOfKind(GetParam(), p, 31, &plan).ok());
+  ASSERT_TRUE(PlanOfKind(GetParam(), p, 31, &plan).ok());
   const int32_t E = p.E, K = p.K;
   const int64_t H = p.H, T = p.T[me];
   const int64_t cap = CapacityRows(p, plan.num_groups(), plan.pad_multiple);
@@ -313,7 +300,7 @@ TEST_P(NcclReferenceTest, ForwardAndTopkWeightGradMatchReferenceLayer) {
     }
   }
   planner::Plan plan;
-  ASSERT_TRUE(MakePlanOfKind(GetParam(), p, 9, &plan).ok());
+  ASSERT_TRUE(PlanOfKind(GetParam(), p, 9, &plan).ok());
   auto t = MakeTransport(p.max_tokens(), p.K, H * 4);
   ASSERT_NE(t, nullptr);
 
@@ -417,7 +404,7 @@ class NcclWeightsTest : public NcclTest, public ::testing::WithParamInterface<st
     if (IsSkipped()) return;
     const int32_t R = size();
     p_ = MakeProblem(R, 2 * R, std::min(2, 2 * R), 1, 20, 23, -1);
-    ASSERT_TRUE(MakePlanOfKind(GetParam(), p_, 23, &plan_).ok());
+    ASSERT_TRUE(PlanOfKind(GetParam(), p_, 23, &plan_).ok());
     t_ = MakeTransport(p_.max_tokens(), p_.K, 4);
     ASSERT_NE(t_, nullptr);
     const int32_t blocks = plan_.experts_per_rank + plan_.slots;
@@ -474,10 +461,11 @@ TEST_P(NcclWeightsTest, PrefetchMakesEverySlotBitwiseEqualToItsHome) {
   Fill([&](int32_t b, int k, int32_t j) { return b < epn ? value(BlockExpert(b), k, j) : -2.0f; });
   absl::Status st = t_->Prefetch(plan_, View());
   ASSERT_TRUE(st.ok()) << st;
-  int replicas = 0;
+  int replicas = 0, local = 0;  // local: home-rank replicas (one-rank test plans), copied here
   for (int32_t s = 0; s < plan_.slots; ++s) {
     const int32_t e = BlockExpert(epn + s);
-    replicas += e >= 0;
+    replicas += e >= 0 && plan_.home[e] != rank();
+    local += e >= 0 && plan_.home[e] == rank();
     for (int k = 0; k < 2; ++k) {
       for (int32_t j = 0; j < (k == 0 ? 24 : 5); ++j) {
         const float want =
@@ -488,6 +476,10 @@ TEST_P(NcclWeightsTest, PrefetchMakesEverySlotBitwiseEqualToItsHome) {
     }
   }
   EXPECT_EQ(t_->counters(OpKind::kPrefetch).rows_received, replicas * 2);
+  EXPECT_EQ(t_->counters(OpKind::kPrefetch).rows_local, local * 2);
+  if (size() == 1 && GetParam() == "test-force-replicas") {
+    EXPECT_GT(local, 0) << "the one-rank test plan should fill this rank's slots";
+  }
 }
 
 TEST_P(NcclWeightsTest, ReduceSumsContributionsExactlyAndReproducibly) {
@@ -538,8 +530,8 @@ TEST_F(NcclTest, TwoDispatchesAndAPrefetchInFlightWaitedInReverseOrder) {
   const Problem a = MakeProblem(R, 2 * R, std::min(2, 2 * R), 4, 9, 51, -1);
   const Problem b = MakeProblem(R, 2 * R, std::min(2, 2 * R), 4, 7, 52, -1);
   planner::Plan plan_a, plan_b;
-  ASSERT_TRUE(MakePlanOfKind("random", a, 3, &plan_a).ok());
-  ASSERT_TRUE(MakePlanOfKind("random", b, 4, &plan_b).ok());
+  ASSERT_TRUE(PlanOfKind("random", a, 3, &plan_a).ok());
+  ASSERT_TRUE(PlanOfKind("random", b, 4, &plan_b).ok());
   auto t = MakeTransport(std::max(a.max_tokens(), b.max_tokens()), a.K, a.H * 4);
   ASSERT_NE(t, nullptr);
   const int64_t H = a.H;

@@ -14,9 +14,10 @@
 namespace moonep::transport::test {
 
 // A plan of one kind for the problem: "home" (no replicas) or "random" (random replicas and
-// splits), else a planner policy by name (pad multiple 2).
+// splits), else a planner policy by name (pad multiple 2). home_replicas: the one-rank mode of
+// test-force-replicas (replica slots on the experts' own home rank), for backends that support it.
 inline absl::Status MakePlanOfKind(const std::string& kind, const Problem& p, uint64_t seed,
-                                   planner::Plan* plan) {
+                                   planner::Plan* plan, bool home_replicas = false) {
   if (kind == "home" || kind == "random") {
     return MakeRandomPlan(kind, p, seed, kind == "home" ? 0 : 2, 2, plan);
   }
@@ -24,6 +25,7 @@ inline absl::Status MakePlanOfKind(const std::string& kind, const Problem& p, ui
   c.num_ranks = p.R;
   c.num_experts = p.E;
   c.pad_multiple = 2;
+  c.test_home_replicas = home_replicas;
   if (!planner::ParsePolicy(kind, &c.policy)) return absl::InvalidArgumentError(kind);
   auto made = planner::Planner::Create(c);
   if (!made.ok()) return made.status();

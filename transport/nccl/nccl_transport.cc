@@ -23,6 +23,7 @@
 #include "moonep/core/logging.h"
 #include "moonep/core/status.h"
 #include "planner/plan_builder.h"
+#include "transport/common/host_checks.h"
 #include "transport/layout.h"
 #include "transport/nccl/nccl_kernels.h"
 #include "transport/nccl/nccl_tables.h"
@@ -1653,36 +1654,13 @@ absl::Status NcclTransportImpl::CheckBlocks(const planner::Plan& plan, const Exp
   return absl::OkStatus();
 }
 
-// Agreed plan checks for the weight operations (the plan is identical on every rank).
-absl::Status CheckSlotPlan(const planner::Plan& plan, int32_t R) {
-  MOONEP_CHECK_ARG(plan.num_ranks == R, "plan is for %d ranks, the transport has %d",
-                   plan.num_ranks, R);
-  const int32_t E = plan.num_experts;
-  MOONEP_CHECK_ARG(E >= 1 && plan.slots >= 0 && plan.experts_per_rank * R == E &&
-                       plan.home.size() == static_cast<size_t>(E) &&
-                       plan.home_group.size() == static_cast<size_t>(E) &&
-                       plan.slot_expert.size() == static_cast<size_t>(R) * plan.slots,
-                   "plan: array sizes do not match its ranks, experts and slots");
-  for (int32_t e = 0; e < E; ++e) {
-    MOONEP_CHECK_ARG(plan.home[e] >= 0 && plan.home[e] < R && plan.home_group[e] >= 0 &&
-                         plan.home_group[e] < plan.experts_per_rank,
-                     "plan: home of expert %d is invalid", e);
-  }
-  for (int32_t i = 0; i < R * plan.slots; ++i) {
-    const int32_t e = plan.slot_expert[i];
-    MOONEP_CHECK_ARG(e >= -1 && e < E, "plan: slot_expert[%d] = %d is not an expert", i, e);
-    MOONEP_CHECK_ARG(e < 0 || plan.home_replicas || plan.home[e] != i / plan.slots,
-                     "plan: rank %d holds a replica of its own expert %d", i / plan.slots, e);
-  }
-  return absl::OkStatus();
-}
-
 absl::StatusOr<RequestPtr> NcclTransportImpl::StartPrefetch(const planner::Plan& plan,
                                                             const ExpertBlocks& params) {
   MOONEP_RETURN_IF_ERROR(Usable());
   DeviceGuard guard(device_);
   if (testing::ShouldSkip(rank_, OpKind::kPrefetch)) return RequestPtr(new DoneRequest());
-  MOONEP_RETURN_IF_ERROR(Annotate(CheckSlotPlan(plan, size_), "prefetch"));
+  MOONEP_RETURN_IF_ERROR(
+      Annotate(common::CheckSlotPlan(plan, size_, /*home_replicas_supported=*/true), "prefetch"));
   {
     absl::Status s = CheckBlocks(plan, params, "params");
     if (!s.ok()) return Fatal(Annotate(s, "prefetch"));
@@ -1773,7 +1751,8 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartReduce(const planner::Plan& p
   MOONEP_RETURN_IF_ERROR(Usable());
   DeviceGuard guard(device_);
   if (testing::ShouldSkip(rank_, OpKind::kReduce)) return RequestPtr(new DoneRequest());
-  MOONEP_RETURN_IF_ERROR(Annotate(CheckSlotPlan(plan, size_), "reduce"));
+  MOONEP_RETURN_IF_ERROR(
+      Annotate(common::CheckSlotPlan(plan, size_, /*home_replicas_supported=*/true), "reduce"));
   {
     absl::Status s = CheckBlocks(plan, grads, "grads");
     if (!s.ok()) return Fatal(Annotate(s, "reduce"));
