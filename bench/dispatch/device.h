@@ -2,6 +2,8 @@
 // runner compiles without CUDA (MOONEP_BENCH_WITH_NCCL off: every call fails with Unavailable).
 #pragma once
 
+#include <mpi.h>
+
 #include <cstddef>
 #include <string>
 
@@ -15,6 +17,8 @@ int DeviceCount();
 absl::Status SelectDevice(int device);
 // Waits for all work queued on the current device.
 absl::Status DeviceSynchronize();
+// The current device's index (-1 when none).
+int CurrentDevice();
 // A description of the current device ("NVIDIA H200, device 0"), for the run header.
 std::string DeviceName();
 
@@ -34,6 +38,8 @@ class DeviceBuffer {
   absl::Status Allocate(size_t bytes);  // at least one byte, so the pointer is never null
   absl::Status Upload(const void* host, size_t bytes);  // synchronous
   absl::Status Download(void* host, size_t bytes) const;  // synchronous
+  // `bytes` from byte `offset` of the buffer into host, synchronous.
+  absl::Status DownloadRange(size_t offset, void* host, size_t bytes) const;
   absl::Status Fill(unsigned char byte);                  // every byte, synchronous
   void* get() const { return ptr_; }
   size_t bytes() const { return bytes_; }
@@ -42,6 +48,27 @@ class DeviceBuffer {
  private:
   void* ptr_ = nullptr;
   size_t bytes_ = 0;
+};
+
+// The raw NCCL all-to-all baseline: its own ncclComm_t over the ranks of an MPI communicator
+// (ncclUniqueId broadcast over MPI, ncclCommInitRank) and its own stream. Exchange moves
+// count[p] units of `unit` bytes from send + displ[p] units to peer p with one grouped
+// ncclSend/ncclRecv round, and returns when the stream has finished it.
+class DeviceAlltoall {
+ public:
+  DeviceAlltoall() = default;
+  DeviceAlltoall(const DeviceAlltoall&) = delete;
+  DeviceAlltoall& operator=(const DeviceAlltoall&) = delete;
+  ~DeviceAlltoall();
+
+  absl::Status Init(MPI_Comm comm);  // collective over comm; the rank's GPU must be current
+  absl::Status Exchange(const void* send, const int* send_count, const int* send_displ, void* recv,
+                        const int* recv_count, const int* recv_displ, size_t unit);
+
+ private:
+  void* comm_ = nullptr;    // ncclComm_t
+  void* stream_ = nullptr;  // cudaStream_t
+  int size_ = 0;
 };
 
 }  // namespace moonep::bench

@@ -65,6 +65,12 @@ double Ratio(const ConfigResult& r, const std::string& op, const std::string& im
   return a->median_us / b->median_us;
 }
 
+// The all-to-all baseline's impl: MPI_Alltoallv on the host backends, grouped
+// ncclSend/ncclRecv of the same rows on nccl.
+static std::string A2aImpl(const ConfigResult& r) {
+  return r.config.backend == "nccl" ? "nccl-a2a" : "a2av";
+}
+
 void PrintRunHeader(const RunInfo& info, std::FILE* out) {
   std::fprintf(out, "# moonep-bench-dispatch: %d ranks on %d host(s), backends built: %s\n",
                info.num_ranks, info.num_hosts, absl::StrJoin(info.backends, ",").c_str());
@@ -77,7 +83,8 @@ void PrintRunHeader(const RunInfo& info, std::FILE* out) {
                "# algbw = size / time; busbw = algbw * (R-1)/R for counts, dispatch, combine; "
                "busiest rank's bytes / time for prefetch, reduce (docs/benchmarks-dispatch.md)\n"
                "# t/none, t/a2av: median time over the same operation with policy none / "
-               "MPI_Alltoallv of the same payload (< 1: faster)\n");
+               "MPI_Alltoallv of the same payload (nccl: nccl-a2a, grouped ncclSend/ncclRecv of "
+               "it) (< 1: faster)\n");
 }
 
 void PrintConfig(const ConfigResult& r, int32_t index, int32_t total, std::FILE* out) {
@@ -98,6 +105,7 @@ void PrintConfig(const ConfigResult& r, int32_t index, int32_t total, std::FILE*
                "size(B)", "count", "type", "time(us)", "p99(us)", "algbw(GB/s)", "busbw(GB/s)",
                "#wrong", "t/none", "t/a2av");
   const std::string pol = PolicyOf(r);
+  const std::string a2a = A2aImpl(r);
   for (const OpResult& o : r.ops) {
     std::string time = "-", p99 = "-", alg = "-", bus = "-", vs_none = "-", vs_a2a = "-";
     if (o.wrong == 0) {  // a wrong result never prints as a figure
@@ -107,12 +115,12 @@ void PrintConfig(const ConfigResult& r, int32_t index, int32_t total, std::FILE*
         alg = absl::StrFormat("%.3f", o.algbw_gbps);
         bus = absl::StrFormat("%.3f", o.busbw_gbps);
       }
-      if (o.impl != "none" && o.impl != "a2av") {
+      if (o.impl != "none" && o.impl != a2a) {
         const double rn = Ratio(r, o.op, o.impl, "none");
         if (rn > 0) vs_none = absl::StrFormat("%.2f", rn);
       }
-      if (o.impl != "a2av") {
-        const double ra = Ratio(r, o.op, o.impl, "a2av");
+      if (o.impl != a2a) {
+        const double ra = Ratio(r, o.op, o.impl, a2a);
         if (ra > 0) vs_a2a = absl::StrFormat("%.2f", ra);
       }
     }
@@ -122,10 +130,10 @@ void PrintConfig(const ConfigResult& r, int32_t index, int32_t total, std::FILE*
                  static_cast<long>(o.wrong), vs_none.c_str(), vs_a2a.c_str());
   }
   const std::vector<std::string> dc = {"dispatch", "combine"};
-  const double m = SumMedian(r, dc, pol), n = SumMedian(r, dc, "none"), a = SumMedian(r, dc, "a2av");
+  const double m = SumMedian(r, dc, pol), n = SumMedian(r, dc, "none"), a = SumMedian(r, dc, a2a);
   std::string line = absl::StrFormat("#   => dispatch+combine: %s %.1f us", pol, m);
   if (m > 0 && n > 0) absl::StrAppendFormat(&line, ", none %.1f us (x%.2f)", n, m / n);
-  if (m > 0 && a > 0) absl::StrAppendFormat(&line, ", a2av %.1f us (x%.2f)", a, m / a);
+  if (m > 0 && a > 0) absl::StrAppendFormat(&line, ", %s %.1f us (x%.2f)", a2a, a, m / a);
   const std::vector<std::string> layer = {"layer-fwd", "layer-bwd"};
   const double lm = SumMedian(r, layer, pol), ln = SumMedian(r, layer, "none");
   if (lm > 0) {
@@ -207,8 +215,8 @@ std::string ToJson(const RunInfo& info, const std::vector<ConfigResult>& results
           o.dedup_rows_max,
           Ratio(r, o.op, o.impl, "none") > 0 && o.impl != "none"
               ? JsonNumber(Ratio(r, o.op, o.impl, "none")) : std::string("null"),
-          Ratio(r, o.op, o.impl, "a2av") > 0 && o.impl != "a2av"
-              ? JsonNumber(Ratio(r, o.op, o.impl, "a2av")) : std::string("null"),
+          Ratio(r, o.op, o.impl, A2aImpl(r)) > 0 && o.impl != A2aImpl(r)
+              ? JsonNumber(Ratio(r, o.op, o.impl, A2aImpl(r))) : std::string("null"),
           absl::StrJoin(iters, ", "));
     }
     s += "]}";

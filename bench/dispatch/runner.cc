@@ -109,7 +109,9 @@ class Runner {
   absl::Status Iteration(bool record);
   absl::Status TransportPipeline(bool measured, bool record);
   absl::Status A2aPipeline(bool record);
+  absl::Status NcclA2aPipeline(bool record);
   absl::Status LayerStep(bool measured, bool record);
+  absl::Status LayerStepDevice(bool measured, bool record);
 
   int64_t CheckDispatch(const planner::Plan& plan, absl::Span<const int64_t> counts,
                         const char* rows, const float* weights);
@@ -169,8 +171,10 @@ class Runner {
   size_t ds_ = 4, row_bytes_ = 0;
   bool run_none_ = false;  // policy none as a separate baseline
   bool device_ = false;    // nccl backend: every transport buffer in device memory
-  bool a2a_ = false;       // the MPI_Alltoallv baseline (host memory: not with device_)
-  bool layer_ = false;     // the MoeLayer steps (the runtime runs on host memory: not with device_)
+  bool a2a_ = false;       // the all-to-all baseline: MPI_Alltoallv, or with device_ grouped
+                           // ncclSend/ncclRecv of the same per-destination rows (impl nccl-a2a)
+  bool layer_ = false;     // the MoeLayer steps (with device_: device cuda, GPU buffers)
+  std::string a2a_impl_ = "a2av";
   Routing routing_;
   std::vector<int64_t> offsets_;
 
@@ -225,6 +229,10 @@ class Runner {
   std::vector<int32_t> a2a_where_;       // its inverse: the send row of entry t * K + k
   std::vector<char> a2a_send_, a2a_recv_;
   std::vector<int64_t> a2a_recv_src_, a2a_recv_token_;
+  // Its NCCL form (device_): own communicator; the send rows packed once at setup (not timed).
+  DeviceAlltoall nccl_a2a_;
+  DeviceBuffer d_a2a_send_, d_a2a_recv_, d_a2a_back_;
+  std::vector<char> a2a_back_;
 
   // Layers.
   std::unique_ptr<runtime::MoeLayer> layer_measured_, layer_none_;
@@ -234,6 +242,12 @@ class Runner {
   std::vector<float> dtopk_;
   int64_t sample_ = 0;  // checked tokens 0 .. sample_-1
   std::vector<double> y_ref_, dx_ref_, dtopk_ref_;
+  // Device twins of the layer's tensors (device_): gradients, dy, dx, d topk_weights; x, ids and
+  // topk weights are d_x_, d_ids_, d_topk_w_ and y is d_y_. y of the measured policy is kept to
+  // compare with policy none's.
+  DeviceBuffer d_gbuf_measured_, d_gbuf_none_, d_dy_, d_dx_, d_dtopk_;
+  std::vector<char> y_measured_;
+  bool have_y_measured_ = false;
   double tol_ = 1e-5;
 
   std::map<std::string, Series> series_;
@@ -258,8 +272,9 @@ absl::Status Runner::Setup() {
   row_bytes_ = static_cast<size_t>(H_) * ds_;
   run_none_ = c_.baselines && c_.policy != planner::Policy::kNone;
   device_ = c_.backend == "nccl";
-  a2a_ = c_.baselines && !device_;
-  layer_ = c_.layer && !device_;
+  a2a_ = c_.baselines;
+  layer_ = c_.layer;
+  a2a_impl_ = device_ ? "nccl-a2a" : "a2av";
   tol_ = c_.dtype == DType::kFloat32 ? 1e-5 : 1e-2;
 
   RoutingSpec spec;
@@ -570,6 +585,20 @@ absl::Status Runner::SetupA2a() {
   }
   for (int32_t s = 1; s < R_; ++s) a2a_rdispl_[s] = a2a_rdispl_[s - 1] + a2a_rcount_[s - 1];
   a2a_recv_.resize(std::max<size_t>(a2a_recv_src_.size(), 1) * row_bytes_);
+  if (device_) {
+    // The NCCL form sends the same rows, packed by destination once here (as nccl-tests'
+    // alltoall, the timed region is the exchange alone), over its own NCCL communicator.
+    for (size_t i = 0; i < a2a_send_entry_.size(); ++i) {
+      std::memcpy(a2a_send_.data() + i * row_bytes_,
+                  x_.data() + static_cast<size_t>(a2a_send_entry_[i] / K_) * row_bytes_, row_bytes_);
+    }
+    a2a_back_.resize(a2a_send_.size());
+    MOONEP_RETURN_IF_ERROR(d_a2a_send_.Allocate(a2a_send_.size()));
+    MOONEP_RETURN_IF_ERROR(d_a2a_send_.Upload(a2a_send_.data(), a2a_send_.size()));
+    MOONEP_RETURN_IF_ERROR(d_a2a_recv_.Allocate(a2a_recv_.size()));
+    MOONEP_RETURN_IF_ERROR(d_a2a_back_.Allocate(a2a_send_.size()));
+    MOONEP_RETURN_IF_ERROR(nccl_a2a_.Init(comm_));
+  }
   return absl::OkStatus();
 }
 
@@ -587,24 +616,38 @@ absl::Status Runner::SetupLayers() {
   lc.max_recv_rows = capacity_;
   lc.num_threads = c_.threads;
   const size_t expert_elems = 3 * param_elems_[0];
-  gbuf_measured_.assign(static_cast<size_t>(epn_) * expert_elems, 0.0f);
-  if (run_none_) gbuf_none_.assign(gbuf_measured_.size(), 0.0f);
+  const size_t gbuf_elems = static_cast<size_t>(epn_) * expert_elems;
+  if (device_) {
+    // Device cuda: the CUDA executor and the NCCL transport on this rank's GPU; every tensor the
+    // layer sees is device memory, allocated (and uploaded) here once. The weights are the home
+    // blocks SetupDevice uploaded (home_w_views_ point there).
+    lc.device = Device::kCuda;
+    lc.device_index = CurrentDevice();
+    lc.transport = "nccl";
+    MOONEP_RETURN_IF_ERROR(d_gbuf_measured_.Allocate(gbuf_elems * sizeof(float)));
+    if (run_none_) MOONEP_RETURN_IF_ERROR(d_gbuf_none_.Allocate(gbuf_elems * sizeof(float)));
+  } else {
+    gbuf_measured_.assign(gbuf_elems, 0.0f);
+    if (run_none_) gbuf_none_.assign(gbuf_elems, 0.0f);
+  }
+  const Device where = device_ ? Device::kCuda : Device::kCpu;
   for (int32_t g = 0; g < epn_; ++g) {
     compute::ExpertParams w, gm, gn;
     w.gate = home_w_views_[g * kParams + 0];
     w.up = home_w_views_[g * kParams + 1];
     w.down = home_w_views_[g * kParams + 2];
     layer_params_.push_back(w);
-    auto grads = [&](std::vector<float>& buf) {
+    auto grads = [&](std::vector<float>& buf, DeviceBuffer& dev) {
       compute::ExpertParams p;
-      float* base = buf.data() + static_cast<size_t>(g) * expert_elems;
-      p.gate = TensorView::Contiguous(base, DType::kFloat32, {H_, I_});
-      p.up = TensorView::Contiguous(base + param_elems_[0], DType::kFloat32, {H_, I_});
-      p.down = TensorView::Contiguous(base + 2 * param_elems_[0], DType::kFloat32, {I_, H_});
+      float* base = (device_ ? static_cast<float*>(dev.get()) : buf.data()) +
+                    static_cast<size_t>(g) * expert_elems;
+      p.gate = TensorView::Contiguous(base, DType::kFloat32, {H_, I_}, where);
+      p.up = TensorView::Contiguous(base + param_elems_[0], DType::kFloat32, {H_, I_}, where);
+      p.down = TensorView::Contiguous(base + 2 * param_elems_[0], DType::kFloat32, {I_, H_}, where);
       return p;
     };
-    grads_measured_.push_back(grads(gbuf_measured_));
-    if (run_none_) grads_none_.push_back(grads(gbuf_none_));
+    grads_measured_.push_back(grads(gbuf_measured_, d_gbuf_measured_));
+    if (run_none_) grads_none_.push_back(grads(gbuf_none_, d_gbuf_none_));
   }
   lc.policy = c_.policy;
   MOONEP_ASSIGN_OR_RETURN(layer_measured_, runtime::MoeLayer::Create(rt_, lc));
@@ -622,6 +665,13 @@ absl::Status Runner::SetupLayers() {
       StoreFromFloat(dy_.data(), c_.dtype, static_cast<size_t>(t * H_ + col),
                      GradValue(rank_, t, col));
     }
+  }
+  if (device_) {
+    MOONEP_RETURN_IF_ERROR(d_dy_.Allocate(dy_.size()));
+    MOONEP_RETURN_IF_ERROR(d_dy_.Upload(dy_.data(), dy_.size()));
+    MOONEP_RETURN_IF_ERROR(d_dx_.Allocate(dx_.size()));
+    MOONEP_RETURN_IF_ERROR(d_dtopk_.Allocate(dtopk_.size() * sizeof(float)));
+    y_measured_.resize(y_.size());
   }
 
   // The fp64 reference on the first check_tokens tokens: one single-expert problem per (t, k).
@@ -933,7 +983,132 @@ absl::Status Runner::A2aPipeline(bool record) {
   return absl::OkStatus();
 }
 
+absl::Status Runner::NcclA2aPipeline(bool record) {
+  // The same rows as the MPI_Alltoallv baseline (per-destination counts of SetupA2a), moved by
+  // one grouped ncclSend/ncclRecv round on device buffers, no planning, no dedup.
+  MOONEP_RETURN_IF_ERROR(d_a2a_recv_.Fill(0xff));
+  MOONEP_RETURN_IF_ERROR(Timed("dispatch/" + a2a_impl_, record, [&] {
+    return nccl_a2a_.Exchange(d_a2a_send_.get(), a2a_scount_.data(), a2a_sdispl_.data(),
+                              d_a2a_recv_.get(), a2a_rcount_.data(), a2a_rdispl_.data(),
+                              row_bytes_);
+  }));
+  MOONEP_RETURN_IF_ERROR(
+      d_a2a_recv_.Download(a2a_recv_.data(), a2a_recv_src_.size() * row_bytes_));
+  {
+    int64_t wrong = 0;
+    std::vector<char> expect(row_bytes_);
+    for (size_t i = 0; i < a2a_recv_src_.size(); ++i) {
+      const uint64_t key = TokenKey(static_cast<int32_t>(a2a_recv_src_[i]), a2a_recv_token_[i]);
+      for (int64_t col = 0; col < H_; ++col) {
+        StoreFromFloat(expect.data(), c_.dtype, static_cast<size_t>(col), TokenValueOfKey(key, col));
+      }
+      if (std::memcmp(expect.data(), a2a_recv_.data() + i * row_bytes_, row_bytes_) != 0) ++wrong;
+    }
+    Count("dispatch/" + a2a_impl_, wrong, static_cast<int64_t>(a2a_recv_src_.size()));
+  }
+  // Combine: the rows back by the reverse exchange (the weighted sum is not part of this
+  // baseline); every row must come back to its send position unchanged.
+  MOONEP_RETURN_IF_ERROR(d_a2a_back_.Fill(0xff));
+  MOONEP_RETURN_IF_ERROR(Timed("combine/" + a2a_impl_, record, [&] {
+    return nccl_a2a_.Exchange(d_a2a_recv_.get(), a2a_rcount_.data(), a2a_rdispl_.data(),
+                              d_a2a_back_.get(), a2a_scount_.data(), a2a_sdispl_.data(),
+                              row_bytes_);
+  }));
+  MOONEP_RETURN_IF_ERROR(d_a2a_back_.Download(a2a_back_.data(), a2a_back_.size()));
+  MaybeCorrupt("combine", a2a_back_.data(), a2a_back_.size());
+  Count("combine/" + a2a_impl_,
+        CountWrongRows(a2a_back_.data(), a2a_send_.data(), T_ * K_, row_bytes_), T_ * K_);
+  return absl::OkStatus();
+}
+
+absl::Status Runner::LayerStepDevice(bool measured, bool record) {
+  // The layer on device memory (device cuda): inputs uploaded once, outputs poisoned on the
+  // device before each step and copied back after it (outside the timed region). The legacy
+  // default stream is the caller's stream; the device is synchronised inside the timed region.
+  runtime::MoeLayer* layer = measured ? layer_measured_.get() : layer_none_.get();
+  DeviceBuffer& gbuf = measured ? d_gbuf_measured_ : d_gbuf_none_;
+  const TensorView x = Matrix(d_x_.get(), T_, H_);
+  const TensorView y = Matrix(d_y_.get(), T_, H_);
+  const size_t entries = static_cast<size_t>(T_ * K_);
+  const absl::Span<const int32_t> ids(static_cast<const int32_t*>(d_ids_.get()), entries);
+  const absl::Span<const float> topk_w(static_cast<const float*>(d_topk_w_.get()), entries);
+  MOONEP_RETURN_IF_ERROR(d_y_.Fill(0xff));
+  runtime::LayerHandle handle;
+  MOONEP_RETURN_IF_ERROR(Timed(Key("layer-fwd", measured), record, [&]() -> absl::Status {
+    auto h = layer->Forward(T_, x, ids, topk_w, y, nullptr);
+    if (!h.ok()) return h.status();
+    handle = *h;
+    return DeviceSynchronize();
+  }));
+  // y: the first sample_ tokens against the fp64 reference; with policy none in the run, the
+  // whole y of the measured policy against none's (same inputs and weights: equal to tolerance).
+  MOONEP_RETURN_IF_ERROR(d_y_.Download(y_.data(), y_.size()));
+  MaybeCorrupt("layer-fwd", y_.data(), static_cast<size_t>(sample_) * row_bytes_);
+  std::vector<double> got(static_cast<size_t>(sample_ * H_));
+  for (size_t i = 0; i < got.size(); ++i) got[i] = LoadAsFloat(y_.data(), c_.dtype, i);
+  int64_t fwd_wrong = CountOutside(got, y_ref_, tol_);
+  int64_t fwd_checked = static_cast<int64_t>(got.size());
+  if (measured) {
+    std::memcpy(y_measured_.data(), y_.data(), y_.size());
+    have_y_measured_ = true;
+  } else if (have_y_measured_) {
+    // As CountOutside(measured, none, tol), without two T*H vectors of doubles per step.
+    const size_t n = static_cast<size_t>(T_ * H_);
+    double scale = 0;
+    for (size_t i = 0; i < n; ++i) {
+      scale = std::max(scale, std::abs(static_cast<double>(LoadAsFloat(y_.data(), c_.dtype, i))));
+    }
+    const double bound = tol_ * std::max(scale, 1e-30);
+    for (size_t i = 0; i < n; ++i) {
+      const double d = static_cast<double>(LoadAsFloat(y_measured_.data(), c_.dtype, i)) -
+                       static_cast<double>(LoadAsFloat(y_.data(), c_.dtype, i));
+      if (!(std::abs(d) <= bound)) ++fwd_wrong;  // NaN counts as wrong
+    }
+    fwd_checked += static_cast<int64_t>(n);
+  }
+  Count(Key("layer-fwd", measured), fwd_wrong, fwd_checked);
+
+  MOONEP_RETURN_IF_ERROR(gbuf.Fill(0));
+  MOONEP_RETURN_IF_ERROR(d_dx_.Fill(0xff));
+  MOONEP_RETURN_IF_ERROR(d_dtopk_.Fill(0xff));
+  const TensorView dy = Matrix(d_dy_.get(), T_, H_);
+  const TensorView dx = Matrix(d_dx_.get(), T_, H_);
+  MOONEP_RETURN_IF_ERROR(Timed(Key("layer-bwd", measured), record, [&]() -> absl::Status {
+    MOONEP_RETURN_IF_ERROR(layer->Backward(
+        handle, dy, dx, absl::MakeSpan(static_cast<float*>(d_dtopk_.get()), entries), nullptr));
+    return DeviceSynchronize();
+  }));
+  MOONEP_RETURN_IF_ERROR(d_dx_.Download(dx_.data(), static_cast<size_t>(sample_) * row_bytes_));
+  MOONEP_RETURN_IF_ERROR(
+      d_dtopk_.Download(dtopk_.data(), static_cast<size_t>(sample_ * K_) * sizeof(float)));
+  for (size_t i = 0; i < got.size(); ++i) got[i] = LoadAsFloat(dx_.data(), c_.dtype, i);
+  int64_t wrong = CountOutside(got, dx_ref_, tol_);
+  std::vector<double> gotw(dtopk_.begin(), dtopk_.begin() + sample_ * K_);
+  wrong += CountOutside(gotw, dtopk_ref_, tol_);
+  int64_t checked = static_cast<int64_t>(got.size() + gotw.size());
+  if (!measured) {
+    // Weight gradients do not depend on the plan: the head of each of home expert 0's three
+    // gradient blocks (at most 64K floats each; all of it would be gigabytes per step), measured
+    // policy against none.
+    const size_t n = std::min<size_t>(param_elems_[0], 65536);
+    std::vector<float> ga(n), gb(n);
+    std::vector<double> a, b;
+    for (int m = 0; m < kParams; ++m) {
+      const size_t off = m * param_elems_[0] * sizeof(float);
+      MOONEP_RETURN_IF_ERROR(d_gbuf_measured_.DownloadRange(off, ga.data(), n * sizeof(float)));
+      MOONEP_RETURN_IF_ERROR(d_gbuf_none_.DownloadRange(off, gb.data(), n * sizeof(float)));
+      a.insert(a.end(), ga.begin(), ga.end());
+      b.insert(b.end(), gb.begin(), gb.end());
+    }
+    wrong += CountOutside(a, b, tol_);
+    checked += static_cast<int64_t>(a.size());
+  }
+  Count(Key("layer-bwd", measured), wrong, checked);
+  return absl::OkStatus();
+}
+
 absl::Status Runner::LayerStep(bool measured, bool record) {
+  if (device_) return LayerStepDevice(measured, record);
   runtime::MoeLayer* layer = measured ? layer_measured_.get() : layer_none_.get();
   std::vector<float>& gbuf = measured ? gbuf_measured_ : gbuf_none_;
   const TensorView x = TensorView::Contiguous(x_.data(), c_.dtype, {T_, H_});
@@ -980,7 +1155,7 @@ absl::Status Runner::LayerStep(bool measured, bool record) {
 absl::Status Runner::Iteration(bool record) {
   MOONEP_RETURN_IF_ERROR(TransportPipeline(true, record));
   if (run_none_) MOONEP_RETURN_IF_ERROR(TransportPipeline(false, record));
-  if (a2a_) MOONEP_RETURN_IF_ERROR(A2aPipeline(record));
+  if (a2a_) MOONEP_RETURN_IF_ERROR(device_ ? NcclA2aPipeline(record) : A2aPipeline(record));
   if (layer_) {
     MOONEP_RETURN_IF_ERROR(LayerStep(true, record));
     if (run_none_) MOONEP_RETURN_IF_ERROR(LayerStep(false, record));
@@ -1009,8 +1184,9 @@ absl::Status Runner::Run(ConfigResult* out) {
   out->slots = slots_;
   if (device_) {
     out->note = absl::StrFormat(
-        "device memory (rank 0: %s); not measured here: the MPI_Alltoallv baseline and the "
-        "layer steps (host memory only)", DeviceName());
+        "device memory (rank 0: %s); baseline nccl-a2a: the same rows as MPI_Alltoallv's by "
+        "grouped ncclSend/ncclRecv (exchange only: packed once, no weighted sum); t/a2av "
+        "compares with it", DeviceName());
   }
   MPI_Allreduce(MPI_IN_PLACE, &out->recv_capacity_rows, 1, MPI_INT64_T, MPI_MAX, comm_);
 
@@ -1042,10 +1218,10 @@ absl::Status Runner::Run(ConfigResult* out) {
   if (run_none_) add("plan", "none");
   add("dispatch", pol);
   if (run_none_) add("dispatch", "none");
-  if (a2a_) add("dispatch", "a2av");
+  if (a2a_) add("dispatch", a2a_impl_);
   add("combine", pol);
   if (run_none_) add("combine", "none");
-  if (a2a_) add("combine", "a2av");
+  if (a2a_) add("combine", a2a_impl_);
   for (const char* op : {"combine-bwd", "topk-grad", "dispatch-bwd"}) {
     add(op, pol);
     if (run_none_) add(op, "none");
@@ -1073,7 +1249,7 @@ absl::Status Runner::Run(ConfigResult* out) {
     r.checked = wc[1];
     const planner::Plan& plan = impl == "none" ? none_.plan : measured_.plan;
     transport::Transport* tr =
-        impl == "none" ? none_.transport.get() : impl == "a2av" ? nullptr : measured_.transport.get();
+        impl == "none" ? none_.transport.get() : impl == a2a_impl_ ? nullptr : measured_.transport.get();
     OpKind kind = OpKind::kNumKinds;
     if (op == "counts") {
       r.size_bytes = static_cast<int64_t>(R_) * E_ * 8;
@@ -1121,7 +1297,7 @@ absl::Status Runner::Run(ConfigResult* out) {
       MPI_Allreduce(MPI_IN_PLACE, v, 2, MPI_INT64_T, MPI_MAX, comm_);
       r.sent_bytes_max = v[0];
       r.dedup_rows_max = v[1];
-    } else if (impl == "a2av") {
+    } else if (impl == a2a_impl_) {
       int64_t v = 0;
       for (int32_t d = 0; d < R_; ++d) {
         if (d != rank_) v += static_cast<int64_t>(op == "dispatch" ? a2a_scount_[d] : a2a_rcount_[d]);
