@@ -60,10 +60,12 @@ ABSL_FLAG(int32_t, warmup, -1, "untimed iterations first (-1: preset, 3 for smal
 ABSL_FLAG(int32_t, iters, -1, "timed iterations (-1: preset, 20 for small, 50 otherwise)");
 ABSL_FLAG(uint64_t, seed, 1, "routing seed (which experts are hot, token order)");
 ABSL_FLAG(bool, baselines, true,
-          "also measure policy none and MPI_Alltoallv of the same payload in the same iterations");
+          "also measure policy none and MPI_Alltoallv of the same payload in the same iterations "
+          "(nccl: grouped ncclSend/ncclRecv of it, impl nccl-a2a)");
 ABSL_FLAG(bool, layer, true,
           "also measure the whole MoE layer forward and backward (MoeLayer with the CPU "
-          "executor; needs the expert weights of epn + slots experts per rank)");
+          "executor, or on nccl the CUDA executor on device memory; needs the expert weights of "
+          "epn + slots experts per rank)");
 ABSL_FLAG(int32_t, check_tokens, 2,
           "tokens per rank whose layer output, dx and d topk_weights are checked against the fp64 "
           "reference every iteration");
