@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <deque>
@@ -51,6 +52,31 @@ absl::Status WaitComm(ncclComm_t comm, Clock::time_point deadline, const char* w
     if (state != ncclInProgress) return NcclStatus(state, what);
     if (Clock::now() >= deadline) return Timeout("%s did not complete before the deadline", what);
     std::this_thread::yield();
+  }
+}
+
+// ncclCommAbort, but never longer than `bound`: on two GPUs, after a peer skipped a collective and
+// this rank timed out, the test run stopped making progress right after the abort began (issue
+// #12's run). The abort runs on its own thread; if it has not returned by the bound, the
+// communicator is left to it (a warning says so) and the caller goes on, so a failure stays an
+// error and never becomes a hang here.
+void AbortBounded(ncclComm_t comm, std::chrono::milliseconds bound) {
+  if (comm == nullptr) return;
+  auto done = std::make_shared<std::atomic<bool>>(false);
+  std::thread aborter([comm, done] {
+    ncclCommAbort(comm);
+    done->store(true);
+  });
+  const Clock::time_point until = Clock::now() + bound;
+  while (!done->load() && Clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  if (done->load()) {
+    aborter.join();
+  } else {
+    aborter.detach();
+    MOONEP_WARN("transport nccl: ncclCommAbort did not return within %d ms; the communicator is "
+                "left behind", static_cast<int64_t>(bound.count()));
   }
 }
 
@@ -705,7 +731,7 @@ NcclTransportImpl::~NcclTransportImpl() {
       ncclCommDestroy(*c);
     } else {
       MOONEP_WARN("transport nccl: %s; aborting the communicator", std::string(s.message()));
-      ncclCommAbort(*c);
+      AbortBounded(*c, std::chrono::milliseconds(timeout_ms_));
     }
     *c = nullptr;
   }
@@ -730,14 +756,11 @@ void NcclTransportImpl::Abort(const absl::Status& status) {
   }
   // ncclCommAbort makes the communicators' kernels return, so the streams drain. A wrapped
   // communicator is aborted too: left alone it would keep the caller's stream blocked forever.
-  if (weights_comm_) {
-    ncclCommAbort(weights_comm_);
-    weights_comm_ = nullptr;
-  }
-  if (rows_comm_) {
-    ncclCommAbort(rows_comm_);
-    rows_comm_ = nullptr;
-  }
+  // Bounded: see AbortBounded.
+  AbortBounded(weights_comm_, std::chrono::milliseconds(timeout_ms_));
+  weights_comm_ = nullptr;
+  AbortBounded(rows_comm_, std::chrono::milliseconds(timeout_ms_));
+  rows_comm_ = nullptr;
 }
 
 absl::Status NcclTransportImpl::Fatal(absl::Status status) {
