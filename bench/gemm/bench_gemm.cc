@@ -287,14 +287,51 @@ int Usage(const char* argv0) {
   std::fprintf(stderr,
                "usage: %s [--threads N] [--dtype fp32|bf16] [--reps N] [--rows-per-group N]\n"
                "          [--min-rows N] [--shapes HxI,...] [--groups G,...] [--fused] [--quick]\n"
-               "          [-J]\n",
-               argv0);
+               "          [-J]\n"
+               "       %s --device cuda [--reps N] [--out results.csv] [--shapes-out shapes.txt]\n"
+               "          [--quick]     (the CUDA grouped GEMM; see docs/cuda.md)\n",
+               argv0, argv0);
   return 2;
 }
 
 }  // namespace
 
+#ifdef MOONEP_BENCH_GEMM_CUDA
+int RunCudaGemmBench(int argc, char** argv);  // bench/gemm_cuda/bench_gemm_cuda.cu
+#endif
+
 int main(int argc, char** argv) {
+  // --device cpu (default) or cuda: the CUDA benchmark takes the remaining flags.
+  {
+    std::vector<char*> rest{argv[0]};
+    std::string device = "cpu";
+    for (int i = 1; i < argc; ++i) {
+      const std::string a = argv[i];
+      if (a == "--device" && i + 1 < argc) {
+        device = argv[++i];
+      } else if (a.rfind("--device=", 0) == 0) {
+        device = a.substr(9);
+      } else {
+        rest.push_back(argv[i]);
+      }
+    }
+    if (device == "cuda") {
+#ifdef MOONEP_BENCH_GEMM_CUDA
+      return RunCudaGemmBench(static_cast<int>(rest.size()), rest.data());
+#else
+      std::fprintf(stderr, "%s: --device cuda: this build has no CUDA (MOONEP_WITH_CUDA=OFF)\n",
+                   argv[0]);
+      return 2;
+#endif
+    }
+    if (device != "cpu") {
+      std::fprintf(stderr, "%s: --device %s: expected cpu or cuda\n", argv[0], device.c_str());
+      return 2;
+    }
+    argc = static_cast<int>(rest.size());
+    rest.push_back(nullptr);
+    std::copy(rest.begin(), rest.end(), argv);
+  }
   Options o;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];

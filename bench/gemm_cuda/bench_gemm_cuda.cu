@@ -148,7 +148,8 @@ void PrintCard(FILE* f) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+// The whole benchmark; moonep-bench-gemm --device cuda and moonep-bench-gemm-cuda both call it.
+int RunCudaGemmBench(int argc, char** argv) {
   Options opt;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -169,7 +170,8 @@ int main(int argc, char** argv) {
       opt.quick = true;
     } else {
       std::fprintf(stderr,
-                   "usage: moonep-bench-gemm-cuda [--reps N] [--out results.csv] "
+                   "usage: moonep-bench-gemm --device cuda (or moonep-bench-gemm-cuda) [--reps N] "
+                   "[--out results.csv] "
                    "[--shapes-out shapes.txt] [--quick]\n");
       return 2;
     }
