@@ -188,8 +188,8 @@ absl::Status CheckTopkWeightGradBuffers(const DispatchHandle& h, const TensorVie
   return absl::OkStatus();
 }
 
-absl::Status CheckHostBlocks(const planner::Plan& plan, const ExpertBlocks& b, const char* name,
-                             const char* backend) {
+absl::Status CheckBlocks(const planner::Plan& plan, const ExpertBlocks& b, const char* name,
+                         const char* backend, Device device) {
   const int32_t nt = b.tensors_per_expert;
   MOONEP_CHECK_ARG(nt >= 1, "%s.tensors_per_expert must be >= 1, got %d", name, nt);
   MOONEP_CHECK_ARG(b.home.size() == static_cast<size_t>(plan.experts_per_rank) * nt,
@@ -200,8 +200,8 @@ absl::Status CheckHostBlocks(const planner::Plan& plan, const ExpertBlocks& b, c
                    b.slots.size(), static_cast<int64_t>(plan.slots) * nt);
   auto check = [&](const TensorView& v, const char* part, size_t index) -> absl::Status {
     const TensorView& ref = b.home.empty() ? b.slots[index % nt] : b.home[index % nt];
-    MOONEP_CHECK_ARG(v.device == Device::kCpu, "%s.%s[%d]: the %s transport needs host memory",
-                     name, part, index, backend);
+    MOONEP_CHECK_ARG(v.device == device, "%s.%s[%d]: the %s transport needs %s memory", name,
+                     part, index, backend, device == Device::kCpu ? "host" : "device");
     MOONEP_CHECK_ARG(IsRowDType(v.dtype), "%s.%s[%d]: dtype must be fp32 or bf16", name, part,
                      index);
     MOONEP_CHECK_ARG(v.is_contiguous(), "%s.%s[%d]: must be contiguous", name, part, index);

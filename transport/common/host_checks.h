@@ -67,9 +67,11 @@ absl::Status CheckTopkWeightGradBuffers(const DispatchHandle& h, const TensorVie
                                         const TensorView& expert_rows,
                                         absl::Span<float> d_topk_weights, const char* backend);
 
-// Per-expert host blocks (prefetch params, reduce grads) of this rank against the plan (local).
-absl::Status CheckHostBlocks(const planner::Plan& plan, const ExpertBlocks& blocks,
-                             const char* name, const char* backend);
+// Per-expert blocks (prefetch params, reduce grads) of this rank against the plan (local): counts,
+// dtypes, shapes, contiguity, null pointers, and that every tensor is memory of `device` (as its
+// TensorView says; a device backend also checks the pointers themselves).
+absl::Status CheckBlocks(const planner::Plan& plan, const ExpertBlocks& blocks, const char* name,
+                         const char* backend, Device device = Device::kCpu);
 
 // The plan's replica slots (agreed: the plan is identical on every rank).
 // home_replicas_supported: the backend prefetches and reduces a slot on its expert's own home

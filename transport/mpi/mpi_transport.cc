@@ -1234,7 +1234,7 @@ absl::StatusOr<RequestPtr> MpiTransport::StartPrefetch(const planner::Plan& plan
   MOONEP_RETURN_IF_ERROR(Usable());
   if (testing::ShouldSkip(rank_, OpKind::kPrefetch)) return Skipped();
   MOONEP_RETURN_IF_ERROR(Annotate(common::CheckSlotPlan(plan, size_, true), "prefetch"));
-  absl::Status s = common::CheckHostBlocks(plan, params, "params", kBackendName);
+  absl::Status s = common::CheckBlocks(plan, params, "params", kBackendName);
   if (!s.ok()) return AbortPeers(OpKind::kPrefetch, Annotate(s, "prefetch"));
   auto op = std::make_unique<PrefetchOp>(this, weights_comm_, weights_seq_++);
   MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(plan, params)));
@@ -1246,7 +1246,7 @@ absl::StatusOr<RequestPtr> MpiTransport::StartReduce(const planner::Plan& plan,
   MOONEP_RETURN_IF_ERROR(Usable());
   if (testing::ShouldSkip(rank_, OpKind::kReduce)) return Skipped();
   MOONEP_RETURN_IF_ERROR(Annotate(common::CheckSlotPlan(plan, size_, true), "reduce"));
-  absl::Status s = common::CheckHostBlocks(plan, grads, "grads", kBackendName);
+  absl::Status s = common::CheckBlocks(plan, grads, "grads", kBackendName);
   if (!s.ok()) return AbortPeers(OpKind::kReduce, Annotate(s, "reduce"));
   auto op = std::make_unique<ReduceOp>(this, weights_comm_, weights_seq_++);
   MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(plan, grads)));

@@ -1650,26 +1650,10 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartTopkWeightGrad(
 
 absl::Status NcclTransportImpl::CheckBlocks(const planner::Plan& plan, const ExpertBlocks& b,
                                             const char* name) const {
-  const int32_t nt = b.tensors_per_expert;
-  MOONEP_CHECK_ARG(nt >= 1, "%s.tensors_per_expert must be >= 1, got %d", name, nt);
-  MOONEP_CHECK_ARG(b.home.size() == static_cast<size_t>(plan.experts_per_rank) * nt,
-                   "%s.home has %d tensors, need experts_per_rank * tensors_per_expert = %d", name,
-                   b.home.size(), static_cast<int64_t>(plan.experts_per_rank) * nt);
-  MOONEP_CHECK_ARG(b.slots.size() == static_cast<size_t>(plan.slots) * nt,
-                   "%s.slots has %d tensors, need slots * tensors_per_expert = %d", name,
-                   b.slots.size(), static_cast<int64_t>(plan.slots) * nt);
+  MOONEP_RETURN_IF_ERROR(common::CheckBlocks(plan, b, name, "NCCL", Device::kCuda));
+  // The views say device memory; the pointers must be memory of this transport's GPU.
   auto check = [&](const TensorView& v, const char* part, size_t index) -> absl::Status {
-    const TensorView& ref = b.home.empty() ? b.slots[index % nt] : b.home[index % nt];
-    MOONEP_CHECK_ARG(v.device == Device::kCuda, "%s.%s[%d]: the NCCL transport needs device memory",
-                     name, part, index);
-    MOONEP_CHECK_ARG(IsRowDType(v.dtype), "%s.%s[%d]: dtype must be fp32 or bf16", name, part,
-                     index);
-    MOONEP_CHECK_ARG(v.is_contiguous(), "%s.%s[%d]: must be contiguous", name, part, index);
-    MOONEP_CHECK_ARG(v.dtype == ref.dtype && v.numel() == ref.numel(),
-                     "%s.%s[%d]: %s does not match tensor %d of the first expert (%s)", name, part,
-                     index, v.DebugString(), index % nt, ref.DebugString());
     if (v.numel() == 0) return absl::OkStatus();
-    MOONEP_CHECK_ARG(v.data != nullptr, "%s.%s[%d]: null data pointer", name, part, index);
     return CheckDevicePointer(v.data, absl::StrFormat("%s.%s[%d]", name, part, index).c_str());
   };
   for (size_t i = 0; i < b.home.size(); ++i) MOONEP_RETURN_IF_ERROR(check(b.home[i], "home", i));

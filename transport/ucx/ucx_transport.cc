@@ -2014,7 +2014,7 @@ absl::StatusOr<RequestPtr> UcxTransport::StartPrefetch(const planner::Plan& plan
   if (testing::ShouldSkip(rank_, OpKind::kPrefetch)) return Skipped();
   MOONEP_RETURN_IF_ERROR(CheckChannel(OpKind::kPrefetch, kWeightsChannel));
   MOONEP_RETURN_IF_ERROR(Annotate(common::CheckSlotPlan(plan, size_), "prefetch"));
-  absl::Status s = common::CheckHostBlocks(plan, params, "params", kBackendName);
+  absl::Status s = common::CheckBlocks(plan, params, "params", kBackendName);
   if (!s.ok()) return AbortPeers(OpKind::kPrefetch, Annotate(s, "prefetch"));
   auto op = std::make_unique<PrefetchOp>(this, kWeightsChannel, seq_[kWeightsChannel]++);
   MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(plan, params)));
@@ -2027,7 +2027,7 @@ absl::StatusOr<RequestPtr> UcxTransport::StartReduce(const planner::Plan& plan,
   if (testing::ShouldSkip(rank_, OpKind::kReduce)) return Skipped();
   MOONEP_RETURN_IF_ERROR(CheckChannel(OpKind::kReduce, kWeightsChannel));
   MOONEP_RETURN_IF_ERROR(Annotate(common::CheckSlotPlan(plan, size_), "reduce"));
-  absl::Status s = common::CheckHostBlocks(plan, grads, "grads", kBackendName);
+  absl::Status s = common::CheckBlocks(plan, grads, "grads", kBackendName);
   if (!s.ok()) return AbortPeers(OpKind::kReduce, Annotate(s, "reduce"));
   auto op = std::make_unique<ReduceOp>(this, kWeightsChannel, seq_[kWeightsChannel]++);
   MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(plan, grads)));
