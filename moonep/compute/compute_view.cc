@@ -306,10 +306,9 @@ size_t ReplicaBuffer::BytesFor(int32_t slots, int64_t hidden, int64_t intermedia
   return RoundUp(elems * DTypeSize(dtype), kAlign) + RoundUp(elems * DTypeSize(grad_dtype), kAlign);
 }
 
-absl::StatusOr<std::unique_ptr<ReplicaBuffer>> ReplicaBuffer::Create(int32_t slots, int64_t hidden,
-                                                                     int64_t intermediate,
-                                                                     DType dtype,
-                                                                     DType grad_dtype) {
+absl::StatusOr<std::unique_ptr<ReplicaBuffer>> ReplicaBuffer::Create(
+    int32_t slots, int64_t hidden, int64_t intermediate, DType dtype, DType grad_dtype,
+    const BufferAllocator* allocator) {
   MOONEP_CHECK_ARG(slots >= 0, "slots: %d is negative", slots);
   MOONEP_CHECK_ARG(hidden > 0 && intermediate > 0,
                    "hidden (%d) and intermediate (%d) must be positive", hidden, intermediate);
@@ -326,14 +325,17 @@ absl::StatusOr<std::unique_ptr<ReplicaBuffer>> ReplicaBuffer::Create(int32_t slo
   buf->grad_dtype_ = grad_dtype;
   buf->bytes_ = BytesFor(slots, hidden, intermediate, dtype, grad_dtype);
   buf->grad_base_ = RoundUp(buf->slot_weight_bytes() * slots, kAlign);
+  buf->allocator_ = allocator;
   if (buf->bytes_ > 0) {
-    void* mem = std::aligned_alloc(kAlign, buf->bytes_);
+    void* mem = allocator ? allocator->allocate(buf->bytes_) : std::aligned_alloc(kAlign, buf->bytes_);
     if (mem == nullptr) {
       return OutOfMemory("ReplicaBuffer: cannot allocate %d bytes for %d slots", buf->bytes_, slots);
     }
-    std::memset(mem, 0, buf->bytes_);
-    buf->storage_ = std::unique_ptr<char, void (*)(void*)>(static_cast<char*>(mem), std::free);
+    if (allocator == nullptr) std::memset(mem, 0, buf->bytes_);
+    buf->storage_ = std::unique_ptr<char, void (*)(void*)>(static_cast<char*>(mem),
+                                                          allocator ? allocator->release : std::free);
   }
+  const Device device = allocator ? allocator->device : Device::kCpu;
   const int64_t H = hidden, I = intermediate;
   buf->weights_.resize(slots);
   buf->grads_.resize(slots);
@@ -343,9 +345,9 @@ absl::StatusOr<std::unique_ptr<ReplicaBuffer>> ReplicaBuffer::Create(int32_t slo
       char* block = static_cast<char*>(kind == 0 ? buf->slot_weights(s) : buf->slot_grads(s));
       const size_t part = static_cast<size_t>(H * I) * DTypeSize(dt);
       ExpertParams& p = kind == 0 ? buf->weights_[s] : buf->grads_[s];
-      p.gate = TensorView::Contiguous(block, dt, {H, I});
-      p.up = TensorView::Contiguous(block + part, dt, {H, I});
-      p.down = TensorView::Contiguous(block + 2 * part, dt, {I, H});
+      p.gate = TensorView::Contiguous(block, dt, {H, I}, device);
+      p.up = TensorView::Contiguous(block + part, dt, {H, I}, device);
+      p.down = TensorView::Contiguous(block + 2 * part, dt, {I, H}, device);
     }
   }
   return buf;
@@ -360,7 +362,12 @@ void* ReplicaBuffer::slot_grads(int32_t s) const {
 }
 
 void ReplicaBuffer::ZeroGrads() {
-  if (slots_ > 0) std::memset(slot_grads(0), 0, slot_grad_bytes() * slots_);
+  if (slots_ == 0) return;
+  if (allocator_ != nullptr) {
+    allocator_->zero(slot_grads(0), slot_grad_bytes() * slots_);
+  } else {
+    std::memset(slot_grads(0), 0, slot_grad_bytes() * slots_);
+  }
 }
 
 }  // namespace moonep::compute

@@ -101,11 +101,20 @@ bool TensorsOverlap(const TensorView& a, const TensorView& b);
 //   grads:   slots * 3 * H * I * sizeof(grad_dtype) bytes (grad_dtype fp32 by default, so replica
 //            gradients lose nothing before they are reduced into the home expert's gradient)
 // Total = the sum of both, each rounded up to 64 bytes.
+// Where a ReplicaBuffer's storage comes from: host memory (64-byte aligned) by default; a device
+// backend passes its own (e.g. cudaMalloc), and the views then carry its device.
+struct BufferAllocator {
+  Device device = Device::kCpu;
+  void* (*allocate)(size_t bytes) = nullptr;  // zeroed memory, or null on failure
+  void (*release)(void* data) = nullptr;
+  void (*zero)(void* data, size_t bytes) = nullptr;
+};
+
 class ReplicaBuffer {
  public:
-  static absl::StatusOr<std::unique_ptr<ReplicaBuffer>> Create(int32_t slots, int64_t hidden,
-                                                               int64_t intermediate, DType dtype,
-                                                               DType grad_dtype = DType::kFloat32);
+  static absl::StatusOr<std::unique_ptr<ReplicaBuffer>> Create(
+      int32_t slots, int64_t hidden, int64_t intermediate, DType dtype,
+      DType grad_dtype = DType::kFloat32, const BufferAllocator* allocator = nullptr);
   ReplicaBuffer(const ReplicaBuffer&) = delete;
   ReplicaBuffer& operator=(const ReplicaBuffer&) = delete;
 
@@ -141,6 +150,7 @@ class ReplicaBuffer {
   DType dtype_ = DType::kFloat32, grad_dtype_ = DType::kFloat32;
   size_t bytes_ = 0;
   size_t grad_base_ = 0;  // byte offset of the gradients in storage_
+  const BufferAllocator* allocator_ = nullptr;  // null: host memory
   std::unique_ptr<char, void (*)(void*)> storage_{nullptr, nullptr};
   std::vector<ExpertParams> weights_, grads_;
 };

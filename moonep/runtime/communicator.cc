@@ -14,6 +14,7 @@
 #include "moonep/core/env.h"
 #include "moonep/core/logging.h"
 #include "moonep/core/status.h"
+#include "moonep/runtime/device.h"
 
 namespace moonep::runtime {
 namespace {
@@ -237,45 +238,9 @@ absl::StatusOr<SharedReplicas*> Communicator::Replicas(int32_t slots, int64_t hi
   auto it = replicas_.find(key);
   if (it != replicas_.end()) return it->second.get();
   auto shared = std::make_unique<SharedReplicas>();
-  shared->device = device;
-  // The host buffer checks the arguments and gives the layout; a CUDA layer copies that layout
-  // onto one device allocation.
-  MOONEP_ASSIGN_OR_RETURN(auto host, compute::ReplicaBuffer::Create(
-                                         device == Device::kCpu ? slots : 0, hidden, intermediate,
-                                         dtype, grad_dtype));
-  const size_t weight_bytes = 3 * static_cast<size_t>(hidden * intermediate) * DTypeSize(dtype);
-  shared->slot_grad_bytes = 3 * static_cast<size_t>(hidden * intermediate) * DTypeSize(grad_dtype);
-  if (device == Device::kCpu) {
-    shared->weights.assign(host->weights().begin(), host->weights().end());
-    shared->grads.assign(host->grads().begin(), host->grads().end());
-    for (int32_t s = 0; s < slots; ++s) {
-      shared->slot_grads.push_back(static_cast<char*>(host->slot_grads(s)));
-    }
-    shared->total_bytes = host->total_bytes();
-    shared->buffer = std::move(host);
-  } else {
-    const size_t grad_base = (weight_bytes * slots + 255) / 256 * 256;
-    MOONEP_ASSIGN_OR_RETURN(shared->device_storage,
-                            DeviceMemory::Allocate(device, grad_base + shared->slot_grad_bytes * slots,
-                                                   "the replica weight and gradient slots"));
-    shared->total_bytes = shared->device_storage.bytes();
-    char* base = shared->device_storage.get();
-    const int64_t H = hidden, I = intermediate;
-    for (int32_t s = 0; s < slots; ++s) {
-      for (int kind = 0; kind < 2; ++kind) {
-        const DType dt = kind == 0 ? dtype : grad_dtype;
-        char* block = kind == 0 ? base + s * weight_bytes
-                                : base + grad_base + s * shared->slot_grad_bytes;
-        const size_t part = static_cast<size_t>(H * I) * DTypeSize(dt);
-        compute::ExpertParams p;
-        p.gate = TensorView::Contiguous(block, dt, {H, I}, device);
-        p.up = TensorView::Contiguous(block + part, dt, {H, I}, device);
-        p.down = TensorView::Contiguous(block + 2 * part, dt, {I, H}, device);
-        (kind == 0 ? shared->weights : shared->grads).push_back(p);
-        if (kind == 1) shared->slot_grads.push_back(block);
-      }
-    }
-  }
+  MOONEP_ASSIGN_OR_RETURN(shared->buffer,
+                          compute::ReplicaBuffer::Create(slots, hidden, intermediate, dtype,
+                                                         grad_dtype, DeviceAllocator(device)));
   SharedReplicas* raw = shared.get();
   replicas_.emplace(key, std::move(shared));
   return raw;
@@ -283,7 +248,7 @@ absl::StatusOr<SharedReplicas*> Communicator::Replicas(int32_t slots, int64_t hi
 
 size_t Communicator::ReplicaBytes() const {
   size_t total = 0;
-  for (const auto& entry : replicas_) total += entry.second->total_bytes;
+  for (const auto& entry : replicas_) total += entry.second->buffer->total_bytes();
   return total;
 }
 

@@ -15,12 +15,10 @@
 #include <memory>
 #include <string>
 #include <tuple>
-#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "moonep/compute/compute_view.h"
-#include "moonep/runtime/device.h"
 #include "moonep/runtime/trace_writer.h"
 
 namespace moonep::runtime {
@@ -33,15 +31,9 @@ struct UniqueId {
 // The replica weight and gradient buffer shared by the layers of one shape on a communicator,
 // and which (layer, forward) last filled its weight slots, so a backward right after its own
 // forward skips the second prefetch.
-// The storage is host memory (a compute::ReplicaBuffer) for CPU layers and one GPU allocation for
-// CUDA layers, laid out alike: every slot's gate, up, down weights, then every slot's gradients.
+// The buffer is in host memory for CPU layers and in GPU memory for CUDA layers (DeviceAllocator).
 struct SharedReplicas {
-  Device device = Device::kCpu;
-  std::unique_ptr<compute::ReplicaBuffer> buffer;  // CPU layers
-  DeviceMemory device_storage;                     // CUDA layers
-  std::vector<compute::ExpertParams> weights, grads;  // per slot, views into the storage
-  std::vector<char*> slot_grads;                      // per slot, its contiguous gradient block
-  size_t slot_grad_bytes = 0, total_bytes = 0;
+  std::unique_ptr<compute::ReplicaBuffer> buffer;
   uint64_t loaded_by = 0;  // 0: nothing valid; else the token of the forward that prefetched
 };
 

@@ -185,6 +185,34 @@ absl::StatusOr<DeviceMemory> DeviceMemory::Allocate(Device device, size_t bytes,
 #endif
 }
 
+const compute::BufferAllocator* DeviceAllocator(Device device) {
+#ifdef MOONEP_HAVE_CUDA
+  if (device == Device::kCuda) {
+    static const compute::BufferAllocator cuda{
+        Device::kCuda,
+        [](size_t bytes) -> void* {
+          void* p = nullptr;
+          if (cudaMalloc(&p, bytes) != cudaSuccess) {
+            cudaGetLastError();
+            return nullptr;
+          }
+          if (cudaMemset(p, 0, bytes) != cudaSuccess) {
+            cudaGetLastError();
+            cudaFree(p);
+            return nullptr;
+          }
+          return p;
+        },
+        [](void* p) { cudaFree(p); },
+        [](void* p, size_t bytes) { cudaMemset(p, 0, bytes); }};
+    return &cuda;
+  }
+#else
+  (void)device;
+#endif
+  return nullptr;
+}
+
 absl::StatusOr<DeviceBackend> MakeDeviceBackend(Device device,
                                                 const compute::ExecutorConfig& config) {
   DeviceBackend b;

@@ -62,6 +62,11 @@ class DeviceMemory {
   Device device_ = Device::kCpu;
 };
 
+// The allocator of `device` for buffers the compute layer owns (compute::ReplicaBuffer): null for
+// the CPU (host memory), cudaMalloc'd, zeroed memory of the current GPU for CUDA. Null too when
+// CUDA is not built (device cuda is refused earlier, by the config check).
+const compute::BufferAllocator* DeviceAllocator(Device device);
+
 // The runtime's own row operations on `device`, ordered on `stream` (CUDA: a cudaStream_t; null:
 // the legacy default stream; ignored for the CPU). They return once the work is queued.
 class DeviceOps {

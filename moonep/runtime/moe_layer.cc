@@ -139,8 +139,8 @@ absl::StatusOr<std::unique_ptr<MoeLayer>> MoeLayer::Create(Communicator* comm,
                              "d topk_weights scratch"));
 
   for (int32_t s = 0; s < layer->slots_; ++s) {
-    const compute::ExpertParams& w = layer->replicas_->weights[s];
-    const compute::ExpertParams& g = layer->replicas_->grads[s];
+    const compute::ExpertParams& w = layer->replicas_->buffer->weights()[s];
+    const compute::ExpertParams& g = layer->replicas_->buffer->grads()[s];
     layer->slot_weight_blocks_.insert(layer->slot_weight_blocks_.end(), {w.gate, w.up, w.down});
     layer->slot_grad_blocks_.insert(layer->slot_grad_blocks_.end(), {g.gate, g.up, g.down});
   }
@@ -313,7 +313,7 @@ absl::Status MoeLayer::BuildViews(Context* ctx, bool need_grads) {
   absl::Span<const compute::ExpertParams> no_params;
   MOONEP_RETURN_IF_ERROR(compute::BuildComputeView(
       ctx->plan, comm_->rank(), weights_, need_grads ? absl::MakeConstSpan(grads_) : no_params,
-      replicas_->weights, need_grads ? absl::MakeConstSpan(replicas_->grads) : no_params,
+      replicas_->buffer->weights(), need_grads ? replicas_->buffer->grads() : no_params,
       &ctx->full));
   // Home groups first, replica groups once their weights are here: two views over disjoint row
   // ranges, so computing one never touches the rows of the other.
@@ -546,7 +546,8 @@ absl::Status MoeLayer::RunBackward(Context* ctx, const TensorView& dy, const Ten
   MOONEP_ASSIGN_OR_RETURN(transport::RequestPtr prefetch, StartPrefetchIfNeeded(ctx));
   for (int32_t s = 0; s < slots_; ++s) {
     if (ctx->plan.slot_expert[static_cast<size_t>(comm_->rank()) * slots_ + s] >= 0) {
-      MOONEP_RETURN_IF_ERROR(ops_->Zero(replicas_->slot_grads[s], replicas_->slot_grad_bytes));
+      MOONEP_RETURN_IF_ERROR(
+          ops_->Zero(replicas_->buffer->slot_grads(s), replicas_->buffer->slot_grad_bytes()));
     }
   }
   MOONEP_RETURN_IF_ERROR(Compute(ctx, /*backward=*/true, prefetch.get(), x_rows, dy_rows, dx_rows));
