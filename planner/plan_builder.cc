@@ -430,6 +430,7 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
 
   // Source blocks: col(e, x) = sum of counts[s][e] for s < x is a block prefix plus < B entries.
   if (scratch->block_size <= 0) {
+    scratch->home_cols = false;
     scratch->block_size = BlockSize(c);
     const int32_t B = scratch->block_size, NB = (R + B - 1) / B;
     std::vector<int64_t>& bp = scratch->block_prefix;
@@ -488,6 +489,21 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
     *hi = bp[node_hi[rank] + e];
   };
 
+  if (!scratch->home_cols) {
+    scratch->home_own.resize(E);
+    scratch->home_node.resize(E);
+    for (int32_t e = 0; e < E; ++e) {
+      const int32_t h = home[e];
+      scratch->home_own[e] = cnt[static_cast<size_t>(h) * E + e];
+      int64_t lo = 0, hi = scratch->home_own[e];
+      if (rpn > 0) node_range(e, h, &lo, &hi);
+      scratch->home_node[e] = hi - lo;
+    }
+    scratch->home_cols = true;
+  }
+  const int64_t* home_own = scratch->home_own.data();
+  const int64_t* home_node = scratch->home_node.data();
+
   // Pieces, rows and row stats, one expert at a time (at most 1 + 2 * replicas pieces each).
   const size_t max_pieces = static_cast<size_t>(E) + 2 * static_cast<size_t>(num_replicas);
   if (plan->piece_dest.size() < max_pieces) {
@@ -522,13 +538,7 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
       pcount[P] = N;
       prow[P] = home_row;
       ++P;
-      const int64_t local = cnt[static_cast<size_t>(h) * E + e];
-      int64_t same_node = local;
-      if (rpn > 0) {
-        int64_t lo, hi;
-        node_range(e, h, &lo, &hi);
-        same_node = hi - lo;
-      }
+      const int64_t local = home_own[e], same_node = home_node[e];
       rows_local += local;
       rows_intra += same_node - local;
       rows_inter += N - same_node;
@@ -555,7 +565,7 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
       limit = rstart[j];
     }
     // The home's own and node ranges, used by every home piece.
-    const int64_t h0 = col(e, h), h1 = h0 + cnt[static_cast<size_t>(h) * E + e];
+    const int64_t h0 = col(e, h), h1 = h0 + home_own[e];
     int64_t hn0 = h0, hn1 = h1;
     if (rpn > 0) node_range(e, h, &hn0, &hn1);
     int64_t home_rows = 0, pos = 0;

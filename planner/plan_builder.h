@@ -38,6 +38,11 @@ struct BuildScratch {
   // passes over counts may fill them (with BlockSize()) to save a pass.
   int32_t block_size = 0;
   std::vector<int64_t> block_prefix;
+  // Per expert e with home h: counts[h][e] (home_own) and the sum of counts[s][e] over the ranks s
+  // of h's node (home_node; home_own when flat). Valid when home_cols is set (the caller's pass
+  // over counts filled them); FinalizeHolders fills them otherwise.
+  bool home_cols = false;
+  std::vector<int64_t> home_own, home_node;
   // Per-rank tables for FinalizeHolders (no division per look-up), rebuilt when the key changes:
   // block_row[x] = (x / B) * E, block_first[x] = x / B * B for x in [0, R]; node_lo/node_hi: offsets
   // of the rank's node range in block_prefix; node_id: its node (the rank when flat).

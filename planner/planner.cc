@@ -172,51 +172,79 @@ absl::Status SumLoads(const PlannerConfig& c, const Plan& plan, PolicyInput* in)
   return absl::OkStatus();
 }
 
-// Adds rows [s0, s1) of counts into acc[E] (four rows per sweep, so acc is loaded and stored once
-// per four rows) and returns the OR of every entry (bits >= 52 or the sign set: a bad entry).
-// Sums wrap (unsigned) until the caller has rejected bad entries; valid ones never wrap.
+// dst[e] = src[e] + sum of rows [s0, s1) of counts (src may be dst), four rows per sweep, and
+// returns the OR of every entry read (bits >= 52 or the sign set: a bad entry). Sums wrap
+// (unsigned) until the caller has rejected bad entries; valid ones never wrap.
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 __attribute__((target_clones("avx2", "default")))
 #endif
 uint64_t AddRows(const int64_t* __restrict counts_signed, int32_t s0, int32_t s1, int32_t E,
-                 int64_t* __restrict acc_signed) {
+                 const int64_t* src_signed, int64_t* dst_signed) {
   const uint64_t* __restrict counts = reinterpret_cast<const uint64_t*>(counts_signed);
-  uint64_t* __restrict acc = reinterpret_cast<uint64_t*>(acc_signed);
+  const uint64_t* src = reinterpret_cast<const uint64_t*>(src_signed);
+  uint64_t* dst = reinterpret_cast<uint64_t*>(dst_signed);
   uint64_t bits = 0;
   const size_t n = static_cast<size_t>(E);
   int32_t s = s0;
-  for (; s + 4 <= s1; s += 4) {
+  if (s1 - s0 >= 4) {
+    for (; s + 4 <= s1; s += 4) {
+      const uint64_t* __restrict r0 = counts + static_cast<size_t>(s) * n;
+      const uint64_t* __restrict r1 = r0 + n;
+      const uint64_t* __restrict r2 = r1 + n;
+      const uint64_t* __restrict r3 = r2 + n;
+      for (size_t e = 0; e < n; ++e) {
+        const uint64_t a = r0[e], b = r1[e], x = r2[e], y = r3[e];
+        dst[e] = src[e] + ((a + b) + (x + y));
+        bits |= (a | b) | (x | y);
+      }
+      src = dst;
+    }
+  }
+  if (s + 2 <= s1) {
     const uint64_t* __restrict r0 = counts + static_cast<size_t>(s) * n;
     const uint64_t* __restrict r1 = r0 + n;
-    const uint64_t* __restrict r2 = r1 + n;
-    const uint64_t* __restrict r3 = r2 + n;
     for (size_t e = 0; e < n; ++e) {
-      const uint64_t a = r0[e], b = r1[e], x = r2[e], y = r3[e];
-      acc[e] += (a + b) + (x + y);
-      bits |= a | b | x | y;
+      const uint64_t a = r0[e], b = r1[e];
+      dst[e] = src[e] + (a + b);
+      bits |= a | b;
     }
+    src = dst;
+    s += 2;
   }
-  for (; s < s1; ++s) {
+  if (s < s1) {
     const uint64_t* __restrict r0 = counts + static_cast<size_t>(s) * n;
     for (size_t e = 0; e < n; ++e) {
-      acc[e] += r0[e];
+      dst[e] = src[e] + r0[e];
       bits |= r0[e];
     }
+    src = dst;
+    ++s;
   }
+  if (src != dst) std::copy(src, src + n, dst);  // no rows
   return bits;
 }
 
-// block_prefix[(b * E) + e] = sum of counts[s][e] over s < b * B, for b in [0, NB]; row NB holds
-// the totals. Fails on a negative entry, an entry >= 2^52 or a total above 2^52.
-absl::Status SumCountBlocks(const int64_t* counts, int32_t R, int32_t E, int32_t B,
-                            std::vector<int64_t>* block_prefix) {
+// One pass over counts. block_prefix[(b * E) + e] = sum of counts[s][e] over s < b * B, for b in
+// [0, NB]; row NB holds the totals. While each block is hot it also records, per expert, the
+// count of its home rank (home_own) and the sum over its home's node (home_node; = home_own when
+// flat), so laying out unreplicated experts needs no look-up into counts afterwards. Fails on a
+// negative entry, an entry >= 2^52 or a total above 2^52.
+absl::Status SumCountBlocks(const int64_t* counts, const Plan& plan, int32_t B, BuildScratch* build) {
   constexpr int64_t kMaxTokens = int64_t{1} << 52;
+  const int32_t R = plan.num_ranks, E = plan.num_experts, epn = plan.experts_per_rank;
+  const int32_t rpn = plan.ranks_per_node;
   const int32_t NB = (R + B - 1) / B;
   const size_t n = static_cast<size_t>(E);
-  block_prefix->resize(static_cast<size_t>(NB + 1) * n);
-  int64_t* bp = block_prefix->data();
+  build->block_prefix.resize(static_cast<size_t>(NB + 1) * n);
+  build->home_own.resize(n);
+  build->home_node.resize(n);
+  int64_t* bp = build->block_prefix.data();
+  int64_t* own = build->home_own.data();
+  int64_t* node = build->home_node.data();
+  const int32_t* local = plan.local_experts.data();
   std::fill(bp, bp + n, 0);
-  // A sum above 2^52 shows as the sign bit of 2^52 - sum (sums stay below 2^63 throughout).
+  // A sum above 2^52 shows as the sign bit of 2^52 - sum (sums stay below 2^63 throughout: each
+  // check covers fewer than 2048 rows of entries below 2^52 on top of a checked sum).
   auto over_max = [&](const int64_t* v) {
     uint64_t sign = 0;
     for (size_t e = 0; e < n; ++e) sign |= static_cast<uint64_t>(kMaxTokens - v[e]);
@@ -228,15 +256,13 @@ absl::Status SumCountBlocks(const int64_t* counts, int32_t R, int32_t E, int32_t
     }
     return absl::OkStatus();
   };
+  int32_t since_check = 0;
   for (int32_t b = 0; b < NB; ++b) {
     int64_t* blk = bp + static_cast<size_t>(b + 1) * n;
-    const int64_t* prev = blk - n;
-    std::copy(prev, prev + n, blk);  // the block's sum is added onto the prefix (<= 2^52)
     const int32_t end = std::min(R, (b + 1) * B);
-    // Entries below 2^52: 1024 rows add less than 2^62, so check the sum every 1024 rows.
     for (int32_t s0 = b * B; s0 < end; s0 += 1024) {
       const int32_t s1 = std::min(end, s0 + 1024);
-      if ((AddRows(counts, s0, s1, E, blk) >> 52) != 0) {
+      if ((AddRows(counts, s0, s1, E, s0 == b * B ? blk - n : blk, blk) >> 52) != 0) {
         for (int32_t s = s0; s < s1; ++s) {
           const int64_t* row = counts + static_cast<size_t>(s) * n;
           for (int32_t e = 0; e < E; ++e) {
@@ -245,9 +271,33 @@ absl::Status SumCountBlocks(const int64_t* counts, int32_t R, int32_t E, int32_t
           }
         }
       }
-      if (over_max(blk)) MOONEP_RETURN_IF_ERROR(fail_over(blk));
+      since_check += s1 - s0;
+      if (since_check >= 1024 || s1 == R) {
+        if (over_max(blk)) MOONEP_RETURN_IF_ERROR(fail_over(blk));
+        since_check = 0;
+      }
+    }
+    // Home columns of the block's ranks, from the rows just read.
+    for (int32_t s = b * B; s < end; ++s) {
+      const int64_t* row = counts + static_cast<size_t>(s) * n;
+      const int32_t* ex = local + static_cast<size_t>(s) * epn;
+      for (int32_t g = 0; g < epn; ++g) own[ex[g]] = row[ex[g]];
+    }
+    // Node sums of the experts homed on nodes that end with this block (blocks divide nodes).
+    if (rpn > 0) {
+      // B divides rpn (or equals it), so at most one node ends here: the one holding rank end-1.
+      const int32_t n0 = (end - 1) / rpn * rpn, n1 = std::min(R, n0 + rpn);
+      if (n1 == end) {
+        const int64_t* lo = bp + static_cast<size_t>(n0 / B) * n;
+        for (int32_t s = n0; s < n1; ++s) {
+          const int32_t* ex = local + static_cast<size_t>(s) * epn;
+          for (int32_t g = 0; g < epn; ++g) node[ex[g]] = blk[ex[g]] - lo[ex[g]];
+        }
+      }
     }
   }
+  if (rpn <= 0) std::copy(own, own + n, node);
+  build->home_cols = true;
   return absl::OkStatus();
 }
 
@@ -281,14 +331,16 @@ absl::Status Planner::MakePlan(absl::Span<const int64_t> counts, Plan* plan) {
   MOONEP_CHECK_ARG(counts.size() == need, "counts has %d entries, need R*E = %d*%d = %d",
                    counts.size(), R, E, need);
   // One pass over counts: per-block prefix sums (row b of block_prefix = sum of the sources
-  // before block b; row NB = the totals), negative entries and overflow rejected.
+  // before block b; row NB = the totals) and the home columns, negative entries and overflow
+  // rejected.
   const int32_t block = BlockSize(c), NB = (R + block - 1) / block;
+  PreparePlan(c, plan);
   st.build.block_size = 0;  // not valid until the pass completes
-  MOONEP_RETURN_IF_ERROR(SumCountBlocks(counts.data(), R, E, block, &st.build.block_prefix));
+  st.build.home_cols = false;
+  MOONEP_RETURN_IF_ERROR(SumCountBlocks(counts.data(), *plan, block, &st.build));
   st.totals.assign(st.build.block_prefix.begin() + static_cast<size_t>(NB) * E,
                    st.build.block_prefix.begin() + static_cast<size_t>(NB + 1) * E);
   st.build.block_size = block;
-  PreparePlan(c, plan);
   st.input.config = &c;
   st.input.plan = plan;
   st.input.totals = absl::MakeConstSpan(st.totals);

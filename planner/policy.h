@@ -30,34 +30,38 @@ struct Decisions {
 };
 
 // Largest value among n slots, ties to the lowest index, in O(1); Set is O(log n). Each node
-// holds its winner's (value, index), so an update compares adjacent pairs without indirection.
+// holds its winner as one key, value * 2^32 + (2^32 - 1 - index), so the larger key is the larger
+// value with ties to the lower index, and an update is a branch-free max up the path.
 struct MaxTree {
-  struct Node {
-    int64_t val;
-    int32_t idx;  // -1: empty
-  };
+  using Key = __int128;
+  static constexpr Key kEmpty = static_cast<Key>(static_cast<unsigned __int128>(1) << 127);  // the minimum
   int32_t leaves = 1;
-  std::vector<Node> tree;
-  static Node Better(const Node& a, const Node& b) {
-    if (a.idx < 0) return b;
-    if (b.idx < 0) return a;
-    return b.val > a.val || (b.val == a.val && b.idx < a.idx) ? b : a;
+  std::vector<Key> tree;
+  static Key MakeKey(int64_t v, int32_t i) {
+    return static_cast<Key>((static_cast<unsigned __int128>(static_cast<__int128>(v)) << 32) |
+                            (0xffffffffu - static_cast<uint32_t>(i)));
   }
+  static Key Max(Key a, Key b) { return a > b ? a : b; }
   void Build(absl::Span<const int64_t> values) {
     const int32_t n = static_cast<int32_t>(values.size());
     leaves = 1;
     while (leaves < n) leaves *= 2;
-    tree.assign(2 * static_cast<size_t>(leaves), Node{0, -1});
-    for (int32_t i = 0; i < n; ++i) tree[leaves + i] = Node{values[i], i};
-    for (int32_t v = leaves - 1; v >= 1; --v) tree[v] = Better(tree[2 * v], tree[2 * v + 1]);
+    tree.assign(2 * static_cast<size_t>(leaves), kEmpty);
+    for (int32_t i = 0; i < n; ++i) tree[leaves + i] = MakeKey(values[i], i);
+    for (int32_t v = leaves - 1; v >= 1; --v) tree[v] = Max(tree[2 * v], tree[2 * v + 1]);
   }
   void Set(int32_t i, int64_t v) {
+    Key* t = tree.data();
     int32_t x = leaves + i;
-    tree[x].val = v;
-    for (x /= 2; x >= 1; x /= 2) tree[x] = Better(tree[2 * x], tree[2 * x + 1]);
+    t[x] = MakeKey(v, i);
+    for (x /= 2; x >= 1; x /= 2) t[x] = Max(t[2 * x], t[2 * x + 1]);
   }
   // Index of the largest value when it is > 0, else -1.
-  int32_t Top() const { return tree[1].idx >= 0 && tree[1].val > 0 ? tree[1].idx : -1; }
+  int32_t Top() const {
+    const Key k = tree[1];
+    if (k == kEmpty || (k >> 32) <= 0) return -1;
+    return static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(k & 0xffffffffu));
+  }
 };
 
 // Everything a policy may read. `counts` is null when only totals are known (Planner::Decide).

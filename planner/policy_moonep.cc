@@ -84,7 +84,7 @@ struct Balancer {
     sc.donor_node.resize(num_donors);
     for (int32_t i = 0; i < num_donors; ++i) sc.donor_node[i] = Node(sc.order2[i]);
     mark = 0;
-    std::sort(sc.rooms.begin(), sc.rooms.end(), RoomLess);
+    std::sort(sc.rooms.begin(), sc.rooms.end(), RoomOrder());
     leaves = 1;
     while (leaves < num_donors) leaves *= 2;
     chunk.assign(leaves, 0);
@@ -110,6 +110,12 @@ struct Balancer {
   static bool RoomLess(const PolicyScratch::Room& a, const PolicyScratch::Room& b) {
     return a.room != b.room ? a.room < b.room : a.rank < b.rank;
   }
+  // RoomLess as a function object, so that std::sort and the binary searches inline it.
+  struct RoomOrder {
+    bool operator()(const PolicyScratch::Room& a, const PolicyScratch::Room& b) const {
+      return RoomLess(a, b);
+    }
+  };
 
   // Moves `amount` of donor i's expert at position j to receiver at rooms[k]; keeps orders.
   bool Apply(int32_t i, int32_t j, size_t k, int64_t amount) {
@@ -175,11 +181,12 @@ struct Balancer {
     }
     const bool has_free = dec.slots_used[d] < S;
     const int32_t d_node = Node(d);
+    const int64_t* chunks = chunk.data();
     for (int32_t i = 0; i < num_donors; ++i) {
+      // chunk = min(excess, largest remaining expert): below y, the donor cannot fill the room.
+      if (chunks[i] < y) continue;
       const int64_t x = sc.excess[i];
-      if (x < y) continue;
       const int64_t* rem = Rem(i);
-      if (rem[0] < y) continue;
       // Last expert (smallest) whose remaining tokens are >= y.
       int32_t lo = 1;
       while (lo < epn && rem[lo] >= y) ++lo;
@@ -235,7 +242,7 @@ struct Balancer {
     sc.excess[bi] = y;  // Apply takes y; the rest becomes room on h below
     if (!Apply(bi, bj, k, y)) return false;
     const PolicyScratch::Room room{y - x, h};
-    sc.rooms.insert(std::upper_bound(sc.rooms.begin(), sc.rooms.end(), room, RoomLess), room);
+    sc.rooms.insert(std::upper_bound(sc.rooms.begin(), sc.rooms.end(), room, RoomOrder()), room);
     return true;
   }
 
@@ -245,7 +252,7 @@ struct Balancer {
     const int32_t e = Experts(i)[0];
     const int32_t h = sc.order2[i];
     const PolicyScratch::Room key{chunk, -1};
-    const size_t first = std::lower_bound(sc.rooms.begin(), sc.rooms.end(), key, RoomLess) - sc.rooms.begin();
+    const size_t first = std::lower_bound(sc.rooms.begin(), sc.rooms.end(), key, RoomOrder()) - sc.rooms.begin();
     if (worst_fit) {
       for (size_t k = sc.rooms.size(); k-- > first;) {
         if (CanTake(sc.rooms[k].rank, e, sc.rooms[k].room == chunk)) return Apply(i, 0, k, chunk);
