@@ -202,28 +202,94 @@ TEST_P(ThreadInvariance, OneAndTwoThreadsAgreeBitwise) {
 
 INSTANTIATE_TEST_SUITE_P(DTypes, ThreadInvariance, ::testing::Values(kF32, kBF16));
 
-// H and I above kColTile (two column tiles per row block; row blocks are covered above): 1 and 3
-// threads agree bitwise, and both match the reference.
-TEST(ThreadInvarianceWide, OneAndThreeThreadsAgreeBitwise) {
+// H and I above kColTile (two column tiles per row block; row blocks are covered above): 1 and 2
+// threads agree bitwise (the same tiles, see TileLimits), and both match the reference.
+TEST(ThreadInvarianceWide, OneAndTwoThreadsAgreeBitwise) {
   const ProblemSpec spec = Spec(1100, 1030, kF32, kF32, {40, 3, 0, 17}, 4, 23);
-  Problem p1(spec), p3(spec);
+  Problem p1(spec), p2(spec);
   auto ex1 = MakeExecutor(p1, 1);
-  auto ex3 = MakeExecutor(p3, 3);
+  auto ex2 = MakeExecutor(p2, 2);
   const int64_t R = p1.view.total_rows, H = spec.hidden;
-  Buffer y1(R, H, kF32), y3(R, H, kF32), dx1(R, H, kF32), dx3(R, H, kF32);
+  Buffer y1(R, H, kF32), y2(R, H, kF32), dx1(R, H, kF32), dx2(R, H, kF32);
   ASSERT_TRUE(ex1->Forward(p1.view, p1.x.view(), y1.view(), {}).ok());
-  ASSERT_TRUE(ex3->Forward(p3.view, p3.x.view(), y3.view(), {}).ok());
+  ASSERT_TRUE(ex2->Forward(p2.view, p2.x.view(), y2.view(), {}).ok());
   ASSERT_TRUE(ex1->Backward(p1.view, p1.x.view(), p1.dy.view(), dx1.view(), {}).ok());
-  ASSERT_TRUE(ex3->Backward(p3.view, p3.x.view(), p3.dy.view(), dx3.view(), {}).ok());
-  EXPECT_TRUE(SameBytes(y1, y3));
-  EXPECT_TRUE(SameBytes(dx1, dx3));
-  for (size_t k = 0; k < p1.grads.size(); ++k) EXPECT_TRUE(SameBytes(p1.grads[k], p3.grads[k])) << k;
+  ASSERT_TRUE(ex2->Backward(p2.view, p2.x.view(), p2.dy.view(), dx2.view(), {}).ok());
+  EXPECT_TRUE(SameBytes(y1, y2));
+  EXPECT_TRUE(SameBytes(dx1, dx2));
+  for (size_t k = 0; k < p1.grads.size(); ++k) EXPECT_TRUE(SameBytes(p1.grads[k], p2.grads[k])) << k;
   EXPECT_LT(ForwardError(p1, y1), 1e-5);
   const GradErrors e = BackwardErrors(p1, dx1, 1.0);
   EXPECT_LT(e.dx, 1e-5);
   EXPECT_LT(e.dwg, 1e-5);
   EXPECT_LT(e.dwu, 1e-5);
   EXPECT_LT(e.dwd, 1e-5);
+}
+
+// Few rows and many threads: the row phases cut finer tiles (TileLimits) so that all 16 threads
+// have work. Finer tiles may change the last bits against one thread (OpenBLAS rounds by shape),
+// so: both match the fp64 reference, and 16 threads repeat themselves bitwise.
+TEST(ThreadInvarianceFine, SixteenThreadsMatchTheReferenceAndRepeat) {
+  for (DType dt : {kF32, kBF16}) {
+    const ProblemSpec spec = Spec(300, 520, dt, dt, {256, 300, 0, 129}, 4, 29);
+    Problem p1(spec), p16(spec), q16(spec);
+    auto ex1 = MakeExecutor(p1, 1);
+    auto ex16 = MakeExecutor(p16, 16);
+    auto fx16 = MakeExecutor(q16, 16);
+    ASSERT_EQ(ex16->num_threads(), 16);
+    const int64_t R = p1.view.total_rows, H = spec.hidden;
+    Buffer y1(R, H, dt), y16(R, H, dt), z16(R, H, dt), dx1(R, H, dt), dx16(R, H, dt),
+        dz16(R, H, dt);
+    ASSERT_TRUE(ex1->Forward(p1.view, p1.x.view(), y1.view(), {}).ok());
+    ASSERT_TRUE(ex16->Forward(p16.view, p16.x.view(), y16.view(), {}).ok());
+    ASSERT_TRUE(fx16->Forward(q16.view, q16.x.view(), z16.view(), {}).ok());
+    ASSERT_TRUE(ex1->Backward(p1.view, p1.x.view(), p1.dy.view(), dx1.view(), {}).ok());
+    ASSERT_TRUE(ex16->Backward(p16.view, p16.x.view(), p16.dy.view(), dx16.view(), {}).ok());
+    ASSERT_TRUE(fx16->Backward(q16.view, q16.x.view(), q16.dy.view(), dz16.view(), {}).ok());
+    EXPECT_TRUE(SameBytes(y16, z16)) << DTypeName(dt);
+    EXPECT_TRUE(SameBytes(dx16, dz16)) << DTypeName(dt);
+    for (size_t k = 0; k < p16.grads.size(); ++k) {
+      EXPECT_TRUE(SameBytes(p16.grads[k], q16.grads[k])) << DTypeName(dt) << " " << k;
+    }
+    for (Problem* p : {&p1, &p16}) {
+      Buffer& y = p == &p1 ? y1 : y16;
+      Buffer& dx = p == &p1 ? dx1 : dx16;
+      EXPECT_LT(ForwardError(*p, y), Tolerance(dt));
+      const GradErrors e = BackwardErrors(*p, dx, 1.0);
+      EXPECT_LT(e.dx, Tolerance(dt));
+      EXPECT_LT(e.dwg, Tolerance(dt));
+      EXPECT_LT(e.dwu, Tolerance(dt));
+      EXPECT_LT(e.dwd, Tolerance(dt));
+    }
+  }
+}
+
+// TileLimits: the default tiles while they give kTilesPerThread tiles per thread (counting at least
+// two threads, so 1 and 2 threads cut the same tiles); finer (rows first, then columns, never
+// below the minimums) otherwise.
+TEST(Executor, TileLimitsFollowTheThreads) {
+  auto tiles = [](const std::vector<int64_t>& rows, int64_t width, std::pair<int64_t, int64_t> l) {
+    const int64_t t = cpu::ColTile(width, l.second);
+    int64_t n = 0;
+    for (int64_t r : rows) n += (r + cpu::RowBlock(r, l.first) - 1) / cpu::RowBlock(r, l.first);
+    return n * ((width + t - 1) / t);
+  };
+  const std::vector<int64_t> eight(8, 256);
+  EXPECT_EQ(cpu::TileLimits(eight, 512, 1), std::make_pair(cpu::kRowBlock, cpu::kColTile));
+  EXPECT_EQ(cpu::TileLimits(eight, 512, 2), std::make_pair(cpu::kRowBlock, cpu::kColTile));
+  EXPECT_EQ(cpu::TileLimits({300, 40}, 512, 1), cpu::TileLimits({300, 40}, 512, 2));
+  const auto l16 = cpu::TileLimits(eight, 512, 16);
+  EXPECT_EQ(l16, std::make_pair(cpu::kMinRowBlock, int64_t{256}));
+  EXPECT_GE(tiles(eight, 512, l16), cpu::kTilesPerThread * 16);
+  EXPECT_LT(tiles(eight, 512, std::make_pair(cpu::kMinRowBlock, int64_t{512})),
+            cpu::kTilesPerThread * 16);
+  // One tiny group: cut to the minimums and no further.
+  const auto tiny = cpu::TileLimits({3}, 100, 64);
+  EXPECT_EQ(tiny.first, cpu::kMinRowBlock);
+  EXPECT_EQ(cpu::ColTile(100, tiny.second), 100);
+  // Many rows: untouched.
+  EXPECT_EQ(cpu::TileLimits(std::vector<int64_t>(64, 4096), 2048, 16),
+            std::make_pair(cpu::kRowBlock, cpu::kColTile));
 }
 
 // The vectorized SwiGLU passes against fp64 (silu, its derivative), tails of every length.

@@ -92,16 +92,44 @@ const TensorView& Matrix(const ExpertParams& p, int32_t which) {
 
 }  // namespace
 
-int64_t RowBlock(int64_t n) {
-  if (n <= kRowBlock) return n;
-  const int64_t blocks = (n + kRowBlock - 1) / kRowBlock;
-  return std::min<int64_t>(kRowBlock, static_cast<int64_t>(RoundUp(static_cast<size_t>((n + blocks - 1) / blocks), 16)));
+int64_t RowBlock(int64_t n, int64_t max_block) {
+  if (n <= max_block) return n;
+  const int64_t blocks = (n + max_block - 1) / max_block;
+  return std::min<int64_t>(
+      max_block, static_cast<int64_t>(RoundUp(static_cast<size_t>((n + blocks - 1) / blocks), 16)));
 }
 
-int64_t ColTile(int64_t width) {
-  if (width <= kColTile) return width;
-  const int64_t parts = (width + kColTile - 1) / kColTile;
+int64_t ColTile(int64_t width, int64_t max_tile) {
+  if (width <= max_tile) return width;
+  const int64_t parts = (width + max_tile - 1) / max_tile;
   return static_cast<int64_t>(RoundUp(static_cast<size_t>((width + parts - 1) / parts), 16));
+}
+
+std::pair<int64_t, int64_t> TileLimits(const std::vector<int64_t>& rows, int64_t width,
+                                       int threads) {
+  int64_t max_block = kRowBlock, max_tile = kColTile;
+  const int64_t want = kTilesPerThread * std::max<int64_t>(threads, 2);
+  auto tiles = [&] {
+    const int64_t tile = ColTile(width, max_tile);
+    const int64_t col_tiles = tile == 0 ? 0 : (width + tile - 1) / tile;
+    int64_t n = 0;
+    for (int64_t r : rows) {
+      if (r <= 0) continue;
+      const int64_t block = RowBlock(r, max_block);
+      n += (r + block - 1) / block * col_tiles;
+    }
+    return n;
+  };
+  while (tiles() < want) {
+    if (max_block > kMinRowBlock) {
+      max_block /= 2;
+    } else if (max_tile > kMinColTile && ColTile(width, max_tile) > kMinColTile) {
+      max_tile /= 2;
+    } else {
+      break;
+    }
+  }
+  return {max_block, max_tile};
 }
 
 size_t CpuWorkspaceBytes(const ExecutorConfig& config, int threads) {
@@ -118,8 +146,12 @@ absl::StatusOr<std::unique_ptr<CpuExecutor>> CpuExecutor::Create(const ExecutorC
     return OutOfMemory("CpuExecutor: cannot allocate a %d-byte workspace", ex->workspace_bytes_);
   }
   ex->shared_ = ex->workspace_ + ex->pool_->size() * ex->per_thread_floats_;
-  // Enough task slots for max_rows spread over up to 256 groups; more groups grow it once.
-  ex->tasks_.reserve(static_cast<size_t>(config.max_rows / kRowBlock + 256) * 3);
+  // Enough task slots for max_rows spread over up to 256 groups, plus the finer tiles of
+  // TileLimits (fewer than 2 * kTilesPerThread per thread beyond one per group); more groups grow
+  // it once.
+  ex->tasks_.reserve(static_cast<size_t>(config.max_rows / kRowBlock + 256) * 3 +
+                     static_cast<size_t>(2 * kTilesPerThread * std::max(ex->pool_->size(), 2)));
+  ex->group_rows_.reserve(256);
   return ex;
 }
 
@@ -142,10 +174,13 @@ void CpuExecutor::OrderGroups(const ComputeView& view) {
 
 void CpuExecutor::RowTasks(const ComputeView& view, int64_t width) {
   tasks_.clear();
-  const int64_t tile = ColTile(width);
+  group_rows_.clear();
+  for (int32_t g : order_) group_rows_.push_back(view.groups[g].row_count);
+  const auto [max_block, max_tile] = TileLimits(group_rows_, width, pool_->size());
+  const int64_t tile = ColTile(width, max_tile);
   for (int32_t g : order_) {
     const int64_t n = view.groups[g].row_count;
-    const int64_t block = RowBlock(n);
+    const int64_t block = RowBlock(n, max_block);
     for (int64_t r = 0; r < n; r += block) {
       for (int64_t c = 0; c < width; c += tile) {
         tasks_.push_back(Task{g, 0, r, std::min(block, n - r), c, std::min(tile, width - c)});

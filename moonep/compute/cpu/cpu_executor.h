@@ -1,9 +1,11 @@
 // The CPU grouped-GEMM executor: OpenBLAS cblas_sgemm under a fixed-tile task schedule.
 //
-// Scheduling. Work is cut into tiles whose shapes depend only on the view, never on the thread
-// count, and every output element is produced by exactly one tile with a fixed summation order,
-// so results are bitwise identical for any num_threads. Phases (a barrier between each):
-//   forward  F1: per (block of kRowBlock rows, block of kColTile columns of I):
+// Scheduling. Work is cut into tiles whose shapes depend on the view and, for views too small to
+// give every thread kTilesPerThread tiles, on the thread count (TileLimits); every output element
+// is produced by exactly one tile with a fixed summation order, so results are bitwise identical
+// from run to run, for 1 and 2 threads, and for any thread count on views large enough for the
+// default tiles. Phases (a barrier between each):
+//   forward  F1: per (block of <= kRowBlock rows, block of <= kColTile columns of I):
 //                a = x Wg, b = x Wu, h = silu(a) * b  (h kept in the workspace)
 //            F2: per (row block, column block of H): y = h Wd
 //   backward B1: per (row block, column block of I): a, b (kept or recomputed), dh = dy Wd^T,
@@ -28,6 +30,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -39,13 +42,27 @@ namespace moonep::compute::cpu {
 constexpr int64_t kRowBlock = 256;
 constexpr int64_t kColTile = 1024;
 constexpr int64_t kWeightTile = 256;
+// The smallest tiles the row phases cut down to when a view has too few tiles for the threads.
+constexpr int64_t kMinRowBlock = 64;
+constexpr int64_t kMinColTile = 128;
+// Tiles the row phases aim for: kTilesPerThread per thread, counting at least 2 threads. OpenBLAS
+// rounds differently for different GEMM shapes, so finer tiles change the last bits: results are
+// bitwise the same for 1 and 2 threads (same tiles) and from run to run at any thread count, and
+// the same for every thread count when the view's default tiles already suffice (large views).
+constexpr int64_t kTilesPerThread = 4;
 
-// Rows per row block of a group of n rows: n <= kRowBlock is one block; otherwise
-// ceil(n / kRowBlock) blocks of equal size rounded up to 16 (the last one shorter).
-int64_t RowBlock(int64_t n);
-// Columns per column tile of an output `width` wide: at most kColTile, tiles of equal width
+// Rows per row block of a group of n rows: n <= max_block is one block; otherwise
+// ceil(n / max_block) blocks of equal size rounded up to 16 (the last one shorter).
+int64_t RowBlock(int64_t n, int64_t max_block = kRowBlock);
+// Columns per column tile of an output `width` wide: at most max_tile, tiles of equal width
 // rounded up to 16 (the last one narrower).
-int64_t ColTile(int64_t width);
+int64_t ColTile(int64_t width, int64_t max_tile = kColTile);
+// The largest tile limits (row block, column tile) for the row phases of groups with these row
+// counts and an output `width` wide such that there are at least kTilesPerThread * max(threads, 2)
+// tiles: kRowBlock x kColTile when that already gives enough; else rows halve down to
+// kMinRowBlock, then columns down to kMinColTile.
+std::pair<int64_t, int64_t> TileLimits(const std::vector<int64_t>& rows, int64_t width,
+                                       int threads);
 
 // The workspace CpuExecutor allocates for `config` with `threads` threads.
 size_t CpuWorkspaceBytes(const ExecutorConfig& config, int threads);
@@ -79,7 +96,7 @@ class CpuExecutor final : public Executor {
   explicit CpuExecutor(const ExecutorConfig& config, int threads);
 
   void OrderGroups(const ComputeView& view);
-  // Tiles of (kRowBlock rows of each group) x (kColTile columns of `width`).
+  // Tiles of (row blocks of each group) x (column tiles of `width`), see TileLimits.
   void RowTasks(const ComputeView& view, int64_t width);
   void WeightTasks(const ComputeView& view);
   void ZeroUncoveredRows(const ComputeView& view, const TensorView& out);
@@ -93,6 +110,7 @@ class CpuExecutor final : public Executor {
   float* shared_ = nullptr;  // h, da, db, each [max_rows, I]
   std::vector<int32_t> order_;  // group indices by decreasing rows, reused
   std::vector<int32_t> by_offset_;
+  std::vector<int64_t> group_rows_;
   std::vector<Task> tasks_;
 };
 
