@@ -336,11 +336,17 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
   // Replicas per expert, by increasing rank (CSR), with their slot index.
   std::vector<int32_t>& rb = scratch->replica_begin;
   rb.assign(static_cast<size_t>(E) + 1, 0);
+  // The planner's decisions fill each rank's slots in order (a prefix), so with home_keep given
+  // the scans stop at a rank's first unused slot.
+  const bool prefix_slots = home_keep != nullptr && home_load != nullptr && !plan->home_replicas;
   for (int32_t d = 0; d < R; ++d) {
     const int32_t* se = slot_expert + static_cast<size_t>(d) * S;
     for (int32_t s = 0; s < S; ++s) {
       const int32_t e = se[s];
-      if (e < 0) continue;
+      if (e < 0) {
+        if (prefix_slots) break;
+        continue;
+      }
       MOONEP_CHECK_ARG(e < E, "slot %d of rank %d holds expert %d, not in [0, %d)", s, d, e, E);
       MOONEP_CHECK_ARG(plan->home_replicas || home[e] != d, "rank %d holds a replica of its own expert %d",
                        d, e);
@@ -360,7 +366,10 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
     const int32_t* se = slot_expert + static_cast<size_t>(d) * S;
     for (int32_t s = 0; s < S; ++s) {
       const int32_t e = se[s];
-      if (e < 0) continue;
+      if (e < 0) {
+        if (prefix_slots) break;
+        continue;
+      }
       const int32_t j = rb[e]++;
       rrank[j] = d;
       rslot[j] = static_cast<int64_t>(d) * S + s;
@@ -373,7 +382,39 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
   // (padded groups back to back) and loads.
   PlanStats& st = plan->stats;
   st = PlanStats{};
-  for (int32_t d = 0; d < R; ++d) {
+  const int32_t* local_experts = plan->local_experts.data();
+  int64_t* rank_rows = plan->rank_rows.data();
+  for (int32_t d = 0; prefix_slots && d < R; ++d) {
+    // One pass per rank: counts, offsets, padding and load (slot counts are slot_alloc).
+    const int32_t* local = local_experts + static_cast<size_t>(d) * epn;
+    const size_t base = static_cast<size_t>(d) * G;
+    int64_t* gc = group_count + base;
+    int64_t* go = group_offset + base;
+    int64_t* gp = group_padded + base;
+    const int32_t* se = slot_expert + static_cast<size_t>(d) * S;
+    const int64_t* sa = slot_alloc + static_cast<size_t>(d) * S;
+    int64_t row = 0, after = 0;
+    for (int32_t g = 0; g < G; ++g) {
+      int64_t n;
+      if (g < epn) {
+        n = home_keep[local[g]];
+      } else {
+        const int32_t s = g - epn;
+        n = se[s] >= 0 ? sa[s] : 0;
+        MOONEP_CHECK_ARG(sa[s] == n, "slot %d of rank %d: slot_alloc %d != alloc %d", s, d, sa[s], n);
+      }
+      const int64_t padded = pad == 1 ? n : (n + pad - 1) / pad * pad;
+      gc[g] = n;
+      go[g] = row;
+      gp[g] = padded;
+      row += padded;
+      after += n;
+    }
+    rank_rows[d] = row;
+    st.max_load_before = std::max(st.max_load_before, home_load[d]);
+    st.max_load_after = std::max(st.max_load_after, after);
+  }
+  for (int32_t d = 0; !prefix_slots && d < R; ++d) {
     const int32_t* local = plan->local_experts.data() + static_cast<size_t>(d) * epn;
     int64_t* gc = group_count + static_cast<size_t>(d) * G;
     int64_t before = 0, after = 0;
@@ -393,7 +434,8 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
       const int32_t e = se[s];
       int64_t n = 0;
       if (e >= 0) {
-        n = alloc[static_cast<size_t>(e) * R + d];
+        // With home_keep given, the caller wrote alloc and slot_alloc from the same decisions.
+        n = home_keep != nullptr ? sa[s] : alloc[static_cast<size_t>(e) * R + d];
         if (home[e] == d) {  // home_replicas: the slot's part of alloc[e][home]
           n = sa[s];
           int64_t& home_count = gc[plan->home_group[e]];

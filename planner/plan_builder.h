@@ -84,7 +84,8 @@ absl::Status FinalizePlan(const PlannerConfig& resolved, absl::Span<const int64_
 // same pieces, layouts and stats, without reading all of alloc or writing every source offset
 // (only replicated experts' columns of counts are summed). `totals` are the per-expert totals.
 // `home_keep` ([E], optional) is alloc[e][home(e)] as the caller wrote it and `home_load` ([R],
-// optional) each rank's home load: given, they save strided reads.
+// optional) each rank's home load: given, they save strided reads (and the caller vouches that
+// slot_alloc equals alloc at every slot, which is then not read back from alloc).
 absl::Status FinalizeHolders(const PlannerConfig& resolved, absl::Span<const int64_t> counts,
                              absl::Span<const int64_t> totals, Plan* plan, BuildScratch* scratch,
                              const int64_t* home_keep = nullptr, const int64_t* home_load = nullptr);

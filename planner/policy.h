@@ -51,10 +51,16 @@ struct MaxTree {
     for (int32_t v = leaves - 1; v >= 1; --v) tree[v] = Max(tree[2 * v], tree[2 * v + 1]);
   }
   void Set(int32_t i, int64_t v) {
+    // The path's winner stays in a register: each level only loads the sibling (independent of
+    // the previous level), so the chain is one compare per level, not a store-load round trip.
     Key* t = tree.data();
     int32_t x = leaves + i;
-    t[x] = MakeKey(v, i);
-    for (x /= 2; x >= 1; x /= 2) t[x] = Max(t[2 * x], t[2 * x + 1]);
+    Key cur = MakeKey(v, i);
+    t[x] = cur;
+    for (; x > 1; x >>= 1) {
+      cur = Max(cur, t[x ^ 1]);
+      t[x >> 1] = cur;
+    }
   }
   // Index of the largest value when it is > 0, else -1.
   int32_t Top() const {
@@ -108,6 +114,8 @@ struct PolicyScratch {
   int64_t eplb_step = 0;
   std::vector<int32_t> eplb_replica_begin, eplb_replica_rank;  // last eplb placement (CSR by expert)
   MaxTree excess_tree, room_tree;  // moonep-greedy: most overloaded group, rank with most room
+  std::vector<int32_t> greedy_donor, greedy_receiver;  // moonep-greedy: their ranks
+  std::vector<int64_t> greedy_rem;  // moonep-greedy: remaining tokens of each donor's sorted experts
   Decisions alt;                   // moonep: the greedy decisions it is compared with
   std::vector<int32_t> by_expert_begin, by_expert_rank;  // LocalRows: replicas per expert (CSR)
   std::vector<int64_t> by_expert_amount, by_expert_start, by_expert_end;

@@ -11,8 +11,21 @@ namespace moonep::planner {
 void Decisions::Reset(int32_t R, int32_t E, int32_t S, absl::Span<const int64_t> totals) {
   home_keep.assign(totals.begin(), totals.end());
   (void)E;
-  slot_expert.assign(static_cast<size_t>(R) * S, -1);
-  slot_amount.assign(static_cast<size_t>(R) * S, 0);
+  const size_t n = static_cast<size_t>(R) * S;
+  if (slot_expert.size() == n && slot_amount.size() == n && slots_used.size() == static_cast<size_t>(R)) {
+    // Same shape: slots fill in order, so only the used prefix of each rank's slots needs clearing.
+    for (int32_t d = 0; d < R; ++d) {
+      const size_t base = static_cast<size_t>(d) * S;
+      for (int32_t s = 0; s < slots_used[d]; ++s) {
+        slot_expert[base + s] = -1;
+        slot_amount[base + s] = 0;
+      }
+      slots_used[d] = 0;
+    }
+    return;
+  }
+  slot_expert.assign(n, -1);
+  slot_amount.assign(n, 0);
   slots_used.assign(R, 0);
 }
 
@@ -125,67 +138,71 @@ void LocalRows(const PolicyInput& in, const Decisions& a, const Decisions& b, Po
   const PlannerConfig& c = *in.config;
   const int32_t R = c.num_ranks, E = c.num_experts, S = c.slots;
   sc->touched_mark.resize(E, 0);  // all zero between calls
-  sc->touched.clear();
+  sc->touched_index.resize(E);
+  sc->touched.resize(E);
+  // Raw pointers: stores through them cannot alias the vectors' own bookkeeping.
+  char* mark = sc->touched_mark.data();
+  int32_t* index = sc->touched_index.data();
+  int32_t* touched = sc->touched.data();
   const Decisions* both[2] = {&a, &b};
   int64_t* out[2] = {local_a, local_b};
-  // Index of touched experts.
-  std::vector<int32_t>& index = sc->touched_index;
-  index.resize(E);
-  for (const Decisions* dec : both) {
+  // Experts replicated in either decision set, and the replicas of each set.
+  int32_t T = 0, n[2] = {0, 0};
+  for (int k = 0; k < 2; ++k) {
+    const int32_t* used = both[k]->slots_used.data();
+    const int32_t* slot_expert = both[k]->slot_expert.data();
     for (int32_t d = 0; d < R; ++d) {
-      for (int32_t s = 0; s < dec->slots_used[d]; ++s) {
-        const int32_t e = dec->slot_expert[static_cast<size_t>(d) * S + s];
-        if (e >= 0 && !sc->touched_mark[e]) {
-          sc->touched_mark[e] = 1;
-          index[e] = static_cast<int32_t>(sc->touched.size());
-          sc->touched.push_back(e);
+      const int32_t* se = slot_expert + static_cast<size_t>(d) * S;
+      for (int32_t s = 0; s < used[d]; ++s) {
+        const int32_t e = se[s];
+        if (!mark[e]) {
+          mark[e] = 1;
+          index[e] = T;
+          touched[T++] = e;
         }
       }
+      n[k] += used[d];
     }
   }
-  const int32_t T = static_cast<int32_t>(sc->touched.size());
+  sc->by_expert_begin.resize(static_cast<size_t>(T) + 1);
+  const int32_t n_max = std::max(n[0], n[1]);
+  sc->by_expert_rank.resize(n_max);
+  sc->by_expert_amount.resize(n_max);
+  sc->by_expert_start.resize(n_max);
+  sc->by_expert_end.resize(n_max);
+  int32_t* begin = sc->by_expert_begin.data();
+  int32_t* rank = sc->by_expert_rank.data();
+  int64_t* amount = sc->by_expert_amount.data();
   for (int k = 0; k < 2; ++k) {
     const Decisions& dec = *both[k];
+    const int32_t* used = dec.slots_used.data();
+    const int32_t* slot_expert = dec.slot_expert.data();
+    const int64_t* slot_amount = dec.slot_amount.data();
     // Replicas of the touched experts, by expert then increasing rank (counting sort).
-    std::vector<int32_t>& begin = sc->by_expert_begin;
-    begin.assign(static_cast<size_t>(T) + 1, 0);
-    int32_t n = 0;
+    std::fill(begin, begin + T + 1, 0);
     for (int32_t d = 0; d < R; ++d) {
-      for (int32_t s = 0; s < dec.slots_used[d]; ++s) {
-        const int32_t e = dec.slot_expert[static_cast<size_t>(d) * S + s];
-        if (e >= 0) {
-          ++begin[index[e] + 1];
-          ++n;
-        }
-      }
+      const int32_t* se = slot_expert + static_cast<size_t>(d) * S;
+      for (int32_t s = 0; s < used[d]; ++s) ++begin[index[se[s]] + 1];
     }
     for (int32_t t = 0; t < T; ++t) begin[t + 1] += begin[t];
-    sc->by_expert_rank.resize(n);
-    sc->by_expert_amount.resize(n);
-    sc->by_expert_start.resize(n);
-    sc->by_expert_end.resize(n);
     for (int32_t d = 0; d < R; ++d) {
-      for (int32_t s = 0; s < dec.slots_used[d]; ++s) {
-        const size_t i = static_cast<size_t>(d) * S + s;
-        const int32_t e = dec.slot_expert[i];
-        if (e < 0) continue;
-        const int32_t j = begin[index[e]]++;
-        sc->by_expert_rank[j] = d;
-        sc->by_expert_amount[j] = dec.slot_amount[i];
+      const size_t base = static_cast<size_t>(d) * S;
+      for (int32_t s = 0; s < used[d]; ++s) {
+        const int32_t j = begin[index[slot_expert[base + s]]]++;
+        rank[j] = d;
+        amount[j] = slot_amount[base + s];
       }
     }
-    for (int32_t t = T; t > 0; --t) begin[t] = begin[t - 1];
-    begin[0] = 0;
     int64_t local = 0;
-    for (int32_t t = 0; t < T; ++t) {
-      const int32_t j = begin[t];
-      local += ExpertLocalRows(in, sc->touched[t], sc->by_expert_rank.data() + j,
-                               sc->by_expert_amount.data() + j, begin[t + 1] - j,
+    for (int32_t t = 0, j = 0; t < T; ++t) {
+      const int32_t end = begin[t];  // shifted by the placement: the end of expert t's replicas
+      local += ExpertLocalRows(in, touched[t], rank + j, amount + j, end - j,
                                sc->by_expert_start.data() + j, sc->by_expert_end.data() + j);
+      j = end;
     }
     *out[k] = local;
   }
-  for (int32_t e : sc->touched) sc->touched_mark[e] = 0;
+  for (int32_t t = 0; t < T; ++t) mark[touched[t]] = 0;
 }
 
 absl::Status DecideNone(const PolicyInput&, PolicyScratch*, Decisions*) { return absl::OkStatus(); }
@@ -198,53 +215,80 @@ bool GreedyFill(const PolicyInput& in, absl::Span<const int64_t> cap, PolicyScra
   const PlannerConfig& c = *in.config;
   const int32_t R = c.num_ranks, S = c.slots, epn = c.num_experts / R;
   dec->Reset(R, c.num_experts, S, in.totals);
-  sc->excess.assign(R, 0);
-  sc->room.assign(R, 0);
+  // Donors (excess > 0) and receivers (room > 0), each in increasing rank, so that the lowest
+  // index is the lowest rank: the largest excess and room (ties: lowest rank) come from
+  // tournament trees over them, O(log) per move.
+  std::vector<int32_t>& donors = sc->greedy_donor;
+  std::vector<int32_t>& receivers = sc->greedy_receiver;
+  std::vector<int64_t>& excess = sc->excess;
+  std::vector<int64_t>& room = sc->room;
+  donors.clear();
+  receivers.clear();
+  excess.clear();
+  room.clear();
   for (int32_t d = 0; d < R; ++d) {
     const int64_t diff = in.home_load[d] - cap[d];
-    if (diff > 0) sc->excess[d] = diff;
-    if (diff < 0 && S > 0) sc->room[d] = -diff;
+    if (diff > 0) {
+      donors.push_back(d);
+      excess.push_back(diff);
+    } else if (diff < 0 && S > 0) {
+      receivers.push_back(d);
+      room.push_back(-diff);
+    }
   }
-  // The largest excess and room (ties: lowest rank) from tournament trees, O(log R) per move.
-  sc->excess_tree.Build(sc->excess);
-  sc->room_tree.Build(sc->room);
-  // Each overloaded group's experts, most remaining tokens first (ties by expert id), kept sorted
-  // across moves (only the group's own experts lose tokens, so an insertion pass restores it).
+  const int32_t num_donors = static_cast<int32_t>(donors.size());
+  sc->excess_tree.Build(excess);
+  sc->room_tree.Build(room);
+  // Each donor group's experts, most remaining tokens first (ties by expert id), kept sorted
+  // across moves (only the group's own experts lose tokens, so an insertion pass restores it);
+  // rem mirrors their remaining tokens contiguously.
+  const int64_t* keep = dec->home_keep.data();
   auto before = [&](int32_t a, int32_t b) {
-    const int64_t ka = dec->home_keep[a], kb = dec->home_keep[b];
+    const int64_t ka = keep[a], kb = keep[b];
     return ka != kb ? ka > kb : a < b;
   };
-  sc->order.resize(static_cast<size_t>(R) * epn);
-  for (int32_t r = 0; r < R; ++r) {
-    if (sc->excess[r] == 0) continue;
-    const int32_t* local = in.plan->local_experts.data() + static_cast<size_t>(r) * epn;
-    int32_t* ord = sc->order.data() + static_cast<size_t>(r) * epn;
+  sc->order.resize(static_cast<size_t>(num_donors) * epn);
+  sc->greedy_rem.resize(static_cast<size_t>(num_donors) * epn);
+  for (int32_t i = 0; i < num_donors; ++i) {
+    const int32_t* local = in.plan->local_experts.data() + static_cast<size_t>(donors[i]) * epn;
+    int32_t* ord = sc->order.data() + static_cast<size_t>(i) * epn;
     std::copy(local, local + epn, ord);
     std::sort(ord, ord + epn, before);
+    int64_t* rem = sc->greedy_rem.data() + static_cast<size_t>(i) * epn;
+    for (int32_t g = 0; g < epn; ++g) rem[g] = keep[ord[g]];
   }
   while (true) {
-    const int32_t h = sc->excess_tree.Top(), d = sc->room_tree.Top();
-    if (h < 0) return true;
-    if (d < 0) return false;
-    int64_t quota = std::min(sc->excess[h], sc->room[d]);
-    int32_t* ord = sc->order.data() + static_cast<size_t>(h) * epn;
-    for (int32_t i = 1; i < epn; ++i) {  // insertion pass: restores the order after the last move
-      for (int32_t j = i; j > 0 && before(ord[j], ord[j - 1]); --j) std::swap(ord[j], ord[j - 1]);
-    }
+    const int32_t hi = sc->excess_tree.Top(), di = sc->room_tree.Top();
+    if (hi < 0) return true;
+    if (di < 0) return false;
+    const int32_t d = receivers[di];
+    int64_t quota = std::min(excess[hi], room[di]);
+    int32_t* ord = sc->order.data() + static_cast<size_t>(hi) * epn;
+    int64_t* rem = sc->greedy_rem.data() + static_cast<size_t>(hi) * epn;
     for (int32_t i = 0; i < epn && quota > 0; ++i) {
       const int32_t e = ord[i];
-      const int64_t a = std::min(quota, dec->home_keep[e]);
+      const int64_t a = std::min(quota, rem[i]);
       if (a <= 0) break;
       if (!dec->Move(d, e, a, S)) {
-        sc->room[d] = 0;  // out of slots: this rank takes no more
+        room[di] = 0;  // out of slots: this rank takes no more
         break;
       }
+      rem[i] -= a;
       quota -= a;
-      sc->excess[h] -= a;
-      sc->room[d] -= a;
+      excess[hi] -= a;
+      room[di] -= a;
     }
-    sc->excess_tree.Set(h, sc->excess[h]);
-    sc->room_tree.Set(d, sc->room[d]);
+    // Restore the order (only the leading experts lost tokens).
+    for (int32_t i = 1; i < epn; ++i) {
+      for (int32_t j = i; j > 0; --j) {
+        const bool swap = rem[j] != rem[j - 1] ? rem[j] > rem[j - 1] : ord[j] < ord[j - 1];
+        if (!swap) break;
+        std::swap(ord[j], ord[j - 1]);
+        std::swap(rem[j], rem[j - 1]);
+      }
+    }
+    sc->excess_tree.Set(hi, excess[hi]);
+    sc->room_tree.Set(di, room[di]);
   }
 }
 

@@ -104,7 +104,13 @@ struct Balancer {
   }
   void Update(int32_t i) {
     chunk[i] = sc.excess[i] == 0 ? 0 : Chunk(i);
-    for (int32_t v = (leaves + i) / 2; v >= 1; v /= 2) tree[v] = Better(tree[2 * v], tree[2 * v + 1]);
+    // Better is symmetric (larger chunk, then lower index), so the path's winner is carried up
+    // against each sibling without reloading what the level below just stored.
+    int32_t cur = i;
+    for (int32_t x = leaves + i; x > 1; x >>= 1) {
+      cur = Better(cur, tree[x ^ 1]);
+      tree[x >> 1] = cur;
+    }
   }
 
   static bool RoomLess(const PolicyScratch::Room& a, const PolicyScratch::Room& b) {
@@ -168,8 +174,6 @@ struct Balancer {
     const int64_t y = sc.rooms[k].room;
     const int32_t d = sc.rooms[k].rank;
     int32_t bi = -1, bj = -1;
-    int64_t bv = 0;
-    bool b_close = false, b_node = false;
     // Donors homing an expert that d already holds are the only ones whose choice depends on d's
     // slots (the held expert is preferred and needs no free slot); the others take their tightest
     // expert and need a free slot on d.
@@ -181,17 +185,26 @@ struct Balancer {
     }
     const bool has_free = dec.slots_used[d] < S;
     const int32_t d_node = Node(d);
+    // Raw pointers (no reloads of vector internals), and each candidate ranked by one key:
+    // (exact fit v == y, v, closes the donor's excess, same node, lower index), largest wins.
+    // Exact fits all have v == y, so among them the key orders by close, node, index; among
+    // inexact ones by the largest v first: the order of the rules above.
     const int64_t* chunks = chunk.data();
+    const int64_t* excess = sc.excess.data();
+    const int64_t* donor_rem = sc.donor_rem.data();
+    const int32_t* donor_mark = sc.donor_mark.data();
+    const int32_t* donor_node = sc.donor_node.data();
+    unsigned __int128 best_key = 0;
     for (int32_t i = 0; i < num_donors; ++i) {
       // chunk = min(excess, largest remaining expert): below y, the donor cannot fill the room.
       if (chunks[i] < y) continue;
-      const int64_t x = sc.excess[i];
-      const int64_t* rem = Rem(i);
+      const int64_t x = excess[i];
+      const int64_t* rem = donor_rem + static_cast<size_t>(i) * epn;
       // Last expert (smallest) whose remaining tokens are >= y.
       int32_t lo = 1;
       while (lo < epn && rem[lo] >= y) ++lo;
       int32_t j = lo - 1;
-      if (sc.donor_mark[i] == mark) {
+      if (donor_mark[i] == mark) {
         // Prefer an expert d already holds (no new slot), else the tightest one.
         const int32_t* ex = Experts(i);
         for (int32_t p = 0; p < lo; ++p) {
@@ -206,19 +219,16 @@ struct Balancer {
       }
       const int64_t v = std::min(x, rem[j]);
       const bool close = x == y;
-      const bool node = sc.donor_node[i] == d_node;
-      // An exact fit (v == y: closes the room and the donor's chunk) first; among inexact ones
-      // the largest chunk, so big rooms go to big donors and a hot expert's replicas stay few.
-      const bool tie_better = close > b_close || (close == b_close && node > b_node);
-      const bool better = bi >= 0 && (v == y) != (bv == y) ? v == y
-                          : v == y                         ? v < bv || (v == bv && tie_better)
-                                                           : v > bv || (v == bv && tie_better);
-      if (bi < 0 || better) {
+      const bool node = donor_node[i] == d_node;
+      const unsigned __int128 key = (static_cast<unsigned __int128>(v == y) << 90) |
+                                    (static_cast<unsigned __int128>(v) << 34) |
+                                    (static_cast<unsigned __int128>(close) << 33) |
+                                    (static_cast<unsigned __int128>(node) << 32) |
+                                    (0xffffffffu - static_cast<uint32_t>(i));
+      if (key > best_key) {
+        best_key = key;
         bi = i;
         bj = j;
-        bv = v;
-        b_close = close;
-        b_node = node;
         if (v == y && close && node) break;  // nothing later can beat it
       }
     }
