@@ -303,4 +303,11 @@ moonepResult_t moonepCommSetTrace(moonepComm_t comm, const char* path) {
   });
 }
 
+moonepResult_t moonepCommSetNcclComm(moonepComm_t comm, void* nccl_comm) {
+  return moonep::capi::GuardOn(comm, "moonepCommSetNcclComm", [&]() -> absl::Status {
+    MOONEP_RETURN_IF_ERROR(CheckHandle(comm, Kind::kComm, "comm"));
+    return comm->impl->SetNcclComm(nccl_comm);
+  });
+}
+
 }  // extern "C"

@@ -15,6 +15,11 @@
 #include "moonep/core/logging.h"
 #include "moonep/core/status.h"
 #include "moonep/runtime/device.h"
+#ifdef MOONEP_HAVE_NCCL
+#include <cuda_runtime.h>
+
+#include "transport/nccl/nccl_transport.h"
+#endif
 
 namespace moonep::runtime {
 namespace {
@@ -221,6 +226,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> Communicator::FromEnvironment() {
 
 Communicator::~Communicator() {
   replicas_.clear();
+  nccl_comms_.reset();  // finalizes the shared NCCL pair (bounded), before MPI goes
   trace_.reset();
   if (comm_ != MPI_COMM_NULL) {
     int finalized = 0;
@@ -280,6 +286,63 @@ absl::Status Communicator::Allgather(absl::Span<const char> bytes, std::string* 
     }
     if (++spins > 100) std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
+}
+
+}  // namespace moonep::runtime
+
+namespace moonep::runtime {
+
+absl::Status Communicator::SetNcclComm(void* nccl_comm) {
+#ifdef MOONEP_HAVE_NCCL
+  MOONEP_CHECK_ARG(nccl_comm != nullptr, "nccl_comm (the NCCL communicator) is NULL");
+  if (nccl_comms_ != nullptr) {
+    return InvalidUsage("SetNcclComm: NCCL communicators already exist on this communicator "
+                        "(call it before creating device layers or buffers)");
+  }
+  auto* c = static_cast<ncclComm_t>(nccl_comm);
+  int n = 0, r = 0;
+  if (ncclCommCount(c, &n) != ncclSuccess || ncclCommUserRank(c, &r) != ncclSuccess) {
+    return InvalidArgument("SetNcclComm: nccl_comm is not a usable NCCL communicator");
+  }
+  if (n != size_ || r != rank_) {
+    return InvalidArgument("SetNcclComm: the NCCL communicator has rank %d of %d, this "
+                           "communicator rank %d of %d (same size and rank order required)",
+                           r, n, rank_, size_);
+  }
+  caller_nccl_comm_ = nccl_comm;
+  return absl::OkStatus();
+#else
+  (void)nccl_comm;
+  return Unavailable("SetNcclComm: MoonEP was built without NCCL (MOONEP_WITH_NCCL=OFF)");
+#endif
+}
+
+absl::StatusOr<std::unique_ptr<transport::Transport>> Communicator::MakeTransport(
+    const std::string& backend, const transport::TransportOptions& options) {
+#ifdef MOONEP_HAVE_NCCL
+  if (backend == "nccl") {
+    if (nccl_comms_ == nullptr) {
+      transport::nccl::NcclBootstrap b;
+      if (caller_nccl_comm_ != nullptr) {
+        b.kind = transport::nccl::NcclBootstrap::Kind::kWrap;
+        b.comm = static_cast<ncclComm_t>(caller_nccl_comm_);
+      }
+      MOONEP_ASSIGN_OR_RETURN(nccl_comms_, transport::nccl::CreateNcclComms(options, b));
+    }
+    int device = -1;
+    if (cudaGetDevice(&device) != cudaSuccess) {
+      cudaGetLastError();
+      return SystemError("cudaGetDevice failed");
+    }
+    const int pair_device = transport::nccl::DeviceOf(*nccl_comms_);
+    if (device != pair_device) {
+      return InvalidArgument("a layer on GPU %d, but this communicator's NCCL communicators are on "
+                             "GPU %d (one GPU per rank)", device, pair_device);
+    }
+    return transport::nccl::CreateNcclTransport(options, nccl_comms_);
+  }
+#endif
+  return transport::CreateTransport(backend, options);
 }
 
 }  // namespace moonep::runtime

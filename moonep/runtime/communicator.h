@@ -20,6 +20,11 @@
 #include "absl/types/span.h"
 #include "moonep/compute/compute_view.h"
 #include "moonep/runtime/trace_writer.h"
+#include "transport/transport.h"
+
+namespace moonep::transport::nccl {
+class NcclComms;
+}  // namespace moonep::transport::nccl
 
 namespace moonep::runtime {
 
@@ -85,6 +90,20 @@ class Communicator {
   // A process-unique token for "which forward filled the replica slots".
   uint64_t NextToken() { return ++token_; }
 
+  // A transport of `backend` for a layer or buffer made on this communicator. "nccl": every
+  // transport of this communicator shares one pair of NCCL communicators (made at the first call,
+  // collective like layer creation; the rows one is the caller's when SetNcclComm was called),
+  // on the current GPU, which must be the pair's. Other backends: a fresh transport.
+  absl::StatusOr<std::unique_ptr<transport::Transport>> MakeTransport(
+      const std::string& backend, const transport::TransportOptions& options);
+  // Local. The caller's NCCL communicator (an ncclComm_t) for the rows of every NCCL transport
+  // made afterwards: same size as this communicator and the same rank on every member; MoonEP
+  // never destroys it (it aborts it after a timeout, see docs/transport-nccl.md). Refused once
+  // a device layer exists, or when MoonEP was built without NCCL.
+  absl::Status SetNcclComm(void* nccl_comm);
+  // True once the shared NCCL pair exists (tests).
+  bool has_nccl_comms() const { return nccl_comms_ != nullptr; }
+
   // Agreement helper: allgathers `bytes` from every rank with a deadline of MOONEP_TIMEOUT_MS
   // (Timeout naming the phase when a rank does not join). out gets size() * bytes.size() bytes.
   absl::Status Allgather(absl::Span<const char> bytes, std::string* out, const char* phase);
@@ -98,6 +117,8 @@ class Communicator {
   int32_t next_layer_id_ = 0;
   uint64_t token_ = 0;
   std::unique_ptr<TraceWriter> trace_;
+  void* caller_nccl_comm_ = nullptr;
+  std::shared_ptr<transport::nccl::NcclComms> nccl_comms_;
   std::map<std::tuple<int32_t, int64_t, int64_t, int32_t, int32_t, int32_t>,
            std::unique_ptr<SharedReplicas>>
       replicas_;

@@ -62,7 +62,7 @@ absl::StatusOr<std::unique_ptr<EpBuffer>> EpBuffer::Create(Communicator* comm,
   to.max_tokens = config.max_tokens;
   to.max_top_k = config.top_k;
   to.max_row_bytes = row_bytes;
-  MOONEP_ASSIGN_OR_RETURN(buf->transport_, transport::CreateTransport(TransportBackend(config), to));
+  MOONEP_ASSIGN_OR_RETURN(buf->transport_, comm->MakeTransport(TransportBackend(config), to));
   for (int32_t i = 0; i < config.max_inflight; ++i) {
     auto ctx = std::make_unique<Context>();
     MOONEP_ASSIGN_OR_RETURN(ctx->rows,

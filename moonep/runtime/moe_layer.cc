@@ -114,7 +114,7 @@ absl::StatusOr<std::unique_ptr<MoeLayer>> MoeLayer::Create(Communicator* comm,
   to.max_top_k = config.top_k;
   to.max_row_bytes = static_cast<int64_t>(layer->row_bytes_);
   MOONEP_ASSIGN_OR_RETURN(layer->transport_,
-                          transport::CreateTransport(TransportBackend(config), to));
+                          comm->MakeTransport(TransportBackend(config), to));
 
   MOONEP_ASSIGN_OR_RETURN(layer->replicas_,
                           comm->Replicas(layer->slots_, config.hidden, config.intermediate,

@@ -112,6 +112,8 @@ class MoeLayer {
 
   const LayerConfig& config() const { return config_; }
   const StepStats& stats() const { return stats_; }
+  // The layer's transport (its backend, counters and health; tests compare NCCL communicators).
+  const transport::Transport* transport() const { return transport_.get(); }
   // The plan of a live handle (for tests and tools).
   absl::StatusOr<const planner::Plan*> PlanOf(LayerHandle handle) const;
   // Tokens of a live handle's forward (0 for a stale handle).

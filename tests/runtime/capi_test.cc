@@ -71,6 +71,12 @@ TEST_F(CApiTest, CommunicatorBasics) {
   EXPECT_STREQ(moonepGetLastError(comm_), "");
   EXPECT_EQ(moonepCommRank(comm_, nullptr), moonepInvalidArgument);
   EXPECT_NE(std::string(moonepGetLastError(comm_)).find("rank is NULL"), std::string::npos);
+  // A NULL NCCL communicator is refused (the GPU test passes a real one); so is a NULL handle.
+  const moonepResult_t nr = moonepCommSetNcclComm(comm_, nullptr);
+  EXPECT_TRUE(nr == moonepInvalidArgument || nr == moonepUnavailable) << moonepGetErrorString(nr);
+  EXPECT_NE(std::string(moonepGetLastError(comm_)).find("NCCL"), std::string::npos)
+      << moonepGetLastError(comm_);
+  EXPECT_EQ(moonepCommSetNcclComm(nullptr, nullptr), moonepInvalidArgument);
 }
 
 TEST_F(CApiTest, UniqueIdOrdersRanksAsGiven) {

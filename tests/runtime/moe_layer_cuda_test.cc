@@ -5,6 +5,7 @@
 // rank itself, so prefetch, replica compute and the gradient reduction all run.
 #include <cuda_runtime.h>
 #include <mpi.h>
+#include <nccl.h>
 
 #include <cstdio>
 #include <string>
@@ -15,6 +16,7 @@
 #include "moonep/runtime/moe_layer.h"
 #include "tests/harness/mpi_test.h"
 #include "tests/runtime/layer_problem.h"
+#include "transport/nccl/nccl_transport.h"
 
 namespace moonep::testing {
 namespace {
@@ -65,10 +67,21 @@ struct DeviceTensors {
 };
 
 DeviceTensors Upload(const RankTensors& t, DType dtype, int64_t epn) {
-  DeviceTensors d{DeviceVec(t.x), DeviceVec(t.y), DeviceVec(t.dy), DeviceVec(t.dx),
-                  DeviceVec(t.ids), DeviceVec(t.weights), DeviceVec(t.dtopk), DeviceVec(t.wg),
-                  DeviceVec(t.wu), DeviceVec(t.wd), DeviceVec(t.gg), DeviceVec(t.gu),
-                  DeviceVec(t.gd), {}, {}};
+  DeviceTensors d{DeviceVec(t.x),
+                  DeviceVec(t.y),
+                  DeviceVec(t.dy),
+                  DeviceVec(t.dx),
+                  DeviceVec(t.ids),
+                  DeviceVec(t.weights),
+                  DeviceVec(t.dtopk),
+                  DeviceVec(t.wg),
+                  DeviceVec(t.wu),
+                  DeviceVec(t.wd),
+                  DeviceVec(t.gg),
+                  DeviceVec(t.gu),
+                  DeviceVec(t.gd),
+                  {},
+                  {}};
   const size_t block = kHidden * kInter, ds = DTypeSize(dtype);
   const Device dev = Device::kCuda;
   for (int64_t e = 0; e < epn; ++e) {
@@ -78,8 +91,8 @@ DeviceTensors Upload(const RankTensors& t, DType dtype, int64_t epn) {
     w.down = TensorView::Contiguous(d.wd.get() + e * block * ds, dtype, {kInter, kHidden}, dev);
     g.gate = TensorView::Contiguous(d.gg.get<float>() + e * block, DType::kFloat32,
                                     {kHidden, kInter}, dev);
-    g.up = TensorView::Contiguous(d.gu.get<float>() + e * block, DType::kFloat32,
-                                  {kHidden, kInter}, dev);
+    g.up = TensorView::Contiguous(d.gu.get<float>() + e * block, DType::kFloat32, {kHidden, kInter},
+                                  dev);
     g.down = TensorView::Contiguous(d.gd.get<float>() + e * block, DType::kFloat32,
                                     {kInter, kHidden}, dev);
     d.params.push_back(w);
@@ -129,6 +142,77 @@ class MoeLayerCudaTest : public MpiTest {
     return c;
   }
 
+  // Two forward+backward steps of `layer` on problem `g`, checked against the fp64 reference.
+  void RunAndCheck(MoeLayer* layer, const GlobalProblem& g, DType dtype, planner::Policy policy) {
+    const double tol = dtype == DType::kFloat32 ? 1e-5 : 1e-2;
+    MoeLayer* const lp = layer;
+    RankTensors t = MakeRankTensors(g, rank(), dtype);
+    DeviceTensors d = Upload(t, dtype, epn());
+    ASSERT_NE(d.x.get(), nullptr);
+    ASSERT_TRUE(lp->BindParameters(d.params, d.grads).ok());
+    const int64_t T = t.tokens;
+    const size_t entries = static_cast<size_t>(T * kTopK);
+    auto view = [&](const DeviceVec& v) {
+      return TensorView::Contiguous(v.get(), dtype, {T, kHidden}, Device::kCuda);
+    };
+    // Two steps: the second checks that nothing stale from the first leaks into it (the
+    // gradients are zeroed between them on the caller's stream, ordered before the layer).
+    for (int step = 0; step < 2; ++step) {
+      for (const DeviceVec* gv : {&d.gg, &d.gu, &d.gd}) {
+        ASSERT_EQ(cudaMemsetAsync(gv->get(), 0, t.gg.size() * 4, stream_), cudaSuccess);
+      }
+      auto h =
+          lp->Forward(T, view(d.x), absl::Span<const int32_t>(d.ids.get<int32_t>(), entries),
+                      absl::Span<const float>(d.weights.get<float>(), entries), view(d.y), stream_);
+      ASSERT_TRUE(h.ok()) << h.status();
+      ASSERT_TRUE(lp->Backward(*h, view(d.dy), view(d.dx),
+                               absl::Span<float>(d.dtopk.get<float>(), entries), stream_)
+                      .ok());
+    }
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    d.y.CopyTo(&t.y);
+    d.dx.CopyTo(&t.dx);
+    d.dtopk.CopyTo(&t.dtopk);
+    d.gg.CopyTo(&t.gg);
+    d.gu.CopyTo(&t.gu);
+    d.gd.CopyTo(&t.gd);
+
+    reference::ForwardResult f;
+    reference::BackwardResult b;
+    ASSERT_TRUE(
+        reference::Forward(g.shape, g.p.weights, g.total, g.p.x, g.p.topk_ids, g.p.topk_weights, &f)
+            .ok());
+    ASSERT_TRUE(reference::Backward(g.shape, g.p.weights, g.total, g.p.x, g.p.topk_ids,
+                                    g.p.topk_weights, g.p.dy, &b)
+                    .ok());
+    const int64_t o = g.offset[rank()];
+    const double ey = RelError(Decode(t.y, dtype), f.y.data() + o * kHidden, T * kHidden);
+    const double edx = RelError(Decode(t.dx, dtype), b.dx.data() + o * kHidden, T * kHidden);
+    std::vector<double> dtopk(t.dtopk.begin(), t.dtopk.end());
+    const double etk = RelError(dtopk, b.dtopk_weights.data() + o * kTopK, T * kTopK);
+    double edw = 0;
+    const size_t block = kHidden * kInter, first = rank() * epn() * block;
+    for (auto pair : {std::make_pair(&t.gg, &b.dwg), std::make_pair(&t.gu, &b.dwu),
+                      std::make_pair(&t.gd, &b.dwd)}) {
+      std::vector<double> got(pair.first->begin(), pair.first->end());
+      edw = std::max(edw, RelError(got, pair.second->data() + first, epn() * block));
+    }
+    const auto& stats = lp->stats();
+    if (rank() == 0) {
+      std::printf("cuda %-20s %s y %.2e dx %.2e dtopk %.2e dw %.2e replicas %d\n",
+                  planner::PolicyName(policy), DTypeName(dtype), ey, edx, etk, edw,
+                  stats.plan.replicas);
+    }
+    EXPECT_LT(ey, tol);
+    EXPECT_LT(edx, tol);
+    EXPECT_LT(etk, tol);
+    EXPECT_LT(edw, tol);
+    if (policy == planner::Policy::kTestForceReplicas) {
+      EXPECT_GT(stats.plan.replicas, 0) << "the test policy made no replica: prefetch, "
+                                           "replica compute and reduce were not exercised";
+    }
+  }
+
   int device_ = 0;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<Communicator> comm_;
@@ -136,82 +220,89 @@ class MoeLayerCudaTest : public MpiTest {
 
 TEST_F(MoeLayerCudaTest, ForwardBackwardMatchReference) {
   for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
-    const double tol = dtype == DType::kFloat32 ? 1e-5 : 1e-2;
-    for (planner::Policy policy : {planner::Policy::kNone, planner::Policy::kMoonEP,
-                                   planner::Policy::kTestForceReplicas}) {
+    for (planner::Policy policy :
+         {planner::Policy::kNone, planner::Policy::kMoonEP, planner::Policy::kTestForceReplicas}) {
       SCOPED_TRACE(std::string(planner::PolicyName(policy)) + " " + DTypeName(dtype));
-      GlobalProblem g = MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kBaseTokens,
-                                          dtype, 300 + static_cast<int>(policy));
+      GlobalProblem g = MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kBaseTokens, dtype,
+                                          300 + static_cast<int>(policy));
       LayerConfig config = Config(dtype, policy);
       if (policy == planner::Policy::kTestForceReplicas) config.pad_multiple = 8;
       auto layer = MoeLayer::Create(comm_.get(), config);
       ASSERT_TRUE(layer.ok()) << layer.status();
-      RankTensors t = MakeRankTensors(g, rank(), dtype);
-      DeviceTensors d = Upload(t, dtype, epn());
-      ASSERT_NE(d.x.get(), nullptr);
-      ASSERT_TRUE((*layer)->BindParameters(d.params, d.grads).ok());
-      const int64_t T = t.tokens;
-      const size_t entries = static_cast<size_t>(T * kTopK);
-      auto view = [&](const DeviceVec& v) {
-        return TensorView::Contiguous(v.get(), dtype, {T, kHidden}, Device::kCuda);
-      };
-      // Two steps: the second checks that nothing stale from the first leaks into it (the
-      // gradients are zeroed between them on the caller's stream, ordered before the layer).
-      for (int step = 0; step < 2; ++step) {
-        for (const DeviceVec* gv : {&d.gg, &d.gu, &d.gd}) {
-          ASSERT_EQ(cudaMemsetAsync(gv->get(), 0, t.gg.size() * 4, stream_), cudaSuccess);
-        }
-        auto h = (*layer)->Forward(T, view(d.x),
-                                   absl::Span<const int32_t>(d.ids.get<int32_t>(), entries),
-                                   absl::Span<const float>(d.weights.get<float>(), entries),
-                                   view(d.y), stream_);
-        ASSERT_TRUE(h.ok()) << h.status();
-        ASSERT_TRUE((*layer)->Backward(*h, view(d.dy), view(d.dx),
-                                       absl::Span<float>(d.dtopk.get<float>(), entries), stream_)
-                        .ok());
-      }
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      d.y.CopyTo(&t.y);
-      d.dx.CopyTo(&t.dx);
-      d.dtopk.CopyTo(&t.dtopk);
-      d.gg.CopyTo(&t.gg);
-      d.gu.CopyTo(&t.gu);
-      d.gd.CopyTo(&t.gd);
-
-      reference::ForwardResult f;
-      reference::BackwardResult b;
-      ASSERT_TRUE(reference::Forward(g.shape, g.p.weights, g.total, g.p.x, g.p.topk_ids,
-                                     g.p.topk_weights, &f).ok());
-      ASSERT_TRUE(reference::Backward(g.shape, g.p.weights, g.total, g.p.x, g.p.topk_ids,
-                                      g.p.topk_weights, g.p.dy, &b).ok());
-      const int64_t o = g.offset[rank()];
-      const double ey = RelError(Decode(t.y, dtype), f.y.data() + o * kHidden, T * kHidden);
-      const double edx = RelError(Decode(t.dx, dtype), b.dx.data() + o * kHidden, T * kHidden);
-      std::vector<double> dtopk(t.dtopk.begin(), t.dtopk.end());
-      const double etk = RelError(dtopk, b.dtopk_weights.data() + o * kTopK, T * kTopK);
-      double edw = 0;
-      const size_t block = kHidden * kInter, first = rank() * epn() * block;
-      for (auto pair : {std::make_pair(&t.gg, &b.dwg), std::make_pair(&t.gu, &b.dwu),
-                        std::make_pair(&t.gd, &b.dwd)}) {
-        std::vector<double> got(pair.first->begin(), pair.first->end());
-        edw = std::max(edw, RelError(got, pair.second->data() + first, epn() * block));
-      }
-      const auto& stats = (*layer)->stats();
-      if (rank() == 0) {
-        std::printf("cuda %-20s %s y %.2e dx %.2e dtopk %.2e dw %.2e replicas %d\n",
-                    planner::PolicyName(policy), DTypeName(dtype), ey, edx, etk, edw,
-                    stats.plan.replicas);
-      }
-      EXPECT_LT(ey, tol);
-      EXPECT_LT(edx, tol);
-      EXPECT_LT(etk, tol);
-      EXPECT_LT(edw, tol);
-      if (policy == planner::Policy::kTestForceReplicas) {
-        EXPECT_GT(stats.plan.replicas, 0) << "the test policy made no replica: prefetch, "
-                                             "replica compute and reduce were not exercised";
-      }
+      RunAndCheck(layer->get(), g, dtype, policy);
     }
   }
+}
+
+ncclComm_t RowsComm(const MoeLayer& layer) {
+  auto* t = dynamic_cast<const transport::nccl::NcclTransport*>(layer.transport());
+  return t == nullptr ? nullptr : t->comm();
+}
+
+// Every device layer of a communicator runs on one pair of NCCL communicators (not two per
+// layer), and layers used one after another in any order stay correct.
+TEST_F(MoeLayerCudaTest, LayersShareOneNcclPair) {
+  const DType dtype = DType::kFloat32;
+  EXPECT_FALSE(comm_->has_nccl_comms());
+  LayerConfig ca = Config(dtype, planner::Policy::kMoonEP);
+  LayerConfig cb = Config(dtype, planner::Policy::kTestForceReplicas);
+  cb.pad_multiple = 8;
+  auto a = MoeLayer::Create(comm_.get(), ca);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_TRUE(comm_->has_nccl_comms());
+  auto b = MoeLayer::Create(comm_.get(), cb);
+  ASSERT_TRUE(b.ok()) << b.status();
+  ASSERT_NE(RowsComm(**a), nullptr);
+  EXPECT_EQ(RowsComm(**a), RowsComm(**b));
+  GlobalProblem ga =
+      MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kBaseTokens, dtype, 401);
+  GlobalProblem gb =
+      MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kBaseTokens, dtype, 402);
+  RunAndCheck(a->get(), ga, dtype, planner::Policy::kMoonEP);
+  RunAndCheck(b->get(), gb, dtype, planner::Policy::kTestForceReplicas);
+  RunAndCheck(a->get(), ga, dtype, planner::Policy::kMoonEP);
+}
+
+// The trainer's own NCCL communicator carries the rows (SetNcclComm); MoeLayer never destroys it,
+// and it stays usable after the layers and the communicator are gone.
+TEST_F(MoeLayerCudaTest, CallersNcclCommunicator) {
+  ncclUniqueId id{};
+  if (rank() == 0) {
+    ASSERT_EQ(ncclGetUniqueId(&id), ncclSuccess);
+  }
+  MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, MPI_COMM_WORLD);
+  ncclComm_t mine = nullptr;
+  ASSERT_EQ(ncclCommInitRank(&mine, size(), id, rank()), ncclSuccess);
+  {
+    auto made = Communicator::FromMpi(MPI_COMM_WORLD);
+    ASSERT_TRUE(made.ok()) << made.status();
+    std::unique_ptr<Communicator> comm = std::move(*made);
+    EXPECT_EQ(ToResult(comm->SetNcclComm(nullptr)), moonepInvalidArgument);
+    ASSERT_TRUE(comm->SetNcclComm(mine).ok());
+    const DType dtype = DType::kBFloat16;
+    LayerConfig c = Config(dtype, planner::Policy::kTestForceReplicas);
+    c.pad_multiple = 8;
+    auto layer = MoeLayer::Create(comm.get(), c);
+    ASSERT_TRUE(layer.ok()) << layer.status();
+    EXPECT_EQ(RowsComm(**layer), mine);
+    absl::Status again = comm->SetNcclComm(mine);
+    EXPECT_EQ(ToResult(again), moonepInvalidUsage) << again;
+    RunAndCheck(layer->get(),
+                MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kBaseTokens, dtype, 403),
+                dtype, planner::Policy::kTestForceReplicas);
+  }
+  // Still the caller's, and working: an all-reduce of the ranks.
+  int* v = nullptr;
+  ASSERT_EQ(cudaMalloc(&v, sizeof(int)), cudaSuccess);
+  const int me = rank() + 1;
+  ASSERT_EQ(cudaMemcpy(v, &me, sizeof(int), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(ncclAllReduce(v, v, 1, ncclInt32, ncclSum, mine, stream_), ncclSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+  int sum = 0;
+  ASSERT_EQ(cudaMemcpy(&sum, v, sizeof(int), cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(sum, size() * (size() + 1) / 2);
+  cudaFree(v);
+  EXPECT_EQ(ncclCommDestroy(mine), ncclSuccess);
 }
 
 TEST_F(MoeLayerCudaTest, HostPointersAreRefused) {

@@ -217,6 +217,39 @@ struct HandleState {
 
 class NcclTransportImpl;
 
+class NcclOp;
+
+}  // namespace
+
+// The communicator pair (see the header): rows for counts, dispatch, combine and the backward
+// forms, weights for prefetch and reduce; plus the order of operations posted on them, which
+// every transport made on the pair shares (NCCL needs the same order on every rank).
+class NcclComms {
+ public:
+  static absl::StatusOr<std::shared_ptr<NcclComms>> Create(const TransportOptions& options,
+                                                           const NcclBootstrap& bootstrap);
+  ~NcclComms();
+  NcclComms(const NcclComms&) = delete;
+  NcclComms& operator=(const NcclComms&) = delete;
+
+  // Aborts both communicators (bounded) and marks the pair unusable for every transport on it.
+  void Abort(const absl::Status& status);
+
+  int32_t rank = 0, size = 1;
+  int device = 0;
+  int64_t timeout_ms = 0;
+  bool owns_rows = true;  // false: the caller's communicator (kWrap), never destroyed here
+  ncclComm_t rows = nullptr, weights = nullptr;
+  absl::Status poisoned;
+  std::array<std::deque<NcclOp*>, 2> queue;  // per channel (0 rows, 1 weights), in start order
+
+ private:
+  NcclComms() = default;
+  absl::Status MakeWeightsComm(ncclConfig_t config, Clock::time_point deadline);
+};
+
+namespace {
+
 // One operation: device work in stages. A stage enqueues work and records the op's event; when
 // the event completes, Test() runs the next stage's host step (reading sizes copied to the host)
 // or, after the last stage, Finish(). While waiting it polls NCCL's asynchronous errors and the
@@ -280,7 +313,7 @@ class NcclTransportImpl : public NcclTransport {
  public:
   ~NcclTransportImpl() override;
   static absl::StatusOr<std::unique_ptr<Transport>> Create(const TransportOptions& options,
-                                                           const NcclBootstrap& bootstrap);
+                                                           std::shared_ptr<NcclComms> comms);
 
   const char* backend() const override { return "nccl"; }
   int32_t rank() const override { return rank_; }
@@ -290,7 +323,7 @@ class NcclTransportImpl : public NcclTransport {
   void set_caller_stream(cudaStream_t stream) override { caller_stream_ = stream; }
   cudaStream_t rows_stream() const override { return rows_stream_; }
   cudaStream_t weights_stream() const override { return weights_stream_; }
-  ncclComm_t comm() const override { return rows_comm_; }
+  ncclComm_t comm() const override { return comms_->rows; }
 
   absl::StatusOr<RequestPtr> StartExchangeCounts(absl::Span<const int32_t> topk_ids,
                                                  int64_t num_tokens, int32_t top_k,
@@ -317,14 +350,16 @@ class NcclTransportImpl : public NcclTransport {
 
   OpCounters counters(OpKind kind) const override { return counters_[static_cast<int>(kind)]; }
   void ResetCounters() override { counters_.fill(OpCounters{}); }
-  absl::Status health() const override { return poisoned_; }
+  absl::Status health() const override {
+    return poisoned_.ok() ? comms_->poisoned : poisoned_;
+  }
 
   // Shared with ops.
   absl::Status Usable() const;
   // Aborts the communicators (a stuck peer, an NCCL error, a local failure after work was
   // posted) and makes the transport unusable.
   void Abort(const absl::Status& status);
-  // weights_comm_ over the ranks of rows_comm_ (see CreateNcclTransport).
+  // comms_->weights over the ranks of comms_->rows (see CreateNcclTransport).
   absl::Status MakeWeightsComm(ncclConfig_t config, Clock::time_point deadline);
   absl::Status PollAsyncErrors() const;
   void AddCounters(OpKind kind, const OpCounters& c);
@@ -332,13 +367,14 @@ class NcclTransportImpl : public NcclTransport {
   // steps post later steps only after a host read, so each channel (rows, weights) keeps its ops
   // in start order and posts an op's steps only once every op started before it posted all of
   // its own: the order on the communicator is the start order on every rank.
-  void Enqueue(NcclOp* op) { queue_[op->channel()].push_back(op); }
+  // The queues live in comms_: transports sharing the communicators share the order too.
+  void Enqueue(NcclOp* op) { comms_->queue[op->channel()].push_back(op); }
   void Dequeue(NcclOp* op) {
-    auto& q = queue_[op->channel()];
+    auto& q = comms_->queue[op->channel()];
     q.erase(std::remove(q.begin(), q.end(), op), q.end());
   }
   void Progress(int channel) {
-    auto& q = queue_[channel];
+    auto& q = comms_->queue[channel];
     while (!q.empty()) {
       NcclOp* head = q.front();
       if (head->AllPosted()) {
@@ -392,8 +428,7 @@ class NcclTransportImpl : public NcclTransport {
   int32_t rank_ = 0, size_ = 1;
   int device_ = 0;
   int64_t timeout_ms_ = 0;
-  bool owns_base_comm_ = true;
-  ncclComm_t rows_comm_ = nullptr, weights_comm_ = nullptr;
+  std::shared_ptr<NcclComms> comms_;
   cudaStream_t rows_stream_ = nullptr, weights_stream_ = nullptr;
   cudaStream_t caller_stream_ = nullptr;  // legacy default stream
   cudaEvent_t caller_ready_ = nullptr;
@@ -403,7 +438,6 @@ class NcclTransportImpl : public NcclTransport {
   DeviceBuffer reduce_staging_, reduce_sources_dev_;
   PinnedBuffer reduce_sources_host_;
   std::array<OpCounters, static_cast<int>(OpKind::kNumKinds)> counters_{};
-  std::array<std::deque<NcclOp*>, 2> queue_;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -541,25 +575,23 @@ absl::Status NcclOp::Fail(absl::Status status) {
 // ---------------------------------------------------------------------------------------------
 // NcclTransportImpl: creation, checks.
 
-absl::StatusOr<std::unique_ptr<Transport>> NcclTransportImpl::Create(
-    const TransportOptions& options, const NcclBootstrap& bootstrap) {
-  MOONEP_CHECK_ARG(options.max_tokens >= 0 && options.max_top_k >= 0 &&
-                       options.max_row_bytes >= 0 && options.timeout_ms >= 0,
-                   "options: max_tokens, max_top_k, max_row_bytes and timeout_ms must be >= 0");
-  MOONEP_CHECK_ARG(options.max_top_k <= 32,
-                   "options.max_top_k = %d: the NCCL transport's "
-                   "combine kernel supports top_k <= 32",
-                   options.max_top_k);
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// NcclComms: the communicator pair, shared by every transport made on it.
+
+absl::StatusOr<std::shared_ptr<NcclComms>> NcclComms::Create(const TransportOptions& options,
+                                                             const NcclBootstrap& bootstrap) {
+  MOONEP_CHECK_ARG(options.timeout_ms >= 0, "options.timeout_ms must be >= 0");
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     cudaGetLastError();
     return Unavailable("NCCL transport: no CUDA device is visible");
   }
-  std::unique_ptr<NcclTransportImpl> t(new NcclTransportImpl());
-  t->options_ = options;
-  t->timeout_ms_ = options.timeout_ms > 0 ? options.timeout_ms : param::TimeoutMs();
-  if (t->timeout_ms_ <= 0) t->timeout_ms_ = 60000;
-  const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(t->timeout_ms_);
+  std::shared_ptr<NcclComms> c(new NcclComms());
+  c->timeout_ms = options.timeout_ms > 0 ? options.timeout_ms : param::TimeoutMs();
+  if (c->timeout_ms <= 0) c->timeout_ms = 60000;
+  const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(c->timeout_ms);
 
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;  // so that a peer that never joins becomes a timeout, not a hang
@@ -570,14 +602,14 @@ absl::StatusOr<std::unique_ptr<Transport>> NcclTransportImpl::Create(
     case NcclBootstrap::Kind::kWrap: {
       MOONEP_CHECK_ARG(bootstrap.comm != nullptr, "bootstrap.comm is null");
       base = bootstrap.comm;
-      t->owns_base_comm_ = false;
+      c->owns_rows = false;
       int n = 0, r = 0, dev = 0;
       MOONEP_NCCL_RETURN_IF_ERROR(ncclCommCount(base, &n));
       MOONEP_NCCL_RETURN_IF_ERROR(ncclCommUserRank(base, &r));
       MOONEP_NCCL_RETURN_IF_ERROR(ncclCommCuDevice(base, &dev));
       rank = r;
       size = n;
-      t->device_ = dev;
+      c->device = dev;
       break;
     }
     case NcclBootstrap::Kind::kMpi: {
@@ -611,77 +643,78 @@ absl::StatusOr<std::unique_ptr<Transport>> NcclTransportImpl::Create(
     if (bootstrap.device >= 0) {
       MOONEP_CHECK_ARG(bootstrap.device < devices, "bootstrap.device = %d, but %d device(s) exist",
                        bootstrap.device, devices);
-      t->device_ = bootstrap.device;
+      c->device = bootstrap.device;
     } else {
-      MOONEP_CUDA_RETURN_IF_ERROR(cudaGetDevice(&t->device_));
+      MOONEP_CUDA_RETURN_IF_ERROR(cudaGetDevice(&c->device));
     }
   }
-  t->rank_ = rank;
-  t->size_ = size;
-  MOONEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(t->device_));
+  c->rank = rank;
+  c->size = size;
+  MOONEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(c->device));
   if (bootstrap.kind != NcclBootstrap::Kind::kWrap) {
     ncclResult_t r = ncclCommInitRankConfig(&base, size, id, rank, &config);
     if (r != ncclSuccess && r != ncclInProgress) {
       return Annotate(NcclStatus(r, "ncclCommInitRankConfig"),
                       absl::StrFormat("NCCL transport rank %d of %d on GPU %d (one rank per GPU)",
-                                      rank, size, t->device_));
+                                      rank, size, c->device));
     }
-    t->rows_comm_ = base;  // owned from here on (the destructor frees or aborts it)
+    c->rows = base;  // owned from here on (the destructor frees or aborts it)
     absl::Status s = WaitComm(base, deadline, "NCCL communicator creation");
     if (!s.ok()) {
-      t->Abort(s);
+      c->Abort(s);
       return Annotate(
-          s, absl::StrFormat("NCCL transport rank %d of %d on GPU %d", rank, size, t->device_));
+          s, absl::StrFormat("NCCL transport rank %d of %d on GPU %d", rank, size, c->device));
     }
   } else {
-    t->rows_comm_ = base;
+    c->rows = base;
   }
-  MOONEP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&t->rows_stream_, cudaStreamNonBlocking));
-  MOONEP_CUDA_RETURN_IF_ERROR(
-      cudaStreamCreateWithFlags(&t->weights_stream_, cudaStreamNonBlocking));
   // The weight class gets its own communicator: one communicator's operations run in issue
   // order, so a prefetch could not overlap a dispatch on it. It is made from a fresh unique id that
   // rank 0 broadcasts over the first communicator (ncclCommSplit of a non-blocking communicator
   // returned no communicator with NCCL 2.28 on the GPU machine), so every bootstrap, a wrapped
   // communicator included, works the same way and every step has the deadline.
   {
-    absl::Status s = t->MakeWeightsComm(config, deadline);
+    absl::Status s = c->MakeWeightsComm(config, deadline);
     if (!s.ok()) {
-      if (!t->owns_base_comm_) t->rows_comm_ = nullptr;  // the caller's: left as it was
-      t->Abort(s);
+      if (!c->owns_rows) c->rows = nullptr;  // the caller's: left as it was
+      c->Abort(s);
       return s;
     }
   }
-  MOONEP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&t->caller_ready_, cudaEventDisableTiming));
   log::SetRank(rank);
-  MOONEP_INFO("transport nccl: %d ranks, GPU %d, timeout %d ms", size, t->device_, t->timeout_ms_);
-  return std::unique_ptr<Transport>(std::move(t));
+  MOONEP_INFO("transport nccl: communicators for %d ranks, GPU %d, timeout %d ms", size,
+              c->device, c->timeout_ms);
+  return c;
 }
 
-absl::Status NcclTransportImpl::MakeWeightsComm(ncclConfig_t config, Clock::time_point deadline) {
+absl::Status NcclComms::MakeWeightsComm(ncclConfig_t config, Clock::time_point deadline) {
   struct Wire {
     ncclUniqueId id;
     int32_t made;
   };
   Wire wire{};
-  if (rank_ == 0) wire.made = ncclGetUniqueId(&wire.id) == ncclSuccess ? 1 : 0;
+  if (rank == 0) wire.made = ncclGetUniqueId(&wire.id) == ncclSuccess ? 1 : 0;
   Wire* dev = nullptr;
-  MOONEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&dev, sizeof(Wire)));
-  absl::Status s = compute::cuda::CudaStatus(
-      cudaMemcpy(dev, &wire, sizeof(Wire), cudaMemcpyHostToDevice), "cudaMemcpy (weights id)");
+  cudaStream_t stream = nullptr;
+  MOONEP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  absl::Status s = compute::cuda::CudaStatus(cudaMalloc(&dev, sizeof(Wire)), "cudaMalloc");
   if (s.ok()) {
-    s = NcclStatus(ncclBroadcast(dev, dev, sizeof(Wire), ncclUint8, 0, rows_comm_, rows_stream_),
+    s = compute::cuda::CudaStatus(cudaMemcpy(dev, &wire, sizeof(Wire), cudaMemcpyHostToDevice),
+                                  "cudaMemcpy (weights id)");
+  }
+  if (s.ok()) {
+    s = NcclStatus(ncclBroadcast(dev, dev, sizeof(Wire), ncclUint8, 0, rows, stream),
                    "ncclBroadcast (weights communicator id)");
   }
-  if (s.ok()) s = WaitComm(rows_comm_, deadline, "ncclBroadcast (weights communicator id)");
+  if (s.ok()) s = WaitComm(rows, deadline, "ncclBroadcast (weights communicator id)");
   while (s.ok()) {  // the broadcast itself, bounded by the deadline
-    const cudaError_t q = cudaStreamQuery(rows_stream_);
+    const cudaError_t q = cudaStreamQuery(stream);
     if (q == cudaSuccess) break;
     if (q != cudaErrorNotReady) {
       s = compute::cuda::CudaStatus(q, "ncclBroadcast (weights communicator id)");
     } else if (Clock::now() >= deadline) {
       s = Timeout("NCCL transport creation: the weights communicator's id did not arrive from "
-                  "rank 0 before the deadline (rank %d of %d)", rank_, size_);
+                  "rank 0 before the deadline (rank %d of %d)", rank, size);
     } else {
       std::this_thread::yield();
     }
@@ -690,15 +723,91 @@ absl::Status NcclTransportImpl::MakeWeightsComm(ncclConfig_t config, Clock::time
     s = compute::cuda::CudaStatus(cudaMemcpy(&wire, dev, sizeof(Wire), cudaMemcpyDeviceToHost),
                                   "cudaMemcpy (weights id)");
   }
+  if (!s.ok()) {
+    // The broadcast may still be queued on the stream: abort before freeing what it uses.
+    return s;  // the caller aborts; dev and the stream are left to the process (a failure path)
+  }
   cudaFree(dev);
-  MOONEP_RETURN_IF_ERROR(s);
+  cudaStreamDestroy(stream);
   if (wire.made != 1) return SystemError("NCCL transport: ncclGetUniqueId failed on rank 0");
-  const ncclResult_t r = ncclCommInitRankConfig(&weights_comm_, size_, wire.id, rank_, &config);
+  const ncclResult_t r = ncclCommInitRankConfig(&weights, size, wire.id, rank, &config);
   MOONEP_RETURN_IF_ERROR(NcclStatus(r, "ncclCommInitRankConfig (weights communicator)"));
-  if (weights_comm_ == nullptr) {
+  if (weights == nullptr) {
     return SystemError("ncclCommInitRankConfig returned no weights communicator");
   }
-  return WaitComm(weights_comm_, deadline, "NCCL weights communicator creation");
+  return WaitComm(weights, deadline, "NCCL weights communicator creation");
+}
+
+void NcclComms::Abort(const absl::Status& status) {
+  if (poisoned.ok()) {
+    poisoned = status;
+    MOONEP_WARN("transport nccl: aborting the communicators after: %s",
+                std::string(status.message()));
+  }
+  // ncclCommAbort makes the communicators' kernels return, so the streams drain. A wrapped
+  // communicator is aborted too: left alone it would keep the caller's stream blocked forever.
+  // Bounded: see AbortBounded.
+  AbortBounded(weights, std::chrono::milliseconds(timeout_ms));
+  weights = nullptr;
+  AbortBounded(rows, std::chrono::milliseconds(timeout_ms));
+  rows = nullptr;
+}
+
+NcclComms::~NcclComms() {
+  cudaSetDevice(device);
+  // ncclCommDestroy waits for the peers on this node; a peer that failed would make it hang, so
+  // finalize with a deadline first and abort what does not finalize.
+  for (ncclComm_t* c : {&weights, &rows}) {
+    if (*c == nullptr || (c == &rows && !owns_rows)) continue;
+    absl::Status s = NcclStatus(ncclCommFinalize(*c), "ncclCommFinalize");
+    if (s.ok())
+      s = WaitComm(*c, Clock::now() + std::chrono::milliseconds(timeout_ms), "ncclCommFinalize");
+    if (s.ok()) {
+      ncclCommDestroy(*c);
+    } else {
+      MOONEP_WARN("transport nccl: %s; aborting the communicator", std::string(s.message()));
+      AbortBounded(*c, std::chrono::milliseconds(timeout_ms));
+    }
+    *c = nullptr;
+  }
+  cudaGetLastError();
+}
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// NcclTransportImpl: creation, checks.
+
+absl::StatusOr<std::unique_ptr<Transport>> NcclTransportImpl::Create(
+    const TransportOptions& options, std::shared_ptr<NcclComms> comms) {
+  MOONEP_CHECK_ARG(comms != nullptr, "comms is null");
+  MOONEP_CHECK_ARG(options.max_tokens >= 0 && options.max_top_k >= 0 &&
+                       options.max_row_bytes >= 0 && options.timeout_ms >= 0,
+                   "options: max_tokens, max_top_k, max_row_bytes and timeout_ms must be >= 0");
+  MOONEP_CHECK_ARG(options.max_top_k <= 32,
+                   "options.max_top_k = %d: the NCCL transport's "
+                   "combine kernel supports top_k <= 32",
+                   options.max_top_k);
+  if (!comms->poisoned.ok()) {
+    return InvalidUsage("NCCL transport: the communicators were aborted after an earlier failure "
+                        "(%s)", std::string(comms->poisoned.message()));
+  }
+  std::unique_ptr<NcclTransportImpl> t(new NcclTransportImpl());
+  t->options_ = options;
+  t->timeout_ms_ = options.timeout_ms > 0 ? options.timeout_ms : comms->timeout_ms;
+  t->rank_ = comms->rank;
+  t->size_ = comms->size;
+  t->device_ = comms->device;
+  t->comms_ = std::move(comms);
+  MOONEP_CUDA_RETURN_IF_ERROR(cudaSetDevice(t->device_));
+  MOONEP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&t->rows_stream_, cudaStreamNonBlocking));
+  MOONEP_CUDA_RETURN_IF_ERROR(
+      cudaStreamCreateWithFlags(&t->weights_stream_, cudaStreamNonBlocking));
+  MOONEP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&t->caller_ready_, cudaEventDisableTiming));
+  log::SetRank(t->rank_);
+  MOONEP_INFO("transport nccl: %d ranks, GPU %d, timeout %d ms", t->size_, t->device_,
+              t->timeout_ms_);
+  return std::unique_ptr<Transport>(std::move(t));
 }
 
 NcclTransportImpl::~NcclTransportImpl() {
@@ -720,47 +829,29 @@ NcclTransportImpl::~NcclTransportImpl() {
   }
   cudaGetLastError();
   if (!drained) Abort(Timeout("NCCL transport destroyed with work still queued"));
-  // ncclCommDestroy waits for the peers on this node; a peer that failed would make it hang, so
-  // finalize with a deadline first and abort what does not finalize.
-  for (ncclComm_t* c : {&weights_comm_, &rows_comm_}) {
-    if (*c == nullptr || (c == &rows_comm_ && !owns_base_comm_)) continue;
-    absl::Status s = NcclStatus(ncclCommFinalize(*c), "ncclCommFinalize");
-    if (s.ok())
-      s = WaitComm(*c, Clock::now() + std::chrono::milliseconds(timeout_ms_), "ncclCommFinalize");
-    if (s.ok()) {
-      ncclCommDestroy(*c);
-    } else {
-      MOONEP_WARN("transport nccl: %s; aborting the communicator", std::string(s.message()));
-      AbortBounded(*c, std::chrono::milliseconds(timeout_ms_));
-    }
-    *c = nullptr;
-  }
-  rows_comm_ = nullptr;
   states_.clear();
   if (caller_ready_) cudaEventDestroy(caller_ready_);
   if (rows_stream_) cudaStreamDestroy(rows_stream_);
   if (weights_stream_) cudaStreamDestroy(weights_stream_);
+  // The communicators go with the last transport (or holder) of comms_.
 }
 
 absl::Status NcclTransportImpl::Usable() const {
-  if (poisoned_.ok()) return absl::OkStatus();
-  return InvalidUsage("transport is unusable after an earlier failure (%s); destroy it",
-                      std::string(poisoned_.message()));
+  if (!poisoned_.ok()) {
+    return InvalidUsage("transport is unusable after an earlier failure (%s); destroy it",
+                        std::string(poisoned_.message()));
+  }
+  if (!comms_->poisoned.ok()) {
+    return InvalidUsage("transport is unusable: its NCCL communicators (shared with other "
+                        "transports) were aborted after an earlier failure (%s); destroy it",
+                        std::string(comms_->poisoned.message()));
+  }
+  return absl::OkStatus();
 }
 
 void NcclTransportImpl::Abort(const absl::Status& status) {
-  if (poisoned_.ok()) {
-    poisoned_ = status;
-    MOONEP_WARN("transport nccl: aborting the communicators after: %s",
-                std::string(status.message()));
-  }
-  // ncclCommAbort makes the communicators' kernels return, so the streams drain. A wrapped
-  // communicator is aborted too: left alone it would keep the caller's stream blocked forever.
-  // Bounded: see AbortBounded.
-  AbortBounded(weights_comm_, std::chrono::milliseconds(timeout_ms_));
-  weights_comm_ = nullptr;
-  AbortBounded(rows_comm_, std::chrono::milliseconds(timeout_ms_));
-  rows_comm_ = nullptr;
+  if (poisoned_.ok()) poisoned_ = status;
+  comms_->Abort(status);
 }
 
 absl::Status NcclTransportImpl::Fatal(absl::Status status) {
@@ -769,7 +860,7 @@ absl::Status NcclTransportImpl::Fatal(absl::Status status) {
 }
 
 absl::Status NcclTransportImpl::PollAsyncErrors() const {
-  for (ncclComm_t c : {rows_comm_, weights_comm_}) {
+  for (ncclComm_t c : {comms_->rows, comms_->weights}) {
     if (c == nullptr) continue;
     ncclResult_t state = ncclSuccess;
     MOONEP_NCCL_RETURN_IF_ERROR(ncclCommGetAsyncError(c, &state));
@@ -949,8 +1040,8 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
                                                   cudaMemcpyDeviceToHost, stream));
     }
     MOONEP_RETURN_IF_ERROR(Settle(ncclAllGather(st->header_dev.get(), st->header_all_dev.get(),
-                                                kHeader, ncclInt64, rows_comm_, stream),
-                                  rows_comm_, "count exchange (ncclAllGather of headers)"));
+                                                kHeader, ncclInt64, comms_->rows, stream),
+                                  comms_->rows, "count exchange (ncclAllGather of headers)"));
     MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st->header_all_host.get(), st->header_all_dev.get(),
                                                 static_cast<size_t>(R) * kHeader * 8,
                                                 cudaMemcpyDeviceToHost, stream));
@@ -979,8 +1070,8 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
     }
     MOONEP_RETURN_IF_ERROR(
         Settle(ncclAllGather(st->counts_dev.get(), st->counts_all_dev.get(),
-                             static_cast<size_t>(width), ncclInt64, rows_comm_, stream),
-               rows_comm_, "count exchange (ncclAllGather of counts)"));
+                             static_cast<size_t>(width), ncclInt64, comms_->rows, stream),
+               comms_->rows, "count exchange (ncclAllGather of counts)"));
     MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st->counts_all_host.get(), st->counts_all_dev.get(),
                                                 static_cast<size_t>(R * width) * 8,
                                                 cudaMemcpyDeviceToHost, stream));
@@ -1212,20 +1303,20 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartDispatch(
       if (d == me || n == 0) continue;
       Keep(&group,
            ncclSend(meta_send + send.entry_begin[d], static_cast<size_t>(n) * sizeof(RowMeta),
-                    ncclUint8, d, rows_comm_, stream),
+                    ncclUint8, d, comms_->rows, stream),
            "ncclSend");
-      Keep(&group, ncclSend(unique_send + d, 1, ncclInt64, d, rows_comm_, stream), "ncclSend");
+      Keep(&group, ncclSend(unique_send + d, 1, ncclInt64, d, comms_->rows, stream), "ncclSend");
     }
     for (int32_t s = 0; s < R; ++s) {
       const int64_t n = recv.rows_from(s);
       if (s == me || n == 0) continue;
       Keep(&group,
            ncclRecv(meta_recv + recv.rows_begin[s], static_cast<size_t>(n) * sizeof(RowMeta),
-                    ncclUint8, s, rows_comm_, stream),
+                    ncclUint8, s, comms_->rows, stream),
            "ncclRecv");
-      Keep(&group, ncclRecv(unique_recv + s, 1, ncclInt64, s, rows_comm_, stream), "ncclRecv");
+      Keep(&group, ncclRecv(unique_recv + s, 1, ncclInt64, s, comms_->rows, stream), "ncclRecv");
     }
-    MOONEP_RETURN_IF_ERROR(GroupEnd(rows_comm_, "dispatch metadata (ncclGroupEnd)"));
+    MOONEP_RETURN_IF_ERROR(GroupEnd(comms_->rows, "dispatch metadata (ncclGroupEnd)"));
     MOONEP_RETURN_IF_ERROR(group);
     MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st->unique_recv_host.get(), unique_recv, R * 8,
                                                 cudaMemcpyDeviceToHost, stream));
@@ -1264,7 +1355,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartDispatch(
       if (d == me || u == 0) continue;
       Keep(&group,
            ncclSend(send_staging + st->pack_begin[d] * row_bytes,
-                    static_cast<size_t>(u) * row_bytes, ncclUint8, d, rows_comm_, stream),
+                    static_cast<size_t>(u) * row_bytes, ncclUint8, d, comms_->rows, stream),
            "ncclSend");
     }
     for (int32_t s = 0; s < R; ++s) {
@@ -1272,10 +1363,10 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartDispatch(
       if (s == me || u == 0) continue;
       Keep(&group,
            ncclRecv(recv_staging + staging_begin[s] * row_bytes, static_cast<size_t>(u) * row_bytes,
-                    ncclUint8, s, rows_comm_, stream),
+                    ncclUint8, s, comms_->rows, stream),
            "ncclRecv");
     }
-    MOONEP_RETURN_IF_ERROR(GroupEnd(rows_comm_, "dispatch rows (ncclGroupEnd)"));
+    MOONEP_RETURN_IF_ERROR(GroupEnd(comms_->rows, "dispatch rows (ncclGroupEnd)"));
     MOONEP_RETURN_IF_ERROR(group);
     MOONEP_CUDA_RETURN_IF_ERROR(LaunchExpandRows(
         st->table<RowSource>(st->off_row_source), rank_rows, st->meta_recv_dev.get<RowMeta>(),
@@ -1356,7 +1447,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartRowsOut(OpKind kind, Dispatch
       if (d == me || u == 0) continue;
       Keep(&group,
            ncclSend(send_staging + st->pack_begin[d] * row_bytes,
-                    static_cast<size_t>(u) * row_bytes, ncclUint8, d, rows_comm_, stream),
+                    static_cast<size_t>(u) * row_bytes, ncclUint8, d, comms_->rows, stream),
            "ncclSend");
     }
     for (int32_t s = 0; s < R; ++s) {
@@ -1364,10 +1455,10 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartRowsOut(OpKind kind, Dispatch
       if (s == me || u == 0) continue;
       Keep(&group,
            ncclRecv(recv_staging + st->staging_begin[s] * row_bytes,
-                    static_cast<size_t>(u) * row_bytes, ncclUint8, s, rows_comm_, stream),
+                    static_cast<size_t>(u) * row_bytes, ncclUint8, s, comms_->rows, stream),
            "ncclRecv");
     }
-    MOONEP_RETURN_IF_ERROR(GroupEnd(rows_comm_, "combine-backward rows (ncclGroupEnd)"));
+    MOONEP_RETURN_IF_ERROR(GroupEnd(comms_->rows, "combine-backward rows (ncclGroupEnd)"));
     MOONEP_RETURN_IF_ERROR(group);
     MOONEP_CUDA_RETURN_IF_ERROR(LaunchExpandRows(
         st->table<RowSource>(st->off_row_source), rank_rows, st->meta_recv_dev.get<RowMeta>(),
@@ -1486,7 +1577,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartRowsBack(OpKind kind, Dispatc
       if (src == me || n == 0) continue;
       Keep(&group,
            ncclSend(send_staging + recv.rows_begin[src] * row_bytes,
-                    static_cast<size_t>(n) * row_bytes, ncclUint8, src, rows_comm_, stream),
+                    static_cast<size_t>(n) * row_bytes, ncclUint8, src, comms_->rows, stream),
            "ncclSend");
     }
     for (int32_t d = 0; d < R; ++d) {
@@ -1494,10 +1585,10 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartRowsBack(OpKind kind, Dispatc
       if (d == me || n == 0) continue;
       Keep(&group,
            ncclRecv(recv_staging + send.entry_begin[d] * row_bytes,
-                    static_cast<size_t>(n) * row_bytes, ncclUint8, d, rows_comm_, stream),
+                    static_cast<size_t>(n) * row_bytes, ncclUint8, d, comms_->rows, stream),
            "ncclRecv");
     }
-    MOONEP_RETURN_IF_ERROR(GroupEnd(rows_comm_, "rows back (ncclGroupEnd)"));
+    MOONEP_RETURN_IF_ERROR(GroupEnd(comms_->rows, "rows back (ncclGroupEnd)"));
     MOONEP_RETURN_IF_ERROR(group);
     if (send.rows_to(me) > 0) {
       MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(recv_staging + send.entry_begin[me] * row_bytes,
@@ -1610,7 +1701,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartTopkWeightGrad(
       if (src == me || n == 0) continue;
       Keep(&group,
            ncclSend(dots_send + recv.rows_begin[src], static_cast<size_t>(n), ncclFloat32, src,
-                    rows_comm_, stream),
+                    comms_->rows, stream),
            "ncclSend");
     }
     for (int32_t d = 0; d < R; ++d) {
@@ -1618,10 +1709,10 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartTopkWeightGrad(
       if (d == me || n == 0) continue;
       Keep(&group,
            ncclRecv(dots_recv + send.entry_begin[d], static_cast<size_t>(n), ncclFloat32, d,
-                    rows_comm_, stream),
+                    comms_->rows, stream),
            "ncclRecv");
     }
-    MOONEP_RETURN_IF_ERROR(GroupEnd(rows_comm_, "topk-weight-grad (ncclGroupEnd)"));
+    MOONEP_RETURN_IF_ERROR(GroupEnd(comms_->rows, "topk-weight-grad (ncclGroupEnd)"));
     MOONEP_RETURN_IF_ERROR(group);
     if (send.rows_to(me) > 0) {
       MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
@@ -1740,14 +1831,14 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartPrefetch(const planner::Plan&
     for (const Transfer& t : transfers) {
       if (t.bytes == 0 || t.peer < 0) continue;
       if (t.send) {
-        Keep(&group, ncclSend(t.data, t.bytes, ncclUint8, t.peer, weights_comm_, stream),
+        Keep(&group, ncclSend(t.data, t.bytes, ncclUint8, t.peer, comms_->weights, stream),
              "ncclSend");
       } else {
-        Keep(&group, ncclRecv(t.data, t.bytes, ncclUint8, t.peer, weights_comm_, stream),
+        Keep(&group, ncclRecv(t.data, t.bytes, ncclUint8, t.peer, comms_->weights, stream),
              "ncclRecv");
       }
     }
-    MOONEP_RETURN_IF_ERROR(GroupEnd(weights_comm_, "prefetch (ncclGroupEnd)"));
+    MOONEP_RETURN_IF_ERROR(GroupEnd(comms_->weights, "prefetch (ncclGroupEnd)"));
     return group;
   };
   return Run(std::move(op), {move}, nullptr);
@@ -1876,15 +1967,15 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartReduce(const planner::Plan& p
     for (const Transfer& t : transfers) {
       if (t.bytes == 0) continue;
       if (t.send) {
-        Keep(&group, ncclSend(t.data, t.bytes, ncclUint8, t.peer, weights_comm_, stream),
+        Keep(&group, ncclSend(t.data, t.bytes, ncclUint8, t.peer, comms_->weights, stream),
              "ncclSend");
       } else {
         Keep(&group,
-             ncclRecv(staging + t.offset, t.bytes, ncclUint8, t.peer, weights_comm_, stream),
+             ncclRecv(staging + t.offset, t.bytes, ncclUint8, t.peer, comms_->weights, stream),
              "ncclRecv");
       }
     }
-    MOONEP_RETURN_IF_ERROR(GroupEnd(weights_comm_, "reduce (ncclGroupEnd)"));
+    MOONEP_RETURN_IF_ERROR(GroupEnd(comms_->weights, "reduce (ncclGroupEnd)"));
     MOONEP_RETURN_IF_ERROR(group);
     // home + replica of the lowest rank + the next ..., in fp32, stored once.
     for (const Sum& sum : sums) {
@@ -1904,13 +1995,26 @@ absl::StatusOr<ncclUniqueId> GetUniqueId() {
   return id;
 }
 
+absl::StatusOr<std::shared_ptr<NcclComms>> CreateNcclComms(const TransportOptions& options,
+                                                           const NcclBootstrap& bootstrap) {
+  return NcclComms::Create(options, bootstrap);
+}
+
+int DeviceOf(const NcclComms& comms) { return comms.device; }
+
+absl::StatusOr<std::unique_ptr<Transport>> CreateNcclTransport(const TransportOptions& options,
+                                                               std::shared_ptr<NcclComms> comms) {
+  return NcclTransportImpl::Create(options, std::move(comms));
+}
+
 absl::StatusOr<std::unique_ptr<Transport>> CreateNcclTransport(const TransportOptions& options,
                                                                const NcclBootstrap& bootstrap) {
-  return NcclTransportImpl::Create(options, bootstrap);
+  MOONEP_ASSIGN_OR_RETURN(std::shared_ptr<NcclComms> comms, NcclComms::Create(options, bootstrap));
+  return NcclTransportImpl::Create(options, std::move(comms));
 }
 
 absl::StatusOr<std::unique_ptr<Transport>> CreateNcclTransport(const TransportOptions& options) {
-  return NcclTransportImpl::Create(options, NcclBootstrap{});
+  return CreateNcclTransport(options, NcclBootstrap{});
 }
 
 }  // namespace moonep::transport::nccl

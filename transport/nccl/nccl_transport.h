@@ -37,6 +37,23 @@ struct NcclBootstrap {
 
 absl::StatusOr<ncclUniqueId> GetUniqueId();
 
+// The communicators a transport runs on: one for rows (counts, dispatch, combine, the backward
+// forms) and one for weights (prefetch, reduce), so a prefetch overlaps a dispatch. Several
+// transports may share one pair (one pair for all the layers of a model instead of two NCCL
+// communicators per layer); they then also share one order of operations, so their operations
+// must be started in the same order on every rank (one layer after another, as a trainer runs
+// them). A failure that aborts the pair (a timeout, a dead peer) makes every transport on it
+// unusable. The pair is destroyed with its last holder; a wrapped communicator (kWrap) is never
+// destroyed, only aborted on a failure.
+class NcclComms;
+
+// [collective over the bootstrap's ranks] Makes the pair; options.comm (kMpi) and
+// options.timeout_ms are read.
+absl::StatusOr<std::shared_ptr<NcclComms>> CreateNcclComms(const TransportOptions& options,
+                                                           const NcclBootstrap& bootstrap);
+// The GPU of the pair.
+int DeviceOf(const NcclComms& comms);
+
 // The NCCL-specific face of the transport (the runtime uses it for streams and events).
 class NcclTransport : public Transport {
  public:
@@ -57,8 +74,12 @@ class NcclRequest : public Request {
   virtual cudaEvent_t done_event() const = 0;
 };
 
+// A transport on a pair of its own.
 absl::StatusOr<std::unique_ptr<Transport>> CreateNcclTransport(const TransportOptions& options,
                                                                const NcclBootstrap& bootstrap);
+// A transport on a shared pair (local: no communication).
+absl::StatusOr<std::unique_ptr<Transport>> CreateNcclTransport(const TransportOptions& options,
+                                                               std::shared_ptr<NcclComms> comms);
 // CreateTransport("nccl", options): the kMpi bootstrap over options.comm.
 absl::StatusOr<std::unique_ptr<Transport>> CreateNcclTransport(const TransportOptions& options);
 

@@ -74,6 +74,18 @@ MOONEP_API moonepResult_t moonepCommInitMpi(moonepComm_t* comm, const void* mpi_
  * RANK/WORLD_SIZE/LOCAL_RANK, and orders MPI_COMM_WORLD by that rank. */
 MOONEP_API moonepResult_t moonepCommInitFromEnv(moonepComm_t* comm);
 
+/* Local. The trainer's own NCCL communicator (an ncclComm_t, passed as void* so this header needs
+ * no nccl.h) carries the token rows of every device layer and EP buffer made on `comm`
+ * afterwards; MoonEP adds one communicator of its own for replica weights and gradients, made
+ * once per `comm` (not per layer). The NCCL communicator must have the same size as `comm` and
+ * the same rank on every member; MoonEP never destroys it, but aborts it (ncclCommAbort) when a
+ * peer times out, since a stuck NCCL kernel would otherwise block the caller's stream forever.
+ * Call before the first device layer or buffer (moonepInvalidUsage afterwards);
+ * moonepInvalidArgument for NULL or a mismatched communicator; moonepUnavailable when MoonEP was
+ * built without NCCL. Without this call, device layers share one
+ * NCCL communicator pair that MoonEP makes over `comm` at the first device layer. */
+MOONEP_API moonepResult_t moonepCommSetNcclComm(moonepComm_t comm, void* nccl_comm);
+
 /* Local. Layers and buffers made on the communicator must be destroyed first (refused
  * otherwise with moonepInvalidUsage). */
 MOONEP_API moonepResult_t moonepCommDestroy(moonepComm_t comm);
