@@ -353,7 +353,13 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
       ++rb[e + 1];
     }
   }
-  for (int32_t e = 0; e < E; ++e) rb[e + 1] += rb[e];
+  {
+    int32_t acc = 0;  // in a register: no store-to-load chain through rb
+    for (int32_t e = 1; e <= E; ++e) {
+      acc += rb[e];
+      rb[e] = acc;
+    }
+  }
   const int32_t num_replicas = rb[E];
   scratch->replica_rank.resize(num_replicas);
   scratch->replica_start.resize(num_replicas);
@@ -394,21 +400,19 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
     const int32_t* se = slot_expert + static_cast<size_t>(d) * S;
     const int64_t* sa = slot_alloc + static_cast<size_t>(d) * S;
     int64_t row = 0, after = 0;
-    for (int32_t g = 0; g < G; ++g) {
-      int64_t n;
-      if (g < epn) {
-        n = home_keep[local[g]];
-      } else {
-        const int32_t s = g - epn;
-        n = se[s] >= 0 ? sa[s] : 0;
-        MOONEP_CHECK_ARG(sa[s] == n, "slot %d of rank %d: slot_alloc %d != alloc %d", s, d, sa[s], n);
-      }
+    auto lay = [&](int32_t g, int64_t n) {
       const int64_t padded = pad == 1 ? n : (n + pad - 1) / pad * pad;
       gc[g] = n;
       go[g] = row;
       gp[g] = padded;
       row += padded;
       after += n;
+    };
+    for (int32_t g = 0; g < epn; ++g) lay(g, home_keep[local[g]]);
+    for (int32_t s = 0; s < S; ++s) {
+      const int64_t n = se[s] >= 0 ? sa[s] : 0;
+      MOONEP_CHECK_ARG(sa[s] == n, "slot %d of rank %d: slot_alloc %d != alloc %d", s, d, sa[s], n);
+      lay(epn + s, n);
     }
     rank_rows[d] = row;
     st.max_load_before = std::max(st.max_load_before, home_load[d]);
@@ -521,9 +525,21 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
   const int64_t* node_lo = scratch->node_lo.data();
   const int64_t* node_hi = scratch->node_hi.data();
   const int32_t* node_id = scratch->node_id.data();
-  auto col = [&](int32_t e, int32_t x) -> int64_t {
-    int64_t v = bp[block_row[x] + e];
-    for (int32_t s = block_first[x]; s < x; ++s) v += cnt[static_cast<size_t>(s) * E + e];
+  // col(e, x) and counts[x][e] together: from the block prefix before x's block adding the
+  // entries before x, or from the one after it subtracting x's entry and those after, whichever
+  // reads fewer entries of counts (at most B / 2 besides x's own).
+  auto col_own = [&](int32_t e, int32_t x, int64_t* own) -> int64_t {
+    const int64_t* c = cnt + e;
+    const int32_t b0 = block_first[x], b1 = std::min(R, b0 + B);
+    *own = c[static_cast<size_t>(x) * E];
+    int64_t v;
+    if (x - b0 <= b1 - 1 - x) {
+      v = bp[block_row[x] + e];
+      for (int32_t s = b0; s < x; ++s) v += c[static_cast<size_t>(s) * E];
+    } else {
+      v = bp[block_row[x] + E + e] - *own;
+      for (int32_t s = x + 1; s < b1; ++s) v -= c[static_cast<size_t>(s) * E];
+    }
     return v;
   };
   auto node_range = [&](int32_t e, int32_t rank, int64_t* lo, int64_t* hi) {
@@ -562,6 +578,10 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
   const int32_t* home_group = plan->home_group.data();
   int64_t* rstart = scratch->replica_start.data();
   int64_t* rend = scratch->replica_end.data();
+  scratch->replica_col.resize(num_replicas);
+  scratch->replica_own.resize(num_replicas);
+  int64_t* rcol = scratch->replica_col.data();  // col(e, d) of each replica's rank d
+  int64_t* rown = scratch->replica_own.data();  // counts[d][e]
   int32_t P = 0;
   int64_t rows_local = 0, rows_intra = 0, rows_inter = 0, total_tokens = 0;
   for (int32_t e = 0; e < E; ++e) {
@@ -593,7 +613,8 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
       const int64_t a = slot_alloc[rslot[j]];
       MOONEP_CHECK_ARG(a >= 0, "alloc[%d][%d] = %d is negative", e, rrank[j], a);
       held += a;
-      rstart[j] = std::max(col(e, rrank[j]), cursor);
+      rcol[j] = col_own(e, rrank[j], &rown[j]);
+      rstart[j] = std::max(rcol[j], cursor);
       rend[j] = rstart[j] + a;
       cursor = rend[j];
     }
@@ -607,7 +628,8 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
       limit = rstart[j];
     }
     // The home's own and node ranges, used by every home piece.
-    const int64_t h0 = col(e, h), h1 = h0 + home_own[e];
+    int64_t h_own;
+    const int64_t h0 = col_own(e, h, &h_own), h1 = h0 + h_own;
     int64_t hn0 = h0, hn1 = h1;
     if (rpn > 0) node_range(e, h, &hn0, &hn1);
     int64_t home_rows = 0, pos = 0;
@@ -648,8 +670,7 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
         local = Overlap(start, p1, h0, h1);
         same_node = rpn > 0 ? Overlap(start, p1, hn0, hn1) : local;
       } else {
-        const int64_t d0 = col(e, d);
-        local = Overlap(start, p1, d0, d0 + cnt[static_cast<size_t>(d) * E + e]);
+        local = Overlap(start, p1, rcol[j], rcol[j] + rown[j]);
         same_node = local;
         if (rpn > 0) {
           int64_t lo, hi;

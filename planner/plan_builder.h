@@ -30,6 +30,7 @@ struct BuildScratch {
   std::vector<int32_t> replica_begin;    // E + 1: replicas of e, by increasing rank
   std::vector<int32_t> replica_rank;
   std::vector<int64_t> replica_start, replica_end;
+  std::vector<int64_t> replica_col, replica_own;  // FinalizeHolders: col(e, d) and counts[d][e]
   std::vector<int64_t> next_row;         // per (rank, group): next free row while laying pieces
   std::vector<int64_t> column;           // R + 1: prefix sums of one expert's counts over sources
   // Per-block prefix sums of counts over sources (blocks of block_size consecutive ranks, which

@@ -119,6 +119,7 @@ struct PolicyScratch {
   Decisions alt;                   // moonep: the greedy decisions it is compared with
   std::vector<int32_t> by_expert_begin, by_expert_rank;  // LocalRows: replicas per expert (CSR)
   std::vector<int64_t> by_expert_amount, by_expert_start, by_expert_end;
+  std::vector<int64_t> by_expert_col, by_expert_own;  // LocalRows: col(e, d) and counts[d][e]
   std::vector<int32_t> touched;  // LocalRows: experts replicated in either decision set
   std::vector<char> touched_mark;
   std::vector<int32_t> touched_index;

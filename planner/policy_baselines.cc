@@ -89,10 +89,32 @@ struct Column {
     if (in.counts == nullptr) return q + (s < r ? 1 : 0);
     return in.counts[static_cast<size_t>(s) * in.config->num_experts + e];
   }
+  // Col(x) and Count(x) together; with counts, from whichever block prefix around x needs fewer
+  // entries of counts (the one after x's block, minus x's entry and those after it).
+  int64_t ColOwn(int32_t x, int64_t* own) const {
+    if (in.counts == nullptr || in.block_prefix == nullptr) {
+      *own = Count(x);
+      return Col(x);
+    }
+    const int32_t R = in.config->num_ranks, E = in.config->num_experts, B = in.block_size;
+    const int32_t b = in.block_shift >= 0 ? x >> in.block_shift : x / B;
+    const int32_t b0 = b * B, b1 = std::min(R, b0 + B);
+    const int64_t* c = in.counts + e;
+    *own = c[static_cast<size_t>(x) * E];
+    int64_t v;
+    if (x - b0 <= b1 - 1 - x) {
+      v = in.block_prefix[static_cast<size_t>(b) * E + e];
+      for (int32_t s = b0; s < x; ++s) v += c[static_cast<size_t>(s) * E];
+    } else {
+      v = in.block_prefix[static_cast<size_t>(b + 1) * E + e] - *own;
+      for (int32_t s = x + 1; s < b1; ++s) v -= c[static_cast<size_t>(s) * E];
+    }
+    return v;
+  }
 };
 
 int64_t ExpertLocalRows(const PolicyInput& in, int32_t e, const int32_t* ranks, const int64_t* amounts,
-                        int32_t n, int64_t* start, int64_t* end) {
+                        int32_t n, int64_t* start, int64_t* end, int64_t* col_of, int64_t* own_of) {
   const int32_t h = in.plan->home[e];
   const int64_t N = in.totals[e];
   Column col{in, e};
@@ -100,11 +122,13 @@ int64_t ExpertLocalRows(const PolicyInput& in, int32_t e, const int32_t* ranks, 
     col.q = N / in.config->num_ranks;
     col.r = N % in.config->num_ranks;
   }
-  const int64_t h0 = col.Col(h), h1 = h0 + col.Count(h);
+  int64_t h_own;
+  const int64_t h0 = col.ColOwn(h, &h_own), h1 = h0 + h_own;
   if (n == 0) return h1 - h0;
   int64_t cursor = 0, local = 0;
   for (int32_t j = 0; j < n; ++j) {
-    start[j] = std::max(col.Col(ranks[j]), cursor);
+    col_of[j] = col.ColOwn(ranks[j], &own_of[j]);
+    start[j] = std::max(col_of[j], cursor);
     end[j] = start[j] + amounts[j];
     cursor = end[j];
   }
@@ -123,8 +147,7 @@ int64_t ExpertLocalRows(const PolicyInput& in, int32_t e, const int32_t* ranks, 
     if (d == h) {
       local += Overlap(start[j], end[j], h0, h1);
     } else {
-      const int64_t d0 = col.Col(d);
-      local += Overlap(start[j], end[j], d0, d0 + col.Count(d));
+      local += Overlap(start[j], end[j], col_of[j], col_of[j] + own_of[j]);
     }
     pos = end[j];
   }
@@ -170,6 +193,8 @@ void LocalRows(const PolicyInput& in, const Decisions& a, const Decisions& b, Po
   sc->by_expert_amount.resize(n_max);
   sc->by_expert_start.resize(n_max);
   sc->by_expert_end.resize(n_max);
+  sc->by_expert_col.resize(n_max);
+  sc->by_expert_own.resize(n_max);
   int32_t* begin = sc->by_expert_begin.data();
   int32_t* rank = sc->by_expert_rank.data();
   int64_t* amount = sc->by_expert_amount.data();
@@ -197,7 +222,8 @@ void LocalRows(const PolicyInput& in, const Decisions& a, const Decisions& b, Po
     for (int32_t t = 0, j = 0; t < T; ++t) {
       const int32_t end = begin[t];  // shifted by the placement: the end of expert t's replicas
       local += ExpertLocalRows(in, touched[t], rank + j, amount + j, end - j,
-                               sc->by_expert_start.data() + j, sc->by_expert_end.data() + j);
+                               sc->by_expert_start.data() + j, sc->by_expert_end.data() + j,
+                               sc->by_expert_col.data() + j, sc->by_expert_own.data() + j);
       j = end;
     }
     *out[k] = local;
