@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -625,6 +626,45 @@ TEST_F(NcclTest, SilentPeerBecomesATimeoutNamingThePhase) {
               moonepInvalidUsage);
   }
   MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// A communicator of two ranks whose second rank never joins (one GPU is enough: only rank 0 of
+// the declared two exists). Creation must end in a Timeout close to the deadline, the abort of the
+// half-made communicator must not hang, and the process must go on to make a working transport.
+TEST_F(NcclTest, PeerThatNeverJoinsMakesCreationTimeOut) {
+  if (size() != 1) GTEST_SKIP() << "runs with one process (it declares a second rank that never joins)";
+  auto id = nccl::GetUniqueId();
+  ASSERT_TRUE(id.ok()) << id.status();
+  nccl::NcclBootstrap b;
+  b.kind = nccl::NcclBootstrap::Kind::kUniqueId;
+  b.unique_id = *id;
+  b.rank = 0;
+  b.size = 2;
+  TransportOptions o;
+  o.max_tokens = 4;
+  o.max_top_k = 1;
+  o.max_row_bytes = 4;
+  o.timeout_ms = 2000;
+  const auto start = std::chrono::steady_clock::now();
+  auto t = nccl::CreateNcclTransport(o, b);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(ToResult(t.status()), moonepTimeout) << t.status();
+  EXPECT_NE(std::string(t.status().message()).find("communicator creation"), std::string::npos)
+      << t.status();
+  // The deadline, plus at most one bounded abort per communicator.
+  EXPECT_LT(seconds, 2.0 * 3 + 1.0) << t.status();
+  std::printf("[ NCCL     ] creation with a missing peer: %s after %.1f s\n",
+              std::string(t.status().message()).c_str(), seconds);
+  // Nothing is left stuck: a one-rank transport works afterwards.
+  auto ok = MakeTransport(4, 1, 4, 2000);
+  ASSERT_NE(ok, nullptr);
+  DeviceVector<int32_t> ids(std::vector<int32_t>{0});
+  DispatchHandle h;
+  absl::Status st = ok->ExchangeCounts(ids.span(), 1, 1, 1, 4, &h);
+  ASSERT_TRUE(st.ok()) << st;
+  EXPECT_EQ(h.counts()[0], 1);
 }
 
 TEST_F(NcclTest, CommunicatorFromAUniqueId) {
