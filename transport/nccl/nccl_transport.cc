@@ -359,8 +359,6 @@ class NcclTransportImpl : public NcclTransport {
   // Aborts the communicators (a stuck peer, an NCCL error, a local failure after work was
   // posted) and makes the transport unusable.
   void Abort(const absl::Status& status);
-  // comms_->weights over the ranks of comms_->rows (see CreateNcclTransport).
-  absl::Status MakeWeightsComm(ncclConfig_t config, Clock::time_point deadline);
   absl::Status PollAsyncErrors() const;
   void AddCounters(OpKind kind, const OpCounters& c);
   // NCCL needs the same order of operations on a communicator on every rank. Ops with several
