@@ -7,12 +7,14 @@
 #include <mpi.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <string>
 #include <vector>
 
 #include "moonep/core/status.h"
 #include "moonep/runtime/communicator.h"
+#include "moonep/runtime/ep_buffer.h"
 #include "moonep/runtime/moe_layer.h"
 #include "tests/harness/mpi_test.h"
 #include "tests/runtime/layer_problem.h"
@@ -303,6 +305,142 @@ TEST_F(MoeLayerCudaTest, CallersNcclCommunicator) {
   EXPECT_EQ(sum, size() * (size() + 1) / 2);
   cudaFree(v);
   EXPECT_EQ(ncclCommDestroy(mine), ncclSuccess);
+}
+
+// The EP buffer (C API level 2) on device memory: rows dispatched from GPU memory into the
+// buffer's layout, experts computed by the "caller" (here the fp64 reference on a host copy),
+// combine, the backward forms, prefetch into caller-owned device slots and reduce, checked against
+// the fp64 reference and exact invariants. The test policy routes through replica slots.
+TEST_F(MoeLayerCudaTest, EpBufferOnDeviceMemory) {
+  const DType dt = DType::kFloat32;
+  GlobalProblem g =
+      MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kBaseTokens, dt, 501);
+  RankTensors t = MakeRankTensors(g, rank(), dt);
+  DeviceTensors d = Upload(t, dt, epn());
+  LayerConfig c = Config(dt, planner::Policy::kTestForceReplicas);
+  auto made = runtime::EpBuffer::Create(comm_.get(), c);
+  ASSERT_TRUE(made.ok()) << made.status();
+  runtime::EpBuffer& buf = **made;
+  const int64_t T = t.tokens;
+  const size_t entries = static_cast<size_t>(T * kTopK);
+  auto rows_view = [&](void* p, int64_t n) {
+    return TensorView::Contiguous(p, dt, {n, kHidden}, Device::kCuda);
+  };
+  auto h = buf.Dispatch(T, rows_view(d.x.get(), T),
+                        absl::Span<const int32_t>(d.ids.get<int32_t>(), entries),
+                        absl::Span<const float>(d.weights.get<float>(), entries));
+  ASSERT_TRUE(h.ok()) << h.status();
+  runtime::EpLayout layout;
+  ASSERT_TRUE(buf.Layout(*h, &layout).ok());
+  ASSERT_EQ(layout.num_groups, epn() + buf.slots());
+  cudaPointerAttributes attr{};
+  ASSERT_EQ(cudaPointerGetAttributes(&attr, layout.rows), cudaSuccess);
+  EXPECT_EQ(attr.type, cudaMemoryTypeDevice) << "the layout's rows are not in GPU memory";
+
+  // Prefetch into caller-owned device slots: every used slot bitwise equals its expert.
+  const size_t block = kHidden * kInter;
+  const int32_t S = buf.slots();
+  DeviceVec sg(S * block * 4), su(S * block * 4), sd(S * block * 4);
+  auto params = [&](const DeviceVec& a, const DeviceVec& b, const DeviceVec& c2, int32_t n) {
+    std::vector<compute::ExpertParams> v(static_cast<size_t>(n));
+    for (int32_t i = 0; i < n; ++i) {
+      v[i].gate = TensorView::Contiguous(a.get() + i * block * 4, dt, {kHidden, kInter},
+                                         Device::kCuda);
+      v[i].up = TensorView::Contiguous(b.get() + i * block * 4, dt, {kHidden, kInter},
+                                       Device::kCuda);
+      v[i].down = TensorView::Contiguous(c2.get() + i * block * 4, dt, {kInter, kHidden},
+                                         Device::kCuda);
+    }
+    return v;
+  };
+  const std::vector<compute::ExpertParams> slots = params(sg, su, sd, S);
+  ASSERT_TRUE(buf.Prefetch(*h, d.params, slots).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<float> hg, hd;
+  sg.CopyTo(&hg);
+  sd.CopyTo(&hd);
+  std::vector<int32_t> group_expert(layout.group_expert, layout.group_expert + layout.num_groups);
+  int used = 0;
+  for (int32_t s = 0; s < S; ++s) {
+    const int e = group_expert[epn() + s];
+    if (e < 0) continue;
+    ++used;
+    for (size_t i = 0; i < block; ++i) {
+      ASSERT_EQ(hg[s * block + i], static_cast<float>(g.p.weights.wg[e * block + i])) << s;
+      ASSERT_EQ(hd[s * block + i], static_cast<float>(g.p.weights.wd[e * block + i])) << s;
+    }
+  }
+  EXPECT_GT(used, 0) << "no replica slot used: prefetch and reduce were not exercised";
+
+  // The caller's experts: the fp64 reference FFN on a host copy of the rows, uploaded back.
+  const int64_t R = layout.num_rows;
+  std::vector<float> rows(static_cast<size_t>(R * kHidden));
+  ASSERT_EQ(cudaMemcpy(rows.data(), layout.rows, rows.size() * 4, cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  std::vector<float> out(rows.size(), 0.0f);
+  for (int gi = 0; gi < layout.num_groups; ++gi) {
+    const int e = group_expert[gi];
+    for (int64_t r = layout.group_offset[gi]; r < layout.group_offset[gi] + layout.group_count[gi];
+         ++r) {
+      std::vector<double> xr(rows.begin() + r * kHidden, rows.begin() + (r + 1) * kHidden),
+          yr(kHidden);
+      reference::ExpertForward(g.shape, g.p.weights, e, xr.data(), yr.data());
+      for (int64_t j = 0; j < kHidden; ++j) out[r * kHidden + j] = static_cast<float>(yr[j]);
+    }
+  }
+  DeviceVec d_out(out);
+  ASSERT_TRUE(buf.Combine(*h, rows_view(d_out.get(), R), rows_view(d.y.get(), T)).ok());
+  reference::ForwardResult f;
+  reference::BackwardResult b;
+  ASSERT_TRUE(reference::Forward(g.shape, g.p.weights, g.total, g.p.x, g.p.topk_ids,
+                                 g.p.topk_weights, &f).ok());
+  ASSERT_TRUE(reference::Backward(g.shape, g.p.weights, g.total, g.p.x, g.p.topk_ids,
+                                  g.p.topk_weights, g.p.dy, &b).ok());
+  const int64_t o = g.offset[rank()];
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  d.y.CopyTo(&t.y);
+  EXPECT_LT(RelError(Decode(t.y, dt), f.y.data() + o * kHidden, T * kHidden), 1e-5);
+
+  // Backward forms: dy rows, d topk_weights, and an identity "expert" for dx.
+  DeviceVec dy_rows(out.size() * 4);
+  ASSERT_TRUE(buf.CombineBackward(*h, rows_view(d.dy.get(), T), rows_view(dy_rows.get(), R)).ok());
+  ASSERT_TRUE(buf.TopkWeightGrad(*h, rows_view(dy_rows.get(), R), rows_view(d_out.get(), R),
+                                 absl::Span<float>(d.dtopk.get<float>(), entries))
+                  .ok());
+  ASSERT_TRUE(buf.DispatchBackward(*h, rows_view(dy_rows.get(), R), rows_view(d.dx.get(), T)).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  d.dtopk.CopyTo(&t.dtopk);
+  d.dx.CopyTo(&t.dx);
+  std::vector<double> dtopk(t.dtopk.begin(), t.dtopk.end());
+  EXPECT_LT(RelError(dtopk, b.dtopk_weights.data() + o * kTopK, T * kTopK), 1e-5);
+  std::vector<double> dx = Decode(t.dx, dt);
+  for (int64_t tok = 0; tok < T; ++tok) {
+    int valid = 0;
+    for (int k = 0; k < kTopK; ++k) valid += t.ids[tok * kTopK + k] >= 0;
+    for (int64_t j = 0; j < kHidden; ++j) {
+      ASSERT_NEAR(dx[tok * kHidden + j], valid * g.p.dy[(o + tok) * kHidden + j], 1e-5);
+    }
+  }
+  // Reduce: gradient slots of 1 add (replicas of the expert) to its zeroed home gradients.
+  std::vector<float> ones(S * block, 1.0f), zeros(epn() * block, 0.0f);
+  DeviceVec gg1(ones), gu1(ones), gd1(ones), hg0(zeros), hu0(zeros), hd0(zeros);
+  const std::vector<compute::ExpertParams> slot_grads = params(gg1, gu1, gd1, S);
+  const std::vector<compute::ExpertParams> home_grads = params(hg0, hu0, hd0, epn());
+  ASSERT_TRUE(buf.Reduce(*h, home_grads, slot_grads).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<int32_t> all_slots(static_cast<size_t>(size()) * S);
+  MPI_Allgather(group_expert.data() + epn(), S, MPI_INT32_T, all_slots.data(), S, MPI_INT32_T,
+                MPI_COMM_WORLD);
+  std::vector<float> got_g, got_d;
+  hg0.CopyTo(&got_g);
+  hd0.CopyTo(&got_d);
+  for (int ge = 0; ge < epn(); ++ge) {
+    const int e = rank() * epn() + ge;
+    const float replicas = static_cast<float>(std::count(all_slots.begin(), all_slots.end(), e));
+    EXPECT_EQ(got_g[ge * block], replicas) << "expert " << e;
+    EXPECT_EQ(got_d[ge * block + block - 1], replicas) << "expert " << e;
+  }
+  ASSERT_TRUE(buf.Release(*h).ok());
 }
 
 TEST_F(MoeLayerCudaTest, HostPointersAreRefused) {
