@@ -11,11 +11,11 @@ std::string RankList(const std::vector<int>& ranks) { return absl::StrJoin(ranks
 
 bool IsRowDType(DType d) { return d == DType::kFloat32 || d == DType::kBFloat16; }
 
-absl::Status CheckHostRows(const TensorView& v, const char* name, int64_t min_rows, int64_t cols,
-                           const char* backend) {
+absl::Status CheckRowTensor(const TensorView& v, const char* name, int64_t min_rows, int64_t cols,
+                            const char* backend, Device device) {
   MOONEP_CHECK_ARG(v.ndim == 2, "%s: expected a 2-D tensor, got %s", name, v.DebugString());
-  MOONEP_CHECK_ARG(v.device == Device::kCpu, "%s: the %s transport needs host memory, got %s",
-                   name, backend, v.DebugString());
+  MOONEP_CHECK_ARG(v.device == device, "%s: the %s transport needs %s memory, got %s", name,
+                   backend, device == Device::kCpu ? "host" : "device", v.DebugString());
   MOONEP_CHECK_ARG(IsRowDType(v.dtype), "%s: dtype must be fp32 or bf16", name);
   MOONEP_CHECK_ARG(v.shape[0] >= min_rows, "%s: has %d rows, needs at least %d", name, v.shape[0],
                    min_rows);
@@ -83,9 +83,9 @@ absl::Status CheckDispatchBuffers(const planner::Plan& plan, const TensorView& x
                                   absl::Span<const float> topk_weights, const DispatchHandle& h,
                                   const TensorView& recv_rows, absl::Span<float> recv_weights,
                                   int32_t rank, const char* backend) {
-  MOONEP_RETURN_IF_ERROR(CheckHostRows(x, "x", h.num_tokens_, -1, backend));
+  MOONEP_RETURN_IF_ERROR(CheckRowTensor(x, "x", h.num_tokens_, -1, backend));
   MOONEP_RETURN_IF_ERROR(
-      CheckHostRows(recv_rows, "recv_rows", plan.rank_rows[rank], x.shape[1], backend));
+      CheckRowTensor(recv_rows, "recv_rows", plan.rank_rows[rank], x.shape[1], backend));
   if (recv_rows.dtype != x.dtype) {
     return InvalidArgument("recv_rows: dtype %s differs from x's %s", DTypeName(recv_rows.dtype),
                            DTypeName(x.dtype));
@@ -122,11 +122,11 @@ absl::Status PrepareDispatch(const planner::Plan& plan, absl::Span<const float> 
 
 absl::Status CheckCombineBackwardBuffers(const DispatchHandle& h, const TensorView& dy,
                                          const TensorView& dy_rows, const char* backend) {
-  MOONEP_RETURN_IF_ERROR(CheckHostRows(dy, "dy", h.num_tokens_, -1, backend));
+  MOONEP_RETURN_IF_ERROR(CheckRowTensor(dy, "dy", h.num_tokens_, -1, backend));
   if (dy.shape[0] != h.num_tokens_) {
     return InvalidArgument("dy: has %d rows, need num_tokens = %d", dy.shape[0], h.num_tokens_);
   }
-  MOONEP_RETURN_IF_ERROR(CheckHostRows(dy_rows, "dy_rows", h.recv_.rank_rows, dy.shape[1], backend));
+  MOONEP_RETURN_IF_ERROR(CheckRowTensor(dy_rows, "dy_rows", h.recv_.rank_rows, dy.shape[1], backend));
   if (dy_rows.dtype != dy.dtype) return InvalidArgument("dy_rows: dtype differs from dy's");
   if (RangesOverlap(dy.data, dy.nbytes(), dy_rows.data, dy_rows.nbytes())) {
     return InvalidArgument("dy and dy_rows overlap");
@@ -148,8 +148,8 @@ absl::Status CheckRowBytes(const TensorView& rows, const char* name, int64_t max
 
 absl::Status CheckCombineBuffers(const DispatchHandle& h, const TensorView& expert_rows,
                                  const TensorView& y, int64_t max_row_bytes, const char* backend) {
-  MOONEP_RETURN_IF_ERROR(CheckHostRows(expert_rows, "expert_rows", h.recv_.rank_rows, -1, backend));
-  MOONEP_RETURN_IF_ERROR(CheckHostRows(y, "y", h.num_tokens_, expert_rows.shape[1], backend));
+  MOONEP_RETURN_IF_ERROR(CheckRowTensor(expert_rows, "expert_rows", h.recv_.rank_rows, -1, backend));
+  MOONEP_RETURN_IF_ERROR(CheckRowTensor(y, "y", h.num_tokens_, expert_rows.shape[1], backend));
   if (y.shape[0] != h.num_tokens_) {
     return InvalidArgument("y: has %d rows, need num_tokens = %d", y.shape[0], h.num_tokens_);
   }
@@ -163,8 +163,8 @@ absl::Status CheckCombineBuffers(const DispatchHandle& h, const TensorView& expe
 absl::Status CheckDispatchBackwardBuffers(const DispatchHandle& h, const TensorView& dx_rows,
                                           const TensorView& dx, int64_t max_row_bytes,
                                           const char* backend) {
-  MOONEP_RETURN_IF_ERROR(CheckHostRows(dx_rows, "dx_rows", h.recv_.rank_rows, -1, backend));
-  MOONEP_RETURN_IF_ERROR(CheckHostRows(dx, "dx", h.num_tokens_, dx_rows.shape[1], backend));
+  MOONEP_RETURN_IF_ERROR(CheckRowTensor(dx_rows, "dx_rows", h.recv_.rank_rows, -1, backend));
+  MOONEP_RETURN_IF_ERROR(CheckRowTensor(dx, "dx", h.num_tokens_, dx_rows.shape[1], backend));
   if (dx.shape[0] != h.num_tokens_) {
     return InvalidArgument("dx: has %d rows, need num_tokens = %d", dx.shape[0], h.num_tokens_);
   }
@@ -178,9 +178,9 @@ absl::Status CheckDispatchBackwardBuffers(const DispatchHandle& h, const TensorV
 absl::Status CheckTopkWeightGradBuffers(const DispatchHandle& h, const TensorView& dy_rows,
                                         const TensorView& expert_rows,
                                         absl::Span<float> d_topk_weights, const char* backend) {
-  MOONEP_RETURN_IF_ERROR(CheckHostRows(dy_rows, "dy_rows", h.recv_.rank_rows, -1, backend));
+  MOONEP_RETURN_IF_ERROR(CheckRowTensor(dy_rows, "dy_rows", h.recv_.rank_rows, -1, backend));
   MOONEP_RETURN_IF_ERROR(
-      CheckHostRows(expert_rows, "expert_rows", h.recv_.rank_rows, dy_rows.shape[1], backend));
+      CheckRowTensor(expert_rows, "expert_rows", h.recv_.rank_rows, dy_rows.shape[1], backend));
   if (static_cast<int64_t>(d_topk_weights.size()) != h.num_tokens_ * h.top_k_) {
     return InvalidArgument("d_topk_weights: has %d entries, need num_tokens * top_k = %d",
                            d_topk_weights.size(), h.num_tokens_ * h.top_k_);

@@ -22,10 +22,11 @@ std::string RankList(const std::vector<int>& ranks);
 
 bool IsRowDType(DType d);
 
-// A 2-D contiguous host matrix of fp32 or bf16 with at least `min_rows` rows and `cols` columns
+// A 2-D contiguous matrix of fp32 or bf16 in memory of `device` (as its TensorView says; a device
+// backend also checks the pointer itself) with at least `min_rows` rows and `cols` columns
 // (cols < 0: any), non-null when it has elements, aligned to its element size.
-absl::Status CheckHostRows(const TensorView& v, const char* name, int64_t min_rows, int64_t cols,
-                           const char* backend);
+absl::Status CheckRowTensor(const TensorView& v, const char* name, int64_t min_rows, int64_t cols,
+                            const char* backend, Device device = Device::kCpu);
 
 // This rank's count-exchange input: the routing (ValidateRouting) and the declared maxima. The
 // result is this rank's local verdict, annotated with the rank; the count exchange shares it with

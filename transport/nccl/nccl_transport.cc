@@ -85,8 +85,6 @@ void Keep(absl::Status* first, ncclResult_t r, const char* what) {
   if (first->ok()) *first = NcclStatus(r, what);
 }
 
-bool IsRowDType(DType d) { return d == DType::kFloat32 || d == DType::kBFloat16; }
-
 // Makes the transport's GPU current for the host steps of an op, and restores the caller's.
 class DeviceGuard {
  public:
@@ -903,23 +901,12 @@ absl::Status NcclTransportImpl::CheckDevicePointer(const void* p, const char* na
 
 absl::Status NcclTransportImpl::CheckRows(const TensorView& v, const char* name, int64_t min_rows,
                                           int64_t cols, bool row_operand) const {
-  MOONEP_CHECK_ARG(v.ndim == 2, "%s: expected a 2-D tensor, got %s", name, v.DebugString());
-  MOONEP_CHECK_ARG(v.device == Device::kCuda, "%s: the NCCL transport needs device memory, got %s",
-                   name, v.DebugString());
-  MOONEP_CHECK_ARG(IsRowDType(v.dtype), "%s: dtype must be fp32 or bf16", name);
-  MOONEP_CHECK_ARG(v.shape[0] >= min_rows, "%s: has %d rows, needs at least %d", name, v.shape[0],
-                   min_rows);
-  MOONEP_CHECK_ARG(cols < 0 || v.shape[1] == cols, "%s: has %d columns, expected %d", name,
-                   v.shape[1], cols);
-  MOONEP_CHECK_ARG(v.is_contiguous(), "%s: tensor must be contiguous", name);
-  MOONEP_CHECK_ARG(reinterpret_cast<uintptr_t>(v.data) % DTypeSize(v.dtype) == 0,
-                   "%s: data pointer is not aligned to its element size", name);
+  MOONEP_RETURN_IF_ERROR(common::CheckRowTensor(v, name, min_rows, cols, "NCCL", Device::kCuda));
   const int64_t row_bytes = v.shape[1] * static_cast<int64_t>(DTypeSize(v.dtype));
   MOONEP_CHECK_ARG(!row_operand || row_bytes <= options_.max_row_bytes,
                    "%s: a row has %d bytes, above the declared max_row_bytes = %d", name, row_bytes,
                    options_.max_row_bytes);
   if (v.numel() == 0) return absl::OkStatus();
-  MOONEP_CHECK_ARG(v.data != nullptr, "%s: null data pointer", name);
   return CheckDevicePointer(v.data, name);
 }
 
