@@ -175,6 +175,31 @@ INSTANTIATE_TEST_SUITE_P(
 
 bool SameBytes(Buffer& a, Buffer& b) { return std::memcmp(a.data(), b.data(), a.bytes()) == 0; }
 
+// y and dx of the last of `reps` forward+backward steps of `ex` on `p` (the weight gradients
+// accumulate in p.grads over the steps).
+struct StepOutputs {
+  Buffer y, dx;
+};
+StepOutputs RunSteps(Problem& p, cpu::CpuExecutor* ex, int reps = 1) {
+  const int64_t R = p.view.total_rows, H = p.view.hidden;
+  StepOutputs o{Buffer(R, H, p.view.dtype), Buffer(R, H, p.view.dtype)};
+  for (int rep = 0; rep < reps; ++rep) {
+    EXPECT_TRUE(ex->Forward(p.view, p.x.view(), o.y.view(), {}).ok());
+    EXPECT_TRUE(ex->Backward(p.view, p.x.view(), p.dy.view(), o.dx.view(), {}).ok());
+  }
+  return o;
+}
+
+// y, dx and every weight gradient bitwise equal.
+void ExpectSameBytes(Problem& pa, StepOutputs& a, Problem& pb, StepOutputs& b,
+                     const std::string& what) {
+  EXPECT_TRUE(SameBytes(a.y, b.y)) << what;
+  EXPECT_TRUE(SameBytes(a.dx, b.dx)) << what;
+  for (size_t k = 0; k < pa.grads.size(); ++k) {
+    EXPECT_TRUE(SameBytes(pa.grads[k], pb.grads[k])) << what << " grad " << k;
+  }
+}
+
 // The schedule changes with the thread count, the arithmetic must not.
 class ThreadInvariance : public ::testing::TestWithParam<DType> {};
 
@@ -186,18 +211,9 @@ TEST_P(ThreadInvariance, OneAndTwoThreadsAgreeBitwise) {
   auto ex2 = MakeExecutor(p2, 2);
   ASSERT_EQ(ex1->num_threads(), 1);
   ASSERT_EQ(ex2->num_threads(), 2);
-  Buffer y1(p1.view.total_rows, spec.hidden, dt), y2(p2.view.total_rows, spec.hidden, dt);
-  Buffer dx1(p1.view.total_rows, spec.hidden, dt), dx2(p2.view.total_rows, spec.hidden, dt);
-  for (int rep = 0; rep < 2; ++rep) {
-    ASSERT_TRUE(ex1->Forward(p1.view, p1.x.view(), y1.view(), {}).ok());
-    ASSERT_TRUE(ex2->Forward(p2.view, p2.x.view(), y2.view(), {}).ok());
-    ASSERT_TRUE(ex1->Backward(p1.view, p1.x.view(), p1.dy.view(), dx1.view(), {}).ok());
-    ASSERT_TRUE(ex2->Backward(p2.view, p2.x.view(), p2.dy.view(), dx2.view(), {}).ok());
-  }
-  EXPECT_TRUE(SameBytes(y1, y2));
-  EXPECT_TRUE(SameBytes(dx1, dx2));
-  for (size_t k = 0; k < p1.grads.size(); ++k) EXPECT_TRUE(SameBytes(p1.grads[k], p2.grads[k])) << k;
-  EXPECT_LT(ForwardError(p1, y1), Tolerance(dt));
+  StepOutputs o1 = RunSteps(p1, ex1.get(), 2), o2 = RunSteps(p2, ex2.get(), 2);
+  ExpectSameBytes(p1, o1, p2, o2, DTypeName(dt));
+  EXPECT_LT(ForwardError(p1, o1.y), Tolerance(dt));
 }
 
 INSTANTIATE_TEST_SUITE_P(DTypes, ThreadInvariance, ::testing::Values(kF32, kBF16));
@@ -209,17 +225,10 @@ TEST(ThreadInvarianceWide, OneAndTwoThreadsAgreeBitwise) {
   Problem p1(spec), p2(spec);
   auto ex1 = MakeExecutor(p1, 1);
   auto ex2 = MakeExecutor(p2, 2);
-  const int64_t R = p1.view.total_rows, H = spec.hidden;
-  Buffer y1(R, H, kF32), y2(R, H, kF32), dx1(R, H, kF32), dx2(R, H, kF32);
-  ASSERT_TRUE(ex1->Forward(p1.view, p1.x.view(), y1.view(), {}).ok());
-  ASSERT_TRUE(ex2->Forward(p2.view, p2.x.view(), y2.view(), {}).ok());
-  ASSERT_TRUE(ex1->Backward(p1.view, p1.x.view(), p1.dy.view(), dx1.view(), {}).ok());
-  ASSERT_TRUE(ex2->Backward(p2.view, p2.x.view(), p2.dy.view(), dx2.view(), {}).ok());
-  EXPECT_TRUE(SameBytes(y1, y2));
-  EXPECT_TRUE(SameBytes(dx1, dx2));
-  for (size_t k = 0; k < p1.grads.size(); ++k) EXPECT_TRUE(SameBytes(p1.grads[k], p2.grads[k])) << k;
-  EXPECT_LT(ForwardError(p1, y1), 1e-5);
-  const GradErrors e = BackwardErrors(p1, dx1, 1.0);
+  StepOutputs o1 = RunSteps(p1, ex1.get()), o2 = RunSteps(p2, ex2.get());
+  ExpectSameBytes(p1, o1, p2, o2, "wide");
+  EXPECT_LT(ForwardError(p1, o1.y), 1e-5);
+  const GradErrors e = BackwardErrors(p1, o1.dx, 1.0);
   EXPECT_LT(e.dx, 1e-5);
   EXPECT_LT(e.dwg, 1e-5);
   EXPECT_LT(e.dwu, 1e-5);
@@ -237,25 +246,12 @@ TEST(ThreadInvarianceFine, SixteenThreadsMatchTheReferenceAndRepeat) {
     auto ex16 = MakeExecutor(p16, 16);
     auto fx16 = MakeExecutor(q16, 16);
     ASSERT_EQ(ex16->num_threads(), 16);
-    const int64_t R = p1.view.total_rows, H = spec.hidden;
-    Buffer y1(R, H, dt), y16(R, H, dt), z16(R, H, dt), dx1(R, H, dt), dx16(R, H, dt),
-        dz16(R, H, dt);
-    ASSERT_TRUE(ex1->Forward(p1.view, p1.x.view(), y1.view(), {}).ok());
-    ASSERT_TRUE(ex16->Forward(p16.view, p16.x.view(), y16.view(), {}).ok());
-    ASSERT_TRUE(fx16->Forward(q16.view, q16.x.view(), z16.view(), {}).ok());
-    ASSERT_TRUE(ex1->Backward(p1.view, p1.x.view(), p1.dy.view(), dx1.view(), {}).ok());
-    ASSERT_TRUE(ex16->Backward(p16.view, p16.x.view(), p16.dy.view(), dx16.view(), {}).ok());
-    ASSERT_TRUE(fx16->Backward(q16.view, q16.x.view(), q16.dy.view(), dz16.view(), {}).ok());
-    EXPECT_TRUE(SameBytes(y16, z16)) << DTypeName(dt);
-    EXPECT_TRUE(SameBytes(dx16, dz16)) << DTypeName(dt);
-    for (size_t k = 0; k < p16.grads.size(); ++k) {
-      EXPECT_TRUE(SameBytes(p16.grads[k], q16.grads[k])) << DTypeName(dt) << " " << k;
-    }
-    for (Problem* p : {&p1, &p16}) {
-      Buffer& y = p == &p1 ? y1 : y16;
-      Buffer& dx = p == &p1 ? dx1 : dx16;
-      EXPECT_LT(ForwardError(*p, y), Tolerance(dt));
-      const GradErrors e = BackwardErrors(*p, dx, 1.0);
+    StepOutputs o1 = RunSteps(p1, ex1.get()), o16 = RunSteps(p16, ex16.get()),
+                r16 = RunSteps(q16, fx16.get());
+    ExpectSameBytes(p16, o16, q16, r16, DTypeName(dt));
+    for (auto [p, o] : {std::make_pair(&p1, &o1), std::make_pair(&p16, &o16)}) {
+      EXPECT_LT(ForwardError(*p, o->y), Tolerance(dt));
+      const GradErrors e = BackwardErrors(*p, o->dx, 1.0);
       EXPECT_LT(e.dx, Tolerance(dt));
       EXPECT_LT(e.dwg, Tolerance(dt));
       EXPECT_LT(e.dwu, Tolerance(dt));
