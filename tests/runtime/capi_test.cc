@@ -139,10 +139,7 @@ TEST_F(CApiTest, LayerMatchesReferenceAndReportsStats) {
       << moonepGetLastError(comm_);
   reference::ForwardResult f;
   reference::BackwardResult b;
-  ASSERT_TRUE(reference::Forward(g.shape, g.p.weights, g.total, g.p.x, g.p.topk_ids,
-                                 g.p.topk_weights, &f).ok());
-  ASSERT_TRUE(reference::Backward(g.shape, g.p.weights, g.total, g.p.x, g.p.topk_ids,
-                                  g.p.topk_weights, g.p.dy, &b).ok());
+  ASSERT_TRUE(ReferenceLayer(g, &f, &b).ok());
   const int64_t o = g.offset[rank()];
   EXPECT_LT(RelError(Decode(t.y, dt), f.y.data() + o * kHidden, t.tokens * kHidden), 1e-5);
   EXPECT_LT(RelError(Decode(t.dx, dt), b.dx.data() + o * kHidden, t.tokens * kHidden), 1e-5);
@@ -261,23 +258,14 @@ TEST_F(CApiTest, EpBufferMovesRowsWeightsAndGradients) {
     }
   }
   // Experts computed by the caller with the reference FFN, on home and replica groups alike.
-  std::vector<float> out(static_cast<size_t>(layout.num_rows * kHidden), 0.0f);
-  const float* rows = static_cast<const float*>(layout.rows);
-  for (int gi = 0; gi < layout.num_groups; ++gi) {
-    const int e = layout.group_expert[gi];
-    for (int64_t r = layout.group_offset[gi]; r < layout.group_offset[gi] + layout.group_count[gi]; ++r) {
-      std::vector<double> xr(rows + r * kHidden, rows + (r + 1) * kHidden), yr(kHidden);
-      reference::ExpertForward(g.shape, g.p.weights, e, xr.data(), yr.data());
-      for (int64_t j = 0; j < kHidden; ++j) out[r * kHidden + j] = static_cast<float>(yr[j]);
-    }
-  }
+  std::vector<float> out = ReferenceExpertRows(g, static_cast<const float*>(layout.rows),
+                                                layout.num_rows, layout.num_groups,
+                                                layout.group_expert, layout.group_offset,
+                                                layout.group_count);
   ASSERT_EQ(moonepEpCombine(buf, h, out.data(), t.y.data()), moonepSuccess) << moonepGetLastError(comm_);
   reference::ForwardResult f;
   reference::BackwardResult b;
-  ASSERT_TRUE(reference::Forward(g.shape, g.p.weights, g.total, g.p.x, g.p.topk_ids,
-                                 g.p.topk_weights, &f).ok());
-  ASSERT_TRUE(reference::Backward(g.shape, g.p.weights, g.total, g.p.x, g.p.topk_ids,
-                                  g.p.topk_weights, g.p.dy, &b).ok());
+  ASSERT_TRUE(ReferenceLayer(g, &f, &b).ok());
   const int64_t o = g.offset[rank()];
   EXPECT_LT(RelError(Decode(t.y, dt), f.y.data() + o * kHidden, t.tokens * kHidden), 1e-5);
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "moonep/core/dtype.h"
+#include "moonep/core/status.h"
 #include "moonep/reference/gradient_check.h"
 #include "moonep/reference/reference_moe.h"
 #include "moonep/runtime/moe_layer.h"
@@ -107,6 +108,35 @@ inline double RelError(const std::vector<double>& a, const double* b, size_t n) 
 }
 
 // One rank's tensors for a layer: its token share and its home experts' parameters.
+// The fp64 reference layer's forward and backward on the whole problem.
+inline absl::Status ReferenceLayer(const GlobalProblem& g, reference::ForwardResult* f,
+                                   reference::BackwardResult* b) {
+  MOONEP_RETURN_IF_ERROR(reference::Forward(g.shape, g.p.weights, g.total, g.p.x, g.p.topk_ids,
+                                            g.p.topk_weights, f));
+  return reference::Backward(g.shape, g.p.weights, g.total, g.p.x, g.p.topk_ids, g.p.topk_weights,
+                             g.p.dy, b);
+}
+
+// What an EP-buffer caller's experts compute on the buffer's layout: the fp64 reference FFN of each
+// group's expert on each of its rows (fp32 rows, `rows` [num_rows][H] on the host), as fp32.
+inline std::vector<float> ReferenceExpertRows(const GlobalProblem& g, const float* rows,
+                                              int64_t num_rows, int32_t num_groups,
+                                              const int32_t* group_expert,
+                                              const int64_t* group_offset,
+                                              const int64_t* group_count) {
+  const int64_t H = g.shape.hidden;
+  std::vector<float> out(static_cast<size_t>(num_rows * H), 0.0f);
+  std::vector<double> xr(static_cast<size_t>(H)), yr(static_cast<size_t>(H));
+  for (int32_t gi = 0; gi < num_groups; ++gi) {
+    for (int64_t r = group_offset[gi]; r < group_offset[gi] + group_count[gi]; ++r) {
+      xr.assign(rows + r * H, rows + (r + 1) * H);
+      reference::ExpertForward(g.shape, g.p.weights, group_expert[gi], xr.data(), yr.data());
+      for (int64_t j = 0; j < H; ++j) out[r * H + j] = static_cast<float>(yr[j]);
+    }
+  }
+  return out;
+}
+
 struct RankTensors {
   int64_t tokens = 0;
   std::vector<char> x, y, dy, dx;

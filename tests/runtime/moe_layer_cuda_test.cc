@@ -147,11 +147,10 @@ class MoeLayerCudaTest : public MpiTest {
   // Two forward+backward steps of `layer` on problem `g`, checked against the fp64 reference.
   void RunAndCheck(MoeLayer* layer, const GlobalProblem& g, DType dtype, planner::Policy policy) {
     const double tol = dtype == DType::kFloat32 ? 1e-5 : 1e-2;
-    MoeLayer* const lp = layer;
     RankTensors t = MakeRankTensors(g, rank(), dtype);
     DeviceTensors d = Upload(t, dtype, epn());
     ASSERT_NE(d.x.get(), nullptr);
-    ASSERT_TRUE(lp->BindParameters(d.params, d.grads).ok());
+    ASSERT_TRUE(layer->BindParameters(d.params, d.grads).ok());
     const int64_t T = t.tokens;
     const size_t entries = static_cast<size_t>(T * kTopK);
     auto view = [&](const DeviceVec& v) {
@@ -164,10 +163,10 @@ class MoeLayerCudaTest : public MpiTest {
         ASSERT_EQ(cudaMemsetAsync(gv->get(), 0, t.gg.size() * 4, stream_), cudaSuccess);
       }
       auto h =
-          lp->Forward(T, view(d.x), absl::Span<const int32_t>(d.ids.get<int32_t>(), entries),
+          layer->Forward(T, view(d.x), absl::Span<const int32_t>(d.ids.get<int32_t>(), entries),
                       absl::Span<const float>(d.weights.get<float>(), entries), view(d.y), stream_);
       ASSERT_TRUE(h.ok()) << h.status();
-      ASSERT_TRUE(lp->Backward(*h, view(d.dy), view(d.dx),
+      ASSERT_TRUE(layer->Backward(*h, view(d.dy), view(d.dx),
                                absl::Span<float>(d.dtopk.get<float>(), entries), stream_)
                       .ok());
     }
@@ -181,12 +180,7 @@ class MoeLayerCudaTest : public MpiTest {
 
     reference::ForwardResult f;
     reference::BackwardResult b;
-    ASSERT_TRUE(
-        reference::Forward(g.shape, g.p.weights, g.total, g.p.x, g.p.topk_ids, g.p.topk_weights, &f)
-            .ok());
-    ASSERT_TRUE(reference::Backward(g.shape, g.p.weights, g.total, g.p.x, g.p.topk_ids,
-                                    g.p.topk_weights, g.p.dy, &b)
-                    .ok());
+    ASSERT_TRUE(ReferenceLayer(g, &f, &b).ok());
     const int64_t o = g.offset[rank()];
     const double ey = RelError(Decode(t.y, dtype), f.y.data() + o * kHidden, T * kHidden);
     const double edx = RelError(Decode(t.dx, dtype), b.dx.data() + o * kHidden, T * kHidden);
@@ -199,7 +193,7 @@ class MoeLayerCudaTest : public MpiTest {
       std::vector<double> got(pair.first->begin(), pair.first->end());
       edw = std::max(edw, RelError(got, pair.second->data() + first, epn() * block));
     }
-    const auto& stats = lp->stats();
+    const auto& stats = layer->stats();
     if (rank() == 0) {
       std::printf("cuda %-20s %s y %.2e dx %.2e dtopk %.2e dw %.2e replicas %d\n",
                   planner::PolicyName(policy), DTypeName(dtype), ey, edx, etk, edw,
@@ -377,25 +371,14 @@ TEST_F(MoeLayerCudaTest, EpBufferOnDeviceMemory) {
   std::vector<float> rows(static_cast<size_t>(R * kHidden));
   ASSERT_EQ(cudaMemcpy(rows.data(), layout.rows, rows.size() * 4, cudaMemcpyDeviceToHost),
             cudaSuccess);
-  std::vector<float> out(rows.size(), 0.0f);
-  for (int gi = 0; gi < layout.num_groups; ++gi) {
-    const int e = group_expert[gi];
-    for (int64_t r = layout.group_offset[gi]; r < layout.group_offset[gi] + layout.group_count[gi];
-         ++r) {
-      std::vector<double> xr(rows.begin() + r * kHidden, rows.begin() + (r + 1) * kHidden),
-          yr(kHidden);
-      reference::ExpertForward(g.shape, g.p.weights, e, xr.data(), yr.data());
-      for (int64_t j = 0; j < kHidden; ++j) out[r * kHidden + j] = static_cast<float>(yr[j]);
-    }
-  }
+  const std::vector<float> out =
+      ReferenceExpertRows(g, rows.data(), R, layout.num_groups, group_expert.data(),
+                          layout.group_offset, layout.group_count);
   DeviceVec d_out(out);
   ASSERT_TRUE(buf.Combine(*h, rows_view(d_out.get(), R), rows_view(d.y.get(), T)).ok());
   reference::ForwardResult f;
   reference::BackwardResult b;
-  ASSERT_TRUE(reference::Forward(g.shape, g.p.weights, g.total, g.p.x, g.p.topk_ids,
-                                 g.p.topk_weights, &f).ok());
-  ASSERT_TRUE(reference::Backward(g.shape, g.p.weights, g.total, g.p.x, g.p.topk_ids,
-                                  g.p.topk_weights, g.p.dy, &b).ok());
+  ASSERT_TRUE(ReferenceLayer(g, &f, &b).ok());
   const int64_t o = g.offset[rank()];
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   d.y.CopyTo(&t.y);

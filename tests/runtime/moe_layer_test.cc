@@ -68,10 +68,7 @@ class MoeLayerTest : public MpiTest {
     ASSERT_TRUE(RunBackward(layer, *h, t, dtype, kHidden).ok());
     reference::ForwardResult f;
     reference::BackwardResult b;
-    ASSERT_TRUE(reference::Forward(g.shape, g.p.weights, g.total, g.p.x, g.p.topk_ids,
-                                   g.p.topk_weights, &f).ok());
-    ASSERT_TRUE(reference::Backward(g.shape, g.p.weights, g.total, g.p.x, g.p.topk_ids,
-                                    g.p.topk_weights, g.p.dy, &b).ok());
+    ASSERT_TRUE(ReferenceLayer(g, &f, &b).ok());
     const int64_t o = g.offset[rank()], T = t->tokens;
     err->y = RelError(Decode(t->y, dtype), f.y.data() + o * kHidden, T * kHidden);
     err->dx = RelError(Decode(t->dx, dtype), b.dx.data() + o * kHidden, T * kHidden);
