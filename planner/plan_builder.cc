@@ -339,20 +339,28 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
   // The planner's decisions fill each rank's slots in order (a prefix), so with home_keep given
   // the scans stop at a rank's first unused slot.
   const bool prefix_slots = home_keep != nullptr && home_load != nullptr && !plan->home_replicas;
-  for (int32_t d = 0; d < R; ++d) {
-    const int32_t* se = slot_expert + static_cast<size_t>(d) * S;
-    for (int32_t s = 0; s < S; ++s) {
-      const int32_t e = se[s];
-      if (e < 0) {
-        if (prefix_slots) break;
-        continue;
+  // Calls fn(d, s, e) for every used slot s of every rank d, by rank then slot.
+  auto for_each_used_slot = [&](auto&& fn) -> absl::Status {
+    for (int32_t d = 0; d < R; ++d) {
+      const int32_t* se = slot_expert + static_cast<size_t>(d) * S;
+      for (int32_t s = 0; s < S; ++s) {
+        const int32_t e = se[s];
+        if (e < 0) {
+          if (prefix_slots) break;
+          continue;
+        }
+        MOONEP_RETURN_IF_ERROR(fn(d, s, e));
       }
-      MOONEP_CHECK_ARG(e < E, "slot %d of rank %d holds expert %d, not in [0, %d)", s, d, e, E);
-      MOONEP_CHECK_ARG(plan->home_replicas || home[e] != d, "rank %d holds a replica of its own expert %d",
-                       d, e);
-      ++rb[e + 1];
     }
-  }
+    return absl::OkStatus();
+  };
+  MOONEP_RETURN_IF_ERROR(for_each_used_slot([&](int32_t d, int32_t s, int32_t e) {
+    MOONEP_CHECK_ARG(e < E, "slot %d of rank %d holds expert %d, not in [0, %d)", s, d, e, E);
+    MOONEP_CHECK_ARG(plan->home_replicas || home[e] != d,
+                     "rank %d holds a replica of its own expert %d", d, e);
+    ++rb[e + 1];
+    return absl::OkStatus();
+  }));
   {
     int32_t acc = 0;  // in a register: no store-to-load chain through rb
     for (int32_t e = 1; e <= E; ++e) {
@@ -368,19 +376,12 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
   replica_slot.resize(num_replicas);
   int32_t* rrank = scratch->replica_rank.data();
   int64_t* rslot = replica_slot.data();
-  for (int32_t d = 0; d < R; ++d) {
-    const int32_t* se = slot_expert + static_cast<size_t>(d) * S;
-    for (int32_t s = 0; s < S; ++s) {
-      const int32_t e = se[s];
-      if (e < 0) {
-        if (prefix_slots) break;
-        continue;
-      }
-      const int32_t j = rb[e]++;
-      rrank[j] = d;
-      rslot[j] = static_cast<int64_t>(d) * S + s;
-    }
-  }
+  MOONEP_RETURN_IF_ERROR(for_each_used_slot([&](int32_t d, int32_t s, int32_t e) {
+    const int32_t j = rb[e]++;
+    rrank[j] = d;
+    rslot[j] = static_cast<int64_t>(d) * S + s;
+    return absl::OkStatus();
+  }));
   for (int32_t e = E; e > 0; --e) rb[e] = rb[e - 1];
   rb[0] = 0;
 
