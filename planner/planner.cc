@@ -16,7 +16,6 @@ struct Planner::State {
   PolicyScratch scratch;
   Decisions decisions;
   BuildScratch build;
-  std::vector<int64_t> totals;
 };
 
 Planner::Planner() : state_(new State) {}
@@ -151,21 +150,46 @@ absl::Status RunPolicy(const PlannerConfig& c, const PolicyInput& in, PolicyScra
 
 // Fills in.home_load and in.total from in.totals; fails on negative or overflowing totals.
 absl::Status SumLoads(const PlannerConfig& c, const Plan& plan, PolicyInput* in) {
+  constexpr int64_t kMaxTokens = int64_t{1} << 52;
   const int32_t R = c.num_ranks, epn = c.num_experts / R;
-  in->home_load.assign(R, 0);
+  in->home_load.resize(R);
+  int64_t* home_load = in->home_load.data();
+  const int32_t* local = plan.local_experts.data();
+  const int64_t* totals = in->totals.data();
+  // Entries below 2^52 (no bit >= 52 in their OR) sum without overflow over fewer than 2^11 of
+  // them, so a rank's load is checked once; the slow path below names the offending entry.
+  // (Unsigned: a bad entry wraps instead of overflowing, and is caught by the check.)
+  uint64_t bits = 0, total_u = 0;
+  bool checked = epn < 2048;
+  for (int32_t d = 0; checked && d < R; ++d) {
+    const int32_t* ex = local + static_cast<size_t>(d) * epn;
+    uint64_t load = 0;
+    for (int32_t g = 0; g < epn; ++g) {
+      const uint64_t t = static_cast<uint64_t>(totals[ex[g]]);
+      bits |= t;
+      load += t;
+    }
+    home_load[d] = static_cast<int64_t>(load);
+    total_u += load;
+    checked = (bits >> 52) == 0 && load <= static_cast<uint64_t>(kMaxTokens) &&
+              total_u <= static_cast<uint64_t>(kMaxTokens);
+  }
+  if (checked) {
+    in->total = static_cast<int64_t>(total_u);
+    return absl::OkStatus();
+  }
   int64_t total = 0;
   for (int32_t d = 0; d < R; ++d) {
     int64_t load = 0;
     for (int32_t g = 0; g < epn; ++g) {
-      const int32_t e = plan.local_experts[static_cast<size_t>(d) * epn + g];
-      const int64_t t = in->totals[e];
+      const int32_t e = local[static_cast<size_t>(d) * epn + g];
+      const int64_t t = totals[e];
       MOONEP_CHECK_ARG(t >= 0, "expert_totals[%d] = %d is negative", e, t);
-      MOONEP_CHECK_ARG(t <= (int64_t{1} << 52) - load, "token totals overflow: rank %d load exceeds 2^52",
-                       d);
+      MOONEP_CHECK_ARG(t <= kMaxTokens - load, "token totals overflow: rank %d load exceeds 2^52", d);
       load += t;
     }
-    in->home_load[d] = load;
-    MOONEP_CHECK_ARG(load <= (int64_t{1} << 52) - total, "token totals overflow: sum exceeds 2^52");
+    home_load[d] = load;
+    MOONEP_CHECK_ARG(load <= kMaxTokens - total, "token totals overflow: sum exceeds 2^52");
     total += load;
   }
   in->total = total;
@@ -338,12 +362,12 @@ absl::Status Planner::MakePlan(absl::Span<const int64_t> counts, Plan* plan) {
   st.build.block_size = 0;  // not valid until the pass completes
   st.build.home_cols = false;
   MOONEP_RETURN_IF_ERROR(SumCountBlocks(counts.data(), *plan, block, &st.build));
-  st.totals.assign(st.build.block_prefix.begin() + static_cast<size_t>(NB) * E,
-                   st.build.block_prefix.begin() + static_cast<size_t>(NB + 1) * E);
   st.build.block_size = block;
   st.input.config = &c;
   st.input.plan = plan;
-  st.input.totals = absl::MakeConstSpan(st.totals);
+  // The totals are the pass's last block-prefix row (nothing writes block_prefix until the next
+  // MakePlan).
+  st.input.totals = absl::MakeConstSpan(st.build.block_prefix.data() + static_cast<size_t>(NB) * E, E);
   st.input.counts = counts.data();
   st.input.block_prefix = st.build.block_prefix.data();
   st.input.block_size = block;

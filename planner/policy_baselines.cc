@@ -304,14 +304,19 @@ bool GreedyFill(const PolicyInput& in, absl::Span<const int64_t> cap, PolicyScra
       excess[hi] -= a;
       room[di] -= a;
     }
-    // Restore the order (only the leading experts lost tokens).
+    // Restore the order (only the leading experts lost tokens): insertion with the moving entry
+    // held in registers (swapping pairs in memory stalled on store forwarding).
     for (int32_t i = 1; i < epn; ++i) {
-      for (int32_t j = i; j > 0; --j) {
-        const bool swap = rem[j] != rem[j - 1] ? rem[j] > rem[j - 1] : ord[j] < ord[j - 1];
-        if (!swap) break;
-        std::swap(ord[j], ord[j - 1]);
-        std::swap(rem[j], rem[j - 1]);
+      const int64_t r = rem[i];
+      const int32_t o = ord[i];
+      int32_t j = i;
+      while (j > 0 && (r != rem[j - 1] ? r > rem[j - 1] : o < ord[j - 1])) {
+        rem[j] = rem[j - 1];
+        ord[j] = ord[j - 1];
+        --j;
       }
+      rem[j] = r;
+      ord[j] = o;
     }
     sc->excess_tree.Set(hi, excess[hi]);
     sc->room_tree.Set(di, room[di]);
