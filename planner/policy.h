@@ -109,6 +109,7 @@ struct PolicyScratch {
   std::vector<int32_t> donor_of;     // moonep: [E] donor index of an expert's home, -1 if none
   std::vector<int32_t> donor_mark;   // moonep: per donor, FillRoom's stamp
   std::vector<int32_t> donor_node;   // moonep: per donor, its node
+  std::vector<int32_t> exact_fit_count;  // moonep: FillRoom's filter of exactly fitting values
   std::vector<int64_t> eplb_sum;    // running sum of totals since the last eplb re-plan
   int64_t eplb_steps_summed = 0;
   int64_t eplb_step = 0;

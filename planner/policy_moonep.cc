@@ -14,6 +14,7 @@
 // the perfect capacities unreachable, a binary search finds the smallest maximum load the same
 // procedure reaches.
 #include <algorithm>
+#include <cassert>
 
 #include "moonep/core/status.h"
 #include "planner/plan_builder.h"
@@ -38,6 +39,22 @@ struct Balancer {
   int32_t leaves = 1;
   std::vector<int32_t>& tree = sc.order_tree;
   std::vector<int64_t>& chunk = sc.donor_chunk;
+
+  // Counting filter over the values a room could match exactly: every donor's excess and every
+  // remaining token count of its experts (counts per hash bucket). A room whose size hashes to
+  // an empty bucket has no exact fit, so FillRoom can search by largest chunk and stop early.
+  std::vector<int32_t>& fit_count = sc.exact_fit_count;
+  uint32_t fit_shift = 64;
+  size_t FitBucket(int64_t v) const {
+    return static_cast<size_t>((static_cast<uint64_t>(v) * 0x9E3779B97F4A7C15ull) >> fit_shift);
+  }
+  void FitAdd(int64_t v, int32_t delta) { fit_count[FitBucket(v)] += delta; }
+  bool MayFitExactly(int64_t y) const { return fit_count[FitBucket(y)] != 0; }
+  void SetExcess(int32_t i, int64_t x) {
+    FitAdd(sc.excess[i], -1);
+    sc.excess[i] = x;
+    FitAdd(x, 1);
+  }
 
   int32_t Node(int32_t rank) const { return rpn > 0 ? rank / rpn : rank; }
   int64_t Remaining(int32_t e) const { return dec.home_keep[e]; }
@@ -94,6 +111,16 @@ struct Balancer {
       tree[leaves + i] = i;
     }
     for (int32_t v = leaves - 1; v >= 1; --v) tree[v] = Better(tree[2 * v], tree[2 * v + 1]);
+    // About 16 buckets per value: a false "maybe" (the full scan) on ~6% of rooms.
+    const size_t values = static_cast<size_t>(num_donors) * (epn + 1);
+    int32_t bits = 4;
+    while ((size_t{1} << bits) < 16 * values) ++bits;
+    fit_shift = 64 - bits;
+    fit_count.assign(size_t{1} << bits, 0);
+    for (int32_t i = 0; i < num_donors; ++i) {
+      FitAdd(sc.excess[i], 1);
+      for (int32_t p = 0; p < epn; ++p) FitAdd(Rem(i)[p], 1);
+    }
   }
 
   // The donor with the larger chunk, the lower index on ties; -1 entries lose.
@@ -129,10 +156,12 @@ struct Balancer {
     const int32_t e = ex[j];
     const int32_t d = sc.rooms[k].rank;
     if (!dec.Move(d, e, amount, S)) return false;
-    sc.excess[i] -= amount;
+    SetExcess(i, sc.excess[i] - amount);
     // Expert lost tokens: bubble it toward the end to keep the descending order.
     int64_t* rem = Rem(i);
+    FitAdd(rem[j], -1);
     rem[j] = Remaining(e);
+    FitAdd(rem[j], 1);
     for (int32_t p = j; p + 1 < epn; ++p) {
       const int64_t a = rem[p], b = rem[p + 1];
       if (a > b || (a == b && ex[p] < ex[p + 1])) break;
@@ -169,69 +198,112 @@ struct Balancer {
     }
   }
 
+  // FillRoom's candidate ranking for room y on rank d: each donor i gives its key (see Consider)
+  // and the largest wins.
+  struct RoomSearch {
+    int64_t y;
+    int32_t d, d_node;
+    bool has_free;
+    unsigned __int128 best_key = 0;
+    int32_t bi = -1, bj = -1;
+  };
+  // Ranks donor i for the room: key (exact fit v == y, v, closes the donor's excess, same node,
+  // lower index), largest wins. Exact fits all have v == y, so among them the key orders by close,
+  // node, index; among inexact ones by the largest v first: the order of the rules above.
+  void Consider(int32_t i, RoomSearch* q) {
+    const int64_t y = q->y;
+    // chunk = min(excess, largest remaining expert): below y, the donor cannot fill the room.
+    if (chunk[i] < y) return;
+    const int64_t x = sc.excess[i];
+    const int64_t* rem = Rem(i);
+    // Last expert (smallest) whose remaining tokens are >= y.
+    int32_t lo = 1;
+    while (lo < epn && rem[lo] >= y) ++lo;
+    int32_t j = lo - 1;
+    if (sc.donor_mark[i] == mark) {
+      // Prefer an expert d already holds (no new slot), else the tightest one.
+      const int32_t* ex = Experts(i);
+      for (int32_t p = 0; p < lo; ++p) {
+        if (dec.SlotOf(q->d, ex[p], S) >= 0) {
+          j = p;
+          break;
+        }
+      }
+      if (!CanTake(q->d, ex[j], true)) return;
+    } else if (!q->has_free) {
+      return;
+    }
+    const int64_t v = std::min(x, rem[j]);
+    const bool close = x == y;
+    const bool node = sc.donor_node[i] == q->d_node;
+    const unsigned __int128 key = (static_cast<unsigned __int128>(v == y) << 90) |
+                                  (static_cast<unsigned __int128>(v) << 34) |
+                                  (static_cast<unsigned __int128>(close) << 33) |
+                                  (static_cast<unsigned __int128>(node) << 32) |
+                                  (0xffffffffu - static_cast<uint32_t>(i));
+    if (key > q->best_key) {
+      q->best_key = key;
+      q->bi = i;
+      q->bj = j;
+    }
+  }
+
   // Fills the room at rooms[k] whole from the donor expert with the tightest chunk >= room.
   bool FillRoom(size_t k) {
     const int64_t y = sc.rooms[k].room;
     const int32_t d = sc.rooms[k].rank;
-    int32_t bi = -1, bj = -1;
-    // Donors homing an expert that d already holds are the only ones whose choice depends on d's
-    // slots (the held expert is preferred and needs no free slot); the others take their tightest
-    // expert and need a free slot on d.
+    // Donors homing an expert that d already holds ("marked") are the only ones whose choice
+    // depends on d's slots (the held expert is preferred and needs no free slot); the others take
+    // their tightest expert and need a free slot on d.
     ++mark;
     const int32_t* held = dec.slot_expert.data() + static_cast<size_t>(d) * S;
     for (int32_t s = 0; s < dec.slots_used[d]; ++s) {
       const int32_t i = sc.donor_of[held[s]];
       if (i >= 0) sc.donor_mark[i] = mark;
     }
-    const bool has_free = dec.slots_used[d] < S;
-    const int32_t d_node = Node(d);
-    // Raw pointers (no reloads of vector internals), and each candidate ranked by one key:
-    // (exact fit v == y, v, closes the donor's excess, same node, lower index), largest wins.
-    // Exact fits all have v == y, so among them the key orders by close, node, index; among
-    // inexact ones by the largest v first: the order of the rules above.
-    const int64_t* chunks = chunk.data();
-    const int64_t* excess = sc.excess.data();
-    const int64_t* donor_rem = sc.donor_rem.data();
-    const int32_t* donor_mark = sc.donor_mark.data();
-    const int32_t* donor_node = sc.donor_node.data();
-    unsigned __int128 best_key = 0;
-    for (int32_t i = 0; i < num_donors; ++i) {
-      // chunk = min(excess, largest remaining expert): below y, the donor cannot fill the room.
-      if (chunks[i] < y) continue;
-      const int64_t x = excess[i];
-      const int64_t* rem = donor_rem + static_cast<size_t>(i) * epn;
-      // Last expert (smallest) whose remaining tokens are >= y.
-      int32_t lo = 1;
-      while (lo < epn && rem[lo] >= y) ++lo;
-      int32_t j = lo - 1;
-      if (donor_mark[i] == mark) {
-        // Prefer an expert d already holds (no new slot), else the tightest one.
-        const int32_t* ex = Experts(i);
-        for (int32_t p = 0; p < lo; ++p) {
-          if (dec.SlotOf(d, ex[p], S) >= 0) {
-            j = p;
-            break;
-          }
-        }
-        if (!CanTake(d, ex[j], true)) continue;
-      } else if (!has_free) {
-        continue;
+    RoomSearch q{y, d, Node(d), dec.slots_used[d] < S};
+    if (MayFitExactly(y)) {
+      // Some donor may fit exactly: rank them all.
+      for (int32_t i = 0; i < num_donors; ++i) Consider(i, &q);
+    } else {
+      // No exact fit: the winner has the largest v among the candidates, and v <= chunk. Marked
+      // donors first, then the others by decreasing chunk down the tournament tree, skipping
+      // every subtree whose largest chunk is below y or below the best v so far (equal ones can
+      // still win a tie on close, node or index).
+      for (int32_t s = 0; s < dec.slots_used[d]; ++s) {
+        const int32_t i = sc.donor_of[held[s]];
+        if (i >= 0) Consider(i, &q);  // a donor marked twice ranks the same twice
       }
-      const int64_t v = std::min(x, rem[j]);
-      const bool close = x == y;
-      const bool node = donor_node[i] == d_node;
-      const unsigned __int128 key = (static_cast<unsigned __int128>(v == y) << 90) |
-                                    (static_cast<unsigned __int128>(v) << 34) |
-                                    (static_cast<unsigned __int128>(close) << 33) |
-                                    (static_cast<unsigned __int128>(node) << 32) |
-                                    (0xffffffffu - static_cast<uint32_t>(i));
-      if (key > best_key) {
-        best_key = key;
-        bi = i;
-        bj = j;
-        if (v == y && close && node) break;  // nothing later can beat it
+      if (q.has_free && num_donors > 0) {
+        int32_t stack[80];
+        int32_t top = 0;
+        stack[top++] = 1;
+        while (top > 0) {
+          const int32_t node = stack[--top];
+          const int32_t w = tree[node];
+          if (w < 0) continue;
+          const int64_t c = chunk[w];
+          const int64_t best_v = static_cast<int64_t>(q.best_key >> 34) & ((int64_t{1} << 56) - 1);
+          if (c < y || c < best_v) continue;
+          if (node >= leaves) {
+            if (sc.donor_mark[w] != mark) Consider(w, &q);
+            continue;
+          }
+          // The child holding w (the larger chunk) is searched first.
+          const bool left_wins = tree[2 * node] == w;
+          stack[top++] = left_wins ? 2 * node + 1 : 2 * node;
+          stack[top++] = left_wins ? 2 * node : 2 * node + 1;
+        }
       }
     }
+#ifndef NDEBUG
+    {  // Debug builds (and the fuzz target) check the pruned search against ranking every donor.
+      RoomSearch all{y, d, Node(d), dec.slots_used[d] < S};
+      for (int32_t i = 0; i < num_donors; ++i) Consider(i, &all);
+      assert(all.bi == q.bi && all.bj == q.bj && all.best_key == q.best_key);
+    }
+#endif
+    int32_t bi = q.bi, bj = q.bj;
     if (bi >= 0) return Apply(bi, bj, k, y);
     // Slot-bound fallback: no donor has y to spare, so a donor with an expert of >= y tokens gives
     // y anyway (more than its excess) and becomes a receiver of what it over-gave.
@@ -249,7 +321,7 @@ struct Balancer {
     if (bi < 0) return false;
     const int64_t x = sc.excess[bi];
     const int32_t h = sc.order2[bi];
-    sc.excess[bi] = y;  // Apply takes y; the rest becomes room on h below
+    SetExcess(bi, y);  // Apply takes y; the rest becomes room on h below
     if (!Apply(bi, bj, k, y)) return false;
     const PolicyScratch::Room room{y - x, h};
     sc.rooms.insert(std::upper_bound(sc.rooms.begin(), sc.rooms.end(), room, RoomOrder()), room);
