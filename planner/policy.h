@@ -110,6 +110,7 @@ struct PolicyScratch {
   std::vector<int32_t> donor_mark;   // moonep: per donor, FillRoom's stamp
   std::vector<int32_t> donor_node;   // moonep: per donor, its node
   std::vector<int32_t> exact_fit_count;  // moonep: FillRoom's filter of exactly fitting values
+  std::vector<int32_t> fill_candidates;  // moonep: FillRoom's donors with a large enough chunk
   std::vector<int64_t> eplb_sum;    // running sum of totals since the last eplb re-plan
   int64_t eplb_steps_summed = 0;
   int64_t eplb_step = 0;

@@ -98,6 +98,7 @@ struct Balancer {
       for (int32_t p = 0; p < epn; ++p) sc.donor_of[Experts(i)[p]] = i;
     }
     sc.donor_mark.assign(num_donors, 0);
+    sc.fill_candidates.resize(num_donors);
     sc.donor_node.resize(num_donors);
     for (int32_t i = 0; i < num_donors; ++i) sc.donor_node[i] = Node(sc.order2[i]);
     mark = 0;
@@ -162,11 +163,17 @@ struct Balancer {
     FitAdd(rem[j], -1);
     rem[j] = Remaining(e);
     FitAdd(rem[j], 1);
-    for (int32_t p = j; p + 1 < epn; ++p) {
-      const int64_t a = rem[p], b = rem[p + 1];
-      if (a > b || (a == b && ex[p] < ex[p + 1])) break;
-      std::swap(ex[p], ex[p + 1]);
-      std::swap(rem[p], rem[p + 1]);
+    {  // (The moving entry stays in registers: pairwise swaps in memory stall on forwarding.)
+      const int64_t r = rem[j];
+      int32_t p = j;
+      for (; p + 1 < epn; ++p) {
+        const int64_t b = rem[p + 1];
+        if (r > b || (r == b && e < ex[p + 1])) break;
+        ex[p] = ex[p + 1];
+        rem[p] = b;
+      }
+      ex[p] = e;
+      rem[p] = r;
     }
     Update(i);
     sc.rooms[k].room -= amount;
@@ -267,32 +274,52 @@ struct Balancer {
       for (int32_t i = 0; i < num_donors; ++i) Consider(i, &q);
     } else {
       // No exact fit: the winner has the largest v among the candidates, and v <= chunk. Marked
-      // donors first, then the others by decreasing chunk down the tournament tree, skipping
-      // every subtree whose largest chunk is below y or below the best v so far (equal ones can
-      // still win a tie on close, node or index).
+      // donors first, then the donor with the largest chunk; after it only donors whose chunk is
+      // at least y and the best v so far can win (equal ones still can, on close, node or index).
       for (int32_t s = 0; s < dec.slots_used[d]; ++s) {
         const int32_t i = sc.donor_of[held[s]];
         if (i >= 0) Consider(i, &q);  // a donor marked twice ranks the same twice
       }
       if (q.has_free && num_donors > 0) {
-        int32_t stack[80];
-        int32_t top = 0;
-        stack[top++] = 1;
-        while (top > 0) {
-          const int32_t node = stack[--top];
-          const int32_t w = tree[node];
-          if (w < 0) continue;
-          const int64_t c = chunk[w];
-          const int64_t best_v = static_cast<int64_t>(q.best_key >> 34) & ((int64_t{1} << 56) - 1);
-          if (c < y || c < best_v) continue;
-          if (node >= leaves) {
-            if (sc.donor_mark[w] != mark) Consider(w, &q);
-            continue;
+        const int32_t top = tree[1];
+        if (sc.donor_mark[top] != mark) Consider(top, &q);
+        const int64_t best_v = static_cast<int64_t>(q.best_key >> 34) & ((int64_t{1} << 56) - 1);
+        const int64_t bound = std::max(y, best_v);
+        if (num_donors <= 64) {
+          // Few donors: one branch-free pass over the chunks collects the rest.
+          int32_t* cand = sc.fill_candidates.data();
+          int32_t n = 0;
+          const int64_t* ch = chunk.data();
+          for (int32_t i = 0; i < num_donors; ++i) {
+            cand[n] = i;
+            n += ch[i] >= bound;
           }
-          // The child holding w (the larger chunk) is searched first.
-          const bool left_wins = tree[2 * node] == w;
-          stack[top++] = left_wins ? 2 * node + 1 : 2 * node;
-          stack[top++] = left_wins ? 2 * node : 2 * node + 1;
+          for (int32_t c = 0; c < n; ++c) {
+            const int32_t i = cand[c];
+            if (i != top && sc.donor_mark[i] != mark) Consider(i, &q);
+          }
+        } else {
+          // Many donors: down the tournament tree, largest chunk first, skipping every subtree
+          // whose largest chunk is below the bound (it only rises as donors are ranked).
+          int32_t stack[80];
+          int32_t depth = 0;
+          stack[depth++] = 1;
+          while (depth > 0) {
+            const int32_t node = stack[--depth];
+            const int32_t w = tree[node];
+            if (w < 0) continue;
+            const int64_t c = chunk[w];
+            const int64_t v = static_cast<int64_t>(q.best_key >> 34) & ((int64_t{1} << 56) - 1);
+            if (c < y || c < v) continue;
+            if (node >= leaves) {
+              if (w != top && sc.donor_mark[w] != mark) Consider(w, &q);
+              continue;
+            }
+            // The child holding w (the larger chunk) is searched first.
+            const bool left_wins = tree[2 * node] == w;
+            stack[depth++] = left_wins ? 2 * node + 1 : 2 * node;
+            stack[depth++] = left_wins ? 2 * node : 2 * node + 1;
+          }
         }
       }
     }
