@@ -93,7 +93,7 @@ def main():
         dense = float(o["dense_tflops"])
         pick = o["auto"]
         moon = float(o[pick + "_tflops"])
-        best = max(float(o[k + "_tflops"]) for k in ("streams", "grouped", "chunked"))
+        best = max(float(o.get(k + "_tflops", 0) or 0) for k in ("streams", "grouped", "chunked", "persistent"))
         x_dense, x_torch = moon / dense, moon / torch_tf
         notes = []
         if total / groups >= 512 and x_dense < 0.9:

@@ -5,7 +5,8 @@
 //   grouped GEMM, bf16, H=7168 -> I=2048 (X[rows, H] x W_g[H, I] per group, bf16 out), uniform
 //   and Zipf(1.2) group sizes: per-group cublasGemmEx over streams ("streams"), one
 //   cublasGemmGroupedBatchedEx ("grouped"), row chunks as one cublasGemmBatchedEx plus grouped
-//   remainders ("chunked"), what kAuto picks, and one dense cublasGemmEx of the
+//   remainders ("chunked"), MoonEP's persistent kernel ("persistent", sm_90 only; 0 elsewhere),
+//   what kAuto picks, and one dense cublasGemmEx of the
 //   same FLOPs ([sum rows, H] x [H, I]) as the baseline; bench/torch_grouped_mm.py times
 //   torch._grouped_mm on the same sizes (written to --shapes-out).
 //   executor:  CudaExecutor forward and forward+backward (bf16, fp32 gradients) on a few shapes,
@@ -129,7 +130,7 @@ struct Row {
   std::string name;
   int groups;
   int64_t total, min_rows, max_rows;
-  double dense_ms, streams_ms, grouped_ms, chunked_ms;
+  double dense_ms, streams_ms, grouped_ms, chunked_ms, persistent_ms;
   int64_t chunk_rows;
   std::string pick;
 };
@@ -347,6 +348,11 @@ int RunCudaGemmBench(int argc, char** argv) {
       row.grouped_ms = TimeMs(stream, opt.reps, [&] { run(GemmStrategy::kGrouped); });
       row.chunked_ms = TimeMs(stream, opt.reps, [&] { run(GemmStrategy::kChunked); });
       row.chunk_rows = batch.chunk_rows;
+      row.persistent_ms = 0;
+      run(GemmStrategy::kPersistent);
+      if (batch.ran == GemmStrategy::kPersistent) {
+        row.persistent_ms = TimeMs(stream, opt.reps, [&] { run(GemmStrategy::kPersistent); });
+      }
       run(GemmStrategy::kAuto);
       row.pick = GemmStrategyName(batch.ran);
       CHECK_CUDA(cudaStreamSynchronize(stream));
@@ -362,23 +368,25 @@ int RunCudaGemmBench(int argc, char** argv) {
   auto tflops = [](int64_t total, double ms) { return 2.0 * total * kH * kI / (ms * 1e9); };
   std::printf("\n# grouped GEMM bf16 H=%ld -> I=%ld, TFLOP/s (ratio to the dense GEMM of the same FLOPs)\n",
               static_cast<long>(kH), static_cast<long>(kI));
-  std::printf("# %-20s %6s %8s %6s %6s %8s %8s %6s %8s %6s %8s %6s %5s %8s\n", "shape", "groups", "rows",
-              "min", "max", "dense", "streams", "ratio", "grouped", "ratio", "chunked", "ratio", "chunk", "auto");
+  std::printf("# %-20s %6s %8s %6s %6s %8s %8s %6s %8s %6s %8s %6s %5s %10s %6s %10s\n", "shape", "groups",
+              "rows", "min", "max", "dense", "streams", "ratio", "grouped", "ratio", "chunked", "ratio",
+              "chunk", "persistent", "ratio", "auto");
   FILE* csv = opt.out.empty() ? nullptr : std::fopen(opt.out.c_str(), "w");
   if (csv != nullptr) {
-    std::fprintf(csv, "shape,groups,rows,min_rows,max_rows,dense_tflops,streams_tflops,grouped_tflops,chunked_tflops,chunk_rows,auto\n");
+    std::fprintf(csv, "shape,groups,rows,min_rows,max_rows,dense_tflops,streams_tflops,grouped_tflops,chunked_tflops,chunk_rows,persistent_tflops,auto\n");
   }
   for (const Row& r : rows) {
     const double d = tflops(r.total, r.dense_ms), st = tflops(r.total, r.streams_ms),
-                 gr = tflops(r.total, r.grouped_ms), ch = tflops(r.total, r.chunked_ms);
-    std::printf("  %-20s %6d %8ld %6ld %6ld %8.1f %8.1f %6.2f %8.1f %6.2f %8.1f %6.2f %5ld %8s\n",
+                 gr = tflops(r.total, r.grouped_ms), ch = tflops(r.total, r.chunked_ms),
+                 pe = r.persistent_ms > 0 ? tflops(r.total, r.persistent_ms) : 0.0;
+    std::printf("  %-20s %6d %8ld %6ld %6ld %8.1f %8.1f %6.2f %8.1f %6.2f %8.1f %6.2f %5ld %10.1f %6.2f %10s\n",
                 r.name.c_str(), r.groups, static_cast<long>(r.total), static_cast<long>(r.min_rows),
                 static_cast<long>(r.max_rows), d, st, st / d, gr, gr / d, ch, ch / d,
-                static_cast<long>(r.chunk_rows), r.pick.c_str());
+                static_cast<long>(r.chunk_rows), pe, pe / d, r.pick.c_str());
     if (csv != nullptr) {
-      std::fprintf(csv, "%s,%d,%ld,%ld,%ld,%.2f,%.2f,%.2f,%.2f,%ld,%s\n", r.name.c_str(), r.groups,
+      std::fprintf(csv, "%s,%d,%ld,%ld,%ld,%.2f,%.2f,%.2f,%.2f,%ld,%.2f,%s\n", r.name.c_str(), r.groups,
                    static_cast<long>(r.total), static_cast<long>(r.min_rows),
-                   static_cast<long>(r.max_rows), d, st, gr, ch, static_cast<long>(r.chunk_rows),
+                   static_cast<long>(r.max_rows), d, st, gr, ch, static_cast<long>(r.chunk_rows), pe,
                    r.pick.c_str());
     }
   }

@@ -156,6 +156,8 @@ std::vector<Case> Cases() {
       {"bf16_skewed_H13_I7", Spec(13, 7, kBF16, kF32, {5, 0, 17, 1, 300, 0}, 4, 6, 2)},
       {"bf16_one_group_all_rows", Spec(64, 48, kBF16, kF32, {0, 700, 0}, 8, 7)},
       {"bf16_H256_I128", Spec(256, 128, kBF16, kF32, {37, 3, 0, 200}, 8, 9)},
+      // every GEMM but dh (n = I) and the weight gradients fits the persistent kernel
+      {"bf16_H512_I256", Spec(512, 256, kBF16, kF32, {300, 0, 1, 129, 77}, 8, 12)},
       {"bf16_bf16grads_H96_I64", Spec(96, 64, kBF16, kBF16, {29, 0, 6, 90}, 2, 10)},
       {"bf16_bf16grads_H31_I17", Spec(31, 17, kBF16, kBF16, {70, 2, 0, 1}, 4, 11)},
   };
@@ -236,7 +238,8 @@ TEST_P(CudaExecutorVsReference, ForwardAndBackward) {
 INSTANTIATE_TEST_SUITE_P(
     Shapes, CudaExecutorVsReference,
     ::testing::Combine(::testing::ValuesIn(Cases()),
-                       ::testing::Values(GemmStrategy::kGrouped, GemmStrategy::kStreams, GemmStrategy::kChunked),
+                       ::testing::Values(GemmStrategy::kGrouped, GemmStrategy::kStreams, GemmStrategy::kChunked,
+                                         GemmStrategy::kPersistent),
                        ::testing::Bool()),
     [](const ::testing::TestParamInfo<Param>& info) {
       return std::get<0>(info.param).name + "_" + cuda::GemmStrategyName(std::get<1>(info.param)) +
@@ -307,6 +310,23 @@ TEST(CudaExecutor, AutoStrategyFollowsGroupSizes) {
   }
 }
 
+// On Hopper, auto runs skewed bf16 batches the persistent kernel takes (here the down projection,
+// n = H = 256, k = I = 128) on it; elsewhere never.
+TEST(CudaExecutor, AutoPicksThePersistentKernelForSkewedViews) {
+  MOONEP_SKIP_WITHOUT_GPU();
+  const bool hopper = cuda::PersistentGemm::Create().ok();
+  Problem p(Spec(256, 128, kBF16, kF32, {300, 7, 0, 90}, 8, 52));
+  DeviceProblem d(p, false);
+  auto ex = MakeExecutor(p, GemmStrategy::kAuto);
+  ASSERT_NE(ex, nullptr);
+  const int64_t R = p.view.total_rows;
+  DeviceBuffer y(R * 256 * 2);
+  ASSERT_TRUE(ex->Forward(d.view, d.x.View(R, 256, kBF16), y.View(R, 256, kBF16), {}).ok());
+  ASSERT_EQ(ex->last_strategies().size(), 2u);
+  EXPECT_EQ(ex->last_strategies()[1] == GemmStrategy::kPersistent, hopper)
+      << cuda::GemmStrategyName(ex->last_strategies()[1]);
+}
+
 // After the first call, calls allocate no device memory (one workspace, reused).
 TEST(CudaExecutor, CallsAllocateNothing) {
   MOONEP_SKIP_WITHOUT_GPU();
@@ -314,7 +334,8 @@ TEST(CudaExecutor, CallsAllocateNothing) {
   DeviceProblem d(p, false);
   const int64_t R = p.view.total_rows;
   DeviceBuffer y(R * 64 * 2), dx(R * 64 * 2);
-  for (GemmStrategy s : {GemmStrategy::kGrouped, GemmStrategy::kStreams, GemmStrategy::kChunked}) {
+  for (GemmStrategy s : {GemmStrategy::kGrouped, GemmStrategy::kStreams, GemmStrategy::kChunked,
+                         GemmStrategy::kPersistent}) {
     auto ex = MakeExecutor(p, s);
     ASSERT_NE(ex, nullptr);
     auto step = [&] {

@@ -17,6 +17,18 @@ size_t RoundUp8(size_t v) { return (v + 7) / 8 * 8; }
 
 bool FitsInt(int64_t v) { return v >= 0 && v <= INT_MAX; }
 
+PersistentGroup ToPersistent(const GemmProblem& p) {
+  PersistentGroup g;
+  g.a = p.a;
+  g.lda = p.lda;
+  g.b = p.b;
+  g.ldb = p.ldb;
+  g.c = p.c;
+  g.ldc = p.ldc;
+  g.rows = p.m;
+  return g;
+}
+
 }  // namespace
 
 const char* GemmStrategyName(GemmStrategy s) {
@@ -25,6 +37,7 @@ const char* GemmStrategyName(GemmStrategy s) {
     case GemmStrategy::kGrouped: return "grouped";
     case GemmStrategy::kStreams: return "streams";
     case GemmStrategy::kChunked: return "chunked";
+    case GemmStrategy::kPersistent: return "persistent";
   }
   return "?";
 }
@@ -34,7 +47,9 @@ absl::StatusOr<GemmStrategy> ParseGemmStrategy(const std::string& name) {
   if (name == "grouped") return GemmStrategy::kGrouped;
   if (name == "streams") return GemmStrategy::kStreams;
   if (name == "chunked") return GemmStrategy::kChunked;
-  return InvalidArgument("GEMM strategy '%s' is not one of auto, grouped, streams, chunked", name);
+  if (name == "persistent") return GemmStrategy::kPersistent;
+  return InvalidArgument("GEMM strategy '%s' is not one of auto, grouped, streams, chunked, persistent",
+                         name);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -136,6 +151,9 @@ absl::StatusOr<std::unique_ptr<GroupedGemm>> GroupedGemm::Create(cudaStream_t ma
         h, static_cast<char*>(cublas_workspace) + s * kCublasWorkspaceBytes, kCublasWorkspaceBytes));
     MOONEP_CUBLAS_RETURN_IF_ERROR(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH));
   }
+  // The persistent kernel where the device has it (Hopper); elsewhere batches never choose it.
+  auto persistent = PersistentGemm::Create();
+  if (persistent.ok()) g->persistent_ = std::move(*persistent);
   auto strategy = ParseGemmStrategy(param::CudaGemmStrategy());
   if (!strategy.ok()) return Annotate(strategy.status(), "MOONEP_CUDA_GEMM_STRATEGY");
   g->strategy_ = *strategy;
@@ -163,7 +181,7 @@ void GroupedGemm::StagePointers(const std::vector<GemmProblem>& problems, Stagin
   *offset = staging->Add(ptrs_.data(), ptrs_.size() * sizeof(void*));
 }
 
-bool GroupedGemm::PlanChunked(GemmBatch* batch, Staging* staging, bool require_512) {
+bool GroupedGemm::PlanChunked(GemmBatch* batch, Staging* staging, int64_t near_uniform_min) {
   if (batch->trans_a || batch->problems.empty()) return false;
   const GemmProblem& p0 = batch->problems[0];
   int64_t total = 0;
@@ -174,7 +192,7 @@ bool GroupedGemm::PlanChunked(GemmBatch* batch, Staging* staging, bool require_5
     }
     total += p.m;
   }
-  int64_t c = 128;
+  int64_t c = 0;
   for (int64_t cand : {512, 256, 128}) {
     int64_t rest = 0;
     for (const GemmProblem& p : batch->problems) rest += p.m % cand;
@@ -183,7 +201,8 @@ bool GroupedGemm::PlanChunked(GemmBatch* batch, Staging* staging, bool require_5
       break;
     }
   }
-  if (require_512 && c != 512) return false;
+  if (near_uniform_min > 0 && c < near_uniform_min) return false;
+  if (c == 0) c = 128;
   int64_t chunks = 0;
   for (const GemmProblem& p : batch->problems) chunks += p.m / c;
   if (chunks == 0) return false;  // only remainders: that is kGrouped
@@ -229,9 +248,22 @@ absl::Status GroupedGemm::Plan(GemmBatch* batch, Staging* staging) {
   const bool large = mean >= param::CudaGemmStreamsMinRows();
   GemmStrategy s = strategy_;
   if (count <= 1) s = GemmStrategy::kStreams;  // one GEMM needs no grouping
+  // Near-uniform sizes (chunks of 512 rows for large groups, of 128 to 512 for small ones leave at
+  // most 1/8 of the rows over) run best as one batched call of equal chunks (docs/cuda.md).
+  if (s == GemmStrategy::kAuto && PlanChunked(batch, staging, large ? 512 : 128)) {
+    batch->chosen = GemmStrategy::kChunked;
+    return absl::OkStatus();
+  }
+  if ((s == GemmStrategy::kPersistent ||
+       (s == GemmStrategy::kAuto && mean < param::CudaGemmPersistentMaxRows())) &&
+      PersistentApplies(*batch)) {
+    batch->chosen = GemmStrategy::kPersistent;
+    return absl::OkStatus();
+  }
+  if (s == GemmStrategy::kPersistent) s = GemmStrategy::kAuto;  // not here: what kAuto does
   if (s == GemmStrategy::kAuto || s == GemmStrategy::kChunked) {
     // kAuto: skewed large groups run best one by one over streams (docs/cuda.md).
-    if (PlanChunked(batch, staging, s == GemmStrategy::kAuto && large)) {
+    if (PlanChunked(batch, staging, s == GemmStrategy::kAuto && large ? 512 : 0)) {
       batch->chosen = GemmStrategy::kChunked;
       return absl::OkStatus();
     }
@@ -243,10 +275,34 @@ absl::Status GroupedGemm::Plan(GemmBatch* batch, Staging* staging) {
   return absl::OkStatus();
 }
 
+bool GroupedGemm::PersistentApplies(const GemmBatch& batch) const {
+  if (persistent_ == nullptr || batch.problems.empty()) return false;
+  const GemmProblem& p0 = batch.problems[0];
+  if (!PersistentGemm::Applies(batch.trans_a, batch.ab_dtype, batch.c_dtype, p0.n, p0.k, p0.beta)) {
+    return false;
+  }
+  for (const GemmProblem& p : batch.problems) {
+    if (p.n != p0.n || p.k != p0.k || p.beta != p0.beta || p.m != p.rows ||
+        !PersistentGemm::Aligned(ToPersistent(p))) {
+      return false;
+    }
+  }
+  return true;
+}
+
+absl::Status GroupedGemm::RunPersistent(const GemmBatch& batch) {
+  persistent_groups_.clear();
+  for (const GemmProblem& p : batch.problems) persistent_groups_.push_back(ToPersistent(p));
+  const GemmProblem& p0 = batch.problems[0];
+  return persistent_->Run(streams_[0], batch.trans_b, batch.c_dtype, p0.n, p0.k,
+                          persistent_groups_.data(), persistent_groups_.size());
+}
+
 absl::Status GroupedGemm::Run(GemmBatch* batch, const Staging& staging) {
   batch->ran = batch->chosen;
   if (batch->problems.empty()) return absl::OkStatus();
   if (batch->chosen == GemmStrategy::kChunked) return RunChunked(*batch, staging);
+  if (batch->chosen == GemmStrategy::kPersistent) return RunPersistent(*batch);
   if (batch->chosen == GemmStrategy::kGrouped) {
     bool refused = false;
     MOONEP_RETURN_IF_ERROR(

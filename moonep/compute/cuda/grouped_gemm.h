@@ -11,11 +11,16 @@
 //             (< c rows each) run as one grouped call on a second stream at the same time.
 //             c is the largest of 512, 256, 128 that leaves at most 1/8 of the rows in remainders
 //             (else 128);
+//   kPersistent: MoonEP's own kernel (persistent_gemm.h): one launch whose tile queue holds every
+//             group's tiles, the last partial wave split along K. Hopper (sm_90) only, bf16 A and
+//             B, beta 0, n % 256 == 0, k % 64 == 0, A not transposed, aligned operands;
 //   kAuto:    per batch, from the host-known sizes (docs/cuda.md has the measurements behind it):
-//             with a mean of at least MOONEP_CUDA_GEMM_STREAMS_MIN_ROWS rows per problem, kChunked
-//             if 512-row chunks leave at most 1/8 of the rows over (near-uniform sizes), else
-//             kStreams (skewed sizes: the large groups fill the GPU on their own); below that
-//             mean, kChunked where it applies, else kGrouped.
+//             kChunked for near-uniform sizes (chunks of 512 rows when the mean is at least
+//             MOONEP_CUDA_GEMM_STREAMS_MIN_ROWS, else of 512, 256 or 128, leave at most 1/8 of
+//             the rows over); else kPersistent
+//             where it applies and the mean is below MOONEP_CUDA_GEMM_PERSISTENT_MAX_ROWS; else
+//             kStreams from a mean of MOONEP_CUDA_GEMM_STREAMS_MIN_ROWS (skewed large groups fill
+//             the GPU on their own); below it kChunked where it applies, else kGrouped.
 // cuBLAS 13.1 refuses cublasGemmGroupedBatchedEx for bf16 inputs with fp32 outputs; such a batch
 // (or chunk remainder) runs per problem instead, and that type pair is not tried again.
 // Empty problems are never added, so an empty group costs nothing. Arithmetic is fp32
@@ -31,6 +36,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "moonep/compute/cuda/persistent_gemm.h"
 #include "moonep/core/dtype.h"
 #include "moonep/core/env.h"
 
@@ -39,15 +45,23 @@ namespace moonep::param {
 MOONEP_INT_PARAM(CudaGemmStreamsMinRows, "CUDA_GEMM_STREAMS_MIN_ROWS", 512)
 // Streams of a CUDA executor (1..16).
 MOONEP_INT_PARAM(CudaGemmStreams, "CUDA_GEMM_STREAMS", 4)
-// auto, grouped, streams or chunked.
+// kAuto: mean rows per GEMM below which skewed batches run on the persistent kernel (sm_90).
+MOONEP_INT_PARAM(CudaGemmPersistentMaxRows, "CUDA_GEMM_PERSISTENT_MAX_ROWS", 1024)
+// auto, grouped, streams, chunked or persistent.
 MOONEP_STRING_PARAM(CudaGemmStrategy, "CUDA_GEMM_STRATEGY", "auto")
 }  // namespace moonep::param
 
 namespace moonep::compute::cuda {
 
-enum class GemmStrategy : int32_t { kAuto = 0, kGrouped = 1, kStreams = 2, kChunked = 3 };
+enum class GemmStrategy : int32_t {
+  kAuto = 0,
+  kGrouped = 1,
+  kStreams = 2,
+  kChunked = 3,
+  kPersistent = 4
+};
 const char* GemmStrategyName(GemmStrategy s);
-// "auto", "grouped", "streams" or "chunked"; anything else is InvalidArgument.
+// "auto", "grouped", "streams", "chunked" or "persistent"; anything else is InvalidArgument.
 absl::StatusOr<GemmStrategy> ParseGemmStrategy(const std::string& name);
 
 // C[m, n] = op(A)[m, k] op(B)[k, n] + beta C, all row-major with the given leading dimensions.
@@ -150,9 +164,13 @@ class GroupedGemm {
   absl::Status RunGrouped(int stream, const GemmBatch& batch, const std::vector<GemmProblem>& problems,
                           size_t staged_offset, const Staging& staging, bool* refused);
   absl::Status RunChunked(const GemmBatch& batch, const Staging& staging);
-  // Plans kChunked for the batch if it applies, and with require_512 only if 512-row chunks are
-  // chosen (returns false otherwise, staging nothing).
-  bool PlanChunked(GemmBatch* batch, Staging* staging, bool require_512);
+  // Whether the persistent kernel exists here and takes this batch.
+  bool PersistentApplies(const GemmBatch& batch) const;
+  absl::Status RunPersistent(const GemmBatch& batch);
+  // Plans kChunked for the batch if it applies; with near_uniform_min > 0 only if chunks of at
+  // least that many rows (512, 256 or 128) leave at most 1/8 of the rows in remainders (returns
+  // false otherwise, staging nothing).
+  bool PlanChunked(GemmBatch* batch, Staging* staging, int64_t near_uniform_min);
   bool GroupedRefused(const GemmBatch& b) const { return (grouped_refused_ >> TypePair(b)) & 1u; }
   static int TypePair(const GemmBatch& b) {
     return (b.ab_dtype == DType::kBFloat16 ? 2 : 0) + (b.c_dtype == DType::kBFloat16 ? 1 : 0);
@@ -167,6 +185,8 @@ class GroupedGemm {
   std::vector<cudaEvent_t> joins_;      // one per side stream
   cudaEvent_t fork_ = nullptr;
   uint32_t grouped_refused_ = 0;        // bit TypePair: cuBLAS refused a grouped call of those types
+  std::unique_ptr<PersistentGemm> persistent_;  // null where the device is not sm_90
+  std::vector<PersistentGroup> persistent_groups_;
   // Host scratch reused by every call (grown once for larger batches).
   std::vector<int32_t> order_;
   std::vector<double> load_;

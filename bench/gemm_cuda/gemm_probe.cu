@@ -1,0 +1,494 @@
+// moonep-gemm-probe: measures candidate ways of running a skewed grouped GEMM through cuBLASLt
+// against the same run's dense GEMM and MoonEP's current strategies, to decide what the executor
+// should do with skewed views (docs/cuda.md, "Probing cuBLASLt"). Not part of the product: a
+// measurement tool whose results are recorded in the docs.
+//
+// Candidates (bf16 H=7168 -> I=2048, bf16 out, per-group X_g[rows, H] x W_g[H, I]):
+//   lt-S:        one cublasLtMatmul per group over S streams (largest first, least-loaded stream)
+//   lt-part-S:   the same, each GEMM told CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET = its stream's
+//                share of the SMs (proportional to that stream's FLOPs), so the concurrent GEMMs
+//                partition the GPU instead of each planning for all of it
+//   lt-part-S-xF: SM shares scaled by F (oversubscribed)
+//
+//   moonep-gemm-probe [--reps N]
+#include <cublasLt.h>
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <numeric>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "moonep/compute/cuda/grouped_gemm.h"
+#include "moonep/compute/cuda/persistent_gemm.h"
+
+namespace {
+
+using moonep::DType;
+using namespace moonep::compute::cuda;
+
+#define PCHECK_CUDA(call)                                                                       \
+  do {                                                                                          \
+    cudaError_t e_ = (call);                                                                    \
+    if (e_ != cudaSuccess) {                                                                    \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                             \
+    }                                                                                           \
+  } while (0)
+#define PCHECK_BLAS(call)                                                          \
+  do {                                                                             \
+    cublasStatus_t s_ = (call);                                                    \
+    if (s_ != CUBLAS_STATUS_SUCCESS) {                                             \
+      std::fprintf(stderr, "%s:%d %s: cublas status %d\n", __FILE__, __LINE__, #call, \
+                   static_cast<int>(s_));                                          \
+      std::exit(1);                                                                \
+    }                                                                              \
+  } while (0)
+#define PCHECK_OK(expr)                                                               \
+  do {                                                                                \
+    absl::Status s_ = (expr);                                                         \
+    if (!s_.ok()) {                                                                   \
+      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, s_.ToString().c_str()); \
+      std::exit(1);                                                                   \
+    }                                                                                 \
+  } while (0)
+
+constexpr int kH = 7168, kI = 2048;
+constexpr int kMaxStreams = 16;
+constexpr size_t kWs = size_t{32} << 20;
+
+__global__ void FillBf16(uint16_t* p, size_t n, uint64_t seed) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    uint64_t z = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    const float u = (static_cast<float>(z >> 40) / 16777216.0f) * 2.0f - 1.0f;
+    p[i] = __bfloat16_as_ushort(__float2bfloat16_rn(u));
+  }
+}
+
+template <typename Fn>
+double TimeMs(cudaStream_t stream, int reps, Fn&& fn) {
+  for (int i = 0; i < 3; ++i) fn();
+  PCHECK_CUDA(cudaStreamSynchronize(stream));
+  cudaEvent_t a, b;
+  PCHECK_CUDA(cudaEventCreate(&a));
+  PCHECK_CUDA(cudaEventCreate(&b));
+  std::vector<float> ms(reps);
+  for (int r = 0; r < reps; ++r) {
+    PCHECK_CUDA(cudaEventRecord(a, stream));
+    fn();
+    PCHECK_CUDA(cudaEventRecord(b, stream));
+    PCHECK_CUDA(cudaEventSynchronize(b));
+    PCHECK_CUDA(cudaEventElapsedTime(&ms[r], a, b));
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(ms.begin(), ms.end());
+  return ms[reps / 2];
+}
+
+std::vector<int64_t> GroupSizes(int groups, int64_t avg, bool zipf, uint64_t seed) {
+  std::vector<int64_t> sizes(groups, avg);
+  if (!zipf) return sizes;
+  const int64_t total = avg * groups;
+  std::vector<double> w(groups);
+  for (int i = 0; i < groups; ++i) w[i] = 1.0 / std::pow(i + 1.0, 1.2);
+  const double sum = std::accumulate(w.begin(), w.end(), 0.0);
+  int64_t assigned = 0;
+  for (int i = 0; i < groups; ++i) {
+    sizes[i] = static_cast<int64_t>(std::floor(total * w[i] / sum));
+    assigned += sizes[i];
+  }
+  sizes[0] += total - assigned;
+  std::mt19937_64 rng(seed);
+  std::shuffle(sizes.begin(), sizes.end(), rng);
+  return sizes;
+}
+
+// cuBLASLt GEMMs, one plan (descriptor, layouts, heuristic algo) per (rows, SM target), made
+// before timing.
+class Lt {
+ public:
+  explicit Lt(cudaStream_t main) {
+    PCHECK_BLAS(cublasLtCreate(&lt_));
+    streams_.push_back(main);
+    for (int s = 1; s < kMaxStreams; ++s) {
+      cudaStream_t st;
+      PCHECK_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+      streams_.push_back(st);
+    }
+    for (int s = 0; s < kMaxStreams; ++s) {
+      void* w;
+      PCHECK_CUDA(cudaMalloc(&w, kWs));
+      ws_.push_back(w);
+      cudaEvent_t e;
+      PCHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+      ev_.push_back(e);
+    }
+  }
+
+  struct Entry {
+    cublasLtMatmulDesc_t desc;
+    cublasLtMatrixLayout_t la, lb, lc;
+    cublasLtMatmulAlgo_t algo;
+  };
+
+  const Entry& Get(int rows, int sms) {
+    auto key = std::make_pair(rows, sms);
+    auto it = cache_.find(key);
+    if (it != cache_.end()) return it->second;
+    Entry e{};
+    PCHECK_BLAS(cublasLtMatmulDescCreate(&e.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    if (sms > 0) {
+      int32_t v = sms;
+      PCHECK_BLAS(cublasLtMatmulDescSetAttribute(e.desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &v,
+                                                 sizeof(v)));
+    }
+    // Row-major Y[rows, I] = X[rows, H] W[H, I] is column-major Y^T = W^T X^T.
+    PCHECK_BLAS(cublasLtMatrixLayoutCreate(&e.la, CUDA_R_16BF, kI, kH, kI));
+    PCHECK_BLAS(cublasLtMatrixLayoutCreate(&e.lb, CUDA_R_16BF, kH, rows, kH));
+    PCHECK_BLAS(cublasLtMatrixLayoutCreate(&e.lc, CUDA_R_16BF, kI, rows, kI));
+    cublasLtMatmulPreference_t pref;
+    PCHECK_BLAS(cublasLtMatmulPreferenceCreate(&pref));
+    size_t ws = kWs;
+    PCHECK_BLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                     &ws, sizeof(ws)));
+    cublasLtMatmulHeuristicResult_t res{};
+    int n = 0;
+    PCHECK_BLAS(cublasLtMatmulAlgoGetHeuristic(lt_, e.desc, e.la, e.lb, e.lc, e.lc, pref, 1, &res, &n));
+    cublasLtMatmulPreferenceDestroy(pref);
+    if (n < 1) {
+      std::fprintf(stderr, "no cuBLASLt algo for rows %d sms %d\n", rows, sms);
+      std::exit(1);
+    }
+    e.algo = res.algo;
+    return cache_[key] = e;
+  }
+
+  void Run(int s, const Entry& e, const void* w, const void* x, void* y) {
+    const float alpha = 1.0f, beta = 0.0f;
+    PCHECK_BLAS(cublasLtMatmul(lt_, e.desc, &alpha, w, e.la, x, e.lb, &beta, y, e.lc, y, e.lc,
+                               &e.algo, ws_[s], kWs, streams_[s]));
+  }
+  void Fork(int used) {
+    PCHECK_CUDA(cudaEventRecord(ev_[0], streams_[0]));
+    for (int s = 1; s < used; ++s) PCHECK_CUDA(cudaStreamWaitEvent(streams_[s], ev_[0], 0));
+  }
+  void Join(int used) {
+    for (int s = 1; s < used; ++s) {
+      PCHECK_CUDA(cudaEventRecord(ev_[s], streams_[s]));
+      PCHECK_CUDA(cudaStreamWaitEvent(streams_[0], ev_[s], 0));
+    }
+  }
+
+ private:
+  cublasLtHandle_t lt_;
+  std::vector<cudaStream_t> streams_;
+  std::vector<void*> ws_;
+  std::vector<cudaEvent_t> ev_;
+  std::map<std::pair<int, int>, Entry> cache_;
+};
+
+// Which stream each group runs on (largest first to the least-loaded), and each stream's SM
+// share (proportional to its rows, scaled by `over`, at least 1); sms = 0 without partitioning.
+struct Assignment {
+  std::vector<int> order, stream;
+  std::vector<int> sms;  // per stream
+  int used = 0;
+};
+
+Assignment Assign(const std::vector<int64_t>& sizes, int streams, bool partition, double over,
+                  int num_sms) {
+  Assignment a;
+  const int g = static_cast<int>(sizes.size());
+  a.used = std::min(g, streams);
+  a.order.resize(g);
+  std::iota(a.order.begin(), a.order.end(), 0);
+  std::stable_sort(a.order.begin(), a.order.end(), [&](int x, int y) { return sizes[x] > sizes[y]; });
+  std::vector<int64_t> load(a.used, 0);
+  a.stream.assign(g, 0);
+  for (int i : a.order) {
+    const int s = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+    load[s] += sizes[i];
+    a.stream[i] = s;
+  }
+  const int64_t total = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
+  a.sms.assign(a.used, 0);
+  if (partition) {
+    for (int s = 0; s < a.used; ++s) {
+      a.sms[s] = std::max(1, static_cast<int>(std::lround(over * num_sms * load[s] / static_cast<double>(total))));
+      a.sms[s] = std::min(a.sms[s], num_sms);
+    }
+  }
+  return a;
+}
+
+__global__ void Compare(const void* got, const void* want, size_t n, int f32, float* out) {
+  // out[0] = max |got - want|, out[1] = max |want|, out[2] = count of non-finite got
+  float md = 0.0f, mw = 0.0f, bad = 0.0f;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const float g = f32 ? static_cast<const float*>(got)[i]
+                        : __bfloat162float(static_cast<const __nv_bfloat16*>(got)[i]);
+    const float w = f32 ? static_cast<const float*>(want)[i]
+                        : __bfloat162float(static_cast<const __nv_bfloat16*>(want)[i]);
+    if (!isfinite(g)) bad += 1.0f;
+    md = fmaxf(md, fabsf(g - w));
+    mw = fmaxf(mw, fabsf(w));
+  }
+  atomicMax(reinterpret_cast<int*>(&out[0]), __float_as_int(md));
+  atomicMax(reinterpret_cast<int*>(&out[1]), __float_as_int(mw));
+  atomicAdd(&out[2], bad);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int reps = 20;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--reps" && i + 1 < argc) reps = std::max(1, std::atoi(argv[++i]));
+  }
+  int dev = 0, num_sms = 0;
+  PCHECK_CUDA(cudaGetDevice(&dev));
+  PCHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev));
+  cudaStream_t stream;
+  PCHECK_CUDA(cudaStreamCreate(&stream));
+  cublasHandle_t blas;
+  PCHECK_BLAS(cublasCreate(&blas));
+  PCHECK_BLAS(cublasSetStream(blas, stream));
+  void* gemm_ws;
+  PCHECK_CUDA(cudaMalloc(&gemm_ws, 4 * GroupedGemm::kCublasWorkspaceBytes));
+  auto gg = GroupedGemm::Create(stream, 4, gemm_ws);
+  PCHECK_OK(gg.status());
+  auto staging = Staging::Create(1 << 20);
+  PCHECK_OK(staging.status());
+  Lt lt(stream);
+  auto pg = PersistentGemm::Create();
+  PCHECK_OK(pg.status());
+  float* cmp;
+  PCHECK_CUDA(cudaMalloc(&cmp, 3 * sizeof(float)));
+
+  const int64_t max_rows = 65536, max_groups = 64;
+  void *x, *w, *y, *y_ref;
+  PCHECK_CUDA(cudaMalloc(&x, max_rows * kH * 2));
+  PCHECK_CUDA(cudaMalloc(&w, max_groups * int64_t{kH} * kI * 2));
+  PCHECK_CUDA(cudaMalloc(&y, max_rows * kI * 2));
+  PCHECK_CUDA(cudaMalloc(&y_ref, max_rows * kI * 2));
+  FillBf16<<<2048, 256, 0, stream>>>(static_cast<uint16_t*>(x), max_rows * kH, 1);
+  FillBf16<<<2048, 256, 0, stream>>>(static_cast<uint16_t*>(w), max_groups * int64_t{kH} * kI, 2);
+  PCHECK_CUDA(cudaStreamSynchronize(stream));
+
+  // Correctness of the persistent kernel against per-group cuBLAS: forward (N-major B, bf16 and
+  // fp32 out) and backward-like (K-major B, n = H, k = 2I), skewed sizes with a zero-row group and
+  // sizes that are not multiples of 128.
+  struct Check {
+    const char* name;
+    bool trans_b;
+    DType c;
+    int n, k;
+  };
+  const Check checks[] = {{"fwd bf16 n2048 k7168", false, DType::kBFloat16, kI, kH},
+                          {"fwd fp32 n4096 k7168", false, DType::kFloat32, 2 * kI, kH},
+                          {"bwd bf16 n7168 k4096 (B^T)", true, DType::kBFloat16, kH, 2 * kI},
+                          {"bwd fp32 n7168 k2048 (B^T)", true, DType::kFloat32, kH, kI}};
+  for (const Check& ch : checks) {
+    std::vector<int64_t> sizes = GroupSizes(8, 300, true, 11);
+    sizes[3] = 0;
+    sizes[5] = 1;
+    const size_t ec = ch.c == DType::kFloat32 ? 4 : 2;
+    std::vector<PersistentGroup> groups;
+    GemmBatch batch;
+    batch.Clear(false, ch.trans_b, DType::kBFloat16, ch.c);
+    int64_t off = 0;
+    for (size_t g = 0; g < sizes.size(); ++g) {
+      PersistentGroup pgr;
+      pgr.a = static_cast<const char*>(x) + off * ch.k * 2;
+      pgr.lda = ch.k;
+      pgr.b = static_cast<const char*>(w) + g * size_t{kH} * 2 * kI * 2;
+      pgr.ldb = ch.trans_b ? ch.k : ch.n;
+      pgr.c = static_cast<char*>(y_ref) + off * ch.n * ec;
+      pgr.ldc = ch.n;
+      pgr.rows = sizes[g];
+      groups.push_back(pgr);
+      if (sizes[g] > 0) {
+        GemmProblem q;
+        q.m = q.rows = sizes[g];
+        q.n = ch.n;
+        q.k = ch.k;
+        q.a = pgr.a;
+        q.lda = pgr.lda;
+        q.b = pgr.b;
+        q.ldb = pgr.ldb;
+        q.c = pgr.c;
+        q.ldc = pgr.ldc;
+        batch.problems.push_back(q);
+      }
+      off += sizes[g];
+    }
+    (*gg)->set_strategy(GemmStrategy::kStreams);
+    PCHECK_OK((*staging)->Begin());
+    PCHECK_OK((*gg)->Plan(&batch, staging->get()));
+    PCHECK_OK((*staging)->Upload(stream));
+    PCHECK_OK((*gg)->Run(&batch, **staging));
+    for (PersistentGroup& gr : groups) {
+      gr.c = static_cast<char*>(y) + (static_cast<char*>(gr.c) - static_cast<char*>(y_ref));
+    }
+    for (int variant = 0; variant < 3; ++variant) {
+      (*pg)->set_stream_k(variant != 1);
+      (*pg)->set_interleave(variant == 2);
+      PCHECK_CUDA(cudaMemsetAsync(y, 0xFF, off * ch.n * ec, stream));  // NaN poison
+      PCHECK_CUDA(cudaMemsetAsync(cmp, 0, 3 * sizeof(float), stream));
+      PCHECK_OK((*pg)->Run(stream, ch.trans_b, ch.c, ch.n, ch.k, groups.data(), groups.size()));
+      Compare<<<256, 256, 0, stream>>>(y, y_ref, off * ch.n, ch.c == DType::kFloat32, cmp);
+      float h[3];
+      PCHECK_CUDA(cudaMemcpyAsync(h, cmp, sizeof(h), cudaMemcpyDeviceToHost, stream));
+      const cudaError_t e = cudaStreamSynchronize(stream);
+      if (e != cudaSuccess) {
+        std::printf("check %s variant %d: CUDA error %s\n", ch.name, variant, cudaGetErrorString(e));
+        return 1;
+      }
+      std::printf("check %-28s %s: max|diff| %.3g, max|ref| %.3g, rel %.2e, non-finite %.0f -> %s\n",
+                  ch.name, variant == 0 ? "split-K tail" : variant == 1 ? "data-par" : "split-K interleaved", h[0],
+                  h[1], h[0] / h[1], h[2], (h[2] == 0 && h[0] / h[1] < 1e-2) ? "OK" : "WRONG");
+    }
+    (*pg)->set_interleave(false);
+    (*pg)->set_stream_k(true);
+  }
+  std::fflush(stdout);
+
+  struct Shape {
+    int groups;
+    int64_t avg;
+    bool zipf;
+  };
+  const Shape shapes[] = {{8, 512, false},  {8, 512, true},   {32, 512, true}, {64, 512, true},
+                          {8, 2048, true},  {64, 1024, true}, {32, 128, true}};
+  std::printf("# %d SMs; TFLOP/s, (x) = over the dense GEMM of the same FLOPs in the same run\n", num_sms);
+  for (const Shape& sh : shapes) {
+    const auto sizes = GroupSizes(sh.groups, sh.avg, sh.zipf, 7);
+    const int64_t total = sh.avg * sh.groups;
+    const double flops = 2.0 * total * kH * kI;
+    auto tf = [&](double ms) { return flops / (ms * 1e-3) / 1e12; };
+    std::vector<int64_t> offset(sizes.size() + 1, 0);
+    for (size_t g = 0; g < sizes.size(); ++g) offset[g + 1] = offset[g] + sizes[g];
+    auto wg = [&](int g) { return static_cast<const char*>(w) + static_cast<size_t>(g) * kH * kI * 2; };
+    auto xg = [&](int g) { return static_cast<const char*>(x) + static_cast<size_t>(offset[g]) * kH * 2; };
+    auto yg = [&](int g) { return static_cast<char*>(y) + static_cast<size_t>(offset[g]) * kI * 2; };
+
+    const float one = 1.0f, zero = 0.0f;
+    const double dense = TimeMs(stream, reps, [&] {
+      PCHECK_BLAS(cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, kI, static_cast<int>(total), kH, &one, w,
+                               CUDA_R_16BF, kI, x, CUDA_R_16BF, kH, &zero, y, CUDA_R_16BF, kI,
+                               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    });
+    std::string line;
+    char buf[128];
+    auto add = [&](const char* name, double ms) {
+      std::snprintf(buf, sizeof(buf), "  %s %.0f (%.2f)", name, tf(ms), dense / ms);
+      line += buf;
+    };
+    // MoonEP's current strategies.
+    for (GemmStrategy s : {GemmStrategy::kStreams, GemmStrategy::kChunked, GemmStrategy::kAuto}) {
+      (*gg)->set_strategy(s);
+      GemmBatch batch;
+      batch.Clear(false, false, DType::kBFloat16, DType::kBFloat16);
+      for (size_t g = 0; g < sizes.size(); ++g) {
+        if (sizes[g] == 0) continue;
+        GemmProblem p;
+        p.m = p.rows = sizes[g];
+        p.n = kI;
+        p.k = kH;
+        p.a = xg(static_cast<int>(g));
+        p.lda = kH;
+        p.b = wg(static_cast<int>(g));
+        p.ldb = kI;
+        p.c = yg(static_cast<int>(g));
+        p.ldc = kI;
+        batch.problems.push_back(p);
+      }
+      const double ms = TimeMs(stream, reps, [&] {
+        PCHECK_OK((*staging)->Begin());
+        PCHECK_OK((*gg)->Plan(&batch, staging->get()));
+        PCHECK_OK((*staging)->Upload(stream));
+        PCHECK_OK((*gg)->Run(&batch, **staging));
+      });
+      add(GemmStrategyName(s), ms);
+    }
+    struct Variant {
+      const char* name;
+      int streams;
+      bool partition;
+      double over;
+    };
+    const Variant variants[] = {{"lt-4", 4, false, 1.0}};
+    for (const Variant& v : variants) {
+      const Assignment a = Assign(sizes, v.streams, v.partition, v.over, num_sms);
+      std::vector<const Lt::Entry*> plan(sizes.size(), nullptr);
+      for (int g : a.order) {
+        if (sizes[g] > 0) plan[g] = &lt.Get(static_cast<int>(sizes[g]), a.sms[a.stream[g]]);
+      }
+      const double ms = TimeMs(stream, reps, [&] {
+        lt.Fork(a.used);
+        for (int g : a.order) {
+          if (plan[g] != nullptr) lt.Run(a.stream[g], *plan[g], wg(g), xg(g), yg(g));
+        }
+        lt.Join(a.used);
+      });
+      add(v.name, ms);
+    }
+    PCHECK_CUDA(cudaMemcpyAsync(y_ref, y, total * kI * 2, cudaMemcpyDeviceToDevice, stream));
+    PCHECK_CUDA(cudaMemsetAsync(y, 0xFF, total * kI * 2, stream));
+    std::vector<PersistentGroup> pgroups;
+    for (size_t g = 0; g < sizes.size(); ++g) {
+      PersistentGroup pgr;
+      pgr.a = xg(static_cast<int>(g));
+      pgr.lda = kH;
+      pgr.b = wg(static_cast<int>(g));
+      pgr.ldb = kI;
+      pgr.c = yg(static_cast<int>(g));
+      pgr.ldc = kI;
+      pgr.rows = sizes[g];
+      pgroups.push_back(pgr);
+    }
+    for (int v = 0; v < 6; ++v) {
+      (*pg)->set_stream_k(v % 2 == 0 || v >= 4);
+      (*pg)->set_interleave(v == 2 || v == 3);
+      (*pg)->set_max_split(v == 4 ? 2 : v == 5 ? 4 : 8);
+      const double ms = TimeMs(stream, reps, [&] {
+        PCHECK_OK((*pg)->Run(stream, false, DType::kBFloat16, kI, kH, pgroups.data(), pgroups.size()));
+      });
+      const char* names[] = {"pers-splitK", "pers-dp", "pers-splitK-il", "pers-dp-il", "pers-split2", "pers-split4"};
+      add(names[v], ms);
+    }
+    (*pg)->set_stream_k(true);
+    (*pg)->set_interleave(false);
+    (*pg)->set_max_split(8);
+    {
+      PCHECK_CUDA(cudaMemsetAsync(cmp, 0, 3 * sizeof(float), stream));
+      Compare<<<256, 256, 0, stream>>>(y, y_ref, total * kI, 0, cmp);
+      float h[3];
+      PCHECK_CUDA(cudaMemcpyAsync(h, cmp, sizeof(h), cudaMemcpyDeviceToHost, stream));
+      PCHECK_CUDA(cudaStreamSynchronize(stream));
+      std::snprintf(buf, sizeof(buf), "  [check rel %.1e%s]", h[0] / h[1],
+                    (h[2] == 0 && h[0] / h[1] < 1e-2) ? "" : " WRONG");
+      line += buf;
+    }
+    const auto mm = std::minmax_element(sizes.begin(), sizes.end());
+    std::printf("%dx%lld_%s (rows %lld-%lld): dense %.0f |%s\n", sh.groups, static_cast<long long>(sh.avg),
+                sh.zipf ? "zipf1.2" : "uniform", static_cast<long long>(*mm.first),
+                static_cast<long long>(*mm.second), tf(dense), line.c_str());
+    std::fflush(stdout);
+  }
+  return 0;
+}

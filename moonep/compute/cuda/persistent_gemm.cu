@@ -1,0 +1,489 @@
+// The persistent grouped GEMM (see persistent_gemm.h). Built for sm_90a only (WGMMA, TMA).
+#include "moonep/compute/cuda/persistent_gemm.h"
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "moonep/compute/cuda/cuda_check.h"
+#include "moonep/core/status.h"
+
+namespace moonep::compute::cuda {
+namespace {
+
+constexpr int kBM = PersistentGemm::kTileM, kBN = PersistentGemm::kTileN,
+              kBK = PersistentGemm::kTileK;
+constexpr int kMaxG = PersistentGemm::kMaxGroupsPerLaunch;
+constexpr int kStages = 4;
+constexpr int kABytes = kBM * kBK * 2;  // 16 KiB
+constexpr int kBBytes = kBK * kBN * 2;  // 32 KiB
+constexpr int kThreads = 384;           // producer warpgroup + two consumer warpgroups
+constexpr int kTileFloats = kBM * kBN;
+constexpr size_t kSmemBytes = kStages * (kABytes + kBBytes) + 1024 /* alignment */ + 256;
+
+struct Params {
+  CUtensorMap a_map[kMaxG];
+  CUtensorMap b_map[kMaxG];
+  void* c[kMaxG];
+  int64_t ldc[kMaxG];
+  int32_t rows[kMaxG];
+  int32_t tile_start[kMaxG + 1];  // prefix of the groups' tile counts
+  int32_t num_groups, n_tiles, k_iters, total_tiles;
+  int32_t dp_tiles;    // tiles [0, dp_tiles) run whole, tile t on CTA t % gridDim.x
+  int32_t tail_split;  // the remaining tiles run in tail_split K-parts each, part u on CTA u
+  float* partials;
+  int32_t* counters;
+  uint32_t b_lbo, b_sbo;  // N-major B's descriptor offsets (set by the host)
+};
+static_assert(sizeof(Params) <= 32000, "kernel parameters exceed CUDA's 32 KiB");
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MOONEP_SM90A 1
+#endif
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+#ifdef MOONEP_SM90A
+__device__ __forceinline__ void MbarInit(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SmemAddr(bar)), "r"(count));
+}
+__device__ __forceinline__ void MbarExpectTx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SmemAddr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void MbarArrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SmemAddr(bar)) : "memory");
+}
+__device__ __forceinline__ bool MbarTryWait(uint32_t bar, uint32_t parity) {
+  uint32_t ok;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(ok)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return ok != 0;
+}
+// Waits for the barrier phase; traps (a launch error, not a hang) after ~10 s.
+__device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
+  const uint32_t a = SmemAddr(bar);
+  if (MbarTryWait(a, parity)) return;
+  const long long start = clock64();
+  while (!MbarTryWait(a, parity)) {
+    if (clock64() - start > 20000000000ll) asm volatile("trap;");
+  }
+}
+__device__ __forceinline__ void TmaLoad2d(void* dst, const CUtensorMap* map, int c0, int c1,
+                                          uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];" ::"r"(SmemAddr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(SmemAddr(bar))
+      : "memory");
+}
+__device__ __forceinline__ void WgmmaFence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void WgmmaCommit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void WgmmaWait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void ConsumerBarrier() {
+  asm volatile("bar.sync 1, 256;" ::: "memory");
+}
+
+// Shared-memory matrix descriptor, 128-byte swizzle.
+__device__ __forceinline__ uint64_t Desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  uint64_t d = (addr & 0x3FFFF) >> 4;
+  d |= static_cast<uint64_t>((lbo & 0x3FFFF) >> 4) << 16;
+  d |= static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32;
+  d |= 1ull << 62;
+  return d;
+}
+
+// D[64 x 256] += A[64 x 16] B[16 x 256], fp32 accumulators, B transposed (MN-major) or not.
+template <int kTransB>
+__device__ __forceinline__ void Wgmma(float* d, uint64_t da, uint64_t db) {
+  // clang-format off
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+      "}, %128, %129, p, 1, 1, 0, %131;\n}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(da), "l"(db), "r"(1), "n"(kTransB));
+  // clang-format on
+}
+#endif  // MOONEP_SM90A
+
+// Calls f(tile, k_begin, k_end) for every unit of work of this CTA, in order: its whole tiles
+// (tile t on CTA t % gridDim.x), then at most one K-part of a tail tile. All CTAs reach the tail
+// together and part j of every tail tile covers the same K-steps, so the parts that share rows or
+// weights read them at the same time (from L2).
+template <typename F>
+__device__ __forceinline__ void ForEachUnit(const Params& p, F&& f) {
+  for (int t = blockIdx.x; t < p.dp_tiles; t += gridDim.x) f(t, 0, p.k_iters);
+  const int u = blockIdx.x;
+  if (u >= (p.total_tiles - p.dp_tiles) * p.tail_split) return;
+  const int j = u % p.tail_split;
+  f(p.dp_tiles + u / p.tail_split, j * p.k_iters / p.tail_split,
+    (j + 1) * p.k_iters / p.tail_split);
+}
+
+__device__ __forceinline__ void DecodeTile(const Params& p, int t, int* g, int* mt, int* nt) {
+  int lo = 0;
+  while (lo + 1 < p.num_groups && p.tile_start[lo + 1] <= t) ++lo;
+  const int local = t - p.tile_start[lo];
+  *g = lo;
+  *mt = local / p.n_tiles;
+  *nt = local % p.n_tiles;
+}
+
+template <bool kTransB, bool kOutF32>
+__global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid_constant__ Params p) {
+#ifdef MOONEP_SM90A
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  unsigned char* sa = smem;                      // [kStages][kBM][kBK]
+  unsigned char* sb = smem + kStages * kABytes;  // [kStages][kBBytes]
+  uint64_t* full = reinterpret_cast<uint64_t*>(sb + kStages * kBBytes);
+  uint64_t* empty = full + kStages;
+  int* last_flag = reinterpret_cast<int*>(empty + kStages);
+  const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      MbarInit(&full[s], 1);
+      MbarInit(&empty[s], 2);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    // Producer: one thread issues every TMA load.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    if (tid != 0) return;
+    int stage = 0;
+    uint32_t phase = 0;
+    ForEachUnit(p, [&](int t, int k0, int k1) {
+      int g, mt, nt;
+      DecodeTile(p, t, &g, &mt, &nt);
+      for (int k = k0; k < k1; ++k) {
+        MbarWait(&empty[stage], phase ^ 1);
+        MbarExpectTx(&full[stage], kABytes + kBBytes);
+        TmaLoad2d(sa + stage * kABytes, &p.a_map[g], k * kBK, mt * kBM, &full[stage]);
+        unsigned char* b = sb + stage * kBBytes;
+        if (kTransB) {
+          TmaLoad2d(b, &p.b_map[g], k * kBK, nt * kBN, &full[stage]);
+        } else {
+          for (int j = 0; j < kBN / 64; ++j) {
+            TmaLoad2d(b + j * (64 * kBK * 2), &p.b_map[g], nt * kBN + j * 64, k * kBK, &full[stage]);
+          }
+        }
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    });
+    return;
+  }
+
+  // Consumers: warpgroup c computes rows [64c, 64c + 64) of each tile.
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  const int c = wg - 1;
+  const int ct = threadIdx.x - 128;  // 0..255
+  const int warp = tid / 32, lane = tid % 32;
+  int stage = 0;
+  uint32_t phase = 0;
+  ForEachUnit(p, [&](int t, int k0, int k1) {
+    float acc[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+    int prev = -1;
+    for (int k = k0; k < k1; ++k) {
+      MbarWait(&full[stage], phase);
+      WgmmaFence();
+      const uint32_t a_base = SmemAddr(sa + stage * kABytes) + c * 64 * 128;
+      const uint32_t b_base = SmemAddr(sb + stage * kBBytes);
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk) {
+        const uint64_t da = Desc(a_base + kk * 32, 16, 1024);
+        // K-major B ([n][64 k] rows of 128 bytes): like A. N-major B: four 64-column blocks of
+        // [64 k][64 n] (8 KiB apart: the leading offset), 8-row groups 1 KiB apart.
+        const uint64_t db = kTransB ? Desc(b_base + kk * 32, 16, 1024)
+                                    : Desc(b_base + kk * 16 * 128, p.b_lbo, p.b_sbo);
+        Wgmma<kTransB ? 0 : 1>(acc, da, db);
+      }
+      WgmmaCommit();
+      WgmmaWait<1>();
+      if (prev >= 0 && tid == 0) MbarArrive(&empty[prev]);
+      prev = stage;
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+    WgmmaWait<0>();
+    if (prev >= 0 && tid == 0) MbarArrive(&empty[prev]);
+
+    int g, mt, nt;
+    DecodeTile(p, t, &g, &mt, &nt);
+    if (k0 != 0 || k1 != p.k_iters) {
+      // A split tile: publish this part; the part that arrives last sums all parts in order.
+      const int first = (t - p.dp_tiles) * p.tail_split;
+      const int last = first + p.tail_split - 1;
+      auto slot = [&](int b) {
+        return reinterpret_cast<float4*>(p.partials) + static_cast<size_t>(b) * (kTileFloats / 4);
+      };
+      float4* mine = slot(blockIdx.x);
+#pragma unroll
+      for (int q = 0; q < 32; ++q) {
+        __stcg(&mine[q * 256 + ct], make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]));
+      }
+      __threadfence();
+      ConsumerBarrier();
+      if (ct == 0) {
+        const int old = atomicAdd(&p.counters[first], 1);
+        const int is_last = old == last - first;
+        if (is_last) p.counters[first] = 0;  // every part has counted: ready for the next launch
+        *last_flag = is_last;
+      }
+      ConsumerBarrier();
+      if (*last_flag == 0) return;
+      __threadfence();
+      // Sum in part order; 32 independent loads per part keep many requests in flight.
+      const float4* part = slot(first);
+#pragma unroll
+      for (int q = 0; q < 32; ++q) {
+        const float4 v = __ldcg(&part[q * 256 + ct]);
+        acc[4 * q] = v.x;
+        acc[4 * q + 1] = v.y;
+        acc[4 * q + 2] = v.z;
+        acc[4 * q + 3] = v.w;
+      }
+      for (int b = first + 1; b <= last; ++b) {
+        part = slot(b);
+#pragma unroll
+        for (int q = 0; q < 32; ++q) {
+          const float4 v = __ldcg(&part[q * 256 + ct]);
+          acc[4 * q] += v.x;
+          acc[4 * q + 1] += v.y;
+          acc[4 * q + 2] += v.z;
+          acc[4 * q + 3] += v.w;
+        }
+      }
+    }
+    // Store: accumulator j*4 + {0,1} is (row lane/4, columns 8j + 2(lane%4) + {0,1}) of this
+    // warp's 16 rows, j*4 + {2,3} the same 8 rows further down.
+    const int rows = p.rows[g];
+    const int r0 = mt * kBM + c * 64 + warp * 16 + lane / 4;
+    const int col0 = nt * kBN + 2 * (lane % 4);
+    const int64_t ldc = p.ldc[g];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = r0 + 8 * h;
+      if (r >= rows) continue;
+      if (kOutF32) {
+        float* out = static_cast<float*>(p.c[g]) + r * ldc + col0;
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          *reinterpret_cast<float2*>(out + 8 * j) = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+        }
+      } else {
+        __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.c[g]) + r * ldc + col0;
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          *reinterpret_cast<__nv_bfloat162*>(out + 8 * j) =
+              __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+        }
+      }
+    }
+  });
+#endif  // MOONEP_SM90A
+}
+
+using EncodeFn = PFN_cuTensorMapEncodeTiled_v12000;
+
+bool Encode(void* fn, CUtensorMap* map, const void* base, uint64_t inner, uint64_t outer,
+            uint64_t ld_elems, uint32_t box_inner, uint32_t box_outer) {
+  const cuuint64_t dims[2] = {inner, outer};
+  const cuuint64_t strides[1] = {ld_elems * 2};
+  const cuuint32_t box[2] = {box_inner, box_outer};
+  const cuuint32_t elem[2] = {1, 1};
+  return reinterpret_cast<EncodeFn>(fn)(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
+                                        const_cast<void*>(base), dims, strides, box, elem,
+                                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <bool kTransB, bool kOutF32>
+absl::Status Launch(const Params& p, int grid, cudaStream_t stream) {
+  static const cudaError_t attr = cudaFuncSetAttribute(
+      PersistentGemmKernel<kTransB, kOutF32>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      static_cast<int>(kSmemBytes));
+  MOONEP_CUDA_RETURN_IF_ERROR(attr);
+  PersistentGemmKernel<kTransB, kOutF32><<<grid, kThreads, kSmemBytes, stream>>>(p);
+  return CudaStatus(cudaGetLastError(), "persistent grouped GEMM launch");
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<PersistentGemm>> PersistentGemm::Create() {
+  int dev = 0, major = 0, minor = 0, sms = 0;
+  MOONEP_CUDA_RETURN_IF_ERROR(cudaGetDevice(&dev));
+  MOONEP_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  MOONEP_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  MOONEP_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  if (major != 9 || minor != 0) {
+    return Unavailable("the persistent grouped GEMM needs compute capability 9.0 (sm_90a); "
+                              "device %d is %d.%d",
+                              dev, major, minor);
+  }
+  std::unique_ptr<PersistentGemm> g(new PersistentGemm());
+  cudaDriverEntryPointQueryResult q{};
+  if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &g->encode_, 12000,
+                                       cudaEnableDefault, &q) != cudaSuccess ||
+      q != cudaDriverEntryPointSuccess || g->encode_ == nullptr) {
+    return Unavailable("the CUDA driver does not provide cuTensorMapEncodeTiled");
+  }
+  g->num_sms_ = sms;
+  MOONEP_CUDA_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(&g->partials_),
+                                         static_cast<size_t>(sms) * kTileFloats * sizeof(float)));
+  MOONEP_CUDA_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(&g->counters_), sms * sizeof(int32_t)));
+  MOONEP_CUDA_RETURN_IF_ERROR(cudaMemset(g->counters_, 0, sms * sizeof(int32_t)));
+  g->params_.resize(sizeof(Params) + alignof(Params));
+  return g;
+}
+
+PersistentGemm::~PersistentGemm() {
+  if (partials_ != nullptr) cudaFree(partials_);
+  if (counters_ != nullptr) cudaFree(counters_);
+}
+
+bool PersistentGemm::Applies(bool trans_a, DType ab, DType c, int64_t n, int64_t k, float beta) {
+  return !trans_a && ab == DType::kBFloat16 && beta == 0.0f && n > 0 && k > 0 && n % kBN == 0 &&
+         k % kBK == 0 && n <= INT32_MAX && k <= INT32_MAX &&
+         (c == DType::kBFloat16 || c == DType::kFloat32);
+}
+
+bool PersistentGemm::Aligned(const PersistentGroup& g) {
+  auto a16 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
+  return a16(g.a) && a16(g.b) && a16(g.c) && g.lda % 8 == 0 && g.ldb % 8 == 0 && g.ldc % 8 == 0 &&
+         g.rows >= 0 && g.rows <= INT32_MAX;
+}
+
+absl::Status PersistentGemm::Run(cudaStream_t stream, bool trans_b, DType c_dtype, int64_t n,
+                                 int64_t k, const PersistentGroup* groups, size_t count) {
+  MOONEP_CHECK_ARG(Applies(false, DType::kBFloat16, c_dtype, n, k, 0.0f),
+                   "persistent GEMM: n %d, k %d or the output type is not supported", n, k);
+  void* raw = params_.data();
+  size_t space = params_.size();
+  Params* p = static_cast<Params*>(std::align(alignof(Params), sizeof(Params), raw, space));
+  if (p == nullptr) return Internal("persistent GEMM: parameter block misaligned");
+  const int n_tiles = static_cast<int>(n / kBN);
+  const int k_iters = static_cast<int>(k / kBK);
+  order_.clear();
+  for (size_t i = 0; i < count; ++i) {
+    if (groups[i].rows > 0) order_.push_back(static_cast<int32_t>(i));
+  }
+  if (interleave_) {
+    // Largest, smallest, second largest, ...: every wave mixes compute-bound tiles of large
+    // groups with the weight-streaming tiles of small ones.
+    std::stable_sort(order_.begin(), order_.end(),
+                     [&](int32_t x, int32_t y) { return groups[x].rows > groups[y].rows; });
+    scratch_.clear();
+    for (size_t lo = 0, hi = order_.size(); lo < hi;) {
+      scratch_.push_back(order_[lo++]);
+      if (lo < hi) scratch_.push_back(order_[--hi]);
+    }
+    order_.swap(scratch_);
+  }
+  size_t next = 0;
+  while (next < order_.size()) {
+    int ng = 0, tiles = 0;
+    p->tile_start[0] = 0;
+    for (; next < order_.size() && ng < kMaxG; ++next) {
+      const size_t i = static_cast<size_t>(order_[next]);
+      const PersistentGroup& gr = groups[i];
+      MOONEP_CHECK_ARG(Aligned(gr), "persistent GEMM: group %d is not 16-byte aligned", i);
+      const bool ok =
+          Encode(encode_, &p->a_map[ng], gr.a, k, gr.rows, gr.lda, kBK, kBM) &&
+          (trans_b ? Encode(encode_, &p->b_map[ng], gr.b, k, n, gr.ldb, kBK, kBN)
+                   : Encode(encode_, &p->b_map[ng], gr.b, n, k, gr.ldb, 64, kBK));
+      if (!ok) return Internal("persistent GEMM: cuTensorMapEncodeTiled refused group %d", i);
+      p->c[ng] = gr.c;
+      p->ldc[ng] = gr.ldc;
+      p->rows[ng] = static_cast<int32_t>(gr.rows);
+      tiles += static_cast<int>((gr.rows + kBM - 1) / kBM) * n_tiles;
+      p->tile_start[++ng] = tiles;
+    }
+    if (ng == 0) break;
+    p->num_groups = ng;
+    p->n_tiles = n_tiles;
+    p->k_iters = k_iters;
+    p->total_tiles = tiles;
+    p->b_lbo = swap_desc_ ? 1024 : 64 * kBK * 2;
+    p->b_sbo = swap_desc_ ? 64 * kBK * 2 : 1024;
+    p->partials = partials_;
+    p->counters = counters_;
+    const int sms = num_sms_;
+    int grid = std::min(tiles, sms);
+    p->dp_tiles = tiles;
+    p->tail_split = 1;
+    const int rest = tiles % sms;
+    // The last, partial wave: its tiles are cut into K-parts so that every SM has one part (at
+    // least 4 K-steps each); whole waves before it run data-parallel.
+    const int split = rest == 0 ? 1 : std::min({sms / rest, k_iters / 4, max_split_});
+    if (stream_k_ && split >= 2) {
+      p->dp_tiles = tiles - rest;
+      p->tail_split = split;
+      grid = std::max(tiles >= sms ? sms : 0, rest * split);
+    }
+    const bool f32 = c_dtype == DType::kFloat32;
+    if (trans_b && f32) {
+      MOONEP_RETURN_IF_ERROR((Launch<true, true>(*p, grid, stream)));
+    } else if (trans_b) {
+      MOONEP_RETURN_IF_ERROR((Launch<true, false>(*p, grid, stream)));
+    } else if (f32) {
+      MOONEP_RETURN_IF_ERROR((Launch<false, true>(*p, grid, stream)));
+    } else {
+      MOONEP_RETURN_IF_ERROR((Launch<false, false>(*p, grid, stream)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace moonep::compute::cuda

@@ -1,0 +1,91 @@
+// MoonEP's own grouped GEMM for Hopper (sm_90a): one persistent launch whose tile queue holds the
+// tiles of every group, so a skewed view fills the GPU like one dense GEMM of the same rows.
+//
+// Why it exists (docs/cuda.md has the measurements): with K = 7168 a 128 x 256 output tile is a
+// long piece of work (~80 us on one SM), and a view of a few thousand rows has only a couple of
+// hundred tiles, i.e. about two waves over 132 SMs. Per-group cuBLAS calls (or cuBLAS's grouped
+// call) round every group up to whole tiles and every launch up to whole waves, and a skewed view
+// ends with a third, nearly empty wave (0.65-0.8 of the dense rate). Here the tiles of all groups
+// form one queue: the full waves run data-parallel (tile t on CTA t % grid: consecutive tiles on
+// consecutive CTAs, so the weights and rows they share are read from L2 at the same time), and the
+// last partial wave's tiles are split along K into as many parts as fit on the SMs (at most 8),
+// every SM taking one part, so the tail costs a fraction of a wave. (A full stream-K schedule,
+// every CTA a contiguous range of K-steps across tiles, was measured at 0.48 of dense on 8 x 512
+// rows: the CTAs sharing a weight block read it at different K offsets and the kernel became
+// memory-bound.) Split tiles are combined through an fp32 workspace: every part writes its partial
+// sum, the part that arrives last (a counter per tile) adds them in part order - deterministic -
+// and writes the output. No CTA ever waits for another, so nothing depends on co-residency.
+//
+// Tiles are 128 x 256 x 64 (two consumer warpgroups of m64n256k16 WGMMAs, one producer warpgroup
+// issuing TMA loads into a 4-stage ring). Operands: A[rows, k] bf16 row-major (K-contiguous);
+// B[k, n] bf16 row-major (trans_b = false: N-contiguous, the forward's weights) or B stored as
+// [n, k] (trans_b = true: K-contiguous, the backward's W^T); C[rows, n] fp32 or bf16, beta = 0.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "moonep/core/dtype.h"
+
+namespace moonep::compute::cuda {
+
+struct PersistentGroup {
+  const void* a = nullptr;  // [rows, k], leading dimension lda (elements)
+  int64_t lda = 0;
+  const void* b = nullptr;  // [k, n] (ldb), or [n, k] with trans_b
+  int64_t ldb = 0;
+  void* c = nullptr;        // [rows, n], leading dimension ldc
+  int64_t ldc = 0;
+  int64_t rows = 0;
+};
+
+class PersistentGemm {
+ public:
+  static constexpr int kTileM = 128, kTileN = 256, kTileK = 64;
+  static constexpr int kMaxGroupsPerLaunch = 64;  // more groups run as several launches
+
+  // For the current device; Unavailable when it is not compute capability 9.0 or the
+  // driver lacks cuTensorMapEncodeTiled. Allocates the split-tail workspace (one fp32 partial
+  // tile per SM, 17 MiB on 132 SMs) and the per-tile counters once.
+  static absl::StatusOr<std::unique_ptr<PersistentGemm>> Create();
+  ~PersistentGemm();
+
+  // Whether this kernel can run a batch of this form: bf16 A and B, fp32 or bf16 C, beta 0, no
+  // transposed A, n % 256 == 0, k % 64 == 0, 16-byte aligned pointers and leading dimensions
+  // that are multiples of 8 elements.
+  static bool Applies(bool trans_a, DType ab, DType c, int64_t n, int64_t k, float beta);
+  static bool Aligned(const PersistentGroup& g);
+
+  // Enqueues C_g = A_g op(B_g) for every group on `stream`. Groups with rows == 0 cost nothing.
+  absl::Status Run(cudaStream_t stream, bool trans_b, DType c_dtype, int64_t n, int64_t k,
+                   const PersistentGroup* groups, size_t count);
+
+  // The K-split tail (default on); off = every tile whole, for comparisons.
+  void set_stream_k(bool on) { stream_k_ = on; }
+  // At most this many K-parts per tail tile (default 8).
+  void set_max_split(int parts) { max_split_ = parts < 1 ? 1 : parts; }
+  int num_sms() const { return num_sms_; }
+  // Probing only: swaps the N-major B descriptor's leading and stride offsets.
+  void set_swap_desc(bool on) { swap_desc_ = on; }
+  // Tile order: groups largest, smallest, second largest, ... (true) or as given (false).
+  void set_interleave(bool on) { interleave_ = on; }
+
+ private:
+  PersistentGemm() = default;
+  int num_sms_ = 0;
+  bool stream_k_ = true;
+  bool swap_desc_ = false;
+  int max_split_ = 8;
+  bool interleave_ = false;
+  std::vector<int32_t> order_, scratch_;
+  void* encode_ = nullptr;      // cuTensorMapEncodeTiled
+  float* partials_ = nullptr;   // [num_sms][kTileM * kTileN]
+  int32_t* counters_ = nullptr;  // [num_sms]
+  std::vector<unsigned char> params_;  // host copy of the kernel parameters (reused)
+};
+
+}  // namespace moonep::compute::cuda

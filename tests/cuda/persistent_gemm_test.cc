@@ -1,0 +1,242 @@
+// The persistent grouped GEMM (moonep/compute/cuda/persistent_gemm.h) against cuBLAS (the
+// per-group cublasGemmEx of GroupedGemm's kStreams, an independent implementation) on every path
+// of the kernel: data-parallel waves plus a K-split tail, a tail-only launch, N-major and K-major B,
+// bf16 and fp32 output, interleaved tile order; outputs poisoned first, guard columns and rows
+// between the groups checked untouched, and two runs bitwise equal. The executor suite
+// (cuda_executor_test.cc) runs the whole expert FFN with kPersistent against the fp64 reference.
+#include "moonep/compute/cuda/persistent_gemm.h"
+
+#include <cuda_bf16.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "moonep/compute/cuda/grouped_gemm.h"
+#include "tests/cuda/cuda_test_util.h"
+
+namespace moonep::compute::testing {
+namespace {
+
+using cuda::GemmBatch;
+using cuda::GemmProblem;
+using cuda::GemmStrategy;
+using cuda::GroupedGemm;
+using cuda::PersistentGemm;
+using cuda::PersistentGroup;
+using cuda::Staging;
+
+std::vector<uint16_t> RandomBf16(size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<uint16_t> v(n);
+  for (uint16_t& x : v) {
+    const __nv_bfloat16 b = __float2bfloat16(u(rng));
+    std::memcpy(&x, &b, 2);
+  }
+  return v;
+}
+
+float ToFloat(const std::vector<unsigned char>& bytes, size_t i, bool f32) {
+  if (f32) {
+    float f;
+    std::memcpy(&f, bytes.data() + 4 * i, 4);
+    return f;
+  }
+  uint16_t h;
+  std::memcpy(&h, bytes.data() + 2 * i, 2);
+  uint32_t w = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &w, 4);
+  return f;
+}
+
+struct Layout {
+  std::vector<int64_t> rows;
+  int64_t n, k;
+};
+
+// Runs one configuration and compares it with cuBLAS.
+void CheckAgainstCublas(const Layout& l, bool trans_b, DType c_dtype, bool split, bool interleave) {
+  SCOPED_TRACE(::testing::Message() << "n " << l.n << " k " << l.k << (trans_b ? " B^T" : "")
+                                    << (c_dtype == DType::kFloat32 ? " fp32" : " bf16")
+                                    << (split ? " split" : " data-parallel")
+                                    << (interleave ? " interleaved" : ""));
+  const int64_t guard = 16;            // guard rows after every group
+  const int64_t ldc = l.n + 64;        // guard columns right of every row
+  const bool f32 = c_dtype == DType::kFloat32;
+  const size_t ec = f32 ? 4 : 2;
+  int64_t total = 0;
+  for (int64_t r : l.rows) total += r;
+  const size_t groups = l.rows.size();
+  DeviceBuffer a(static_cast<size_t>(total) * l.k * 2);
+  DeviceBuffer b(groups * static_cast<size_t>(l.n * l.k) * 2);
+  const int64_t c_rows = total + guard * static_cast<int64_t>(groups);
+  DeviceBuffer c(static_cast<size_t>(c_rows * ldc) * ec), ref(static_cast<size_t>(c_rows * ldc) * ec);
+  a.Upload(RandomBf16(static_cast<size_t>(total * l.k), 1).data());
+  b.Upload(RandomBf16(groups * static_cast<size_t>(l.n * l.k), 2).data());
+
+  std::vector<PersistentGroup> pg;
+  GemmBatch batch;
+  batch.Clear(false, trans_b, DType::kBFloat16, c_dtype);
+  int64_t row = 0, c_row = 0;
+  for (size_t g = 0; g < groups; ++g) {
+    PersistentGroup x;
+    x.a = static_cast<const char*>(a.data()) + row * l.k * 2;
+    x.lda = l.k;
+    x.b = static_cast<const char*>(b.data()) + g * static_cast<size_t>(l.n * l.k) * 2;
+    x.ldb = trans_b ? l.k : l.n;
+    x.c = static_cast<char*>(c.data()) + c_row * ldc * static_cast<int64_t>(ec);
+    x.ldc = ldc;
+    x.rows = l.rows[g];
+    pg.push_back(x);
+    if (x.rows > 0) {
+      GemmProblem q;
+      q.m = q.rows = x.rows;
+      q.n = l.n;
+      q.k = l.k;
+      q.a = x.a;
+      q.lda = x.lda;
+      q.b = x.b;
+      q.ldb = x.ldb;
+      q.c = static_cast<char*>(ref.data()) + c_row * ldc * static_cast<int64_t>(ec);
+      q.ldc = ldc;
+      batch.problems.push_back(q);
+    }
+    row += l.rows[g];
+    c_row += l.rows[g] + guard;
+  }
+  // Reference: per-group cuBLAS.
+  void* ws = nullptr;
+  MOONEP_CUDA_OK(cudaMalloc(&ws, 4 * GroupedGemm::kCublasWorkspaceBytes));
+  {
+    auto gg = GroupedGemm::Create(nullptr, 4, ws);
+    ASSERT_TRUE(gg.ok()) << gg.status();
+    (*gg)->set_strategy(GemmStrategy::kStreams);
+    auto staging = Staging::Create(1 << 16);
+    ASSERT_TRUE(staging.ok());
+    ref.Poison();
+    ASSERT_TRUE((*staging)->Begin().ok());
+    ASSERT_TRUE((*gg)->Plan(&batch, staging->get()).ok());
+    ASSERT_TRUE((*staging)->Upload(nullptr).ok());
+    ASSERT_TRUE((*gg)->Run(&batch, **staging).ok());
+    MOONEP_CUDA_OK(cudaDeviceSynchronize());
+  }
+  MOONEP_CUDA_OK(cudaFree(ws));
+
+  auto pgemm = PersistentGemm::Create();
+  ASSERT_TRUE(pgemm.ok()) << pgemm.status();
+  (*pgemm)->set_stream_k(split);
+  (*pgemm)->set_interleave(interleave);
+  std::vector<unsigned char> got(c.bytes()), again(c.bytes()), want(ref.bytes());
+  for (int run = 0; run < 2; ++run) {
+    c.Poison();
+    ASSERT_TRUE((*pgemm)->Run(nullptr, trans_b, c_dtype, l.n, l.k, pg.data(), pg.size()).ok());
+    MOONEP_CUDA_OK(cudaDeviceSynchronize());
+    c.Download(run == 0 ? got.data() : again.data());
+  }
+  ref.Download(want.data());
+  EXPECT_EQ(got, again) << "two runs differ";
+
+  // Every data element written and close to cuBLAS; every guard element untouched.
+  double max_diff = 0, max_ref = 0;
+  int64_t unwritten = 0, guard_written = 0;
+  c_row = 0;
+  for (size_t g = 0; g < groups; ++g) {
+    for (int64_t r = 0; r < l.rows[g] + guard; ++r) {
+      for (int64_t j = 0; j < ldc; ++j) {
+        const size_t i = static_cast<size_t>((c_row + r) * ldc + j);
+        const float v = ToFloat(got, i, f32);
+        if (r >= l.rows[g] || j >= l.n) {
+          guard_written += std::isnan(v) ? 0 : 1;
+          continue;
+        }
+        if (!std::isfinite(v)) {
+          ++unwritten;
+          continue;
+        }
+        const float w = ToFloat(want, i, f32);
+        max_diff = std::max(max_diff, static_cast<double>(std::fabs(v - w)));
+        max_ref = std::max(max_ref, static_cast<double>(std::fabs(w)));
+      }
+    }
+    c_row += l.rows[g] + guard;
+  }
+  EXPECT_EQ(unwritten, 0);
+  EXPECT_EQ(guard_written, 0);
+  ASSERT_GT(max_ref, 0.0);
+  // Both sides accumulate in fp32 in different orders; bf16 output rounds to 8 bits.
+  EXPECT_LT(max_diff / max_ref, f32 ? 1e-5 : 1e-2);
+  std::printf("[ PERSISTENT ] n %-5lld k %-5lld %-3s %-4s %-13s %-11s max|diff|/max|ref| %.2e\n",
+              static_cast<long long>(l.n), static_cast<long long>(l.k), trans_b ? "B^T" : "B",
+              f32 ? "fp32" : "bf16", split ? "split tail" : "data-parallel",
+              interleave ? "interleaved" : "in order", max_diff / max_ref);
+}
+
+TEST(PersistentGemm, AppliesOnlyToWhatTheKernelSupports) {
+  EXPECT_TRUE(PersistentGemm::Applies(false, DType::kBFloat16, DType::kBFloat16, 2048, 7168, 0.0f));
+  EXPECT_TRUE(PersistentGemm::Applies(false, DType::kBFloat16, DType::kFloat32, 256, 64, 0.0f));
+  EXPECT_FALSE(PersistentGemm::Applies(true, DType::kBFloat16, DType::kBFloat16, 2048, 7168, 0.0f));
+  EXPECT_FALSE(PersistentGemm::Applies(false, DType::kFloat32, DType::kFloat32, 2048, 7168, 0.0f));
+  EXPECT_FALSE(PersistentGemm::Applies(false, DType::kBFloat16, DType::kBFloat16, 2048, 7168, 1.0f));
+  EXPECT_FALSE(PersistentGemm::Applies(false, DType::kBFloat16, DType::kBFloat16, 2000, 7168, 0.0f));
+  EXPECT_FALSE(PersistentGemm::Applies(false, DType::kBFloat16, DType::kBFloat16, 2048, 7000, 0.0f));
+  PersistentGroup g;
+  g.a = g.b = g.c = reinterpret_cast<void*>(uintptr_t{4096});
+  g.lda = g.ldb = g.ldc = 64;
+  g.rows = 3;
+  EXPECT_TRUE(PersistentGemm::Aligned(g));
+  g.lda = 65;
+  EXPECT_FALSE(PersistentGemm::Aligned(g));
+  g.lda = 64;
+  g.b = reinterpret_cast<void*>(uintptr_t{4098});
+  EXPECT_FALSE(PersistentGemm::Aligned(g));
+}
+
+// Where the device is not Hopper, Create says so; on Hopper a misaligned group is a clear error.
+TEST(PersistentGemm, BadInputIsAnError) {
+  MOONEP_SKIP_WITHOUT_GPU();
+  auto pgemm = PersistentGemm::Create();
+  if (!pgemm.ok()) {
+    EXPECT_NE(pgemm.status().message().find("9.0"), std::string::npos) << pgemm.status();
+    GTEST_SKIP() << "not an sm_90 device: " << pgemm.status();
+  }
+  DeviceBuffer buf(1 << 20);
+  PersistentGroup g;
+  g.a = static_cast<char*>(buf.data()) + 2;  // not 16-byte aligned
+  g.b = buf.data();
+  g.c = buf.data();
+  g.lda = g.ldb = g.ldc = 256;
+  g.rows = 4;
+  const absl::Status st = (*pgemm)->Run(nullptr, false, DType::kBFloat16, 256, 64, &g, 1);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_FALSE((*pgemm)->Run(nullptr, false, DType::kBFloat16, 200, 64, &g, 1).ok());
+}
+
+class PersistentVsCublas : public ::testing::TestWithParam<std::tuple<bool, bool>> {};
+
+TEST_P(PersistentVsCublas, EveryPath) {
+  MOONEP_SKIP_WITHOUT_GPU();
+  if (!PersistentGemm::Create().ok()) GTEST_SKIP() << "not an sm_90 device";
+  const bool trans_b = std::get<0>(GetParam());
+  const DType c_dtype = std::get<1>(GetParam()) ? DType::kFloat32 : DType::kBFloat16;
+  // 43 row tiles x 4 column tiles = 172 tiles: one data-parallel wave and a tail of 40 tiles split
+  // in 3 on 132 SMs; with zero-row, one-row and non-multiple-of-128 groups.
+  const Layout waves{{700, 0, 1, 129, 300, 2000, 63, 1600, 8}, 1024, 1024};
+  // 4 tiles: the whole launch is a split tail.
+  const Layout tail{{5, 300}, 1024, 1024};
+  for (bool split : {true, false}) CheckAgainstCublas(waves, trans_b, c_dtype, split, false);
+  CheckAgainstCublas(waves, trans_b, c_dtype, true, true);
+  CheckAgainstCublas(tail, trans_b, c_dtype, true, false);
+}
+
+INSTANTIATE_TEST_SUITE_P(Forms, PersistentVsCublas, ::testing::Combine(::testing::Bool(), ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<std::tuple<bool, bool>>& info) {
+                           return std::string(std::get<0>(info.param) ? "Bt" : "B") +
+                                  (std::get<1>(info.param) ? "_fp32" : "_bf16");
+                         });
+
+}  // namespace
+}  // namespace moonep::compute::testing
