@@ -236,8 +236,9 @@ bool GroupedGemm::PlanChunked(GemmBatch* batch, Staging* staging, int64_t near_u
 
 absl::Status GroupedGemm::Plan(GemmBatch* batch, Staging* staging) {
   const size_t count = batch->problems.size();
-  int64_t rows = 0;
+  int64_t rows = 0, max_rows = 0;
   for (const GemmProblem& p : batch->problems) {
+    max_rows = std::max(max_rows, p.rows);
     MOONEP_CHECK_ARG(FitsInt(p.m) && FitsInt(p.n) && FitsInt(p.k) && FitsInt(p.lda) &&
                          FitsInt(p.ldb) && FitsInt(p.ldc),
                      "GEMM %dx%dx%d (ld %d, %d, %d) exceeds cuBLAS's 32-bit sizes", p.m, p.n, p.k,
@@ -248,9 +249,11 @@ absl::Status GroupedGemm::Plan(GemmBatch* batch, Staging* staging) {
   const bool large = mean >= param::CudaGemmStreamsMinRows();
   GemmStrategy s = strategy_;
   if (count <= 1) s = GemmStrategy::kStreams;  // one GEMM needs no grouping
-  // Near-uniform sizes (chunks of 512 rows for large groups, of 128 to 512 for small ones leave at
-  // most 1/8 of the rows over) run best as one batched call of equal chunks (docs/cuda.md).
-  if (s == GemmStrategy::kAuto && PlanChunked(batch, staging, large ? 512 : 128)) {
+  // Near-uniform sizes (no group above twice the mean, and chunks of 512 rows for large groups, of
+  // 128 to 512 for small ones, leave at most 1/8 of the rows over) run best as one batched call of
+  // equal chunks (docs/cuda.md).
+  const bool near_uniform = max_rows * static_cast<int64_t>(count) <= 2 * rows;
+  if (s == GemmStrategy::kAuto && near_uniform && PlanChunked(batch, staging, large ? 512 : 128)) {
     batch->chosen = GemmStrategy::kChunked;
     return absl::OkStatus();
   }
@@ -262,8 +265,9 @@ absl::Status GroupedGemm::Plan(GemmBatch* batch, Staging* staging) {
   }
   if (s == GemmStrategy::kPersistent) s = GemmStrategy::kAuto;  // not here: what kAuto does
   if (s == GemmStrategy::kAuto || s == GemmStrategy::kChunked) {
-    // kAuto: skewed large groups run best one by one over streams (docs/cuda.md).
-    if (PlanChunked(batch, staging, s == GemmStrategy::kAuto && large ? 512 : 0)) {
+    // kAuto has tried near-uniform chunks above; skewed large groups run best one by one over
+    // streams (docs/cuda.md).
+    if (!(s == GemmStrategy::kAuto && large) && PlanChunked(batch, staging, 0)) {
       batch->chosen = GemmStrategy::kChunked;
       return absl::OkStatus();
     }

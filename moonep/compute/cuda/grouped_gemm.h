@@ -15,9 +15,9 @@
 //             group's tiles, the last partial wave split along K. Hopper (sm_90) only, bf16 A and
 //             B, beta 0, n % 256 == 0, k % 64 == 0, A not transposed, aligned operands;
 //   kAuto:    per batch, from the host-known sizes (docs/cuda.md has the measurements behind it):
-//             kChunked for near-uniform sizes (chunks of 512 rows when the mean is at least
-//             MOONEP_CUDA_GEMM_STREAMS_MIN_ROWS, else of 512, 256 or 128, leave at most 1/8 of
-//             the rows over); else kPersistent
+//             kChunked for near-uniform sizes (no group above twice the mean, and chunks of 512
+//             rows when the mean is at least MOONEP_CUDA_GEMM_STREAMS_MIN_ROWS, else of 512, 256
+//             or 128, leave at most 1/8 of the rows over); else kPersistent
 //             where it applies and the mean is below MOONEP_CUDA_GEMM_PERSISTENT_MAX_ROWS; else
 //             kStreams from a mean of MOONEP_CUDA_GEMM_STREAMS_MIN_ROWS (skewed large groups fill
 //             the GPU on their own); below it kChunked where it applies, else kGrouped.
