@@ -29,44 +29,77 @@ struct Decisions {
   int32_t SlotOf(int32_t rank, int32_t expert, int32_t slots) const;
 };
 
-// Largest value among n slots, ties to the lowest index, in O(1); Set is O(log n). Each node
-// holds its winner as one key, value * 2^32 + (2^32 - 1 - index), so the larger key is the larger
-// value with ties to the lower index, and an update is a branch-free max up the path.
+// Largest value among n slots (values >= 0, only ever lowered by Set), ties to the lowest index,
+// in O(1); Set is O(log n). Each node holds its winner as one key, value * 2^b + (2^b - 1 - index)
+// with b bits for the index, so the larger key is the larger value with ties to the lower index,
+// and an update is a branch-free max up the path. Keys are 64-bit when the largest value at Build
+// leaves room for the index bits (always below 4096 slots: values are at most 2^52), else 128-bit.
 struct MaxTree {
-  using Key = __int128;
-  static constexpr Key kEmpty = static_cast<Key>(static_cast<unsigned __int128>(1) << 127);  // the minimum
   int32_t leaves = 1;
-  std::vector<Key> tree;
-  static Key MakeKey(int64_t v, int32_t i) {
-    return static_cast<Key>((static_cast<unsigned __int128>(static_cast<__int128>(v)) << 32) |
-                            (0xffffffffu - static_cast<uint32_t>(i)));
+  int32_t index_bits = 0;
+  bool wide = false;
+  std::vector<uint64_t> tree;             // narrow keys
+  std::vector<unsigned __int128> tree_w;  // wide keys
+  template <typename Key>
+  Key MakeKey(int64_t v, int32_t i) const {
+    const uint32_t mask = static_cast<uint32_t>((uint64_t{1} << index_bits) - 1);
+    return (static_cast<Key>(static_cast<uint64_t>(v)) << index_bits) | (mask - static_cast<uint32_t>(i));
   }
-  static Key Max(Key a, Key b) { return a > b ? a : b; }
+  template <typename Key>
+  static void BuildKeys(const MaxTree& m, absl::Span<const int64_t> values, std::vector<Key>* tree) {
+    const int32_t n = static_cast<int32_t>(values.size());
+    tree->assign(2 * static_cast<size_t>(m.leaves), 0);  // 0: the minimum, value 0
+    Key* t = tree->data();
+    for (int32_t i = 0; i < n; ++i) t[m.leaves + i] = m.MakeKey<Key>(values[i], i);
+    for (int32_t v = m.leaves - 1; v >= 1; --v) t[v] = std::max(t[2 * v], t[2 * v + 1]);
+  }
   void Build(absl::Span<const int64_t> values) {
     const int32_t n = static_cast<int32_t>(values.size());
     leaves = 1;
-    while (leaves < n) leaves *= 2;
-    tree.assign(2 * static_cast<size_t>(leaves), kEmpty);
-    for (int32_t i = 0; i < n; ++i) tree[leaves + i] = MakeKey(values[i], i);
-    for (int32_t v = leaves - 1; v >= 1; --v) tree[v] = Max(tree[2 * v], tree[2 * v + 1]);
+    index_bits = 0;
+    while (leaves < n) {
+      leaves *= 2;
+      ++index_bits;
+    }
+    int64_t top = 0;
+    for (int64_t v : values) top = std::max(top, v);
+    int32_t value_bits = 0;
+    while (value_bits < 63 && (top >> value_bits) != 0) ++value_bits;
+    wide = value_bits + index_bits > 64;
+    if (wide) {
+      BuildKeys(*this, values, &tree_w);
+    } else {
+      BuildKeys(*this, values, &tree);
+    }
   }
-  void Set(int32_t i, int64_t v) {
+  template <typename Key>
+  void SetKey(Key* t, int32_t i, int64_t v) {
     // The path's winner stays in a register: each level only loads the sibling (independent of
     // the previous level), so the chain is one compare per level, not a store-load round trip.
-    Key* t = tree.data();
     int32_t x = leaves + i;
-    Key cur = MakeKey(v, i);
+    Key cur = MakeKey<Key>(v, i);
     t[x] = cur;
     for (; x > 1; x >>= 1) {
-      cur = Max(cur, t[x ^ 1]);
+      cur = std::max(cur, t[x ^ 1]);
       t[x >> 1] = cur;
+    }
+  }
+  void Set(int32_t i, int64_t v) {
+    if (wide) {
+      SetKey(tree_w.data(), i, v);
+    } else {
+      SetKey(tree.data(), i, v);
     }
   }
   // Index of the largest value when it is > 0, else -1.
   int32_t Top() const {
-    const Key k = tree[1];
-    if (k == kEmpty || (k >> 32) <= 0) return -1;
-    return static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(k & 0xffffffffu));
+    const uint32_t mask = static_cast<uint32_t>((uint64_t{1} << index_bits) - 1);
+    if (wide) {
+      const unsigned __int128 k = tree_w[1];
+      return (k >> index_bits) == 0 ? -1 : static_cast<int32_t>(mask - static_cast<uint32_t>(k & mask));
+    }
+    const uint64_t k = tree[1];
+    return (k >> index_bits) == 0 ? -1 : static_cast<int32_t>(mask - static_cast<uint32_t>(k & mask));
   }
 };
 
