@@ -211,8 +211,10 @@ struct Balancer {
     int64_t y;
     int32_t d, d_node;
     bool has_free;
-    unsigned __int128 best_key = 0;
+    // The best key so far as two words: (exact << 56 | v) and (close << 33 | node << 32 | ~index).
+    uint64_t best_fit = 0, best_tie = 0;
     int32_t bi = -1, bj = -1;
+    int64_t BestV() const { return static_cast<int64_t>(best_fit & ((uint64_t{1} << 56) - 1)); }
   };
   // Ranks donor i for the room: key (exact fit v == y, v, closes the donor's excess, same node,
   // lower index), largest wins. Exact fits all have v == y, so among them the key orders by close,
@@ -243,13 +245,12 @@ struct Balancer {
     const int64_t v = std::min(x, rem[j]);
     const bool close = x == y;
     const bool node = sc.donor_node[i] == q->d_node;
-    const unsigned __int128 key = (static_cast<unsigned __int128>(v == y) << 90) |
-                                  (static_cast<unsigned __int128>(v) << 34) |
-                                  (static_cast<unsigned __int128>(close) << 33) |
-                                  (static_cast<unsigned __int128>(node) << 32) |
-                                  (0xffffffffu - static_cast<uint32_t>(i));
-    if (key > q->best_key) {
-      q->best_key = key;
+    const uint64_t fit = (static_cast<uint64_t>(v == y) << 56) | static_cast<uint64_t>(v);  // v < 2^52
+    const uint64_t tie = (static_cast<uint64_t>(close) << 33) | (static_cast<uint64_t>(node) << 32) |
+                         (0xffffffffu - static_cast<uint32_t>(i));
+    if (fit > q->best_fit || (fit == q->best_fit && tie > q->best_tie)) {
+      q->best_fit = fit;
+      q->best_tie = tie;
       q->bi = i;
       q->bj = j;
     }
@@ -283,14 +284,14 @@ struct Balancer {
       if (q.has_free && num_donors > 0) {
         const int32_t top = tree[1];
         if (sc.donor_mark[top] != mark) Consider(top, &q);
-        const int64_t best_v = static_cast<int64_t>(q.best_key >> 34) & ((int64_t{1} << 56) - 1);
-        const int64_t bound = std::max(y, best_v);
+        const int64_t bound = std::max(y, q.BestV());
         if (num_donors <= 64) {
           // Few donors: one branch-free pass over the chunks collects the rest.
           int32_t* cand = sc.fill_candidates.data();
           int32_t n = 0;
           const int64_t* ch = chunk.data();
-          for (int32_t i = 0; i < num_donors; ++i) {
+          const int32_t donors = num_donors;  // (a local: stores to cand cannot change it)
+          for (int32_t i = 0; i < donors; ++i) {
             cand[n] = i;
             n += ch[i] >= bound;
           }
@@ -309,8 +310,7 @@ struct Balancer {
             const int32_t w = tree[node];
             if (w < 0) continue;
             const int64_t c = chunk[w];
-            const int64_t v = static_cast<int64_t>(q.best_key >> 34) & ((int64_t{1} << 56) - 1);
-            if (c < y || c < v) continue;
+            if (c < y || c < q.BestV()) continue;
             if (node >= leaves) {
               if (w != top && sc.donor_mark[w] != mark) Consider(w, &q);
               continue;
@@ -327,7 +327,7 @@ struct Balancer {
     {  // Debug builds (and the fuzz target) check the pruned search against ranking every donor.
       RoomSearch all{y, d, Node(d), dec.slots_used[d] < S};
       for (int32_t i = 0; i < num_donors; ++i) Consider(i, &all);
-      assert(all.bi == q.bi && all.bj == q.bj && all.best_key == q.best_key);
+      assert(all.bi == q.bi && all.bj == q.bj && all.best_fit == q.best_fit && all.best_tie == q.best_tie);
     }
 #endif
     int32_t bi = q.bi, bj = q.bj;
