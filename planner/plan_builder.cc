@@ -117,6 +117,48 @@ int64_t Overlap(int64_t a0, int64_t a1, int64_t b0, int64_t b1) {
   return std::max<int64_t>(0, std::min(a1, b1) - std::max(a0, b0));
 }
 
+// FinalizeHolders' pieces of a run of unreplicated experts, on the planner's path (home_keep
+// given): each is one piece on its home. A tight loop with few live values.
+struct HomeRun {
+  // in
+  const int32_t* replica_begin;
+  const int64_t *totals, *home_keep, *home_row, *home_own, *home_node;
+  const int32_t* home;
+  int32_t* piece_begin;
+  int32_t* piece_dest;
+  int64_t *piece_start, *piece_count, *piece_row;
+  // in/out
+  int32_t pieces = 0;
+  int64_t local = 0, same_node = 0, tokens = 0;
+  bool mismatch = false;  // some home_keep[e] != totals[e]: the caller names it
+  // Lays experts from e up to the first replicated one (or E); returns that expert.
+  int32_t Lay(int32_t e, int32_t E) {
+    int32_t P = pieces;
+    int64_t loc = 0, node = 0, tok = 0;
+    bool bad = false;
+    for (; e < E && replica_begin[e] == replica_begin[e + 1]; ++e) {
+      piece_begin[e] = P;
+      const int64_t N = totals[e];
+      bad |= home_keep[e] != N;
+      tok += N;
+      loc += home_own[e];  // home_own, home_node and N are all 0 when N is
+      node += home_node[e];
+      if (N == 0) continue;
+      piece_dest[P] = home[e];
+      piece_start[P] = 0;
+      piece_count[P] = N;
+      piece_row[P] = home_row[e];
+      ++P;
+    }
+    pieces = P;
+    local += loc;
+    same_node += node;
+    tokens += tok;
+    mismatch |= bad;
+    return e;
+  }
+};
+
 }  // namespace
 
 absl::Status FinalizePlan(const PlannerConfig& c, absl::Span<const int64_t> counts, Plan* plan,
@@ -391,33 +433,70 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
   st = PlanStats{};
   const int32_t* local_experts = plan->local_experts.data();
   int64_t* rank_rows = plan->rank_rows.data();
-  for (int32_t d = 0; prefix_slots && d < R; ++d) {
-    // One pass per rank: counts, offsets, padding and load (slot counts are slot_alloc).
-    const int32_t* local = local_experts + static_cast<size_t>(d) * epn;
-    const size_t base = static_cast<size_t>(d) * G;
-    int64_t* gc = group_count + base;
-    int64_t* go = group_offset + base;
-    int64_t* gp = group_padded + base;
-    const int32_t* se = slot_expert + static_cast<size_t>(d) * S;
-    const int64_t* sa = slot_alloc + static_cast<size_t>(d) * S;
-    int64_t row = 0, after = 0;
-    auto lay = [&](int32_t g, int64_t n) {
-      const int64_t padded = pad == 1 ? n : (n + pad - 1) / pad * pad;
-      gc[g] = n;
-      go[g] = row;
-      gp[g] = padded;
-      row += padded;
-      after += n;
-    };
-    for (int32_t g = 0; g < epn; ++g) lay(g, home_keep[local[g]]);
-    for (int32_t s = 0; s < S; ++s) {
-      const int64_t n = se[s] >= 0 ? sa[s] : 0;
-      MOONEP_CHECK_ARG(sa[s] == n, "slot %d of rank %d: slot_alloc %d != alloc %d", s, d, sa[s], n);
-      lay(epn + s, n);
+  // Row of each expert's home group (the pieces loop reads it per expert).
+  scratch->home_row.resize(E);
+  int64_t* home_row_of = scratch->home_row.data();
+  if (prefix_slots) {
+    // One pass per rank: counts, offsets, padding and load (slot counts are slot_alloc; an unused
+    // slot must have none, checked for all slots at once).
+    int64_t unused_slot_tokens = 0;  // OR of slot_alloc over unused slots
+    for (int32_t d = 0; d < R; ++d) {
+      const int32_t* local = local_experts + static_cast<size_t>(d) * epn;
+      const size_t base = static_cast<size_t>(d) * G;
+      int64_t* gc = group_count + base;
+      int64_t* go = group_offset + base;
+      int64_t* gp = group_padded + base;
+      const int32_t* se = slot_expert + static_cast<size_t>(d) * S;
+      const int64_t* sa = slot_alloc + static_cast<size_t>(d) * S;
+      int64_t row = 0, after = 0;
+      if (pad == 1) {
+        for (int32_t g = 0; g < epn; ++g) {
+          const int32_t e = local[g];
+          const int64_t n = home_keep[e];
+          gc[g] = n;
+          go[g] = row;
+          gp[g] = n;
+          home_row_of[e] = row;
+          row += n;
+        }
+        for (int32_t s = 0; s < S; ++s) {
+          const int64_t n = sa[s];
+          unused_slot_tokens |= n & (static_cast<int64_t>(se[s]) >> 63);  // se[s] < 0: all ones
+          gc[epn + s] = n;
+          go[epn + s] = row;
+          gp[epn + s] = n;
+          row += n;
+        }
+        after = row;
+      } else {
+        auto lay = [&](int32_t g, int64_t n) {
+          const int64_t padded = (n + pad - 1) / pad * pad;
+          gc[g] = n;
+          go[g] = row;
+          gp[g] = padded;
+          row += padded;
+          after += n;
+        };
+        for (int32_t g = 0; g < epn; ++g) {
+          home_row_of[local[g]] = row;
+          lay(g, home_keep[local[g]]);
+        }
+        for (int32_t s = 0; s < S; ++s) {
+          unused_slot_tokens |= sa[s] & (static_cast<int64_t>(se[s]) >> 63);
+          lay(epn + s, sa[s]);
+        }
+      }
+      rank_rows[d] = row;
+      st.max_load_before = std::max(st.max_load_before, home_load[d]);
+      st.max_load_after = std::max(st.max_load_after, after);
     }
-    rank_rows[d] = row;
-    st.max_load_before = std::max(st.max_load_before, home_load[d]);
-    st.max_load_after = std::max(st.max_load_after, after);
+    for (int32_t d = 0; unused_slot_tokens != 0 && d < R; ++d) {
+      for (int32_t s = 0; s < S; ++s) {
+        const size_t i = static_cast<size_t>(d) * S + s;
+        MOONEP_CHECK_ARG(slot_expert[i] >= 0 || slot_alloc[i] == 0,
+                         "slot %d of rank %d: slot_alloc %d != alloc %d", s, d, slot_alloc[i], 0);
+      }
+    }
   }
   for (int32_t d = 0; !prefix_slots && d < R; ++d) {
     const int32_t* local = plan->local_experts.data() + static_cast<size_t>(d) * epn;
@@ -470,6 +549,7 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
       }
     }
     for (int32_t g = 0; g < G; ++g) after += gc[g];
+    for (int32_t g = 0; g < epn; ++g) home_row_of[local[g]] = go[g];
     plan->rank_rows[d] = row;
     st.max_load_before = std::max(st.max_load_before, before);
     st.max_load_after = std::max(st.max_load_after, after);
@@ -585,12 +665,29 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
   int64_t* rown = scratch->replica_own.data();  // counts[d][e]
   int32_t P = 0;
   int64_t rows_local = 0, rows_intra = 0, rows_inter = 0, total_tokens = 0;
+  HomeRun run{rb.data(), totals.data(), home_keep, home_row_of, home_own, home_node, home,
+              pbegin, pdest, pstart, pcount, prow};
   for (int32_t e = 0; e < E; ++e) {
+    if (prefix_slots && rb[e] == rb[e + 1]) {
+      run.pieces = P;
+      const int32_t end = run.Lay(e, E);
+      P = run.pieces;
+      if (run.mismatch) {
+        for (; e < end; ++e) {
+          MOONEP_CHECK_ARG(home_keep[e] >= 0, "alloc[%d][%d] = %d is negative", e, home[e], home_keep[e]);
+          MOONEP_CHECK_ARG(home_keep[e] == totals[e], "expert %d: its holders compute %d of its %d tokens",
+                           e, home_keep[e], totals[e]);
+        }
+      }
+      e = end - 1;
+      continue;
+    }
     pbegin[e] = P;
     const int64_t N = totals[e];
     const int32_t h = home[e], first = rb[e], last = rb[e + 1];
-    const int64_t home_row = group_offset[static_cast<size_t>(h) * G + home_group[e]];
-    int64_t held = group_count[static_cast<size_t>(h) * G + home_group[e]];
+    const int64_t home_row = home_row_of[e];
+    // (The home group computes home_keep[e] when given: no home-rank slot takes a part of it.)
+    int64_t held = prefix_slots ? home_keep[e] : group_count[static_cast<size_t>(h) * G + home_group[e]];
     MOONEP_CHECK_ARG(held >= 0, "alloc[%d][%d] = %d is negative", e, h, held);
     total_tokens += N;
     if (first == last) {
@@ -686,6 +783,10 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
     if (N > pos) home_piece(pos, N - pos);
   }
   pbegin[E] = P;
+  total_tokens += run.tokens;
+  rows_local += run.local;
+  rows_intra += run.same_node - run.local;
+  rows_inter += run.tokens - run.same_node;
   plan->piece_dest.resize(P);
   plan->piece_start.resize(P);
   plan->piece_count.resize(P);

@@ -32,6 +32,7 @@ struct BuildScratch {
   std::vector<int64_t> replica_start, replica_end;
   std::vector<int64_t> replica_col, replica_own;  // FinalizeHolders: col(e, d) and counts[d][e]
   std::vector<int64_t> next_row;         // per (rank, group): next free row while laying pieces
+  std::vector<int64_t> home_row;         // FinalizeHolders: [E] first row of each expert's home group
   std::vector<int64_t> column;           // R + 1: prefix sums of one expert's counts over sources
   // Per-block prefix sums of counts over sources (blocks of block_size consecutive ranks, which
   // divides ranks_per_node when set): block_prefix[b * E + e] = sum of counts[s][e] over s < b * B,
