@@ -291,6 +291,7 @@ bool GreedyFill(const PolicyInput& in, absl::Span<const int64_t> cap, PolicyScra
     int64_t quota = std::min(excess[hi], room[di]);
     int32_t* ord = sc->order.data() + static_cast<size_t>(hi) * epn;
     int64_t* rem = sc->greedy_rem.data() + static_cast<size_t>(hi) * epn;
+    int32_t taken = 0;  // experts ord[0 .. taken) lost tokens
     for (int32_t i = 0; i < epn && quota > 0; ++i) {
       const int32_t e = ord[i];
       const int64_t a = std::min(quota, rem[i]);
@@ -303,17 +304,19 @@ bool GreedyFill(const PolicyInput& in, absl::Span<const int64_t> cap, PolicyScra
       quota -= a;
       excess[hi] -= a;
       room[di] -= a;
+      taken = i + 1;
     }
-    // Restore the order (only the leading experts lost tokens): insertion with the moving entry
-    // held in registers (swapping pairs in memory stalled on store forwarding).
-    for (int32_t i = 1; i < epn; ++i) {
+    // Restore the order: the experts that lost tokens are a prefix and the rest is still sorted,
+    // so each of them, last first, moves right to its place (held in registers: swapping pairs in
+    // memory stalled on store forwarding).
+    for (int32_t i = taken - 1; i >= 0; --i) {
       const int64_t r = rem[i];
       const int32_t o = ord[i];
       int32_t j = i;
-      while (j > 0 && (r != rem[j - 1] ? r > rem[j - 1] : o < ord[j - 1])) {
-        rem[j] = rem[j - 1];
-        ord[j] = ord[j - 1];
-        --j;
+      while (j + 1 < epn && (r != rem[j + 1] ? r < rem[j + 1] : o > ord[j + 1])) {
+        rem[j] = rem[j + 1];
+        ord[j] = ord[j + 1];
+        ++j;
       }
       rem[j] = r;
       ord[j] = o;
