@@ -415,9 +415,15 @@ absl::Status PersistentGemm::Run(cudaStream_t stream, bool trans_b, DType c_dtyp
   if (p == nullptr) return Internal("persistent GEMM: parameter block misaligned");
   const int n_tiles = static_cast<int>(n / kBN);
   const int k_iters = static_cast<int>(k / kBK);
+  // Every group is checked before anything is launched: bad input writes nothing.
   order_.clear();
   for (size_t i = 0; i < count; ++i) {
-    if (groups[i].rows > 0) order_.push_back(static_cast<int32_t>(i));
+    if (groups[i].rows == 0) continue;
+    MOONEP_CHECK_ARG(Aligned(groups[i]),
+                     "persistent GEMM: group %d is not 16-byte aligned (pointers, and leading "
+                     "dimensions in multiples of 8 elements) or has negative rows",
+                     i);
+    order_.push_back(static_cast<int32_t>(i));
   }
   if (interleave_) {
     // Largest, smallest, second largest, ...: every wave mixes compute-bound tiles of large
@@ -438,7 +444,6 @@ absl::Status PersistentGemm::Run(cudaStream_t stream, bool trans_b, DType c_dtyp
     for (; next < order_.size() && ng < kMaxG; ++next) {
       const size_t i = static_cast<size_t>(order_[next]);
       const PersistentGroup& gr = groups[i];
-      MOONEP_CHECK_ARG(Aligned(gr), "persistent GEMM: group %d is not 16-byte aligned", i);
       const bool ok =
           Encode(encode_, &p->a_map[ng], gr.a, k, gr.rows, gr.lda, kBK, kBM) &&
           (trans_b ? Encode(encode_, &p->b_map[ng], gr.b, k, n, gr.ldb, kBK, kBN)
