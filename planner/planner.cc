@@ -78,14 +78,14 @@ void PreparePlan(const PlannerConfig& c, Plan* plan) {
   }
   const int32_t R = c.num_ranks, E = c.num_experts, S = c.slots;
   // A plan made by this library has nonzero alloc only at holders: home and filled slots. Every
-  // home entry is written again by EmitDecisions, so only the slots' entries need clearing.
+  // home entry is written again by EmitAlloc, so only the slots' entries need clearing
+  // (slot_expert and slot_alloc are overwritten whole by EmitAlloc).
+  const int32_t* slot_expert = plan->slot_expert.data();
+  int64_t* alloc = plan->alloc.data();
   for (int32_t d = 0; d < R; ++d) {
     for (int32_t s = 0; s < S; ++s) {
-      const size_t i = static_cast<size_t>(d) * S + s;
-      const int32_t e = plan->slot_expert[i];
-      if (e >= 0 && e < E) plan->alloc[static_cast<size_t>(e) * R + d] = 0;
-      plan->slot_expert[i] = -1;
-      plan->slot_alloc[i] = 0;
+      const int32_t e = slot_expert[static_cast<size_t>(d) * S + s];
+      if (e >= 0 && e < E) alloc[static_cast<size_t>(e) * R + d] = 0;
     }
   }
   plan->stats = PlanStats{};
@@ -99,11 +99,12 @@ void EmitAlloc(const PlannerConfig& c, const Decisions& dec, Plan* plan) {
   for (int32_t e = 0; e < E; ++e) alloc[static_cast<size_t>(e) * R + home[e]] = dec.home_keep[e];
   std::copy(dec.slot_expert.begin(), dec.slot_expert.end(), plan->slot_expert.begin());
   std::copy(dec.slot_amount.begin(), dec.slot_amount.end(), plan->slot_alloc.begin());
+  const int32_t* slot_expert = dec.slot_expert.data();
+  const int64_t* slot_amount = dec.slot_amount.data();
   for (int32_t d = 0; d < R; ++d) {
-    for (int32_t s = 0; s < S; ++s) {
+    for (int32_t s = 0; s < dec.slots_used[d]; ++s) {  // slots fill in order
       const size_t i = static_cast<size_t>(d) * S + s;
-      const int32_t e = dec.slot_expert[i];
-      if (e >= 0) alloc[static_cast<size_t>(e) * R + d] += dec.slot_amount[i];  // += : a home-rank slot
+      alloc[static_cast<size_t>(slot_expert[i]) * R + d] += slot_amount[i];  // += : a home-rank slot
     }
   }
 }
