@@ -41,6 +41,26 @@ std::vector<int64_t> Totals(const std::vector<int64_t>& counts, int R, int E) {
   return t;
 }
 
+// A corpus config; `speeds` gives the ranks speeds 1, 2, 3, 1, 2, ...
+PlannerConfig Config(int R, int E, int rpn, int slots, int pad, Policy policy, bool check,
+                     bool speeds) {
+  PlannerConfig c;
+  c.num_ranks = R;
+  c.num_experts = E;
+  c.ranks_per_node = rpn;
+  c.slots = slots;
+  c.pad_multiple = pad;
+  c.policy = policy;
+  c.moonep_check_greedy = check;
+  c.row_bytes = 7;
+  c.expert_bytes = 1000;
+  if (speeds) {
+    c.speeds.resize(R);
+    for (int r = 0; r < R; ++r) c.speeds[r] = 1 + r % 3;
+  }
+  return c;
+}
+
 // Two steps of MakePlan (the second on slightly changed counts) and Decide, into the hash.
 void PlanSteps(const PlannerConfig& c, std::vector<int64_t> counts, std::mt19937_64* rng,
                bool shuffle_first_row, Hash* hash, int* plans, int* invalid) {
@@ -98,20 +118,8 @@ void SmallCorpus(Hash* hash, int* plans, int* invalid) {
     for (int pol = 0; pol <= 5; ++pol) {
       for (int nocheck = 0; nocheck < 2; ++nocheck) {
         if (nocheck && pol != static_cast<int>(Policy::kMoonEP)) continue;
-        PlannerConfig c;
-        c.num_ranks = R;
-        c.num_experts = E;
-        c.ranks_per_node = rpn > R ? 0 : rpn;
-        c.slots = slots;
-        c.pad_multiple = 1 + (it % 3) * 7;
-        c.policy = static_cast<Policy>(pol);
-        c.moonep_check_greedy = !nocheck;
-        c.row_bytes = 7;
-        c.expert_bytes = 1000;
-        if (it % 11 == 5) {
-          c.speeds.resize(R);
-          for (int r = 0; r < R; ++r) c.speeds[r] = 1 + r % 3;
-        }
+        const PlannerConfig c = Config(R, E, rpn > R ? 0 : rpn, slots, 1 + (it % 3) * 7,
+                                       static_cast<Policy>(pol), !nocheck, it % 11 == 5);
         PlanSteps(c, counts, &rng, false, hash, plans, invalid);
       }
     }
@@ -145,20 +153,7 @@ void BigCorpus(Hash* hash, int* plans, int* invalid) {
     for (Policy pol : {Policy::kMoonEP, Policy::kMoonEPGreedy}) {
       for (int nocheck = 0; nocheck < 2; ++nocheck) {
         if (nocheck && pol != Policy::kMoonEP) continue;
-        PlannerConfig c;
-        c.num_ranks = R;
-        c.num_experts = E;
-        c.ranks_per_node = rpn;
-        c.slots = slots;
-        c.pad_multiple = 1 + (it % 2) * 15;
-        c.policy = pol;
-        c.moonep_check_greedy = !nocheck;
-        c.row_bytes = 7;
-        c.expert_bytes = 1000;
-        if (it % 7 == 3) {
-          c.speeds.resize(R);
-          for (int r = 0; r < R; ++r) c.speeds[r] = 1 + r % 3;
-        }
+        const PlannerConfig c = Config(R, E, rpn, slots, 1 + (it % 2) * 15, pol, !nocheck, it % 7 == 3);
         PlanSteps(c, counts, &rng, true, hash, plans, invalid);
       }
     }
