@@ -53,7 +53,8 @@ struct MaxTree {
     for (int32_t i = 0; i < n; ++i) t[m.leaves + i] = m.MakeKey<Key>(values[i], i);
     for (int32_t v = m.leaves - 1; v >= 1; --v) t[v] = std::max(t[2 * v], t[2 * v + 1]);
   }
-  void Build(absl::Span<const int64_t> values) {
+  // `max_value` bounds every value Set will ever store (at least the largest of `values`).
+  void Build(absl::Span<const int64_t> values, int64_t max_value = 0) {
     const int32_t n = static_cast<int32_t>(values.size());
     leaves = 1;
     index_bits = 0;
@@ -61,7 +62,7 @@ struct MaxTree {
       leaves *= 2;
       ++index_bits;
     }
-    int64_t top = 0;
+    int64_t top = max_value;
     for (int64_t v : values) top = std::max(top, v);
     int32_t value_bits = 0;
     while (value_bits < 63 && (top >> value_bits) != 0) ++value_bits;
@@ -90,6 +91,16 @@ struct MaxTree {
     } else {
       SetKey(tree.data(), i, v);
     }
+  }
+  // The winner of tree node `node` (1 = root; leaves at [leaves, 2 * leaves)) and its value;
+  // padding has value 0.
+  int32_t Winner(int32_t node) const {
+    const uint32_t mask = static_cast<uint32_t>((uint64_t{1} << index_bits) - 1);
+    const uint32_t low = wide ? static_cast<uint32_t>(tree_w[node] & mask) : static_cast<uint32_t>(tree[node] & mask);
+    return static_cast<int32_t>(mask - low);
+  }
+  int64_t WinnerValue(int32_t node) const {
+    return wide ? static_cast<int64_t>(tree_w[node] >> index_bits) : static_cast<int64_t>(tree[node] >> index_bits);
   }
   // Index of the largest value when it is > 0, else -1.
   int32_t Top() const {
@@ -136,7 +147,7 @@ struct PolicyScratch {
     int32_t expert;
   };
   std::vector<Chunk> chunks;
-  std::vector<int32_t> order_tree;   // moonep: tournament tree over donors
+  MaxTree chunk_tree;                // moonep: the donors' chunks
   std::vector<int64_t> donor_chunk;  // moonep: each donor's current chunk
   std::vector<int64_t> donor_rem;    // moonep: remaining tokens of each donor's sorted experts
   std::vector<int32_t> donor_of;     // moonep: [E] donor index of an expert's home, -1 if none

@@ -34,10 +34,9 @@ struct Balancer {
   // sorted by remaining tokens, descending.
   int32_t num_donors = 0;
   int32_t mark = 0;  // FillRoom's stamp in sc.donor_mark of donors homing an expert the room holds
-  // Tournament tree over donors: tree[1] is the donor with the largest chunk (ties: lowest index),
-  // so each step finds it in O(1) and an Apply updates it in O(log donors).
-  int32_t leaves = 1;
-  std::vector<int32_t>& tree = sc.order_tree;
+  // Tournament tree over the donors' chunks: its top is the donor with the largest chunk (ties:
+  // lowest index), so each step finds it in O(1) and an Apply updates it in O(log donors).
+  MaxTree& tree = sc.chunk_tree;
   std::vector<int64_t>& chunk = sc.donor_chunk;
 
   // Counting filter over the values a room could match exactly: every donor's excess and every
@@ -103,15 +102,13 @@ struct Balancer {
     for (int32_t i = 0; i < num_donors; ++i) sc.donor_node[i] = Node(sc.order2[i]);
     mark = 0;
     std::sort(sc.rooms.begin(), sc.rooms.end(), RoomOrder());
-    leaves = 1;
-    while (leaves < num_donors) leaves *= 2;
-    chunk.assign(leaves, 0);
-    tree.assign(2 * static_cast<size_t>(leaves), -1);
+    chunk.resize(num_donors);
+    int64_t largest_expert = 0;  // bounds every chunk from now on (remaining tokens only fall)
     for (int32_t i = 0; i < num_donors; ++i) {
       chunk[i] = Chunk(i);
-      tree[leaves + i] = i;
+      largest_expert = std::max(largest_expert, Rem(i)[0]);
     }
-    for (int32_t v = leaves - 1; v >= 1; --v) tree[v] = Better(tree[2 * v], tree[2 * v + 1]);
+    tree.Build(chunk, largest_expert);
     // About 16 buckets per value: a false "maybe" (the full scan) on ~6% of rooms.
     const size_t values = static_cast<size_t>(num_donors) * (epn + 1);
     int32_t bits = 4;
@@ -124,21 +121,9 @@ struct Balancer {
     }
   }
 
-  // The donor with the larger chunk, the lower index on ties; -1 entries lose.
-  int32_t Better(int32_t a, int32_t b) const {
-    if (a < 0) return b;
-    if (b < 0) return a;
-    return chunk[b] > chunk[a] || (chunk[b] == chunk[a] && b < a) ? b : a;
-  }
   void Update(int32_t i) {
     chunk[i] = sc.excess[i] == 0 ? 0 : Chunk(i);
-    // Better is symmetric (larger chunk, then lower index), so the path's winner is carried up
-    // against each sibling without reloading what the level below just stored.
-    int32_t cur = i;
-    for (int32_t x = leaves + i; x > 1; x >>= 1) {
-      cur = Better(cur, tree[x ^ 1]);
-      tree[x >> 1] = cur;
-    }
+    tree.Set(i, chunk[i]);
   }
 
   static bool RoomLess(const PolicyScratch::Room& a, const PolicyScratch::Room& b) {
@@ -192,7 +177,7 @@ struct Balancer {
 
   bool Run() {
     while (true) {
-      int32_t best = num_donors > 0 ? tree[1] : -1;
+      const int32_t best = tree.Top();
       const int64_t best_chunk = best >= 0 ? chunk[best] : 0;
       if (best_chunk <= 0) return true;  // all excess placed
       if (sc.rooms.empty()) return false;
@@ -282,7 +267,7 @@ struct Balancer {
         if (i >= 0) Consider(i, &q);  // a donor marked twice ranks the same twice
       }
       if (q.has_free && num_donors > 0) {
-        const int32_t top = tree[1];
+        const int32_t top = tree.Winner(1);
         if (sc.donor_mark[top] != mark) Consider(top, &q);
         const int64_t bound = std::max(y, q.BestV());
         if (num_donors <= 64) {
@@ -307,16 +292,15 @@ struct Balancer {
           stack[depth++] = 1;
           while (depth > 0) {
             const int32_t node = stack[--depth];
-            const int32_t w = tree[node];
-            if (w < 0) continue;
-            const int64_t c = chunk[w];
+            const int64_t c = tree.WinnerValue(node);  // padding: 0, below every room
             if (c < y || c < q.BestV()) continue;
-            if (node >= leaves) {
+            const int32_t w = tree.Winner(node);
+            if (node >= tree.leaves) {
               if (w != top && sc.donor_mark[w] != mark) Consider(w, &q);
               continue;
             }
             // The child holding w (the larger chunk) is searched first.
-            const bool left_wins = tree[2 * node] == w;
+            const bool left_wins = tree.Winner(2 * node) == w;
             stack[depth++] = left_wins ? 2 * node + 1 : 2 * node;
             stack[depth++] = left_wins ? 2 * node : 2 * node + 1;
           }
