@@ -102,6 +102,17 @@ struct MaxTree {
   int64_t WinnerValue(int32_t node) const {
     return wide ? static_cast<int64_t>(tree_w[node] >> index_bits) : static_cast<int64_t>(tree[node] >> index_bits);
   }
+  // The largest value among all slots but i (0 when there is none).
+  int64_t MaxValueExcept(int32_t i) const {
+    if (wide) {
+      unsigned __int128 k = 0;
+      for (int32_t x = leaves + i; x > 1; x >>= 1) k = std::max(k, tree_w[x ^ 1]);
+      return static_cast<int64_t>(k >> index_bits);
+    }
+    uint64_t k = 0;
+    for (int32_t x = leaves + i; x > 1; x >>= 1) k = std::max(k, tree[x ^ 1]);
+    return static_cast<int64_t>(k >> index_bits);
+  }
   // Index of the largest value when it is > 0, else -1.
   int32_t Top() const {
     const uint32_t mask = static_cast<uint32_t>((uint64_t{1} << index_bits) - 1);

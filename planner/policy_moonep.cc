@@ -261,7 +261,8 @@ struct Balancer {
     } else {
       // No exact fit: the winner has the largest v among the candidates, and v <= chunk. Marked
       // donors first, then the donor with the largest chunk; after it only donors whose chunk is
-      // at least y and the best v so far can win (equal ones still can, on close, node or index).
+      // at least y and the best v so far can win (equal ones still can, on close, node or index),
+      // and often the second largest chunk already falls short.
       for (int32_t s = 0; s < dec.slots_used[d]; ++s) {
         const int32_t i = sc.donor_of[held[s]];
         if (i >= 0) Consider(i, &q);  // a donor marked twice ranks the same twice
@@ -270,7 +271,9 @@ struct Balancer {
         const int32_t top = tree.Winner(1);
         if (sc.donor_mark[top] != mark) Consider(top, &q);
         const int64_t bound = std::max(y, q.BestV());
-        if (num_donors <= 64) {
+        if (tree.MaxValueExcept(top) < bound) {
+          // No other donor's chunk reaches the bound: the ranking is complete.
+        } else if (num_donors <= 64) {
           // Few donors: one branch-free pass over the chunks collects the rest.
           int32_t* cand = sc.fill_candidates.data();
           int32_t n = 0;
