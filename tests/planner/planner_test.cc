@@ -13,6 +13,7 @@
 #include "gtest/gtest.h"
 #include "planner/eplb.h"
 #include "planner/planner.h"
+#include "planner/policy.h"
 #include "tests/planner/brute_force.h"
 
 namespace moonep::planner {
@@ -667,5 +668,47 @@ TEST(PlannerSlotLimit, MinimisesMaxLoadWhenPerfectIsOutOfReach) {
   std::printf("[slot limit] max/mean %.3f with %d replicas (lower bound %lld)\n", plan.stats.imbalance_after(),
               plan.stats.replicas, static_cast<long long>(lb));
 }
+// MaxTree (the policies' tournament tree) against a brute-force scan, with 64-bit keys (small
+// values) and 128-bit keys (values near 2^52 with more than 4096 slots), under random lowering
+// Sets: Top (largest value > 0, ties to the lowest index, else -1), the root's winner and value,
+// and MaxValueExcept.
+TEST(PlannerMaxTree, MatchesBruteForce) {
+  std::mt19937_64 rng(5);
+  struct Case {
+    int n;
+    int64_t max_value;
+    bool wide;
+  };
+  for (const Case& cs : {Case{1, 10, false}, Case{7, 3, false}, Case{64, 1000, false},
+                         Case{300, int64_t{1} << 40, false}, Case{5000, int64_t{1} << 52, true}}) {
+    std::vector<int64_t> v(cs.n);
+    for (int64_t& x : v) x = static_cast<int64_t>(rng() % static_cast<uint64_t>(cs.max_value + 1));
+    MaxTree tree;
+    tree.Build(v, cs.max_value);
+    EXPECT_EQ(tree.wide, cs.wide) << "n=" << cs.n;
+    for (int step = 0; step < 3 * cs.n + 20; ++step) {
+      int32_t top = -1;
+      for (int i = 0; i < cs.n; ++i) {
+        if (v[i] > 0 && (top < 0 || v[i] > v[top])) top = i;
+      }
+      ASSERT_EQ(tree.Top(), top) << "n=" << cs.n << " step " << step;
+      if (top >= 0) {
+        EXPECT_EQ(tree.Winner(1), top);
+        EXPECT_EQ(tree.WinnerValue(1), v[top]);
+      }
+      const int probe = static_cast<int>(rng() % cs.n);
+      int64_t others = 0;
+      for (int i = 0; i < cs.n; ++i) {
+        if (i != probe) others = std::max(others, v[i]);
+      }
+      EXPECT_EQ(tree.MaxValueExcept(probe), others) << "n=" << cs.n << " step " << step;
+      // Lower one value (often the top, as the policies do), sometimes to 0.
+      const int i = top >= 0 && rng() % 2 == 0 ? top : static_cast<int>(rng() % cs.n);
+      v[i] = rng() % 4 == 0 ? 0 : static_cast<int64_t>(rng() % static_cast<uint64_t>(v[i] + 1));
+      tree.Set(i, v[i]);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace moonep::planner
