@@ -29,21 +29,15 @@
 
 #include "moonep/compute/cuda/grouped_gemm.h"
 #include "moonep/compute/cuda/persistent_gemm.h"
+#include "bench/gemm_cuda/bench_util.cuh"
 
 namespace {
 
 using moonep::DType;
 using namespace moonep::compute::cuda;
+using namespace moonep::bench_gemm;
 
-#define PCHECK_CUDA(call)                                                                       \
-  do {                                                                                          \
-    cudaError_t e_ = (call);                                                                    \
-    if (e_ != cudaSuccess) {                                                                    \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                             \
-    }                                                                                           \
-  } while (0)
-#define PCHECK_BLAS(call)                                                          \
+#define CHECK_BLAS(call)                                                          \
   do {                                                                             \
     cublasStatus_t s_ = (call);                                                    \
     if (s_ != CUBLAS_STATUS_SUCCESS) {                                             \
@@ -52,88 +46,28 @@ using namespace moonep::compute::cuda;
       std::exit(1);                                                                \
     }                                                                              \
   } while (0)
-#define PCHECK_OK(expr)                                                               \
-  do {                                                                                \
-    absl::Status s_ = (expr);                                                         \
-    if (!s_.ok()) {                                                                   \
-      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, s_.ToString().c_str()); \
-      std::exit(1);                                                                   \
-    }                                                                                 \
-  } while (0)
-
 constexpr int kH = 7168, kI = 2048;
 constexpr int kMaxStreams = 16;
 constexpr size_t kWs = size_t{32} << 20;
-
-__global__ void FillBf16(uint16_t* p, size_t n, uint64_t seed) {
-  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    uint64_t z = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    const float u = (static_cast<float>(z >> 40) / 16777216.0f) * 2.0f - 1.0f;
-    p[i] = __bfloat16_as_ushort(__float2bfloat16_rn(u));
-  }
-}
-
-template <typename Fn>
-double TimeMs(cudaStream_t stream, int reps, Fn&& fn) {
-  for (int i = 0; i < 3; ++i) fn();
-  PCHECK_CUDA(cudaStreamSynchronize(stream));
-  cudaEvent_t a, b;
-  PCHECK_CUDA(cudaEventCreate(&a));
-  PCHECK_CUDA(cudaEventCreate(&b));
-  std::vector<float> ms(reps);
-  for (int r = 0; r < reps; ++r) {
-    PCHECK_CUDA(cudaEventRecord(a, stream));
-    fn();
-    PCHECK_CUDA(cudaEventRecord(b, stream));
-    PCHECK_CUDA(cudaEventSynchronize(b));
-    PCHECK_CUDA(cudaEventElapsedTime(&ms[r], a, b));
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  std::sort(ms.begin(), ms.end());
-  return ms[reps / 2];
-}
-
-std::vector<int64_t> GroupSizes(int groups, int64_t avg, bool zipf, uint64_t seed) {
-  std::vector<int64_t> sizes(groups, avg);
-  if (!zipf) return sizes;
-  const int64_t total = avg * groups;
-  std::vector<double> w(groups);
-  for (int i = 0; i < groups; ++i) w[i] = 1.0 / std::pow(i + 1.0, 1.2);
-  const double sum = std::accumulate(w.begin(), w.end(), 0.0);
-  int64_t assigned = 0;
-  for (int i = 0; i < groups; ++i) {
-    sizes[i] = static_cast<int64_t>(std::floor(total * w[i] / sum));
-    assigned += sizes[i];
-  }
-  sizes[0] += total - assigned;
-  std::mt19937_64 rng(seed);
-  std::shuffle(sizes.begin(), sizes.end(), rng);
-  return sizes;
-}
 
 // cuBLASLt GEMMs, one plan (descriptor, layouts, heuristic algo) per (rows, SM target), made
 // before timing.
 class Lt {
  public:
   explicit Lt(cudaStream_t main) {
-    PCHECK_BLAS(cublasLtCreate(&lt_));
+    CHECK_BLAS(cublasLtCreate(&lt_));
     streams_.push_back(main);
     for (int s = 1; s < kMaxStreams; ++s) {
       cudaStream_t st;
-      PCHECK_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+      CHECK_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
       streams_.push_back(st);
     }
     for (int s = 0; s < kMaxStreams; ++s) {
       void* w;
-      PCHECK_CUDA(cudaMalloc(&w, kWs));
+      CHECK_CUDA(cudaMalloc(&w, kWs));
       ws_.push_back(w);
       cudaEvent_t e;
-      PCHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+      CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
       ev_.push_back(e);
     }
   }
@@ -149,24 +83,24 @@ class Lt {
     auto it = cache_.find(key);
     if (it != cache_.end()) return it->second;
     Entry e{};
-    PCHECK_BLAS(cublasLtMatmulDescCreate(&e.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    CHECK_BLAS(cublasLtMatmulDescCreate(&e.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     if (sms > 0) {
       int32_t v = sms;
-      PCHECK_BLAS(cublasLtMatmulDescSetAttribute(e.desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &v,
+      CHECK_BLAS(cublasLtMatmulDescSetAttribute(e.desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &v,
                                                  sizeof(v)));
     }
     // Row-major Y[rows, I] = X[rows, H] W[H, I] is column-major Y^T = W^T X^T.
-    PCHECK_BLAS(cublasLtMatrixLayoutCreate(&e.la, CUDA_R_16BF, kI, kH, kI));
-    PCHECK_BLAS(cublasLtMatrixLayoutCreate(&e.lb, CUDA_R_16BF, kH, rows, kH));
-    PCHECK_BLAS(cublasLtMatrixLayoutCreate(&e.lc, CUDA_R_16BF, kI, rows, kI));
+    CHECK_BLAS(cublasLtMatrixLayoutCreate(&e.la, CUDA_R_16BF, kI, kH, kI));
+    CHECK_BLAS(cublasLtMatrixLayoutCreate(&e.lb, CUDA_R_16BF, kH, rows, kH));
+    CHECK_BLAS(cublasLtMatrixLayoutCreate(&e.lc, CUDA_R_16BF, kI, rows, kI));
     cublasLtMatmulPreference_t pref;
-    PCHECK_BLAS(cublasLtMatmulPreferenceCreate(&pref));
+    CHECK_BLAS(cublasLtMatmulPreferenceCreate(&pref));
     size_t ws = kWs;
-    PCHECK_BLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+    CHECK_BLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                      &ws, sizeof(ws)));
     cublasLtMatmulHeuristicResult_t res{};
     int n = 0;
-    PCHECK_BLAS(cublasLtMatmulAlgoGetHeuristic(lt_, e.desc, e.la, e.lb, e.lc, e.lc, pref, 1, &res, &n));
+    CHECK_BLAS(cublasLtMatmulAlgoGetHeuristic(lt_, e.desc, e.la, e.lb, e.lc, e.lc, pref, 1, &res, &n));
     cublasLtMatmulPreferenceDestroy(pref);
     if (n < 1) {
       std::fprintf(stderr, "no cuBLASLt algo for rows %d sms %d\n", rows, sms);
@@ -178,17 +112,17 @@ class Lt {
 
   void Run(int s, const Entry& e, const void* w, const void* x, void* y) {
     const float alpha = 1.0f, beta = 0.0f;
-    PCHECK_BLAS(cublasLtMatmul(lt_, e.desc, &alpha, w, e.la, x, e.lb, &beta, y, e.lc, y, e.lc,
+    CHECK_BLAS(cublasLtMatmul(lt_, e.desc, &alpha, w, e.la, x, e.lb, &beta, y, e.lc, y, e.lc,
                                &e.algo, ws_[s], kWs, streams_[s]));
   }
   void Fork(int used) {
-    PCHECK_CUDA(cudaEventRecord(ev_[0], streams_[0]));
-    for (int s = 1; s < used; ++s) PCHECK_CUDA(cudaStreamWaitEvent(streams_[s], ev_[0], 0));
+    CHECK_CUDA(cudaEventRecord(ev_[0], streams_[0]));
+    for (int s = 1; s < used; ++s) CHECK_CUDA(cudaStreamWaitEvent(streams_[s], ev_[0], 0));
   }
   void Join(int used) {
     for (int s = 1; s < used; ++s) {
-      PCHECK_CUDA(cudaEventRecord(ev_[s], streams_[s]));
-      PCHECK_CUDA(cudaStreamWaitEvent(streams_[0], ev_[s], 0));
+      CHECK_CUDA(cudaEventRecord(ev_[s], streams_[s]));
+      CHECK_CUDA(cudaStreamWaitEvent(streams_[0], ev_[s], 0));
     }
   }
 
@@ -260,34 +194,34 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--reps" && i + 1 < argc) reps = std::max(1, std::atoi(argv[++i]));
   }
   int dev = 0, num_sms = 0;
-  PCHECK_CUDA(cudaGetDevice(&dev));
-  PCHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev));
+  CHECK_CUDA(cudaGetDevice(&dev));
+  CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev));
   cudaStream_t stream;
-  PCHECK_CUDA(cudaStreamCreate(&stream));
+  CHECK_CUDA(cudaStreamCreate(&stream));
   cublasHandle_t blas;
-  PCHECK_BLAS(cublasCreate(&blas));
-  PCHECK_BLAS(cublasSetStream(blas, stream));
+  CHECK_BLAS(cublasCreate(&blas));
+  CHECK_BLAS(cublasSetStream(blas, stream));
   void* gemm_ws;
-  PCHECK_CUDA(cudaMalloc(&gemm_ws, 4 * GroupedGemm::kCublasWorkspaceBytes));
+  CHECK_CUDA(cudaMalloc(&gemm_ws, 4 * GroupedGemm::kCublasWorkspaceBytes));
   auto gg = GroupedGemm::Create(stream, 4, gemm_ws);
-  PCHECK_OK(gg.status());
+  CHECK_OK(gg.status());
   auto staging = Staging::Create(1 << 20);
-  PCHECK_OK(staging.status());
+  CHECK_OK(staging.status());
   Lt lt(stream);
   auto pg = PersistentGemm::Create();
-  PCHECK_OK(pg.status());
+  CHECK_OK(pg.status());
   float* cmp;
-  PCHECK_CUDA(cudaMalloc(&cmp, 3 * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&cmp, 3 * sizeof(float)));
 
   const int64_t max_rows = 65536, max_groups = 64;
   void *x, *w, *y, *y_ref;
-  PCHECK_CUDA(cudaMalloc(&x, max_rows * kH * 2));
-  PCHECK_CUDA(cudaMalloc(&w, max_groups * int64_t{kH} * kI * 2));
-  PCHECK_CUDA(cudaMalloc(&y, max_rows * kI * 2));
-  PCHECK_CUDA(cudaMalloc(&y_ref, max_rows * kI * 2));
-  FillBf16<<<2048, 256, 0, stream>>>(static_cast<uint16_t*>(x), max_rows * kH, 1);
-  FillBf16<<<2048, 256, 0, stream>>>(static_cast<uint16_t*>(w), max_groups * int64_t{kH} * kI, 2);
-  PCHECK_CUDA(cudaStreamSynchronize(stream));
+  CHECK_CUDA(cudaMalloc(&x, max_rows * kH * 2));
+  CHECK_CUDA(cudaMalloc(&w, max_groups * int64_t{kH} * kI * 2));
+  CHECK_CUDA(cudaMalloc(&y, max_rows * kI * 2));
+  CHECK_CUDA(cudaMalloc(&y_ref, max_rows * kI * 2));
+  FillBf16<<<2048, 256, 0, stream>>>(static_cast<uint16_t*>(x), max_rows * kH, 1, 1.0f);
+  FillBf16<<<2048, 256, 0, stream>>>(static_cast<uint16_t*>(w), max_groups * int64_t{kH} * kI, 2, 1.0f);
+  CHECK_CUDA(cudaStreamSynchronize(stream));
 
   // Correctness of the persistent kernel against per-group cuBLAS: forward (N-major B, bf16 and
   // fp32 out) and backward-like (K-major B, n = H, k = 2I), skewed sizes with a zero-row group and
@@ -321,38 +255,26 @@ int main(int argc, char** argv) {
       pgr.ldc = ch.n;
       pgr.rows = sizes[g];
       groups.push_back(pgr);
-      if (sizes[g] > 0) {
-        GemmProblem q;
-        q.m = q.rows = sizes[g];
-        q.n = ch.n;
-        q.k = ch.k;
-        q.a = pgr.a;
-        q.lda = pgr.lda;
-        q.b = pgr.b;
-        q.ldb = pgr.ldb;
-        q.c = pgr.c;
-        q.ldc = pgr.ldc;
-        batch.problems.push_back(q);
-      }
+      if (sizes[g] > 0) batch.problems.push_back(ToProblem(pgr, ch.n, ch.k));
       off += sizes[g];
     }
     (*gg)->set_strategy(GemmStrategy::kStreams);
-    PCHECK_OK((*staging)->Begin());
-    PCHECK_OK((*gg)->Plan(&batch, staging->get()));
-    PCHECK_OK((*staging)->Upload(stream));
-    PCHECK_OK((*gg)->Run(&batch, **staging));
+    CHECK_OK((*staging)->Begin());
+    CHECK_OK((*gg)->Plan(&batch, staging->get()));
+    CHECK_OK((*staging)->Upload(stream));
+    CHECK_OK((*gg)->Run(&batch, **staging));
     for (PersistentGroup& gr : groups) {
       gr.c = static_cast<char*>(y) + (static_cast<char*>(gr.c) - static_cast<char*>(y_ref));
     }
     for (int variant = 0; variant < 3; ++variant) {
       (*pg)->set_stream_k(variant != 1);
       (*pg)->set_interleave(variant == 2);
-      PCHECK_CUDA(cudaMemsetAsync(y, 0xFF, off * ch.n * ec, stream));  // NaN poison
-      PCHECK_CUDA(cudaMemsetAsync(cmp, 0, 3 * sizeof(float), stream));
-      PCHECK_OK((*pg)->Run(stream, ch.trans_b, ch.c, ch.n, ch.k, groups.data(), groups.size()));
+      CHECK_CUDA(cudaMemsetAsync(y, 0xFF, off * ch.n * ec, stream));  // NaN poison
+      CHECK_CUDA(cudaMemsetAsync(cmp, 0, 3 * sizeof(float), stream));
+      CHECK_OK((*pg)->Run(stream, ch.trans_b, ch.c, ch.n, ch.k, groups.data(), groups.size()));
       Compare<<<256, 256, 0, stream>>>(y, y_ref, off * ch.n, ch.c == DType::kFloat32, cmp);
       float h[3];
-      PCHECK_CUDA(cudaMemcpyAsync(h, cmp, sizeof(h), cudaMemcpyDeviceToHost, stream));
+      CHECK_CUDA(cudaMemcpyAsync(h, cmp, sizeof(h), cudaMemcpyDeviceToHost, stream));
       const cudaError_t e = cudaStreamSynchronize(stream);
       if (e != cudaSuccess) {
         std::printf("check %s variant %d: CUDA error %s\n", ch.name, variant, cudaGetErrorString(e));
@@ -388,7 +310,7 @@ int main(int argc, char** argv) {
 
     const float one = 1.0f, zero = 0.0f;
     const double dense = TimeMs(stream, reps, [&] {
-      PCHECK_BLAS(cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, kI, static_cast<int>(total), kH, &one, w,
+      CHECK_BLAS(cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, kI, static_cast<int>(total), kH, &one, w,
                                CUDA_R_16BF, kI, x, CUDA_R_16BF, kH, &zero, y, CUDA_R_16BF, kI,
                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     });
@@ -398,30 +320,31 @@ int main(int argc, char** argv) {
       std::snprintf(buf, sizeof(buf), "  %s %.0f (%.2f)", name, tf(ms), dense / ms);
       line += buf;
     };
+    std::vector<PersistentGroup> pgroups;
+    for (size_t g = 0; g < sizes.size(); ++g) {
+      PersistentGroup pgr;
+      pgr.a = xg(static_cast<int>(g));
+      pgr.lda = kH;
+      pgr.b = wg(static_cast<int>(g));
+      pgr.ldb = kI;
+      pgr.c = yg(static_cast<int>(g));
+      pgr.ldc = kI;
+      pgr.rows = sizes[g];
+      pgroups.push_back(pgr);
+    }
     // MoonEP's current strategies.
     for (GemmStrategy s : {GemmStrategy::kStreams, GemmStrategy::kChunked, GemmStrategy::kAuto}) {
       (*gg)->set_strategy(s);
       GemmBatch batch;
       batch.Clear(false, false, DType::kBFloat16, DType::kBFloat16);
-      for (size_t g = 0; g < sizes.size(); ++g) {
-        if (sizes[g] == 0) continue;
-        GemmProblem p;
-        p.m = p.rows = sizes[g];
-        p.n = kI;
-        p.k = kH;
-        p.a = xg(static_cast<int>(g));
-        p.lda = kH;
-        p.b = wg(static_cast<int>(g));
-        p.ldb = kI;
-        p.c = yg(static_cast<int>(g));
-        p.ldc = kI;
-        batch.problems.push_back(p);
+      for (const PersistentGroup& pgr : pgroups) {
+        if (pgr.rows > 0) batch.problems.push_back(ToProblem(pgr, kI, kH));
       }
       const double ms = TimeMs(stream, reps, [&] {
-        PCHECK_OK((*staging)->Begin());
-        PCHECK_OK((*gg)->Plan(&batch, staging->get()));
-        PCHECK_OK((*staging)->Upload(stream));
-        PCHECK_OK((*gg)->Run(&batch, **staging));
+        CHECK_OK((*staging)->Begin());
+        CHECK_OK((*gg)->Plan(&batch, staging->get()));
+        CHECK_OK((*staging)->Upload(stream));
+        CHECK_OK((*gg)->Run(&batch, **staging));
       });
       add(GemmStrategyName(s), ms);
     }
@@ -447,26 +370,14 @@ int main(int argc, char** argv) {
       });
       add(v.name, ms);
     }
-    PCHECK_CUDA(cudaMemcpyAsync(y_ref, y, total * kI * 2, cudaMemcpyDeviceToDevice, stream));
-    PCHECK_CUDA(cudaMemsetAsync(y, 0xFF, total * kI * 2, stream));
-    std::vector<PersistentGroup> pgroups;
-    for (size_t g = 0; g < sizes.size(); ++g) {
-      PersistentGroup pgr;
-      pgr.a = xg(static_cast<int>(g));
-      pgr.lda = kH;
-      pgr.b = wg(static_cast<int>(g));
-      pgr.ldb = kI;
-      pgr.c = yg(static_cast<int>(g));
-      pgr.ldc = kI;
-      pgr.rows = sizes[g];
-      pgroups.push_back(pgr);
-    }
+    CHECK_CUDA(cudaMemcpyAsync(y_ref, y, total * kI * 2, cudaMemcpyDeviceToDevice, stream));
+    CHECK_CUDA(cudaMemsetAsync(y, 0xFF, total * kI * 2, stream));
     for (int v = 0; v < 6; ++v) {
       (*pg)->set_stream_k(v % 2 == 0 || v >= 4);
       (*pg)->set_interleave(v == 2 || v == 3);
       (*pg)->set_max_split(v == 4 ? 2 : v == 5 ? 4 : 8);
       const double ms = TimeMs(stream, reps, [&] {
-        PCHECK_OK((*pg)->Run(stream, false, DType::kBFloat16, kI, kH, pgroups.data(), pgroups.size()));
+        CHECK_OK((*pg)->Run(stream, false, DType::kBFloat16, kI, kH, pgroups.data(), pgroups.size()));
       });
       const char* names[] = {"pers-splitK", "pers-dp", "pers-splitK-il", "pers-dp-il", "pers-split2", "pers-split4"};
       add(names[v], ms);
@@ -475,11 +386,11 @@ int main(int argc, char** argv) {
     (*pg)->set_interleave(false);
     (*pg)->set_max_split(8);
     {
-      PCHECK_CUDA(cudaMemsetAsync(cmp, 0, 3 * sizeof(float), stream));
+      CHECK_CUDA(cudaMemsetAsync(cmp, 0, 3 * sizeof(float), stream));
       Compare<<<256, 256, 0, stream>>>(y, y_ref, total * kI, 0, cmp);
       float h[3];
-      PCHECK_CUDA(cudaMemcpyAsync(h, cmp, sizeof(h), cudaMemcpyDeviceToHost, stream));
-      PCHECK_CUDA(cudaStreamSynchronize(stream));
+      CHECK_CUDA(cudaMemcpyAsync(h, cmp, sizeof(h), cudaMemcpyDeviceToHost, stream));
+      CHECK_CUDA(cudaStreamSynchronize(stream));
       std::snprintf(buf, sizeof(buf), "  [check rel %.1e%s]", h[0] / h[1],
                     (h[2] == 0 && h[0] / h[1] < 1e-2) ? "" : " WRONG");
       line += buf;

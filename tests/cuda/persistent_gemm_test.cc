@@ -93,16 +93,8 @@ void CheckAgainstCublas(const Layout& l, bool trans_b, DType c_dtype, bool split
     x.rows = l.rows[g];
     pg.push_back(x);
     if (x.rows > 0) {
-      GemmProblem q;
-      q.m = q.rows = x.rows;
-      q.n = l.n;
-      q.k = l.k;
-      q.a = x.a;
-      q.lda = x.lda;
-      q.b = x.b;
-      q.ldb = x.ldb;
+      GemmProblem q = cuda::ToProblem(x, l.n, l.k);
       q.c = static_cast<char*>(ref.data()) + c_row * ldc * static_cast<int64_t>(ec);
-      q.ldc = ldc;
       batch.problems.push_back(q);
     }
     row += l.rows[g];

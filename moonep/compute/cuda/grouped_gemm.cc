@@ -17,6 +17,8 @@ size_t RoundUp8(size_t v) { return (v + 7) / 8 * 8; }
 
 bool FitsInt(int64_t v) { return v >= 0 && v <= INT_MAX; }
 
+}  // namespace
+
 PersistentGroup ToPersistent(const GemmProblem& p) {
   PersistentGroup g;
   g.a = p.a;
@@ -29,7 +31,19 @@ PersistentGroup ToPersistent(const GemmProblem& p) {
   return g;
 }
 
-}  // namespace
+GemmProblem ToProblem(const PersistentGroup& g, int64_t n, int64_t k) {
+  GemmProblem p;
+  p.m = p.rows = g.rows;
+  p.n = n;
+  p.k = k;
+  p.a = g.a;
+  p.lda = g.lda;
+  p.b = g.b;
+  p.ldb = g.ldb;
+  p.c = g.c;
+  p.ldc = g.ldc;
+  return p;
+}
 
 const char* GemmStrategyName(GemmStrategy s) {
   switch (s) {

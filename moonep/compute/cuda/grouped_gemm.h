@@ -104,6 +104,10 @@ struct GemmBatch {
   }
 };
 
+// The same GEMM as the persistent kernel's group and as a GemmProblem (row-major, beta 0).
+PersistentGroup ToPersistent(const GemmProblem& p);
+GemmProblem ToProblem(const PersistentGroup& g, int64_t n, int64_t k);
+
 // Host data one call uploads to the device in a single copy: two slots used in turn, so the host
 // can prepare call n+1 while the copy of call n is still queued.
 class Staging {

@@ -36,7 +36,6 @@ struct Params {
   int32_t tail_split;  // the remaining tiles run in tail_split K-parts each, part u on CTA u
   float* partials;
   int32_t* counters;
-  uint32_t b_lbo, b_sbo;  // N-major B's descriptor offsets (set by the host)
 };
 static_assert(sizeof(Params) <= 32000, "kernel parameters exceed CUDA's 32 KiB");
 
@@ -241,9 +240,10 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
       for (int kk = 0; kk < kBK / 16; ++kk) {
         const uint64_t da = Desc(a_base + kk * 32, 16, 1024);
         // K-major B ([n][64 k] rows of 128 bytes): like A. N-major B: four 64-column blocks of
-        // [64 k][64 n] (8 KiB apart: the leading offset), 8-row groups 1 KiB apart.
+        // [64 k][64 n] (8 KiB apart: the leading offset), 8-row groups 1 KiB apart (the stride
+        // offset; the probe measured the two swapped as wrong).
         const uint64_t db = kTransB ? Desc(b_base + kk * 32, 16, 1024)
-                                    : Desc(b_base + kk * 16 * 128, p.b_lbo, p.b_sbo);
+                                    : Desc(b_base + kk * 16 * 128, 64 * kBK * 2, 1024);
         Wgmma<kTransB ? 0 : 1>(acc, da, db);
       }
       WgmmaCommit();
@@ -460,8 +460,6 @@ absl::Status PersistentGemm::Run(cudaStream_t stream, bool trans_b, DType c_dtyp
     p->n_tiles = n_tiles;
     p->k_iters = k_iters;
     p->total_tiles = tiles;
-    p->b_lbo = swap_desc_ ? 1024 : 64 * kBK * 2;
-    p->b_sbo = swap_desc_ ? 64 * kBK * 2 : 1024;
     p->partials = partials_;
     p->counters = counters_;
     const int sms = num_sms_;

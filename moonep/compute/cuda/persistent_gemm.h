@@ -69,8 +69,6 @@ class PersistentGemm {
   // At most this many K-parts per tail tile (default 8).
   void set_max_split(int parts) { max_split_ = parts < 1 ? 1 : parts; }
   int num_sms() const { return num_sms_; }
-  // Probing only: swaps the N-major B descriptor's leading and stride offsets.
-  void set_swap_desc(bool on) { swap_desc_ = on; }
   // Tile order: groups largest, smallest, second largest, ... (true) or as given (false).
   void set_interleave(bool on) { interleave_ = on; }
 
@@ -78,7 +76,6 @@ class PersistentGemm {
   PersistentGemm() = default;
   int num_sms_ = 0;
   bool stream_k_ = true;
-  bool swap_desc_ = false;
   int max_split_ = 8;
   bool interleave_ = false;
   std::vector<int32_t> order_, scratch_;
