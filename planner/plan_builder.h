@@ -53,12 +53,14 @@ struct BuildScratch {
   std::vector<int32_t> block_first, node_id;
 };
 
-// Source blocks for FinalizeHolders: 4 ranks (a prefix of one expert's column is then a block
-// prefix plus at most 3 entries), or the node size when 4 does not divide it (node ranges must be
-// block prefixes).
+// Source blocks for FinalizeHolders: 8 ranks (a prefix of one expert's column is then the
+// nearer block prefix plus or minus at most 4 entries; the counts pass writes one prefix row per
+// 8 sources), else 4 when 8 does not divide the node size, else the node size (node ranges must
+// be block prefixes).
 inline int32_t BlockSize(const PlannerConfig& resolved) {
   const int32_t rpn = resolved.ranks_per_node;
-  return rpn > 0 && rpn % 4 != 0 ? rpn : 4;
+  if (rpn <= 0 || rpn % 8 == 0) return 8;
+  return rpn % 4 == 0 ? 4 : rpn;
 }
 
 // Whether plans of this config may hold replicas on their expert's home rank (Plan::home_replicas):
