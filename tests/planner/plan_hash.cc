@@ -4,6 +4,7 @@
 //
 //   build-planner/bin/planner_plan_hash          # 400 small and mid configs x 6 policies (~3 s)
 //   build-planner/bin/planner_plan_hash --big    # 30 configs with R = 96..1024 (~15 s)
+//   build-planner/bin/planner_plan_hash --home   # 120 configs with a shuffled home map
 //
 // Small corpus: R in {1..128}, E/R in 1..7, topologies, slot limits, pads, speeds, ragged and
 // one-expert counts, every policy (moonep with and without its cross-check), two steps each, and
@@ -160,20 +161,53 @@ void BigCorpus(Hash* hash, int* plans, int* invalid) {
   }
 }
 
+// Home-map corpus: the small corpus's shapes with a shuffled home map (each rank still homes E/R
+// experts), so the planner's paths for a non-contiguous map are covered too.
+void HomeCorpus(Hash* hash, int* plans, int* invalid) {
+  std::mt19937_64 rng(13);
+  const int Rs[] = {2, 3, 4, 8, 12, 16, 64, 128};
+  for (int it = 0; it < 120; ++it) {
+    const int R = Rs[it % 8];
+    const int epn = 1 + static_cast<int>(rng() % 7);
+    const int E = R * epn;
+    const int rpn = std::vector<int>{0, 2, 3, 4, 8}[rng() % 5];
+    const int slots = rng() % 3 == 0 ? 1 + static_cast<int>(rng() % 3) : -1;
+    std::vector<int32_t> home(E);
+    for (int e = 0; e < E; ++e) home[e] = e % R;
+    std::shuffle(home.begin(), home.end(), rng);
+    std::vector<int64_t> counts(static_cast<size_t>(R) * E);
+    for (int r = 0; r < R; ++r) {
+      for (int e = 0; e < E; ++e) {
+        counts[static_cast<size_t>(r) * E + e] = static_cast<int64_t>(
+            3000.0 / (1.0 + (e * 7919 + it) % E) * (0.5 + static_cast<double>(rng() % 100) / 100.0));
+      }
+    }
+    for (int pol = 0; pol <= 5; ++pol) {
+      PlannerConfig c = Config(R, E, rpn > R ? 0 : rpn, slots, 1 + (it % 3) * 7,
+                               static_cast<Policy>(pol), it % 2 == 0, it % 11 == 5);
+      c.home = home;
+      PlanSteps(c, counts, &rng, false, hash, plans, invalid);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace moonep::planner
 
 int main(int argc, char** argv) {
   using namespace moonep::planner;
   const bool big = argc > 1 && std::strcmp(argv[1], "--big") == 0;
+  const bool home = argc > 1 && std::strcmp(argv[1], "--home") == 0;
   Hash hash;
   int plans = 0, invalid = 0;
   if (big) {
     BigCorpus(&hash, &plans, &invalid);
+  } else if (home) {
+    HomeCorpus(&hash, &plans, &invalid);
   } else {
     SmallCorpus(&hash, &plans, &invalid);
   }
-  std::printf("%s corpus: plans %d invalid %d hash %016llx\n", big ? "big" : "small", plans, invalid,
-              static_cast<unsigned long long>(hash.h));
+  std::printf("%s corpus: plans %d invalid %d hash %016llx\n", big ? "big" : home ? "home-map" : "small",
+              plans, invalid, static_cast<unsigned long long>(hash.h));
   return invalid == 0 ? 0 : 1;
 }
