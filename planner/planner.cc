@@ -16,6 +16,7 @@ struct Planner::State {
   PolicyScratch scratch;
   Decisions decisions;
   BuildScratch build;
+  bool contiguous_home = false;  // home(e) = e / (E/R): rank d homes experts [d * E/R, (d+1) * E/R)
 };
 
 Planner::Planner() : state_(new State) {}
@@ -52,6 +53,10 @@ absl::StatusOr<std::unique_ptr<Planner>> Planner::Create(const PlannerConfig& co
                    static_cast<int64_t>(c.num_ranks) * c.num_experts);
   MOONEP_CHECK_ARG(static_cast<int64_t>(c.num_ranks) * c.slots <= (int64_t{1} << 31) - 1,
                    "num_ranks * slots = %d is too large", static_cast<int64_t>(c.num_ranks) * c.slots);
+  bool contiguous = true;
+  const int32_t epn = c.num_experts / c.num_ranks;
+  for (int32_t e = 0; e < c.num_experts; ++e) contiguous = contiguous && c.home[e] == e / epn;
+  planner->state_->contiguous_home = contiguous;
   return planner;
 }
 
@@ -150,7 +155,8 @@ absl::Status RunPolicy(const PlannerConfig& c, const PolicyInput& in, PolicyScra
 }
 
 // Fills in.home_load and in.total from in.totals; fails on negative or overflowing totals.
-absl::Status SumLoads(const PlannerConfig& c, const Plan& plan, PolicyInput* in) {
+// `contiguous`: rank d homes experts [d * epn, (d + 1) * epn).
+absl::Status SumLoads(const PlannerConfig& c, const Plan& plan, bool contiguous, PolicyInput* in) {
   constexpr int64_t kMaxTokens = int64_t{1} << 52;
   const int32_t R = c.num_ranks, epn = c.num_experts / R;
   in->home_load.resize(R);
@@ -165,10 +171,19 @@ absl::Status SumLoads(const PlannerConfig& c, const Plan& plan, PolicyInput* in)
   for (int32_t d = 0; checked && d < R; ++d) {
     const int32_t* ex = local + static_cast<size_t>(d) * epn;
     uint64_t load = 0;
-    for (int32_t g = 0; g < epn; ++g) {
-      const uint64_t t = static_cast<uint64_t>(totals[ex[g]]);
-      bits |= t;
-      load += t;
+    if (contiguous) {
+      const int64_t* t_d = totals + static_cast<size_t>(d) * epn;
+      for (int32_t g = 0; g < epn; ++g) {
+        const uint64_t t = static_cast<uint64_t>(t_d[g]);
+        bits |= t;
+        load += t;
+      }
+    } else {
+      for (int32_t g = 0; g < epn; ++g) {
+        const uint64_t t = static_cast<uint64_t>(totals[ex[g]]);
+        bits |= t;
+        load += t;
+      }
     }
     home_load[d] = static_cast<int64_t>(load);
     total_u += load;
@@ -253,8 +268,11 @@ uint64_t AddRows(const int64_t* __restrict counts_signed, int32_t s0, int32_t s1
 // [0, NB]; row NB holds the totals. While each block is hot it also records, per expert, the
 // count of its home rank (home_own) and the sum over its home's node (home_node; = home_own when
 // flat), so laying out unreplicated experts needs no look-up into counts afterwards. Fails on a
-// negative entry, an entry >= 2^52 or a total above 2^52.
-absl::Status SumCountBlocks(const int64_t* counts, const Plan& plan, int32_t B, BuildScratch* build) {
+// negative entry, an entry >= 2^52 or a total above 2^52. `contiguous`: rank s homes experts
+// [s * epn, (s + 1) * epn) (the default home map), so a block's home columns are slices of its
+// rows and a node's home experts one range.
+absl::Status SumCountBlocks(const int64_t* counts, const Plan& plan, int32_t B, bool contiguous,
+                            BuildScratch* build) {
   constexpr int64_t kMaxTokens = int64_t{1} << 52;
   const int32_t R = plan.num_ranks, E = plan.num_experts, epn = plan.experts_per_rank;
   const int32_t rpn = plan.ranks_per_node;
@@ -303,10 +321,19 @@ absl::Status SumCountBlocks(const int64_t* counts, const Plan& plan, int32_t B, 
       }
     }
     // Home columns of the block's ranks, from the rows just read.
-    for (int32_t s = b * B; s < end; ++s) {
-      const int64_t* row = counts + static_cast<size_t>(s) * n;
-      const int32_t* ex = local + static_cast<size_t>(s) * epn;
-      for (int32_t g = 0; g < epn; ++g) own[ex[g]] = row[ex[g]];
+    if (contiguous) {
+      for (int32_t s = b * B; s < end; ++s) {
+        const size_t first = static_cast<size_t>(s) * epn;
+        const int64_t* row = counts + static_cast<size_t>(s) * n + first;
+        int64_t* o = own + first;
+        for (int32_t g = 0; g < epn; ++g) o[g] = row[g];
+      }
+    } else {
+      for (int32_t s = b * B; s < end; ++s) {
+        const int64_t* row = counts + static_cast<size_t>(s) * n;
+        const int32_t* ex = local + static_cast<size_t>(s) * epn;
+        for (int32_t g = 0; g < epn; ++g) own[ex[g]] = row[ex[g]];
+      }
     }
     // Node sums of the experts homed on nodes that end with this block (blocks divide nodes).
     if (rpn > 0) {
@@ -314,9 +341,14 @@ absl::Status SumCountBlocks(const int64_t* counts, const Plan& plan, int32_t B, 
       const int32_t n0 = (end - 1) / rpn * rpn, n1 = std::min(R, n0 + rpn);
       if (n1 == end) {
         const int64_t* lo = bp + static_cast<size_t>(n0 / B) * n;
-        for (int32_t s = n0; s < n1; ++s) {
-          const int32_t* ex = local + static_cast<size_t>(s) * epn;
-          for (int32_t g = 0; g < epn; ++g) node[ex[g]] = blk[ex[g]] - lo[ex[g]];
+        if (contiguous) {
+          const size_t e0 = static_cast<size_t>(n0) * epn, e1 = static_cast<size_t>(n1) * epn;
+          for (size_t e = e0; e < e1; ++e) node[e] = blk[e] - lo[e];
+        } else {
+          for (int32_t s = n0; s < n1; ++s) {
+            const int32_t* ex = local + static_cast<size_t>(s) * epn;
+            for (int32_t g = 0; g < epn; ++g) node[ex[g]] = blk[ex[g]] - lo[ex[g]];
+          }
         }
       }
     }
@@ -341,7 +373,7 @@ absl::Status Planner::Decide(absl::Span<const int64_t> expert_totals, Plan* plan
   st.input.totals = expert_totals;
   st.input.counts = nullptr;
   st.input.block_prefix = nullptr;
-  MOONEP_RETURN_IF_ERROR(SumLoads(c, *plan, &st.input));
+  MOONEP_RETURN_IF_ERROR(SumLoads(c, *plan, st.contiguous_home, &st.input));
   MOONEP_RETURN_IF_ERROR(RunPolicy(c, st.input, &st.scratch, &st.decisions));
   EmitDecisions(c, st.decisions, st.input, plan);
   return absl::OkStatus();
@@ -362,7 +394,7 @@ absl::Status Planner::MakePlan(absl::Span<const int64_t> counts, Plan* plan) {
   PreparePlan(c, plan);
   st.build.block_size = 0;  // not valid until the pass completes
   st.build.home_cols = false;
-  MOONEP_RETURN_IF_ERROR(SumCountBlocks(counts.data(), *plan, block, &st.build));
+  MOONEP_RETURN_IF_ERROR(SumCountBlocks(counts.data(), *plan, block, st.contiguous_home, &st.build));
   st.build.block_size = block;
   st.input.config = &c;
   st.input.plan = plan;
@@ -376,7 +408,7 @@ absl::Status Planner::MakePlan(absl::Span<const int64_t> counts, Plan* plan) {
   for (int32_t k = 0; k < 31; ++k) {
     if ((int32_t{1} << k) == block) st.input.block_shift = k;
   }
-  MOONEP_RETURN_IF_ERROR(SumLoads(c, *plan, &st.input));
+  MOONEP_RETURN_IF_ERROR(SumLoads(c, *plan, st.contiguous_home, &st.input));
   MOONEP_RETURN_IF_ERROR(RunPolicy(c, st.input, &st.scratch, &st.decisions));
   EmitAlloc(c, st.decisions, plan);
   MOONEP_RETURN_IF_ERROR(FinalizeHolders(c, counts, st.input.totals, plan, &st.build,
