@@ -212,7 +212,8 @@ absl::Status SumLoads(const PlannerConfig& c, const Plan& plan, bool contiguous,
   return absl::OkStatus();
 }
 
-// dst[e] = src[e] + sum of rows [s0, s1) of counts (src may be dst), four rows per sweep, and
+// dst[e] = src[e] + sum of rows [s0, s1) of counts (src may be dst), eight rows per sweep (a
+// block of 8 sources: dst written once; two 4-row sweeps measured 15 % slower), and
 // returns the OR of every entry read (bits >= 52 or the sign set: a bad entry). Sums wrap
 // (unsigned) until the caller has rejected bad entries; valid ones never wrap.
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
@@ -226,7 +227,26 @@ uint64_t AddRows(const int64_t* __restrict counts_signed, int32_t s0, int32_t s1
   uint64_t bits = 0;
   const size_t n = static_cast<size_t>(E);
   int32_t s = s0;
-  if (s1 - s0 >= 4) {
+  if (s1 - s0 >= 8) {
+    for (; s + 8 <= s1; s += 8) {
+      const uint64_t* __restrict r0 = counts + static_cast<size_t>(s) * n;
+      const uint64_t* __restrict r1 = r0 + n;
+      const uint64_t* __restrict r2 = r1 + n;
+      const uint64_t* __restrict r3 = r2 + n;
+      const uint64_t* __restrict r4 = r3 + n;
+      const uint64_t* __restrict r5 = r4 + n;
+      const uint64_t* __restrict r6 = r5 + n;
+      const uint64_t* __restrict r7 = r6 + n;
+      for (size_t e = 0; e < n; ++e) {
+        const uint64_t a = r0[e], b = r1[e], x = r2[e], y = r3[e];
+        const uint64_t a2 = r4[e], b2 = r5[e], x2 = r6[e], y2 = r7[e];
+        dst[e] = src[e] + (((a + b) + (x + y)) + ((a2 + b2) + (x2 + y2)));
+        bits |= ((a | b) | (x | y)) | ((a2 | b2) | (x2 | y2));
+      }
+      src = dst;
+    }
+  }
+  if (s1 - s >= 4) {
     for (; s + 4 <= s1; s += 4) {
       const uint64_t* __restrict r0 = counts + static_cast<size_t>(s) * n;
       const uint64_t* __restrict r1 = r0 + n;
