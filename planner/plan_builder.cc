@@ -131,6 +131,36 @@ struct HomeRun {
   int32_t pieces = 0;
   int64_t local = 0, same_node = 0, tokens = 0;
   bool mismatch = false;  // some home_keep[e] != totals[e]: the caller names it
+  // Lays the unreplicated experts [e0, e1). Sums and checks first (branch-free, vectorised); when
+  // none of them has zero tokens, each is one piece at P + (e - e0) and the pieces are copies of
+  // per-expert arrays; otherwise the general loop.
+  void LayRange(int32_t e0, int32_t e1) {
+    uint64_t zero = 0, diff = 0;
+    int64_t loc = 0, node = 0, tok = 0;
+    for (int32_t e = e0; e < e1; ++e) {
+      const int64_t N = totals[e];
+      zero |= static_cast<uint64_t>(N - 1) >> 63;  // N == 0 (totals are >= 0)
+      diff |= static_cast<uint64_t>(home_keep[e] ^ N);
+      tok += N;
+      loc += home_own[e];
+      node += home_node[e];
+    }
+    if (zero != 0) {
+      Lay(e0, e1);
+      return;
+    }
+    const int32_t P = pieces, n = e1 - e0;
+    for (int32_t k = 0; k < n; ++k) piece_begin[e0 + k] = P + k;
+    std::copy(home + e0, home + e1, piece_dest + P);
+    std::fill(piece_start + P, piece_start + P + n, 0);
+    std::copy(totals + e0, totals + e1, piece_count + P);
+    std::copy(home_row + e0, home_row + e1, piece_row + P);
+    pieces = P + n;
+    local += loc;
+    same_node += node;
+    tokens += tok;
+    mismatch |= diff != 0;
+  }
   // Lays experts from e up to the first replicated one (or E); returns that expert.
   int32_t Lay(int32_t e, int32_t E) {
     int32_t P = pieces;
@@ -396,13 +426,18 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
     }
     return absl::OkStatus();
   };
+  // The replicated experts (each once), sorted below: the runs of unreplicated ones between them
+  // are laid without scanning rb.
+  std::vector<int32_t>& replicated = scratch->replicated;
+  replicated.clear();
   MOONEP_RETURN_IF_ERROR(for_each_used_slot([&](int32_t d, int32_t s, int32_t e) {
     MOONEP_CHECK_ARG(e < E, "slot %d of rank %d holds expert %d, not in [0, %d)", s, d, e, E);
     MOONEP_CHECK_ARG(plan->home_replicas || home[e] != d,
                      "rank %d holds a replica of its own expert %d", d, e);
-    ++rb[e + 1];
+    if (rb[e + 1]++ == 0) replicated.push_back(e);
     return absl::OkStatus();
   }));
+  std::sort(replicated.begin(), replicated.end());
   {
     int32_t acc = 0;  // in a register: no store-to-load chain through rb
     for (int32_t e = 1; e <= E; ++e) {
@@ -667,10 +702,13 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
   int64_t rows_local = 0, rows_intra = 0, rows_inter = 0, total_tokens = 0;
   HomeRun run{rb.data(), totals.data(), home_keep, home_row_of, home_own, home_node, home,
               pbegin, pdest, pstart, pcount, prow};
+  size_t next_replicated = 0;  // replicated[next_replicated]: the first replicated expert >= e
   for (int32_t e = 0; e < E; ++e) {
     if (prefix_slots && rb[e] == rb[e + 1]) {
+      while (next_replicated < replicated.size() && replicated[next_replicated] < e) ++next_replicated;
+      const int32_t end = next_replicated < replicated.size() ? replicated[next_replicated] : E;
       run.pieces = P;
-      const int32_t end = run.Lay(e, E);
+      run.LayRange(e, end);
       P = run.pieces;
       if (run.mismatch) {
         for (; e < end; ++e) {
