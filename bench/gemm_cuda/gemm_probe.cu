@@ -10,7 +10,8 @@
 //                partition the GPU instead of each planning for all of it
 //   lt-part-S-xF: SM shares scaled by F (oversubscribed)
 //
-//   moonep-gemm-probe [--reps N]
+//   moonep-gemm-probe [--reps N] [--only SHAPE_INDEX] [--quick]
+//   (--quick: no checks, only the dense GEMM and the default persistent kernel: for profilers)
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -190,8 +191,12 @@ __global__ void Compare(const void* got, const void* want, size_t n, int f32, fl
 
 int main(int argc, char** argv) {
   int reps = 20;
+  int only = -1;       // --only I: shape I of the list below only
+  bool quick = false;  // --quick: no checks, only the dense GEMM and the default persistent kernel
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--reps" && i + 1 < argc) reps = std::max(1, std::atoi(argv[++i]));
+    if (std::string(argv[i]) == "--only" && i + 1 < argc) only = std::atoi(argv[++i]);
+    if (std::string(argv[i]) == "--quick") quick = true;
   }
   int dev = 0, num_sms = 0;
   CHECK_CUDA(cudaGetDevice(&dev));
@@ -237,6 +242,7 @@ int main(int argc, char** argv) {
                           {"bwd bf16 n7168 k4096 (B^T)", true, DType::kBFloat16, kH, 2 * kI},
                           {"bwd fp32 n7168 k2048 (B^T)", true, DType::kFloat32, kH, kI}};
   for (const Check& ch : checks) {
+    if (quick) break;
     std::vector<int64_t> sizes = GroupSizes(8, 300, true, 11);
     sizes[3] = 0;
     sizes[5] = 1;
@@ -266,9 +272,11 @@ int main(int argc, char** argv) {
     for (PersistentGroup& gr : groups) {
       gr.c = static_cast<char*>(y) + (static_cast<char*>(gr.c) - static_cast<char*>(y_ref));
     }
-    for (int variant = 0; variant < 3; ++variant) {
+    for (int variant = 0; variant < 5; ++variant) {
       (*pg)->set_stream_k(variant != 1);
       (*pg)->set_interleave(variant == 2);
+      (*pg)->set_cluster(variant != 3);
+      (*pg)->set_wide_store(variant != 4);
       CHECK_CUDA(cudaMemsetAsync(y, 0xFF, off * ch.n * ec, stream));  // NaN poison
       CHECK_CUDA(cudaMemsetAsync(cmp, 0, 3 * sizeof(float), stream));
       CHECK_OK((*pg)->Run(stream, ch.trans_b, ch.c, ch.n, ch.k, groups.data(), groups.size()));
@@ -281,11 +289,19 @@ int main(int argc, char** argv) {
         return 1;
       }
       std::printf("check %-28s %s: max|diff| %.3g, max|ref| %.3g, rel %.2e, non-finite %.0f -> %s\n",
-                  ch.name, variant == 0 ? "split-K tail" : variant == 1 ? "data-par" : "split-K interleaved", h[0],
+                  ch.name,
+                  variant == 0   ? "split-K tail"
+                  : variant == 1 ? "data-par"
+                  : variant == 2 ? "split-K interleaved"
+                  : variant == 3 ? "no clusters"
+                                 : "4-byte stores",
+                  h[0],
                   h[1], h[0] / h[1], h[2], (h[2] == 0 && h[0] / h[1] < 1e-2) ? "OK" : "WRONG");
     }
     (*pg)->set_interleave(false);
     (*pg)->set_stream_k(true);
+    (*pg)->set_cluster(true);
+    (*pg)->set_wide_store(true);
   }
   std::fflush(stdout);
 
@@ -294,10 +310,13 @@ int main(int argc, char** argv) {
     int64_t avg;
     bool zipf;
   };
-  const Shape shapes[] = {{8, 512, false},  {8, 512, true},   {32, 512, true}, {64, 512, true},
-                          {8, 2048, true},  {64, 1024, true}, {32, 128, true}};
+  // The last two: one group whose 16 tiles are only a tail (split), and 64 units (one wave).
+  const Shape shapes[] = {{8, 512, false}, {8, 512, true},   {32, 512, false}, {32, 512, true},
+                          {64, 512, true}, {8, 2048, true},  {64, 1024, true}, {32, 128, true},
+                          {64, 128, true}, {1, 256, false},  {1, 2048, false}};
   std::printf("# %d SMs; TFLOP/s, (x) = over the dense GEMM of the same FLOPs in the same run\n", num_sms);
   for (const Shape& sh : shapes) {
+    if (only >= 0 && &sh - shapes != only) continue;
     const auto sizes = GroupSizes(sh.groups, sh.avg, sh.zipf, 7);
     const int64_t total = sh.avg * sh.groups;
     const double flops = 2.0 * total * kH * kI;
@@ -317,7 +336,7 @@ int main(int argc, char** argv) {
     std::string line;
     char buf[128];
     auto add = [&](const char* name, double ms) {
-      std::snprintf(buf, sizeof(buf), "  %s %.0f (%.2f)", name, tf(ms), dense / ms);
+      std::snprintf(buf, sizeof(buf), "  %s %.0f (%.2f, %.0f us)", name, tf(ms), dense / ms, 1e3 * ms);
       line += buf;
     };
     std::vector<PersistentGroup> pgroups;
@@ -334,6 +353,7 @@ int main(int argc, char** argv) {
     }
     // MoonEP's current strategies.
     for (GemmStrategy s : {GemmStrategy::kStreams, GemmStrategy::kChunked, GemmStrategy::kAuto}) {
+      if (quick) break;
       (*gg)->set_strategy(s);
       GemmBatch batch;
       batch.Clear(false, false, DType::kBFloat16, DType::kBFloat16);
@@ -356,6 +376,7 @@ int main(int argc, char** argv) {
     };
     const Variant variants[] = {{"lt-4", 4, false, 1.0}};
     for (const Variant& v : variants) {
+      if (quick) break;
       const Assignment a = Assign(sizes, v.streams, v.partition, v.over, num_sms);
       std::vector<const Lt::Entry*> plan(sizes.size(), nullptr);
       for (int g : a.order) {
@@ -372,17 +393,35 @@ int main(int argc, char** argv) {
     }
     CHECK_CUDA(cudaMemcpyAsync(y_ref, y, total * kI * 2, cudaMemcpyDeviceToDevice, stream));
     CHECK_CUDA(cudaMemsetAsync(y, 0xFF, total * kI * 2, stream));
-    for (int v = 0; v < 6; ++v) {
-      (*pg)->set_stream_k(v % 2 == 0 || v >= 4);
-      (*pg)->set_interleave(v == 2 || v == 3);
-      (*pg)->set_max_split(v == 4 ? 2 : v == 5 ? 4 : 8);
+    struct PVariant {
+      const char* name;
+      bool split, cluster, wide, interleave;
+      int max_split;
+    };
+    const PVariant pvariants[] = {{"pers", true, true, true, false, 8},
+                                  {"pers-nocluster", true, false, true, false, 8},
+                                  {"pers-narrow", true, true, false, false, 8},
+                                  {"pers-dp", false, true, true, false, 8},
+                                  {"pers-split4", true, true, true, false, 4},
+                                  {"pers-split16", true, true, true, false, 16},
+                                  {"pers-il", true, true, true, true, 8}};
+    for (const PVariant& v : pvariants) {
+      if (quick && &v != pvariants) break;
+      (*pg)->set_stream_k(v.split);
+      (*pg)->set_cluster(v.cluster);
+      (*pg)->set_wide_store(v.wide);
+      (*pg)->set_interleave(v.interleave);
+      (*pg)->set_max_split(v.max_split);
       const double ms = TimeMs(stream, reps, [&] {
         CHECK_OK((*pg)->Run(stream, false, DType::kBFloat16, kI, kH, pgroups.data(), pgroups.size()));
       });
-      const char* names[] = {"pers-splitK", "pers-dp", "pers-splitK-il", "pers-dp-il", "pers-split2", "pers-split4"};
-      add(names[v], ms);
+      add(v.name, ms);
+      std::snprintf(buf, sizeof(buf), "[%d]", (*pg)->last_slots());
+      line += buf;
     }
     (*pg)->set_stream_k(true);
+    (*pg)->set_cluster(true);
+    (*pg)->set_wide_store(true);
     (*pg)->set_interleave(false);
     (*pg)->set_max_split(8);
     {

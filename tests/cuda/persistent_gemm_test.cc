@@ -1,15 +1,18 @@
 // The persistent grouped GEMM (moonep/compute/cuda/persistent_gemm.h) against cuBLAS (the
 // per-group cublasGemmEx of GroupedGemm's kStreams, an independent implementation) on every path
-// of the kernel: data-parallel waves plus a K-split tail, a tail-only launch, N-major and K-major B,
-// bf16 and fp32 output, interleaved tile order; outputs poisoned first, guard columns and rows
-// between the groups checked untouched, and two runs bitwise equal. The executor suite
-// (cuda_executor_test.cc) runs the whole expert FFN with kPersistent against the fp64 reference.
+// of the kernel: data-parallel waves plus a K-split tail, with and without clusters of two CTAs
+// sharing loads (TMA multicast), 16- or 4-byte bf16 stores, a tail-only launch, an odd number of
+// column tiles, N-major and K-major B, bf16 and fp32 output, interleaved tile order; outputs
+// poisoned first, guard columns and rows between the groups checked untouched, and two runs
+// bitwise equal. The executor suite (cuda_executor_test.cc) runs the whole expert FFN with
+// kPersistent against the fp64 reference.
 #include "moonep/compute/cuda/persistent_gemm.h"
 
 #include <cuda_bf16.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -58,12 +61,26 @@ struct Layout {
   int64_t n, k;
 };
 
+// The kernel's schedule knobs.
+struct Mode {
+  bool split = true;       // K-split tail
+  bool interleave = false;
+  bool cluster = true;     // clusters of two CTAs sharing loads (where n % 512 == 0)
+  bool wide_store = true;  // bf16 epilogue through a quad transpose and 16-byte stores
+  const char* Name() const {
+    static thread_local char buf[128];
+    std::snprintf(buf, sizeof(buf), "%s%s%s%s", split ? "split-tail" : "data-parallel",
+                  interleave ? ",interleaved" : "", cluster ? ",clusters" : ",no-clusters",
+                  wide_store ? "" : ",4-byte-stores");
+    return buf;
+  }
+};
+
 // Runs one configuration and compares it with cuBLAS.
-void CheckAgainstCublas(const Layout& l, bool trans_b, DType c_dtype, bool split, bool interleave) {
+void CheckAgainstCublas(const Layout& l, bool trans_b, DType c_dtype, const Mode& mode) {
   SCOPED_TRACE(::testing::Message() << "n " << l.n << " k " << l.k << (trans_b ? " B^T" : "")
-                                    << (c_dtype == DType::kFloat32 ? " fp32" : " bf16")
-                                    << (split ? " split" : " data-parallel")
-                                    << (interleave ? " interleaved" : ""));
+                                    << (c_dtype == DType::kFloat32 ? " fp32" : " bf16") << " "
+                                    << mode.Name());
   const int64_t guard = 16;            // guard rows after every group
   const int64_t ldc = l.n + 64;        // guard columns right of every row
   const bool f32 = c_dtype == DType::kFloat32;
@@ -120,8 +137,10 @@ void CheckAgainstCublas(const Layout& l, bool trans_b, DType c_dtype, bool split
 
   auto pgemm = PersistentGemm::Create();
   ASSERT_TRUE(pgemm.ok()) << pgemm.status();
-  (*pgemm)->set_stream_k(split);
-  (*pgemm)->set_interleave(interleave);
+  (*pgemm)->set_stream_k(mode.split);
+  (*pgemm)->set_interleave(mode.interleave);
+  (*pgemm)->set_cluster(mode.cluster);
+  (*pgemm)->set_wide_store(mode.wide_store);
   std::vector<unsigned char> got(c.bytes()), again(c.bytes()), want(ref.bytes());
   for (int run = 0; run < 2; ++run) {
     c.Poison();
@@ -161,10 +180,9 @@ void CheckAgainstCublas(const Layout& l, bool trans_b, DType c_dtype, bool split
   ASSERT_GT(max_ref, 0.0);
   // Both sides accumulate in fp32 in different orders; bf16 output rounds to 8 bits.
   EXPECT_LT(max_diff / max_ref, f32 ? 1e-5 : 1e-2);
-  std::printf("[ PERSISTENT ] n %-5lld k %-5lld %-3s %-4s %-13s %-11s max|diff|/max|ref| %.2e\n",
+  std::printf("[ PERSISTENT ] n %-5lld k %-5lld %-3s %-4s %-45s max|diff|/max|ref| %.2e\n",
               static_cast<long long>(l.n), static_cast<long long>(l.k), trans_b ? "B^T" : "B",
-              f32 ? "fp32" : "bf16", split ? "split tail" : "data-parallel",
-              interleave ? "interleaved" : "in order", max_diff / max_ref);
+              f32 ? "fp32" : "bf16", mode.Name(), max_diff / max_ref);
 }
 
 TEST(PersistentGemm, AppliesOnlyToWhatTheKernelSupports) {
@@ -214,14 +232,26 @@ TEST_P(PersistentVsCublas, EveryPath) {
   if (!PersistentGemm::Create().ok()) GTEST_SKIP() << "not an sm_90 device";
   const bool trans_b = std::get<0>(GetParam());
   const DType c_dtype = std::get<1>(GetParam()) ? DType::kFloat32 : DType::kBFloat16;
-  // 43 row tiles x 4 column tiles = 172 tiles: one data-parallel wave and a tail of 40 tiles split
-  // in 3 on 132 SMs; with zero-row, one-row and non-multiple-of-128 groups.
+  // 43 row tiles (700 = 6, 0, 1 = 1, 129 = 2, 300 = 3, 2000 = 16, 63 = 1, 1600 = 13, 8 = 1) x 4
+  // column tiles. In clusters of two: units of two row tiles sharing the weights, and for a group's
+  // odd last row tile two column tiles sharing the rows: 86 units, one wave of 66 clusters and a
+  // tail of 20 units split in 3. Without clusters: 172 tiles, one wave of 132 and a tail of 40
+  // split in 3. Zero-row, one-row and non-multiple-of-128 groups.
   const Layout waves{{700, 0, 1, 129, 300, 2000, 63, 1600, 8}, 1024, 1024};
-  // 4 tiles: the whole launch is a split tail.
+  // A few tiles: the whole launch is a split tail.
   const Layout tail{{5, 300}, 1024, 1024};
-  for (bool split : {true, false}) CheckAgainstCublas(waves, trans_b, c_dtype, split, false);
-  CheckAgainstCublas(waves, trans_b, c_dtype, true, true);
-  CheckAgainstCublas(tail, trans_b, c_dtype, true, false);
+  // Three column tiles (n = 768): no pairs, so no clusters.
+  const Layout odd_columns{{700, 0, 1, 300, 63}, 768, 512};
+  Mode whole, interleaved, no_cluster, narrow;
+  whole.split = false;
+  interleaved.interleave = true;
+  no_cluster.cluster = false;
+  narrow.wide_store = false;
+  for (const Mode& m : {Mode{}, whole, interleaved, no_cluster, narrow}) {
+    CheckAgainstCublas(waves, trans_b, c_dtype, m);
+  }
+  for (const Mode& m : {Mode{}, no_cluster}) CheckAgainstCublas(tail, trans_b, c_dtype, m);
+  CheckAgainstCublas(odd_columns, trans_b, c_dtype, Mode{});
 }
 
 INSTANTIATE_TEST_SUITE_P(Forms, PersistentVsCublas, ::testing::Combine(::testing::Bool(), ::testing::Bool()),

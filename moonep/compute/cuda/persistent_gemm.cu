@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <mutex>
 
 #include "moonep/compute/cuda/cuda_check.h"
 #include "moonep/core/status.h"
@@ -30,12 +31,14 @@ struct Params {
   void* c[kMaxG];
   int64_t ldc[kMaxG];
   int32_t rows[kMaxG];
-  int32_t tile_start[kMaxG + 1];  // prefix of the groups' tile counts
-  int32_t num_groups, n_tiles, k_iters, total_tiles;
-  int32_t dp_tiles;    // tiles [0, dp_tiles) run whole, tile t on CTA t % gridDim.x
-  int32_t tail_split;  // the remaining tiles run in tail_split K-parts each, part u on CTA u
+  int32_t m_tiles[kMaxG];          // row tiles of each group
+  int32_t unit_start[kMaxG + 1];   // prefix of the groups' units (a unit = one tile per cluster CTA)
+  int32_t num_groups, n_tiles, k_iters, total_units;
+  int32_t dp_units;    // units [0, dp_units) run whole, unit u on cluster u % clusters
+  int32_t tail_split;  // the remaining units run in tail_split K-parts each, part v on cluster v
   float* partials;
   int32_t* counters;
+  int32_t wide_store;  // bf16 epilogue: 16-byte stores after a transpose inside each quad of lanes
 };
 static_assert(sizeof(Params) <= 32000, "kernel parameters exceed CUDA's 32 KiB");
 
@@ -85,6 +88,30 @@ __device__ __forceinline__ void TmaLoad2d(void* dst, const CUtensorMap* map, int
       " [%0], [%1, {%2, %3}], [%4];" ::"r"(SmemAddr(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(SmemAddr(bar))
       : "memory");
+}
+// The same, delivered to the same shared-memory offset (and barrier) of every CTA in `mask`.
+__device__ __forceinline__ void TmaLoad2dMulticast(void* dst, const CUtensorMap* map, int c0, int c1,
+                                                   uint64_t* bar, uint16_t mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(SmemAddr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(SmemAddr(bar)), "h"(mask)
+      : "memory");
+}
+// Arrives on the barrier at the same offset in cluster CTA `rank`.
+__device__ __forceinline__ void MbarArriveCluster(uint64_t* bar, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(SmemAddr(bar)), "r"(rank));
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
+// Not .aligned: the producer warp's lanes reach it at different times.
+__device__ __forceinline__ void ClusterSync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
+__device__ __forceinline__ uint32_t ClusterRank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
 }
 __device__ __forceinline__ void WgmmaFence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void WgmmaCommit() {
@@ -145,192 +172,284 @@ __device__ __forceinline__ void Wgmma(float* d, uint64_t da, uint64_t db) {
 }
 #endif  // MOONEP_SM90A
 
-// Calls f(tile, k_begin, k_end) for every unit of work of this CTA, in order: its whole tiles
-// (tile t on CTA t % gridDim.x), then at most one K-part of a tail tile. All CTAs reach the tail
-// together and part j of every tail tile covers the same K-steps, so the parts that share rows or
-// weights read them at the same time (from L2).
-template <typename F>
+// Calls f(unit, k_begin, k_end) for every unit of work of this CTA's cluster, in order: its whole
+// units (unit u on cluster u % clusters), then at most one K-part of a tail unit. All clusters
+// reach the tail together and part j of every tail unit covers the same K-steps, so the parts that
+// share rows or weights read them at the same time (from L2).
+template <int kCluster, typename F>
 __device__ __forceinline__ void ForEachUnit(const Params& p, F&& f) {
-  for (int t = blockIdx.x; t < p.dp_tiles; t += gridDim.x) f(t, 0, p.k_iters);
-  const int u = blockIdx.x;
-  if (u >= (p.total_tiles - p.dp_tiles) * p.tail_split) return;
-  const int j = u % p.tail_split;
-  f(p.dp_tiles + u / p.tail_split, j * p.k_iters / p.tail_split,
+  const int cluster = blockIdx.x / kCluster, clusters = gridDim.x / kCluster;
+  for (int u = cluster; u < p.dp_units; u += clusters) f(u, 0, p.k_iters);
+  if (cluster >= (p.total_units - p.dp_units) * p.tail_split) return;
+  const int j = cluster % p.tail_split;
+  f(p.dp_units + cluster / p.tail_split, j * p.k_iters / p.tail_split,
     (j + 1) * p.k_iters / p.tail_split);
 }
 
-__device__ __forceinline__ void DecodeTile(const Params& p, int t, int* g, int* mt, int* nt) {
-  int lo = 0;
-  while (lo + 1 < p.num_groups && p.tile_start[lo + 1] <= t) ++lo;
-  const int local = t - p.tile_start[lo];
-  *g = lo;
-  *mt = local / p.n_tiles;
-  *nt = local % p.n_tiles;
+// This CTA's tile of a unit. Without clusters a unit is one tile (row tiles, column tiles
+// fastest). With clusters of two, a unit is two tiles: rows [mt, mt + 1) x one column tile, the two
+// CTAs sharing the B tile (each loads half and multicasts it), or, for a group's odd last row
+// tile, one row tile x two column tiles, sharing the A tile.
+struct Tile {
+  int g, mt, nt;
+  bool share_b;
+};
+template <int kCluster>
+__device__ __forceinline__ Tile DecodeUnit(const Params& p, int u, int rank) {
+  int g = 0;
+  while (g + 1 < p.num_groups && p.unit_start[g + 1] <= u) ++g;
+  const int local = u - p.unit_start[g];
+  Tile t;
+  t.g = g;
+  t.share_b = true;
+  if (kCluster == 1) {
+    t.mt = local / p.n_tiles;
+    t.nt = local % p.n_tiles;
+    return t;
+  }
+  const int row_pairs = (p.m_tiles[g] / 2) * p.n_tiles;
+  if (local < row_pairs) {
+    t.mt = 2 * (local / p.n_tiles) + rank;
+    t.nt = local % p.n_tiles;
+  } else {
+    t.share_b = false;
+    t.mt = p.m_tiles[g] - 1;
+    t.nt = 2 * (local - row_pairs) + rank;
+  }
+  return t;
 }
 
-template <bool kTransB, bool kOutF32>
+template <bool kTransB, bool kOutF32, int kCluster>
 __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid_constant__ Params p) {
 #ifdef MOONEP_SM90A
   extern __shared__ unsigned char smem_raw[];
+  // The same offsets in every CTA of a cluster (multicast writes to the same addresses).
   unsigned char* smem = reinterpret_cast<unsigned char*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  unsigned char* sa = smem;                      // [kStages][kBM][kBK]
+  unsigned char* sa = smem;                      // [kStages][kBM][kBK]: two 64-row boxes
   unsigned char* sb = smem + kStages * kABytes;  // [kStages][kBBytes]
   uint64_t* full = reinterpret_cast<uint64_t*>(sb + kStages * kBBytes);
   uint64_t* empty = full + kStages;
   int* last_flag = reinterpret_cast<int*>(empty + kStages);
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+  const int rank = kCluster == 1 ? 0 : static_cast<int>(ClusterRank());
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       MbarInit(&full[s], 1);
-      MbarInit(&empty[s], 2);
+      // A stage is free once both consumer warpgroups of every CTA that receives its loads are
+      // done with it.
+      MbarInit(&empty[s], 2 * kCluster);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  __syncthreads();
+  if (kCluster > 1) {
+    ClusterSync();  // peers' barriers exist before anything is multicast or arrived on
+  } else {
+    __syncthreads();
+  }
 
   if (wg == 0) {
-    // Producer: one thread issues every TMA load.
+    // Producer: one thread issues every TMA load. Per stage this CTA receives A [128 x 64] and
+    // B [64 x 256] (48 KiB): its own loads plus, in a cluster, the half its peer multicasts.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-    if (tid != 0) return;
-    int stage = 0;
-    uint32_t phase = 0;
-    ForEachUnit(p, [&](int t, int k0, int k1) {
-      int g, mt, nt;
-      DecodeTile(p, t, &g, &mt, &nt);
-      for (int k = k0; k < k1; ++k) {
-        MbarWait(&empty[stage], phase ^ 1);
-        MbarExpectTx(&full[stage], kABytes + kBBytes);
-        TmaLoad2d(sa + stage * kABytes, &p.a_map[g], k * kBK, mt * kBM, &full[stage]);
-        unsigned char* b = sb + stage * kBBytes;
-        if (kTransB) {
-          TmaLoad2d(b, &p.b_map[g], k * kBK, nt * kBN, &full[stage]);
-        } else {
-          for (int j = 0; j < kBN / 64; ++j) {
-            TmaLoad2d(b + j * (64 * kBK * 2), &p.b_map[g], nt * kBN + j * 64, k * kBK, &full[stage]);
+    if (tid == 0) {
+      constexpr uint16_t kBoth = 0x3;
+      int stage = 0;
+      uint32_t phase = 0;
+      ForEachUnit<kCluster>(p, [&](int u, int k0, int k1) {
+        const Tile t = DecodeUnit<kCluster>(p, u, rank);
+        const bool mc_a = kCluster > 1 && !t.share_b, mc_b = kCluster > 1 && t.share_b;
+        for (int k = k0; k < k1; ++k) {
+          MbarWait(&empty[stage], phase ^ 1);
+          MbarExpectTx(&full[stage], kABytes + kBBytes);
+          unsigned char* a = sa + stage * kABytes;
+          unsigned char* b = sb + stage * kBBytes;
+          const int kc = k * kBK;
+          if (mc_a) {  // the two CTAs share the row tile: each loads 64 rows for both
+            TmaLoad2dMulticast(a + rank * 8192, &p.a_map[t.g], kc, t.mt * kBM + 64 * rank, &full[stage], kBoth);
+          } else {
+            TmaLoad2d(a, &p.a_map[t.g], kc, t.mt * kBM, &full[stage]);
+            TmaLoad2d(a + 8192, &p.a_map[t.g], kc, t.mt * kBM + 64, &full[stage]);
+          }
+          if (kTransB) {  // B as [n][k]: two boxes of 128 columns
+            if (mc_b) {
+              TmaLoad2dMulticast(b + rank * 16384, &p.b_map[t.g], kc, t.nt * kBN + 128 * rank, &full[stage], kBoth);
+            } else {
+              TmaLoad2d(b, &p.b_map[t.g], kc, t.nt * kBN, &full[stage]);
+              TmaLoad2d(b + 16384, &p.b_map[t.g], kc, t.nt * kBN + 128, &full[stage]);
+            }
+          } else {  // B as [k][n]: four boxes of 64 columns
+            for (int j = 0; j < kBN / 64; ++j) {
+              if (!mc_b) {
+                TmaLoad2d(b + j * 8192, &p.b_map[t.g], t.nt * kBN + j * 64, kc, &full[stage]);
+              } else if (j / 2 == rank) {
+                TmaLoad2dMulticast(b + j * 8192, &p.b_map[t.g], t.nt * kBN + j * 64, kc, &full[stage], kBoth);
+              }
+            }
+          }
+          if (++stage == kStages) {
+            stage = 0;
+            phase ^= 1;
           }
         }
+      });
+    }
+  } else {
+    // Consumers: warpgroup c computes rows [64c, 64c + 64) of each tile.
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    const int c = wg - 1;
+    const int ct = threadIdx.x - 128;  // 0..255
+    const int warp = tid / 32, lane = tid % 32;
+    const uint32_t peer = static_cast<uint32_t>(rank ^ 1);
+    auto release = [&](int s) {
+      if (tid == 0) MbarArrive(&empty[s]);
+      if (kCluster > 1 && tid == 32) MbarArriveCluster(&empty[s], peer);
+    };
+    int stage = 0;
+    uint32_t phase = 0;
+    ForEachUnit<kCluster>(p, [&](int u, int k0, int k1) {
+      const Tile t = DecodeUnit<kCluster>(p, u, rank);
+      float acc[128];
+#pragma unroll
+      for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+      int prev = -1;
+      for (int k = k0; k < k1; ++k) {
+        MbarWait(&full[stage], phase);
+        WgmmaFence();
+        const uint32_t a_base = SmemAddr(sa + stage * kABytes) + c * 64 * 128;
+        const uint32_t b_base = SmemAddr(sb + stage * kBBytes);
+#pragma unroll
+        for (int kk = 0; kk < kBK / 16; ++kk) {
+          const uint64_t da = Desc(a_base + kk * 32, 16, 1024);
+          // K-major B ([n][64 k] rows of 128 bytes): like A. N-major B: four 64-column blocks of
+          // [64 k][64 n] (8 KiB apart: the leading offset), 8-row groups 1 KiB apart (the stride
+          // offset; the probe measured the two swapped as wrong).
+          const uint64_t db = kTransB ? Desc(b_base + kk * 32, 16, 1024)
+                                      : Desc(b_base + kk * 16 * 128, 64 * kBK * 2, 1024);
+          Wgmma<kTransB ? 0 : 1>(acc, da, db);
+        }
+        WgmmaCommit();
+        WgmmaWait<1>();
+        if (prev >= 0) release(prev);
+        prev = stage;
         if (++stage == kStages) {
           stage = 0;
           phase ^= 1;
         }
       }
-    });
-    return;
-  }
+      WgmmaWait<0>();
+      if (prev >= 0) release(prev);
 
-  // Consumers: warpgroup c computes rows [64c, 64c + 64) of each tile.
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
-  const int c = wg - 1;
-  const int ct = threadIdx.x - 128;  // 0..255
-  const int warp = tid / 32, lane = tid % 32;
-  int stage = 0;
-  uint32_t phase = 0;
-  ForEachUnit(p, [&](int t, int k0, int k1) {
-    float acc[128];
+      if (k0 != 0 || k1 != p.k_iters) {
+        // A split tile: publish this part; the part that arrives last sums all parts in order.
+        // Parts are clusters first..last; each CTA rank has its own slots and counter.
+        const int first = (u - p.dp_units) * p.tail_split;
+        const int last = first + p.tail_split - 1;
+        auto slot = [&](int b) {
+          return reinterpret_cast<float4*>(p.partials) +
+                 static_cast<size_t>(b * kCluster + rank) * (kTileFloats / 4);
+        };
+        float4* mine = slot(blockIdx.x / kCluster);
 #pragma unroll
-    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-    int prev = -1;
-    for (int k = k0; k < k1; ++k) {
-      MbarWait(&full[stage], phase);
-      WgmmaFence();
-      const uint32_t a_base = SmemAddr(sa + stage * kABytes) + c * 64 * 128;
-      const uint32_t b_base = SmemAddr(sb + stage * kBBytes);
-#pragma unroll
-      for (int kk = 0; kk < kBK / 16; ++kk) {
-        const uint64_t da = Desc(a_base + kk * 32, 16, 1024);
-        // K-major B ([n][64 k] rows of 128 bytes): like A. N-major B: four 64-column blocks of
-        // [64 k][64 n] (8 KiB apart: the leading offset), 8-row groups 1 KiB apart (the stride
-        // offset; the probe measured the two swapped as wrong).
-        const uint64_t db = kTransB ? Desc(b_base + kk * 32, 16, 1024)
-                                    : Desc(b_base + kk * 16 * 128, 64 * kBK * 2, 1024);
-        Wgmma<kTransB ? 0 : 1>(acc, da, db);
-      }
-      WgmmaCommit();
-      WgmmaWait<1>();
-      if (prev >= 0 && tid == 0) MbarArrive(&empty[prev]);
-      prev = stage;
-      if (++stage == kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
-    }
-    WgmmaWait<0>();
-    if (prev >= 0 && tid == 0) MbarArrive(&empty[prev]);
-
-    int g, mt, nt;
-    DecodeTile(p, t, &g, &mt, &nt);
-    if (k0 != 0 || k1 != p.k_iters) {
-      // A split tile: publish this part; the part that arrives last sums all parts in order.
-      const int first = (t - p.dp_tiles) * p.tail_split;
-      const int last = first + p.tail_split - 1;
-      auto slot = [&](int b) {
-        return reinterpret_cast<float4*>(p.partials) + static_cast<size_t>(b) * (kTileFloats / 4);
-      };
-      float4* mine = slot(blockIdx.x);
-#pragma unroll
-      for (int q = 0; q < 32; ++q) {
-        __stcg(&mine[q * 256 + ct], make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]));
-      }
-      __threadfence();
-      ConsumerBarrier();
-      if (ct == 0) {
-        const int old = atomicAdd(&p.counters[first], 1);
-        const int is_last = old == last - first;
-        if (is_last) p.counters[first] = 0;  // every part has counted: ready for the next launch
-        *last_flag = is_last;
-      }
-      ConsumerBarrier();
-      if (*last_flag == 0) return;
-      __threadfence();
-      // Sum in part order; 32 independent loads per part keep many requests in flight.
-      const float4* part = slot(first);
-#pragma unroll
-      for (int q = 0; q < 32; ++q) {
-        const float4 v = __ldcg(&part[q * 256 + ct]);
-        acc[4 * q] = v.x;
-        acc[4 * q + 1] = v.y;
-        acc[4 * q + 2] = v.z;
-        acc[4 * q + 3] = v.w;
-      }
-      for (int b = first + 1; b <= last; ++b) {
-        part = slot(b);
+        for (int q = 0; q < 32; ++q) {
+          __stcg(&mine[q * 256 + ct], make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]));
+        }
+        __threadfence();
+        ConsumerBarrier();
+        if (ct == 0) {
+          int32_t* counter = &p.counters[first * kCluster + rank];
+          const int old = atomicAdd(counter, 1);
+          const int is_last = old == last - first;
+          if (is_last) *counter = 0;  // every part has counted: ready for the next launch
+          *last_flag = is_last;
+        }
+        ConsumerBarrier();
+        if (*last_flag == 0) return;
+        __threadfence();
+        // Sum in part order; 32 independent loads per part keep many requests in flight.
+        const float4* part = slot(first);
 #pragma unroll
         for (int q = 0; q < 32; ++q) {
           const float4 v = __ldcg(&part[q * 256 + ct]);
-          acc[4 * q] += v.x;
-          acc[4 * q + 1] += v.y;
-          acc[4 * q + 2] += v.z;
-          acc[4 * q + 3] += v.w;
+          acc[4 * q] = v.x;
+          acc[4 * q + 1] = v.y;
+          acc[4 * q + 2] = v.z;
+          acc[4 * q + 3] = v.w;
+        }
+        for (int b = first + 1; b <= last; ++b) {
+          part = slot(b);
+#pragma unroll
+          for (int q = 0; q < 32; ++q) {
+            const float4 v = __ldcg(&part[q * 256 + ct]);
+            acc[4 * q] += v.x;
+            acc[4 * q + 1] += v.y;
+            acc[4 * q + 2] += v.z;
+            acc[4 * q + 3] += v.w;
+          }
         }
       }
-    }
-    // Store: accumulator j*4 + {0,1} is (row lane/4, columns 8j + 2(lane%4) + {0,1}) of this
-    // warp's 16 rows, j*4 + {2,3} the same 8 rows further down.
-    const int rows = p.rows[g];
-    const int r0 = mt * kBM + c * 64 + warp * 16 + lane / 4;
-    const int col0 = nt * kBN + 2 * (lane % 4);
-    const int64_t ldc = p.ldc[g];
+      // Store: accumulator j*4 + {0,1} is (row lane/4, columns 8j + 2(lane%4) + {0,1}) of this
+      // warp's 16 rows, j*4 + {2,3} the same 8 rows further down.
+      const int rows = p.rows[t.g];
+      const int r0 = t.mt * kBM + c * 64 + warp * 16 + lane / 4;
+      const int col0 = t.nt * kBN + 2 * (lane % 4);
+      const int64_t ldc = p.ldc[t.g];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = r0 + 8 * h;
-      if (r >= rows) continue;
-      if (kOutF32) {
-        float* out = static_cast<float*>(p.c[g]) + r * ldc + col0;
+      for (int h = 0; h < 2; ++h) {
+        const int r = r0 + 8 * h;
+        const bool valid = r < rows;  // (the transposing store needs every lane of the warp)
+        if (kOutF32) {
+          if (!valid) continue;
+          float* out = static_cast<float*>(p.c[t.g]) + r * ldc + col0;
 #pragma unroll
-        for (int j = 0; j < 32; ++j) {
-          *reinterpret_cast<float2*>(out + 8 * j) = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-        }
-      } else {
-        __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.c[g]) + r * ldc + col0;
+          for (int j = 0; j < 32; ++j) {
+            *reinterpret_cast<float2*>(out + 8 * j) = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+          }
+        } else if (p.wide_store) {
+          // Lane q of a quad holds columns 8j + 2q, +1 of every block j; after a transpose of
+          // each 4 x 4 (lanes x blocks 4m..4m+3), lane q holds all 8 columns of block 4m + q: one
+          // 16-byte store per block, the quad's four covering 64 contiguous bytes.
+          const int q = lane % 4;
+          __nv_bfloat16* row_out = static_cast<__nv_bfloat16*>(p.c[t.g]) + r * ldc + t.nt * kBN;
 #pragma unroll
-        for (int j = 0; j < 32; ++j) {
-          *reinterpret_cast<__nv_bfloat162*>(out + 8 * j) =
-              __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+          for (int m = 0; m < 8; ++m) {
+            uint32_t v[4], got[4] = {0, 0, 0, 0};
+#pragma unroll
+            for (int jj = 0; jj < 4; ++jj) {
+              const int j = 4 * m + jj;
+              const __nv_bfloat162 b = __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+              v[jj] = *reinterpret_cast<const uint32_t*>(&b);
+            }
+#pragma unroll
+            for (int round = 0; round < 4; ++round) {
+              // Send block (q + round) % 4 to lane q + round; receive from lane q - round its
+              // columns of block 4m + q.
+              const int send_i = (q + round) & 3, src = (q - round) & 3;
+              const uint32_t send = send_i == 0 ? v[0] : send_i == 1 ? v[1] : send_i == 2 ? v[2] : v[3];
+              const uint32_t recv = __shfl_sync(0xffffffffu, send, (lane & ~3) | src);
+              got[0] = src == 0 ? recv : got[0];
+              got[1] = src == 1 ? recv : got[1];
+              got[2] = src == 2 ? recv : got[2];
+              got[3] = src == 3 ? recv : got[3];
+            }
+            if (valid) {
+              *reinterpret_cast<uint4*>(row_out + 8 * (4 * m + q)) = make_uint4(got[0], got[1], got[2], got[3]);
+            }
+          }
+        } else {
+          if (!valid) continue;
+          __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.c[t.g]) + r * ldc + col0;
+#pragma unroll
+          for (int j = 0; j < 32; ++j) {
+            *reinterpret_cast<__nv_bfloat162*>(out + 8 * j) =
+                __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+          }
         }
       }
-    }
-  });
+    });
+  }
+  // No CTA leaves while its peer may still arrive on its barriers.
+  if (kCluster > 1) ClusterSync();
 #endif  // MOONEP_SM90A
 }
 
@@ -349,14 +468,78 @@ bool Encode(void* fn, CUtensorMap* map, const void* base, uint64_t inner, uint64
                                         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-template <bool kTransB, bool kOutF32>
-absl::Status Launch(const Params& p, int grid, cudaStream_t stream) {
-  static const cudaError_t attr = cudaFuncSetAttribute(
-      PersistentGemmKernel<kTransB, kOutF32>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-      static_cast<int>(kSmemBytes));
-  MOONEP_CUDA_RETURN_IF_ERROR(attr);
-  PersistentGemmKernel<kTransB, kOutF32><<<grid, kThreads, kSmemBytes, stream>>>(p);
-  return CudaStatus(cudaGetLastError(), "persistent grouped GEMM launch");
+// One instantiation of the kernel: its launch set-up, done once (dynamic shared memory, and how
+// many clusters of two fit on the device at once), then the schedule and the launch.
+template <bool kTransB, bool kOutF32, int kCluster>
+struct Instance {
+  static constexpr auto kKernel = PersistentGemmKernel<kTransB, kOutF32, kCluster>;
+
+  static void Configure(cudaLaunchConfig_t* cfg, cudaLaunchAttribute* attr, int ctas, cudaStream_t stream) {
+    *cfg = cudaLaunchConfig_t{};
+    cfg->gridDim = dim3(static_cast<unsigned>(ctas));
+    cfg->blockDim = dim3(kThreads);
+    cfg->dynamicSmemBytes = kSmemBytes;
+    cfg->stream = stream;
+    attr->id = cudaLaunchAttributeClusterDimension;
+    attr->val.clusterDim.x = kCluster;
+    attr->val.clusterDim.y = 1;
+    attr->val.clusterDim.z = 1;
+    cfg->attrs = attr;
+    cfg->numAttrs = 1;
+  }
+
+  // Units that run at once: CTAs, or clusters of two that fit together.
+  static absl::StatusOr<int> Slots(int sms) {
+    static std::once_flag once;
+    static cudaError_t err = cudaSuccess;
+    static int slots = 0;
+    std::call_once(once, [&] {
+      err = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(kSmemBytes));
+      slots = sms / kCluster;
+      if (err == cudaSuccess && kCluster > 1) {
+        cudaLaunchConfig_t cfg;
+        cudaLaunchAttribute attr;
+        Configure(&cfg, &attr, sms / kCluster * kCluster, nullptr);
+        err = cudaOccupancyMaxActiveClusters(&slots, kKernel, &cfg);
+      }
+    });
+    MOONEP_CUDA_RETURN_IF_ERROR(err);
+    if (slots < 1) return Internal("persistent GEMM: no cluster of %d CTAs fits on the device", kCluster);
+    return slots;
+  }
+
+  static absl::Status Run(Params* p, int sms, int max_split, bool split_tail,
+                          int* used_slots, cudaStream_t stream) {
+    MOONEP_ASSIGN_OR_RETURN(int slots, Slots(sms));
+    *used_slots = slots;
+    const int units = p->total_units;
+    int clusters = std::min(units, slots);
+    p->dp_units = units;
+    p->tail_split = 1;
+    const int rest = units % slots;
+    // The last, partial wave: its units are cut into K-parts so that every slot has one part (at
+    // least 4 K-steps each); whole waves before it run data-parallel.
+    const int split = rest == 0 ? 1 : std::min({slots / rest, p->k_iters / 4, max_split});
+    if (split_tail && split >= 2) {
+      p->dp_units = units - rest;
+      p->tail_split = split;
+      clusters = std::max(units >= slots ? slots : 0, rest * split);
+    }
+    cudaLaunchConfig_t cfg;
+    cudaLaunchAttribute attr;
+    Configure(&cfg, &attr, clusters * kCluster, stream);
+    MOONEP_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kKernel, *p));
+    return CudaStatus(cudaGetLastError(), "persistent grouped GEMM launch");
+  }
+};
+
+template <int kCluster, typename... Args>
+absl::Status RunInstance(bool trans_b, bool f32, Args... args) {
+  if (trans_b && f32) return Instance<true, true, kCluster>::Run(args...);
+  if (trans_b) return Instance<true, false, kCluster>::Run(args...);
+  if (f32) return Instance<false, true, kCluster>::Run(args...);
+  return Instance<false, false, kCluster>::Run(args...);
 }
 
 }  // namespace
@@ -437,54 +620,41 @@ absl::Status PersistentGemm::Run(cudaStream_t stream, bool trans_b, DType c_dtyp
     }
     order_.swap(scratch_);
   }
+  // Clusters of two CTAs share half of every load; they need an even number of column tiles.
+  const bool cluster = cluster_ && n_tiles % 2 == 0;
   size_t next = 0;
   while (next < order_.size()) {
-    int ng = 0, tiles = 0;
-    p->tile_start[0] = 0;
+    int ng = 0, units = 0;
+    p->unit_start[0] = 0;
     for (; next < order_.size() && ng < kMaxG; ++next) {
       const size_t i = static_cast<size_t>(order_[next]);
       const PersistentGroup& gr = groups[i];
+      // Boxes: A 64 rows x 64 k; B 64 k x 64 n (N-major) or 128 n x 64 k (K-major).
       const bool ok =
-          Encode(encode_, &p->a_map[ng], gr.a, k, gr.rows, gr.lda, kBK, kBM) &&
-          (trans_b ? Encode(encode_, &p->b_map[ng], gr.b, k, n, gr.ldb, kBK, kBN)
+          Encode(encode_, &p->a_map[ng], gr.a, k, gr.rows, gr.lda, kBK, 64) &&
+          (trans_b ? Encode(encode_, &p->b_map[ng], gr.b, k, n, gr.ldb, kBK, 128)
                    : Encode(encode_, &p->b_map[ng], gr.b, n, k, gr.ldb, 64, kBK));
       if (!ok) return Internal("persistent GEMM: cuTensorMapEncodeTiled refused group %d", i);
+      const int m_tiles = static_cast<int>((gr.rows + kBM - 1) / kBM);
       p->c[ng] = gr.c;
       p->ldc[ng] = gr.ldc;
       p->rows[ng] = static_cast<int32_t>(gr.rows);
-      tiles += static_cast<int>((gr.rows + kBM - 1) / kBM) * n_tiles;
-      p->tile_start[++ng] = tiles;
+      p->m_tiles[ng] = m_tiles;
+      units += cluster ? (m_tiles / 2) * n_tiles + (m_tiles % 2) * (n_tiles / 2) : m_tiles * n_tiles;
+      p->unit_start[++ng] = units;
     }
     if (ng == 0) break;
     p->num_groups = ng;
     p->n_tiles = n_tiles;
     p->k_iters = k_iters;
-    p->total_tiles = tiles;
+    p->total_units = units;
+    p->wide_store = wide_store_ ? 1 : 0;
     p->partials = partials_;
     p->counters = counters_;
-    const int sms = num_sms_;
-    int grid = std::min(tiles, sms);
-    p->dp_tiles = tiles;
-    p->tail_split = 1;
-    const int rest = tiles % sms;
-    // The last, partial wave: its tiles are cut into K-parts so that every SM has one part (at
-    // least 4 K-steps each); whole waves before it run data-parallel.
-    const int split = rest == 0 ? 1 : std::min({sms / rest, k_iters / 4, max_split_});
-    if (stream_k_ && split >= 2) {
-      p->dp_tiles = tiles - rest;
-      p->tail_split = split;
-      grid = std::max(tiles >= sms ? sms : 0, rest * split);
-    }
     const bool f32 = c_dtype == DType::kFloat32;
-    if (trans_b && f32) {
-      MOONEP_RETURN_IF_ERROR((Launch<true, true>(*p, grid, stream)));
-    } else if (trans_b) {
-      MOONEP_RETURN_IF_ERROR((Launch<true, false>(*p, grid, stream)));
-    } else if (f32) {
-      MOONEP_RETURN_IF_ERROR((Launch<false, true>(*p, grid, stream)));
-    } else {
-      MOONEP_RETURN_IF_ERROR((Launch<false, false>(*p, grid, stream)));
-    }
+    MOONEP_RETURN_IF_ERROR(
+        cluster ? RunInstance<2>(trans_b, f32, p, num_sms_, max_split_, stream_k_, &last_slots_, stream)
+                : RunInstance<1>(trans_b, f32, p, num_sms_, max_split_, stream_k_, &last_slots_, stream));
   }
   return absl::OkStatus();
 }
