@@ -166,6 +166,9 @@ struct PolicyScratch {
   std::vector<int32_t> donor_node;   // moonep: per donor, its node
   std::vector<int32_t> exact_fit_count;  // moonep: FillRoom's filter of exactly fitting values
   std::vector<int32_t> fill_candidates;  // moonep: FillRoom's donors with a large enough chunk
+  // moonep: each donor's experts by decreasing total (ties: lower id), as Balancer::Init sorted
+  // them before any move: the cross-check's GreedyFill starts from the same order.
+  std::vector<int32_t> donor_sorted;
   std::vector<int64_t> eplb_sum;    // running sum of totals since the last eplb re-plan
   int64_t eplb_steps_summed = 0;
   int64_t eplb_step = 0;
@@ -196,8 +199,11 @@ absl::Status DecideFasterMoEShadow(const PolicyInput& in, PolicyScratch* scratch
 absl::Status DecideTestForceReplicas(const PolicyInput& in, PolicyScratch* scratch, Decisions* out);
 
 // The published greedy's moves toward capacities `cap` (resets `dec`); true when all excess moved.
+// `sorted` (optional): each donor's experts by decreasing total, ties to the lower id, donors in
+// increasing rank (epn per donor), as moonep's Balancer::Init leaves them in donor_sorted for
+// the same capacities; used instead of sorting when its size matches.
 bool GreedyFill(const PolicyInput& in, absl::Span<const int64_t> cap, PolicyScratch* sc,
-                Decisions* dec);
+                Decisions* dec, const std::vector<int32_t>* sorted = nullptr);
 
 // Integer speed weights (all 1 without speeds): round(speed / max_speed * 2^20), at least 1.
 void SpeedWeights(const PlannerConfig& resolved, std::vector<int64_t>* weights);

@@ -1,6 +1,7 @@
 // Decisions bookkeeping and the baseline policies: none, moonep-greedy (the published MoonEP
 // greedy), fastermoe-shadow and the test-only test-force-replicas.
 #include <algorithm>
+#include <cassert>
 
 #include "moonep/core/status.h"
 #include "planner/planner.h"
@@ -237,7 +238,7 @@ absl::Status DecideNone(const PolicyInput&, PolicyScratch*, Decisions*) { return
 // the most room; inside the group the quota goes to the experts with the most remaining tokens
 // first. Same perfect-balance capacities as `moonep`, so the two are compared on equal targets.
 bool GreedyFill(const PolicyInput& in, absl::Span<const int64_t> cap, PolicyScratch* sc,
-                Decisions* dec) {
+                Decisions* dec, const std::vector<int32_t>* sorted) {
   const PlannerConfig& c = *in.config;
   const int32_t R = c.num_ranks, S = c.slots, epn = c.num_experts / R;
   dec->Reset(R, c.num_experts, S, in.totals);
@@ -273,16 +274,32 @@ bool GreedyFill(const PolicyInput& in, absl::Span<const int64_t> cap, PolicyScra
     const int64_t ka = keep[a], kb = keep[b];
     return ka != kb ? ka > kb : a < b;
   };
-  sc->order.resize(static_cast<size_t>(num_donors) * epn);
-  sc->greedy_rem.resize(static_cast<size_t>(num_donors) * epn);
-  for (int32_t i = 0; i < num_donors; ++i) {
-    const int32_t* local = in.plan->local_experts.data() + static_cast<size_t>(donors[i]) * epn;
-    int32_t* ord = sc->order.data() + static_cast<size_t>(i) * epn;
-    std::copy(local, local + epn, ord);
-    std::sort(ord, ord + epn, before);
-    int64_t* rem = sc->greedy_rem.data() + static_cast<size_t>(i) * epn;
-    for (int32_t g = 0; g < epn; ++g) rem[g] = keep[ord[g]];
+  const size_t n_sorted = static_cast<size_t>(num_donors) * epn;
+  sc->order.resize(n_sorted);
+  sc->greedy_rem.resize(n_sorted);
+  if (sorted != nullptr && sorted->size() == n_sorted) {
+    // keep = totals after Reset, so this is the order the sort below would give.
+    std::copy(sorted->begin(), sorted->end(), sc->order.begin());
+    for (size_t p = 0; p < n_sorted; ++p) sc->greedy_rem[p] = keep[sc->order[p]];
+  } else {
+    for (int32_t i = 0; i < num_donors; ++i) {
+      const int32_t* local = in.plan->local_experts.data() + static_cast<size_t>(donors[i]) * epn;
+      int32_t* ord = sc->order.data() + static_cast<size_t>(i) * epn;
+      std::copy(local, local + epn, ord);
+      std::sort(ord, ord + epn, before);
+      int64_t* rem = sc->greedy_rem.data() + static_cast<size_t>(i) * epn;
+      for (int32_t g = 0; g < epn; ++g) rem[g] = keep[ord[g]];
+    }
   }
+#ifndef NDEBUG
+  for (int32_t i = 0; i < num_donors; ++i) {
+    const int32_t* ord = sc->order.data() + static_cast<size_t>(i) * epn;
+    for (int32_t g = 0; g < epn; ++g) {
+      assert(in.plan->home[ord[g]] == donors[i]);
+      assert(g == 0 || before(ord[g - 1], ord[g]));
+    }
+  }
+#endif
   while (true) {
     const int32_t hi = sc->excess_tree.Top(), di = sc->room_tree.Top();
     if (hi < 0) return true;

@@ -90,6 +90,7 @@ struct Balancer {
         return in.totals[a] != in.totals[b] ? in.totals[a] > in.totals[b] : a < b;
       });
     }
+    sc.donor_sorted.assign(sc.order.begin(), sc.order.end());
     sc.donor_rem.resize(static_cast<size_t>(num_donors) * epn);
     for (size_t p = 0; p < sc.order.size(); ++p) sc.donor_rem[p] = Remaining(sc.order[p]);
     sc.donor_of.assign(in.config->num_experts, -1);
@@ -402,7 +403,7 @@ int32_t Replicas(const Decisions& dec) {
 // also balances perfectly, its decisions replace ours if they need fewer replicas, or as many
 // replicas and fewer travelling rows (more rows computed on their source rank). Ties keep ours.
 void KeepBetterOfGreedy(const PolicyInput& in, PolicyScratch* sc, Decisions* dec) {
-  if (!GreedyFill(in, sc->cap, sc, &sc->alt)) return;
+  if (!GreedyFill(in, sc->cap, sc, &sc->alt, &sc->donor_sorted)) return;
   const int32_t mine = Replicas(*dec), greedy = Replicas(sc->alt);
   bool take = greedy < mine;
   if (greedy == mine) {
