@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -69,6 +70,37 @@ inline double TimeMs(cudaStream_t stream, int reps, Fn&& fn) {
   CHECK_CUDA(cudaEventDestroy(b));
   std::sort(ms.begin(), ms.end());
   return ms[reps / 2];
+}
+
+// Median milliseconds of each of fns, timed in rounds (one run of every fn per round, `reps`
+// rounds, after 3 warm-up rounds) so that clock and temperature drifts hit all of them alike.
+inline std::vector<double> TimeInterleavedMs(cudaStream_t stream, int reps,
+                                             const std::vector<std::function<void()>>& fns) {
+  for (int i = 0; i < 3; ++i) {
+    for (const auto& fn : fns) fn();
+  }
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  cudaEvent_t a, b;
+  CHECK_CUDA(cudaEventCreate(&a));
+  CHECK_CUDA(cudaEventCreate(&b));
+  std::vector<std::vector<float>> ms(fns.size(), std::vector<float>(reps));
+  for (int r = 0; r < reps; ++r) {
+    for (size_t f = 0; f < fns.size(); ++f) {
+      CHECK_CUDA(cudaEventRecord(a, stream));
+      fns[f]();
+      CHECK_CUDA(cudaEventRecord(b, stream));
+      CHECK_CUDA(cudaEventSynchronize(b));
+      CHECK_CUDA(cudaEventElapsedTime(&ms[f][r], a, b));
+    }
+  }
+  CHECK_CUDA(cudaEventDestroy(a));
+  CHECK_CUDA(cudaEventDestroy(b));
+  std::vector<double> med;
+  for (auto& m : ms) {
+    std::sort(m.begin(), m.end());
+    med.push_back(m[reps / 2]);
+  }
+  return med;
 }
 
 // Uniform sizes, or Zipf(1.2) sizes of the same total shuffled over the groups.

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <numeric>
 #include <random>
@@ -272,11 +273,12 @@ int main(int argc, char** argv) {
     for (PersistentGroup& gr : groups) {
       gr.c = static_cast<char*>(y) + (static_cast<char*>(gr.c) - static_cast<char*>(y_ref));
     }
-    for (int variant = 0; variant < 5; ++variant) {
+    for (int variant = 0; variant < 7; ++variant) {
       (*pg)->set_stream_k(variant != 1);
       (*pg)->set_interleave(variant == 2);
-      (*pg)->set_cluster(variant != 3);
+      (*pg)->set_cluster(variant != 3 && variant != 6);
       (*pg)->set_wide_store(variant != 4);
+      (*pg)->set_narrow_tail(variant != 5 && variant != 6);
       CHECK_CUDA(cudaMemsetAsync(y, 0xFF, off * ch.n * ec, stream));  // NaN poison
       CHECK_CUDA(cudaMemsetAsync(cmp, 0, 3 * sizeof(float), stream));
       CHECK_OK((*pg)->Run(stream, ch.trans_b, ch.c, ch.n, ch.k, groups.data(), groups.size()));
@@ -294,7 +296,9 @@ int main(int argc, char** argv) {
                   : variant == 1 ? "data-par"
                   : variant == 2 ? "split-K interleaved"
                   : variant == 3 ? "no clusters"
-                                 : "4-byte stores",
+                  : variant == 4 ? "4-byte stores"
+                  : variant == 5 ? "whole-tile tail"
+                                 : "no clusters, whole-tile tail",
                   h[0],
                   h[1], h[0] / h[1], h[2], (h[2] == 0 && h[0] / h[1] < 1e-2) ? "OK" : "WRONG");
     }
@@ -302,6 +306,7 @@ int main(int argc, char** argv) {
     (*pg)->set_stream_k(true);
     (*pg)->set_cluster(true);
     (*pg)->set_wide_store(true);
+    (*pg)->set_narrow_tail(true);
   }
   std::fflush(stdout);
 
@@ -397,26 +402,41 @@ int main(int argc, char** argv) {
       const char* name;
       bool split, cluster, wide, interleave;
       int max_split;
+      bool narrow = true;
     };
     const PVariant pvariants[] = {{"pers", true, true, true, false, 8},
                                   {"pers-nocluster", true, false, true, false, 8},
                                   {"pers-narrow", true, true, false, false, 8},
                                   {"pers-dp", false, true, true, false, 8},
+                                  {"pers-wholetail", true, true, true, false, 8, false},
+                                  {"pers-nocluster-wholetail", true, false, true, false, 8, false},
                                   {"pers-split4", true, true, true, false, 4},
-                                  {"pers-split16", true, true, true, false, 16},
                                   {"pers-il", true, true, true, true, 8}};
+    // The dense GEMM and every variant timed in interleaved rounds (ratios to this dense figure).
+    std::vector<std::function<void()>> fns;
+    fns.push_back([&] {
+      CHECK_BLAS(cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, kI, static_cast<int>(total), kH, &one, w,
+                               CUDA_R_16BF, kI, x, CUDA_R_16BF, kH, &zero, y, CUDA_R_16BF, kI,
+                               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    });
     for (const PVariant& v : pvariants) {
       if (quick && &v != pvariants) break;
-      (*pg)->set_stream_k(v.split);
-      (*pg)->set_cluster(v.cluster);
-      (*pg)->set_wide_store(v.wide);
-      (*pg)->set_interleave(v.interleave);
-      (*pg)->set_max_split(v.max_split);
-      const double ms = TimeMs(stream, reps, [&] {
+      fns.push_back([&, v] {
+        (*pg)->set_stream_k(v.split);
+        (*pg)->set_cluster(v.cluster);
+        (*pg)->set_wide_store(v.wide);
+        (*pg)->set_interleave(v.interleave);
+        (*pg)->set_max_split(v.max_split);
+        (*pg)->set_narrow_tail(v.narrow);
         CHECK_OK((*pg)->Run(stream, false, DType::kBFloat16, kI, kH, pgroups.data(), pgroups.size()));
       });
-      add(v.name, ms);
-      std::snprintf(buf, sizeof(buf), "[%d]", (*pg)->last_slots());
+    }
+    const std::vector<double> ims = TimeInterleavedMs(stream, reps, fns);
+    std::snprintf(buf, sizeof(buf), "  | interleaved: dense %.0f", tf(ims[0]));
+    line += buf;
+    for (size_t f = 1; f < ims.size(); ++f) {
+      std::snprintf(buf, sizeof(buf), "  %s %.0f (%.2f, %.0f us)", pvariants[f - 1].name, tf(ims[f]),
+                    ims[0] / ims[f], 1e3 * ims[f]);
       line += buf;
     }
     (*pg)->set_stream_k(true);
@@ -424,6 +444,7 @@ int main(int argc, char** argv) {
     (*pg)->set_wide_store(true);
     (*pg)->set_interleave(false);
     (*pg)->set_max_split(8);
+    (*pg)->set_narrow_tail(true);
     {
       CHECK_CUDA(cudaMemsetAsync(cmp, 0, 3 * sizeof(float), stream));
       Compare<<<256, 256, 0, stream>>>(y, y_ref, total * kI, 0, cmp);

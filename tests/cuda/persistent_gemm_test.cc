@@ -67,11 +67,12 @@ struct Mode {
   bool interleave = false;
   bool cluster = true;     // clusters of two CTAs sharing loads (where n % 512 == 0)
   bool wide_store = true;  // bf16 epilogue through a quad transpose and 16-byte stores
+  bool narrow_tail = true; // the split tail in 128-column halves of the tiles
   const char* Name() const {
     static thread_local char buf[128];
-    std::snprintf(buf, sizeof(buf), "%s%s%s%s", split ? "split-tail" : "data-parallel",
+    std::snprintf(buf, sizeof(buf), "%s%s%s%s%s", split ? "split-tail" : "data-parallel",
                   interleave ? ",interleaved" : "", cluster ? ",clusters" : ",no-clusters",
-                  wide_store ? "" : ",4-byte-stores");
+                  wide_store ? "" : ",4-byte-stores", split && !narrow_tail ? ",whole-tile-tail" : "");
     return buf;
   }
 };
@@ -141,6 +142,7 @@ void CheckAgainstCublas(const Layout& l, bool trans_b, DType c_dtype, const Mode
   (*pgemm)->set_interleave(mode.interleave);
   (*pgemm)->set_cluster(mode.cluster);
   (*pgemm)->set_wide_store(mode.wide_store);
+  (*pgemm)->set_narrow_tail(mode.narrow_tail);
   std::vector<unsigned char> got(c.bytes()), again(c.bytes()), want(ref.bytes());
   for (int run = 0; run < 2; ++run) {
     c.Poison();
@@ -235,22 +237,26 @@ TEST_P(PersistentVsCublas, EveryPath) {
   // 43 row tiles (700 = 6, 0, 1 = 1, 129 = 2, 300 = 3, 2000 = 16, 63 = 1, 1600 = 13, 8 = 1) x 4
   // column tiles. In clusters of two: units of two row tiles sharing the weights, and for a group's
   // odd last row tile two column tiles sharing the rows: 86 units, one wave of 66 clusters and a
-  // tail of 20 units split in 3. Without clusters: 172 tiles, one wave of 132 and a tail of 40
-  // split in 3. Zero-row, one-row and non-multiple-of-128 groups.
+  // tail of 20 units = 40 narrow units split in 1 (whole-tile tail: 20 units split in 3). Without
+  // clusters: 172 tiles, one wave of 132 and a tail of 40 = 80 narrow tiles (whole: split in 3).
+  // Zero-row, one-row and non-multiple-of-128 groups. (On 132 SMs.)
   const Layout waves{{700, 0, 1, 129, 300, 2000, 63, 1600, 8}, 1024, 1024};
   // A few tiles: the whole launch is a split tail.
   const Layout tail{{5, 300}, 1024, 1024};
   // Three column tiles (n = 768): no pairs, so no clusters.
   const Layout odd_columns{{700, 0, 1, 300, 63}, 768, 512};
-  Mode whole, interleaved, no_cluster, narrow;
+  Mode whole, interleaved, no_cluster, narrow, whole_tail, no_cluster_whole_tail;
   whole.split = false;
   interleaved.interleave = true;
   no_cluster.cluster = false;
   narrow.wide_store = false;
-  for (const Mode& m : {Mode{}, whole, interleaved, no_cluster, narrow}) {
+  whole_tail.narrow_tail = false;
+  no_cluster_whole_tail.cluster = no_cluster_whole_tail.narrow_tail = false;
+  for (const Mode& m : {Mode{}, whole, interleaved, no_cluster, narrow, whole_tail, no_cluster_whole_tail}) {
     CheckAgainstCublas(waves, trans_b, c_dtype, m);
   }
-  for (const Mode& m : {Mode{}, no_cluster}) CheckAgainstCublas(tail, trans_b, c_dtype, m);
+  // tail: 4 row tiles x 4 = 16 tiles, 8 cluster units: 16 narrow units split in 4 (the fix-up).
+  for (const Mode& m : {Mode{}, no_cluster, whole_tail}) CheckAgainstCublas(tail, trans_b, c_dtype, m);
   CheckAgainstCublas(odd_columns, trans_b, c_dtype, Mode{});
 }
 

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <mutex>
 
 #include "moonep/compute/cuda/cuda_check.h"
@@ -36,6 +37,7 @@ struct Params {
   int32_t num_groups, n_tiles, k_iters, total_units;
   int32_t dp_units;    // units [0, dp_units) run whole, unit u on cluster u % clusters
   int32_t tail_split;  // the remaining units run in tail_split K-parts each, part v on cluster v
+  int32_t narrow_tail; // the tail's units run as two units of 128 columns each (halves of the tiles)
   float* partials;
   int32_t* counters;
   int32_t wide_store;  // bf16 epilogue: 16-byte stores after a transpose inside each quad of lanes
@@ -170,20 +172,54 @@ __device__ __forceinline__ void Wgmma(float* d, uint64_t da, uint64_t db) {
       : "l"(da), "l"(db), "r"(1), "n"(kTransB));
   // clang-format on
 }
+// D[64 x 128] += A[64 x 16] B[16 x 128]: the tail's narrow tiles.
+template <int kTransB>
+__device__ __forceinline__ void Wgmma128(float* d, uint64_t da, uint64_t db) {
+  // clang-format off
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, %64, %65, p, 1, 1, 0, %67;\n}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(1), "n"(kTransB));
+  // clang-format on
+}
+template <int kN, int kTransB>
+__device__ __forceinline__ void WgmmaN(float* d, uint64_t da, uint64_t db) {
+  if constexpr (kN == 256) {
+    Wgmma<kTransB>(d, da, db);
+  } else {
+    Wgmma128<kTransB>(d, da, db);
+  }
+}
 #endif  // MOONEP_SM90A
 
 // Calls f(unit, k_begin, k_end) for every unit of work of this CTA's cluster, in order: its whole
 // units (unit u on cluster u % clusters), then at most one K-part of a tail unit. All clusters
 // reach the tail together and part j of every tail unit covers the same K-steps, so the parts that
 // share rows or weights read them at the same time (from L2).
+// f's last argument: -1 for whole 256-column tiles, 0 or 1 for the narrow tail's column halves.
 template <int kCluster, typename F>
 __device__ __forceinline__ void ForEachUnit(const Params& p, F&& f) {
   const int cluster = blockIdx.x / kCluster, clusters = gridDim.x / kCluster;
-  for (int u = cluster; u < p.dp_units; u += clusters) f(u, 0, p.k_iters);
-  if (cluster >= (p.total_units - p.dp_units) * p.tail_split) return;
-  const int j = cluster % p.tail_split;
-  f(p.dp_units + cluster / p.tail_split, j * p.k_iters / p.tail_split,
-    (j + 1) * p.k_iters / p.tail_split);
+  for (int u = cluster; u < p.dp_units; u += clusters) f(u, 0, p.k_iters, -1);
+  const int items = (p.total_units - p.dp_units) * (p.narrow_tail ? 2 : 1);
+  if (cluster >= items * p.tail_split) return;
+  const int i = cluster / p.tail_split, j = cluster % p.tail_split;
+  f(p.dp_units + (p.narrow_tail ? i / 2 : i), j * p.k_iters / p.tail_split,
+    (j + 1) * p.k_iters / p.tail_split, p.narrow_tail ? i % 2 : -1);
 }
 
 // This CTA's tile of a unit. Without clusters a unit is one tile (row tiles, column tiles
@@ -256,12 +292,12 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
       constexpr uint16_t kBoth = 0x3;
       int stage = 0;
       uint32_t phase = 0;
-      ForEachUnit<kCluster>(p, [&](int u, int k0, int k1) {
+      ForEachUnit<kCluster>(p, [&](int u, int k0, int k1, int h) {
         const Tile t = DecodeUnit<kCluster>(p, u, rank);
         const bool mc_a = kCluster > 1 && !t.share_b, mc_b = kCluster > 1 && t.share_b;
         for (int k = k0; k < k1; ++k) {
           MbarWait(&empty[stage], phase ^ 1);
-          MbarExpectTx(&full[stage], kABytes + kBBytes);
+          MbarExpectTx(&full[stage], kABytes + (h < 0 ? kBBytes : kBBytes / 2));
           unsigned char* a = sa + stage * kABytes;
           unsigned char* b = sb + stage * kBBytes;
           const int kc = k * kBK;
@@ -271,7 +307,24 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
             TmaLoad2d(a, &p.a_map[t.g], kc, t.mt * kBM, &full[stage]);
             TmaLoad2d(a + 8192, &p.a_map[t.g], kc, t.mt * kBM + 64, &full[stage]);
           }
-          if (kTransB) {  // B as [n][k]: two boxes of 128 columns
+          if (h >= 0) {  // a narrow tile: columns [128h, 128h + 128) of the column tile
+            if (kTransB) {  // one box of 128 columns; in a pair, rank 0 loads it for both
+              if (!mc_b) {
+                TmaLoad2d(b, &p.b_map[t.g], kc, t.nt * kBN + 128 * h, &full[stage]);
+              } else if (rank == 0) {
+                TmaLoad2dMulticast(b, &p.b_map[t.g], kc, t.nt * kBN + 128 * h, &full[stage], kBoth);
+              }
+            } else {  // two boxes of 64 columns, one per CTA of a pair
+              for (int j = 0; j < 2; ++j) {
+                const int col = t.nt * kBN + 128 * h + j * 64;
+                if (!mc_b) {
+                  TmaLoad2d(b + j * 8192, &p.b_map[t.g], col, kc, &full[stage]);
+                } else if (j == rank) {
+                  TmaLoad2dMulticast(b + j * 8192, &p.b_map[t.g], col, kc, &full[stage], kBoth);
+                }
+              }
+            }
+          } else if (kTransB) {  // B as [n][k]: two boxes of 128 columns
             if (mc_b) {
               TmaLoad2dMulticast(b + rank * 16384, &p.b_map[t.g], kc, t.nt * kBN + 128 * rank, &full[stage], kBoth);
             } else {
@@ -307,11 +360,15 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
     };
     int stage = 0;
     uint32_t phase = 0;
-    ForEachUnit<kCluster>(p, [&](int u, int k0, int k1) {
+    ForEachUnit<kCluster>(p, [&](int u, int k0, int k1, int half) {
       const Tile t = DecodeUnit<kCluster>(p, u, rank);
-      float acc[128];
+      // kN: 256 columns, or 128 for the narrow tail's halves (columns [128 half, + 128)).
+      auto tile = [&](auto n_tag) {
+      constexpr int kN = decltype(n_tag)::value;
+      const int col_base = t.nt * kBN + (kN == 256 ? 0 : 128 * half);
+      float acc[kN / 2];
 #pragma unroll
-      for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+      for (int i = 0; i < kN / 2; ++i) acc[i] = 0.0f;
       int prev = -1;
       for (int k = k0; k < k1; ++k) {
         MbarWait(&full[stage], phase);
@@ -326,7 +383,7 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
           // offset; the probe measured the two swapped as wrong).
           const uint64_t db = kTransB ? Desc(b_base + kk * 32, 16, 1024)
                                       : Desc(b_base + kk * 16 * 128, 64 * kBK * 2, 1024);
-          Wgmma<kTransB ? 0 : 1>(acc, da, db);
+          WgmmaN<kN, kTransB ? 0 : 1>(acc, da, db);
         }
         WgmmaCommit();
         WgmmaWait<1>();
@@ -343,7 +400,7 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
       if (k0 != 0 || k1 != p.k_iters) {
         // A split tile: publish this part; the part that arrives last sums all parts in order.
         // Parts are clusters first..last; each CTA rank has its own slots and counter.
-        const int first = (u - p.dp_units) * p.tail_split;
+        const int first = (blockIdx.x / kCluster / p.tail_split) * p.tail_split;
         const int last = first + p.tail_split - 1;
         auto slot = [&](int b) {
           return reinterpret_cast<float4*>(p.partials) +
@@ -351,7 +408,7 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
         };
         float4* mine = slot(blockIdx.x / kCluster);
 #pragma unroll
-        for (int q = 0; q < 32; ++q) {
+        for (int q = 0; q < kN / 8; ++q) {
           __stcg(&mine[q * 256 + ct], make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]));
         }
         __threadfence();
@@ -366,10 +423,10 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
         ConsumerBarrier();
         if (*last_flag == 0) return;
         __threadfence();
-        // Sum in part order; 32 independent loads per part keep many requests in flight.
+        // Sum in part order; kN / 8 independent loads per part keep many requests in flight.
         const float4* part = slot(first);
 #pragma unroll
-        for (int q = 0; q < 32; ++q) {
+        for (int q = 0; q < kN / 8; ++q) {
           const float4 v = __ldcg(&part[q * 256 + ct]);
           acc[4 * q] = v.x;
           acc[4 * q + 1] = v.y;
@@ -379,7 +436,7 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
         for (int b = first + 1; b <= last; ++b) {
           part = slot(b);
 #pragma unroll
-          for (int q = 0; q < 32; ++q) {
+          for (int q = 0; q < kN / 8; ++q) {
             const float4 v = __ldcg(&part[q * 256 + ct]);
             acc[4 * q] += v.x;
             acc[4 * q + 1] += v.y;
@@ -392,7 +449,7 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
       // warp's 16 rows, j*4 + {2,3} the same 8 rows further down.
       const int rows = p.rows[t.g];
       const int r0 = t.mt * kBM + c * 64 + warp * 16 + lane / 4;
-      const int col0 = t.nt * kBN + 2 * (lane % 4);
+      const int col0 = col_base + 2 * (lane % 4);
       const int64_t ldc = p.ldc[t.g];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -402,7 +459,7 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
           if (!valid) continue;
           float* out = static_cast<float*>(p.c[t.g]) + r * ldc + col0;
 #pragma unroll
-          for (int j = 0; j < 32; ++j) {
+          for (int j = 0; j < kN / 8; ++j) {
             *reinterpret_cast<float2*>(out + 8 * j) = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
           }
         } else if (p.wide_store) {
@@ -410,9 +467,9 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
           // each 4 x 4 (lanes x blocks 4m..4m+3), lane q holds all 8 columns of block 4m + q: one
           // 16-byte store per block, the quad's four covering 64 contiguous bytes.
           const int q = lane % 4;
-          __nv_bfloat16* row_out = static_cast<__nv_bfloat16*>(p.c[t.g]) + r * ldc + t.nt * kBN;
+          __nv_bfloat16* row_out = static_cast<__nv_bfloat16*>(p.c[t.g]) + r * ldc + col_base;
 #pragma unroll
-          for (int m = 0; m < 8; ++m) {
+          for (int m = 0; m < kN / 32; ++m) {
             uint32_t v[4], got[4] = {0, 0, 0, 0};
 #pragma unroll
             for (int jj = 0; jj < 4; ++jj) {
@@ -440,11 +497,17 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
           if (!valid) continue;
           __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.c[t.g]) + r * ldc + col0;
 #pragma unroll
-          for (int j = 0; j < 32; ++j) {
+          for (int j = 0; j < kN / 8; ++j) {
             *reinterpret_cast<__nv_bfloat162*>(out + 8 * j) =
                 __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
           }
         }
+      }
+      };
+      if (half < 0) {
+        tile(std::integral_constant<int, 256>{});
+      } else {
+        tile(std::integral_constant<int, 128>{});
       }
     });
   }
@@ -509,7 +572,7 @@ struct Instance {
     return slots;
   }
 
-  static absl::Status Run(Params* p, int sms, int max_split, bool split_tail,
+  static absl::Status Run(Params* p, int sms, int max_split, bool split_tail, bool narrow_tail,
                           int* used_slots, cudaStream_t stream) {
     MOONEP_ASSIGN_OR_RETURN(int slots, Slots(sms));
     *used_slots = slots;
@@ -517,14 +580,20 @@ struct Instance {
     int clusters = std::min(units, slots);
     p->dp_units = units;
     p->tail_split = 1;
+    p->narrow_tail = 0;
     const int rest = units % slots;
     // The last, partial wave: its units are cut into K-parts so that every slot has one part (at
-    // least 4 K-steps each); whole waves before it run data-parallel.
-    const int split = rest == 0 ? 1 : std::min({slots / rest, p->k_iters / 4, max_split});
-    if (split_tail && split >= 2) {
+    // least 4 K-steps each); whole waves before it run data-parallel. Where the slots allow, the
+    // tail's units first become two narrow units each (128-column halves of their tiles): the same
+    // work in twice the pieces, so half the K-parts and half-sized partial sums to combine.
+    const bool narrow = narrow_tail && rest > 0 && 2 * rest <= slots;
+    const int items = narrow ? 2 * rest : rest;
+    const int split = rest == 0 ? 1 : std::min({slots / items, p->k_iters / 4, max_split});
+    if (split_tail && (split >= 2 || (narrow && split >= 1))) {
       p->dp_units = units - rest;
       p->tail_split = split;
-      clusters = std::max(units >= slots ? slots : 0, rest * split);
+      p->narrow_tail = narrow ? 1 : 0;
+      clusters = std::max(units >= slots ? slots : 0, items * split);
     }
     cudaLaunchConfig_t cfg;
     cudaLaunchAttribute attr;
@@ -653,8 +722,10 @@ absl::Status PersistentGemm::Run(cudaStream_t stream, bool trans_b, DType c_dtyp
     p->counters = counters_;
     const bool f32 = c_dtype == DType::kFloat32;
     MOONEP_RETURN_IF_ERROR(
-        cluster ? RunInstance<2>(trans_b, f32, p, num_sms_, max_split_, stream_k_, &last_slots_, stream)
-                : RunInstance<1>(trans_b, f32, p, num_sms_, max_split_, stream_k_, &last_slots_, stream));
+        cluster ? RunInstance<2>(trans_b, f32, p, num_sms_, max_split_, stream_k_, narrow_tail_,
+                                 &last_slots_, stream)
+                : RunInstance<1>(trans_b, f32, p, num_sms_, max_split_, stream_k_, narrow_tail_,
+                                 &last_slots_, stream));
   }
   return absl::OkStatus();
 }

@@ -80,6 +80,8 @@ class PersistentGemm {
   // Clusters of two CTAs that share half of every load through TMA multicast (default on; used
   // where the column tiles pair up, n % 512 == 0).
   void set_cluster(bool on) { cluster_ = on; }
+  // The split tail in narrow tiles of 128 columns (default on; off = whole tiles in more K-parts).
+  void set_narrow_tail(bool on) { narrow_tail_ = on; }
   // bf16 epilogue: 16-byte stores after a transpose within each quad of lanes (default) or 4-byte
   // stores straight from the accumulators (false).
   void set_wide_store(bool on) { wide_store_ = on; }
@@ -94,6 +96,7 @@ class PersistentGemm {
   bool interleave_ = false;
   bool cluster_ = true;
   bool wide_store_ = true;
+  bool narrow_tail_ = true;
   int last_slots_ = 0;
   std::vector<int32_t> order_, scratch_;
   void* encode_ = nullptr;      // cuTensorMapEncodeTiled
