@@ -7,8 +7,8 @@
 
 #include <algorithm>
 #include <cstring>
-#include <type_traits>
 #include <mutex>
+#include <type_traits>
 
 #include "moonep/compute/cuda/cuda_check.h"
 #include "moonep/core/status.h"
