@@ -142,7 +142,11 @@ void EmitDecisions(const PlannerConfig& c, const Decisions& dec, const PolicyInp
 
 absl::Status RunPolicy(const PlannerConfig& c, const PolicyInput& in, PolicyScratch* scratch,
                        Decisions* dec) {
-  dec->Reset(c.num_ranks, c.num_experts, c.slots, in.totals);
+  // moonep resets the decisions itself before each attempt (TryBalance), except when it returns
+  // at once (one rank or no slots).
+  if (c.policy != Policy::kMoonEP || c.num_ranks == 1 || c.slots == 0) {
+    dec->Reset(c.num_ranks, c.num_experts, c.slots, in.totals);
+  }
   switch (c.policy) {
     case Policy::kNone: return DecideNone(in, scratch, dec);
     case Policy::kMoonEP: return DecideMoonEP(in, scratch, dec);
