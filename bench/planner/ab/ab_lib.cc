@@ -1,0 +1,91 @@
+// One planner build behind a C interface, loaded twice (old and new build) by ab_main.cc so that
+// both run in one process on the same inputs. Built by ab.sh; not part of the CMake build.
+#include <chrono>
+#include <cmath>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "planner/planner.h"
+
+using namespace moonep::planner;
+
+namespace {
+
+struct Shape {
+  int R, E, K;
+  int64_t tokens;
+};
+// The shapes of moonep-bench-planner: EP64, the 896-expert shape, R = 1024.
+const Shape kShapes[] = {{64, 256, 8, 4096}, {128, 896, 16, 4096}, {1024, 8192, 8, 4096}};
+
+// As moonep-bench-planner's ZipfCounts (Zipf 1.2 on a fixed permutation, +-20 % per-rank noise).
+std::vector<int64_t> ZipfCounts(const Shape& s, double exponent, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<int> perm(s.E);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  std::vector<double> p(s.E);
+  for (int i = 0; i < s.E; ++i) p[perm[i]] = 1.0 / std::pow(i + 1.0, exponent);
+  const double sum = std::accumulate(p.begin(), p.end(), 0.0);
+  std::uniform_real_distribution<double> noise(0.8, 1.2);
+  std::vector<int64_t> counts(static_cast<size_t>(s.R) * s.E);
+  for (int r = 0; r < s.R; ++r) {
+    for (int e = 0; e < s.E; ++e) {
+      counts[static_cast<size_t>(r) * s.E + e] =
+          static_cast<int64_t>(static_cast<double>(s.tokens * s.K) * p[e] / sum * noise(rng));
+    }
+  }
+  return counts;
+}
+
+struct Harness {
+  std::unique_ptr<Planner> planner;
+  std::vector<std::vector<int64_t>> steps, totals;
+  Plan plan;
+  size_t i = 0;
+  bool decide = false;
+};
+
+}  // namespace
+
+// shape: 0 EP64, 1 R=128 E=896, 2 R=1024; policy: Policy value; check: moonep_check_greedy;
+// decide: Decide on totals instead of MakePlan. Four steps, cycled.
+extern "C" __attribute__((visibility("default"))) void* ab_setup(int shape, int policy, int check,
+                                                                 int decide) {
+  const Shape s = kShapes[shape];
+  PlannerConfig c;
+  c.num_ranks = s.R;
+  c.num_experts = s.E;
+  c.ranks_per_node = 8;
+  c.policy = static_cast<Policy>(policy);
+  c.moonep_check_greedy = check != 0;
+  Harness* h = new Harness;
+  h->planner = Planner::Create(c).value();
+  h->decide = decide != 0;
+  for (int i = 0; i < 4; ++i) {
+    h->steps.push_back(ZipfCounts(s, 1.2, 100 + i));
+    std::vector<int64_t> t(s.E, 0);
+    for (int r = 0; r < s.R; ++r) {
+      for (int e = 0; e < s.E; ++e) t[e] += h->steps.back()[static_cast<size_t>(r) * s.E + e];
+    }
+    h->totals.push_back(t);
+  }
+  return h;
+}
+
+// Runs `iters` plans; returns the wall time per plan in us.
+extern "C" __attribute__((visibility("default"))) double ab_block(void* hv, int iters) {
+  Harness* h = static_cast<Harness*>(hv);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int k = 0; k < iters; ++k, ++h->i) {
+    if (h->decide) {
+      (void)h->planner->Decide(h->totals[h->i % 4], &h->plan);
+    } else {
+      (void)h->planner->MakePlan(h->steps[h->i % 4], &h->plan);
+    }
+  }
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() /
+         iters;
+}
