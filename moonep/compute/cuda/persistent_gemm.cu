@@ -565,6 +565,7 @@ struct Instance {
         cudaLaunchAttribute attr;
         Configure(&cfg, &attr, sms / kCluster * kCluster, nullptr);
         err = cudaOccupancyMaxActiveClusters(&slots, kKernel, &cfg);
+        if (err != cudaSuccess) cudaGetLastError();  // not left behind for a later launch check
       }
     });
     MOONEP_CUDA_RETURN_IF_ERROR(err);
@@ -602,6 +603,15 @@ struct Instance {
     return CudaStatus(cudaGetLastError(), "persistent grouped GEMM launch");
   }
 };
+
+// Whether clusters of two of this kernel fit on the device (false, e.g., under MIG or with a
+// driver that refuses the cluster occupancy query: the launch then runs without clusters).
+inline bool ClustersFit(bool trans_b, bool f32, int sms) {
+  if (trans_b && f32) return Instance<true, true, 2>::Slots(sms).ok();
+  if (trans_b) return Instance<true, false, 2>::Slots(sms).ok();
+  if (f32) return Instance<false, true, 2>::Slots(sms).ok();
+  return Instance<false, false, 2>::Slots(sms).ok();
+}
 
 template <int kCluster, typename... Args>
 absl::Status RunInstance(bool trans_b, bool f32, Args... args) {
@@ -690,7 +700,8 @@ absl::Status PersistentGemm::Run(cudaStream_t stream, bool trans_b, DType c_dtyp
     order_.swap(scratch_);
   }
   // Clusters of two CTAs share half of every load; they need an even number of column tiles.
-  const bool cluster = cluster_ && n_tiles % 2 == 0;
+  const bool f32 = c_dtype == DType::kFloat32;
+  const bool cluster = cluster_ && n_tiles % 2 == 0 && ClustersFit(trans_b, f32, num_sms_);
   size_t next = 0;
   while (next < order_.size()) {
     int ng = 0, units = 0;
@@ -720,7 +731,6 @@ absl::Status PersistentGemm::Run(cudaStream_t stream, bool trans_b, DType c_dtyp
     p->wide_store = wide_store_ ? 1 : 0;
     p->partials = partials_;
     p->counters = counters_;
-    const bool f32 = c_dtype == DType::kFloat32;
     MOONEP_RETURN_IF_ERROR(
         cluster ? RunInstance<2>(trans_b, f32, p, num_sms_, max_split_, stream_k_, narrow_tail_,
                                  &last_slots_, stream)
