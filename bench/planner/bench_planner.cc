@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <map>
 #include <numeric>
 #include <random>
@@ -176,13 +178,20 @@ double MinOf(const std::vector<double>& v) { return v.empty() ? NAN : *std::min_
 
 int main(int argc, char** argv) {
   using namespace moonep::planner;
+  // Each benchmark's own Repetitions() would override --benchmark_repetitions: take the flag here.
+  int repetitions = 5;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--benchmark_repetitions=", 24) == 0) {
+      repetitions = std::max(1, std::atoi(argv[i] + 24));
+    }
+  }
   for (const Shape& s : kShapes) {
     for (Policy p : {Policy::kMoonEP, Policy::kMoonEPGreedy, Policy::kNone}) {
       for (bool decide : {false, true}) {
         const std::string name = std::string(decide ? "decide/" : "plan/") + PolicyName(p) + "/" + s.name;
         benchmark::RegisterBenchmark(name.c_str(), BM_Plan, s, p, decide, true)
             ->Unit(benchmark::kMicrosecond)
-            ->Repetitions(5)
+            ->Repetitions(repetitions)
             ->ComputeStatistics("min", MinOf)
             ->ReportAggregatesOnly(true);
       }
@@ -194,7 +203,7 @@ int main(int argc, char** argv) {
       const std::string name = std::string(decide ? "decide/" : "plan/") + "moonep-nocheck/" + s.name;
       benchmark::RegisterBenchmark(name.c_str(), BM_Plan, s, Policy::kMoonEP, decide, false)
           ->Unit(benchmark::kMicrosecond)
-          ->Repetitions(5)
+          ->Repetitions(repetitions)
           ->ComputeStatistics("min", MinOf)
           ->ReportAggregatesOnly(true);
     }
@@ -202,7 +211,7 @@ int main(int argc, char** argv) {
   for (const Shape& s : kShapes) {
     benchmark::RegisterBenchmark((std::string("sum_counts/") + s.name).c_str(), BM_SumCounts, s)
         ->Unit(benchmark::kMicrosecond)
-        ->Repetitions(5)
+        ->Repetitions(repetitions)
         ->ComputeStatistics("min", MinOf)
         ->ReportAggregatesOnly(true);
   }
