@@ -2,6 +2,7 @@
 #include "planner/planner.h"
 
 #include <algorithm>
+#include <cassert>
 #include <cmath>
 #include <cstring>
 
@@ -302,14 +303,17 @@ absl::Status SumCountBlocks(const int64_t* counts, const Plan& plan, int32_t B, 
   const int32_t rpn = plan.ranks_per_node;
   const int32_t NB = (R + B - 1) / B;
   const size_t n = static_cast<size_t>(E);
-  build->block_prefix.resize(static_cast<size_t>(NB + 1) * n);
+  // Row 0 (the sums before block 0) is all zero: zeroed when the shape changes and never written
+  // otherwise (this pass writes rows 1..NB; FinalizeHolders' own fill assigns zeros to it).
+  const size_t bp_size = static_cast<size_t>(NB + 1) * n;
+  if (build->block_prefix.size() != bp_size) build->block_prefix.assign(bp_size, 0);
   build->home_own.resize(n);
   build->home_node.resize(n);
   int64_t* bp = build->block_prefix.data();
   int64_t* own = build->home_own.data();
   int64_t* node = build->home_node.data();
   const int32_t* local = plan.local_experts.data();
-  std::fill(bp, bp + n, 0);
+  assert(std::all_of(bp, bp + n, [](int64_t v) { return v == 0; }));
   // A sum above 2^52 shows as the sign bit of 2^52 - sum (sums stay below 2^63 throughout: each
   // check covers fewer than 2048 rows of entries below 2^52 on top of a checked sum).
   auto over_max = [&](const int64_t* v) {
