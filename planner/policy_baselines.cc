@@ -74,61 +74,15 @@ int64_t Overlap(int64_t a0, int64_t a1, int64_t b0, int64_t b1) {
   return std::max<int64_t>(0, std::min(a1, b1) - std::max(a0, b0));
 }
 
-// Local rows of expert e under decisions whose replicas of e are ranks[0..n) (increasing) with
-// amounts[0..n): the placement of FinalizeHolders.
-// One expert's column of counts: prefix over sources and single entries, without a 64-bit
-// division per look-up (an even split of the total when counts are unknown).
-struct Column {
-  const PolicyInput& in;
-  int32_t e;
-  int64_t q = 0, r = 0;  // even split: t / R, t % R
-  int64_t Col(int32_t x) const {
-    if (in.counts == nullptr || in.block_prefix == nullptr) return x * q + std::min<int64_t>(x, r);
-    return in.Col(e, x);
-  }
-  int64_t Count(int32_t s) const {
-    if (in.counts == nullptr) return q + (s < r ? 1 : 0);
-    return in.counts[static_cast<size_t>(s) * in.config->num_experts + e];
-  }
-  // Col(x) and Count(x) together; with counts, from whichever block prefix around x needs fewer
-  // entries of counts (the one after x's block, minus x's entry and those after it).
-  int64_t ColOwn(int32_t x, int64_t* own) const {
-    if (in.counts == nullptr || in.block_prefix == nullptr) {
-      *own = Count(x);
-      return Col(x);
-    }
-    const int32_t R = in.config->num_ranks, E = in.config->num_experts, B = in.block_size;
-    const int32_t b = in.block_shift >= 0 ? x >> in.block_shift : x / B;
-    const int32_t b0 = b * B, b1 = std::min(R, b0 + B);
-    const int64_t* c = in.counts + e;
-    *own = c[static_cast<size_t>(x) * E];
-    int64_t v;
-    if (x - b0 <= b1 - 1 - x) {
-      v = in.block_prefix[static_cast<size_t>(b) * E + e];
-      for (int32_t s = b0; s < x; ++s) v += c[static_cast<size_t>(s) * E];
-    } else {
-      v = in.block_prefix[static_cast<size_t>(b + 1) * E + e] - *own;
-      for (int32_t s = x + 1; s < b1; ++s) v -= c[static_cast<size_t>(s) * E];
-    }
-    return v;
-  }
-};
-
-int64_t ExpertLocalRows(const PolicyInput& in, int32_t e, const int32_t* ranks, const int64_t* amounts,
-                        int32_t n, int64_t* start, int64_t* end, int64_t* col_of, int64_t* own_of) {
-  const int32_t h = in.plan->home[e];
-  const int64_t N = in.totals[e];
-  Column col{in, e};
-  if (in.counts == nullptr) {
-    col.q = N / in.config->num_ranks;
-    col.r = N % in.config->num_ranks;
-  }
-  int64_t h_own;
-  const int64_t h0 = col.ColOwn(h, &h_own), h1 = h0 + h_own;
+// Rows of expert e (N tokens, home columns [h0, h1)) computed on their own source rank when its
+// replicas are ranks[0..n) (increasing) with amounts[0..n), col_of/own_of holding col(e, rank) and
+// counts[rank][e] of each: the placement of FinalizeHolders (start/end are scratch).
+int64_t PlacedLocalRows(int64_t N, int32_t h, int64_t h0, int64_t h1, const int32_t* ranks,
+                        const int64_t* amounts, int32_t n, const int64_t* col_of, const int64_t* own_of,
+                        int64_t* start, int64_t* end) {
   if (n == 0) return h1 - h0;
   int64_t cursor = 0, local = 0;
   for (int32_t j = 0; j < n; ++j) {
-    col_of[j] = col.ColOwn(ranks[j], &own_of[j]);
     start[j] = std::max(col_of[j], cursor);
     end[j] = start[j] + amounts[j];
     cursor = end[j];
@@ -169,7 +123,6 @@ void LocalRows(const PolicyInput& in, const Decisions& a, const Decisions& b, Po
   int32_t* index = sc->touched_index.data();
   int32_t* touched = sc->touched.data();
   const Decisions* both[2] = {&a, &b};
-  int64_t* out[2] = {local_a, local_b};
   // Experts replicated in either decision set, and the replicas of each set.
   int32_t T = 0, n[2] = {0, 0};
   for (int k = 0; k < 2; ++k) {
@@ -188,28 +141,36 @@ void LocalRows(const PolicyInput& in, const Decisions& a, const Decisions& b, Po
       n[k] += used[d];
     }
   }
-  sc->by_expert_begin.resize(static_cast<size_t>(T) + 1);
+  // Both sets' replicas of the touched experts, by expert then increasing rank (counting sort):
+  // set k's CSR starts at begin + k * (T + 1), its replicas at offset k * n[0].
+  sc->by_expert_begin.resize(2 * (static_cast<size_t>(T) + 1));
+  const size_t n_all = static_cast<size_t>(n[0]) + n[1];
+  sc->by_expert_rank.resize(n_all);
+  sc->by_expert_amount.resize(n_all);
+  sc->by_expert_col.resize(n_all);
+  sc->by_expert_own.resize(n_all);
   const int32_t n_max = std::max(n[0], n[1]);
-  sc->by_expert_rank.resize(n_max);
-  sc->by_expert_amount.resize(n_max);
   sc->by_expert_start.resize(n_max);
   sc->by_expert_end.resize(n_max);
-  sc->by_expert_col.resize(n_max);
-  sc->by_expert_own.resize(n_max);
-  int32_t* begin = sc->by_expert_begin.data();
   int32_t* rank = sc->by_expert_rank.data();
   int64_t* amount = sc->by_expert_amount.data();
+  int64_t* col = sc->by_expert_col.data();
+  int64_t* own = sc->by_expert_own.data();
+  int32_t* begin_of[2];
   for (int k = 0; k < 2; ++k) {
     const Decisions& dec = *both[k];
     const int32_t* used = dec.slots_used.data();
     const int32_t* slot_expert = dec.slot_expert.data();
     const int64_t* slot_amount = dec.slot_amount.data();
-    // Replicas of the touched experts, by expert then increasing rank (counting sort).
+    int32_t* begin = sc->by_expert_begin.data() + static_cast<size_t>(k) * (T + 1);
+    begin_of[k] = begin;
+    const int32_t offset = k == 0 ? 0 : n[0];
     std::fill(begin, begin + T + 1, 0);
     for (int32_t d = 0; d < R; ++d) {
       const int32_t* se = slot_expert + static_cast<size_t>(d) * S;
       for (int32_t s = 0; s < used[d]; ++s) ++begin[index[se[s]] + 1];
     }
+    begin[0] = offset;
     for (int32_t t = 0; t < T; ++t) begin[t + 1] += begin[t];
     for (int32_t d = 0; d < R; ++d) {
       const size_t base = static_cast<size_t>(d) * S;
@@ -219,16 +180,66 @@ void LocalRows(const PolicyInput& in, const Decisions& a, const Decisions& b, Po
         amount[j] = slot_amount[base + s];
       }
     }
-    int64_t local = 0;
-    for (int32_t t = 0, j = 0; t < T; ++t) {
-      const int32_t end = begin[t];  // shifted by the placement: the end of expert t's replicas
-      local += ExpertLocalRows(in, touched[t], rank + j, amount + j, end - j,
-                               sc->by_expert_start.data() + j, sc->by_expert_end.data() + j,
-                               sc->by_expert_col.data() + j, sc->by_expert_own.data() + j);
-      j = end;
-    }
-    *out[k] = local;
+    // (begin[t] is now the end of expert t's replicas, the start of expert t + 1's.)
   }
+  // col(e, x) and counts[x][e] together: from the nearer block prefix around x (the one after
+  // x's block minus x's entry and those after it), or an even split when counts are unknown.
+  const int64_t* counts = in.counts;
+  const int64_t* bp = in.block_prefix;
+  const int32_t B = in.block_size, shift = in.block_shift;
+  const bool known = counts != nullptr && bp != nullptr;
+  const int64_t* totals = in.totals.data();
+  auto col_own = [&](int32_t e, int32_t x, int64_t* own_x) -> int64_t {
+    if (!known) {
+      const int64_t t = totals[e], q = t / R, r = t % R;
+      *own_x = counts != nullptr ? counts[static_cast<size_t>(x) * E + e] : q + (x < r ? 1 : 0);
+      return x * q + std::min<int64_t>(x, r);
+    }
+    const int32_t blk = shift >= 0 ? x >> shift : x / B;
+    const int32_t b0 = blk * B, b1 = std::min(R, b0 + B);
+    const int64_t* ce = counts + e;
+    *own_x = ce[static_cast<size_t>(x) * E];
+    int64_t v;
+    if (x - b0 <= b1 - 1 - x) {
+      v = bp[static_cast<size_t>(blk) * E + e];
+      for (int32_t s = b0; s < x; ++s) v += ce[static_cast<size_t>(s) * E];
+    } else {
+      v = bp[static_cast<size_t>(blk + 1) * E + e] - *own_x;
+      for (int32_t s = x + 1; s < b1; ++s) v -= ce[static_cast<size_t>(s) * E];
+    }
+    return v;
+  };
+  const int32_t* home = in.plan->home.data();
+  int64_t* start = sc->by_expert_start.data();
+  int64_t* end = sc->by_expert_end.data();
+  int64_t local[2] = {0, 0};
+  for (int32_t t = 0, ja = 0, jb = n[0]; t < T; ++t) {
+    const int32_t e = touched[t], h = home[e];
+    const int32_t ea = begin_of[0][t], eb = begin_of[1][t];
+    const int64_t N = totals[e];
+    // The home's columns once for both sets; each replica's once per (set, rank), and a rank
+    // that holds e in both sets is looked up once (both lists are by increasing rank).
+    int64_t h_own;
+    const int64_t h0 = col_own(e, h, &h_own), h1 = h0 + h_own;
+    for (int32_t j = ja; j < ea; ++j) col[j] = col_own(e, rank[j], &own[j]);
+    for (int32_t j = jb, p = ja; j < eb; ++j) {
+      while (p < ea && rank[p] < rank[j]) ++p;
+      if (p < ea && rank[p] == rank[j]) {
+        col[j] = col[p];
+        own[j] = own[p];
+      } else {
+        col[j] = col_own(e, rank[j], &own[j]);
+      }
+    }
+    local[0] += PlacedLocalRows(N, h, h0, h1, rank + ja, amount + ja, ea - ja, col + ja, own + ja,
+                                start, end);
+    local[1] += PlacedLocalRows(N, h, h0, h1, rank + jb, amount + jb, eb - jb, col + jb, own + jb,
+                                start, end);
+    ja = ea;
+    jb = eb;
+  }
+  *local_a = local[0];
+  *local_b = local[1];
   for (int32_t t = 0; t < T; ++t) mark[touched[t]] = 0;
 }
 
