@@ -1,6 +1,7 @@
 #include "planner/plan_builder.h"
 
 #include <algorithm>
+#include <cassert>
 #include <cmath>
 
 #include "moonep/core/status.h"
@@ -474,29 +475,47 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
   if (prefix_slots) {
     // One pass per rank: counts, offsets, padding and load (slot counts are slot_alloc; an unused
     // slot must have none, checked for all slots at once).
-    int64_t unused_slot_tokens = 0;  // OR of slot_alloc over unused slots
+    int64_t unused_slot_tokens = 0;  // OR of slot_alloc over unused slots (se < 0: all ones)
+    for (size_t i = 0; i < static_cast<size_t>(R) * S; ++i) {
+      unused_slot_tokens |= slot_alloc[i] & (static_cast<int64_t>(slot_expert[i]) >> 63);
+    }
+    const bool contiguous = scratch->contiguous_home;
+#ifndef NDEBUG
+    for (int32_t i = 0; contiguous && i < E; ++i) assert(local_experts[i] == i);
+#endif
     for (int32_t d = 0; d < R; ++d) {
       const int32_t* local = local_experts + static_cast<size_t>(d) * epn;
       const size_t base = static_cast<size_t>(d) * G;
       int64_t* gc = group_count + base;
       int64_t* go = group_offset + base;
       int64_t* gp = group_padded + base;
-      const int32_t* se = slot_expert + static_cast<size_t>(d) * S;
       const int64_t* sa = slot_alloc + static_cast<size_t>(d) * S;
       int64_t row = 0, after = 0;
       if (pad == 1) {
-        for (int32_t g = 0; g < epn; ++g) {
-          const int32_t e = local[g];
-          const int64_t n = home_keep[e];
-          gc[g] = n;
-          go[g] = row;
-          gp[g] = n;
-          home_row_of[e] = row;
-          row += n;
+        if (contiguous) {  // local[g] == d * epn + g
+          const int64_t* hk = home_keep + static_cast<size_t>(d) * epn;
+          int64_t* hr = home_row_of + static_cast<size_t>(d) * epn;
+          for (int32_t g = 0; g < epn; ++g) {
+            const int64_t n = hk[g];
+            gc[g] = n;
+            go[g] = row;
+            gp[g] = n;
+            hr[g] = row;
+            row += n;
+          }
+        } else {
+          for (int32_t g = 0; g < epn; ++g) {
+            const int32_t e = local[g];
+            const int64_t n = home_keep[e];
+            gc[g] = n;
+            go[g] = row;
+            gp[g] = n;
+            home_row_of[e] = row;
+            row += n;
+          }
         }
         for (int32_t s = 0; s < S; ++s) {
           const int64_t n = sa[s];
-          unused_slot_tokens |= n & (static_cast<int64_t>(se[s]) >> 63);  // se[s] < 0: all ones
           gc[epn + s] = n;
           go[epn + s] = row;
           gp[epn + s] = n;
@@ -516,10 +535,7 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
           home_row_of[local[g]] = row;
           lay(g, home_keep[local[g]]);
         }
-        for (int32_t s = 0; s < S; ++s) {
-          unused_slot_tokens |= sa[s] & (static_cast<int64_t>(se[s]) >> 63);
-          lay(epn + s, sa[s]);
-        }
+        for (int32_t s = 0; s < S; ++s) lay(epn + s, sa[s]);
       }
       rank_rows[d] = row;
       st.max_load_before = std::max(st.max_load_before, home_load[d]);
