@@ -408,7 +408,11 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
 
   // Replicas per expert, by increasing rank (CSR), with their slot index.
   std::vector<int32_t>& rb = scratch->replica_begin;
-  rb.assign(static_cast<size_t>(E) + 1, 0);
+  // Replicas of each expert, counted in replica_count (all zero between calls: only the
+  // replicated experts' entries are set, and they are reset below, also on error).
+  std::vector<int32_t>& count = scratch->replica_count;
+  if (count.size() != static_cast<size_t>(E)) count.assign(E, 0);
+  int32_t* rcount = count.data();
   // The planner's decisions fill each rank's slots in order (a prefix), so with home_keep given
   // the scans stop at a rank's first unused slot.
   const bool prefix_slots = home_keep != nullptr && home_load != nullptr && !plan->home_replicas;
@@ -431,20 +435,29 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
   // are laid without scanning rb.
   std::vector<int32_t>& replicated = scratch->replicated;
   replicated.clear();
-  MOONEP_RETURN_IF_ERROR(for_each_used_slot([&](int32_t d, int32_t s, int32_t e) {
+  const absl::Status counted = for_each_used_slot([&](int32_t d, int32_t s, int32_t e) {
     MOONEP_CHECK_ARG(e < E, "slot %d of rank %d holds expert %d, not in [0, %d)", s, d, e, E);
     MOONEP_CHECK_ARG(plan->home_replicas || home[e] != d,
                      "rank %d holds a replica of its own expert %d", d, e);
-    if (rb[e + 1]++ == 0) replicated.push_back(e);
+    if (rcount[e]++ == 0) replicated.push_back(e);
     return absl::OkStatus();
-  }));
+  });
+  if (!counted.ok()) {
+    for (int32_t e : replicated) rcount[e] = 0;
+    return counted;
+  }
   std::sort(replicated.begin(), replicated.end());
+  // rb[e] = replicas of the experts before e: constant over each run of unreplicated experts,
+  // so each run is one fill.
+  rb.resize(static_cast<size_t>(E) + 1);
   {
-    int32_t acc = 0;  // in a register: no store-to-load chain through rb
-    for (int32_t e = 1; e <= E; ++e) {
-      acc += rb[e];
-      rb[e] = acc;
+    int32_t acc = 0, from = 0;
+    for (int32_t e : replicated) {
+      std::fill(rb.data() + from, rb.data() + e + 1, acc);
+      acc += rcount[e];
+      from = e + 1;
     }
+    std::fill(rb.data() + from, rb.data() + E + 1, acc);
   }
   const int32_t num_replicas = rb[E];
   scratch->replica_rank.resize(num_replicas);
@@ -460,8 +473,10 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
     rslot[j] = static_cast<int64_t>(d) * S + s;
     return absl::OkStatus();
   }));
-  for (int32_t e = E; e > 0; --e) rb[e] = rb[e - 1];
-  rb[0] = 0;
+  for (int32_t e : replicated) {  // back from each one's end to its start
+    rb[e] -= rcount[e];
+    rcount[e] = 0;
+  }
 
   // Per rank: group counts (a home-rank slot takes its part out of the home group), layout
   // (padded groups back to back) and loads.

@@ -29,6 +29,7 @@ struct BuildScratch {
   std::vector<int64_t> src_offsets;      // (R + 1) * E
   std::vector<int32_t> replica_begin;    // E + 1: replicas of e, by increasing rank
   std::vector<int32_t> replicated;       // FinalizeHolders: the replicated experts, increasing
+  std::vector<int32_t> replica_count;    // FinalizeHolders: [E] replicas per expert, zero between calls
   std::vector<int32_t> replica_rank;
   std::vector<int64_t> replica_start, replica_end;
   std::vector<int64_t> replica_col, replica_own;  // FinalizeHolders: col(e, d) and counts[d][e]
