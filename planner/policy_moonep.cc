@@ -82,17 +82,27 @@ struct Balancer {
     }
     num_donors = static_cast<int32_t>(sc.order2.size());
     sc.order.resize(static_cast<size_t>(num_donors) * epn);
+    sc.donor_rem.resize(static_cast<size_t>(num_donors) * epn);
+    // Each donor's experts by decreasing total, ties to the lower id (remaining = total before
+    // any move): an insertion sort that carries the totals along (they are donor_rem).
+    const int64_t* totals = in.totals.data();
     for (int32_t i = 0; i < num_donors; ++i) {
       const int32_t* local = in.plan->local_experts.data() + static_cast<size_t>(sc.order2[i]) * epn;
       int32_t* ex = Experts(i);
-      std::copy(local, local + epn, ex);
-      std::sort(ex, ex + epn, [&](int32_t a, int32_t b) {
-        return in.totals[a] != in.totals[b] ? in.totals[a] > in.totals[b] : a < b;
-      });
+      int64_t* rem = Rem(i);
+      for (int32_t p = 0; p < epn; ++p) {
+        const int32_t e = local[p];
+        const int64_t v = totals[e];
+        int32_t q = p;
+        for (; q > 0 && (rem[q - 1] < v || (rem[q - 1] == v && ex[q - 1] > e)); --q) {
+          ex[q] = ex[q - 1];
+          rem[q] = rem[q - 1];
+        }
+        ex[q] = e;
+        rem[q] = v;
+      }
     }
     sc.donor_sorted.assign(sc.order.begin(), sc.order.end());
-    sc.donor_rem.resize(static_cast<size_t>(num_donors) * epn);
-    for (size_t p = 0; p < sc.order.size(); ++p) sc.donor_rem[p] = Remaining(sc.order[p]);
     sc.donor_of.assign(in.config->num_experts, -1);
     for (int32_t i = 0; i < num_donors; ++i) {
       for (int32_t p = 0; p < epn; ++p) sc.donor_of[Experts(i)[p]] = i;
