@@ -1,7 +1,6 @@
 #include "planner/plan_builder.h"
 
 #include <algorithm>
-#include <cassert>
 #include <cmath>
 
 #include "moonep/core/status.h"
@@ -494,10 +493,6 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
     for (size_t i = 0; i < static_cast<size_t>(R) * S; ++i) {
       unused_slot_tokens |= slot_alloc[i] & (static_cast<int64_t>(slot_expert[i]) >> 63);
     }
-    const bool contiguous = scratch->contiguous_home;
-#ifndef NDEBUG
-    for (int32_t i = 0; contiguous && i < E; ++i) assert(local_experts[i] == i);
-#endif
     for (int32_t d = 0; d < R; ++d) {
       const int32_t* local = local_experts + static_cast<size_t>(d) * epn;
       const size_t base = static_cast<size_t>(d) * G;
@@ -507,27 +502,14 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
       const int64_t* sa = slot_alloc + static_cast<size_t>(d) * S;
       int64_t row = 0, after = 0;
       if (pad == 1) {
-        if (contiguous) {  // local[g] == d * epn + g
-          const int64_t* hk = home_keep + static_cast<size_t>(d) * epn;
-          int64_t* hr = home_row_of + static_cast<size_t>(d) * epn;
-          for (int32_t g = 0; g < epn; ++g) {
-            const int64_t n = hk[g];
-            gc[g] = n;
-            go[g] = row;
-            gp[g] = n;
-            hr[g] = row;
-            row += n;
-          }
-        } else {
-          for (int32_t g = 0; g < epn; ++g) {
-            const int32_t e = local[g];
-            const int64_t n = home_keep[e];
-            gc[g] = n;
-            go[g] = row;
-            gp[g] = n;
-            home_row_of[e] = row;
-            row += n;
-          }
+        for (int32_t g = 0; g < epn; ++g) {
+          const int32_t e = local[g];
+          const int64_t n = home_keep[e];
+          gc[g] = n;
+          go[g] = row;
+          gp[g] = n;
+          home_row_of[e] = row;
+          row += n;
         }
         for (int32_t s = 0; s < S; ++s) {
           const int64_t n = sa[s];

@@ -47,9 +47,6 @@ struct BuildScratch {
   // over counts filled them); FinalizeHolders fills them otherwise.
   bool home_cols = false;
   std::vector<int64_t> home_own, home_node;
-  // Set by a caller whose plan has the default home map (rank d homes experts [d * E/R,
-  // (d + 1) * E/R), local_experts[i] == i): FinalizeHolders then reads home slices directly.
-  bool contiguous_home = false;
   // Per-rank tables for FinalizeHolders (no division per look-up), rebuilt when the key changes:
   // block_row[x] = (x / B) * E, block_first[x] = x / B * B for x in [0, R]; node_lo/node_hi: offsets
   // of the rank's node range in block_prefix; node_id: its node (the rank when flat).

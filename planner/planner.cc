@@ -422,7 +422,6 @@ absl::Status Planner::MakePlan(absl::Span<const int64_t> counts, Plan* plan) {
   PreparePlan(c, plan);
   st.build.block_size = 0;  // not valid until the pass completes
   st.build.home_cols = false;
-  st.build.contiguous_home = st.contiguous_home;
   MOONEP_RETURN_IF_ERROR(SumCountBlocks(counts.data(), *plan, block, st.contiguous_home, &st.build));
   st.build.block_size = block;
   st.input.config = &c;
