@@ -7,38 +7,16 @@
 #include <random>
 #include <vector>
 
+#include "bench/planner/zipf_counts.h"
 #include "planner/planner.h"
 
 using namespace moonep::planner;
 
 namespace {
 
-struct Shape {
-  int R, E, K;
-  int64_t tokens;
-};
-// The shapes of moonep-bench-planner: EP64, the 896-expert shape, R = 1024.
-const Shape kShapes[] = {{64, 256, 8, 4096}, {128, 896, 16, 4096}, {1024, 8192, 8, 4096}};
-
-// As moonep-bench-planner's ZipfCounts (Zipf 1.2 on a fixed permutation, +-20 % per-rank noise).
-std::vector<int64_t> ZipfCounts(const Shape& s, double exponent, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::vector<int> perm(s.E);
-  std::iota(perm.begin(), perm.end(), 0);
-  std::shuffle(perm.begin(), perm.end(), rng);
-  std::vector<double> p(s.E);
-  for (int i = 0; i < s.E; ++i) p[perm[i]] = 1.0 / std::pow(i + 1.0, exponent);
-  const double sum = std::accumulate(p.begin(), p.end(), 0.0);
-  std::uniform_real_distribution<double> noise(0.8, 1.2);
-  std::vector<int64_t> counts(static_cast<size_t>(s.R) * s.E);
-  for (int r = 0; r < s.R; ++r) {
-    for (int e = 0; e < s.E; ++e) {
-      counts[static_cast<size_t>(r) * s.E + e] =
-          static_cast<int64_t>(static_cast<double>(s.tokens * s.K) * p[e] / sum * noise(rng));
-    }
-  }
-  return counts;
-}
+using moonep::planner::bench::kShapes;
+using moonep::planner::bench::Shape;
+using moonep::planner::bench::ZipfCounts;
 
 struct Harness {
   std::unique_ptr<Planner> planner;
