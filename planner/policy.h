@@ -177,12 +177,12 @@ struct PolicyScratch {
   std::vector<int32_t> greedy_donor, greedy_receiver;  // moonep-greedy: their ranks
   std::vector<int64_t> greedy_rem;  // moonep-greedy: remaining tokens of each donor's sorted experts
   Decisions alt;                   // moonep: the greedy decisions it is compared with
-  std::vector<int32_t> by_expert_begin, by_expert_rank;  // LocalRows: replicas per expert (CSR)
-  std::vector<int64_t> by_expert_amount, by_expert_start, by_expert_end;
+  // LocalRows: each decision set's replicas per expert as lists by increasing rank (list_head
+  // [2 * E], all -1 between calls), one expert's replicas gathered, and the touched experts.
+  std::vector<int32_t> list_head, list_next, by_expert_rank, gather_rank;
+  std::vector<int64_t> by_expert_amount, gather_amount, by_expert_start, by_expert_end;
   std::vector<int64_t> by_expert_col, by_expert_own;  // LocalRows: col(e, d) and counts[d][e]
   std::vector<int32_t> touched;  // LocalRows: experts replicated in either decision set
-  std::vector<char> touched_mark;
-  std::vector<int32_t> touched_index;
 };
 
 // Rows computed on their own source rank among the experts replicated in `a` or `b`, for each

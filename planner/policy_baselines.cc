@@ -115,73 +115,49 @@ void LocalRows(const PolicyInput& in, const Decisions& a, const Decisions& b, Po
                int64_t* local_a, int64_t* local_b) {
   const PlannerConfig& c = *in.config;
   const int32_t R = c.num_ranks, E = c.num_experts, S = c.slots;
-  sc->touched_mark.resize(E, 0);  // all zero between calls
-  sc->touched_index.resize(E);
+  // Each set's replicas of each expert as a list by increasing rank: head[k * E + e] is the
+  // first (-1 when none; all -1 between calls), next[j] the following one. Built in one pass per
+  // set over the ranks in decreasing order, each replica pushed at the front of its list.
+  sc->list_head.resize(2 * static_cast<size_t>(E), -1);
   sc->touched.resize(E);
+  const size_t cap = 2 * static_cast<size_t>(R) * S;
+  sc->list_next.resize(cap);
+  sc->by_expert_rank.resize(cap);
+  sc->by_expert_amount.resize(cap);
   // Raw pointers: stores through them cannot alias the vectors' own bookkeeping.
-  char* mark = sc->touched_mark.data();
-  int32_t* index = sc->touched_index.data();
-  int32_t* touched = sc->touched.data();
+  int32_t* head = sc->list_head.data();
+  int32_t* next = sc->list_next.data();
+  int32_t* rank = sc->by_expert_rank.data();
+  int64_t* amount = sc->by_expert_amount.data();
+  int32_t* touched = sc->touched.data();  // experts replicated in either set
+  int32_t T = 0, j = 0;
   const Decisions* both[2] = {&a, &b};
-  // Experts replicated in either decision set, and the replicas of each set.
-  int32_t T = 0, n[2] = {0, 0};
   for (int k = 0; k < 2; ++k) {
     const int32_t* used = both[k]->slots_used.data();
     const int32_t* slot_expert = both[k]->slot_expert.data();
-    for (int32_t d = 0; d < R; ++d) {
-      const int32_t* se = slot_expert + static_cast<size_t>(d) * S;
-      for (int32_t s = 0; s < used[d]; ++s) {
-        const int32_t e = se[s];
-        if (!mark[e]) {
-          mark[e] = 1;
-          index[e] = T;
-          touched[T++] = e;
-        }
-      }
-      n[k] += used[d];
-    }
-  }
-  // Both sets' replicas of the touched experts, by expert then increasing rank (counting sort):
-  // set k's CSR starts at begin + k * (T + 1), its replicas at offset k * n[0].
-  sc->by_expert_begin.resize(2 * (static_cast<size_t>(T) + 1));
-  const size_t n_all = static_cast<size_t>(n[0]) + n[1];
-  sc->by_expert_rank.resize(n_all);
-  sc->by_expert_amount.resize(n_all);
-  sc->by_expert_col.resize(n_all);
-  sc->by_expert_own.resize(n_all);
-  const int32_t n_max = std::max(n[0], n[1]);
-  sc->by_expert_start.resize(n_max);
-  sc->by_expert_end.resize(n_max);
-  int32_t* rank = sc->by_expert_rank.data();
-  int64_t* amount = sc->by_expert_amount.data();
-  int64_t* col = sc->by_expert_col.data();
-  int64_t* own = sc->by_expert_own.data();
-  int32_t* begin_of[2];
-  for (int k = 0; k < 2; ++k) {
-    const Decisions& dec = *both[k];
-    const int32_t* used = dec.slots_used.data();
-    const int32_t* slot_expert = dec.slot_expert.data();
-    const int64_t* slot_amount = dec.slot_amount.data();
-    int32_t* begin = sc->by_expert_begin.data() + static_cast<size_t>(k) * (T + 1);
-    begin_of[k] = begin;
-    const int32_t offset = k == 0 ? 0 : n[0];
-    std::fill(begin, begin + T + 1, 0);
-    for (int32_t d = 0; d < R; ++d) {
-      const int32_t* se = slot_expert + static_cast<size_t>(d) * S;
-      for (int32_t s = 0; s < used[d]; ++s) ++begin[index[se[s]] + 1];
-    }
-    begin[0] = offset;
-    for (int32_t t = 0; t < T; ++t) begin[t + 1] += begin[t];
-    for (int32_t d = 0; d < R; ++d) {
+    const int64_t* slot_amount = both[k]->slot_amount.data();
+    int32_t* hk = head + static_cast<size_t>(k) * E;
+    for (int32_t d = R - 1; d >= 0; --d) {
       const size_t base = static_cast<size_t>(d) * S;
-      for (int32_t s = 0; s < used[d]; ++s) {
-        const int32_t j = begin[index[slot_expert[base + s]]]++;
+      for (int32_t s = 0; s < used[d]; ++s, ++j) {
+        const int32_t e = slot_expert[base + s];
+        if (head[e] < 0 && head[E + e] < 0) touched[T++] = e;
         rank[j] = d;
         amount[j] = slot_amount[base + s];
+        next[j] = hk[e];
+        hk[e] = j;
       }
     }
-    // (begin[t] is now the end of expert t's replicas, the start of expert t + 1's.)
   }
+  // One expert's replicas of set k, gathered from its list (ranks, amounts, col(e, d) and
+  // counts[d][e]); start/end: PlacedLocalRows' scratch.
+  for (auto* v : {&sc->by_expert_start, &sc->by_expert_end}) v->resize(R);
+  for (auto* v : {&sc->gather_amount, &sc->by_expert_col, &sc->by_expert_own}) v->resize(2 * static_cast<size_t>(R));
+  sc->gather_rank.resize(2 * static_cast<size_t>(R));
+  int32_t* g_rank = sc->gather_rank.data();
+  int64_t* g_amount = sc->gather_amount.data();
+  int64_t* col = sc->by_expert_col.data();
+  int64_t* own = sc->by_expert_own.data();
   // col(e, x) and counts[x][e] together: from the nearer block prefix around x (the one after
   // x's block minus x's entry and those after it), or an even split when counts are unknown.
   const int64_t* counts = in.counts;
@@ -213,34 +189,40 @@ void LocalRows(const PolicyInput& in, const Decisions& a, const Decisions& b, Po
   int64_t* start = sc->by_expert_start.data();
   int64_t* end = sc->by_expert_end.data();
   int64_t local[2] = {0, 0};
-  for (int32_t t = 0, ja = 0, jb = n[0]; t < T; ++t) {
+  for (int32_t t = 0; t < T; ++t) {
     const int32_t e = touched[t], h = home[e];
-    const int32_t ea = begin_of[0][t], eb = begin_of[1][t];
     const int64_t N = totals[e];
     // The home's columns once for both sets; each replica's once per (set, rank), and a rank
     // that holds e in both sets is looked up once (both lists are by increasing rank).
     int64_t h_own;
     const int64_t h0 = col_own(e, h, &h_own), h1 = h0 + h_own;
-    for (int32_t j = ja; j < ea; ++j) col[j] = col_own(e, rank[j], &own[j]);
-    for (int32_t j = jb, p = ja; j < eb; ++j) {
-      while (p < ea && rank[p] < rank[j]) ++p;
-      if (p < ea && rank[p] == rank[j]) {
-        col[j] = col[p];
-        own[j] = own[p];
+    int32_t na = 0;
+    for (int32_t i = head[e]; i >= 0; i = next[i], ++na) {
+      g_rank[na] = rank[i];
+      g_amount[na] = amount[i];
+      col[na] = col_own(e, rank[i], &own[na]);
+    }
+    int32_t nb = na;
+    for (int32_t i = head[E + e], p = 0; i >= 0; i = next[i], ++nb) {
+      const int32_t x = rank[i];
+      while (p < na && g_rank[p] < x) ++p;
+      g_rank[nb] = x;
+      g_amount[nb] = amount[i];
+      if (p < na && g_rank[p] == x) {
+        col[nb] = col[p];
+        own[nb] = own[p];
       } else {
-        col[j] = col_own(e, rank[j], &own[j]);
+        col[nb] = col_own(e, x, &own[nb]);
       }
     }
-    local[0] += PlacedLocalRows(N, h, h0, h1, rank + ja, amount + ja, ea - ja, col + ja, own + ja,
+    local[0] += PlacedLocalRows(N, h, h0, h1, g_rank, g_amount, na, col, own, start, end);
+    local[1] += PlacedLocalRows(N, h, h0, h1, g_rank + na, g_amount + na, nb - na, col + na, own + na,
                                 start, end);
-    local[1] += PlacedLocalRows(N, h, h0, h1, rank + jb, amount + jb, eb - jb, col + jb, own + jb,
-                                start, end);
-    ja = ea;
-    jb = eb;
+    head[e] = -1;
+    head[E + e] = -1;
   }
   *local_a = local[0];
   *local_b = local[1];
-  for (int32_t t = 0; t < T; ++t) mark[touched[t]] = 0;
 }
 
 absl::Status DecideNone(const PolicyInput&, PolicyScratch*, Decisions*) { return absl::OkStatus(); }
