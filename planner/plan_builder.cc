@@ -768,8 +768,10 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
       cursor = rend[j];
     }
     MOONEP_CHECK_ARG(held == N, "expert %d: its holders compute %d of its %d tokens", e, held, N);
+    // Replicas running past N shift left (none does when the last one ends in time: each starts
+    // at or after the previous one's end).
     int64_t limit = N;
-    for (int32_t j = last - 1; j >= first; --j) {
+    for (int32_t j = rend[last - 1] > N ? last - 1 : first - 1; j >= first; --j) {
       if (rend[j] > limit) {
         rstart[j] -= rend[j] - limit;
         rend[j] = limit;

@@ -25,6 +25,8 @@ struct Decisions {
   // Adds `amount` tokens of `expert` on `rank` (merging with an existing replica of it there)
   // and takes them from the home's share. Returns false when no slot is free.
   bool Move(int32_t rank, int32_t expert, int64_t amount, int32_t slots);
+  // Move for an expert `rank` does not hold yet (asserted in debug builds).
+  bool Add(int32_t rank, int32_t expert, int64_t amount, int32_t slots);
   // Slot of `expert` on `rank`, or -1.
   int32_t SlotOf(int32_t rank, int32_t expert, int32_t slots) const;
 };

@@ -39,13 +39,19 @@ int32_t Decisions::SlotOf(int32_t rank, int32_t expert, int32_t S) const {
 }
 
 bool Decisions::Move(int32_t rank, int32_t expert, int64_t amount, int32_t S) {
-  int32_t s = SlotOf(rank, expert, S);
-  if (s < 0) {
-    if (slots_used[rank] >= S) return false;
-    s = slots_used[rank]++;
-    slot_expert[static_cast<size_t>(rank) * S + s] = expert;
-  }
+  const int32_t s = SlotOf(rank, expert, S);
+  if (s < 0) return Add(rank, expert, amount, S);
   slot_amount[static_cast<size_t>(rank) * S + s] += amount;
+  home_keep[expert] -= amount;
+  return true;
+}
+
+bool Decisions::Add(int32_t rank, int32_t expert, int64_t amount, int32_t S) {
+  assert(SlotOf(rank, expert, S) < 0);
+  if (slots_used[rank] >= S) return false;
+  const size_t i = static_cast<size_t>(rank) * S + slots_used[rank]++;
+  slot_expert[i] = expert;
+  slot_amount[i] = amount;  // (an unused slot's amount is 0)
   home_keep[expert] -= amount;
   return true;
 }
@@ -87,8 +93,10 @@ int64_t PlacedLocalRows(int64_t N, int32_t h, int64_t h0, int64_t h1, const int3
     end[j] = start[j] + amounts[j];
     cursor = end[j];
   }
+  // Replicas running past the end shift left (none does when the last one ends in time: each
+  // starts at or after the previous one's end).
   int64_t limit = N;
-  for (int32_t j = n - 1; j >= 0; --j) {
+  for (int32_t j = end[n - 1] > N ? n - 1 : -1; j >= 0; --j) {
     if (end[j] > limit) {
       start[j] -= end[j] - limit;
       end[j] = limit;
@@ -306,7 +314,10 @@ bool GreedyFill(const PolicyInput& in, absl::Span<const int64_t> cap, PolicyScra
       const int32_t e = ord[i];
       const int64_t a = std::min(quota, rem[i]);
       if (a <= 0) break;
-      if (!dec->Move(d, e, a, S)) {
+      // A new replica: every move closes its donor or its receiver (quota = the smaller of the
+      // two, and the donor's experts hold at least its excess), so a (donor, receiver) pair meets
+      // in one move only, and a move gives each expert once: d never holds e yet.
+      if (!dec->Add(d, e, a, S)) {
         room[di] = 0;  // out of slots: this rank takes no more
         break;
       }

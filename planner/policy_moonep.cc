@@ -125,10 +125,18 @@ struct Balancer {
     int32_t bits = 4;
     while ((size_t{1} << bits) < 16 * values) ++bits;
     fit_shift = 64 - bits;
-    fit_count.assign(size_t{1} << bits, 0);
+    // All zero between runs (TryBalance ends with FilterAll(-1)): cleared only when it resizes.
+    if (fit_count.size() != size_t{1} << bits) fit_count.assign(size_t{1} << bits, 0);
+    assert(std::all_of(fit_count.begin(), fit_count.end(), [](int32_t n) { return n == 0; }));
+    FilterAll(1);
+  }
+  // Adds `delta` for every value the filter counts: the donors' excesses and their experts'
+  // remaining tokens (every change to them goes through SetExcess or Apply, which keep the
+  // filter equal to these counts, so FilterAll(-1) leaves it all zero).
+  void FilterAll(int32_t delta) {
     for (int32_t i = 0; i < num_donors; ++i) {
-      FitAdd(sc.excess[i], 1);
-      for (int32_t p = 0; p < epn; ++p) FitAdd(Rem(i)[p], 1);
+      FitAdd(sc.excess[i], delta);
+      for (int32_t p = 0; p < epn; ++p) FitAdd(Rem(i)[p], delta);
     }
   }
 
@@ -393,7 +401,9 @@ bool TryBalance(const PolicyInput& in, absl::Span<const int64_t> cap, PolicyScra
   Balancer b{in, *sc, *dec, c.num_ranks, c.slots, c.num_experts / c.num_ranks, c.ranks_per_node,
              worst_fit};
   b.Init(cap);
-  return b.Run();
+  const bool balanced = b.Run();
+  b.FilterAll(-1);  // the exact-fit filter back to all zero for the next Init
+  return balanced;
 }
 
 // The best-fit procedure; when the slot limit defeats it, two fallbacks that spend slots
