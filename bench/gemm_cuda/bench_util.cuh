@@ -74,8 +74,12 @@ inline double TimeMs(cudaStream_t stream, int reps, Fn&& fn) {
 
 // Median milliseconds of each of fns, timed in rounds (one run of every fn per round, `reps`
 // rounds, after 3 warm-up rounds) so that clock and temperature drifts hit all of them alike.
+// With flush (a device buffer of flush_bytes, larger than the L2), the buffer is overwritten before
+// every timed run, outside the timing, so that no fn finds its operands in the L2 from its own
+// previous run (a dense GEMM's one weight matrix would, a grouped GEMM's many would not).
 inline std::vector<double> TimeInterleavedMs(cudaStream_t stream, int reps,
-                                             const std::vector<std::function<void()>>& fns) {
+                                             const std::vector<std::function<void()>>& fns,
+                                             void* flush = nullptr, size_t flush_bytes = 0) {
   for (int i = 0; i < 3; ++i) {
     for (const auto& fn : fns) fn();
   }
@@ -86,6 +90,7 @@ inline std::vector<double> TimeInterleavedMs(cudaStream_t stream, int reps,
   std::vector<std::vector<float>> ms(fns.size(), std::vector<float>(reps));
   for (int r = 0; r < reps; ++r) {
     for (size_t f = 0; f < fns.size(); ++f) {
+      if (flush != nullptr) CHECK_CUDA(cudaMemsetAsync(flush, (r + static_cast<int>(f)) & 0xFF, flush_bytes, stream));
       CHECK_CUDA(cudaEventRecord(a, stream));
       fns[f]();
       CHECK_CUDA(cudaEventRecord(b, stream));

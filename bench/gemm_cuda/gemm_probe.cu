@@ -10,14 +10,19 @@
 //                partition the GPU instead of each planning for all of it
 //   lt-part-S-xF: SM shares scaled by F (oversubscribed)
 //
-//   moonep-gemm-probe [--reps N] [--only SHAPE_INDEX] [--quick]
-//   (--quick: no checks, only the dense GEMM and the default persistent kernel: for profilers)
+//   moonep-gemm-probe [--reps N] [--only SHAPE_INDEX] [--quick] [--trace]
+//   (--quick: no checks, only the dense GEMM and the default persistent kernel: for profilers;
+//    --trace: a timeline of the persistent kernel's units per shape, from globaltimer records)
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -188,16 +193,84 @@ __global__ void Compare(const void* got, const void* want, size_t n, int f32, fl
   atomicAdd(&out[2], bad);
 }
 
+// Prints where the persistent kernel's time goes on one launch: whole units (data-parallel waves)
+// and the split tail's parts, from the kernel's per-unit globaltimer records.
+void PrintTrace(const char* label, const std::vector<unsigned long long>& rec, int ctas, int cap,
+                int k_iters, double launch_us) {
+  struct Stat {
+    std::vector<double> v;
+    void add(double x) { v.push_back(x); }
+    std::string str() {
+      if (v.empty()) return "-";
+      std::sort(v.begin(), v.end());
+      char b[96];
+      std::snprintf(b, sizeof(b), "n %zu min %.1f med %.1f max %.1f", v.size(), v.front(), v[v.size() / 2], v.back());
+      return b;
+    }
+  };
+  unsigned long long t0 = ~0ull, tend = 0;
+  for (int c = 0; c < ctas; ++c) {
+    for (int i = 0; i < cap; ++i) {
+      const unsigned long long* r = &rec[(static_cast<size_t>(c) * cap + i) * 6];
+      if (r[1] == 0) break;
+      t0 = std::min(t0, r[1]);
+      tend = std::max(tend, r[3]);
+    }
+  }
+  Stat whole, whole_epilogue, whole_convert, whole_end, first_start, part_main, part_wait, fix, part_start, part_end, cta_end;
+  for (int c = 0; c < ctas; ++c) {
+    double last_end = 0;
+    for (int i = 0; i < cap; ++i) {
+      const unsigned long long* r = &rec[(static_cast<size_t>(c) * cap + i) * 6];
+      if (r[1] == 0) break;
+      const double s = (r[1] - t0) * 1e-3, m = (r[2] - t0) * 1e-3, e = (r[3] - t0) * 1e-3;
+      const int k0 = static_cast<int>((r[0] >> 32) & 0xFFFF), k1 = static_cast<int>((r[0] >> 48) & 0xFFF);
+      const bool fixed = (r[0] >> 63) != 0;
+      const bool split = k0 != 0 || k1 != k_iters || (r[0] >> 60 & 7) != 0;
+      if (i == 0) first_start.add(s);
+      if (!split) {
+        whole.add(e - s);
+        whole_epilogue.add(e - m);
+        whole_convert.add((r[4] - t0) * 1e-3 - m);
+        whole_end.add(e);
+      } else {
+        part_start.add(s);
+        part_main.add(m - s);
+        part_end.add(e);
+        if (fixed) fix.add(e - m); else part_wait.add(e - m);
+      }
+      last_end = e;
+    }
+    cta_end.add(last_end);
+  }
+  std::printf("trace %s: launch %.1f us (events), kernel span %.1f us\n", label, launch_us, (tend - t0) * 1e-3);
+  std::printf("  first unit start   %s\n", first_start.str().c_str());
+  std::printf("  whole unit time    %s\n", whole.str().c_str());
+  std::printf("  whole epilogue     %s\n", whole_epilogue.str().c_str());
+  std::printf("  first half staged  %s\n", whole_convert.str().c_str());
+  std::printf("  whole unit end     %s\n", whole_end.str().c_str());
+  std::printf("  tail part start    %s\n", part_start.str().c_str());
+  std::printf("  tail part mainloop %s\n", part_main.str().c_str());
+  std::printf("  tail part publish  %s\n", part_wait.str().c_str());
+  std::printf("  tail fix-up+store  %s\n", fix.str().c_str());
+  std::printf("  tail part end      %s\n", part_end.str().c_str());
+  std::printf("  CTA end            %s\n", cta_end.str().c_str());
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   int reps = 20;
   int only = -1;       // --only I: shape I of the list below only
   bool quick = false;  // --quick: no checks, only the dense GEMM and the default persistent kernel
+  bool trace = false;  // --trace: timelines of the persistent kernel instead of the timings
+  bool overhead = false;  // --overhead: host and launch costs of one call, synced and pipelined
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--reps" && i + 1 < argc) reps = std::max(1, std::atoi(argv[++i]));
     if (std::string(argv[i]) == "--only" && i + 1 < argc) only = std::atoi(argv[++i]);
     if (std::string(argv[i]) == "--quick") quick = true;
+    if (std::string(argv[i]) == "--trace") trace = quick = true;
+    if (std::string(argv[i]) == "--overhead") overhead = quick = true;
   }
   int dev = 0, num_sms = 0;
   CHECK_CUDA(cudaGetDevice(&dev));
@@ -278,6 +351,7 @@ int main(int argc, char** argv) {
       (*pg)->set_interleave(variant == 2);
       (*pg)->set_cluster(variant != 3 && variant != 6);
       (*pg)->set_wide_store(variant != 4);
+      (*pg)->set_tma_store(variant != 4);
       (*pg)->set_narrow_tail(variant != 5 && variant != 6);
       CHECK_CUDA(cudaMemsetAsync(y, 0xFF, off * ch.n * ec, stream));  // NaN poison
       CHECK_CUDA(cudaMemsetAsync(cmp, 0, 3 * sizeof(float), stream));
@@ -306,6 +380,7 @@ int main(int argc, char** argv) {
     (*pg)->set_stream_k(true);
     (*pg)->set_cluster(true);
     (*pg)->set_wide_store(true);
+    (*pg)->set_tma_store(true);
     (*pg)->set_narrow_tail(true);
   }
   std::fflush(stdout);
@@ -338,6 +413,121 @@ int main(int argc, char** argv) {
                                CUDA_R_16BF, kI, x, CUDA_R_16BF, kH, &zero, y, CUDA_R_16BF, kI,
                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     });
+    if (overhead) {
+      // Host microseconds per call (no sync), GPU microseconds per call with a sync after every
+      // call (as TimeMs) and with 20 calls queued back to back (host work hidden behind the GPU).
+      auto measure = [&](const char* name, const std::function<void()>& fn) {
+        for (int i = 0; i < 5; ++i) fn();
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+        constexpr int kCalls = 20;
+        const double synced = 1e3 * TimeMs(stream, kCalls, fn);
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+        const auto h0 = std::chrono::steady_clock::now();
+        for (int i = 0; i < kCalls; ++i) fn();
+        const auto h1 = std::chrono::steady_clock::now();
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+        const double host = std::chrono::duration<double, std::micro>(h1 - h0).count() / kCalls;
+        cudaEvent_t a, b;
+        CHECK_CUDA(cudaEventCreate(&a));
+        CHECK_CUDA(cudaEventCreate(&b));
+        CHECK_CUDA(cudaEventRecord(a, stream));
+        for (int i = 0; i < kCalls; ++i) fn();
+        CHECK_CUDA(cudaEventRecord(b, stream));
+        CHECK_CUDA(cudaEventSynchronize(b));
+        float ms = 0;
+        CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
+        std::printf("overhead %dx%lld_%s %-10s host %.1f us/call, synced %.1f us, pipelined %.1f us\n",
+                    sh.groups, static_cast<long long>(sh.avg), sh.zipf ? "zipf1.2" : "uniform", name,
+                    host, synced, 1e3 * ms / kCalls);
+      };
+      std::vector<PersistentGroup> og;
+      for (size_t g = 0; g < sizes.size(); ++g) {
+        PersistentGroup pgr;
+        pgr.a = xg(static_cast<int>(g));
+        pgr.lda = kH;
+        pgr.b = wg(static_cast<int>(g));
+        pgr.ldb = kI;
+        pgr.c = yg(static_cast<int>(g));
+        pgr.ldc = kI;
+        pgr.rows = sizes[g];
+        og.push_back(pgr);
+      }
+      measure("dense", [&] {
+        CHECK_BLAS(cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, kI, static_cast<int>(total), kH, &one, w,
+                                 CUDA_R_16BF, kI, x, CUDA_R_16BF, kH, &zero, y, CUDA_R_16BF, kI,
+                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      });
+      measure("persistent", [&] {
+        CHECK_OK((*pg)->Run(stream, false, DType::kBFloat16, kI, kH, og.data(), og.size()));
+      });
+      if (&sh == shapes) {  // once: the cost of one tensor-map encoding
+        void* fn = nullptr;
+        cudaDriverEntryPointQueryResult q{};
+        CHECK_CUDA(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q));
+        CUtensorMap map;
+        const cuuint64_t dims[2] = {static_cast<cuuint64_t>(kH), 512};
+        const cuuint64_t strides[1] = {static_cast<cuuint64_t>(kH) * 2};
+        const cuuint32_t box[2] = {64, 64}, elem[2] = {1, 1};
+        const auto e0 = std::chrono::steady_clock::now();
+        for (int i = 0; i < 1000; ++i) {
+          reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn)(
+              &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, x, dims, strides, box, elem,
+              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+        }
+        const auto e1 = std::chrono::steady_clock::now();
+        std::printf("overhead cuTensorMapEncodeTiled: %.3f us per call\n",
+                    std::chrono::duration<double, std::micro>(e1 - e0).count() / 1000);
+      }
+      std::fflush(stdout);
+      continue;
+    }
+    if (trace) {
+      constexpr int kCap = 256;
+      unsigned long long* dev_trace;
+      CHECK_CUDA(cudaMalloc(&dev_trace, size_t{6} * kCap * num_sms * sizeof(unsigned long long)));
+      std::vector<PersistentGroup> tg;
+      for (size_t g = 0; g < sizes.size(); ++g) {
+        PersistentGroup pgr;
+        pgr.a = xg(static_cast<int>(g));
+        pgr.lda = kH;
+        pgr.b = wg(static_cast<int>(g));
+        pgr.ldb = kI;
+        pgr.c = yg(static_cast<int>(g));
+        pgr.ldc = kI;
+        pgr.rows = sizes[g];
+        tg.push_back(pgr);
+      }
+      const auto mm = std::minmax_element(sizes.begin(), sizes.end());
+      for (int v = 0; v < 4; ++v) {
+        (*pg)->set_cluster(v != 1);
+        (*pg)->set_narrow_tail(v != 2);
+        (*pg)->set_tma_store(v != 3);
+        for (int rep = 0; rep < 3; ++rep) {  // warm; the last launch is the one recorded
+          CHECK_CUDA(cudaMemsetAsync(dev_trace, 0, size_t{6} * kCap * num_sms * sizeof(unsigned long long), stream));
+          (*pg)->set_trace(rep == 2 ? dev_trace : nullptr, kCap);
+          const double ms = TimeMs(stream, 1, [&] {
+            CHECK_OK((*pg)->Run(stream, false, DType::kBFloat16, kI, kH, tg.data(), tg.size()));
+          });
+          if (rep < 2) continue;
+          std::vector<unsigned long long> rec(size_t{6} * kCap * num_sms);
+          CHECK_CUDA(cudaMemcpy(rec.data(), dev_trace, rec.size() * 8, cudaMemcpyDeviceToHost));
+          char label[160];
+          std::snprintf(label, sizeof(label), "%dx%lld_%s (rows %lld-%lld) %s, dense %.1f us", sh.groups,
+                        static_cast<long long>(sh.avg), sh.zipf ? "zipf1.2" : "uniform",
+                        static_cast<long long>(*mm.first), static_cast<long long>(*mm.second),
+                        v == 0 ? "default" : v == 1 ? "no clusters" : v == 2 ? "whole-tile tail" : "16-byte stores", 1e3 * dense);
+          PrintTrace(label, rec, num_sms, kCap, kH / 64, 1e3 * ms);
+        }
+      }
+      (*pg)->set_trace(nullptr, 0);
+      (*pg)->set_cluster(true);
+      (*pg)->set_narrow_tail(true);
+      (*pg)->set_tma_store(true);
+      CHECK_CUDA(cudaFree(dev_trace));
+      std::fflush(stdout);
+      continue;
+    }
     std::string line;
     char buf[128];
     auto add = [&](const char* name, double ms) {
@@ -403,10 +593,12 @@ int main(int argc, char** argv) {
       bool split, cluster, wide, interleave;
       int max_split;
       bool narrow = true;
+      bool tma = true;
     };
     const PVariant pvariants[] = {{"pers", true, true, true, false, 8},
                                   {"pers-nocluster", true, false, true, false, 8},
-                                  {"pers-narrow", true, true, false, false, 8},
+                                  {"pers-narrow", true, true, false, false, 8, true, false},
+                                  {"pers-wide", true, true, true, false, 8, true, false},
                                   {"pers-dp", false, true, true, false, 8},
                                   {"pers-wholetail", true, true, true, false, 8, false},
                                   {"pers-nocluster-wholetail", true, false, true, false, 8, false},
@@ -444,6 +636,7 @@ int main(int argc, char** argv) {
         (*pg)->set_interleave(v.interleave);
         (*pg)->set_max_split(v.max_split);
         (*pg)->set_narrow_tail(v.narrow);
+        (*pg)->set_tma_store(v.tma);
         CHECK_OK((*pg)->Run(stream, false, DType::kBFloat16, kI, kH, pgroups.data(), pgroups.size()));
       });
     }
@@ -462,6 +655,7 @@ int main(int argc, char** argv) {
     (*pg)->set_interleave(false);
     (*pg)->set_max_split(8);
     (*pg)->set_narrow_tail(true);
+    (*pg)->set_tma_store(true);
     {
       CHECK_CUDA(cudaMemsetAsync(cmp, 0, 3 * sizeof(float), stream));
       Compare<<<256, 256, 0, stream>>>(y, y_ref, total * kI, 0, cmp);

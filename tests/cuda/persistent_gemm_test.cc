@@ -68,11 +68,13 @@ struct Mode {
   bool cluster = true;     // clusters of two CTAs sharing loads (where n % 512 == 0)
   bool wide_store = true;  // bf16 epilogue through a quad transpose and 16-byte stores
   bool narrow_tail = true; // the split tail in 128-column halves of the tiles
+  bool tma_store = true;   // bf16 epilogue staged in shared memory, written by TMA stores
   const char* Name() const {
     static thread_local char buf[128];
-    std::snprintf(buf, sizeof(buf), "%s%s%s%s%s", split ? "split-tail" : "data-parallel",
+    std::snprintf(buf, sizeof(buf), "%s%s%s%s%s%s", split ? "split-tail" : "data-parallel",
                   interleave ? ",interleaved" : "", cluster ? ",clusters" : ",no-clusters",
-                  wide_store ? "" : ",4-byte-stores", split && !narrow_tail ? ",whole-tile-tail" : "");
+                  tma_store ? ",tma-stores" : wide_store ? ",16-byte-stores" : ",4-byte-stores",
+                  split && !narrow_tail ? ",whole-tile-tail" : "", "");
     return buf;
   }
 };
@@ -143,6 +145,7 @@ void CheckAgainstCublas(const Layout& l, bool trans_b, DType c_dtype, const Mode
   (*pgemm)->set_cluster(mode.cluster);
   (*pgemm)->set_wide_store(mode.wide_store);
   (*pgemm)->set_narrow_tail(mode.narrow_tail);
+  (*pgemm)->set_tma_store(mode.tma_store);
   std::vector<unsigned char> got(c.bytes()), again(c.bytes()), want(ref.bytes());
   for (int run = 0; run < 2; ++run) {
     c.Poison();
@@ -245,19 +248,27 @@ TEST_P(PersistentVsCublas, EveryPath) {
   const Layout tail{{5, 300}, 1024, 1024};
   // Three column tiles (n = 768): no pairs, so no clusters.
   const Layout odd_columns{{700, 0, 1, 300, 63}, 768, 512};
-  Mode whole, interleaved, no_cluster, narrow, whole_tail, no_cluster_whole_tail;
+  Mode whole, interleaved, no_cluster, narrow, wide, whole_tail, no_cluster_whole_tail;
   whole.split = false;
   interleaved.interleave = true;
   no_cluster.cluster = false;
-  narrow.wide_store = false;
+  narrow.wide_store = narrow.tma_store = false;
+  wide.tma_store = false;
   whole_tail.narrow_tail = false;
   no_cluster_whole_tail.cluster = no_cluster_whole_tail.narrow_tail = false;
-  for (const Mode& m : {Mode{}, whole, interleaved, no_cluster, narrow, whole_tail, no_cluster_whole_tail}) {
+  for (const Mode& m : {Mode{}, whole, interleaved, no_cluster, narrow, wide, whole_tail, no_cluster_whole_tail}) {
     CheckAgainstCublas(waves, trans_b, c_dtype, m);
   }
   // tail: 4 row tiles x 4 = 16 tiles, 8 cluster units: 16 narrow units split in 4 (the fix-up).
   for (const Mode& m : {Mode{}, no_cluster, whole_tail}) CheckAgainstCublas(tail, trans_b, c_dtype, m);
+  // 2 row tiles x 4 = 8 tiles with 32 K-steps: every form of the tail in the most parts
+  // (kMaxSplit = 8), so the fix-up sums eight partial tiles.
+  const Layout tail8{{5, 120}, 1024, 2048};
+  for (const Mode& m : {Mode{}, no_cluster, whole_tail, no_cluster_whole_tail}) {
+    CheckAgainstCublas(tail8, trans_b, c_dtype, m);
+  }
   CheckAgainstCublas(odd_columns, trans_b, c_dtype, Mode{});
+  CheckAgainstCublas(odd_columns, trans_b, c_dtype, wide);
 }
 
 INSTANTIATE_TEST_SUITE_P(Forms, PersistentVsCublas, ::testing::Combine(::testing::Bool(), ::testing::Bool()),

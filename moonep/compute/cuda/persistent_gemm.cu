@@ -24,7 +24,12 @@ constexpr int kABytes = kBM * kBK * 2;  // 16 KiB
 constexpr int kBBytes = kBK * kBN * 2;  // 32 KiB
 constexpr int kThreads = 384;           // producer warpgroup + two consumer warpgroups
 constexpr int kTileFloats = kBM * kBN;
-constexpr size_t kSmemBytes = kStages * (kABytes + kBBytes) + 1024 /* alignment */ + 256;
+// bf16 epilogue staging: two 8 KiB buffers per consumer warpgroup, each a box of 64 rows x 64
+// columns in the 128-byte swizzle, written out by TMA stores that drain while the warpgroup fills
+// the other buffer and goes on to its next unit.
+constexpr int kCColumns = 64;
+constexpr int kCBytes = 2 * 2 * 64 * kCColumns * 2;  // 32 KiB
+constexpr size_t kSmemBytes = kStages * (kABytes + kBBytes) + kCBytes + 1024 /* alignment */ + 256;
 
 struct Params {
   CUtensorMap a_map[kMaxG];
@@ -41,6 +46,14 @@ struct Params {
   float* partials;
   int32_t* counters;
   int32_t wide_store;  // bf16 epilogue: 16-byte stores after a transpose inside each quad of lanes
+  int32_t tma_store;   // bf16 epilogue: through shared memory and TMA stores (c_map)
+  CUtensorMap c_map[kMaxG];  // C as [rows][n], boxes of 64 rows x kCColumns (bf16 only)
+  // Diagnostics (PersistentGemm::set_trace): when non-null, consumer thread 0 of every CTA writes
+  // one record per unit: [unit | k0 << 32 | k1 << 48 | half + 1 << 60 | fixed-up << 63,
+  // globaltimer at the unit's start, after its main loop, at its end, after the epilogue's first
+  // half is in registers/shared memory, 0]; at most trace_cap records per CTA.
+  unsigned long long* trace;
+  int32_t trace_cap;
 };
 static_assert(sizeof(Params) <= 32000, "kernel parameters exceed CUDA's 32 KiB");
 
@@ -122,6 +135,48 @@ __device__ __forceinline__ void WgmmaCommit() {
 template <int N>
 __device__ __forceinline__ void WgmmaWait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ unsigned long long GlobalTimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+// TMA store of a box from shared memory; completion tracked per thread in bulk groups.
+__device__ __forceinline__ void TmaStore2d(const CUtensorMap* map, const void* src, int c0, int c1) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(SmemAddr(src)), "r"(c0), "r"(c1)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+// Four 8 x 8 bf16 matrices from the accumulator fragment layout (register i: row lane/4, columns
+// 2(lane%4), +1 of matrix i) into shared memory; lanes 8i..8i+7 give the row addresses of matrix i.
+__device__ __forceinline__ void StMatrix4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
+  const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+// Waits until all but the newest kPending of this thread's bulk stores have read their
+// shared-memory source (kRead) or completed.
+template <int kPending, bool kRead>
+__device__ __forceinline__ void BulkWait() {
+  if (kRead) {
+    asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
+  } else {
+    asm volatile("cp.async.bulk.wait_group %0;" ::"n"(kPending) : "memory");
+  }
+}
+// Makes this thread's shared-memory writes visible to the TMA (async proxy).
+__device__ __forceinline__ void FenceProxyAsync() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+// Barrier of one consumer warpgroup (ids 2 and 3).
+__device__ __forceinline__ void WarpgroupBarrier(int c) {
+  asm volatile("bar.sync %0, 128;" ::"r"(2 + c) : "memory");
 }
 __device__ __forceinline__ void ConsumerBarrier() {
   asm volatile("bar.sync 1, 256;" ::: "memory");
@@ -264,9 +319,13 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   unsigned char* sa = smem;                      // [kStages][kBM][kBK]: two 64-row boxes
   unsigned char* sb = smem + kStages * kABytes;  // [kStages][kBBytes]
-  uint64_t* full = reinterpret_cast<uint64_t*>(sb + kStages * kBBytes);
+  unsigned char* sc = sb + kStages * kBBytes;    // [2 warpgroups][2 buffers][64 rows][kCColumns] bf16
+  uint64_t* full = reinterpret_cast<uint64_t*>(sc + kCBytes);
   uint64_t* empty = full + kStages;
   int* last_flag = reinterpret_cast<int*>(empty + kStages);
+  // The trace's timestamps of the current unit (in shared memory: no registers held across the
+  // main loop for a diagnostic).
+  auto* trace_times = reinterpret_cast<unsigned long long*>(empty + kStages + 2);
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
   const int rank = kCluster == 1 ? 0 : static_cast<int>(ClusterRank());
   if (threadIdx.x == 0) {
@@ -360,8 +419,24 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
     };
     int stage = 0;
     uint32_t phase = 0;
+    int records = 0;
     ForEachUnit<kCluster>(p, [&](int u, int k0, int k1, int half) {
       const Tile t = DecodeUnit<kCluster>(p, u, rank);
+      const bool tracing = p.trace != nullptr && ct == 0 && records < p.trace_cap;
+      if (tracing) trace_times[0] = trace_times[2] = GlobalTimer();
+      auto trace = [&](bool fixed_up) {
+        if (!tracing) return;
+        unsigned long long* r = p.trace + (static_cast<size_t>(blockIdx.x) * p.trace_cap + records++) * 6;
+        r[0] = static_cast<unsigned long long>(u) | static_cast<unsigned long long>(k0 & 0xFFFF) << 32 |
+               static_cast<unsigned long long>(k1 & 0xFFF) << 48 |
+               static_cast<unsigned long long>(half + 1) << 60 |
+               static_cast<unsigned long long>(fixed_up) << 63;
+        r[1] = trace_times[0];
+        r[2] = trace_times[1];
+        r[3] = GlobalTimer();
+        r[4] = trace_times[2];
+        r[5] = 0;
+      };
       // kN: 256 columns, or 128 for the narrow tail's halves (columns [128 half, + 128)).
       auto tile = [&](auto n_tag) {
       constexpr int kN = decltype(n_tag)::value;
@@ -396,6 +471,22 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
       }
       WgmmaWait<0>();
       if (prev >= 0) release(prev);
+      if (tracing) trace_times[1] = GlobalTimer();
+
+      // Output: accumulator j*4 + {0,1} is (row lane/4, columns 8j + 2(lane%4) + {0,1}) of this
+      // warp's 16 rows, j*4 + {2,3} the same 8 rows further down.
+      const int rows = p.rows[t.g];
+      const int r0 = t.mt * kBM + c * 64 + warp * 16 + lane / 4;
+      const int col0 = col_base + 2 * (lane % 4);
+      const int64_t ldc = p.ldc[t.g];
+      auto store_pair = [&](int r, int col, float x, float y) {  // columns col, col + 1 of row r
+        if (kOutF32) {
+          *reinterpret_cast<float2*>(static_cast<float*>(p.c[t.g]) + r * ldc + col) = make_float2(x, y);
+        } else {
+          *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.c[t.g]) + r * ldc + col) =
+              __floats2bfloat162_rn(x, y);
+        }
+      };
 
       if (k0 != 0 || k1 != p.k_iters) {
         // A split tile: publish this part; the part that arrives last sums all parts in order.
@@ -421,52 +512,90 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
           *last_flag = is_last;
         }
         ConsumerBarrier();
-        if (*last_flag == 0) return;
-        __threadfence();
-        // Sum in part order; kN / 8 independent loads per part keep many requests in flight.
-        const float4* part = slot(first);
-#pragma unroll
-        for (int q = 0; q < kN / 8; ++q) {
-          const float4 v = __ldcg(&part[q * 256 + ct]);
-          acc[4 * q] = v.x;
-          acc[4 * q + 1] = v.y;
-          acc[4 * q + 2] = v.z;
-          acc[4 * q + 3] = v.w;
+        if (*last_flag == 0) {
+          trace(false);
+          return;
         }
-        for (int b = first + 1; b <= last; ++b) {
-          part = slot(b);
+        __threadfence();
+        // Sum the parts in part order (the same bits whichever part arrives last) and store the
+        // sums straight from the loads: no accumulator stays live, so four float4 of every part
+        // (up to 32 requests per thread) are in flight at once. (Summing part by part into the
+        // live accumulators left registers for few requests: ~50 GB/s, 21 us for an 8-part
+        // tile.)
+        const int parts = last - first + 1;
+#pragma unroll 1
+        for (int q0 = 0; q0 < kN / 8; q0 += 4) {
+          float4 v[4][PersistentGemm::kMaxSplit];
 #pragma unroll
-          for (int q = 0; q < kN / 8; ++q) {
-            const float4 v = __ldcg(&part[q * 256 + ct]);
-            acc[4 * q] += v.x;
-            acc[4 * q + 1] += v.y;
-            acc[4 * q + 2] += v.z;
-            acc[4 * q + 3] += v.w;
+          for (int i = 0; i < 4; ++i) {
+#pragma unroll
+            for (int b = 0; b < PersistentGemm::kMaxSplit; ++b) {
+              v[i][b] = b < parts ? __ldcg(&slot(first + b)[(q0 + i) * 256 + ct]) : make_float4(0, 0, 0, 0);
+            }
+          }
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            float4 sum = v[i][0];
+#pragma unroll
+            for (int b = 1; b < PersistentGemm::kMaxSplit; ++b) {
+              if (b < parts) {
+                sum.x += v[i][b].x;
+                sum.y += v[i][b].y;
+                sum.z += v[i][b].z;
+                sum.w += v[i][b].w;
+              }
+            }
+            const int col = col0 + 8 * (q0 + i);
+            if (r0 < rows) store_pair(r0, col, sum.x, sum.y);
+            if (r0 + 8 < rows) store_pair(r0 + 8, col, sum.z, sum.w);
           }
         }
+        trace(true);
+        return;
       }
-      // Store: accumulator j*4 + {0,1} is (row lane/4, columns 8j + 2(lane%4) + {0,1}) of this
-      // warp's 16 rows, j*4 + {2,3} the same 8 rows further down.
-      const int rows = p.rows[t.g];
-      const int r0 = t.mt * kBM + c * 64 + warp * 16 + lane / 4;
-      const int col0 = col_base + 2 * (lane % 4);
-      const int64_t ldc = p.ldc[t.g];
+      if (kOutF32 || (!p.wide_store && !p.tma_store)) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = r0 + 8 * h;
-        const bool valid = r < rows;  // (the transposing store needs every lane of the warp)
-        if (kOutF32) {
-          if (!valid) continue;
-          float* out = static_cast<float*>(p.c[t.g]) + r * ldc + col0;
+        for (int h = 0; h < 2; ++h) {
+          if (r0 + 8 * h >= rows) continue;
 #pragma unroll
           for (int j = 0; j < kN / 8; ++j) {
-            *reinterpret_cast<float2*>(out + 8 * j) = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+            store_pair(r0 + 8 * h, col0 + 8 * j, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
           }
-        } else if (p.wide_store) {
-          // Lane q of a quad holds columns 8j + 2q, +1 of every block j; after a transpose of
-          // each 4 x 4 (lanes x blocks 4m..4m+3), lane q holds all 8 columns of block 4m + q: one
-          // 16-byte store per block, the quad's four covering 64 contiguous bytes.
-          const int q = lane % 4;
+        }
+      } else if (p.tma_store) {
+        // bf16 through this warpgroup's two staging buffers, 64 columns of the tile at a time:
+        // stmatrix writes the accumulators as 8 x 8 blocks into a box laid out as the TMA's
+        // 128-byte swizzle wants it (16-byte chunk ^ row % 8: the 8 rows of a block hit 8
+        // different banks), then a TMA store writes it out, clipped to the group's rows, while the
+        // warpgroup fills the other buffer and goes on to its next unit.
+        const int mat = lane / 8;
+        const int row = warp * 16 + lane % 8 + 8 * (mat & 1);  // this lane's row address
+#pragma unroll
+        for (int part = 0; part < kN / kCColumns; ++part) {
+          unsigned char* buf = sc + c * (kCBytes / 2) + (part % 2) * (kCBytes / 4);
+          if (tid == 0) BulkWait<1, true>();  // the store before the newest has read its buffer
+          WarpgroupBarrier(c);
+#pragma unroll
+          for (int jj = 0; jj < kCColumns / 8; jj += 2) {
+            const int j = part * (kCColumns / 8) + jj;  // blocks j (matrices 0, 1) and j + 1 (2, 3)
+            const int chunk = jj + (mat >> 1);
+            const uint32_t addr = SmemAddr(buf) + row * 128 + ((chunk ^ (row % 8)) << 4);
+            StMatrix4(addr, PackBf16(acc[4 * j], acc[4 * j + 1]), PackBf16(acc[4 * j + 2], acc[4 * j + 3]),
+                      PackBf16(acc[4 * j + 4], acc[4 * j + 5]), PackBf16(acc[4 * j + 6], acc[4 * j + 7]));
+          }
+          if (tracing && part == 0) trace_times[2] = GlobalTimer();
+          FenceProxyAsync();
+          WarpgroupBarrier(c);
+          if (tid == 0) TmaStore2d(&p.c_map[t.g], buf, col_base + part * kCColumns, t.mt * kBM + c * 64);
+        }
+      } else {
+        // bf16, 16 bytes per lane: lane q of a quad holds columns 8j + 2q, +1 of every block j;
+        // after a transpose of each 4 x 4 (lanes x blocks 4m..4m+3), lane q holds all 8 columns
+        // of block 4m + q, the quad's four covering 64 contiguous bytes.
+        const int q = lane % 4;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = r0 + 8 * h;
           __nv_bfloat16* row_out = static_cast<__nv_bfloat16*>(p.c[t.g]) + r * ldc + col_base;
 #pragma unroll
           for (int m = 0; m < kN / 32; ++m) {
@@ -474,8 +603,7 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
 #pragma unroll
             for (int jj = 0; jj < 4; ++jj) {
               const int j = 4 * m + jj;
-              const __nv_bfloat162 b = __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-              v[jj] = *reinterpret_cast<const uint32_t*>(&b);
+              v[jj] = PackBf16(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
             }
 #pragma unroll
             for (int round = 0; round < 4; ++round) {
@@ -489,20 +617,14 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
               got[2] = src == 2 ? recv : got[2];
               got[3] = src == 3 ? recv : got[3];
             }
-            if (valid) {
+            if (r < rows) {
               *reinterpret_cast<uint4*>(row_out + 8 * (4 * m + q)) = make_uint4(got[0], got[1], got[2], got[3]);
             }
           }
-        } else {
-          if (!valid) continue;
-          __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.c[t.g]) + r * ldc + col0;
-#pragma unroll
-          for (int j = 0; j < kN / 8; ++j) {
-            *reinterpret_cast<__nv_bfloat162*>(out + 8 * j) =
-                __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-          }
+          if (tracing && h == 0) trace_times[2] = GlobalTimer();
         }
       }
+      trace(false);
       };
       if (half < 0) {
         tile(std::integral_constant<int, 256>{});
@@ -511,6 +633,8 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
       }
     });
   }
+  // The epilogue's TMA stores complete before the CTA exits.
+  if (!kOutF32 && wg > 0 && threadIdx.x % 128 == 0) BulkWait<0, false>();
   // No CTA leaves while its peer may still arrive on its barriers.
   if (kCluster > 1) ClusterSync();
 #endif  // MOONEP_SM90A
@@ -713,7 +837,9 @@ absl::Status PersistentGemm::Run(cudaStream_t stream, bool trans_b, DType c_dtyp
       const bool ok =
           Encode(encode_, &p->a_map[ng], gr.a, k, gr.rows, gr.lda, kBK, 64) &&
           (trans_b ? Encode(encode_, &p->b_map[ng], gr.b, k, n, gr.ldb, kBK, 128)
-                   : Encode(encode_, &p->b_map[ng], gr.b, n, k, gr.ldb, 64, kBK));
+                   : Encode(encode_, &p->b_map[ng], gr.b, n, k, gr.ldb, 64, kBK)) &&
+          (f32 || !tma_store_ ||
+           Encode(encode_, &p->c_map[ng], gr.c, n, gr.rows, gr.ldc, kCColumns, 64));
       if (!ok) return Internal("persistent GEMM: cuTensorMapEncodeTiled refused group %d", i);
       const int m_tiles = static_cast<int>((gr.rows + kBM - 1) / kBM);
       p->c[ng] = gr.c;
@@ -729,8 +855,11 @@ absl::Status PersistentGemm::Run(cudaStream_t stream, bool trans_b, DType c_dtyp
     p->k_iters = k_iters;
     p->total_units = units;
     p->wide_store = wide_store_ ? 1 : 0;
+    p->tma_store = tma_store_ && !f32 ? 1 : 0;
     p->partials = partials_;
     p->counters = counters_;
+    p->trace = trace_;
+    p->trace_cap = trace_cap_;
     MOONEP_RETURN_IF_ERROR(
         cluster ? RunInstance<2>(trans_b, f32, p, num_sms_, max_split_, stream_k_, narrow_tail_,
                                  &last_slots_, stream)

@@ -72,8 +72,9 @@ class PersistentGemm {
 
   // The K-split tail (default on); off = every tile whole, for comparisons.
   void set_stream_k(bool on) { stream_k_ = on; }
-  // At most this many K-parts per tail tile (default 8).
-  void set_max_split(int parts) { max_split_ = parts < 1 ? 1 : parts; }
+  // At most this many K-parts per tail tile (default and largest kMaxSplit).
+  static constexpr int kMaxSplit = 8;
+  void set_max_split(int parts) { max_split_ = parts < 1 ? 1 : parts > kMaxSplit ? kMaxSplit : parts; }
   int num_sms() const { return num_sms_; }
   // Tile order: groups largest, smallest, second largest, ... (true) or as given (false).
   void set_interleave(bool on) { interleave_ = on; }
@@ -85,8 +86,18 @@ class PersistentGemm {
   // bf16 epilogue: 16-byte stores after a transpose within each quad of lanes (default) or 4-byte
   // stores straight from the accumulators (false).
   void set_wide_store(bool on) { wide_store_ = on; }
+  // bf16 epilogue through shared memory and TMA stores, which drain while the next unit's main
+  // loop runs (default on; off = the stores above, straight from the registers).
+  void set_tma_store(bool on) { tma_store_ = on; }
   // Units of work per wave of the last launch (CTAs, or clusters of two).
   int last_slots() const { return last_slots_; }
+  // Diagnostics: a device buffer of num_sms * cap * 6 words that every launch fills with one
+  // record per unit and CTA (unit, K range, globaltimer at start, after the main loop, at the end;
+  // layout in persistent_gemm.cu's Params). nullptr (the default) records nothing.
+  void set_trace(unsigned long long* device_buffer, int cap) {
+    trace_ = device_buffer;
+    trace_cap_ = device_buffer == nullptr ? 0 : cap;
+  }
 
  private:
   PersistentGemm() = default;
@@ -97,7 +108,10 @@ class PersistentGemm {
   bool cluster_ = true;
   bool wide_store_ = true;
   bool narrow_tail_ = true;
+  bool tma_store_ = true;
   int last_slots_ = 0;
+  unsigned long long* trace_ = nullptr;
+  int trace_cap_ = 0;
   std::vector<int32_t> order_, scratch_;
   void* encode_ = nullptr;      // cuTensorMapEncodeTiled
   float* partials_ = nullptr;   // [num_sms][kTileM * kTileN]
