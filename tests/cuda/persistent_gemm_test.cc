@@ -261,8 +261,8 @@ TEST_P(PersistentVsCublas, EveryPath) {
   }
   // tail: 4 row tiles x 4 = 16 tiles, 8 cluster units: 16 narrow units split in 4 (the fix-up).
   for (const Mode& m : {Mode{}, no_cluster, whole_tail}) CheckAgainstCublas(tail, trans_b, c_dtype, m);
-  // 2 row tiles x 4 = 8 tiles with 32 K-steps: every form of the tail in the most parts
-  // (kMaxSplit = 8), so the fix-up sums eight partial tiles.
+  // 2 row tiles x 4 = 8 tiles with 32 K-steps: every form of the tail in the default most parts
+  // (8), so the fix-up sums eight partial tiles.
   const Layout tail8{{5, 120}, 1024, 2048};
   for (const Mode& m : {Mode{}, no_cluster, whole_tail, no_cluster_whole_tail}) {
     CheckAgainstCublas(tail8, trans_b, c_dtype, m);

@@ -72,9 +72,8 @@ class PersistentGemm {
 
   // The K-split tail (default on); off = every tile whole, for comparisons.
   void set_stream_k(bool on) { stream_k_ = on; }
-  // At most this many K-parts per tail tile (default and largest kMaxSplit).
-  static constexpr int kMaxSplit = 8;
-  void set_max_split(int parts) { max_split_ = parts < 1 ? 1 : parts > kMaxSplit ? kMaxSplit : parts; }
+  // At most this many K-parts per tail tile (default 8).
+  void set_max_split(int parts) { max_split_ = parts < 1 ? 1 : parts; }
   int num_sms() const { return num_sms_; }
   // Tile order: groups largest, smallest, second largest, ... (true) or as given (false).
   void set_interleave(bool on) { interleave_ = on; }
