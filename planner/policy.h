@@ -79,7 +79,8 @@ struct MaxTree {
   void SetKey(Key* t, int32_t i, int64_t v) {
     // The path's winner stays in a register: each level only loads the sibling (independent of
     // the previous level), so the chain is one compare per level, not a store-load round trip.
-    int32_t x = leaves + i;
+    // (A 64-bit unsigned index: no sign extension per level.)
+    size_t x = static_cast<size_t>(leaves) + static_cast<uint32_t>(i);
     Key cur = MakeKey<Key>(v, i);
     t[x] = cur;
     for (; x > 1; x >>= 1) {
@@ -106,13 +107,14 @@ struct MaxTree {
   }
   // The largest value among all slots but i (0 when there is none).
   int64_t MaxValueExcept(int32_t i) const {
+    const size_t leaf = static_cast<size_t>(leaves) + static_cast<uint32_t>(i);
     if (wide) {
       unsigned __int128 k = 0;
-      for (int32_t x = leaves + i; x > 1; x >>= 1) k = std::max(k, tree_w[x ^ 1]);
+      for (size_t x = leaf; x > 1; x >>= 1) k = std::max(k, tree_w[x ^ 1]);
       return static_cast<int64_t>(k >> index_bits);
     }
     uint64_t k = 0;
-    for (int32_t x = leaves + i; x > 1; x >>= 1) k = std::max(k, tree[x ^ 1]);
+    for (size_t x = leaf; x > 1; x >>= 1) k = std::max(k, tree[x ^ 1]);
     return static_cast<int64_t>(k >> index_bits);
   }
   // Index of the largest value when it is > 0, else -1.
