@@ -46,7 +46,7 @@ MOONEP_INT_PARAM(CudaGemmStreamsMinRows, "CUDA_GEMM_STREAMS_MIN_ROWS", 512)
 // Streams of a CUDA executor (1..16).
 MOONEP_INT_PARAM(CudaGemmStreams, "CUDA_GEMM_STREAMS", 4)
 // kAuto: mean rows per GEMM below which skewed batches run on the persistent kernel (sm_90).
-MOONEP_INT_PARAM(CudaGemmPersistentMaxRows, "CUDA_GEMM_PERSISTENT_MAX_ROWS", 1024)
+MOONEP_INT_PARAM(CudaGemmPersistentMaxRows, "CUDA_GEMM_PERSISTENT_MAX_ROWS", 2048)
 // auto, grouped, streams, chunked or persistent.
 MOONEP_STRING_PARAM(CudaGemmStrategy, "CUDA_GEMM_STRATEGY", "auto")
 }  // namespace moonep::param
