@@ -768,16 +768,7 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
       cursor = rend[j];
     }
     MOONEP_CHECK_ARG(held == N, "expert %d: its holders compute %d of its %d tokens", e, held, N);
-    // Replicas running past N shift left (none does when the last one ends in time: each starts
-    // at or after the previous one's end).
-    int64_t limit = N;
-    for (int32_t j = rend[last - 1] > N ? last - 1 : first - 1; j >= first; --j) {
-      if (rend[j] > limit) {
-        rstart[j] -= rend[j] - limit;
-        rend[j] = limit;
-      }
-      limit = rstart[j];
-    }
+    ShiftReplicasLeft(N, rstart + first, rend + first, last - first);
     // The home's own and node ranges, used by every home piece.
     int64_t h_own;
     const int64_t h0 = col_own(e, h, &h_own), h1 = h0 + h_own;

@@ -24,6 +24,22 @@ absl::Status CheckCounts(const PlannerConfig& resolved, absl::Span<const int64_t
 void ComputeSourceOffsets(absl::Span<const int64_t> counts, int32_t num_ranks, int32_t num_experts,
                           std::vector<int64_t>* offsets);
 
+// The placement's last step, shared by FinalizeHolders and the policies' count of local rows:
+// replicas laid left to right ([start[j], end[j]), each at or after the previous one's end) that
+// run past n_tokens shift left, the last to end at n_tokens and each earlier one where the next
+// starts. Nothing moves when the last one ends in time.
+inline void ShiftReplicasLeft(int64_t n_tokens, int64_t* start, int64_t* end, int32_t n) {
+  if (n == 0 || end[n - 1] <= n_tokens) return;
+  int64_t limit = n_tokens;
+  for (int32_t j = n - 1; j >= 0; --j) {
+    if (end[j] > limit) {
+      start[j] -= end[j] - limit;
+      end[j] = limit;
+    }
+    limit = start[j];
+  }
+}
+
 // Reusable scratch for FinalizePlan (keeps steady-state planning free of allocation).
 struct BuildScratch {
   std::vector<int64_t> src_offsets;      // (R + 1) * E

@@ -93,16 +93,7 @@ int64_t PlacedLocalRows(int64_t N, int32_t h, int64_t h0, int64_t h1, const int3
     end[j] = start[j] + amounts[j];
     cursor = end[j];
   }
-  // Replicas running past the end shift left (none does when the last one ends in time: each
-  // starts at or after the previous one's end).
-  int64_t limit = N;
-  for (int32_t j = end[n - 1] > N ? n - 1 : -1; j >= 0; --j) {
-    if (end[j] > limit) {
-      start[j] -= end[j] - limit;
-      end[j] = limit;
-    }
-    limit = start[j];
-  }
+  ShiftReplicasLeft(N, start, end, n);
   int64_t pos = 0;
   for (int32_t j = 0; j < n; ++j) {
     local += Overlap(pos, start[j], h0, h1);  // home piece before the replica

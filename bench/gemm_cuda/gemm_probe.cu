@@ -406,6 +406,18 @@ int main(int argc, char** argv) {
     auto wg = [&](int g) { return static_cast<const char*>(w) + static_cast<size_t>(g) * kH * kI * 2; };
     auto xg = [&](int g) { return static_cast<const char*>(x) + static_cast<size_t>(offset[g]) * kH * 2; };
     auto yg = [&](int g) { return static_cast<char*>(y) + static_cast<size_t>(offset[g]) * kI * 2; };
+    std::vector<PersistentGroup> pgroups;
+    for (size_t g = 0; g < sizes.size(); ++g) {
+      PersistentGroup pgr;
+      pgr.a = xg(static_cast<int>(g));
+      pgr.lda = kH;
+      pgr.b = wg(static_cast<int>(g));
+      pgr.ldb = kI;
+      pgr.c = yg(static_cast<int>(g));
+      pgr.ldc = kI;
+      pgr.rows = sizes[g];
+      pgroups.push_back(pgr);
+    }
 
     const float one = 1.0f, zero = 0.0f;
     const double dense = TimeMs(stream, reps, [&] {
@@ -440,25 +452,13 @@ int main(int argc, char** argv) {
                     sh.groups, static_cast<long long>(sh.avg), sh.zipf ? "zipf1.2" : "uniform", name,
                     host, synced, 1e3 * ms / kCalls);
       };
-      std::vector<PersistentGroup> og;
-      for (size_t g = 0; g < sizes.size(); ++g) {
-        PersistentGroup pgr;
-        pgr.a = xg(static_cast<int>(g));
-        pgr.lda = kH;
-        pgr.b = wg(static_cast<int>(g));
-        pgr.ldb = kI;
-        pgr.c = yg(static_cast<int>(g));
-        pgr.ldc = kI;
-        pgr.rows = sizes[g];
-        og.push_back(pgr);
-      }
       measure("dense", [&] {
         CHECK_BLAS(cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, kI, static_cast<int>(total), kH, &one, w,
                                  CUDA_R_16BF, kI, x, CUDA_R_16BF, kH, &zero, y, CUDA_R_16BF, kI,
                                  CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
       });
       measure("persistent", [&] {
-        CHECK_OK((*pg)->Run(stream, false, DType::kBFloat16, kI, kH, og.data(), og.size()));
+        CHECK_OK((*pg)->Run(stream, false, DType::kBFloat16, kI, kH, pgroups.data(), pgroups.size()));
       });
       if (&sh == shapes) {  // once: the cost of one tensor-map encoding
         void* fn = nullptr;
@@ -486,18 +486,6 @@ int main(int argc, char** argv) {
       constexpr int kCap = 256;
       unsigned long long* dev_trace;
       CHECK_CUDA(cudaMalloc(&dev_trace, size_t{6} * kCap * num_sms * sizeof(unsigned long long)));
-      std::vector<PersistentGroup> tg;
-      for (size_t g = 0; g < sizes.size(); ++g) {
-        PersistentGroup pgr;
-        pgr.a = xg(static_cast<int>(g));
-        pgr.lda = kH;
-        pgr.b = wg(static_cast<int>(g));
-        pgr.ldb = kI;
-        pgr.c = yg(static_cast<int>(g));
-        pgr.ldc = kI;
-        pgr.rows = sizes[g];
-        tg.push_back(pgr);
-      }
       const auto mm = std::minmax_element(sizes.begin(), sizes.end());
       for (int v = 0; v < 4; ++v) {
         (*pg)->set_cluster(v != 1);
@@ -507,7 +495,7 @@ int main(int argc, char** argv) {
           CHECK_CUDA(cudaMemsetAsync(dev_trace, 0, size_t{6} * kCap * num_sms * sizeof(unsigned long long), stream));
           (*pg)->set_trace(rep == 2 ? dev_trace : nullptr, kCap);
           const double ms = TimeMs(stream, 1, [&] {
-            CHECK_OK((*pg)->Run(stream, false, DType::kBFloat16, kI, kH, tg.data(), tg.size()));
+            CHECK_OK((*pg)->Run(stream, false, DType::kBFloat16, kI, kH, pgroups.data(), pgroups.size()));
           });
           if (rep < 2) continue;
           std::vector<unsigned long long> rec(size_t{6} * kCap * num_sms);
@@ -534,18 +522,6 @@ int main(int argc, char** argv) {
       std::snprintf(buf, sizeof(buf), "  %s %.0f (%.2f, %.0f us)", name, tf(ms), dense / ms, 1e3 * ms);
       line += buf;
     };
-    std::vector<PersistentGroup> pgroups;
-    for (size_t g = 0; g < sizes.size(); ++g) {
-      PersistentGroup pgr;
-      pgr.a = xg(static_cast<int>(g));
-      pgr.lda = kH;
-      pgr.b = wg(static_cast<int>(g));
-      pgr.ldb = kI;
-      pgr.c = yg(static_cast<int>(g));
-      pgr.ldc = kI;
-      pgr.rows = sizes[g];
-      pgroups.push_back(pgr);
-    }
     // MoonEP's current strategies.
     for (GemmStrategy s : {GemmStrategy::kStreams, GemmStrategy::kChunked, GemmStrategy::kAuto}) {
       if (quick) break;
