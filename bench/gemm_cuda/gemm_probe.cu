@@ -196,7 +196,7 @@ __global__ void Compare(const void* got, const void* want, size_t n, int f32, fl
 // Prints where the persistent kernel's time goes on one launch: whole units (data-parallel waves)
 // and the split tail's parts, from the kernel's per-unit globaltimer records.
 void PrintTrace(const char* label, const std::vector<unsigned long long>& rec, int ctas, int cap,
-                int k_iters, double launch_us) {
+                int k_iters, double launch_us, int split_unit) {
   struct Stat {
     std::vector<double> v;
     void add(double x) { v.push_back(x); }
@@ -217,6 +217,7 @@ void PrintTrace(const char* label, const std::vector<unsigned long long>& rec, i
       tend = std::max(tend, r[3]);
     }
   }
+  Stat whole_lo, whole_hi;
   Stat whole, whole_epilogue, whole_convert, whole_end, first_start, part_main, part_wait, fix, part_start, part_end, cta_end;
   for (int c = 0; c < ctas; ++c) {
     double last_end = 0;
@@ -230,6 +231,7 @@ void PrintTrace(const char* label, const std::vector<unsigned long long>& rec, i
       if (i == 0) first_start.add(s);
       if (!split) {
         whole.add(e - s);
+        if (split_unit >= 0) (static_cast<int>(r[0] & 0xFFFFFFFF) < split_unit ? whole_lo : whole_hi).add(e - s);
         whole_epilogue.add(e - m);
         whole_convert.add((r[4] - t0) * 1e-3 - m);
         whole_end.add(e);
@@ -246,6 +248,10 @@ void PrintTrace(const char* label, const std::vector<unsigned long long>& rec, i
   std::printf("trace %s: launch %.1f us (events), kernel span %.1f us\n", label, launch_us, (tend - t0) * 1e-3);
   std::printf("  first unit start   %s\n", first_start.str().c_str());
   std::printf("  whole unit time    %s\n", whole.str().c_str());
+  if (split_unit >= 0) {
+    std::printf("  whole, unit < %-4d %s\n", split_unit, whole_lo.str().c_str());
+    std::printf("  whole, unit >= %-3d %s\n", split_unit, whole_hi.str().c_str());
+  }
   std::printf("  whole epilogue     %s\n", whole_epilogue.str().c_str());
   std::printf("  first half staged  %s\n", whole_convert.str().c_str());
   std::printf("  whole unit end     %s\n", whole_end.str().c_str());
@@ -265,12 +271,23 @@ int main(int argc, char** argv) {
   bool quick = false;  // --quick: no checks, only the dense GEMM and the default persistent kernel
   bool trace = false;  // --trace: timelines of the persistent kernel instead of the timings
   bool overhead = false;  // --overhead: host and launch costs of one call, synced and pipelined
+  std::vector<int64_t> custom;  // --sizes a,b,c: one shape with these group sizes instead of the list
+  int split_unit = -1;          // --split-unit U: the trace's unit times for units < U and >= U apart
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--reps" && i + 1 < argc) reps = std::max(1, std::atoi(argv[++i]));
     if (std::string(argv[i]) == "--only" && i + 1 < argc) only = std::atoi(argv[++i]);
     if (std::string(argv[i]) == "--quick") quick = true;
     if (std::string(argv[i]) == "--trace") trace = quick = true;
     if (std::string(argv[i]) == "--overhead") overhead = quick = true;
+    if (std::string(argv[i]) == "--split-unit" && i + 1 < argc) split_unit = std::atoi(argv[++i]);
+    if (std::string(argv[i]) == "--sizes" && i + 1 < argc) {
+      for (const char* c = argv[++i]; *c != '\0';) {
+        char* end = nullptr;
+        custom.push_back(std::strtoll(c, &end, 10));
+        c = *end == ',' ? end + 1 : end;
+        if (end == c && *c != '\0') break;
+      }
+    }
   }
   int dev = 0, num_sms = 0;
   CHECK_CUDA(cudaGetDevice(&dev));
@@ -395,10 +412,15 @@ int main(int argc, char** argv) {
                           {64, 512, true}, {8, 2048, true},  {64, 1024, true}, {32, 128, true},
                           {64, 128, true}, {1, 256, false},  {1, 2048, false}};
   std::printf("# %d SMs; TFLOP/s, (x) = over the dense GEMM of the same FLOPs in the same run\n", num_sms);
-  for (const Shape& sh : shapes) {
-    if (only >= 0 && &sh - shapes != only) continue;
-    const auto sizes = GroupSizes(sh.groups, sh.avg, sh.zipf, 7);
-    const int64_t total = sh.avg * sh.groups;
+  for (const Shape& sh_listed : shapes) {
+    if (!custom.empty() && &sh_listed != shapes) break;
+    if (custom.empty() && only >= 0 && &sh_listed - shapes != only) continue;
+    const int64_t custom_total = std::accumulate(custom.begin(), custom.end(), int64_t{0});
+    const Shape sh = custom.empty() ? sh_listed
+                                    : Shape{static_cast<int>(custom.size()),
+                                            custom_total / static_cast<int64_t>(custom.size()), false};
+    const auto sizes = custom.empty() ? GroupSizes(sh.groups, sh.avg, sh.zipf, 7) : custom;
+    const int64_t total = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
     const double flops = 2.0 * total * kH * kI;
     auto tf = [&](double ms) { return flops / (ms * 1e-3) / 1e12; };
     std::vector<int64_t> offset(sizes.size() + 1, 0);
@@ -505,7 +527,7 @@ int main(int argc, char** argv) {
                         static_cast<long long>(sh.avg), sh.zipf ? "zipf1.2" : "uniform",
                         static_cast<long long>(*mm.first), static_cast<long long>(*mm.second),
                         v == 0 ? "default" : v == 1 ? "no clusters" : v == 2 ? "whole-tile tail" : "16-byte stores", 1e3 * dense);
-          PrintTrace(label, rec, num_sms, kCap, kH / 64, 1e3 * ms);
+          PrintTrace(label, rec, num_sms, kCap, kH / 64, 1e3 * ms, split_unit);
         }
       }
       (*pg)->set_trace(nullptr, 0);
