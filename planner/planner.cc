@@ -85,14 +85,18 @@ void PreparePlan(const PlannerConfig& c, Plan* plan) {
   const int32_t R = c.num_ranks, E = c.num_experts, S = c.slots;
   // A plan made by this library has nonzero alloc only at holders: home and filled slots. Every
   // home entry is written again by EmitAlloc, so only the slots' entries need clearing
-  // (slot_expert and slot_alloc are overwritten whole by EmitAlloc).
+  // (slot_expert and slot_alloc are overwritten whole by EmitAlloc). Its slots are filled in
+  // order (every policy's Decisions add a rank's replicas at slots_used, and EmitAlloc copies
+  // them), so a rank's used slots end at its first unused one (asserted in debug builds).
   const int32_t* slot_expert = plan->slot_expert.data();
   int64_t* alloc = plan->alloc.data();
   for (int32_t d = 0; d < R; ++d) {
-    for (int32_t s = 0; s < S; ++s) {
-      const int32_t e = slot_expert[static_cast<size_t>(d) * S + s];
-      if (e >= 0 && e < E) alloc[static_cast<size_t>(e) * R + d] = 0;
+    const int32_t* se = slot_expert + static_cast<size_t>(d) * S;
+    int32_t s = 0;
+    for (; s < S && se[s] >= 0; ++s) {
+      if (se[s] < E) alloc[static_cast<size_t>(se[s]) * R + d] = 0;
     }
+    assert(std::all_of(se + s, se + S, [](int32_t e) { return e < 0; }));
   }
   plan->stats = PlanStats{};
 }
