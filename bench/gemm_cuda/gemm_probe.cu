@@ -273,12 +273,14 @@ int main(int argc, char** argv) {
   bool overhead = false;  // --overhead: host and launch costs of one call, synced and pipelined
   std::vector<int64_t> custom;  // --sizes a,b,c: one shape with these group sizes instead of the list
   int split_unit = -1;          // --split-unit U: the trace's unit times for units < U and >= U apart
+  bool f32 = false;             // --f32 (with --trace): fp32 outputs
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--reps" && i + 1 < argc) reps = std::max(1, std::atoi(argv[++i]));
     if (std::string(argv[i]) == "--only" && i + 1 < argc) only = std::atoi(argv[++i]);
     if (std::string(argv[i]) == "--quick") quick = true;
     if (std::string(argv[i]) == "--trace") trace = quick = true;
     if (std::string(argv[i]) == "--overhead") overhead = quick = true;
+    if (std::string(argv[i]) == "--f32") f32 = true;
     if (std::string(argv[i]) == "--split-unit" && i + 1 < argc) split_unit = std::atoi(argv[++i]);
     if (std::string(argv[i]) == "--sizes" && i + 1 < argc) {
       for (const char* c = argv[++i]; *c != '\0';) {
@@ -289,6 +291,11 @@ int main(int argc, char** argv) {
       }
     }
   }
+  if (f32 && !trace) {
+    std::fprintf(stderr, "--f32 goes with --trace only\n");
+    return 2;
+  }
+  const int64_t out_bytes = f32 ? 4 : 2;
   int dev = 0, num_sms = 0;
   CHECK_CUDA(cudaGetDevice(&dev));
   CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev));
@@ -313,7 +320,7 @@ int main(int argc, char** argv) {
   void *x, *w, *y, *y_ref;
   CHECK_CUDA(cudaMalloc(&x, max_rows * kH * 2));
   CHECK_CUDA(cudaMalloc(&w, max_groups * int64_t{kH} * kI * 2));
-  CHECK_CUDA(cudaMalloc(&y, max_rows * kI * 2));
+  CHECK_CUDA(cudaMalloc(&y, max_rows * kI * 4));
   CHECK_CUDA(cudaMalloc(&y_ref, max_rows * kI * 2));
   FillBf16<<<2048, 256, 0, stream>>>(static_cast<uint16_t*>(x), max_rows * kH, 1, 1.0f);
   FillBf16<<<2048, 256, 0, stream>>>(static_cast<uint16_t*>(w), max_groups * int64_t{kH} * kI, 2, 1.0f);
@@ -427,7 +434,7 @@ int main(int argc, char** argv) {
     for (size_t g = 0; g < sizes.size(); ++g) offset[g + 1] = offset[g] + sizes[g];
     auto wg = [&](int g) { return static_cast<const char*>(w) + static_cast<size_t>(g) * kH * kI * 2; };
     auto xg = [&](int g) { return static_cast<const char*>(x) + static_cast<size_t>(offset[g]) * kH * 2; };
-    auto yg = [&](int g) { return static_cast<char*>(y) + static_cast<size_t>(offset[g]) * kI * 2; };
+    auto yg = [&](int g) { return static_cast<char*>(y) + static_cast<size_t>(offset[g]) * kI * out_bytes; };
     std::vector<PersistentGroup> pgroups;
     for (size_t g = 0; g < sizes.size(); ++g) {
       PersistentGroup pgr;
@@ -517,14 +524,15 @@ int main(int argc, char** argv) {
           CHECK_CUDA(cudaMemsetAsync(dev_trace, 0, size_t{6} * kCap * num_sms * sizeof(unsigned long long), stream));
           (*pg)->set_trace(rep == 2 ? dev_trace : nullptr, kCap);
           const double ms = TimeMs(stream, 1, [&] {
-            CHECK_OK((*pg)->Run(stream, false, DType::kBFloat16, kI, kH, pgroups.data(), pgroups.size()));
+            CHECK_OK((*pg)->Run(stream, false, f32 ? DType::kFloat32 : DType::kBFloat16, kI, kH, pgroups.data(),
+                                pgroups.size()));
           });
           if (rep < 2) continue;
           std::vector<unsigned long long> rec(size_t{6} * kCap * num_sms);
           CHECK_CUDA(cudaMemcpy(rec.data(), dev_trace, rec.size() * 8, cudaMemcpyDeviceToHost));
           char label[160];
-          std::snprintf(label, sizeof(label), "%dx%lld_%s (rows %lld-%lld) %s, dense %.1f us", sh.groups,
-                        static_cast<long long>(sh.avg), sh.zipf ? "zipf1.2" : "uniform",
+          std::snprintf(label, sizeof(label), "%dx%lld_%s%s (rows %lld-%lld) %s, dense %.1f us", sh.groups,
+                        static_cast<long long>(sh.avg), sh.zipf ? "zipf1.2" : "uniform", f32 ? " fp32 out" : "",
                         static_cast<long long>(*mm.first), static_cast<long long>(*mm.second),
                         v == 0 ? "default" : v == 1 ? "no clusters" : v == 2 ? "whole-tile tail" : "16-byte stores", 1e3 * dense);
           PrintTrace(label, rec, num_sms, kCap, kH / 64, 1e3 * ms, split_unit);
@@ -533,6 +541,21 @@ int main(int argc, char** argv) {
       (*pg)->set_trace(nullptr, 0);
       (*pg)->set_cluster(true);
       (*pg)->set_narrow_tail(true);
+      // bf16: the two epilogues against each other, alternating launches (no trace). (fp32 outputs
+      // have one epilogue, float2 stores from the registers: a TMA-store one measured no faster,
+      // see docs/cuda.md.)
+      if (!f32) {
+        std::vector<std::function<void()>> epilogues;
+        for (bool tma : {true, false}) {
+          epilogues.push_back([&, tma] {
+            (*pg)->set_tma_store(tma);
+            CHECK_OK((*pg)->Run(stream, false, DType::kBFloat16, kI, kH, pgroups.data(), pgroups.size()));
+          });
+        }
+        const std::vector<double> ems = TimeInterleavedMs(stream, reps, epilogues);
+        std::printf("  alternating, %d reps: TMA-store epilogue %.1f us, 16-byte stores %.1f us (%.3f)\n", reps,
+                    1e3 * ems[0], 1e3 * ems[1], ems[1] / ems[0]);
+      }
       (*pg)->set_tma_store(true);
       CHECK_CUDA(cudaFree(dev_trace));
       std::fflush(stdout);
