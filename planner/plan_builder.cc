@@ -122,7 +122,6 @@ int64_t Overlap(int64_t a0, int64_t a1, int64_t b0, int64_t b1) {
 // given): each is one piece on its home. A tight loop with few live values.
 struct HomeRun {
   // in
-  const int32_t* replica_begin;
   const int64_t *totals, *home_keep, *home_row, *home_own, *home_node;
   const int32_t* home;
   int32_t* piece_begin;
@@ -162,12 +161,12 @@ struct HomeRun {
     tokens += tok;
     mismatch |= diff != 0;
   }
-  // Lays experts from e up to the first replicated one (or E); returns that expert.
-  int32_t Lay(int32_t e, int32_t E) {
+  // Lays the unreplicated experts [e, end); returns end.
+  int32_t Lay(int32_t e, int32_t end) {
     int32_t P = pieces;
     int64_t loc = 0, node = 0, tok = 0;
     bool bad = false;
-    for (; e < E && replica_begin[e] == replica_begin[e + 1]; ++e) {
+    for (; e < end; ++e) {
       piece_begin[e] = P;
       const int64_t N = totals[e];
       bad |= home_keep[e] != N;
@@ -394,7 +393,8 @@ absl::Status FinalizePlan(const PlannerConfig& c, absl::Span<const int64_t> coun
 
 absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> counts,
                              absl::Span<const int64_t> totals, Plan* plan, BuildScratch* scratch,
-                             const int64_t* home_keep, const int64_t* home_load) {
+                             const int64_t* home_keep, const int64_t* home_load,
+                             const ReplicaPlacement* placed) {
   const int32_t R = c.num_ranks, E = c.num_experts, epn = E / R, S = c.slots, G = epn + S;
   const int32_t rpn = c.ranks_per_node;
   const int64_t pad = c.pad_multiple;
@@ -406,77 +406,89 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
   int64_t* group_offset = plan->group_offset.data();
   int64_t* group_padded = plan->group_padded.data();
 
-  // Replicas per expert, by increasing rank (CSR), with their slot index.
-  std::vector<int32_t>& rb = scratch->replica_begin;
-  // Replicas of each expert, counted in replica_count (all zero between calls: only the
-  // replicated experts' entries are set, and they are reset below, also on error).
-  std::vector<int32_t>& count = scratch->replica_count;
-  if (count.size() != static_cast<size_t>(E)) count.assign(E, 0);
-  int32_t* rcount = count.data();
   // The planner's decisions fill each rank's slots in order (a prefix), so with home_keep given
   // the scans stop at a rank's first unused slot.
   const bool prefix_slots = home_keep != nullptr && home_load != nullptr && !plan->home_replicas;
-  // Calls fn(d, s, e) for every used slot s of every rank d, by rank then slot.
-  auto for_each_used_slot = [&](auto&& fn) -> absl::Status {
-    for (int32_t d = 0; d < R; ++d) {
-      const int32_t* se = slot_expert + static_cast<size_t>(d) * S;
-      for (int32_t s = 0; s < S; ++s) {
-        const int32_t e = se[s];
-        if (e < 0) {
-          if (prefix_slots) break;
-          continue;
+  // The replicated experts, increasing (rep_experts[0 .. n_rep)), and their replicas by
+  // increasing rank: those of rep_experts[i] are [rep_begin[i], rep_begin[i + 1]), each with its
+  // rank and slot index (rank * S + slot). Handed over with their placement (`placed`), or found
+  // here from the slots.
+  const int32_t* rep_experts;
+  const int32_t* rep_begin;
+  int32_t n_rep;
+  const int32_t* rrank;
+  const int64_t* rslot;
+  if (prefix_slots && placed != nullptr) {
+    rep_experts = placed->experts.data();
+    rep_begin = placed->begin.data();
+    n_rep = placed->num;
+    rrank = placed->rank.data();
+    rslot = placed->slot.data();
+  } else {
+    // Replicas of each expert, counted in replica_count (all zero between calls: only the
+    // replicated experts' entries are set, and they are reset below, also on error), which then
+    // serves as each one's cursor while the replicas are listed.
+    std::vector<int32_t>& count = scratch->replica_count;
+    if (count.size() != static_cast<size_t>(E)) count.assign(E, 0);
+    int32_t* rcount = count.data();
+    // Calls fn(d, s, e) for every used slot s of every rank d, by rank then slot.
+    auto for_each_used_slot = [&](auto&& fn) -> absl::Status {
+      for (int32_t d = 0; d < R; ++d) {
+        const int32_t* se = slot_expert + static_cast<size_t>(d) * S;
+        for (int32_t s = 0; s < S; ++s) {
+          const int32_t e = se[s];
+          if (e < 0) {
+            if (prefix_slots) break;
+            continue;
+          }
+          MOONEP_RETURN_IF_ERROR(fn(d, s, e));
         }
-        MOONEP_RETURN_IF_ERROR(fn(d, s, e));
       }
+      return absl::OkStatus();
+    };
+    std::vector<int32_t>& replicated = scratch->replicated;  // each once, sorted below
+    replicated.clear();
+    const absl::Status counted = for_each_used_slot([&](int32_t d, int32_t s, int32_t e) {
+      MOONEP_CHECK_ARG(e < E, "slot %d of rank %d holds expert %d, not in [0, %d)", s, d, e, E);
+      MOONEP_CHECK_ARG(plan->home_replicas || home[e] != d,
+                       "rank %d holds a replica of its own expert %d", d, e);
+      if (rcount[e]++ == 0) replicated.push_back(e);
+      return absl::OkStatus();
+    });
+    if (!counted.ok()) {
+      for (int32_t e : replicated) rcount[e] = 0;
+      return counted;
     }
-    return absl::OkStatus();
-  };
-  // The replicated experts (each once), sorted below: the runs of unreplicated ones between them
-  // are laid without scanning rb.
-  std::vector<int32_t>& replicated = scratch->replicated;
-  replicated.clear();
-  const absl::Status counted = for_each_used_slot([&](int32_t d, int32_t s, int32_t e) {
-    MOONEP_CHECK_ARG(e < E, "slot %d of rank %d holds expert %d, not in [0, %d)", s, d, e, E);
-    MOONEP_CHECK_ARG(plan->home_replicas || home[e] != d,
-                     "rank %d holds a replica of its own expert %d", d, e);
-    if (rcount[e]++ == 0) replicated.push_back(e);
-    return absl::OkStatus();
-  });
-  if (!counted.ok()) {
-    for (int32_t e : replicated) rcount[e] = 0;
-    return counted;
-  }
-  std::sort(replicated.begin(), replicated.end());
-  // rb[e] = replicas of the experts before e: constant over each run of unreplicated experts,
-  // so each run is one fill.
-  rb.resize(static_cast<size_t>(E) + 1);
-  {
-    int32_t acc = 0, from = 0;
-    for (int32_t e : replicated) {
-      std::fill(rb.data() + from, rb.data() + e + 1, acc);
+    std::sort(replicated.begin(), replicated.end());
+    n_rep = static_cast<int32_t>(replicated.size());
+    std::vector<int32_t>& rb = scratch->replica_begin;
+    rb.resize(static_cast<size_t>(n_rep) + 1);
+    int32_t acc = 0;
+    for (int32_t i = 0; i < n_rep; ++i) {
+      const int32_t e = replicated[i];
+      rb[i] = acc;
       acc += rcount[e];
-      from = e + 1;
+      rcount[e] = rb[i];  // the cursor
     }
-    std::fill(rb.data() + from, rb.data() + E + 1, acc);
+    rb[n_rep] = acc;
+    scratch->replica_rank.resize(acc);
+    std::vector<int64_t>& replica_slot = scratch->next_row;  // d * S + s of each replica
+    replica_slot.resize(acc);
+    int32_t* rank_out = scratch->replica_rank.data();
+    int64_t* slot_out = replica_slot.data();
+    MOONEP_RETURN_IF_ERROR(for_each_used_slot([&](int32_t d, int32_t s, int32_t e) {
+      const int32_t j = rcount[e]++;
+      rank_out[j] = d;
+      slot_out[j] = static_cast<int64_t>(d) * S + s;
+      return absl::OkStatus();
+    }));
+    for (int32_t e : replicated) rcount[e] = 0;
+    rep_experts = replicated.data();
+    rep_begin = rb.data();
+    rrank = rank_out;
+    rslot = slot_out;
   }
-  const int32_t num_replicas = rb[E];
-  scratch->replica_rank.resize(num_replicas);
-  scratch->replica_start.resize(num_replicas);
-  scratch->replica_end.resize(num_replicas);
-  std::vector<int64_t>& replica_slot = scratch->next_row;  // d * S + s of each replica
-  replica_slot.resize(num_replicas);
-  int32_t* rrank = scratch->replica_rank.data();
-  int64_t* rslot = replica_slot.data();
-  MOONEP_RETURN_IF_ERROR(for_each_used_slot([&](int32_t d, int32_t s, int32_t e) {
-    const int32_t j = rb[e]++;
-    rrank[j] = d;
-    rslot[j] = static_cast<int64_t>(d) * S + s;
-    return absl::OkStatus();
-  }));
-  for (int32_t e : replicated) {  // back from each one's end to its start
-    rb[e] -= rcount[e];
-    rcount[e] = 0;
-  }
+  const int32_t num_replicas = rep_begin[n_rep];
 
   // Per rank: group counts (a home-rank slot takes its part out of the home group), layout
   // (padded groups back to back) and loads.
@@ -699,75 +711,102 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
   int64_t* prow = plan->piece_row.data();
   int32_t* pbegin = plan->piece_begin.data();
   const int32_t* home_group = plan->home_group.data();
-  int64_t* rstart = scratch->replica_start.data();
-  int64_t* rend = scratch->replica_end.data();
-  scratch->replica_col.resize(num_replicas);
-  scratch->replica_own.resize(num_replicas);
-  int64_t* rcol = scratch->replica_col.data();  // col(e, d) of each replica's rank d
-  int64_t* rown = scratch->replica_own.data();  // counts[d][e]
+  // Each replica's placement: [rstart, rend) and col(e, d), counts[d][e] of its rank d (handed
+  // over, or computed per expert below).
+  const bool handed = prefix_slots && placed != nullptr;
+  int64_t *rstart, *rend, *rcol, *rown;
+  if (handed) {
+    // (Read only: the pointers are non-const so that both cases share them.)
+    rstart = const_cast<int64_t*>(placed->start.data());
+    rend = const_cast<int64_t*>(placed->end.data());
+    rcol = const_cast<int64_t*>(placed->col.data());
+    rown = const_cast<int64_t*>(placed->own.data());
+  } else {
+    for (auto* v : {&scratch->replica_start, &scratch->replica_end, &scratch->replica_col,
+                    &scratch->replica_own}) {
+      v->resize(num_replicas);
+    }
+    rstart = scratch->replica_start.data();
+    rend = scratch->replica_end.data();
+    rcol = scratch->replica_col.data();
+    rown = scratch->replica_own.data();
+  }
   int32_t P = 0;
   int64_t rows_local = 0, rows_intra = 0, rows_inter = 0, total_tokens = 0;
-  HomeRun run{rb.data(), totals.data(), home_keep, home_row_of, home_own, home_node, home,
+  HomeRun run{totals.data(), home_keep, home_row_of, home_own, home_node, home,
               pbegin, pdest, pstart, pcount, prow};
-  size_t next_replicated = 0;  // replicated[next_replicated]: the first replicated expert >= e
-  for (int32_t e = 0; e < E; ++e) {
-    if (prefix_slots && rb[e] == rb[e + 1]) {
-      while (next_replicated < replicated.size() && replicated[next_replicated] < e) ++next_replicated;
-      const int32_t end = next_replicated < replicated.size() ? replicated[next_replicated] : E;
+  // The unreplicated experts before each replicated one (and after the last), then that one.
+  for (int32_t i = 0, e = 0; i <= n_rep; ++i) {
+    const int32_t next = i < n_rep ? rep_experts[i] : E;
+    if (prefix_slots && e < next) {
       run.pieces = P;
-      run.LayRange(e, end);
+      run.LayRange(e, next);
       P = run.pieces;
       if (run.mismatch) {
-        for (; e < end; ++e) {
+        for (; e < next; ++e) {
           MOONEP_CHECK_ARG(home_keep[e] >= 0, "alloc[%d][%d] = %d is negative", e, home[e], home_keep[e]);
           MOONEP_CHECK_ARG(home_keep[e] == totals[e], "expert %d: its holders compute %d of its %d tokens",
                            e, home_keep[e], totals[e]);
         }
       }
-      e = end - 1;
-      continue;
+      e = next;
     }
-    pbegin[e] = P;
-    const int64_t N = totals[e];
-    const int32_t h = home[e], first = rb[e], last = rb[e + 1];
-    const int64_t home_row = home_row_of[e];
-    // (The home group computes home_keep[e] when given: no home-rank slot takes a part of it.)
-    int64_t held = prefix_slots ? home_keep[e] : group_count[static_cast<size_t>(h) * G + home_group[e]];
-    MOONEP_CHECK_ARG(held >= 0, "alloc[%d][%d] = %d is negative", e, h, held);
-    total_tokens += N;
-    if (first == last) {
+    for (; e < next; ++e) {  // (without prefix_slots) one at a time
+      pbegin[e] = P;
+      const int64_t N = totals[e];
+      const int32_t h = home[e];
+      const int64_t held = group_count[static_cast<size_t>(h) * G + home_group[e]];
+      MOONEP_CHECK_ARG(held >= 0, "alloc[%d][%d] = %d is negative", e, h, held);
       MOONEP_CHECK_ARG(held == N, "expert %d: its holders compute %d of its %d tokens", e, held, N);
+      total_tokens += N;
       if (N == 0) continue;
       pdest[P] = h;
       pstart[P] = 0;
       pcount[P] = N;
-      prow[P] = home_row;
+      prow[P] = home_row_of[e];
       ++P;
       const int64_t local = home_own[e], same_node = home_node[e];
       rows_local += local;
       rows_intra += same_node - local;
       rows_inter += N - same_node;
-      continue;
     }
-    int64_t cursor = 0;
-    for (int32_t j = first; j < last; ++j) {
-      MOONEP_CHECK_ARG(j == first || rrank[j] != rrank[j - 1], "expert %d has two replicas on rank %d", e,
-                       rrank[j]);
-      const int64_t a = slot_alloc[rslot[j]];
-      MOONEP_CHECK_ARG(a >= 0, "alloc[%d][%d] = %d is negative", e, rrank[j], a);
-      held += a;
-      rcol[j] = col_own(e, rrank[j], &rown[j]);
-      rstart[j] = std::max(rcol[j], cursor);
-      rend[j] = rstart[j] + a;
-      cursor = rend[j];
+    if (i == n_rep) break;
+    e = next + 1;
+    const int32_t x = next;  // the replicated expert
+    pbegin[x] = P;
+    const int64_t N = totals[x];
+    const int32_t h = home[x], first = rep_begin[i], last = rep_begin[i + 1];
+    const int64_t home_row = home_row_of[x];
+    // (The home group computes home_keep[x] when given: no home-rank slot takes a part of it.)
+    int64_t held = prefix_slots ? home_keep[x] : group_count[static_cast<size_t>(h) * G + home_group[x]];
+    MOONEP_CHECK_ARG(held >= 0, "alloc[%d][%d] = %d is negative", x, h, held);
+    total_tokens += N;
+    int64_t h0, h_own;
+    if (handed) {
+      for (int32_t j = first; j < last; ++j) held += rend[j] - rstart[j];
+      h0 = placed->home_col[i];
+      h_own = placed->home_own[i];
+    } else {
+      int64_t cursor = 0;
+      for (int32_t j = first; j < last; ++j) {
+        MOONEP_CHECK_ARG(j == first || rrank[j] != rrank[j - 1], "expert %d has two replicas on rank %d",
+                         x, rrank[j]);
+        const int64_t a = slot_alloc[rslot[j]];
+        MOONEP_CHECK_ARG(a >= 0, "alloc[%d][%d] = %d is negative", x, rrank[j], a);
+        held += a;
+        rcol[j] = col_own(x, rrank[j], &rown[j]);
+        rstart[j] = std::max(rcol[j], cursor);
+        rend[j] = rstart[j] + a;
+        cursor = rend[j];
+      }
+      ShiftReplicasLeft(N, rstart + first, rend + first, last - first);
+      h0 = col_own(x, h, &h_own);
     }
-    MOONEP_CHECK_ARG(held == N, "expert %d: its holders compute %d of its %d tokens", e, held, N);
-    ShiftReplicasLeft(N, rstart + first, rend + first, last - first);
+    MOONEP_CHECK_ARG(held == N, "expert %d: its holders compute %d of its %d tokens", x, held, N);
     // The home's own and node ranges, used by every home piece.
-    int64_t h_own;
-    const int64_t h0 = col_own(e, h, &h_own), h1 = h0 + h_own;
+    const int64_t h1 = h0 + h_own;
     int64_t hn0 = h0, hn1 = h1;
-    if (rpn > 0) node_range(e, h, &hn0, &hn1);
+    if (rpn > 0) node_range(x, h, &hn0, &hn1);
     int64_t home_rows = 0, pos = 0;
     auto home_piece = [&](int64_t start, int64_t count) {
       pdest[P] = h;
@@ -810,7 +849,7 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
         same_node = local;
         if (rpn > 0) {
           int64_t lo, hi;
-          node_range(e, d, &lo, &hi);
+          node_range(x, d, &lo, &hi);
           same_node = Overlap(start, p1, lo, hi);
         }
       }

@@ -40,10 +40,27 @@ inline void ShiftReplicasLeft(int64_t n_tokens, int64_t* start, int64_t* end, in
   }
 }
 
+// One decision set's replicas, placed by the rule of FinalizePlan: what FinalizeHolders computes
+// for them before it lays pieces, handed over by a caller that has computed it already (moonep's
+// cross-check counts local rows with it). Replicas of experts[i] are [begin[i], begin[i + 1]), by
+// increasing rank. The vectors are buffers: only their first num (+ 1) or begin[num] entries count.
+struct ReplicaPlacement {
+  int32_t num = 0;                          // replicated experts
+  std::vector<int32_t> experts;             // the replicated experts, increasing
+  std::vector<int32_t> begin;               // [num + 1]
+  std::vector<int64_t> home_col, home_own;  // per experts[i] with home h: col(e, h), counts[h][e]
+  std::vector<int32_t> rank;                // per replica: its rank d
+  std::vector<int64_t> slot;                // d * slots + its slot index
+  std::vector<int64_t> amount;              // its tokens (slot_alloc)
+  std::vector<int64_t> col, own;            // col(e, d) and counts[d][e]
+  std::vector<int64_t> start, end;          // its positions [start, end) in e's canonical order
+};
+
 // Reusable scratch for FinalizePlan (keeps steady-state planning free of allocation).
 struct BuildScratch {
   std::vector<int64_t> src_offsets;      // (R + 1) * E
-  std::vector<int32_t> replica_begin;    // E + 1: replicas of e, by increasing rank
+  std::vector<int32_t> replica_begin;    // FinalizePlan: E + 1, replicas of e by increasing rank;
+                                         // FinalizeHolders: per replicated expert (+ 1)
   std::vector<int32_t> replicated;       // FinalizeHolders: the replicated experts, increasing
   std::vector<int32_t> replica_count;    // FinalizeHolders: [E] replicas per expert, zero between calls
   std::vector<int32_t> replica_rank;
@@ -107,10 +124,15 @@ absl::Status FinalizePlan(const PlannerConfig& resolved, absl::Span<const int64_
 // (only replicated experts' columns of counts are summed). `totals` are the per-expert totals.
 // `home_keep` ([E], optional) is alloc[e][home(e)] as the caller wrote it and `home_load` ([R],
 // optional) each rank's home load: given, they save strided reads (and the caller vouches that
-// slot_alloc equals alloc at every slot, which is then not read back from alloc).
+// slot_alloc equals alloc at every slot, which is then not read back from alloc, and that each
+// rank's used slots come first). `placed` (optional, only used with home_keep and home_load):
+// the decisions' replicas already placed, as FinalizeHolders would place them; the caller vouches
+// for them (the checks of the slots and of conservation that FinalizeHolders makes otherwise are
+// not repeated; debug builds of the Planner compare the plan with the one made without them).
 absl::Status FinalizeHolders(const PlannerConfig& resolved, absl::Span<const int64_t> counts,
                              absl::Span<const int64_t> totals, Plan* plan, BuildScratch* scratch,
-                             const int64_t* home_keep = nullptr, const int64_t* home_load = nullptr);
+                             const int64_t* home_keep = nullptr, const int64_t* home_load = nullptr,
+                             const ReplicaPlacement* placed = nullptr);
 
 // Node of a rank for stats and topology rules (each rank its own node when ranks_per_node == 0).
 inline int32_t NodeOf(const Plan& plan, int32_t rank) {

@@ -441,12 +441,28 @@ absl::Status Planner::MakePlan(absl::Span<const int64_t> counts, Plan* plan) {
     if ((int32_t{1} << k) == block) st.input.block_shift = k;
   }
   MOONEP_RETURN_IF_ERROR(SumLoads(c, *plan, st.contiguous_home, &st.input));
+  st.scratch.placement = -1;  // set by moonep's cross-check when it placed the decisions it keeps
   MOONEP_RETURN_IF_ERROR(RunPolicy(c, st.input, &st.scratch, &st.decisions));
   EmitAlloc(c, st.decisions, plan);
-  MOONEP_RETURN_IF_ERROR(FinalizeHolders(c, counts, st.input.totals, plan, &st.build,
-                                         plan->home_replicas ? nullptr : st.decisions.home_keep.data(),
-                                         st.input.home_load.data()));
+  const int64_t* home_keep = plan->home_replicas ? nullptr : st.decisions.home_keep.data();
+  const ReplicaPlacement* placed =
+      st.scratch.placement >= 0 ? &st.scratch.placed[st.scratch.placement] : nullptr;
 #ifndef NDEBUG
+  // Debug builds: the plan laid from the handed placement equals the one FinalizeHolders makes
+  // with its own checks and placement.
+  Plan own;
+  if (placed != nullptr) {
+    own = *plan;
+    BuildScratch own_build = st.build;
+    const absl::Status s = FinalizeHolders(c, counts, st.input.totals, &own, &own_build, home_keep,
+                                           st.input.home_load.data());
+    assert(s.ok());
+  }
+#endif
+  MOONEP_RETURN_IF_ERROR(FinalizeHolders(c, counts, st.input.totals, plan, &st.build, home_keep,
+                                         st.input.home_load.data(), placed));
+#ifndef NDEBUG
+  assert(placed == nullptr || SerializePlan(own) == SerializePlan(*plan));
   MOONEP_RETURN_IF_ERROR(Annotate(ValidatePlan(*plan, counts), "planner produced an invalid plan"));
 #endif
   return absl::OkStatus();

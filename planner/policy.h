@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "planner/plan.h"
+#include "planner/plan_builder.h"
 
 namespace moonep::planner {
 
@@ -182,16 +183,22 @@ struct PolicyScratch {
   std::vector<int64_t> greedy_rem;  // moonep-greedy: remaining tokens of each donor's sorted experts
   Decisions alt;                   // moonep: the greedy decisions it is compared with
   // LocalRows: each decision set's replicas per expert as lists by increasing rank (list_head
-  // [2 * E], all -1 between calls), one expert's replicas gathered, and the touched experts.
-  std::vector<int32_t> list_head, list_next, by_expert_rank, gather_rank;
-  std::vector<int64_t> by_expert_amount, gather_amount, by_expert_start, by_expert_end;
-  std::vector<int64_t> by_expert_col, by_expert_own;  // LocalRows: col(e, d) and counts[d][e]
-  std::vector<int32_t> touched;  // LocalRows: experts replicated in either decision set
+  // [2 * E], all -1 between calls), the touched experts (experts replicated in either set, as
+  // bits: touched_bits [ceil(E / 64)], all zero between calls) and each set's placement.
+  std::vector<int32_t> list_head, list_next, by_expert_rank;
+  std::vector<int64_t> by_expert_amount, by_expert_slot;
+  std::vector<int32_t> touched;
+  std::vector<uint64_t> touched_bits;
+  ReplicaPlacement placed[2];
+  // moonep: which placed[k] holds the final decisions' placement, -1 when none (LocalRows did not
+  // run for them); the Planner resets it before each MakePlan and hands it to FinalizeHolders.
+  int32_t placement = -1;
 };
 
 // Rows computed on their own source rank among the experts replicated in `a` or `b`, for each
 // (placement rule of FinalizePlan: a replica on rank d takes the positions starting at source d's
-// own tokens; the home keeps the rest). Unreplicated experts contribute the same to both.
+// own tokens; the home keeps the rest). Unreplicated experts contribute the same to both. Leaves
+// each set's placement in sc->placed[0] (a) and [1] (b).
 void LocalRows(const PolicyInput& in, const Decisions& a, const Decisions& b, PolicyScratch* sc,
                int64_t* local_a, int64_t* local_b);
 

@@ -116,20 +116,24 @@ void LocalRows(const PolicyInput& in, const Decisions& a, const Decisions& b, Po
   const int32_t R = c.num_ranks, E = c.num_experts, S = c.slots;
   // Each set's replicas of each expert as a list by increasing rank: head[k * E + e] is the
   // first (-1 when none; all -1 between calls), next[j] the following one. Built in one pass per
-  // set over the ranks in decreasing order, each replica pushed at the front of its list.
+  // set over the ranks in decreasing order, each replica pushed at the front of its list; the
+  // experts touched are marked in a bit set, read back in increasing order below.
   sc->list_head.resize(2 * static_cast<size_t>(E), -1);
+  sc->touched_bits.resize((static_cast<size_t>(E) + 63) / 64, 0);
   sc->touched.resize(E);
   const size_t cap = 2 * static_cast<size_t>(R) * S;
   sc->list_next.resize(cap);
   sc->by_expert_rank.resize(cap);
   sc->by_expert_amount.resize(cap);
+  sc->by_expert_slot.resize(cap);
   // Raw pointers: stores through them cannot alias the vectors' own bookkeeping.
   int32_t* head = sc->list_head.data();
   int32_t* next = sc->list_next.data();
   int32_t* rank = sc->by_expert_rank.data();
   int64_t* amount = sc->by_expert_amount.data();
-  int32_t* touched = sc->touched.data();  // experts replicated in either set
-  int32_t T = 0, j = 0;
+  int64_t* slot = sc->by_expert_slot.data();
+  uint64_t* bits = sc->touched_bits.data();
+  int32_t j = 0;
   const Decisions* both[2] = {&a, &b};
   for (int k = 0; k < 2; ++k) {
     const int32_t* used = both[k]->slots_used.data();
@@ -140,23 +144,36 @@ void LocalRows(const PolicyInput& in, const Decisions& a, const Decisions& b, Po
       const size_t base = static_cast<size_t>(d) * S;
       for (int32_t s = 0; s < used[d]; ++s, ++j) {
         const int32_t e = slot_expert[base + s];
-        if (head[e] < 0 && head[E + e] < 0) touched[T++] = e;
+        bits[e >> 6] |= uint64_t{1} << (e & 63);
         rank[j] = d;
         amount[j] = slot_amount[base + s];
+        slot[j] = static_cast<int64_t>(base) + s;
         next[j] = hk[e];
         hk[e] = j;
       }
     }
   }
-  // One expert's replicas of set k, gathered from its list (ranks, amounts, col(e, d) and
-  // counts[d][e]); start/end: PlacedLocalRows' scratch.
-  for (auto* v : {&sc->by_expert_start, &sc->by_expert_end}) v->resize(R);
-  for (auto* v : {&sc->gather_amount, &sc->by_expert_col, &sc->by_expert_own}) v->resize(2 * static_cast<size_t>(R));
-  sc->gather_rank.resize(2 * static_cast<size_t>(R));
-  int32_t* g_rank = sc->gather_rank.data();
-  int64_t* g_amount = sc->gather_amount.data();
-  int64_t* col = sc->by_expert_col.data();
-  int64_t* own = sc->by_expert_own.data();
+  int32_t* touched = sc->touched.data();  // increasing
+  int32_t T = 0;
+  for (size_t w = 0; w < sc->touched_bits.size(); ++w) {
+    for (uint64_t x = bits[w]; x != 0; x &= x - 1) {
+      touched[T++] = static_cast<int32_t>(w * 64) + __builtin_ctzll(x);
+    }
+    bits[w] = 0;
+  }
+  // Each set's placement (handed to FinalizeHolders for the set that wins): its replicated
+  // experts in increasing order, their replicas' ranks, slots, amounts, col(e, d), counts[d][e]
+  // and positions, and each expert's home columns.
+  for (ReplicaPlacement& pl : sc->placed) {
+    if (pl.experts.size() < static_cast<size_t>(E)) {
+      for (auto* v : {&pl.experts, &pl.begin}) v->resize(static_cast<size_t>(E) + 1);
+      for (auto* v : {&pl.home_col, &pl.home_own}) v->resize(static_cast<size_t>(E) + 1);
+    }
+    if (pl.rank.size() < cap / 2) {
+      pl.rank.resize(cap / 2);
+      for (auto* v : {&pl.slot, &pl.amount, &pl.col, &pl.own, &pl.start, &pl.end}) v->resize(cap / 2);
+    }
+  }
   // col(e, x) and counts[x][e] together: from the nearer block prefix around x (the one after
   // x's block minus x's entry and those after it), or an even split when counts are unknown.
   const int64_t* counts = in.counts;
@@ -185,8 +202,15 @@ void LocalRows(const PolicyInput& in, const Decisions& a, const Decisions& b, Po
     return v;
   };
   const int32_t* home = in.plan->home.data();
-  int64_t* start = sc->by_expert_start.data();
-  int64_t* end = sc->by_expert_end.data();
+  // Raw pointers to both placements' arrays (a: set a, b: set b).
+  ReplicaPlacement& pa = sc->placed[0];
+  ReplicaPlacement& pb = sc->placed[1];
+  int32_t *a_rank = pa.rank.data(), *b_rank = pb.rank.data();
+  int64_t *a_slot = pa.slot.data(), *b_slot = pb.slot.data();
+  int64_t *a_amount = pa.amount.data(), *b_amount = pb.amount.data();
+  int64_t *a_col = pa.col.data(), *b_col = pb.col.data();
+  int64_t *a_own = pa.own.data(), *b_own = pb.own.data();
+  int32_t ja = 0, jb = 0, na_exp = 0, nb_exp = 0;  // replicas and experts placed in each set
   int64_t local[2] = {0, 0};
   for (int32_t t = 0; t < T; ++t) {
     const int32_t e = touched[t], h = home[e];
@@ -197,29 +221,53 @@ void LocalRows(const PolicyInput& in, const Decisions& a, const Decisions& b, Po
     const int64_t h0 = col_own(e, h, &h_own), h1 = h0 + h_own;
     int32_t na = 0;
     for (int32_t i = head[e]; i >= 0; i = next[i], ++na) {
-      g_rank[na] = rank[i];
-      g_amount[na] = amount[i];
-      col[na] = col_own(e, rank[i], &own[na]);
+      const int32_t q = ja + na;
+      a_rank[q] = rank[i];
+      a_slot[q] = slot[i];
+      a_amount[q] = amount[i];
+      a_col[q] = col_own(e, rank[i], &a_own[q]);
     }
-    int32_t nb = na;
-    for (int32_t i = head[E + e], p = 0; i >= 0; i = next[i], ++nb) {
-      const int32_t x = rank[i];
-      while (p < na && g_rank[p] < x) ++p;
-      g_rank[nb] = x;
-      g_amount[nb] = amount[i];
-      if (p < na && g_rank[p] == x) {
-        col[nb] = col[p];
-        own[nb] = own[p];
+    int32_t nb = 0;
+    for (int32_t i = head[E + e], p = ja; i >= 0; i = next[i], ++nb) {
+      const int32_t x = rank[i], q = jb + nb;
+      while (p < ja + na && a_rank[p] < x) ++p;
+      b_rank[q] = x;
+      b_slot[q] = slot[i];
+      b_amount[q] = amount[i];
+      if (p < ja + na && a_rank[p] == x) {
+        b_col[q] = a_col[p];
+        b_own[q] = a_own[p];
       } else {
-        col[nb] = col_own(e, x, &own[nb]);
+        b_col[q] = col_own(e, x, &b_own[q]);
       }
     }
-    local[0] += PlacedLocalRows(N, h, h0, h1, g_rank, g_amount, na, col, own, start, end);
-    local[1] += PlacedLocalRows(N, h, h0, h1, g_rank + na, g_amount + na, nb - na, col + na, own + na,
-                                start, end);
+    local[0] += PlacedLocalRows(N, h, h0, h1, a_rank + ja, a_amount + ja, na, a_col + ja, a_own + ja,
+                                pa.start.data() + ja, pa.end.data() + ja);
+    local[1] += PlacedLocalRows(N, h, h0, h1, b_rank + jb, b_amount + jb, nb, b_col + jb, b_own + jb,
+                                pb.start.data() + jb, pb.end.data() + jb);
+    if (na > 0) {
+      pa.experts[na_exp] = e;
+      pa.begin[na_exp] = ja;
+      pa.home_col[na_exp] = h0;
+      pa.home_own[na_exp] = h_own;
+      ++na_exp;
+      ja += na;
+    }
+    if (nb > 0) {
+      pb.experts[nb_exp] = e;
+      pb.begin[nb_exp] = jb;
+      pb.home_col[nb_exp] = h0;
+      pb.home_own[nb_exp] = h_own;
+      ++nb_exp;
+      jb += nb;
+    }
     head[e] = -1;
     head[E + e] = -1;
   }
+  pa.num = na_exp;
+  pa.begin[na_exp] = ja;
+  pb.num = nb_exp;
+  pb.begin[nb_exp] = jb;
   *local_a = local[0];
   *local_b = local[1];
 }

@@ -430,6 +430,7 @@ void KeepBetterOfGreedy(const PolicyInput& in, PolicyScratch* sc, Decisions* dec
     int64_t local_mine = 0, local_greedy = 0;
     LocalRows(in, *dec, sc->alt, sc, &local_mine, &local_greedy);
     take = local_greedy > local_mine;
+    sc->placement = take ? 1 : 0;  // LocalRows placed the decisions kept: FinalizeHolders reuses it
   }
   if (take) std::swap(*dec, sc->alt);
 }
