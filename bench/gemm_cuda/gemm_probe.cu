@@ -283,16 +283,30 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--f32") f32 = true;
     if (std::string(argv[i]) == "--split-unit" && i + 1 < argc) split_unit = std::atoi(argv[++i]);
     if (std::string(argv[i]) == "--sizes" && i + 1 < argc) {
-      for (const char* c = argv[++i]; *c != '\0';) {
+      const char* c = argv[++i];
+      for (;;) {
         char* end = nullptr;
-        custom.push_back(std::strtoll(c, &end, 10));
-        c = *end == ',' ? end + 1 : end;
-        if (end == c && *c != '\0') break;
+        const long long v = std::strtoll(c, &end, 10);
+        if (end == c || v < 0 || (*end != ',' && *end != '\0')) {
+          std::fprintf(stderr, "--sizes wants non-negative integers separated by commas, got '%s'\n", argv[i]);
+          return 2;
+        }
+        custom.push_back(v);
+        if (*end == '\0') break;
+        c = end + 1;
       }
     }
   }
   if (f32 && !trace) {
     std::fprintf(stderr, "--f32 goes with --trace only\n");
+    return 2;
+  }
+  const int64_t max_rows = 65536, max_groups = 64;  // the buffers below
+  const int64_t custom_rows = std::accumulate(custom.begin(), custom.end(), int64_t{0});
+  if (!custom.empty() && (custom.size() > static_cast<size_t>(max_groups) || custom_rows > max_rows ||
+                          custom_rows == 0)) {
+    std::fprintf(stderr, "--sizes: at most %lld groups and 1 to %lld rows in all\n", static_cast<long long>(max_groups),
+                 static_cast<long long>(max_rows));
     return 2;
   }
   const int64_t out_bytes = f32 ? 4 : 2;
@@ -316,7 +330,6 @@ int main(int argc, char** argv) {
   float* cmp;
   CHECK_CUDA(cudaMalloc(&cmp, 3 * sizeof(float)));
 
-  const int64_t max_rows = 65536, max_groups = 64;
   void *x, *w, *y, *y_ref;
   CHECK_CUDA(cudaMalloc(&x, max_rows * kH * 2));
   CHECK_CUDA(cudaMalloc(&w, max_groups * int64_t{kH} * kI * 2));
@@ -422,10 +435,9 @@ int main(int argc, char** argv) {
   for (const Shape& sh_listed : shapes) {
     if (!custom.empty() && &sh_listed != shapes) break;
     if (custom.empty() && only >= 0 && &sh_listed - shapes != only) continue;
-    const int64_t custom_total = std::accumulate(custom.begin(), custom.end(), int64_t{0});
     const Shape sh = custom.empty() ? sh_listed
                                     : Shape{static_cast<int>(custom.size()),
-                                            custom_total / static_cast<int64_t>(custom.size()), false};
+                                            custom_rows / static_cast<int64_t>(custom.size()), false};
     const auto sizes = custom.empty() ? GroupSizes(sh.groups, sh.avg, sh.zipf, 7) : custom;
     const int64_t total = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
     const double flops = 2.0 * total * kH * kI;
