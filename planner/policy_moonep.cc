@@ -247,12 +247,13 @@ struct Balancer {
       return;
     }
     const int64_t v = std::min(x, rem[j]);
+    const uint64_t fit = (static_cast<uint64_t>(v == y) << 56) | static_cast<uint64_t>(v);  // v < 2^52
+    if (fit < q->best_fit) return;  // loses whatever its tie-break key (most candidates)
     const bool close = x == y;
     const bool node = sc.donor_node[i] == q->d_node;
-    const uint64_t fit = (static_cast<uint64_t>(v == y) << 56) | static_cast<uint64_t>(v);  // v < 2^52
     const uint64_t tie = (static_cast<uint64_t>(close) << 33) | (static_cast<uint64_t>(node) << 32) |
                          (0xffffffffu - static_cast<uint32_t>(i));
-    if (fit > q->best_fit || (fit == q->best_fit && tie > q->best_tie)) {
+    if (fit > q->best_fit || tie > q->best_tie) {
       q->best_fit = fit;
       q->best_tie = tie;
       q->bi = i;
