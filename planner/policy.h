@@ -40,12 +40,12 @@ struct Decisions {
 struct MaxTree {
   int32_t leaves = 1;
   int32_t index_bits = 0;
+  uint32_t mask = 0;  // 2^index_bits - 1: the index bits of a key
   bool wide = false;
   std::vector<uint64_t> tree;             // narrow keys
   std::vector<unsigned __int128> tree_w;  // wide keys
   template <typename Key>
   Key MakeKey(int64_t v, int32_t i) const {
-    const uint32_t mask = static_cast<uint32_t>((uint64_t{1} << index_bits) - 1);
     return (static_cast<Key>(static_cast<uint64_t>(v)) << index_bits) | (mask - static_cast<uint32_t>(i));
   }
   template <typename Key>
@@ -65,6 +65,7 @@ struct MaxTree {
       leaves *= 2;
       ++index_bits;
     }
+    mask = static_cast<uint32_t>((uint64_t{1} << index_bits) - 1);
     int64_t top = max_value;
     for (int64_t v : values) top = std::max(top, v);
     int32_t value_bits = 0;
@@ -99,7 +100,6 @@ struct MaxTree {
   // The winner of tree node `node` (1 = root; leaves at [leaves, 2 * leaves)) and its value;
   // padding has value 0.
   int32_t Winner(int32_t node) const {
-    const uint32_t mask = static_cast<uint32_t>((uint64_t{1} << index_bits) - 1);
     const uint32_t low = wide ? static_cast<uint32_t>(tree_w[node] & mask) : static_cast<uint32_t>(tree[node] & mask);
     return static_cast<int32_t>(mask - low);
   }
@@ -120,13 +120,13 @@ struct MaxTree {
   }
   // Index of the largest value when it is > 0, else -1.
   int32_t Top() const {
-    const uint32_t mask = static_cast<uint32_t>((uint64_t{1} << index_bits) - 1);
+    // (A key holds value 0 exactly when it is at most mask.)
     if (wide) {
       const unsigned __int128 k = tree_w[1];
-      return (k >> index_bits) == 0 ? -1 : static_cast<int32_t>(mask - static_cast<uint32_t>(k & mask));
+      return k <= mask ? -1 : static_cast<int32_t>(mask - static_cast<uint32_t>(k & mask));
     }
     const uint64_t k = tree[1];
-    return (k >> index_bits) == 0 ? -1 : static_cast<int32_t>(mask - static_cast<uint32_t>(k & mask));
+    return k <= mask ? -1 : static_cast<int32_t>(mask - static_cast<uint32_t>(k & mask));
   }
 };
 
