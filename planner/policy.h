@@ -190,6 +190,13 @@ struct PolicyScratch {
   std::vector<int32_t> touched;
   std::vector<uint64_t> touched_bits;
   ReplicaPlacement placed[2];
+  // LocalRows' look-up table for col(e, x) (rebuilt when col_key = {R, E, block size} changes):
+  // col(e, x) = block_prefix[col_row[x] + e] plus (before x's block's middle) or minus (after
+  // it) the counts of the sources [col_lo[x], col_hi[x]) (the nearer block prefix; the range
+  // holds x itself when subtracting, so x < col_hi[x] exactly then).
+  std::vector<int64_t> col_row;
+  std::vector<int32_t> col_lo, col_hi;
+  int64_t col_key[3] = {-1, -1, -1};
   // moonep: which placed[k] holds the final decisions' placement, -1 when none (LocalRows did not
   // run for them); the Planner resets it before each MakePlan and hands it to FinalizeHolders.
   int32_t placement = -1;

@@ -175,31 +175,44 @@ void LocalRows(const PolicyInput& in, const Decisions& a, const Decisions& b, Po
     }
   }
   // col(e, x) and counts[x][e] together: from the nearer block prefix around x (the one after
-  // x's block minus x's entry and those after it), or an even split when counts are unknown.
+  // x's block minus x's entry and those after it; a table per rank, built once per shape), or an
+  // even split when counts are unknown.
   const int64_t* counts = in.counts;
   const int64_t* bp = in.block_prefix;
-  const int32_t B = in.block_size, shift = in.block_shift;
+  const int32_t B = in.block_size;
   const bool known = counts != nullptr && bp != nullptr;
   const int64_t* totals = in.totals.data();
+  if (known && (sc->col_key[0] != R || sc->col_key[1] != E || sc->col_key[2] != B)) {
+    sc->col_row.resize(R);
+    sc->col_lo.resize(R);
+    sc->col_hi.resize(R);
+    for (int32_t x = 0; x < R; ++x) {
+      const int32_t blk = x / B, b0 = blk * B, b1 = std::min(R, b0 + B);
+      const bool before = x - b0 <= b1 - 1 - x;
+      sc->col_row[x] = static_cast<int64_t>(before ? blk : blk + 1) * E;
+      sc->col_lo[x] = before ? b0 : x;
+      sc->col_hi[x] = before ? x : b1;
+    }
+    sc->col_key[0] = R;
+    sc->col_key[1] = E;
+    sc->col_key[2] = B;
+  }
+  const int64_t* col_row = sc->col_row.data();
+  const int32_t* col_lo = sc->col_lo.data();
+  const int32_t* col_hi = sc->col_hi.data();
   auto col_own = [&](int32_t e, int32_t x, int64_t* own_x) -> int64_t {
     if (!known) {
       const int64_t t = totals[e], q = t / R, r = t % R;
       *own_x = counts != nullptr ? counts[static_cast<size_t>(x) * E + e] : q + (x < r ? 1 : 0);
       return x * q + std::min<int64_t>(x, r);
     }
-    const int32_t blk = shift >= 0 ? x >> shift : x / B;
-    const int32_t b0 = blk * B, b1 = std::min(R, b0 + B);
     const int64_t* ce = counts + e;
     *own_x = ce[static_cast<size_t>(x) * E];
-    int64_t v;
-    if (x - b0 <= b1 - 1 - x) {
-      v = bp[static_cast<size_t>(blk) * E + e];
-      for (int32_t s = b0; s < x; ++s) v += ce[static_cast<size_t>(s) * E];
-    } else {
-      v = bp[static_cast<size_t>(blk + 1) * E + e] - *own_x;
-      for (int32_t s = x + 1; s < b1; ++s) v -= ce[static_cast<size_t>(s) * E];
-    }
-    return v;
+    const int32_t lo = col_lo[x], hi = col_hi[x];
+    int64_t sum = 0;
+    for (int32_t s = lo; s < hi; ++s) sum += ce[static_cast<size_t>(s) * E];
+    const int64_t v = bp[col_row[x] + e];
+    return x < hi ? v - sum : v + sum;
   };
   const int32_t* home = in.plan->home.data();
   // Raw pointers to both placements' arrays (a: set a, b: set b).
