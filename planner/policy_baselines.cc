@@ -258,22 +258,18 @@ void LocalRows(const PolicyInput& in, const Decisions& a, const Decisions& b, Po
                                 pa.start.data() + ja, pa.end.data() + ja);
     local[1] += PlacedLocalRows(N, h, h0, h1, b_rank + jb, b_amount + jb, nb, b_col + jb, b_own + jb,
                                 pb.start.data() + jb, pb.end.data() + jb);
-    if (na > 0) {
-      pa.experts[na_exp] = e;
-      pa.begin[na_exp] = ja;
-      pa.home_col[na_exp] = h0;
-      pa.home_own[na_exp] = h_own;
-      ++na_exp;
-      ja += na;
-    }
-    if (nb > 0) {
-      pb.experts[nb_exp] = e;
-      pb.begin[nb_exp] = jb;
-      pb.home_col[nb_exp] = h0;
-      pb.home_own[nb_exp] = h_own;
-      ++nb_exp;
-      jb += nb;
-    }
+    // e's replicas in a set (if any) close as one entry of that set's expert list.
+    auto close = [&](ReplicaPlacement& pl, int32_t n, int32_t& n_exp, int32_t& j) {
+      if (n == 0) return;
+      pl.experts[n_exp] = e;
+      pl.begin[n_exp] = j;
+      pl.home_col[n_exp] = h0;
+      pl.home_own[n_exp] = h_own;
+      ++n_exp;
+      j += n;
+    };
+    close(pa, na, na_exp, ja);
+    close(pb, nb, nb_exp, jb);
     head[e] = -1;
     head[E + e] = -1;
   }
