@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <ctime>
 #include <fstream>
+#include <new>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -382,7 +383,17 @@ int Main(int argc, char** argv, const std::string& command) {
   std::vector<ConfigResult> results;
   for (size_t i = 0; i < configs.size(); ++i) {
     ConfigResult r;
-    absl::Status s = RunConfig(configs[i], MPI_COMM_WORLD, rt->get(), &r);
+    absl::Status s;
+    try {
+      s = RunConfig(configs[i], MPI_COMM_WORLD, rt->get(), &r);
+    } catch (const std::bad_alloc&) {
+      // The host allocations (weights, fp32 gradients, buffers) of this configuration do not fit
+      // on this rank: said as an error like any other, not an abort with a stack dump.
+      s = absl::ResourceExhaustedError(
+          "out of host memory setting up or running this configuration (its experts' weights, "
+          "fp32 gradients and buffers do not fit on this rank: use more ranks, fewer --tokens, or "
+          "--layer=false)");
+    }
     if (!s.ok()) {
       // An operation failed (or the setup did): say where, and end the job rather than hang.
       std::fprintf(stderr, "[rank %d] moonep-bench-dispatch: configuration %zu: %s\n", rank, i + 1,
