@@ -76,14 +76,30 @@ double RoundTo(DType dtype, double v) {
                                   : BFloat16::FromFloat(static_cast<float>(v)).ToFloat();
 }
 
-// Elements of got (dtype or fp32) whose distance to ref exceeds tol * max|ref|.
-int64_t CountOutside(const std::vector<double>& got, const std::vector<double>& ref, double tol) {
+// Elements of got (dtype or fp32) whose distance to ref exceeds tol * max|ref|. With `what`, a
+// check that finds any says on stderr how far off the worst one is (a diagnosis for #wrong).
+int64_t CountOutside(const std::vector<double>& got, const std::vector<double>& ref, double tol,
+                     const char* what = nullptr) {
   double scale = 0;
   for (double v : ref) scale = std::max(scale, std::abs(v));
   const double bound = tol * std::max(scale, 1e-30);
   int64_t wrong = 0;
+  size_t worst = 0;
+  double worst_diff = -1;
   for (size_t i = 0; i < got.size(); ++i) {
-    if (!(std::abs(got[i] - ref[i]) <= bound)) ++wrong;  // NaN counts as wrong
+    const double d = std::abs(got[i] - ref[i]);
+    if (!(d <= bound)) ++wrong;  // NaN counts as wrong
+    if (!(d <= worst_diff)) {
+      worst_diff = d;
+      worst = i;
+    }
+  }
+  if (wrong > 0 && what != nullptr) {
+    std::fprintf(stderr,
+                 "moonep-bench-dispatch: %s: %lld of %zu values off by more than %.1e x max|ref| "
+                 "(max|ref| %.4g); the worst by %.3e x max|ref|, at %zu (got %.6g, expected %.6g)\n",
+                 what, static_cast<long long>(wrong), got.size(), tol, scale,
+                 worst_diff / std::max(scale, 1e-30), worst, got[worst], ref[worst]);
   }
   return wrong;
 }
@@ -1046,7 +1062,7 @@ absl::Status Runner::LayerStepDevice(bool measured, bool record) {
   MaybeCorrupt("layer-fwd", y_.data(), static_cast<size_t>(sample_) * row_bytes_);
   std::vector<double> got(static_cast<size_t>(sample_ * H_));
   for (size_t i = 0; i < got.size(); ++i) got[i] = LoadAsFloat(y_.data(), c_.dtype, i);
-  int64_t fwd_wrong = CountOutside(got, y_ref_, tol_);
+  int64_t fwd_wrong = CountOutside(got, y_ref_, tol_, "layer-fwd y");
   int64_t fwd_checked = static_cast<int64_t>(got.size());
   if (measured) {
     std::memcpy(y_measured_.data(), y_.data(), y_.size());
@@ -1082,9 +1098,9 @@ absl::Status Runner::LayerStepDevice(bool measured, bool record) {
   MOONEP_RETURN_IF_ERROR(
       d_dtopk_.Download(dtopk_.data(), static_cast<size_t>(sample_ * K_) * sizeof(float)));
   for (size_t i = 0; i < got.size(); ++i) got[i] = LoadAsFloat(dx_.data(), c_.dtype, i);
-  int64_t wrong = CountOutside(got, dx_ref_, tol_);
+  int64_t wrong = CountOutside(got, dx_ref_, tol_, "layer-bwd dx");
   std::vector<double> gotw(dtopk_.begin(), dtopk_.begin() + sample_ * K_);
-  wrong += CountOutside(gotw, dtopk_ref_, tol_);
+  wrong += CountOutside(gotw, dtopk_ref_, tol_, "layer-bwd d topk_weights");
   int64_t checked = static_cast<int64_t>(got.size() + gotw.size());
   if (!measured) {
     // Weight gradients do not depend on the plan: the head of each of home expert 0's three
@@ -1100,7 +1116,7 @@ absl::Status Runner::LayerStepDevice(bool measured, bool record) {
       a.insert(a.end(), ga.begin(), ga.end());
       b.insert(b.end(), gb.begin(), gb.end());
     }
-    wrong += CountOutside(a, b, tol_);
+    wrong += CountOutside(a, b, tol_, "layer-bwd weight gradients against policy none's");
     checked += static_cast<int64_t>(a.size());
   }
   Count(Key("layer-bwd", measured), wrong, checked);
@@ -1125,7 +1141,7 @@ absl::Status Runner::LayerStep(bool measured, bool record) {
   MaybeCorrupt("layer-fwd", y_.data(), static_cast<size_t>(sample_) * row_bytes_);
   std::vector<double> got(static_cast<size_t>(sample_ * H_));
   for (size_t i = 0; i < got.size(); ++i) got[i] = LoadAsFloat(y_.data(), c_.dtype, i);
-  Count(Key("layer-fwd", measured), CountOutside(got, y_ref_, tol_),
+  Count(Key("layer-fwd", measured), CountOutside(got, y_ref_, tol_, "layer-fwd y"),
         static_cast<int64_t>(got.size()));
 
   std::fill(gbuf.begin(), gbuf.end(), 0.0f);
@@ -1137,15 +1153,15 @@ absl::Status Runner::LayerStep(bool measured, bool record) {
     return layer->Backward(handle, dy, dx, absl::MakeSpan(dtopk_));
   }));
   for (size_t i = 0; i < got.size(); ++i) got[i] = LoadAsFloat(dx_.data(), c_.dtype, i);
-  int64_t wrong = CountOutside(got, dx_ref_, tol_);
+  int64_t wrong = CountOutside(got, dx_ref_, tol_, "layer-bwd dx");
   std::vector<double> gotw(dtopk_.begin(), dtopk_.begin() + sample_ * K_);
-  wrong += CountOutside(gotw, dtopk_ref_, tol_);
+  wrong += CountOutside(gotw, dtopk_ref_, tol_, "layer-bwd d topk_weights");
   int64_t checked = static_cast<int64_t>(got.size() + gotw.size());
   if (!measured) {
     // Weight gradients after the reduction do not depend on the plan: compare with policy none.
     std::vector<double> a(gbuf_measured_.begin(), gbuf_measured_.end());
     std::vector<double> b(gbuf_none_.begin(), gbuf_none_.end());
-    wrong += CountOutside(a, b, tol_);
+    wrong += CountOutside(a, b, tol_, "layer-bwd weight gradients against policy none's");
     checked += static_cast<int64_t>(a.size());
   }
   Count(Key("layer-bwd", measured), wrong, checked);
