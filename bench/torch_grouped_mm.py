@@ -23,30 +23,23 @@ H, I = 7168, 2048
 
 
 def time_ms(fn, reps):
+    """Median ms of fn, run back to back after 3 warm-ups."""
+    return time_alternating_ms([fn], reps)[0]
+
+
+def time_alternating_ms(fns, reps, flush=None):
+    """Median ms of each fn after 3 warm-ups, run alternately; with `flush`, that buffer is
+    overwritten before every run (as the C++ benchmark's alternating timing: the same clocks for
+    all, nothing left in the L2)."""
     for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
-def time_alternating_ms(fns, reps, flush):
-    """Median ms of each fn, run alternately, with `flush` overwritten before every run (as the
-    C++ benchmark's alternating timing: the same clocks for all, nothing left in the L2)."""
-    for fn in fns:
-        fn()
+        for fn in fns:
+            fn()
     torch.cuda.synchronize()
     times = [[] for _ in fns]
     for _ in range(reps):
         for i, fn in enumerate(fns):
-            flush.fill_(i + 1)
+            if flush is not None:
+                flush.fill_(i + 1)
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             fn()

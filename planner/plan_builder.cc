@@ -161,8 +161,8 @@ struct HomeRun {
     tokens += tok;
     mismatch |= diff != 0;
   }
-  // Lays the unreplicated experts [e, end); returns end.
-  int32_t Lay(int32_t e, int32_t end) {
+  // Lays the unreplicated experts [e, end).
+  void Lay(int32_t e, int32_t end) {
     int32_t P = pieces;
     int64_t loc = 0, node = 0, tok = 0;
     bool bad = false;
@@ -185,7 +185,6 @@ struct HomeRun {
     same_node += node;
     tokens += tok;
     mismatch |= bad;
-    return e;
   }
 };
 
@@ -714,22 +713,22 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
   // Each replica's placement: [rstart, rend) and col(e, d), counts[d][e] of its rank d (handed
   // over, or computed per expert below).
   const bool handed = prefix_slots && placed != nullptr;
-  int64_t *rstart, *rend, *rcol, *rown;
+  const int64_t *rstart, *rend, *rcol, *rown;                       // read by the pieces below
+  int64_t *wstart = nullptr, *wend = nullptr, *wcol = nullptr, *wown = nullptr;  // written when not handed
   if (handed) {
-    // (Read only: the pointers are non-const so that both cases share them.)
-    rstart = const_cast<int64_t*>(placed->start.data());
-    rend = const_cast<int64_t*>(placed->end.data());
-    rcol = const_cast<int64_t*>(placed->col.data());
-    rown = const_cast<int64_t*>(placed->own.data());
+    rstart = placed->start.data();
+    rend = placed->end.data();
+    rcol = placed->col.data();
+    rown = placed->own.data();
   } else {
     for (auto* v : {&scratch->replica_start, &scratch->replica_end, &scratch->replica_col,
                     &scratch->replica_own}) {
       v->resize(num_replicas);
     }
-    rstart = scratch->replica_start.data();
-    rend = scratch->replica_end.data();
-    rcol = scratch->replica_col.data();
-    rown = scratch->replica_own.data();
+    rstart = wstart = scratch->replica_start.data();
+    rend = wend = scratch->replica_end.data();
+    rcol = wcol = scratch->replica_col.data();
+    rown = wown = scratch->replica_own.data();
   }
   int32_t P = 0;
   int64_t rows_local = 0, rows_intra = 0, rows_inter = 0, total_tokens = 0;
@@ -794,12 +793,12 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
         const int64_t a = slot_alloc[rslot[j]];
         MOONEP_CHECK_ARG(a >= 0, "alloc[%d][%d] = %d is negative", x, rrank[j], a);
         held += a;
-        rcol[j] = col_own(x, rrank[j], &rown[j]);
-        rstart[j] = std::max(rcol[j], cursor);
-        rend[j] = rstart[j] + a;
-        cursor = rend[j];
+        wcol[j] = col_own(x, rrank[j], &wown[j]);
+        wstart[j] = std::max(wcol[j], cursor);
+        wend[j] = wstart[j] + a;
+        cursor = wend[j];
       }
-      ShiftReplicasLeft(N, rstart + first, rend + first, last - first);
+      ShiftReplicasLeft(N, wstart + first, wend + first, last - first);
       h0 = col_own(x, h, &h_own);
     }
     MOONEP_CHECK_ARG(held == N, "expert %d: its holders compute %d of its %d tokens", x, held, N);

@@ -259,14 +259,14 @@ void LocalRows(const PolicyInput& in, const Decisions& a, const Decisions& b, Po
     local[1] += PlacedLocalRows(N, h, h0, h1, b_rank + jb, b_amount + jb, nb, b_col + jb, b_own + jb,
                                 pb.start.data() + jb, pb.end.data() + jb);
     // e's replicas in a set (if any) close as one entry of that set's expert list.
-    auto close = [&](ReplicaPlacement& pl, int32_t n, int32_t& n_exp, int32_t& j) {
+    auto close = [&](ReplicaPlacement& pl, int32_t n, int32_t& n_exp, int32_t& placed_n) {
       if (n == 0) return;
       pl.experts[n_exp] = e;
-      pl.begin[n_exp] = j;
+      pl.begin[n_exp] = placed_n;
       pl.home_col[n_exp] = h0;
       pl.home_own[n_exp] = h_own;
       ++n_exp;
-      j += n;
+      placed_n += n;
     };
     close(pa, na, na_exp, ja);
     close(pb, nb, nb_exp, jb);
