@@ -4,6 +4,7 @@
 #include <cassert>
 #include <cmath>
 
+#include "absl/base/attributes.h"
 #include "moonep/core/status.h"
 
 namespace moonep::planner {
@@ -118,33 +119,92 @@ int64_t Overlap(int64_t a0, int64_t a1, int64_t b0, int64_t b1) {
   return std::max<int64_t>(0, std::min(a1, b1) - std::max(a0, b0));
 }
 
-// FinalizeHolders' pieces of a run of unreplicated experts, on the planner's path (home_keep
-// given): each is one piece on its home. A tight loop with few live values.
+// FinalizeHolders' layout on the planner's path (home_keep given, each rank's used slots first):
+// each rank's groups back to back. With the default home map (kContiguous) rank d homes experts
+// [d * epn, (d + 1) * epn), so its home groups' counts are a slice of home_keep. Out of line, so
+// that its few live values stay in registers.
+struct RankLayout {
+  // in
+  int32_t R, epn, S;
+  int64_t pad;
+  const int64_t *home_keep, *home_load, *slot_alloc;
+  const int32_t* local_experts;
+  // out
+  int64_t *group_count, *group_offset, *group_padded, *rank_rows;
+  int64_t* home_row;                                  // [E] row of each expert's home group
+  int64_t tokens = 0, max_before = 0, max_after = 0;  // sum and maxima of the loads
+
+  // Each rank's groups: counts (a slot's is its slot_alloc), offsets, padding; rank_rows,
+  // home_row and the loads.
+  template <bool kPadded, bool kContiguous>
+  ABSL_ATTRIBUTE_NOINLINE void Lay() {
+    const int32_t G = epn + S;
+    const int64_t p = pad;
+    int64_t tok = 0, hi_before = 0, hi_after = 0;
+    for (int32_t d = 0; d < R; ++d) {
+      const size_t base = static_cast<size_t>(d) * G;
+      int64_t* gc = group_count + base;
+      int64_t* go = group_offset + base;
+      int64_t* gp = group_padded + base;
+      const int32_t* local = local_experts + static_cast<size_t>(d) * epn;
+      const int64_t* keep = home_keep + static_cast<size_t>(d) * epn;  // kContiguous
+      int64_t* hr = home_row + static_cast<size_t>(d) * epn;            // kContiguous
+      const int64_t* sa = slot_alloc + static_cast<size_t>(d) * S;
+      int64_t row = 0, after = 0;
+      auto lay = [&](int32_t g, int64_t n) {
+        const int64_t rows = kPadded ? (n + p - 1) / p * p : n;
+        gc[g] = n;
+        go[g] = row;
+        gp[g] = rows;
+        row += rows;
+        if (kPadded) after += n;
+      };
+      for (int32_t g = 0; g < epn; ++g) {
+        if (kContiguous) {
+          hr[g] = row;
+          lay(g, keep[g]);
+        } else {
+          home_row[local[g]] = row;
+          lay(g, home_keep[local[g]]);
+        }
+      }
+      for (int32_t s = 0; s < S; ++s) lay(epn + s, sa[s]);
+      if (!kPadded) after = row;
+      rank_rows[d] = row;
+      tok += after;
+      hi_before = std::max(hi_before, home_load[d]);
+      hi_after = std::max(hi_after, after);
+    }
+    tokens = tok;
+    max_before = hi_before;
+    max_after = hi_after;
+  }
+};
+
+// FinalizeHolders' pieces of runs of unreplicated experts, on the planner's path (home_keep
+// given): each is one piece on its home, none without tokens. (Their row stats come from the home
+// sums, their tokens from the group counts.)
 struct HomeRun {
   // in
-  const int64_t *totals, *home_keep, *home_row, *home_own, *home_node;
+  const int64_t *totals, *home_keep, *home_row;
   const int32_t* home;
   int32_t* piece_begin;
   int32_t* piece_dest;
   int64_t *piece_start, *piece_count, *piece_row;
   // in/out
   int32_t pieces = 0;
-  int64_t local = 0, same_node = 0, tokens = 0;
   bool mismatch = false;  // some home_keep[e] != totals[e]: the caller names it
-  // Lays the unreplicated experts [e0, e1). Sums and checks first (branch-free, vectorised); when
-  // none of them has zero tokens, each is one piece at P + (e - e0) and the pieces are copies of
+  // Lays the unreplicated experts [e0, e1). Checks first (branch-free, vectorised); when none of
+  // them has zero tokens, each is one piece at P + (e - e0) and the pieces are copies of
   // per-expert arrays; otherwise the general loop.
   void LayRange(int32_t e0, int32_t e1) {
     uint64_t zero = 0, diff = 0;
-    int64_t loc = 0, node = 0, tok = 0;
     for (int32_t e = e0; e < e1; ++e) {
       const int64_t N = totals[e];
       zero |= static_cast<uint64_t>(N - 1) >> 63;  // N == 0 (totals are >= 0)
       diff |= static_cast<uint64_t>(home_keep[e] ^ N);
-      tok += N;
-      loc += home_own[e];
-      node += home_node[e];
     }
+    mismatch |= diff != 0;
     if (zero != 0) {
       Lay(e0, e1);
       return;
@@ -156,23 +216,13 @@ struct HomeRun {
     std::copy(totals + e0, totals + e1, piece_count + P);
     std::copy(home_row + e0, home_row + e1, piece_row + P);
     pieces = P + n;
-    local += loc;
-    same_node += node;
-    tokens += tok;
-    mismatch |= diff != 0;
   }
   // Lays the unreplicated experts [e, end).
   void Lay(int32_t e, int32_t end) {
     int32_t P = pieces;
-    int64_t loc = 0, node = 0, tok = 0;
-    bool bad = false;
     for (; e < end; ++e) {
       piece_begin[e] = P;
       const int64_t N = totals[e];
-      bad |= home_keep[e] != N;
-      tok += N;
-      loc += home_own[e];  // home_own, home_node and N are all 0 when N is
-      node += home_node[e];
       if (N == 0) continue;
       piece_dest[P] = home[e];
       piece_start[P] = 0;
@@ -181,10 +231,6 @@ struct HomeRun {
       ++P;
     }
     pieces = P;
-    local += loc;
-    same_node += node;
-    tokens += tok;
-    mismatch |= bad;
   }
 };
 
@@ -498,58 +544,27 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
   // Row of each expert's home group (the pieces loop reads it per expert).
   scratch->home_row.resize(E);
   int64_t* home_row_of = scratch->home_row.data();
+  int64_t total_tokens = 0;  // the sum of all group counts (= of totals once conservation holds)
   if (prefix_slots) {
-    // One pass per rank: counts, offsets, padding and load. Slot counts are slot_alloc: the
-    // caller's decisions leave no tokens in an unused slot (asserted in debug builds, where
-    // ValidatePlan checks it again).
+    // Slot counts are slot_alloc: the caller's decisions leave no tokens in an unused slot
+    // (asserted in debug builds, where ValidatePlan checks it again).
 #ifndef NDEBUG
     for (size_t i = 0; i < static_cast<size_t>(R) * S; ++i) assert(slot_expert[i] >= 0 || slot_alloc[i] == 0);
 #endif
-    for (int32_t d = 0; d < R; ++d) {
-      const int32_t* local = local_experts + static_cast<size_t>(d) * epn;
-      const size_t base = static_cast<size_t>(d) * G;
-      int64_t* gc = group_count + base;
-      int64_t* go = group_offset + base;
-      int64_t* gp = group_padded + base;
-      const int64_t* sa = slot_alloc + static_cast<size_t>(d) * S;
-      int64_t row = 0, after = 0;
-      if (pad == 1) {
-        for (int32_t g = 0; g < epn; ++g) {
-          const int32_t e = local[g];
-          const int64_t n = home_keep[e];
-          gc[g] = n;
-          go[g] = row;
-          gp[g] = n;
-          home_row_of[e] = row;
-          row += n;
-        }
-        for (int32_t s = 0; s < S; ++s) {
-          const int64_t n = sa[s];
-          gc[epn + s] = n;
-          go[epn + s] = row;
-          gp[epn + s] = n;
-          row += n;
-        }
-        after = row;
-      } else {
-        auto lay = [&](int32_t g, int64_t n) {
-          const int64_t padded = (n + pad - 1) / pad * pad;
-          gc[g] = n;
-          go[g] = row;
-          gp[g] = padded;
-          row += padded;
-          after += n;
-        };
-        for (int32_t g = 0; g < epn; ++g) {
-          home_row_of[local[g]] = row;
-          lay(g, home_keep[local[g]]);
-        }
-        for (int32_t s = 0; s < S; ++s) lay(epn + s, sa[s]);
-      }
-      rank_rows[d] = row;
-      st.max_load_before = std::max(st.max_load_before, home_load[d]);
-      st.max_load_after = std::max(st.max_load_after, after);
+    RankLayout lay{R, epn, S, pad, home_keep, home_load, slot_alloc, local_experts,
+                   group_count, group_offset, group_padded, rank_rows, home_row_of};
+    if (scratch->contiguous_home && pad == 1) {
+      lay.Lay<false, true>();
+    } else if (scratch->contiguous_home) {
+      lay.Lay<true, true>();
+    } else if (pad == 1) {
+      lay.Lay<false, false>();
+    } else {
+      lay.Lay<true, false>();
     }
+    total_tokens = lay.tokens;
+    st.max_load_before = lay.max_before;
+    st.max_load_after = lay.max_after;
   }
   for (int32_t d = 0; !prefix_slots && d < R; ++d) {
     const int32_t* local = plan->local_experts.data() + static_cast<size_t>(d) * epn;
@@ -604,6 +619,7 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
     for (int32_t g = 0; g < G; ++g) after += gc[g];
     for (int32_t g = 0; g < epn; ++g) home_row_of[local[g]] = go[g];
     plan->rank_rows[d] = row;
+    total_tokens += after;
     st.max_load_before = std::max(st.max_load_before, before);
     st.max_load_after = std::max(st.max_load_after, after);
   }
@@ -682,19 +698,19 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
   };
 
   if (!scratch->home_cols) {
-    scratch->home_own.resize(E);
-    scratch->home_node.resize(E);
+    int64_t own_sum = 0, node_sum = 0;
     for (int32_t e = 0; e < E; ++e) {
       const int32_t h = home[e];
-      scratch->home_own[e] = cnt[static_cast<size_t>(h) * E + e];
-      int64_t lo = 0, hi = scratch->home_own[e];
+      const int64_t own = cnt[static_cast<size_t>(h) * E + e];
+      int64_t lo = 0, hi = own;
       if (rpn > 0) node_range(e, h, &lo, &hi);
-      scratch->home_node[e] = hi - lo;
+      own_sum += own;
+      node_sum += hi - lo;
     }
+    scratch->home_own_sum = own_sum;
+    scratch->home_node_sum = node_sum;
     scratch->home_cols = true;
   }
-  const int64_t* home_own = scratch->home_own.data();
-  const int64_t* home_node = scratch->home_node.data();
 
   // Pieces, rows and row stats, one expert at a time (at most 1 + 2 * replicas pieces each).
   const size_t max_pieces = static_cast<size_t>(E) + 2 * static_cast<size_t>(num_replicas);
@@ -731,9 +747,13 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
     rown = wown = scratch->replica_own.data();
   }
   int32_t P = 0;
-  int64_t rows_local = 0, rows_intra = 0, rows_inter = 0, total_tokens = 0;
-  HomeRun run{totals.data(), home_keep, home_row_of, home_own, home_node, home,
-              pbegin, pdest, pstart, pcount, prow};
+  // Row stats: an unreplicated expert's rows are local on its home's own tokens, intra-node on
+  // the rest of its home node's and inter-node otherwise, which the home sums count for every
+  // expert; a replicated one's are taken out of them again and counted piece by piece. Every
+  // token is in one piece, so the inter-node rows are the rest of total_tokens.
+  int64_t rows_local = scratch->home_own_sum, rows_node = scratch->home_node_sum;
+  int32_t prefetch_intra = 0;  // replicas on their home's node
+  HomeRun run{totals.data(), home_keep, home_row_of, home, pbegin, pdest, pstart, pcount, prow};
   // The unreplicated experts before each replicated one (and after the last), then that one.
   for (int32_t i = 0, e = 0; i <= n_rep; ++i) {
     const int32_t next = i < n_rep ? rep_experts[i] : E;
@@ -757,17 +777,12 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
       const int64_t held = group_count[static_cast<size_t>(h) * G + home_group[e]];
       MOONEP_CHECK_ARG(held >= 0, "alloc[%d][%d] = %d is negative", e, h, held);
       MOONEP_CHECK_ARG(held == N, "expert %d: its holders compute %d of its %d tokens", e, held, N);
-      total_tokens += N;
       if (N == 0) continue;
       pdest[P] = h;
       pstart[P] = 0;
       pcount[P] = N;
       prow[P] = home_row_of[e];
       ++P;
-      const int64_t local = home_own[e], same_node = home_node[e];
-      rows_local += local;
-      rows_intra += same_node - local;
-      rows_inter += N - same_node;
     }
     if (i == n_rep) break;
     e = next + 1;
@@ -779,7 +794,6 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
     // (The home group computes home_keep[x] when given: no home-rank slot takes a part of it.)
     int64_t held = prefix_slots ? home_keep[x] : group_count[static_cast<size_t>(h) * G + home_group[x]];
     MOONEP_CHECK_ARG(held >= 0, "alloc[%d][%d] = %d is negative", x, h, held);
-    total_tokens += N;
     int64_t h0, h_own;
     if (handed) {
       for (int32_t j = first; j < last; ++j) held += rend[j] - rstart[j];
@@ -806,6 +820,8 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
     const int64_t h1 = h0 + h_own;
     int64_t hn0 = h0, hn1 = h1;
     if (rpn > 0) node_range(x, h, &hn0, &hn1);
+    rows_local -= h_own;
+    rows_node -= hn1 - hn0;
     int64_t home_rows = 0, pos = 0;
     auto home_piece = [&](int64_t start, int64_t count) {
       pdest[P] = h;
@@ -816,28 +832,23 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
       home_rows += count;
       const int64_t p1 = start + count;
       const int64_t local = Overlap(start, p1, h0, h1);
-      const int64_t same_node = rpn > 0 ? Overlap(start, p1, hn0, hn1) : local;
       rows_local += local;
-      rows_intra += same_node - local;
-      rows_inter += count - same_node;
+      rows_node += rpn > 0 ? Overlap(start, p1, hn0, hn1) : local;
     };
     const int32_t home_node = node_id[h];
     for (int32_t j = first; j < last; ++j) {
       const int32_t d = rrank[j];
       if (rstart[j] > pos) home_piece(pos, rstart[j] - pos);
       const int64_t count = rend[j] - rstart[j];
-      if (node_id[d] == home_node) {
-        ++st.prefetch_intra;
-      } else {
-        ++st.prefetch_inter;
-      }
+      prefetch_intra += node_id[d] == home_node;
       pos = rend[j];
       if (count <= 0) continue;
       const int64_t start = rstart[j], p1 = rend[j];
       pdest[P] = d;
       pstart[P] = start;
       pcount[P] = count;
-      prow[P] = group_offset[static_cast<size_t>(d) * G + epn + (rslot[j] - static_cast<int64_t>(d) * S)];
+      // Group epn + s of rank d, for slot index d * S + s: d * G + epn + s.
+      prow[P] = group_offset[rslot[j] + static_cast<int64_t>(d + 1) * epn];
       ++P;
       int64_t local, same_node;
       if (d == h) {
@@ -853,25 +864,22 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
         }
       }
       rows_local += local;
-      rows_intra += same_node - local;
-      rows_inter += count - same_node;
+      rows_node += same_node;
     }
     if (N > pos) home_piece(pos, N - pos);
   }
   pbegin[E] = P;
-  total_tokens += run.tokens;
-  rows_local += run.local;
-  rows_intra += run.same_node - run.local;
-  rows_inter += run.tokens - run.same_node;
   plan->piece_dest.resize(P);
   plan->piece_start.resize(P);
   plan->piece_count.resize(P);
   plan->piece_row.resize(P);
   st.total_tokens = total_tokens;
   st.rows_local = rows_local;
-  st.rows_travel_intra = rows_intra;
-  st.rows_travel_inter = rows_inter;
+  st.rows_travel_intra = rows_node - rows_local;
+  st.rows_travel_inter = total_tokens - rows_node;
   st.replicas = num_replicas;
+  st.prefetch_intra = prefetch_intra;
+  st.prefetch_inter = num_replicas - prefetch_intra;
   st.mean_load = static_cast<double>(st.total_tokens) / R;
   st.dispatch_bytes_intra = st.rows_travel_intra * c.row_bytes;
   st.dispatch_bytes_inter = st.rows_travel_inter * c.row_bytes;

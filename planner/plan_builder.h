@@ -75,11 +75,14 @@ struct BuildScratch {
   // passes over counts may fill them (with BlockSize()) to save a pass.
   int32_t block_size = 0;
   std::vector<int64_t> block_prefix;
-  // Per expert e with home h: counts[h][e] (home_own) and the sum of counts[s][e] over the ranks s
-  // of h's node (home_node; home_own when flat). Valid when home_cols is set (the caller's pass
-  // over counts filled them); FinalizeHolders fills them otherwise.
+  // Over every expert e with home h: the sum of counts[h][e] (home_own_sum) and of counts[s][e]
+  // over the ranks s of h's node (home_node_sum; = home_own_sum when flat). Valid when home_cols
+  // is set (the caller's pass over counts summed them); FinalizeHolders sums them otherwise.
   bool home_cols = false;
-  std::vector<int64_t> home_own, home_node;
+  int64_t home_own_sum = 0, home_node_sum = 0;
+  // Set by a caller whose home map is the default one, home(e) = e / (E/R): FinalizeHolders then
+  // reads each rank's home group counts as a slice of home_keep.
+  bool contiguous_home = false;
   // Per-rank tables for FinalizeHolders (no division per look-up), rebuilt when the key changes:
   // block_row[x] = (x / B) * E, block_first[x] = x / B * B for x in [0, R]; node_lo/node_hi: offsets
   // of the rank's node range in block_prefix; node_id: its node (the rank when flat).

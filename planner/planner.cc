@@ -294,10 +294,10 @@ uint64_t AddRows(const int64_t* __restrict counts_signed, int32_t s0, int32_t s1
 }
 
 // One pass over counts. block_prefix[(b * E) + e] = sum of counts[s][e] over s < b * B, for b in
-// [0, NB]; row NB holds the totals. While each block is hot it also records, per expert, the
-// count of its home rank (home_own) and the sum over its home's node (home_node; = home_own when
-// flat), so laying out unreplicated experts needs no look-up into counts afterwards. Fails on a
-// negative entry, an entry >= 2^52 or a total above 2^52. `contiguous`: rank s homes experts
+// [0, NB]; row NB holds the totals. While each block is hot it also sums, over all experts, the
+// count of each one's home rank (home_own_sum) and the counts of its home's node (home_node_sum;
+// = home_own_sum when flat): the row stats of the experts laid whole on their home, which then
+// need no look-up into counts. Fails on a negative entry, an entry >= 2^52 or a total above 2^52. `contiguous`: rank s homes experts
 // [s * epn, (s + 1) * epn) (the default home map), so a block's home columns are slices of its
 // rows and a node's home experts one range.
 absl::Status SumCountBlocks(const int64_t* counts, const Plan& plan, int32_t B, bool contiguous,
@@ -311,11 +311,8 @@ absl::Status SumCountBlocks(const int64_t* counts, const Plan& plan, int32_t B, 
   // otherwise (this pass writes rows 1..NB; FinalizeHolders' own fill assigns zeros to it).
   const size_t bp_size = static_cast<size_t>(NB + 1) * n;
   if (build->block_prefix.size() != bp_size) build->block_prefix.assign(bp_size, 0);
-  build->home_own.resize(n);
-  build->home_node.resize(n);
   int64_t* bp = build->block_prefix.data();
-  int64_t* own = build->home_own.data();
-  int64_t* node = build->home_node.data();
+  uint64_t own_sum = 0, node_sum = 0;  // unsigned: no overflow before the total is checked
   const int32_t* local = plan.local_experts.data();
   assert(std::all_of(bp, bp + n, [](int64_t v) { return v == 0; }));
   // A sum above 2^52 shows as the sign bit of 2^52 - sum (sums stay below 2^63 throughout: each
@@ -355,16 +352,15 @@ absl::Status SumCountBlocks(const int64_t* counts, const Plan& plan, int32_t B, 
     // Home columns of the block's ranks, from the rows just read.
     if (contiguous) {
       for (int32_t s = b * B; s < end; ++s) {
-        const size_t first = static_cast<size_t>(s) * epn;
-        const int64_t* row = counts + static_cast<size_t>(s) * n + first;
-        int64_t* o = own + first;
-        for (int32_t g = 0; g < epn; ++g) o[g] = row[g];
+        // counts[s][s * epn + g]
+        const int64_t* row = counts + static_cast<size_t>(s) * (n + epn);
+        for (int32_t g = 0; g < epn; ++g) own_sum += static_cast<uint64_t>(row[g]);
       }
     } else {
       for (int32_t s = b * B; s < end; ++s) {
         const int64_t* row = counts + static_cast<size_t>(s) * n;
         const int32_t* ex = local + static_cast<size_t>(s) * epn;
-        for (int32_t g = 0; g < epn; ++g) own[ex[g]] = row[ex[g]];
+        for (int32_t g = 0; g < epn; ++g) own_sum += static_cast<uint64_t>(row[ex[g]]);
       }
     }
     // Node sums of the experts homed on nodes that end with this block (blocks divide nodes).
@@ -375,17 +371,19 @@ absl::Status SumCountBlocks(const int64_t* counts, const Plan& plan, int32_t B, 
         const int64_t* lo = bp + static_cast<size_t>(n0 / B) * n;
         if (contiguous) {
           const size_t e0 = static_cast<size_t>(n0) * epn, e1 = static_cast<size_t>(n1) * epn;
-          for (size_t e = e0; e < e1; ++e) node[e] = blk[e] - lo[e];
+          for (size_t e = e0; e < e1; ++e) node_sum += static_cast<uint64_t>(blk[e] - lo[e]);
         } else {
           for (int32_t s = n0; s < n1; ++s) {
             const int32_t* ex = local + static_cast<size_t>(s) * epn;
-            for (int32_t g = 0; g < epn; ++g) node[ex[g]] = blk[ex[g]] - lo[ex[g]];
+            for (int32_t g = 0; g < epn; ++g) node_sum += static_cast<uint64_t>(blk[ex[g]] - lo[ex[g]]);
           }
         }
       }
     }
   }
-  if (rpn <= 0) std::copy(own, own + n, node);
+  // (Both sums are at most the total, which SumLoads checks before they are used.)
+  build->home_own_sum = static_cast<int64_t>(own_sum);
+  build->home_node_sum = static_cast<int64_t>(rpn > 0 ? node_sum : own_sum);
   build->home_cols = true;
   return absl::OkStatus();
 }
@@ -426,6 +424,7 @@ absl::Status Planner::MakePlan(absl::Span<const int64_t> counts, Plan* plan) {
   PreparePlan(c, plan);
   st.build.block_size = 0;  // not valid until the pass completes
   st.build.home_cols = false;
+  st.build.contiguous_home = st.contiguous_home;
   MOONEP_RETURN_IF_ERROR(SumCountBlocks(counts.data(), *plan, block, st.contiguous_home, &st.build));
   st.build.block_size = block;
   st.input.config = &c;
