@@ -210,6 +210,7 @@ absl::Status SumLoads(const PlannerConfig& c, const Plan& plan, bool contiguous,
       const int32_t e = local[static_cast<size_t>(d) * epn + g];
       const int64_t t = totals[e];
       MOONEP_CHECK_ARG(t >= 0, "expert_totals[%d] = %d is negative", e, t);
+      MOONEP_CHECK_ARG(t <= kMaxTokens, "the tokens of expert %d sum to %d, past 2^52", e, t);
       MOONEP_CHECK_ARG(t <= kMaxTokens - load, "token totals overflow: rank %d load exceeds 2^52", d);
       load += t;
     }
@@ -297,9 +298,10 @@ uint64_t AddRows(const int64_t* __restrict counts_signed, int32_t s0, int32_t s1
 // [0, NB]; row NB holds the totals. While each block is hot it also sums, over all experts, the
 // count of each one's home rank (home_own_sum) and the counts of its home's node (home_node_sum;
 // = home_own_sum when flat): the row stats of the experts laid whole on their home, which then
-// need no look-up into counts. Fails on a negative entry, an entry >= 2^52 or a total above 2^52. `contiguous`: rank s homes experts
-// [s * epn, (s + 1) * epn) (the default home map), so a block's home columns are slices of its
-// rows and a node's home experts one range.
+// need no look-up into counts. Fails on a negative entry or an entry >= 2^52 (a total above 2^52:
+// SumLoads, which the caller runs next). `contiguous`: rank s homes experts [s * epn,
+// (s + 1) * epn) (the default home map), so a block's home columns are slices of its rows and a
+// node's home experts one range.
 absl::Status SumCountBlocks(const int64_t* counts, const Plan& plan, int32_t B, bool contiguous,
                             BuildScratch* build) {
   constexpr int64_t kMaxTokens = int64_t{1} << 52;
@@ -343,8 +345,9 @@ absl::Status SumCountBlocks(const int64_t* counts, const Plan& plan, int32_t B, 
           }
         }
       }
+      // (The totals, row NB, are checked by SumLoads, which reads them next.)
       since_check += s1 - s0;
-      if (since_check >= 1024 || s1 == R) {
+      if (since_check >= 1024 && s1 < R) {
         if (over_max(blk)) MOONEP_RETURN_IF_ERROR(fail_over(blk));
         since_check = 0;
       }
