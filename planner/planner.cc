@@ -173,31 +173,36 @@ absl::Status SumLoads(const PlannerConfig& c, const Plan& plan, bool contiguous,
   const int32_t* local = plan.local_experts.data();
   const int64_t* totals = in->totals.data();
   // Entries below 2^52 (no bit >= 52 in their OR) sum without overflow over fewer than 2^11 of
-  // them, so a rank's load is checked once; the slow path below names the offending entry.
-  // (Unsigned: a bad entry wraps instead of overflowing, and is caught by the check.)
+  // them, so the loads are checked once, at the end; the slow path below names the offending
+  // entry. (Unsigned: a bad entry wraps instead of overflowing, and is caught by the check.) One
+  // home group of every rank at a time: loops over the ranks, long enough to vectorise.
   uint64_t bits = 0, total_u = 0;
   bool checked = epn < 2048;
-  for (int32_t d = 0; checked && d < R; ++d) {
-    const int32_t* ex = local + static_cast<size_t>(d) * epn;
-    uint64_t load = 0;
-    if (contiguous) {
-      const int64_t* t_d = totals + static_cast<size_t>(d) * epn;
-      for (int32_t g = 0; g < epn; ++g) {
-        const uint64_t t = static_cast<uint64_t>(t_d[g]);
-        bits |= t;
-        load += t;
-      }
-    } else {
-      for (int32_t g = 0; g < epn; ++g) {
-        const uint64_t t = static_cast<uint64_t>(totals[ex[g]]);
-        bits |= t;
-        load += t;
+  if (checked) {
+    uint64_t* load = reinterpret_cast<uint64_t*>(home_load);
+    std::fill(load, load + R, 0);
+    for (int32_t g = 0; g < epn; ++g) {
+      if (contiguous) {
+        for (int32_t d = 0; d < R; ++d) {
+          const uint64_t t = static_cast<uint64_t>(totals[static_cast<size_t>(d) * epn + g]);
+          bits |= t;
+          load[d] += t;
+        }
+      } else {
+        for (int32_t d = 0; d < R; ++d) {
+          const uint64_t t = static_cast<uint64_t>(totals[local[static_cast<size_t>(d) * epn + g]]);
+          bits |= t;
+          load[d] += t;
+        }
       }
     }
-    home_load[d] = static_cast<int64_t>(load);
-    total_u += load;
-    checked = (bits >> 52) == 0 && load <= static_cast<uint64_t>(kMaxTokens) &&
-              total_u <= static_cast<uint64_t>(kMaxTokens);
+    // Each load is below 2^63; once the total passes 2^52 the check stays failed.
+    bool over = (bits >> 52) != 0;
+    for (int32_t d = 0; d < R; ++d) {
+      total_u += load[d];
+      over |= load[d] > static_cast<uint64_t>(kMaxTokens) || total_u > static_cast<uint64_t>(kMaxTokens);
+    }
+    checked = !over;
   }
   if (checked) {
     in->total = static_cast<int64_t>(total_u);
