@@ -175,7 +175,8 @@ absl::Status SumLoads(const PlannerConfig& c, const Plan& plan, bool contiguous,
   // Entries below 2^52 (no bit >= 52 in their OR) sum without overflow over fewer than 2^11 of
   // them, so the loads are checked once, at the end; the slow path below names the offending
   // entry. (Unsigned: a bad entry wraps instead of overflowing, and is caught by the check.) One
-  // home group of every rank at a time: loops over the ranks, long enough to vectorise.
+  // home group of every rank at a time: E/R loops over the ranks (R loops over the E/R home
+  // experts each were vectorised with peeling, dearer for a handful of entries).
   uint64_t bits = 0, total_u = 0;
   bool checked = epn < 2048;
   if (checked) {
@@ -196,7 +197,8 @@ absl::Status SumLoads(const PlannerConfig& c, const Plan& plan, bool contiguous,
         }
       }
     }
-    // Each load is below 2^63; once the total passes 2^52 the check stays failed.
+    // With no entry at or above 2^52 each load is below 2^63; once the total passes 2^52 the
+    // check stays failed.
     bool over = (bits >> 52) != 0;
     for (int32_t d = 0; d < R; ++d) {
       total_u += load[d];
