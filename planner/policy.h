@@ -163,14 +163,16 @@ struct PolicyScratch {
     int32_t expert;
   };
   std::vector<Chunk> chunks;
-  MaxTree chunk_tree;                // moonep: the donors' chunks
   std::vector<int64_t> donor_chunk;  // moonep: each donor's current chunk
+  // moonep: the donors by chunk, largest first (ties: lower index), their chunks in that order
+  // and each donor's position in it.
+  std::vector<int32_t> donor_by_chunk, donor_chunk_pos;
+  std::vector<int64_t> donor_sorted_chunk;
   std::vector<int64_t> donor_rem;    // moonep: remaining tokens of each donor's sorted experts
   std::vector<int32_t> donor_of;     // moonep: [E] donor index of an expert's home, -1 if none
   std::vector<int32_t> donor_mark;   // moonep: per donor, FillRoom's stamp
   std::vector<int32_t> donor_node;   // moonep: per donor, its node
   std::vector<int32_t> exact_fit_count;  // moonep: FillRoom's filter of exactly fitting values
-  std::vector<int32_t> fill_candidates;  // moonep: FillRoom's donors with a large enough chunk
   // moonep: each donor's experts by decreasing total (ties: lower id), as Balancer::Init sorted
   // them before any move: the cross-check's GreedyFill starts from the same order.
   std::vector<int32_t> donor_sorted;

@@ -34,10 +34,14 @@ struct Balancer {
   // sorted by remaining tokens, descending.
   int32_t num_donors = 0;
   int32_t mark = 0;  // FillRoom's stamp in sc.donor_mark of donors homing an expert the room holds
-  // Tournament tree over the donors' chunks: its top is the donor with the largest chunk (ties:
-  // lowest index), so each step finds it in O(1) and an Apply updates it in O(log donors).
-  MaxTree& tree = sc.chunk_tree;
+  // Each donor's chunk, and the donors ordered by chunk, largest first (ties: lower index), with
+  // their chunks mirrored in that order and each donor's position in it. Chunks only fall, so an
+  // Apply moves its donor toward the end; a room's search walks the order from the largest chunk
+  // and stops at the first chunk that cannot win.
   std::vector<int64_t>& chunk = sc.donor_chunk;
+  std::vector<int32_t>& by_chunk = sc.donor_by_chunk;
+  std::vector<int64_t>& sorted_chunk = sc.donor_sorted_chunk;
+  std::vector<int32_t>& chunk_pos = sc.donor_chunk_pos;
 
   // Counting filter over the values a room could match exactly: every donor's excess and every
   // remaining token count of its experts (counts per hash bucket). A room whose size hashes to
@@ -108,18 +112,25 @@ struct Balancer {
       for (int32_t p = 0; p < epn; ++p) sc.donor_of[Experts(i)[p]] = i;
     }
     sc.donor_mark.assign(num_donors, 0);
-    sc.fill_candidates.resize(num_donors);
     sc.donor_node.resize(num_donors);
     for (int32_t i = 0; i < num_donors; ++i) sc.donor_node[i] = Node(sc.order2[i]);
     mark = 0;
     std::sort(sc.rooms.begin(), sc.rooms.end(), RoomOrder());
     chunk.resize(num_donors);
-    int64_t largest_expert = 0;  // bounds every chunk from now on (remaining tokens only fall)
+    by_chunk.resize(num_donors);
     for (int32_t i = 0; i < num_donors; ++i) {
       chunk[i] = Chunk(i);
-      largest_expert = std::max(largest_expert, Rem(i)[0]);
+      by_chunk[i] = i;
     }
-    tree.Build(chunk, largest_expert);
+    std::sort(by_chunk.begin(), by_chunk.end(), [this](int32_t a, int32_t b) {
+      return chunk[a] != chunk[b] ? chunk[a] > chunk[b] : a < b;
+    });
+    sorted_chunk.resize(num_donors);
+    chunk_pos.resize(num_donors);
+    for (int32_t p = 0; p < num_donors; ++p) {
+      sorted_chunk[p] = chunk[by_chunk[p]];
+      chunk_pos[by_chunk[p]] = p;
+    }
     // About 16 buckets per value: a false "maybe" (the full scan) on ~6% of rooms.
     const size_t values = static_cast<size_t>(num_donors) * (epn + 1);
     int32_t bits = 4;
@@ -140,9 +151,27 @@ struct Balancer {
     }
   }
 
+  // Donor i's chunk after a move, and its place in the order: past every donor now ahead of it.
   void Update(int32_t i) {
-    chunk[i] = sc.excess[i] == 0 ? 0 : Chunk(i);
-    tree.Set(i, chunk[i]);
+    const int64_t c = sc.excess[i] == 0 ? 0 : Chunk(i);
+    assert(c <= chunk[i]);
+    chunk[i] = c;
+    int32_t* order = by_chunk.data();
+    int64_t* val = sorted_chunk.data();
+    int32_t* pos = chunk_pos.data();
+    const int32_t last = num_donors - 1;  // (a local: the stores below cannot change it)
+    int32_t p = pos[i];
+    for (; p < last; ++p) {
+      const int64_t b = val[p + 1];
+      const int32_t k = order[p + 1];
+      if (c > b || (c == b && i < k)) break;
+      order[p] = k;
+      val[p] = b;
+      pos[k] = p;
+    }
+    order[p] = i;
+    val[p] = c;
+    pos[i] = p;
   }
 
   static bool RoomLess(const PolicyScratch::Room& a, const PolicyScratch::Room& b) {
@@ -196,8 +225,8 @@ struct Balancer {
 
   bool Run() {
     while (true) {
-      const int32_t best = tree.Top();
-      const int64_t best_chunk = best >= 0 ? chunk[best] : 0;
+      const int32_t best = num_donors > 0 ? by_chunk[0] : -1;
+      const int64_t best_chunk = best >= 0 ? sorted_chunk[0] : 0;
       if (best_chunk <= 0) return true;  // all excess placed
       if (sc.rooms.empty()) return false;
       const PolicyScratch::Room top = sc.rooms.back();
@@ -275,58 +304,25 @@ struct Balancer {
       if (i >= 0) sc.donor_mark[i] = mark;
     }
     RoomSearch q{y, d, Node(d), dec.slots_used[d] < S};
+    const int32_t* order = by_chunk.data();
+    const int64_t* val = sorted_chunk.data();
     if (MayFitExactly(y)) {
-      // Some donor may fit exactly: rank them all.
-      for (int32_t i = 0; i < num_donors; ++i) Consider(i, &q);
+      // Some donor may fit exactly: rank every donor whose chunk reaches the room (the others
+      // cannot fill it).
+      for (int32_t p = 0; p < num_donors && val[p] >= y; ++p) Consider(order[p], &q);
     } else {
       // No exact fit: the winner has the largest v among the candidates, and v <= chunk. Marked
-      // donors first, then the donor with the largest chunk; after it only donors whose chunk is
-      // at least y and the best v so far can win (equal ones still can, on close, node or index),
-      // and often the second largest chunk already falls short.
+      // donors first, then the others from the largest chunk down: only donors whose chunk is at
+      // least y and the best v so far can win (equal ones still can, on the tie-break), so the
+      // walk stops at the first chunk below that bound (it only rises as donors are ranked).
       for (int32_t s = 0; s < dec.slots_used[d]; ++s) {
         const int32_t i = sc.donor_of[held[s]];
         if (i >= 0) Consider(i, &q);  // a donor marked twice ranks the same twice
       }
-      if (q.has_free && num_donors > 0) {
-        const int32_t top = tree.Winner(1);
-        if (sc.donor_mark[top] != mark) Consider(top, &q);
-        const int64_t bound = std::max(y, q.BestV());
-        if (tree.MaxValueExcept(top) < bound) {
-          // No other donor's chunk reaches the bound: the ranking is complete.
-        } else if (num_donors <= 64) {
-          // Few donors: one branch-free pass over the chunks collects the rest.
-          int32_t* cand = sc.fill_candidates.data();
-          int32_t n = 0;
-          const int64_t* ch = chunk.data();
-          const int32_t donors = num_donors;  // (a local: stores to cand cannot change it)
-          for (int32_t i = 0; i < donors; ++i) {
-            cand[n] = i;
-            n += ch[i] >= bound;
-          }
-          for (int32_t c = 0; c < n; ++c) {
-            const int32_t i = cand[c];
-            if (i != top && sc.donor_mark[i] != mark) Consider(i, &q);
-          }
-        } else {
-          // Many donors: down the tournament tree, largest chunk first, skipping every subtree
-          // whose largest chunk is below the bound (it only rises as donors are ranked).
-          int32_t stack[80];
-          int32_t depth = 0;
-          stack[depth++] = 1;
-          while (depth > 0) {
-            const int32_t node = stack[--depth];
-            const int64_t c = tree.WinnerValue(node);  // padding: 0, below every room
-            if (c < y || c < q.BestV()) continue;
-            const int32_t w = tree.Winner(node);
-            if (node >= tree.leaves) {
-              if (w != top && sc.donor_mark[w] != mark) Consider(w, &q);
-              continue;
-            }
-            // The child holding w (the larger chunk) is searched first.
-            const bool left_wins = tree.Winner(2 * node) == w;
-            stack[depth++] = left_wins ? 2 * node + 1 : 2 * node;
-            stack[depth++] = left_wins ? 2 * node : 2 * node + 1;
-          }
+      if (q.has_free) {
+        for (int32_t p = 0; p < num_donors && val[p] >= y && val[p] >= q.BestV(); ++p) {
+          const int32_t i = order[p];
+          if (sc.donor_mark[i] != mark) Consider(i, &q);
         }
       }
     }
