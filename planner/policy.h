@@ -169,7 +169,7 @@ struct PolicyScratch {
   std::vector<int32_t> donor_by_chunk, donor_chunk_pos;
   std::vector<int64_t> donor_sorted_chunk;
   std::vector<int64_t> donor_rem;    // moonep: remaining tokens of each donor's sorted experts
-  std::vector<int32_t> donor_of;     // moonep: [E] donor index of an expert's home, -1 if none
+  std::vector<int32_t> donor_index;  // moonep: [R] donor index of each rank, -1 if none
   std::vector<int32_t> donor_mark;   // moonep: per donor, FillRoom's stamp
   std::vector<int32_t> donor_node;   // moonep: per donor, its node
   std::vector<int32_t> exact_fit_count;  // moonep: FillRoom's filter of exactly fitting values

@@ -34,10 +34,12 @@ struct Balancer {
   // sorted by remaining tokens, descending.
   int32_t num_donors = 0;
   int32_t mark = 0;  // FillRoom's stamp in sc.donor_mark of donors homing an expert the room holds
-  // Each donor's chunk, and the donors ordered by chunk, largest first (ties: lower index), with
-  // their chunks mirrored in that order and each donor's position in it. Chunks only fall, so an
-  // Apply moves its donor toward the end; a room's search walks the order from the largest chunk
-  // and stops at the first chunk that cannot win.
+  // Each donor's chunk, and the open donors (chunk > 0: excess left) ordered by chunk, largest
+  // first (ties: lower index), at positions [0, open_donors), with their chunks mirrored in that
+  // order and each donor's position in it. Chunks only fall, so an Apply moves its donor toward
+  // the end, and out of the order when it closes; a room's search walks the order from the
+  // largest chunk and stops at the first chunk that cannot win.
+  int32_t open_donors = 0;
   std::vector<int64_t>& chunk = sc.donor_chunk;
   std::vector<int32_t>& by_chunk = sc.donor_by_chunk;
   std::vector<int64_t>& sorted_chunk = sc.donor_sorted_chunk;
@@ -60,6 +62,8 @@ struct Balancer {
   }
 
   int32_t Node(int32_t rank) const { return rpn > 0 ? rank / rpn : rank; }
+  // Donor index of expert e's home rank, -1 when that rank is no donor.
+  int32_t DonorOf(int32_t e) const { return sc.donor_index[in.plan->home[e]]; }
   int64_t Remaining(int32_t e) const { return dec.home_keep[e]; }
   int32_t* Experts(int32_t i) { return sc.order.data() + static_cast<size_t>(i) * epn; }
   // Remaining tokens of Experts(i), mirrored in place (contiguous for FillRoom's scan).
@@ -75,8 +79,10 @@ struct Balancer {
     sc.order2.clear();
     sc.excess.clear();
     sc.rooms.clear();
+    sc.donor_index.resize(R);
     for (int32_t d = 0; d < R; ++d) {
       const int64_t diff = in.home_load[d] - cap[d];
+      sc.donor_index[d] = diff > 0 ? static_cast<int32_t>(sc.order2.size()) : -1;
       if (diff > 0) {
         sc.order2.push_back(d);
         sc.excess.push_back(diff);
@@ -107,10 +113,6 @@ struct Balancer {
       }
     }
     sc.donor_sorted.assign(sc.order.begin(), sc.order.end());
-    sc.donor_of.assign(in.config->num_experts, -1);
-    for (int32_t i = 0; i < num_donors; ++i) {
-      for (int32_t p = 0; p < epn; ++p) sc.donor_of[Experts(i)[p]] = i;
-    }
     sc.donor_mark.assign(num_donors, 0);
     sc.donor_node.resize(num_donors);
     for (int32_t i = 0; i < num_donors; ++i) sc.donor_node[i] = Node(sc.order2[i]);
@@ -127,9 +129,11 @@ struct Balancer {
     });
     sorted_chunk.resize(num_donors);
     chunk_pos.resize(num_donors);
+    open_donors = 0;
     for (int32_t p = 0; p < num_donors; ++p) {
       sorted_chunk[p] = chunk[by_chunk[p]];
       chunk_pos[by_chunk[p]] = p;
+      open_donors += sorted_chunk[p] > 0;
     }
     // About 16 buckets per value: a false "maybe" (the full scan) on ~6% of rooms.
     const size_t values = static_cast<size_t>(num_donors) * (epn + 1);
@@ -151,7 +155,8 @@ struct Balancer {
     }
   }
 
-  // Donor i's chunk after a move, and its place in the order: past every donor now ahead of it.
+  // Donor i's chunk after a move, and its place in the order: past every donor now ahead of it
+  // (all of them when it closes; it then leaves the order).
   void Update(int32_t i) {
     const int64_t c = sc.excess[i] == 0 ? 0 : Chunk(i);
     assert(c <= chunk[i]);
@@ -159,8 +164,9 @@ struct Balancer {
     int32_t* order = by_chunk.data();
     int64_t* val = sorted_chunk.data();
     int32_t* pos = chunk_pos.data();
-    const int32_t last = num_donors - 1;  // (a local: the stores below cannot change it)
+    const int32_t last = open_donors - 1;  // (a local: the stores below cannot change it)
     int32_t p = pos[i];
+    assert(p <= last);  // only open donors move
     for (; p < last; ++p) {
       const int64_t b = val[p + 1];
       const int32_t k = order[p + 1];
@@ -172,6 +178,7 @@ struct Balancer {
     order[p] = i;
     val[p] = c;
     pos[i] = p;
+    if (c == 0) --open_donors;
   }
 
   static bool RoomLess(const PolicyScratch::Room& a, const PolicyScratch::Room& b) {
@@ -225,9 +232,9 @@ struct Balancer {
 
   bool Run() {
     while (true) {
-      const int32_t best = num_donors > 0 ? by_chunk[0] : -1;
-      const int64_t best_chunk = best >= 0 ? sorted_chunk[0] : 0;
-      if (best_chunk <= 0) return true;  // all excess placed
+      if (open_donors == 0) return true;  // all excess placed
+      const int32_t best = by_chunk[0];
+      const int64_t best_chunk = sorted_chunk[0];
       if (sc.rooms.empty()) return false;
       const PolicyScratch::Room top = sc.rooms.back();
       if (best_chunk >= top.room) {
@@ -300,7 +307,7 @@ struct Balancer {
     ++mark;
     const int32_t* held = dec.slot_expert.data() + static_cast<size_t>(d) * S;
     for (int32_t s = 0; s < dec.slots_used[d]; ++s) {
-      const int32_t i = sc.donor_of[held[s]];
+      const int32_t i = DonorOf(held[s]);
       if (i >= 0) sc.donor_mark[i] = mark;
     }
     RoomSearch q{y, d, Node(d), dec.slots_used[d] < S};
@@ -309,18 +316,18 @@ struct Balancer {
     if (MayFitExactly(y)) {
       // Some donor may fit exactly: rank every donor whose chunk reaches the room (the others
       // cannot fill it).
-      for (int32_t p = 0; p < num_donors && val[p] >= y; ++p) Consider(order[p], &q);
+      for (int32_t p = 0; p < open_donors && val[p] >= y; ++p) Consider(order[p], &q);
     } else {
       // No exact fit: the winner has the largest v among the candidates, and v <= chunk. Marked
       // donors first, then the others from the largest chunk down: only donors whose chunk is at
       // least y and the best v so far can win (equal ones still can, on the tie-break), so the
       // walk stops at the first chunk below that bound (it only rises as donors are ranked).
       for (int32_t s = 0; s < dec.slots_used[d]; ++s) {
-        const int32_t i = sc.donor_of[held[s]];
+        const int32_t i = DonorOf(held[s]);
         if (i >= 0) Consider(i, &q);  // a donor marked twice ranks the same twice
       }
       if (q.has_free) {
-        for (int32_t p = 0; p < num_donors && val[p] >= y && val[p] >= q.BestV(); ++p) {
+        for (int32_t p = 0; p < open_donors && val[p] >= y && val[p] >= q.BestV(); ++p) {
           const int32_t i = order[p];
           if (sc.donor_mark[i] != mark) Consider(i, &q);
         }
