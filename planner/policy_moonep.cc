@@ -230,17 +230,34 @@ struct Balancer {
   // Donor i's chunk: its excess, bounded by its largest remaining expert.
   int64_t Chunk(int32_t i) { return std::min(sc.excess[i], Remaining(Experts(i)[0])); }
 
+  // One step's move: `amount` tokens of donor i's expert at position j to the receiver at
+  // rooms[k]. `beyond_excess` (FillRoom's slot-bound fallback): the amount exceeds the donor's
+  // excess, and its rank becomes a receiver of the difference.
+  struct Step {
+    int32_t i = -1, j = 0;
+    size_t k = 0;
+    int64_t amount = 0;
+    bool beyond_excess = false;
+  };
+
+  // Each step chooses a move (PlaceChunk or FillRoom) and makes it.
   bool Run() {
     while (true) {
       if (open_donors == 0) return true;  // all excess placed
       const int32_t best = by_chunk[0];
       const int64_t best_chunk = sorted_chunk[0];
       if (sc.rooms.empty()) return false;
-      const PolicyScratch::Room top = sc.rooms.back();
-      if (best_chunk >= top.room) {
-        if (!FillRoom(sc.rooms.size() - 1)) return false;
-      } else {
-        if (!PlaceChunk(best, best_chunk) && !FillRoom(sc.rooms.size() - 1)) return false;
+      Step step;
+      if (!(best_chunk < sc.rooms.back().room && PlaceChunk(best, best_chunk, &step)) &&
+          !FillRoom(sc.rooms.size() - 1, &step)) {
+        return false;
+      }
+      const int64_t x = sc.excess[step.i];
+      if (step.beyond_excess) SetExcess(step.i, step.amount);  // Apply takes it all
+      if (!Apply(step.i, step.j, step.k, step.amount)) return false;
+      if (step.beyond_excess) {
+        const PolicyScratch::Room room{step.amount - x, sc.order2[step.i]};
+        sc.rooms.insert(std::upper_bound(sc.rooms.begin(), sc.rooms.end(), room, RoomOrder()), room);
       }
     }
   }
@@ -297,8 +314,9 @@ struct Balancer {
     }
   }
 
-  // Fills the room at rooms[k] whole from the donor expert with the tightest chunk >= room.
-  bool FillRoom(size_t k) {
+  // Fills the room at rooms[k] whole from the donor expert with the tightest chunk >= room (the
+  // move goes to *step; false when no donor can).
+  bool FillRoom(size_t k, Step* step) {
     const int64_t y = sc.rooms[k].room;
     const int32_t d = sc.rooms[k].rank;
     // Donors homing an expert that d already holds ("marked") are the only ones whose choice
@@ -341,7 +359,10 @@ struct Balancer {
     }
 #endif
     int32_t bi = q.bi, bj = q.bj;
-    if (bi >= 0) return Apply(bi, bj, k, y);
+    if (bi >= 0) {
+      *step = {bi, bj, k, y, false};
+      return true;
+    }
     // Slot-bound fallback: no donor has y to spare, so a donor with an expert of >= y tokens gives
     // y anyway (more than its excess) and becomes a receiver of what it over-gave.
     for (int32_t i = 0; i < num_donors; ++i) {
@@ -356,25 +377,24 @@ struct Balancer {
       }
     }
     if (bi < 0) return false;
-    const int64_t x = sc.excess[bi];
-    const int32_t h = sc.order2[bi];
-    SetExcess(bi, y);  // Apply takes y; the rest becomes room on h below
-    if (!Apply(bi, bj, k, y)) return false;
-    const PolicyScratch::Room room{y - x, h};
-    sc.rooms.insert(std::upper_bound(sc.rooms.begin(), sc.rooms.end(), room, RoomOrder()), room);
+    *step = {bi, bj, k, y, true};
     return true;
   }
 
   // Places donor i's chunk whole into the receiver whose room fits it most tightly; when no room
-  // can take it whole, fills the largest room that can be closed by part of it.
-  bool PlaceChunk(int32_t i, int64_t chunk) {
+  // can take it whole, fills the largest room that can be closed by part of it (the move goes to
+  // *step; false when no room can take any of it).
+  bool PlaceChunk(int32_t i, int64_t chunk, Step* step) {
     const int32_t e = Experts(i)[0];
     const int32_t h = sc.order2[i];
     const PolicyScratch::Room key{chunk, -1};
     const size_t first = std::lower_bound(sc.rooms.begin(), sc.rooms.end(), key, RoomOrder()) - sc.rooms.begin();
     if (worst_fit) {
       for (size_t k = sc.rooms.size(); k-- > first;) {
-        if (CanTake(sc.rooms[k].rank, e, sc.rooms[k].room == chunk)) return Apply(i, 0, k, chunk);
+        if (CanTake(sc.rooms[k].rank, e, sc.rooms[k].room == chunk)) {
+          *step = {i, 0, k, chunk, false};
+          return true;
+        }
       }
     }
     size_t pick = sc.rooms.size();
@@ -390,9 +410,15 @@ struct Balancer {
         break;
       }
     }
-    if (pick < sc.rooms.size()) return Apply(i, 0, pick, chunk);
+    if (pick < sc.rooms.size()) {
+      *step = {i, 0, pick, chunk, false};
+      return true;
+    }
     for (size_t k = first; k-- > 0;) {
-      if (CanTake(sc.rooms[k].rank, e, true)) return Apply(i, 0, k, sc.rooms[k].room);
+      if (CanTake(sc.rooms[k].rank, e, true)) {
+        *step = {i, 0, k, sc.rooms[k].room, false};
+        return true;
+      }
     }
     return false;
   }
