@@ -180,8 +180,9 @@ struct PolicyScratch {
   int64_t eplb_steps_summed = 0;
   int64_t eplb_step = 0;
   std::vector<int32_t> eplb_replica_begin, eplb_replica_rank;  // last eplb placement (CSR by expert)
-  MaxTree excess_tree, room_tree;  // moonep-greedy: most overloaded group, rank with most room
-  std::vector<int32_t> greedy_donor, greedy_receiver;  // moonep-greedy: their ranks
+  std::vector<int32_t> greedy_donor, greedy_receiver;  // moonep-greedy: donors' and receivers' ranks
+  std::vector<uint64_t> greedy_keys;            // moonep-greedy: their queues (GreedyFill)
+  std::vector<unsigned __int128> greedy_keys_w;  // (wide keys)
   std::vector<int64_t> greedy_rem;  // moonep-greedy: remaining tokens of each donor's sorted experts
   Decisions alt;                   // moonep: the greedy decisions it is compared with
   // LocalRows: each decision set's replicas per expert as lists by increasing rank (list_head

@@ -283,6 +283,134 @@ void LocalRows(const PolicyInput& in, const Decisions& a, const Decisions& b, Po
 
 absl::Status DecideNone(const PolicyInput&, PolicyScratch*, Decisions*) { return absl::OkStatus(); }
 
+namespace {
+
+// A max-queue of distinct keys that are only ever lowered (GreedyFill's donors and receivers):
+// the keys sorted once, ascending, behind a sentinel 0 (the largest leaves from the end in O(1)),
+// and a binary max-heap of the keys lowered since (heap[0] is 0 when it is empty): a key that
+// leaves unlowered costs O(1), a lowered one O(log) of the heap's size.
+template <typename Key>
+struct LoweringQueue {
+  Key* sorted;  // [-1, ns): sorted[-1] = 0
+  int32_t ns;
+  Key* heap;    // [0, nh), or heap[0] = 0 when nh = 0
+  int32_t nh = 0;
+  // The largest key; 0 when the queue is empty.
+  Key Top() const { return std::max(sorted[ns - 1], heap[0]); }
+  // Replaces the top key `top` by `x`, or drops it when x = 0 (x < top).
+  void LowerTop(Key top, Key x) {
+    if (top == sorted[ns - 1]) {
+      --ns;
+      if (x != 0) {  // push x
+        int32_t i = nh++;
+        for (; i > 0 && heap[(i - 1) / 2] < x; i = (i - 1) / 2) heap[i] = heap[(i - 1) / 2];
+        heap[i] = x;
+      }
+      return;
+    }
+    if (x == 0) {  // pop: the last key goes down from the root
+      x = heap[--nh];
+      if (nh == 0) {
+        heap[0] = 0;
+        return;
+      }
+    }
+    int32_t i = 0;
+    for (int32_t c = 1; c < nh; c = 2 * i + 1) {
+      if (c + 1 < nh && heap[c + 1] > heap[c]) ++c;
+      if (heap[c] < x) break;
+      heap[i] = heap[c];
+      i = c;
+    }
+    heap[i] = x;
+  }
+};
+
+// GreedyFill's moves on queues of keys value * 2^bits + (2^bits - 1 - index) (see GreedyFill).
+template <typename Key>
+bool GreedyMoves(const PolicyInput& in, PolicyScratch* sc, Decisions* dec, int32_t bits,
+                 std::vector<Key>* keys) {
+  const int32_t S = in.config->slots, epn = in.config->num_experts / in.config->num_ranks;
+  const int32_t num_donors = static_cast<int32_t>(sc->greedy_donor.size());
+  const int32_t num_receivers = static_cast<int32_t>(sc->greedy_receiver.size());
+  const int64_t* excess = sc->excess.data();
+  const int64_t* room = sc->room.data();
+  const Key mask = (Key{1} << bits) - 1;
+  // Per queue: sentinel, sorted keys, heap.
+  keys->resize(2 * (static_cast<size_t>(num_donors) + num_receivers + 2));
+  LoweringQueue<Key> donors, receivers;  // the largest excess / room last (ties: lowest rank)
+  donors.sorted = keys->data() + 1;
+  donors.ns = num_donors;
+  donors.heap = donors.sorted + num_donors;
+  receivers.sorted = donors.heap + num_donors + 2;
+  receivers.ns = num_receivers;
+  receivers.heap = receivers.sorted + num_receivers;
+  for (LoweringQueue<Key>* q : {&donors, &receivers}) q->sorted[-1] = q->heap[0] = 0;
+  for (int32_t i = 0; i < num_donors; ++i) {
+    donors.sorted[i] = (static_cast<Key>(excess[i]) << bits) | (mask - i);
+  }
+  for (int32_t i = 0; i < num_receivers; ++i) {
+    receivers.sorted[i] = (static_cast<Key>(room[i]) << bits) | (mask - i);
+  }
+  std::sort(donors.sorted, donors.sorted + num_donors);
+  std::sort(receivers.sorted, receivers.sorted + num_receivers);
+  // The top key lowered by `moved` tokens (dropped at value 0: its key is then at most mask).
+  auto lower = [&](LoweringQueue<Key>& q, Key top, int64_t moved) {
+    const Key x = top - (static_cast<Key>(moved) << bits);
+    q.LowerTop(top, x <= mask ? 0 : x);
+  };
+  const int32_t* receiver_rank = sc->greedy_receiver.data();
+  while (true) {
+    const Key dk = donors.Top(), rk = receivers.Top();
+    if (dk == 0) return true;
+    if (rk == 0) return false;
+    const int32_t hi = static_cast<int32_t>(mask - (dk & mask));
+    const int32_t d = receiver_rank[static_cast<int32_t>(mask - (rk & mask))];
+    const int64_t room_d = static_cast<int64_t>(rk >> bits);
+    int64_t quota = std::min(static_cast<int64_t>(dk >> bits), room_d);
+    int32_t* ord = sc->order.data() + static_cast<size_t>(hi) * epn;
+    int64_t* rem = sc->greedy_rem.data() + static_cast<size_t>(hi) * epn;
+    int64_t moved = 0;
+    bool full = false;  // d ran out of slots: it takes no more
+    int32_t taken = 0;  // experts ord[0 .. taken) lost tokens
+    for (int32_t i = 0; i < epn && quota > 0; ++i) {
+      const int32_t e = ord[i];
+      const int64_t a = std::min(quota, rem[i]);
+      if (a <= 0) break;
+      // A new replica: every move closes its donor or its receiver (quota = the smaller of the
+      // two, and the donor's experts hold at least its excess), so a (donor, receiver) pair meets
+      // in one move only, and a move gives each expert once: d never holds e yet.
+      if (!dec->Add(d, e, a, S)) {
+        full = true;
+        break;
+      }
+      rem[i] -= a;
+      quota -= a;
+      moved += a;
+      taken = i + 1;
+    }
+    // Restore the order: the experts that lost tokens are a prefix and the rest is still sorted,
+    // so each of them, last first, moves right to its place (held in registers: swapping pairs in
+    // memory stalled on store forwarding).
+    for (int32_t i = taken - 1; i >= 0; --i) {
+      const int64_t r = rem[i];
+      const int32_t o = ord[i];
+      int32_t j = i;
+      while (j + 1 < epn && (r != rem[j + 1] ? r < rem[j + 1] : o > ord[j + 1])) {
+        rem[j] = rem[j + 1];
+        ord[j] = ord[j + 1];
+        ++j;
+      }
+      rem[j] = r;
+      ord[j] = o;
+    }
+    lower(donors, dk, moved);
+    lower(receivers, rk, full ? room_d : moved);
+  }
+}
+
+}  // namespace
+
 // Published MoonEP greedy (GreedyFill): the most overloaded home group gives exactly the room of the rank with
 // the most room; inside the group the quota goes to the experts with the most remaining tokens
 // first. Same perfect-balance capacities as `moonep`, so the two are compared on equal targets.
@@ -291,9 +419,11 @@ bool GreedyFill(const PolicyInput& in, absl::Span<const int64_t> cap, PolicyScra
   const PlannerConfig& c = *in.config;
   const int32_t R = c.num_ranks, S = c.slots, epn = c.num_experts / R;
   dec->Reset(R, c.num_experts, S, in.totals);
-  // Donors (excess > 0) and receivers (room > 0), each in increasing rank, so that the lowest
-  // index is the lowest rank: the largest excess and room (ties: lowest rank) come from
-  // tournament trees over them, O(log) per move.
+  // Donors (excess > 0) and receivers (room > 0), each in increasing rank. Each move takes the
+  // largest excess and the largest room (ties: lowest rank) and lowers one of them to 0 (or both),
+  // the other by as much: two LoweringQueues of keys value * 2^bits + index complement (the
+  // larger key is the larger value with ties to the lower index). At EP128 most moves close a
+  // receiver that was never lowered (O(1)), and the lowered keys are few (a heap of ~20).
   std::vector<int32_t>& donors = sc->greedy_donor;
   std::vector<int32_t>& receivers = sc->greedy_receiver;
   std::vector<int64_t>& excess = sc->excess;
@@ -302,19 +432,20 @@ bool GreedyFill(const PolicyInput& in, absl::Span<const int64_t> cap, PolicyScra
   receivers.clear();
   excess.clear();
   room.clear();
+  int64_t top = 0;
   for (int32_t d = 0; d < R; ++d) {
     const int64_t diff = in.home_load[d] - cap[d];
     if (diff > 0) {
       donors.push_back(d);
       excess.push_back(diff);
+      top = std::max(top, diff);
     } else if (diff < 0 && S > 0) {
       receivers.push_back(d);
       room.push_back(-diff);
+      top = std::max(top, -diff);
     }
   }
   const int32_t num_donors = static_cast<int32_t>(donors.size());
-  sc->excess_tree.Build(excess);
-  sc->room_tree.Build(room);
   // Each donor group's experts, most remaining tokens first (ties by expert id), kept sorted
   // across moves (only the group's own experts lose tokens, so an insertion pass restores it);
   // rem mirrors their remaining tokens contiguously.
@@ -349,50 +480,13 @@ bool GreedyFill(const PolicyInput& in, absl::Span<const int64_t> cap, PolicyScra
     }
   }
 #endif
-  while (true) {
-    const int32_t hi = sc->excess_tree.Top(), di = sc->room_tree.Top();
-    if (hi < 0) return true;
-    if (di < 0) return false;
-    const int32_t d = receivers[di];
-    int64_t quota = std::min(excess[hi], room[di]);
-    int32_t* ord = sc->order.data() + static_cast<size_t>(hi) * epn;
-    int64_t* rem = sc->greedy_rem.data() + static_cast<size_t>(hi) * epn;
-    int32_t taken = 0;  // experts ord[0 .. taken) lost tokens
-    for (int32_t i = 0; i < epn && quota > 0; ++i) {
-      const int32_t e = ord[i];
-      const int64_t a = std::min(quota, rem[i]);
-      if (a <= 0) break;
-      // A new replica: every move closes its donor or its receiver (quota = the smaller of the
-      // two, and the donor's experts hold at least its excess), so a (donor, receiver) pair meets
-      // in one move only, and a move gives each expert once: d never holds e yet.
-      if (!dec->Add(d, e, a, S)) {
-        room[di] = 0;  // out of slots: this rank takes no more
-        break;
-      }
-      rem[i] -= a;
-      quota -= a;
-      excess[hi] -= a;
-      room[di] -= a;
-      taken = i + 1;
-    }
-    // Restore the order: the experts that lost tokens are a prefix and the rest is still sorted,
-    // so each of them, last first, moves right to its place (held in registers: swapping pairs in
-    // memory stalled on store forwarding).
-    for (int32_t i = taken - 1; i >= 0; --i) {
-      const int64_t r = rem[i];
-      const int32_t o = ord[i];
-      int32_t j = i;
-      while (j + 1 < epn && (r != rem[j + 1] ? r < rem[j + 1] : o > ord[j + 1])) {
-        rem[j] = rem[j + 1];
-        ord[j] = ord[j + 1];
-        ++j;
-      }
-      rem[j] = r;
-      ord[j] = o;
-    }
-    sc->excess_tree.Set(hi, excess[hi]);
-    sc->room_tree.Set(di, room[di]);
-  }
+  // Index bits for the larger side; 64-bit keys when the values leave room for them.
+  int32_t bits = 0;
+  while ((int64_t{1} << bits) < std::max<int64_t>(num_donors, receivers.size())) ++bits;
+  int32_t value_bits = 0;
+  while (value_bits < 63 && (top >> value_bits) != 0) ++value_bits;
+  if (value_bits + bits <= 64) return GreedyMoves(in, sc, dec, bits, &sc->greedy_keys);
+  return GreedyMoves(in, sc, dec, bits, &sc->greedy_keys_w);
 }
 
 absl::Status DecideMoonEPGreedy(const PolicyInput& in, PolicyScratch* sc, Decisions* dec) {
