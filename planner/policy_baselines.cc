@@ -81,28 +81,15 @@ int64_t Overlap(int64_t a0, int64_t a1, int64_t b0, int64_t b1) {
 }
 
 // Rows of expert e (N tokens, home columns [h0, h1)) computed on their own source rank when its
-// replicas are ranks[0..n) (increasing) with amounts[0..n), col_of/own_of holding col(e, rank) and
-// counts[rank][e] of each: the placement of FinalizeHolders (start/end are scratch).
-int64_t PlacedLocalRows(int64_t N, int32_t h, int64_t h0, int64_t h1, const int32_t* ranks,
-                        const int64_t* amounts, int32_t n, const int64_t* col_of, const int64_t* own_of,
-                        int64_t* start, int64_t* end) {
-  if (n == 0) return h1 - h0;
-  int64_t cursor = 0, local = 0;
-  for (int32_t j = 0; j < n; ++j) {
-    start[j] = std::max(col_of[j], cursor);
-    end[j] = start[j] + amounts[j];
-    cursor = end[j];
-  }
-  ShiftReplicasLeft(N, start, end, n);
-  int64_t pos = 0;
+// replicas, by increasing rank, are placed at [start[j], end[j]) (j < n), col_of/own_of holding
+// col(e, rank) and counts[rank][e] of each (a replica on the home rank, had it one, has col_of =
+// h0 and own_of = h1 - h0, so it counts the same).
+int64_t PlacedLocalRows(int64_t N, int64_t h0, int64_t h1, const int64_t* col_of, const int64_t* own_of,
+                        const int64_t* start, const int64_t* end, int32_t n) {
+  int64_t pos = 0, local = 0;
   for (int32_t j = 0; j < n; ++j) {
     local += Overlap(pos, start[j], h0, h1);  // home piece before the replica
-    const int32_t d = ranks[j];
-    if (d == h) {
-      local += Overlap(start[j], end[j], h0, h1);
-    } else {
-      local += Overlap(start[j], end[j], col_of[j], col_of[j] + own_of[j]);
-    }
+    local += Overlap(start[j], end[j], col_of[j], col_of[j] + own_of[j]);
     pos = end[j];
   }
   return local + Overlap(pos, N, h0, h1);
@@ -142,7 +129,8 @@ void LocalRows(const PolicyInput& in, const Decisions& a, const Decisions& b, Po
     int32_t* hk = head + static_cast<size_t>(k) * E;
     for (int32_t d = R - 1; d >= 0; --d) {
       const size_t base = static_cast<size_t>(d) * S;
-      for (int32_t s = 0; s < used[d]; ++s, ++j) {
+      const int32_t u = used[d];
+      for (int32_t s = 0; s < u; ++s, ++j) {
         const int32_t e = slot_expert[base + s];
         bits[e >> 6] |= uint64_t{1} << (e & 63);
         rank[j] = d;
@@ -215,14 +203,12 @@ void LocalRows(const PolicyInput& in, const Decisions& a, const Decisions& b, Po
     return x < hi ? v - sum : v + sum;
   };
   const int32_t* home = in.plan->home.data();
-  // Raw pointers to both placements' arrays (a: set a, b: set b).
+  // The two placements (a: set a, b: set b); set b's look-ups read set a's.
   ReplicaPlacement& pa = sc->placed[0];
   ReplicaPlacement& pb = sc->placed[1];
-  int32_t *a_rank = pa.rank.data(), *b_rank = pb.rank.data();
-  int64_t *a_slot = pa.slot.data(), *b_slot = pb.slot.data();
-  int64_t *a_amount = pa.amount.data(), *b_amount = pb.amount.data();
-  int64_t *a_col = pa.col.data(), *b_col = pb.col.data();
-  int64_t *a_own = pa.own.data(), *b_own = pb.own.data();
+  const int32_t* a_rank = pa.rank.data();
+  const int64_t* a_col = pa.col.data();
+  const int64_t* a_own = pa.own.data();
   int32_t ja = 0, jb = 0, na_exp = 0, nb_exp = 0;  // replicas and experts placed in each set
   int64_t local[2] = {0, 0};
   for (int32_t t = 0; t < T; ++t) {
@@ -232,32 +218,46 @@ void LocalRows(const PolicyInput& in, const Decisions& a, const Decisions& b, Po
     // that holds e in both sets is looked up once (both lists are by increasing rank).
     int64_t h_own;
     const int64_t h0 = col_own(e, h, &h_own), h1 = h0 + h_own;
-    int32_t na = 0;
-    for (int32_t i = head[e]; i >= 0; i = next[i], ++na) {
-      const int32_t q = ja + na;
-      a_rank[q] = rank[i];
-      a_slot[q] = slot[i];
-      a_amount[q] = amount[i];
-      a_col[q] = col_own(e, rank[i], &a_own[q]);
-    }
-    int32_t nb = 0;
-    for (int32_t i = head[E + e], p = ja; i >= 0; i = next[i], ++nb) {
-      const int32_t x = rank[i], q = jb + nb;
-      while (p < ja + na && a_rank[p] < x) ++p;
-      b_rank[q] = x;
-      b_slot[q] = slot[i];
-      b_amount[q] = amount[i];
-      if (p < ja + na && a_rank[p] == x) {
-        b_col[q] = a_col[p];
-        b_own[q] = a_own[p];
-      } else {
-        b_col[q] = col_own(e, x, &b_own[q]);
+    // Each set's replicas of e placed as FinalizeHolders places them: each at its own column or
+    // after the previous one, whichever is later; when the last one runs past N they shift left.
+    auto place = [&](int32_t k, ReplicaPlacement& pl, int32_t q0, auto&& lookup) -> int32_t {
+      int32_t* pr = pl.rank.data() + q0;
+      int64_t* pcol = pl.col.data() + q0;
+      int64_t* pown = pl.own.data() + q0;
+      int64_t* pstart = pl.start.data() + q0;
+      int64_t* pend = pl.end.data() + q0;
+      int64_t* pslot = pl.slot.data() + q0;
+      int64_t* pamount = pl.amount.data() + q0;
+      int64_t cursor = 0;
+      int32_t n = 0;
+      for (int32_t i = head[static_cast<size_t>(k) * E + e]; i >= 0; i = next[i], ++n) {
+        const int32_t x = rank[i];
+        pr[n] = x;
+        pslot[n] = slot[i];
+        pamount[n] = amount[i];
+        const int64_t col = lookup(x, &pown[n]);
+        pcol[n] = col;
+        const int64_t st = std::max(col, cursor);
+        cursor = st + amount[i];
+        pstart[n] = st;
+        pend[n] = cursor;
       }
-    }
-    local[0] += PlacedLocalRows(N, h, h0, h1, a_rank + ja, a_amount + ja, na, a_col + ja, a_own + ja,
-                                pa.start.data() + ja, pa.end.data() + ja);
-    local[1] += PlacedLocalRows(N, h, h0, h1, b_rank + jb, b_amount + jb, nb, b_col + jb, b_own + jb,
-                                pb.start.data() + jb, pb.end.data() + jb);
+      ShiftReplicasLeft(N, pstart, pend, n);
+      local[k] += PlacedLocalRows(N, h0, h1, pcol, pown, pstart, pend, n);
+      return n;
+    };
+    const int32_t na = place(0, pa, ja, [&](int32_t x, int64_t* own) { return col_own(e, x, own); });
+    // Set b's look-ups: a rank that holds e in set a too is looked up once (both lists are by
+    // increasing rank).
+    int32_t p = ja;
+    const int32_t nb = place(1, pb, jb, [&](int32_t x, int64_t* own) {
+      while (p < ja + na && a_rank[p] < x) ++p;
+      if (p < ja + na && a_rank[p] == x) {
+        *own = a_own[p];
+        return a_col[p];
+      }
+      return col_own(e, x, own);
+    });
     // e's replicas in a set (if any) close as one entry of that set's expert list.
     auto close = [&](ReplicaPlacement& pl, int32_t n, int32_t& n_exp, int32_t& placed_n) {
       if (n == 0) return;
