@@ -326,13 +326,13 @@ struct LoweringQueue {
   }
 };
 
-// GreedyFill's moves on queues of keys value * 2^bits + (2^bits - 1 - index) (see GreedyFill).
+// GreedyFill's moves on queues of keys value * 2^bits + (2^bits - 1 - index), the index being
+// the donor's index and the receiver's rank (see GreedyFill).
 template <typename Key>
-bool GreedyMoves(const PolicyInput& in, PolicyScratch* sc, Decisions* dec, int32_t bits,
-                 std::vector<Key>* keys) {
+bool GreedyMoves(const PolicyInput& in, PolicyScratch* sc, Decisions* dec, int32_t num_donors,
+                 int32_t num_receivers, int32_t bits, std::vector<Key>* keys) {
   const int32_t S = in.config->slots, epn = in.config->num_experts / in.config->num_ranks;
-  const int32_t num_donors = static_cast<int32_t>(sc->greedy_donor.size());
-  const int32_t num_receivers = static_cast<int32_t>(sc->greedy_receiver.size());
+  const int32_t* receiver_rank = sc->greedy_receiver.data();
   const int64_t* excess = sc->excess.data();
   const int64_t* room = sc->room.data();
   const Key mask = (Key{1} << bits) - 1;
@@ -350,7 +350,7 @@ bool GreedyMoves(const PolicyInput& in, PolicyScratch* sc, Decisions* dec, int32
     donors.sorted[i] = (static_cast<Key>(excess[i]) << bits) | (mask - i);
   }
   for (int32_t i = 0; i < num_receivers; ++i) {
-    receivers.sorted[i] = (static_cast<Key>(room[i]) << bits) | (mask - i);
+    receivers.sorted[i] = (static_cast<Key>(room[i]) << bits) | (mask - receiver_rank[i]);
   }
   std::sort(donors.sorted, donors.sorted + num_donors);
   std::sort(receivers.sorted, receivers.sorted + num_receivers);
@@ -359,13 +359,12 @@ bool GreedyMoves(const PolicyInput& in, PolicyScratch* sc, Decisions* dec, int32
     const Key x = top - (static_cast<Key>(moved) << bits);
     q.LowerTop(top, x <= mask ? 0 : x);
   };
-  const int32_t* receiver_rank = sc->greedy_receiver.data();
   while (true) {
     const Key dk = donors.Top(), rk = receivers.Top();
     if (dk == 0) return true;
     if (rk == 0) return false;
     const int32_t hi = static_cast<int32_t>(mask - (dk & mask));
-    const int32_t d = receiver_rank[static_cast<int32_t>(mask - (rk & mask))];
+    const int32_t d = static_cast<int32_t>(mask - (rk & mask));
     const int64_t room_d = static_cast<int64_t>(rk >> bits);
     int64_t quota = std::min(static_cast<int64_t>(dk >> bits), room_d);
     int32_t* ord = sc->order.data() + static_cast<size_t>(hi) * epn;
@@ -424,28 +423,31 @@ bool GreedyFill(const PolicyInput& in, absl::Span<const int64_t> cap, PolicyScra
   // the other by as much: two LoweringQueues of keys value * 2^bits + index complement (the
   // larger key is the larger value with ties to the lower index). At EP128 most moves close a
   // receiver that was never lowered (O(1)), and the lowered keys are few (a heap of ~20).
-  std::vector<int32_t>& donors = sc->greedy_donor;
-  std::vector<int32_t>& receivers = sc->greedy_receiver;
-  std::vector<int64_t>& excess = sc->excess;
-  std::vector<int64_t>& room = sc->room;
-  donors.clear();
-  receivers.clear();
-  excess.clear();
-  room.clear();
+  // (Buffers of at least R entries; the first num_donors / num_receivers count.)
+  for (auto* v : {&sc->greedy_donor, &sc->greedy_receiver}) {
+    if (v->size() < static_cast<size_t>(R)) v->resize(R);
+  }
+  for (auto* v : {&sc->excess, &sc->room}) {
+    if (v->size() < static_cast<size_t>(R)) v->resize(R);
+  }
+  int32_t* donors = sc->greedy_donor.data();
+  int32_t* receivers = sc->greedy_receiver.data();
+  int64_t* excess = sc->excess.data();
+  int64_t* room = sc->room.data();
+  int32_t num_donors = 0, num_receivers = 0;
   int64_t top = 0;
   for (int32_t d = 0; d < R; ++d) {
     const int64_t diff = in.home_load[d] - cap[d];
     if (diff > 0) {
-      donors.push_back(d);
-      excess.push_back(diff);
+      donors[num_donors] = d;
+      excess[num_donors++] = diff;
       top = std::max(top, diff);
     } else if (diff < 0 && S > 0) {
-      receivers.push_back(d);
-      room.push_back(-diff);
+      receivers[num_receivers] = d;
+      room[num_receivers++] = -diff;
       top = std::max(top, -diff);
     }
   }
-  const int32_t num_donors = static_cast<int32_t>(donors.size());
   // Each donor group's experts, most remaining tokens first (ties by expert id), kept sorted
   // across moves (only the group's own experts lose tokens, so an insertion pass restores it);
   // rem mirrors their remaining tokens contiguously.
@@ -480,13 +482,15 @@ bool GreedyFill(const PolicyInput& in, absl::Span<const int64_t> cap, PolicyScra
     }
   }
 #endif
-  // Index bits for the larger side; 64-bit keys when the values leave room for them.
+  // Index bits for a rank; 64-bit keys when the values leave room for them.
   int32_t bits = 0;
-  while ((int64_t{1} << bits) < std::max<int64_t>(num_donors, receivers.size())) ++bits;
+  while ((1 << bits) < R) ++bits;
   int32_t value_bits = 0;
   while (value_bits < 63 && (top >> value_bits) != 0) ++value_bits;
-  if (value_bits + bits <= 64) return GreedyMoves(in, sc, dec, bits, &sc->greedy_keys);
-  return GreedyMoves(in, sc, dec, bits, &sc->greedy_keys_w);
+  if (value_bits + bits <= 64) {
+    return GreedyMoves(in, sc, dec, num_donors, num_receivers, bits, &sc->greedy_keys);
+  }
+  return GreedyMoves(in, sc, dec, num_donors, num_receivers, bits, &sc->greedy_keys_w);
 }
 
 absl::Status DecideMoonEPGreedy(const PolicyInput& in, PolicyScratch* sc, Decisions* dec) {
