@@ -158,6 +158,9 @@ struct PolicyScratch {
     int32_t rank;
   };
   std::vector<Room> rooms;
+  // moonep: Balancer::Init's rooms, sorted, before any move: the cross-check's GreedyFill starts
+  // from the same order (like donor_sorted).
+  std::vector<Room> rooms_sorted;
   struct Chunk {
     int64_t amount;
     int32_t expert;
@@ -222,7 +225,9 @@ absl::Status DecideTestForceReplicas(const PolicyInput& in, PolicyScratch* scrat
 // The published greedy's moves toward capacities `cap` (resets `dec`); true when all excess moved.
 // `sorted` (optional): each donor's experts by decreasing total, ties to the lower id, donors in
 // increasing rank (epn per donor), as moonep's Balancer::Init leaves them in donor_sorted for
-// the same capacities; used instead of sorting when its size matches.
+// the same capacities; used instead of sorting when its size matches. When given, the receivers'
+// order is taken from sc->rooms_sorted too (Balancer::Init's sorted rooms for the same
+// capacities) when its size matches.
 bool GreedyFill(const PolicyInput& in, absl::Span<const int64_t> cap, PolicyScratch* sc,
                 Decisions* dec, const std::vector<int32_t>* sorted = nullptr);
 

@@ -330,7 +330,8 @@ struct LoweringQueue {
 // the donor's index and the receiver's rank (see GreedyFill).
 template <typename Key>
 bool GreedyMoves(const PolicyInput& in, PolicyScratch* sc, Decisions* dec, int32_t num_donors,
-                 int32_t num_receivers, int32_t bits, std::vector<Key>* keys) {
+                 int32_t num_receivers, int32_t bits, std::vector<Key>* keys,
+                 bool presorted) {
   const int32_t S = in.config->slots, epn = in.config->num_experts / in.config->num_ranks;
   const int32_t* receiver_rank = sc->greedy_receiver.data();
   const int64_t* excess = sc->excess.data();
@@ -349,11 +350,32 @@ bool GreedyMoves(const PolicyInput& in, PolicyScratch* sc, Decisions* dec, int32
   for (int32_t i = 0; i < num_donors; ++i) {
     donors.sorted[i] = (static_cast<Key>(excess[i]) << bits) | (mask - i);
   }
-  for (int32_t i = 0; i < num_receivers; ++i) {
-    receivers.sorted[i] = (static_cast<Key>(room[i]) << bits) | (mask - receiver_rank[i]);
-  }
   std::sort(donors.sorted, donors.sorted + num_donors);
-  std::sort(receivers.sorted, receivers.sorted + num_receivers);
+  const std::vector<PolicyScratch::Room>& rooms = sc->rooms_sorted;
+  if (presorted && rooms.size() == static_cast<size_t>(num_receivers)) {
+    // Balancer::Init's order, by (room, rank) ascending, differs from the keys' only inside runs
+    // of equal rooms (rank descending): an insertion pass, linear but for those, restores it.
+    Key* q = receivers.sorted;
+    for (int32_t i = 0; i < num_receivers; ++i) {
+      const Key x = (static_cast<Key>(rooms[i].room) << bits) | (mask - rooms[i].rank);
+      int32_t j = i;
+      for (; q[j - 1] > x; --j) q[j] = q[j - 1];  // (q[-1] = 0)
+      q[j] = x;
+    }
+  } else {
+    for (int32_t i = 0; i < num_receivers; ++i) {
+      receivers.sorted[i] = (static_cast<Key>(room[i]) << bits) | (mask - receiver_rank[i]);
+    }
+    std::sort(receivers.sorted, receivers.sorted + num_receivers);
+  }
+#ifndef NDEBUG
+  for (int32_t i = 0; i < num_receivers; ++i) {  // the keys of the receivers, in order
+    const int32_t d = receiver_rank[i];
+    assert(std::binary_search(receivers.sorted, receivers.sorted + num_receivers,
+                              (static_cast<Key>(room[i]) << bits) | (mask - d)));
+    assert(i == 0 || receivers.sorted[i - 1] < receivers.sorted[i]);
+  }
+#endif
   // The top key lowered by `moved` tokens (dropped at value 0: its key is then at most mask).
   auto lower = [&](LoweringQueue<Key>& q, Key top, int64_t moved) {
     const Key x = top - (static_cast<Key>(moved) << bits);
@@ -488,9 +510,9 @@ bool GreedyFill(const PolicyInput& in, absl::Span<const int64_t> cap, PolicyScra
   int32_t value_bits = 0;
   while (value_bits < 63 && (top >> value_bits) != 0) ++value_bits;
   if (value_bits + bits <= 64) {
-    return GreedyMoves(in, sc, dec, num_donors, num_receivers, bits, &sc->greedy_keys);
+    return GreedyMoves(in, sc, dec, num_donors, num_receivers, bits, &sc->greedy_keys, sorted != nullptr);
   }
-  return GreedyMoves(in, sc, dec, num_donors, num_receivers, bits, &sc->greedy_keys_w);
+  return GreedyMoves(in, sc, dec, num_donors, num_receivers, bits, &sc->greedy_keys_w, sorted != nullptr);
 }
 
 absl::Status DecideMoonEPGreedy(const PolicyInput& in, PolicyScratch* sc, Decisions* dec) {
