@@ -353,15 +353,18 @@ bool GreedyMoves(const PolicyInput& in, PolicyScratch* sc, Decisions* dec, int32
   std::sort(donors.sorted, donors.sorted + num_donors);
   const std::vector<PolicyScratch::Room>& rooms = sc->rooms_sorted;
   if (presorted && rooms.size() == static_cast<size_t>(num_receivers)) {
-    // Balancer::Init's order, by (room, rank) ascending, differs from the keys' only inside runs
-    // of equal rooms (rank descending): an insertion pass, linear but for those, restores it.
+    // Balancer::Init's order, by (room, rank) ascending, is the keys' but for runs of equal
+    // rooms, where the keys want the ranks descending: each run is written reversed.
     Key* q = receivers.sorted;
+    int32_t run = 0;  // the current run of equal rooms is [run, i)
     for (int32_t i = 0; i < num_receivers; ++i) {
-      const Key x = (static_cast<Key>(rooms[i].room) << bits) | (mask - rooms[i].rank);
-      int32_t j = i;
-      for (; q[j - 1] > x; --j) q[j] = q[j - 1];  // (q[-1] = 0)
-      q[j] = x;
+      if (rooms[i].room != rooms[run].room) {
+        std::reverse(q + run, q + i);
+        run = i;
+      }
+      q[i] = (static_cast<Key>(rooms[i].room) << bits) | (mask - rooms[i].rank);
     }
+    std::reverse(q + run, q + num_receivers);
   } else {
     for (int32_t i = 0; i < num_receivers; ++i) {
       receivers.sorted[i] = (static_cast<Key>(room[i]) << bits) | (mask - receiver_rank[i]);
