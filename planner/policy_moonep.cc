@@ -118,6 +118,7 @@ struct Balancer {
     for (int32_t i = 0; i < num_donors; ++i) sc.donor_node[i] = Node(sc.order2[i]);
     mark = 0;
     std::sort(sc.rooms.begin(), sc.rooms.end(), RoomOrder());
+    sc.rooms_sorted.assign(sc.rooms.begin(), sc.rooms.end());  // GreedyFill's receivers (cross-check)
     chunk.resize(num_donors);
     by_chunk.resize(num_donors);
     for (int32_t i = 0; i < num_donors; ++i) {
