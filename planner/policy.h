@@ -32,101 +32,44 @@ struct Decisions {
   int32_t SlotOf(int32_t rank, int32_t expert, int32_t slots) const;
 };
 
-// Largest value among n slots (values >= 0, only ever lowered by Set), ties to the lowest index,
-// in O(1); Set is O(log n). Each node holds its winner as one key, value * 2^b + (2^b - 1 - index)
-// with b bits for the index, so the larger key is the larger value with ties to the lower index,
-// and an update is a branch-free max up the path. Keys are 64-bit when the largest value at Build
-// leaves room for the index bits (always below 4096 slots: values are at most 2^52), else 128-bit.
-struct MaxTree {
-  int32_t leaves = 1;
-  int32_t index_bits = 0;
-  uint32_t mask = 0;  // 2^index_bits - 1: the index bits of a key
-  bool wide = false;
-  std::vector<uint64_t> tree;             // narrow keys
-  std::vector<unsigned __int128> tree_w;  // wide keys
-  template <typename Key>
-  Key MakeKey(int64_t v, int32_t i) const {
-    return (static_cast<Key>(static_cast<uint64_t>(v)) << index_bits) | (mask - static_cast<uint32_t>(i));
-  }
-  template <typename Key>
-  static void BuildKeys(const MaxTree& m, absl::Span<const int64_t> values, std::vector<Key>* tree) {
-    const int32_t n = static_cast<int32_t>(values.size());
-    tree->assign(2 * static_cast<size_t>(m.leaves), 0);  // 0: the minimum, value 0
-    Key* t = tree->data();
-    for (int32_t i = 0; i < n; ++i) t[m.leaves + i] = m.MakeKey<Key>(values[i], i);
-    for (int32_t v = m.leaves - 1; v >= 1; --v) t[v] = std::max(t[2 * v], t[2 * v + 1]);
-  }
-  // `max_value` bounds every value Set will ever store (at least the largest of `values`).
-  void Build(absl::Span<const int64_t> values, int64_t max_value = 0) {
-    const int32_t n = static_cast<int32_t>(values.size());
-    leaves = 1;
-    index_bits = 0;
-    while (leaves < n) {
-      leaves *= 2;
-      ++index_bits;
+// A max-queue of distinct keys that are only ever lowered (GreedyFill's donors and receivers):
+// the keys sorted once, ascending, behind a sentinel 0 (the largest leaves from the end in O(1)),
+// and a binary max-heap of the keys lowered since (heap[0] is 0 when it is empty): a key that
+// leaves unlowered costs O(1), a lowered one O(log) of the heap's size.
+template <typename Key>
+struct LoweringQueue {
+  Key* sorted;  // [-1, ns): sorted[-1] = 0
+  int32_t ns;
+  Key* heap;    // [0, nh), or heap[0] = 0 when nh = 0
+  int32_t nh = 0;
+  // The largest key; 0 when the queue is empty.
+  Key Top() const { return std::max(sorted[ns - 1], heap[0]); }
+  // Replaces the top key `top` by `x`, or drops it when x = 0 (x < top).
+  void LowerTop(Key top, Key x) {
+    if (top == sorted[ns - 1]) {
+      --ns;
+      if (x != 0) {  // push x
+        int32_t i = nh++;
+        for (; i > 0 && heap[(i - 1) / 2] < x; i = (i - 1) / 2) heap[i] = heap[(i - 1) / 2];
+        heap[i] = x;
+      }
+      return;
     }
-    mask = static_cast<uint32_t>((uint64_t{1} << index_bits) - 1);
-    int64_t top = max_value;
-    for (int64_t v : values) top = std::max(top, v);
-    int32_t value_bits = 0;
-    while (value_bits < 63 && (top >> value_bits) != 0) ++value_bits;
-    wide = value_bits + index_bits > 64;
-    if (wide) {
-      BuildKeys(*this, values, &tree_w);
-    } else {
-      BuildKeys(*this, values, &tree);
+    if (x == 0) {  // pop: the last key goes down from the root
+      x = heap[--nh];
+      if (nh == 0) {
+        heap[0] = 0;
+        return;
+      }
     }
-  }
-  template <typename Key>
-  void SetKey(Key* t, int32_t i, int64_t v) {
-    // The path's winner stays in a register: each level only loads the sibling (independent of
-    // the previous level), so the chain is one compare per level, not a store-load round trip.
-    // (A 64-bit unsigned index: no sign extension per level.)
-    size_t x = static_cast<size_t>(leaves) + static_cast<uint32_t>(i);
-    Key cur = MakeKey<Key>(v, i);
-    t[x] = cur;
-    for (; x > 1; x >>= 1) {
-      cur = std::max(cur, t[x ^ 1]);
-      t[x >> 1] = cur;
+    int32_t i = 0;
+    for (int32_t c = 1; c < nh; c = 2 * i + 1) {
+      if (c + 1 < nh && heap[c + 1] > heap[c]) ++c;
+      if (heap[c] < x) break;
+      heap[i] = heap[c];
+      i = c;
     }
-  }
-  void Set(int32_t i, int64_t v) {
-    if (wide) {
-      SetKey(tree_w.data(), i, v);
-    } else {
-      SetKey(tree.data(), i, v);
-    }
-  }
-  // The winner of tree node `node` (1 = root; leaves at [leaves, 2 * leaves)) and its value;
-  // padding has value 0.
-  int32_t Winner(int32_t node) const {
-    const uint32_t low = wide ? static_cast<uint32_t>(tree_w[node] & mask) : static_cast<uint32_t>(tree[node] & mask);
-    return static_cast<int32_t>(mask - low);
-  }
-  int64_t WinnerValue(int32_t node) const {
-    return wide ? static_cast<int64_t>(tree_w[node] >> index_bits) : static_cast<int64_t>(tree[node] >> index_bits);
-  }
-  // The largest value among all slots but i (0 when there is none).
-  int64_t MaxValueExcept(int32_t i) const {
-    const size_t leaf = static_cast<size_t>(leaves) + static_cast<uint32_t>(i);
-    if (wide) {
-      unsigned __int128 k = 0;
-      for (size_t x = leaf; x > 1; x >>= 1) k = std::max(k, tree_w[x ^ 1]);
-      return static_cast<int64_t>(k >> index_bits);
-    }
-    uint64_t k = 0;
-    for (size_t x = leaf; x > 1; x >>= 1) k = std::max(k, tree[x ^ 1]);
-    return static_cast<int64_t>(k >> index_bits);
-  }
-  // Index of the largest value when it is > 0, else -1.
-  int32_t Top() const {
-    // (A key holds value 0 exactly when it is at most mask.)
-    if (wide) {
-      const unsigned __int128 k = tree_w[1];
-      return k <= mask ? -1 : static_cast<int32_t>(mask - static_cast<uint32_t>(k & mask));
-    }
-    const uint64_t k = tree[1];
-    return k <= mask ? -1 : static_cast<int32_t>(mask - static_cast<uint32_t>(k & mask));
+    heap[i] = x;
   }
 };
 

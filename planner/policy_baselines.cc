@@ -285,47 +285,6 @@ absl::Status DecideNone(const PolicyInput&, PolicyScratch*, Decisions*) { return
 
 namespace {
 
-// A max-queue of distinct keys that are only ever lowered (GreedyFill's donors and receivers):
-// the keys sorted once, ascending, behind a sentinel 0 (the largest leaves from the end in O(1)),
-// and a binary max-heap of the keys lowered since (heap[0] is 0 when it is empty): a key that
-// leaves unlowered costs O(1), a lowered one O(log) of the heap's size.
-template <typename Key>
-struct LoweringQueue {
-  Key* sorted;  // [-1, ns): sorted[-1] = 0
-  int32_t ns;
-  Key* heap;    // [0, nh), or heap[0] = 0 when nh = 0
-  int32_t nh = 0;
-  // The largest key; 0 when the queue is empty.
-  Key Top() const { return std::max(sorted[ns - 1], heap[0]); }
-  // Replaces the top key `top` by `x`, or drops it when x = 0 (x < top).
-  void LowerTop(Key top, Key x) {
-    if (top == sorted[ns - 1]) {
-      --ns;
-      if (x != 0) {  // push x
-        int32_t i = nh++;
-        for (; i > 0 && heap[(i - 1) / 2] < x; i = (i - 1) / 2) heap[i] = heap[(i - 1) / 2];
-        heap[i] = x;
-      }
-      return;
-    }
-    if (x == 0) {  // pop: the last key goes down from the root
-      x = heap[--nh];
-      if (nh == 0) {
-        heap[0] = 0;
-        return;
-      }
-    }
-    int32_t i = 0;
-    for (int32_t c = 1; c < nh; c = 2 * i + 1) {
-      if (c + 1 < nh && heap[c + 1] > heap[c]) ++c;
-      if (heap[c] < x) break;
-      heap[i] = heap[c];
-      i = c;
-    }
-    heap[i] = x;
-  }
-};
-
 // GreedyFill's moves on queues of keys value * 2^bits + (2^bits - 1 - index), the index being
 // the donor's index and the receiver's rank (see GreedyFill).
 template <typename Key>

@@ -668,46 +668,53 @@ TEST(PlannerSlotLimit, MinimisesMaxLoadWhenPerfectIsOutOfReach) {
   std::printf("[slot limit] max/mean %.3f with %d replicas (lower bound %lld)\n", plan.stats.imbalance_after(),
               plan.stats.replicas, static_cast<long long>(lb));
 }
-// MaxTree (the policies' tournament tree) against a brute-force scan, with 64-bit keys (small
-// values) and 128-bit keys (values near 2^52 with more than 4096 slots), under random lowering
-// Sets: Top (largest value > 0, ties to the lowest index, else -1), the root's winner and value,
-// and MaxValueExcept.
-TEST(PlannerMaxTree, MatchesBruteForce) {
+// LoweringQueue (GreedyFill's donors and receivers) against a brute-force scan, with 64-bit and
+// 128-bit keys: keys value * 2^bits + (2^bits - 1 - index), as GreedyFill makes them, so that
+// they are distinct; Top is the largest (0 when empty), and LowerTop lowers it (often to 0, which
+// drops it), as the greedy's moves do. Values go up to 2^52 (the planner's bound on a total).
+template <typename Key>
+void CheckLoweringQueue(int n, int64_t max_value, std::mt19937_64& rng) {
+  int32_t bits = 0;
+  while ((int64_t{1} << bits) < n) ++bits;
+  const Key mask = (Key{1} << bits) - 1;
+  auto key = [&](int64_t v, int i) { return (static_cast<Key>(v) << bits) | (mask - static_cast<Key>(i)); };
+  std::vector<int64_t> v(n);
+  std::vector<Key> buffer(2 * static_cast<size_t>(n) + 2);
+  LoweringQueue<Key> q;
+  q.sorted = buffer.data() + 1;
+  q.heap = q.sorted + n;
+  q.sorted[-1] = q.heap[0] = 0;
+  q.ns = 0;
+  for (int i = 0; i < n; ++i) {
+    v[i] = 1 + static_cast<int64_t>(rng() % static_cast<uint64_t>(max_value));
+    q.sorted[q.ns++] = key(v[i], i);
+  }
+  std::sort(q.sorted, q.sorted + q.ns);
+  for (int step = 0;; ++step) {
+    int top = -1;
+    for (int i = 0; i < n; ++i) {
+      if (v[i] > 0 && (top < 0 || v[i] > v[top])) top = i;
+    }
+    const Key k = q.Top();
+    if (top < 0) {
+      ASSERT_EQ(k, Key{0}) << "n=" << n << " step " << step;
+      break;
+    }
+    ASSERT_EQ(k, key(v[top], top)) << "n=" << n << " step " << step;
+    v[top] = rng() % 3 == 0 ? 0 : static_cast<int64_t>(rng() % static_cast<uint64_t>(v[top]));
+    q.LowerTop(k, v[top] == 0 ? Key{0} : key(v[top], top));
+    ASSERT_LE(step, 64 * n) << "n=" << n;  // every value falls at each step
+  }
+}
+
+TEST(PlannerLoweringQueue, MatchesBruteForce) {
   std::mt19937_64 rng(5);
-  struct Case {
-    int n;
-    int64_t max_value;
-    bool wide;
-  };
-  for (const Case& cs : {Case{1, 10, false}, Case{7, 3, false}, Case{64, 1000, false},
-                         Case{300, int64_t{1} << 40, false}, Case{5000, int64_t{1} << 52, true}}) {
-    std::vector<int64_t> v(cs.n);
-    for (int64_t& x : v) x = static_cast<int64_t>(rng() % static_cast<uint64_t>(cs.max_value + 1));
-    MaxTree tree;
-    tree.Build(v, cs.max_value);
-    EXPECT_EQ(tree.wide, cs.wide) << "n=" << cs.n;
-    for (int step = 0; step < 3 * cs.n + 20; ++step) {
-      int32_t top = -1;
-      for (int i = 0; i < cs.n; ++i) {
-        if (v[i] > 0 && (top < 0 || v[i] > v[top])) top = i;
-      }
-      ASSERT_EQ(tree.Top(), top) << "n=" << cs.n << " step " << step;
-      if (top >= 0) {
-        EXPECT_EQ(tree.Winner(1), top);
-        EXPECT_EQ(tree.WinnerValue(1), v[top]);
-      }
-      const int probe = static_cast<int>(rng() % cs.n);
-      int64_t others = 0;
-      for (int i = 0; i < cs.n; ++i) {
-        if (i != probe) others = std::max(others, v[i]);
-      }
-      EXPECT_EQ(tree.MaxValueExcept(probe), others) << "n=" << cs.n << " step " << step;
-      // Lower one value (often the top, as the policies do), sometimes to 0.
-      const int i = top >= 0 && rng() % 2 == 0 ? top : static_cast<int>(rng() % cs.n);
-      v[i] = rng() % 4 == 0 ? 0 : static_cast<int64_t>(rng() % static_cast<uint64_t>(v[i] + 1));
-      tree.Set(i, v[i]);
+  for (int n : {1, 2, 7, 64, 300}) {
+    for (int64_t max_value : {int64_t{3}, int64_t{1000}, int64_t{1} << 40}) {
+      CheckLoweringQueue<uint64_t>(n, max_value, rng);
     }
   }
+  CheckLoweringQueue<unsigned __int128>(5000, int64_t{1} << 52, rng);  // 13 + 52 bits: wide keys
 }
 
 }  // namespace
