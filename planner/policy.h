@@ -42,6 +42,17 @@ struct LoweringQueue {
   int32_t ns;
   Key* heap;    // [0, nh), or heap[0] = 0 when nh = 0
   int32_t nh = 0;
+  // Lays an empty heap and room for n sorted keys over buf (2 * n + 2 keys: sentinel, sorted
+  // keys, heap); the caller writes the keys to sorted[0, n) in ascending order. Returns the end.
+  Key* Attach(Key* buf, int32_t n) {
+    sorted = buf + 1;
+    sorted[-1] = 0;
+    ns = n;
+    heap = sorted + n;
+    heap[0] = 0;
+    nh = 0;
+    return buf + 2 * static_cast<size_t>(n) + 2;
+  }
   // The largest key; 0 when the queue is empty.
   Key Top() const { return std::max(sorted[ns - 1], heap[0]); }
   // Replaces the top key `top` by `x`, or drops it when x = 0 (x < top).

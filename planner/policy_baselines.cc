@@ -296,16 +296,9 @@ bool GreedyMoves(const PolicyInput& in, PolicyScratch* sc, Decisions* dec, int32
   const int64_t* excess = sc->excess.data();
   const int64_t* room = sc->room.data();
   const Key mask = (Key{1} << bits) - 1;
-  // Per queue: sentinel, sorted keys, heap.
   keys->resize(2 * (static_cast<size_t>(num_donors) + num_receivers + 2));
   LoweringQueue<Key> donors, receivers;  // the largest excess / room last (ties: lowest rank)
-  donors.sorted = keys->data() + 1;
-  donors.ns = num_donors;
-  donors.heap = donors.sorted + num_donors;
-  receivers.sorted = donors.heap + num_donors + 2;
-  receivers.ns = num_receivers;
-  receivers.heap = receivers.sorted + num_receivers;
-  for (LoweringQueue<Key>* q : {&donors, &receivers}) q->sorted[-1] = q->heap[0] = 0;
+  receivers.Attach(donors.Attach(keys->data(), num_donors), num_receivers);
   for (int32_t i = 0; i < num_donors; ++i) {
     donors.sorted[i] = (static_cast<Key>(excess[i]) << bits) | (mask - i);
   }

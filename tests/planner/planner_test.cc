@@ -681,13 +681,10 @@ void CheckLoweringQueue(int n, int64_t max_value, std::mt19937_64& rng) {
   std::vector<int64_t> v(n);
   std::vector<Key> buffer(2 * static_cast<size_t>(n) + 2);
   LoweringQueue<Key> q;
-  q.sorted = buffer.data() + 1;
-  q.heap = q.sorted + n;
-  q.sorted[-1] = q.heap[0] = 0;
-  q.ns = 0;
+  q.Attach(buffer.data(), n);
   for (int i = 0; i < n; ++i) {
     v[i] = 1 + static_cast<int64_t>(rng() % static_cast<uint64_t>(max_value));
-    q.sorted[q.ns++] = key(v[i], i);
+    q.sorted[i] = key(v[i], i);
   }
   std::sort(q.sorted, q.sorted + q.ns);
   for (int step = 0;; ++step) {
