@@ -3,6 +3,7 @@
 #
 #   bench/planner/ab/ab.sh OLD NEW ab SHAPE POLICY CHECK DECIDE [BLOCKS ITERS]
 #   bench/planner/ab/ab.sh OLD NEW cg SHAPE POLICY CHECK DECIDE
+#   bench/planner/ab/ab.sh OLD NEW phases SHAPE POLICY CHECK DECIDE [BLOCKS ITERS]
 #
 # OLD, NEW: a commit (its planner/ via git archive) or `worktree` (the working tree's planner/).
 # SHAPE: 0 = EP64 (R=64, E=256), 1 = R=128, E=896, 2 = R=1024, E=8192 (moonep-bench-planner's
@@ -11,6 +12,8 @@
 # ab: both builds as shared objects in one process (ab_main.cc), alternating BLOCKS (default 100)
 #     blocks of ITERS plans (default 20) pinned to core 1; prints the median new/old block ratio.
 # cg: instructions per plan of each build (callgrind, 800 plans minus 400 plans).
+# phases: NEW alone (phases_main.cc), BLOCKS blocks of ITERS plans pinned to core 1 with two
+#     fixed workloads timed between blocks; prints the blocks grouped by plan time.
 # Needs the build directory (BUILD, default build-planner) for libmoonep_core.a; scratch in OUT
 # (default /tmp/moonep-ab).
 set -e
@@ -35,6 +38,12 @@ mk() {  # mk COMMIT|worktree NAME: $out/NAME.so
   wait
   g++ -shared -Wl,-Bsymbolic -o "$out/$2.so" $objs "$build/lib/libmoonep_core.a" $absl
 }
+if [ "$mode" = phases ]; then
+  mk "$new" new
+  g++ -O2 -std=c++17 -o "$out/phases_main" "$root/bench/planner/ab/phases_main.cc" -ldl
+  taskset -c 1 "$out/phases_main" "$out/new.so" "$shape" "$policy" "$check" "$decide" "$blocks" "$iters"
+  exit 0
+fi
 mk "$old" old
 mk "$new" new
 g++ -O2 -std=c++17 -o "$out/ab_main" "$root/bench/planner/ab/ab_main.cc" -ldl
