@@ -179,9 +179,11 @@ absl::Status DecideTestForceReplicas(const PolicyInput& in, PolicyScratch* scrat
 // The published greedy's moves toward capacities `cap` (resets `dec`); true when all excess moved.
 // `sorted` (optional): each donor's experts by decreasing total, ties to the lower id, donors in
 // increasing rank (epn per donor), as moonep's Balancer::Init leaves them in donor_sorted for
-// the same capacities; used instead of sorting when its size matches. When given, the receivers'
-// order is taken from sc->rooms_sorted too (Balancer::Init's sorted rooms for the same
-// capacities) when its size matches.
+// the same capacities; used instead of sorting when it is that order (checked while it is copied:
+// a group out of order or holding another rank's expert is sorted anew). When given, the
+// receivers' order is taken from sc->rooms_sorted too (Balancer::Init's sorted rooms for the same
+// capacities) when it is their order: strictly ascending by (room, rank), every rank a receiver
+// of `cap` with that room, as many as the receivers (else they are sorted anew).
 bool GreedyFill(const PolicyInput& in, absl::Span<const int64_t> cap, PolicyScratch* sc,
                 Decisions* dec, const std::vector<int32_t>* sorted = nullptr);
 

@@ -290,7 +290,7 @@ namespace {
 template <typename Key>
 bool GreedyMoves(const PolicyInput& in, PolicyScratch* sc, Decisions* dec, int32_t num_donors,
                  int32_t num_receivers, int32_t bits, std::vector<Key>* keys,
-                 bool presorted) {
+                 bool presorted, absl::Span<const int64_t> cap) {
   const int32_t S = in.config->slots, epn = in.config->num_experts / in.config->num_ranks;
   const int32_t* receiver_rank = sc->greedy_receiver.data();
   const int64_t* excess = sc->excess.data();
@@ -304,20 +304,32 @@ bool GreedyMoves(const PolicyInput& in, PolicyScratch* sc, Decisions* dec, int32
   }
   std::sort(donors.sorted, donors.sorted + num_donors);
   const std::vector<PolicyScratch::Room>& rooms = sc->rooms_sorted;
-  if (presorted && rooms.size() == static_cast<size_t>(num_receivers)) {
+  // The handed order is used only when it is the receivers' sorted order: strictly ascending by
+  // (room, rank), so its ranks are distinct, each one a receiver of these capacities with that
+  // room, and as many as the receivers. Anything else (say, an order left by other capacities) is
+  // sorted anew.
+  bool use_rooms = presorted && rooms.size() == static_cast<size_t>(num_receivers);
+  if (use_rooms) {
     // Balancer::Init's order, by (room, rank) ascending, is the keys' but for runs of equal
     // rooms, where the keys want the ranks descending: each run is written reversed.
+    const int32_t R = in.config->num_ranks;
     Key* q = receivers.sorted;
     int32_t run = 0;  // the current run of equal rooms is [run, i)
-    for (int32_t i = 0; i < num_receivers; ++i) {
+    for (int32_t i = 0; i < num_receivers && use_rooms; ++i) {
+      const int32_t r = rooms[i].rank;
+      use_rooms = r >= 0 && r < R && rooms[i].room > 0 &&
+                  in.home_load[r] - cap[r] == -rooms[i].room &&
+                  (i == 0 || rooms[i - 1].room < rooms[i].room ||
+                   (rooms[i - 1].room == rooms[i].room && rooms[i - 1].rank < r));
       if (rooms[i].room != rooms[run].room) {
         std::reverse(q + run, q + i);
         run = i;
       }
-      q[i] = (static_cast<Key>(rooms[i].room) << bits) | (mask - rooms[i].rank);
+      q[i] = (static_cast<Key>(rooms[i].room) << bits) | (mask - r);
     }
     std::reverse(q + run, q + num_receivers);
-  } else {
+  }
+  if (!use_rooms) {
     for (int32_t i = 0; i < num_receivers; ++i) {
       receivers.sorted[i] = (static_cast<Key>(room[i]) << bits) | (mask - receiver_rank[i]);
     }
@@ -436,11 +448,31 @@ bool GreedyFill(const PolicyInput& in, absl::Span<const int64_t> cap, PolicyScra
   const size_t n_sorted = static_cast<size_t>(num_donors) * epn;
   sc->order.resize(n_sorted);
   sc->greedy_rem.resize(n_sorted);
-  if (sorted != nullptr && sorted->size() == n_sorted) {
-    // keep = totals after Reset, so this is the order the sort below would give.
-    std::copy(sorted->begin(), sorted->end(), sc->order.begin());
-    for (size_t p = 0; p < n_sorted; ++p) sc->greedy_rem[p] = keep[sc->order[p]];
-  } else {
+  // The handed order is used only when it is the one the sort below would give (keep = totals
+  // after Reset): each donor's group strictly ordered by `before` and all homed on that donor, so
+  // a permutation of its experts. Anything else is sorted anew.
+  bool use_sorted = sorted != nullptr && sorted->size() == n_sorted;
+  if (use_sorted) {  // copied with its remaining tokens, checked on the way
+    const int32_t* home = in.plan->home.data();
+    const uint32_t E = static_cast<uint32_t>(c.num_experts);
+    for (int32_t i = 0; i < num_donors && use_sorted; ++i) {
+      const size_t p0 = static_cast<size_t>(i) * epn;
+      const int32_t* from = sorted->data() + p0;
+      int32_t* ord = sc->order.data() + p0;
+      int64_t* rem = sc->greedy_rem.data() + p0;
+      bool ok = true;
+      for (int32_t g = 0; g < epn; ++g) {
+        const int32_t e = from[g];
+        ok = ok && static_cast<uint32_t>(e) < E && home[e] == donors[i];
+        const int64_t r = ok ? keep[e] : 0;
+        ok = ok && (g == 0 || rem[g - 1] > r || (rem[g - 1] == r && ord[g - 1] < e));
+        ord[g] = e;
+        rem[g] = r;
+      }
+      use_sorted = ok;
+    }
+  }
+  if (!use_sorted) {
     for (int32_t i = 0; i < num_donors; ++i) {
       const int32_t* local = in.plan->local_experts.data() + static_cast<size_t>(donors[i]) * epn;
       int32_t* ord = sc->order.data() + static_cast<size_t>(i) * epn;
@@ -465,9 +497,11 @@ bool GreedyFill(const PolicyInput& in, absl::Span<const int64_t> cap, PolicyScra
   int32_t value_bits = 0;
   while (value_bits < 63 && (top >> value_bits) != 0) ++value_bits;
   if (value_bits + bits <= 64) {
-    return GreedyMoves(in, sc, dec, num_donors, num_receivers, bits, &sc->greedy_keys, sorted != nullptr);
+    return GreedyMoves(in, sc, dec, num_donors, num_receivers, bits, &sc->greedy_keys,
+                       sorted != nullptr, cap);
   }
-  return GreedyMoves(in, sc, dec, num_donors, num_receivers, bits, &sc->greedy_keys_w, sorted != nullptr);
+  return GreedyMoves(in, sc, dec, num_donors, num_receivers, bits, &sc->greedy_keys_w,
+                     sorted != nullptr, cap);
 }
 
 absl::Status DecideMoonEPGreedy(const PolicyInput& in, PolicyScratch* sc, Decisions* dec) {

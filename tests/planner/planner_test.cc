@@ -12,6 +12,7 @@
 
 #include "gtest/gtest.h"
 #include "planner/eplb.h"
+#include "planner/plan_builder.h"
 #include "planner/planner.h"
 #include "planner/policy.h"
 #include "tests/planner/brute_force.h"
@@ -712,6 +713,100 @@ TEST(PlannerLoweringQueue, MatchesBruteForce) {
     }
   }
   CheckLoweringQueue<unsigned __int128>(5000, int64_t{1} << 52, rng);  // 13 + 52 bits: wide keys
+}
+
+// GreedyFill takes moonep's presorted orders (the donors' experts, the receivers' rooms) only
+// when they are the sorted orders for the capacities it is given: orders of the right sizes that
+// are not (left by other capacities, or corrupted) give the decisions it makes without them.
+TEST(PlannerGreedyFill, UsesPresortedOrdersOnlyWhenTheyMatch) {
+  std::mt19937_64 rng(11);
+  PlannerConfig raw;
+  raw.num_ranks = 16;
+  raw.num_experts = 64;
+  PlannerConfig c;
+  ASSERT_TRUE(ResolveConfig(raw, &c).ok());
+  const int32_t R = c.num_ranks, E = c.num_experts, epn = E / R;
+  Plan plan;
+  InitPlan(c, &plan);
+  int stale_donors = 0, stale_rooms = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    std::vector<int64_t> totals(E);
+    for (auto& t : totals) t = static_cast<int64_t>(rng() % 1000) * (rng() % 5 == 0 ? 20 : 1);
+    PolicyInput in;
+    in.config = &c;
+    in.plan = &plan;
+    in.totals = totals;
+    in.home_load.assign(R, 0);
+    for (int32_t e = 0; e < E; ++e) in.home_load[plan.home[e]] += totals[e];
+    in.total = std::accumulate(totals.begin(), totals.end(), int64_t{0});
+    std::vector<int64_t> cap;
+    BalancedCapacities(c, in.home_load, in.total, &cap);
+    PolicyScratch fresh;
+    Decisions want;
+    const bool want_ok = GreedyFill(in, cap, &fresh, &want);
+    // The true orders: each donor's experts by decreasing total (ties: lower id), donors by
+    // rank; the receivers by (room, rank) ascending.
+    std::vector<int32_t> order;
+    std::vector<PolicyScratch::Room> rooms;
+    for (int32_t d = 0; d < R; ++d) {
+      const int64_t diff = in.home_load[d] - cap[d];
+      if (diff > 0) {
+        std::vector<int32_t> ex(plan.local_experts.begin() + static_cast<size_t>(d) * epn,
+                                plan.local_experts.begin() + static_cast<size_t>(d + 1) * epn);
+        std::sort(ex.begin(), ex.end(), [&](int32_t a, int32_t b) {
+          return totals[a] != totals[b] ? totals[a] > totals[b] : a < b;
+        });
+        order.insert(order.end(), ex.begin(), ex.end());
+      } else if (diff < 0) {
+        rooms.push_back({-diff, d});
+      }
+    }
+    std::sort(rooms.begin(), rooms.end(),
+              [](const PolicyScratch::Room& a, const PolicyScratch::Room& b) {
+                return a.room != b.room ? a.room < b.room : a.rank < b.rank;
+              });
+    // Wrong orders of the right sizes: one that swaps two experts of a donor, or names an expert
+    // of another rank; receivers' rooms reversed, or one rank replaced by a non-receiver.
+    std::vector<int32_t> bad_order = order;
+    if (!bad_order.empty()) {
+      if (trial % 2 == 0 && epn > 1 && totals[bad_order[0]] != totals[bad_order[1]]) {
+        std::swap(bad_order[0], bad_order[1]);
+        ++stale_donors;
+      } else if (trial % 2 == 1) {
+        bad_order[0] = (bad_order[0] + epn) % E;
+        ++stale_donors;
+      }
+    }
+    std::vector<PolicyScratch::Room> bad_rooms = rooms;
+    if (bad_rooms.size() >= 2 && trial % 3 != 2 &&
+        bad_rooms.front().room != bad_rooms.back().room) {
+      std::reverse(bad_rooms.begin(), bad_rooms.end());
+      ++stale_rooms;
+    } else if (!bad_rooms.empty() && trial % 3 == 2) {
+      for (int32_t d = 0; d < R; ++d) {
+        if (in.home_load[d] - cap[d] >= 0) {
+          bad_rooms.back().rank = d;
+          ++stale_rooms;
+          break;
+        }
+      }
+    }
+    for (int k = 0; k < 3; ++k) {  // the true orders, a bad donor order, bad rooms
+      PolicyScratch sc;
+      sc.rooms_sorted = k == 2 ? bad_rooms : rooms;
+      const std::vector<int32_t>& sorted = k == 1 ? bad_order : order;
+      Decisions got;
+      const bool got_ok = GreedyFill(in, cap, &sc, &got, &sorted);
+      ASSERT_EQ(got_ok, want_ok) << "trial " << trial << " case " << k;
+      EXPECT_EQ(got.home_keep, want.home_keep) << "trial " << trial << " case " << k;
+      EXPECT_EQ(got.slot_expert, want.slot_expert) << "trial " << trial << " case " << k;
+      EXPECT_EQ(got.slot_amount, want.slot_amount) << "trial " << trial << " case " << k;
+      EXPECT_EQ(got.slots_used, want.slots_used) << "trial " << trial << " case " << k;
+    }
+  }
+  // The wrong orders were of the right sizes and did occur.
+  EXPECT_GT(stale_donors, 100);
+  EXPECT_GT(stale_rooms, 100);
 }
 
 }  // namespace
