@@ -177,15 +177,14 @@ absl::Status DecideFasterMoEShadow(const PolicyInput& in, PolicyScratch* scratch
 absl::Status DecideTestForceReplicas(const PolicyInput& in, PolicyScratch* scratch, Decisions* out);
 
 // The published greedy's moves toward capacities `cap` (resets `dec`); true when all excess moved.
-// `sorted` (optional): each donor's experts by decreasing total, ties to the lower id, donors in
-// increasing rank (epn per donor), as moonep's Balancer::Init leaves them in donor_sorted for
-// the same capacities; used instead of sorting when it is that order (checked while it is copied:
-// a group out of order or holding another rank's expert is sorted anew). When given, the
-// receivers' order is taken from sc->rooms_sorted too (Balancer::Init's sorted rooms for the same
-// capacities) when it is their order: strictly ascending by (room, rank), every rank a receiver
-// of `cap` with that room, as many as the receivers (else they are sorted anew).
+// `presorted`: start from the orders moonep's Balancer::Init leaves in sc for the same
+// capacities instead of sorting: sc->donor_sorted (each donor's experts by decreasing total, ties
+// to the lower id, donors in increasing rank, epn per donor) and sc->rooms_sorted (the receivers
+// by (room, rank) ascending). Each is checked while it is read (a donor group out of order or
+// holding another rank's expert; a rank that is no receiver of `cap` with that room, or out of
+// order) and sorted anew when it is not that order.
 bool GreedyFill(const PolicyInput& in, absl::Span<const int64_t> cap, PolicyScratch* sc,
-                Decisions* dec, const std::vector<int32_t>* sorted = nullptr);
+                Decisions* dec, bool presorted = false);
 
 // Integer speed weights (all 1 without speeds): round(speed / max_speed * 2^20), at least 1.
 void SpeedWeights(const PlannerConfig& resolved, std::vector<int64_t>* weights);

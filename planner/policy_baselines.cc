@@ -403,7 +403,7 @@ bool GreedyMoves(const PolicyInput& in, PolicyScratch* sc, Decisions* dec, int32
 // the most room; inside the group the quota goes to the experts with the most remaining tokens
 // first. Same perfect-balance capacities as `moonep`, so the two are compared on equal targets.
 bool GreedyFill(const PolicyInput& in, absl::Span<const int64_t> cap, PolicyScratch* sc,
-                Decisions* dec, const std::vector<int32_t>* sorted) {
+                Decisions* dec, bool presorted) {
   const PlannerConfig& c = *in.config;
   const int32_t R = c.num_ranks, S = c.slots, epn = c.num_experts / R;
   dec->Reset(R, c.num_experts, S, in.totals);
@@ -451,13 +451,14 @@ bool GreedyFill(const PolicyInput& in, absl::Span<const int64_t> cap, PolicyScra
   // The handed order is used only when it is the one the sort below would give (keep = totals
   // after Reset): each donor's group strictly ordered by `before` and all homed on that donor, so
   // a permutation of its experts. Anything else is sorted anew.
-  bool use_sorted = sorted != nullptr && sorted->size() == n_sorted;
+  const std::vector<int32_t>& sorted = sc->donor_sorted;
+  bool use_sorted = presorted && sorted.size() == n_sorted;
   if (use_sorted) {  // copied with its remaining tokens, checked on the way
     const int32_t* home = in.plan->home.data();
     const uint32_t E = static_cast<uint32_t>(c.num_experts);
     for (int32_t i = 0; i < num_donors && use_sorted; ++i) {
       const size_t p0 = static_cast<size_t>(i) * epn;
-      const int32_t* from = sorted->data() + p0;
+      const int32_t* from = sorted.data() + p0;
       int32_t* ord = sc->order.data() + p0;
       int64_t* rem = sc->greedy_rem.data() + p0;
       bool ok = true;
@@ -482,15 +483,6 @@ bool GreedyFill(const PolicyInput& in, absl::Span<const int64_t> cap, PolicyScra
       for (int32_t g = 0; g < epn; ++g) rem[g] = keep[ord[g]];
     }
   }
-#ifndef NDEBUG
-  for (int32_t i = 0; i < num_donors; ++i) {
-    const int32_t* ord = sc->order.data() + static_cast<size_t>(i) * epn;
-    for (int32_t g = 0; g < epn; ++g) {
-      assert(in.plan->home[ord[g]] == donors[i]);
-      assert(g == 0 || before(ord[g - 1], ord[g]));
-    }
-  }
-#endif
   // Index bits for a rank; 64-bit keys when the values leave room for them.
   int32_t bits = 0;
   while ((1 << bits) < R) ++bits;
@@ -498,10 +490,10 @@ bool GreedyFill(const PolicyInput& in, absl::Span<const int64_t> cap, PolicyScra
   while (value_bits < 63 && (top >> value_bits) != 0) ++value_bits;
   if (value_bits + bits <= 64) {
     return GreedyMoves(in, sc, dec, num_donors, num_receivers, bits, &sc->greedy_keys,
-                       sorted != nullptr, cap);
+                       presorted, cap);
   }
   return GreedyMoves(in, sc, dec, num_donors, num_receivers, bits, &sc->greedy_keys_w,
-                     sorted != nullptr, cap);
+                     presorted, cap);
 }
 
 absl::Status DecideMoonEPGreedy(const PolicyInput& in, PolicyScratch* sc, Decisions* dec) {

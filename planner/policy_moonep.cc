@@ -454,7 +454,7 @@ int32_t Replicas(const Decisions& dec) {
 // also balances perfectly, its decisions replace ours if they need fewer replicas, or as many
 // replicas and fewer travelling rows (more rows computed on their source rank). Ties keep ours.
 void KeepBetterOfGreedy(const PolicyInput& in, PolicyScratch* sc, Decisions* dec) {
-  if (!GreedyFill(in, sc->cap, sc, &sc->alt, &sc->donor_sorted)) return;
+  if (!GreedyFill(in, sc->cap, sc, &sc->alt, /*presorted=*/true)) return;
   const int32_t mine = Replicas(*dec), greedy = Replicas(sc->alt);
   bool take = greedy < mine;
   if (greedy == mine) {

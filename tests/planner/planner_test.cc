@@ -794,9 +794,9 @@ TEST(PlannerGreedyFill, UsesPresortedOrdersOnlyWhenTheyMatch) {
     for (int k = 0; k < 3; ++k) {  // the true orders, a bad donor order, bad rooms
       PolicyScratch sc;
       sc.rooms_sorted = k == 2 ? bad_rooms : rooms;
-      const std::vector<int32_t>& sorted = k == 1 ? bad_order : order;
+      sc.donor_sorted = k == 1 ? bad_order : order;
       Decisions got;
-      const bool got_ok = GreedyFill(in, cap, &sc, &got, &sorted);
+      const bool got_ok = GreedyFill(in, cap, &sc, &got, /*presorted=*/true);
       ASSERT_EQ(got_ok, want_ok) << "trial " << trial << " case " << k;
       EXPECT_EQ(got.home_keep, want.home_keep) << "trial " << trial << " case " << k;
       EXPECT_EQ(got.slot_expert, want.slot_expert) << "trial " << trial << " case " << k;
