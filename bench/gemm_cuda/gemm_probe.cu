@@ -10,9 +10,10 @@
 //                partition the GPU instead of each planning for all of it
 //   lt-part-S-xF: SM shares scaled by F (oversubscribed)
 //
-//   moonep-gemm-probe [--reps N] [--only SHAPE_INDEX] [--quick] [--trace]
+//   moonep-gemm-probe [--reps N] [--only SHAPE_INDEX] [--quick] [--trace] [--flush]
 //   (--quick: no checks, only the dense GEMM and the default persistent kernel: for profilers;
-//    --trace: a timeline of the persistent kernel's units per shape, from globaltimer records)
+//    --trace: a timeline of the persistent kernel's units per shape, from globaltimer records;
+//    --flush: 256 MiB overwritten before every interleaved run, as in moonep-bench-gemm-cuda)
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -274,6 +275,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> custom;  // --sizes a,b,c: one shape with these group sizes instead of the list
   int split_unit = -1;          // --split-unit U: the trace's unit times for units < U and >= U apart
   bool f32 = false;             // --f32 (with --trace): fp32 outputs
+  bool flush = false;           // --flush: the interleaved rounds overwrite 256 MiB before every run
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--reps" && i + 1 < argc) reps = std::max(1, std::atoi(argv[++i]));
     if (std::string(argv[i]) == "--only" && i + 1 < argc) only = std::atoi(argv[++i]);
@@ -281,6 +283,7 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--trace") trace = quick = true;
     if (std::string(argv[i]) == "--overhead") overhead = quick = true;
     if (std::string(argv[i]) == "--f32") f32 = true;
+    if (std::string(argv[i]) == "--flush") flush = true;
     if (std::string(argv[i]) == "--split-unit" && i + 1 < argc) split_unit = std::atoi(argv[++i]);
     if (std::string(argv[i]) == "--sizes" && i + 1 < argc) {
       const char* c = argv[++i];
@@ -673,7 +676,13 @@ int main(int argc, char** argv) {
         CHECK_OK((*pg)->Run(stream, false, DType::kBFloat16, kI, kH, pgroups.data(), pgroups.size()));
       });
     }
-    const std::vector<double> ims = TimeInterleavedMs(stream, reps, fns);
+    // With --flush, as moonep-bench-gemm-cuda's interleaved figures: no run finds its operands in
+    // the L2, and the card recovers its clock between runs.
+    const size_t flush_bytes = flush ? size_t{256} << 20 : 0;
+    void* flush_buf = nullptr;
+    if (flush) CHECK_CUDA(cudaMalloc(&flush_buf, flush_bytes));
+    const std::vector<double> ims = TimeInterleavedMs(stream, reps, fns, flush_buf, flush_bytes);
+    if (flush) CHECK_CUDA(cudaFree(flush_buf));
     std::snprintf(buf, sizeof(buf), "  | interleaved: dense %.0f", tf(ims[0]));
     line += buf;
     for (size_t f = 1; f < ims.size(); ++f) {
