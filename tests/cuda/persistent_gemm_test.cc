@@ -69,12 +69,18 @@ struct Mode {
   bool wide_store = true;  // bf16 epilogue through a quad transpose and 16-byte stores
   bool narrow_tail = true; // the split tail in 128-column halves of the tiles
   bool tma_store = true;   // bf16 epilogue staged in shared memory, written by TMA stores
+  int force_split = 0;     // > 0: the tail in exactly this many K-parts (set_tail_override)
+  bool force_narrow = false;
   const char* Name() const {
     static thread_local char buf[128];
+    char forced[48] = "";
+    if (force_split > 0) {
+      std::snprintf(forced, sizeof(forced), ",forced-%d-%s-parts", force_split, force_narrow ? "narrow" : "whole");
+    }
     std::snprintf(buf, sizeof(buf), "%s%s%s%s%s%s", split ? "split-tail" : "data-parallel",
                   interleave ? ",interleaved" : "", cluster ? ",clusters" : ",no-clusters",
                   tma_store ? ",tma-stores" : wide_store ? ",16-byte-stores" : ",4-byte-stores",
-                  split && !narrow_tail ? ",whole-tile-tail" : "", "");
+                  split && !narrow_tail ? ",whole-tile-tail" : "", forced);
     return buf;
   }
 };
@@ -146,6 +152,7 @@ void CheckAgainstCublas(const Layout& l, bool trans_b, DType c_dtype, const Mode
   (*pgemm)->set_wide_store(mode.wide_store);
   (*pgemm)->set_narrow_tail(mode.narrow_tail);
   (*pgemm)->set_tma_store(mode.tma_store);
+  (*pgemm)->set_tail_override(mode.force_split, mode.force_narrow);
   std::vector<unsigned char> got(c.bytes()), again(c.bytes()), want(ref.bytes());
   for (int run = 0; run < 2; ++run) {
     c.Poison();
@@ -155,6 +162,10 @@ void CheckAgainstCublas(const Layout& l, bool trans_b, DType c_dtype, const Mode
   }
   ref.Download(want.data());
   EXPECT_EQ(got, again) << "two runs differ";
+  if (mode.force_split > 0) {
+    EXPECT_EQ((*pgemm)->last_tail().split, mode.force_split);
+    EXPECT_EQ((*pgemm)->last_tail().narrow, mode.force_narrow);
+  }
 
   // Every data element written and close to cuBLAS; every guard element untouched.
   double max_diff = 0, max_ref = 0;
@@ -230,6 +241,70 @@ TEST(PersistentGemm, BadInputIsAnError) {
   EXPECT_FALSE((*pgemm)->Run(nullptr, false, DType::kBFloat16, 200, 64, &g, 1).ok());
 }
 
+// The tail's form (host only: runs without a GPU). Against a brute force over every form under
+// the same cost model, and the choices the benchmark's skewed shapes get on an H200 (66 clusters
+// of two, K = 7168: 112 K-steps).
+TEST(PersistentGemmTail, ChoosesTheCheapestFormThatFits) {
+  using Options = PersistentGemm::TailOptions;
+  const Options o;
+  for (int slots : {1, 7, 66, 132}) {
+    for (int k_iters : {4, 16, 32, 112}) {
+      for (int rest = 0; rest < slots; ++rest) {
+        auto got = PersistentGemm::ChooseTail(rest, slots, k_iters, o);
+        ASSERT_TRUE(got.ok()) << got.status();
+        double best = PersistentGemm::TailCost(rest, slots, k_iters, false, 1);
+        for (bool narrow : {false, true}) {
+          for (int split = 1; split <= o.max_split; ++split) {
+            const int parts = rest * (narrow ? 2 : 1) * split;
+            if (split > 1 && (parts > PersistentGemm::kWorkspaceRounds * slots || k_iters / split < 4)) continue;
+            best = std::min(best, PersistentGemm::TailCost(rest, slots, k_iters, narrow, split));
+          }
+        }
+        SCOPED_TRACE(::testing::Message() << "rest " << rest << " slots " << slots << " k " << k_iters);
+        EXPECT_DOUBLE_EQ(got->cost, best);
+        EXPECT_DOUBLE_EQ(got->cost, PersistentGemm::TailCost(rest, slots, k_iters, got->narrow, got->split));
+        const int parts = rest * (got->narrow ? 2 : 1) * got->split;
+        if (got->split > 1) {
+          EXPECT_LE(parts, PersistentGemm::kWorkspaceRounds * slots);
+          EXPECT_GE(k_iters / got->split, 4);
+        }
+        if (rest == 0) {
+          EXPECT_EQ(got->split, 1);
+        }
+      }
+    }
+  }
+  auto pick = [&](int rest) {
+    auto c = PersistentGemm::ChooseTail(rest, 66, 112, o);
+    EXPECT_TRUE(c.ok());
+    return std::make_pair(c->narrow, c->split);
+  };
+  EXPECT_EQ(pick(8), std::make_pair(true, 4));    // 8x512_zipf: 16 narrow units in 4 parts
+  EXPECT_EQ(pick(22), std::make_pair(false, 3));  // 64x512_zipf: 22 units in 3 parts, one round
+  EXPECT_EQ(pick(36), std::make_pair(false, 1));  // 32x512_zipf: 36 units whole (split: two rounds)
+  EXPECT_EQ(pick(32), std::make_pair(false, 2));  // 64x128_zipf: 32 units in 2 parts
+  // Without splitting, or without narrow units.
+  Options off = o;
+  off.split = false;
+  EXPECT_EQ(PersistentGemm::ChooseTail(36, 66, 112, off)->split, 1);
+  Options whole = o;
+  whole.narrow = false;
+  EXPECT_FALSE(PersistentGemm::ChooseTail(8, 66, 112, whole)->narrow);
+  // A forced form is taken as it is when it fits, and refused when it does not.
+  Options forced = o;
+  forced.force_split = 2;
+  forced.force_narrow = true;
+  auto f = PersistentGemm::ChooseTail(8, 66, 112, forced);
+  ASSERT_TRUE(f.ok());
+  EXPECT_TRUE(f->narrow);
+  EXPECT_EQ(f->split, 2);
+  forced.force_split = 2;
+  forced.force_narrow = false;
+  EXPECT_EQ(PersistentGemm::ChooseTail(36, 66, 112, forced).status().code(), absl::StatusCode::kInvalidArgument);
+  forced.force_split = 8;
+  EXPECT_EQ(PersistentGemm::ChooseTail(8, 66, 16, forced).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 class PersistentVsCublas : public ::testing::TestWithParam<std::tuple<bool, bool>> {};
 
 TEST_P(PersistentVsCublas, EveryPath) {
@@ -256,7 +331,15 @@ TEST_P(PersistentVsCublas, EveryPath) {
   wide.tma_store = false;
   whole_tail.narrow_tail = false;
   no_cluster_whole_tail.cluster = no_cluster_whole_tail.narrow_tail = false;
-  for (const Mode& m : {Mode{}, whole, interleaved, no_cluster, narrow, wide, whole_tail, no_cluster_whole_tail}) {
+  // Forced forms of the tail: 20 units in 3 whole parts (60 of 66 clusters); 40 narrow units
+  // whole (split 1); without clusters, 40 tiles in 3 parts (120 of 132 CTAs).
+  Mode whole3, narrow1, whole3_no_cluster;
+  whole3.force_split = whole3_no_cluster.force_split = 3;
+  whole3_no_cluster.cluster = false;
+  narrow1.force_split = 1;
+  narrow1.force_narrow = true;
+  for (const Mode& m : {Mode{}, whole, interleaved, no_cluster, narrow, wide, whole_tail, no_cluster_whole_tail,
+                        whole3, narrow1, whole3_no_cluster}) {
     CheckAgainstCublas(waves, trans_b, c_dtype, m);
   }
   // tail: 4 row tiles x 4 = 16 tiles, 8 cluster units: 16 narrow units split in 4 (the fix-up).

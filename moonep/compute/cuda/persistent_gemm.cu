@@ -41,7 +41,8 @@ struct Params {
   int32_t unit_start[kMaxG + 1];   // prefix of the groups' units (a unit = one tile per cluster CTA)
   int32_t num_groups, n_tiles, k_iters, total_units;
   int32_t dp_units;    // units [0, dp_units) run whole, unit u on cluster u % clusters
-  int32_t tail_split;  // the remaining units run in tail_split K-parts each, part v on cluster v
+  int32_t tail_split;  // the remaining units run in tail_split K-parts each, part v on cluster
+                       // v % clusters (in round v / clusters)
   int32_t narrow_tail; // the tail's units run as two units of 128 columns each (halves of the tiles)
   float* partials;
   int32_t* counters;
@@ -261,20 +262,24 @@ __device__ __forceinline__ void WgmmaN(float* d, uint64_t da, uint64_t db) {
 }
 #endif  // MOONEP_SM90A
 
-// Calls f(unit, k_begin, k_end) for every unit of work of this CTA's cluster, in order: its whole
-// units (unit u on cluster u % clusters), then at most one K-part of a tail unit. All clusters
-// reach the tail together and part j of every tail unit covers the same K-steps, so the parts that
-// share rows or weights read them at the same time (from L2).
-// f's last argument: -1 for whole 256-column tiles, 0 or 1 for the narrow tail's column halves.
+// Calls f(unit, k_begin, k_end, half, part) for every unit of work of this CTA's cluster, in
+// order: its whole units (unit u on cluster u % clusters), then the K-parts of tail units that fall
+// to it (part v of all items * tail_split on cluster v % clusters: one round, or two where the
+// tail's parts outnumber the clusters). The clusters reach each round together and part j of every
+// tail unit covers the same K-steps, so the parts that share rows or weights read them at the same
+// time (from L2).
+// half: -1 for whole 256-column tiles, 0 or 1 for the narrow tail's column halves; part: the tail
+// part's index (its fp32 partial's slot), -1 for a whole unit.
 template <int kCluster, typename F>
 __device__ __forceinline__ void ForEachUnit(const Params& p, F&& f) {
   const int cluster = blockIdx.x / kCluster, clusters = gridDim.x / kCluster;
-  for (int u = cluster; u < p.dp_units; u += clusters) f(u, 0, p.k_iters, -1);
+  for (int u = cluster; u < p.dp_units; u += clusters) f(u, 0, p.k_iters, -1, -1);
   const int items = (p.total_units - p.dp_units) * (p.narrow_tail ? 2 : 1);
-  if (cluster >= items * p.tail_split) return;
-  const int i = cluster / p.tail_split, j = cluster % p.tail_split;
-  f(p.dp_units + (p.narrow_tail ? i / 2 : i), j * p.k_iters / p.tail_split,
-    (j + 1) * p.k_iters / p.tail_split, p.narrow_tail ? i % 2 : -1);
+  for (int v = cluster; v < items * p.tail_split; v += clusters) {
+    const int i = v / p.tail_split, j = v % p.tail_split;
+    f(p.dp_units + (p.narrow_tail ? i / 2 : i), j * p.k_iters / p.tail_split,
+      (j + 1) * p.k_iters / p.tail_split, p.narrow_tail ? i % 2 : -1, p.tail_split > 1 ? v : -1);
+  }
 }
 
 // This CTA's tile of a unit. Without clusters a unit is one tile (row tiles, column tiles
@@ -351,7 +356,7 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
       constexpr uint16_t kBoth = 0x3;
       int stage = 0;
       uint32_t phase = 0;
-      ForEachUnit<kCluster>(p, [&](int u, int k0, int k1, int h) {
+      ForEachUnit<kCluster>(p, [&](int u, int k0, int k1, int h, int) {
         const Tile t = DecodeUnit<kCluster>(p, u, rank);
         const bool mc_a = kCluster > 1 && !t.share_b, mc_b = kCluster > 1 && t.share_b;
         for (int k = k0; k < k1; ++k) {
@@ -420,7 +425,7 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
     int stage = 0;
     uint32_t phase = 0;
     int records = 0;
-    ForEachUnit<kCluster>(p, [&](int u, int k0, int k1, int half) {
+    ForEachUnit<kCluster>(p, [&](int u, int k0, int k1, int half, int part_index) {
       const Tile t = DecodeUnit<kCluster>(p, u, rank);
       const bool tracing = p.trace != nullptr && ct == 0 && records < p.trace_cap;
       if (tracing) trace_times[0] = trace_times[2] = GlobalTimer();
@@ -488,16 +493,16 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
         }
       };
 
-      if (k0 != 0 || k1 != p.k_iters) {
+      if (part_index >= 0) {
         // A split tile: publish this part; the part that arrives last sums all parts in order.
-        // Parts are clusters first..last; each CTA rank has its own slots and counter.
-        const int first = (blockIdx.x / kCluster / p.tail_split) * p.tail_split;
+        // Its parts are first..last; each CTA rank has its own slots and counter.
+        const int first = (part_index / p.tail_split) * p.tail_split;
         const int last = first + p.tail_split - 1;
         auto slot = [&](int b) {
           return reinterpret_cast<float4*>(p.partials) +
                  static_cast<size_t>(b * kCluster + rank) * (kTileFloats / 4);
         };
-        float4* mine = slot(blockIdx.x / kCluster);
+        float4* mine = slot(part_index);
 #pragma unroll
         for (int q = 0; q < kN / 8; ++q) {
           __stcg(&mine[q * 256 + ct], make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]));
@@ -613,7 +618,7 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
           if (tracing && h == 0) trace_times[2] = GlobalTimer();
         }
       }
-      trace(k0 != 0 || k1 != p.k_iters);
+      trace(part_index >= 0);
       };
       if (half < 0) {
         tile(std::integral_constant<int, 256>{});
@@ -643,6 +648,55 @@ bool Encode(void* fn, CUtensorMap* map, const void* base, uint64_t inner, uint64
                                         CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                                         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
+
+}  // namespace
+
+// The tail's modeled time in microseconds, from the H200 traces in docs/cuda.md ("Where a unit's
+// time goes", "Tenth session"): a 128 x 256 x 64 K-step of a whole tile 0.67 us, of a narrow
+// (128-column) tile 0.47 us; publishing a part's fp32 partial 3.5 us (whole) / 2.2 us (narrow);
+// the part that arrives last reads every other part's partial at 2.3 / 1.9 us each. Parts beyond
+// the clusters would run in further rounds (kWorkspaceRounds bounds them; unsplit narrow units
+// beyond the clusters are not bounded, having no partials).
+double PersistentGemm::TailCost(int rest, int slots, int k_iters, bool narrow, int split) {
+  if (rest <= 0) return 0.0;
+  const int items = rest * (narrow ? 2 : 1);
+  const int rounds = (items * split + slots - 1) / slots;
+  const double step = narrow ? 0.47 : 0.67;
+  const double main = rounds * ((k_iters + split - 1) / split) * step;
+  if (split == 1) return main;
+  return main + (narrow ? 2.2 : 3.5) + (split - 1) * (narrow ? 1.9 : 2.3);
+}
+
+absl::StatusOr<PersistentGemm::TailChoice> PersistentGemm::ChooseTail(int rest, int slots, int k_iters,
+                                                                      const TailOptions& o) {
+  TailChoice best{false, 1, TailCost(rest, slots, k_iters, false, 1)};
+  if (rest <= 0 || !o.split) return best;
+  // A split needs >= 4 K-steps a part and its partials in the workspace (kWorkspaceRounds rounds).
+  auto fits = [&](bool narrow, int split) {
+    const int parts = rest * (narrow ? 2 : 1) * split;
+    return split == 1 || (parts <= kWorkspaceRounds * slots && k_iters / split >= 4);
+  };
+  if (o.force_split > 0) {
+    if (o.force_split > 1 && !fits(o.force_narrow, o.force_split)) {
+      return InvalidArgument("persistent GEMM: a forced tail of %d %s parts per unit does not fit "
+                             "(%d tail units, %d slots, %d K-steps)",
+                             o.force_split, o.force_narrow ? "narrow" : "whole", rest, slots, k_iters);
+    }
+    return TailChoice{o.force_narrow, o.force_split,
+                      TailCost(rest, slots, k_iters, o.force_narrow, o.force_split)};
+  }
+  for (bool narrow : {false, true}) {
+    if (narrow && !o.narrow) continue;
+    for (int split = 1; split <= o.max_split; ++split) {
+      if (!fits(narrow, split)) continue;
+      const double cost = TailCost(rest, slots, k_iters, narrow, split);
+      if (cost < best.cost) best = TailChoice{narrow, split, cost};
+    }
+  }
+  return best;
+}
+
+namespace {
 
 // One instantiation of the kernel: its launch set-up, done once (dynamic shared memory, and how
 // many clusters of two fit on the device at once), then the schedule and the launch.
@@ -686,29 +740,24 @@ struct Instance {
     return slots;
   }
 
-  static absl::Status Run(Params* p, int sms, int max_split, bool split_tail, bool narrow_tail,
-                          int* used_slots, cudaStream_t stream) {
+  static absl::Status Run(Params* p, int sms, const PersistentGemm::TailOptions& tail, int* used_slots,
+                          PersistentGemm::TailChoice* chosen, cudaStream_t stream) {
     MOONEP_ASSIGN_OR_RETURN(int slots, Slots(sms));
     *used_slots = slots;
     const int units = p->total_units;
-    int clusters = std::min(units, slots);
-    p->dp_units = units;
-    p->tail_split = 1;
-    p->narrow_tail = 0;
     const int rest = units % slots;
-    // The last, partial wave: its units are cut into K-parts so that every slot has one part (at
-    // least 4 K-steps each); whole waves before it run data-parallel. Where the slots allow, the
-    // tail's units first become two narrow units each (128-column halves of their tiles): the same
-    // work in twice the pieces, so half the K-parts and half-sized partial sums to combine.
-    const bool narrow = narrow_tail && rest > 0 && 2 * rest <= slots;
-    const int items = narrow ? 2 * rest : rest;
-    const int split = rest == 0 ? 1 : std::min({slots / items, p->k_iters / 4, max_split});
-    if (split_tail && (split >= 2 || (narrow && split >= 1))) {
-      p->dp_units = units - rest;
-      p->tail_split = split;
-      p->narrow_tail = narrow ? 1 : 0;
-      clusters = std::max(units >= slots ? slots : 0, items * split);
-    }
+    // The last, partial wave: whole waves before it run data-parallel; its units are cut into
+    // K-parts (and, where chosen, first into two narrow units each: 128-column halves of their
+    // tiles), as ChooseTail's model of the tail's time picks.
+    MOONEP_ASSIGN_OR_RETURN(const PersistentGemm::TailChoice c,
+                            PersistentGemm::ChooseTail(rest, slots, p->k_iters, tail));
+    *chosen = c;
+    const bool split = rest > 0 && (c.split >= 2 || c.narrow);
+    p->dp_units = split ? units - rest : units;
+    p->tail_split = split ? c.split : 1;
+    p->narrow_tail = split && c.narrow ? 1 : 0;
+    const int tail_parts = split ? rest * (c.narrow ? 2 : 1) * c.split : 0;
+    const int clusters = std::min(slots, std::max(units - rest > 0 ? slots : units, tail_parts));
     cudaLaunchConfig_t cfg;
     cudaLaunchAttribute attr;
     Configure(&cfg, &attr, clusters * kCluster, stream);
@@ -755,10 +804,12 @@ absl::StatusOr<std::unique_ptr<PersistentGemm>> PersistentGemm::Create() {
     return Unavailable("the CUDA driver does not provide cuTensorMapEncodeTiled");
   }
   g->num_sms_ = sms;
+  // Up to kWorkspaceRounds rounds of tail parts, one partial tile and one counter per part and CTA.
+  const size_t tiles = static_cast<size_t>(kWorkspaceRounds) * sms;
   MOONEP_CUDA_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(&g->partials_),
-                                         static_cast<size_t>(sms) * kTileFloats * sizeof(float)));
-  MOONEP_CUDA_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(&g->counters_), sms * sizeof(int32_t)));
-  MOONEP_CUDA_RETURN_IF_ERROR(cudaMemset(g->counters_, 0, sms * sizeof(int32_t)));
+                                         tiles * kTileFloats * sizeof(float)));
+  MOONEP_CUDA_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(&g->counters_), tiles * sizeof(int32_t)));
+  MOONEP_CUDA_RETURN_IF_ERROR(cudaMemset(g->counters_, 0, tiles * sizeof(int32_t)));
   g->params_.resize(sizeof(Params) + alignof(Params));
   return g;
 }
@@ -850,10 +901,8 @@ absl::Status PersistentGemm::Run(cudaStream_t stream, bool trans_b, DType c_dtyp
     p->trace = trace_;
     p->trace_cap = trace_cap_;
     MOONEP_RETURN_IF_ERROR(
-        cluster ? RunInstance<2>(trans_b, f32, p, num_sms_, max_split_, stream_k_, narrow_tail_,
-                                 &last_slots_, stream)
-                : RunInstance<1>(trans_b, f32, p, num_sms_, max_split_, stream_k_, narrow_tail_,
-                                 &last_slots_, stream));
+        cluster ? RunInstance<2>(trans_b, f32, p, num_sms_, tail_, &last_slots_, &last_tail_, stream)
+                : RunInstance<1>(trans_b, f32, p, num_sms_, tail_, &last_slots_, &last_tail_, stream));
   }
   return absl::OkStatus();
 }

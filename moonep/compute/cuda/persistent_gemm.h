@@ -8,8 +8,9 @@
 // ends with a third, nearly empty wave (0.65-0.8 of the dense rate). Here the tiles of all groups
 // form one queue: the full waves run data-parallel (tile t on CTA t % grid: consecutive tiles on
 // consecutive CTAs, so the weights and rows they share are read from L2 at the same time), and the
-// last partial wave's tiles are split along K into as many parts as fit on the SMs (at most 8),
-// every SM taking one part, so the tail costs a fraction of a wave. (A full stream-K schedule,
+// last partial wave's tiles are split along K into parts (at most 8 a tile, at most one per SM;
+// whole or 128-column narrow tiles, whichever form a model of the tail's time, ChooseTail, finds
+// cheapest), so the tail costs a fraction of a wave. (A full stream-K schedule,
 // every CTA a contiguous range of K-steps across tiles, was measured at 0.48 of dense on 8 x 512
 // rows: the CTAs sharing a weight block read it at different K offsets and the kernel became
 // memory-bound.) Split tiles are combined through an fp32 workspace: every part writes its partial
@@ -57,8 +58,8 @@ class PersistentGemm {
   static constexpr int kMaxGroupsPerLaunch = 64;  // more groups run as several launches
 
   // For the current device; Unavailable when it is not compute capability 9.0 or the
-  // driver lacks cuTensorMapEncodeTiled. Allocates the split-tail workspace (one fp32 partial
-  // tile per SM, 17 MiB on 132 SMs) and the per-tile counters once.
+  // driver lacks cuTensorMapEncodeTiled. Allocates the split-tail workspace (one fp32 partial tile
+  // per SM and round, 17 MiB on 132 SMs) and the per-tile counters once.
   static absl::StatusOr<std::unique_ptr<PersistentGemm>> Create();
   ~PersistentGemm();
 
@@ -72,18 +73,51 @@ class PersistentGemm {
   absl::Status Run(cudaStream_t stream, bool trans_b, DType c_dtype, int64_t n, int64_t k,
                    const PersistentGroup* groups, size_t count);
 
+  // How the last, partial wave runs (see ChooseTail).
+  struct TailOptions {
+    bool split = true;     // K-parts at all (off = every tile whole, for comparisons)
+    bool narrow = true;    // narrow units (128-column halves of the tiles) allowed
+    int max_split = 8;     // at most this many K-parts per tail unit
+    int force_split = 0;   // > 0: exactly this many parts (tests, probes), narrow as force_narrow
+    bool force_narrow = false;
+  };
+  struct TailChoice {
+    bool narrow = false;
+    int split = 1;      // K-parts per tail unit (1: whole)
+    double cost = 0.0;  // the model's microseconds
+  };
+  // Tail parts: at most this many rounds of one part per cluster (the workspace holds one partial
+  // tile per part and CTA). One: a second round measured slower than the model says (32x512_zipf:
+  // 3 whole parts in two rounds 825-836 us, the last wave unsplit 799-814; docs/cuda.md).
+  static constexpr int kWorkspaceRounds = 1;
+  // The tail's modeled time (us) for `rest` units left over a whole number of waves of `slots`
+  // units, K-steps k_iters, in narrow or whole units of `split` K-parts each.
+  static double TailCost(int rest, int slots, int k_iters, bool narrow, int split);
+  // The cheapest form of the tail under TailCost, among those o allows that leave >= 4 K-steps a
+  // part and at most kWorkspaceRounds * slots parts; o.force_split overrides (an error when that
+  // form does not fit).
+  static absl::StatusOr<TailChoice> ChooseTail(int rest, int slots, int k_iters, const TailOptions& o);
+
   // The K-split tail (default on); off = every tile whole, for comparisons.
-  void set_stream_k(bool on) { stream_k_ = on; }
+  void set_stream_k(bool on) { tail_.split = on; }
   // At most this many K-parts per tail tile (default 8).
-  void set_max_split(int parts) { max_split_ = parts < 1 ? 1 : parts; }
+  void set_max_split(int parts) { tail_.max_split = parts < 1 ? 1 : parts; }
+  // Exactly this form of the tail instead of the model's choice (0: the model's choice).
+  void set_tail_override(int split, bool narrow) {
+    tail_.force_split = split < 0 ? 0 : split;
+    tail_.force_narrow = narrow;
+  }
+  // The form the last launch's tail took.
+  const TailChoice& last_tail() const { return last_tail_; }
   int num_sms() const { return num_sms_; }
   // Tile order: groups largest, smallest, second largest, ... (true) or as given (false).
   void set_interleave(bool on) { interleave_ = on; }
   // Clusters of two CTAs that share half of every load through TMA multicast (default on; used
   // where the column tiles pair up, n % 512 == 0).
   void set_cluster(bool on) { cluster_ = on; }
-  // The split tail in narrow tiles of 128 columns (default on; off = whole tiles in more K-parts).
-  void set_narrow_tail(bool on) { narrow_tail_ = on; }
+  // The split tail may run in narrow tiles of 128 columns where the model prefers them (default
+  // on; off = whole tiles only).
+  void set_narrow_tail(bool on) { tail_.narrow = on; }
   // bf16 epilogue: 16-byte stores after a transpose within each quad of lanes (default) or 4-byte
   // stores straight from the accumulators (false).
   void set_wide_store(bool on) { wide_store_ = on; }
@@ -103,20 +137,19 @@ class PersistentGemm {
  private:
   PersistentGemm() = default;
   int num_sms_ = 0;
-  bool stream_k_ = true;
-  int max_split_ = 8;
+  TailOptions tail_;
+  TailChoice last_tail_;
   bool interleave_ = false;
   bool cluster_ = true;
   bool wide_store_ = true;
-  bool narrow_tail_ = true;
   bool tma_store_ = true;
   int last_slots_ = 0;
   unsigned long long* trace_ = nullptr;
   int trace_cap_ = 0;
   std::vector<int32_t> order_, scratch_;
   void* encode_ = nullptr;      // cuTensorMapEncodeTiled
-  float* partials_ = nullptr;   // [num_sms][kTileM * kTileN]
-  int32_t* counters_ = nullptr;  // [num_sms]
+  float* partials_ = nullptr;   // [kWorkspaceRounds * num_sms][kTileM * kTileN]
+  int32_t* counters_ = nullptr;  // [kWorkspaceRounds * num_sms]
   std::vector<unsigned char> params_;  // host copy of the kernel parameters (reused)
 };
 
