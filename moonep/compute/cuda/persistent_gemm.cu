@@ -264,8 +264,9 @@ __device__ __forceinline__ void WgmmaN(float* d, uint64_t da, uint64_t db) {
 
 // Calls f(unit, k_begin, k_end, half, part) for every unit of work of this CTA's cluster, in
 // order: its whole units (unit u on cluster u % clusters), then the K-parts of tail units that fall
-// to it (part v of all items * tail_split on cluster v % clusters: one round, or two where the
-// tail's parts outnumber the clusters). The clusters reach each round together and part j of every
+// to it (part v of all items * tail_split on cluster v % clusters, in rounds of one part per
+// cluster: ChooseTail allows one round of split parts; unsplit narrow units may need more). The
+// clusters reach each round together and part j of every
 // tail unit covers the same K-steps, so the parts that share rows or weights read them at the same
 // time (from L2).
 // half: -1 for whole 256-column tiles, 0 or 1 for the narrow tail's column halves; part: the tail
