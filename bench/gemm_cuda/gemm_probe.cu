@@ -632,6 +632,7 @@ int main(int argc, char** argv) {
       bool tma = true;
       int force_split = 0;  // set_tail_override
       bool force_narrow = false;
+      bool big_params = false;  // set_small_params(false): the 64-group parameter block
     };
     const PVariant pvariants[] = {{"pers", true, true, true, false, 8},
                                   {"pers-nocluster", true, false, true, false, 8},
@@ -644,7 +645,8 @@ int main(int argc, char** argv) {
                                   {"pers-il", true, true, true, true, 8},
                                   // The tail as the fifth session's rule formed it where the model
                                   // now differs: narrow units whole (64x512_zipf) or none (pers-dp).
-                                  {"pers-narrow1", true, true, true, false, 8, true, true, 1, true}};
+                                  {"pers-narrow1", true, true, true, false, 8, true, true, 1, true},
+                                  {"pers-bigparams", true, true, true, false, 8, true, true, 0, false, true}};
     // The dense GEMM and every variant timed in interleaved rounds (ratios to this dense figure).
     std::vector<std::function<void()>> fns;
     fns.push_back([&] {
@@ -679,6 +681,7 @@ int main(int argc, char** argv) {
         (*pg)->set_narrow_tail(v.narrow);
         (*pg)->set_tma_store(v.tma);
         (*pg)->set_tail_override(v.force_split, v.force_narrow);
+        (*pg)->set_small_params(!v.big_params);
         CHECK_OK((*pg)->Run(stream, false, DType::kBFloat16, kI, kH, pgroups.data(), pgroups.size()));
       });
     }
@@ -705,6 +708,7 @@ int main(int argc, char** argv) {
     (*pg)->set_narrow_tail(true);
     (*pg)->set_tma_store(true);
     (*pg)->set_tail_override(0, false);
+    (*pg)->set_small_params(true);
     CHECK_OK((*pg)->Run(stream, false, DType::kBFloat16, kI, kH, pgroups.data(), pgroups.size()));
     std::snprintf(buf, sizeof(buf), "  [tail: %d %s parts, model %.1f us]", (*pg)->last_tail().split,
                   (*pg)->last_tail().narrow ? "narrow" : "whole", (*pg)->last_tail().cost);

@@ -71,6 +71,7 @@ struct Mode {
   bool tma_store = true;   // bf16 epilogue staged in shared memory, written by TMA stores
   int force_split = 0;     // > 0: the tail in exactly this many K-parts (set_tail_override)
   bool force_narrow = false;
+  bool small_params = true;  // the 8-group parameter block where the groups fit in it
   const char* Name() const {
     static thread_local char buf[128];
     char forced[48] = "";
@@ -81,6 +82,7 @@ struct Mode {
                   interleave ? ",interleaved" : "", cluster ? ",clusters" : ",no-clusters",
                   tma_store ? ",tma-stores" : wide_store ? ",16-byte-stores" : ",4-byte-stores",
                   split && !narrow_tail ? ",whole-tile-tail" : "", forced);
+    if (!small_params) std::strncat(buf, ",64-group-params", sizeof(buf) - std::strlen(buf) - 1);
     return buf;
   }
 };
@@ -153,6 +155,7 @@ void CheckAgainstCublas(const Layout& l, bool trans_b, DType c_dtype, const Mode
   (*pgemm)->set_narrow_tail(mode.narrow_tail);
   (*pgemm)->set_tma_store(mode.tma_store);
   (*pgemm)->set_tail_override(mode.force_split, mode.force_narrow);
+  (*pgemm)->set_small_params(mode.small_params);
   std::vector<unsigned char> got(c.bytes()), again(c.bytes()), want(ref.bytes());
   for (int run = 0; run < 2; ++run) {
     c.Poison();
@@ -162,6 +165,9 @@ void CheckAgainstCublas(const Layout& l, bool trans_b, DType c_dtype, const Mode
   }
   ref.Download(want.data());
   EXPECT_EQ(got, again) << "two runs differ";
+  int64_t nonempty = 0;
+  for (int64_t r : l.rows) nonempty += r > 0 ? 1 : 0;
+  EXPECT_EQ((*pgemm)->last_param_groups(), mode.small_params && nonempty <= 8 ? 8 : PersistentGemm::kMaxGroupsPerLaunch);
   if (mode.force_split > 0) {
     EXPECT_EQ((*pgemm)->last_tail().split, mode.force_split);
     EXPECT_EQ((*pgemm)->last_tail().narrow, mode.force_narrow);
@@ -333,13 +339,14 @@ TEST_P(PersistentVsCublas, EveryPath) {
   no_cluster_whole_tail.cluster = no_cluster_whole_tail.narrow_tail = false;
   // Forced forms of the tail: 20 units in 3 whole parts (60 of 66 clusters); 40 narrow units
   // whole (split 1); without clusters, 40 tiles in 3 parts (120 of 132 CTAs).
-  Mode whole3, narrow1, whole3_no_cluster;
+  Mode whole3, narrow1, whole3_no_cluster, big_params;
+  big_params.small_params = false;
   whole3.force_split = whole3_no_cluster.force_split = 3;
   whole3_no_cluster.cluster = false;
   narrow1.force_split = 1;
   narrow1.force_narrow = true;
   for (const Mode& m : {Mode{}, whole, interleaved, no_cluster, narrow, wide, whole_tail, no_cluster_whole_tail,
-                        whole3, narrow1, whole3_no_cluster}) {
+                        whole3, narrow1, whole3_no_cluster, big_params}) {
     CheckAgainstCublas(waves, trans_b, c_dtype, m);
   }
   // tail: 4 row tiles x 4 = 16 tiles, 8 cluster units: 16 narrow units split in 4 (the fix-up).
@@ -350,6 +357,9 @@ TEST_P(PersistentVsCublas, EveryPath) {
   for (const Mode& m : {Mode{}, no_cluster, whole_tail, no_cluster_whole_tail}) {
     CheckAgainstCublas(tail8, trans_b, c_dtype, m);
   }
+  // More than 8 groups: the 64-group parameter block by default.
+  const Layout many{{100, 0, 3, 250, 130, 64, 1, 700, 129, 40, 300, 17, 5}, 1024, 512};
+  CheckAgainstCublas(many, trans_b, c_dtype, Mode{});
   CheckAgainstCublas(odd_columns, trans_b, c_dtype, Mode{});
   CheckAgainstCublas(odd_columns, trans_b, c_dtype, wide);
 }

@@ -31,14 +31,19 @@ constexpr int kCColumns = 64;
 constexpr int kCBytes = 2 * 2 * 64 * kCColumns * 2;  // 32 KiB
 constexpr size_t kSmemBytes = kStages * (kABytes + kBBytes) + kCBytes + 1024 /* alignment */ + 256;
 
+// The kernel's parameters for up to kG groups. A launch copies the whole block whatever the batch
+// holds, ~2.4 us more on the GPU for the 26 KiB of 64 groups than for a few bytes (measured on the
+// H200, docs/cuda.md "Tenth session"), so batches of at most kSmallG groups use a block sized for
+// them.
+template <int kG>
 struct Params {
-  CUtensorMap a_map[kMaxG];
-  CUtensorMap b_map[kMaxG];
-  void* c[kMaxG];
-  int64_t ldc[kMaxG];
-  int32_t rows[kMaxG];
-  int32_t m_tiles[kMaxG];          // row tiles of each group
-  int32_t unit_start[kMaxG + 1];   // prefix of the groups' units (a unit = one tile per cluster CTA)
+  CUtensorMap a_map[kG];
+  CUtensorMap b_map[kG];
+  void* c[kG];
+  int64_t ldc[kG];
+  int32_t rows[kG];
+  int32_t m_tiles[kG];          // row tiles of each group
+  int32_t unit_start[kG + 1];   // prefix of the groups' units (a unit = one tile per cluster CTA)
   int32_t num_groups, n_tiles, k_iters, total_units;
   int32_t dp_units;    // units [0, dp_units) run whole, unit u on cluster u % clusters
   int32_t tail_split;  // the remaining units run in tail_split K-parts each, part v on cluster
@@ -48,7 +53,7 @@ struct Params {
   int32_t* counters;
   int32_t wide_store;  // bf16 epilogue: 16-byte stores after a transpose inside each quad of lanes
   int32_t tma_store;   // bf16 epilogue: through shared memory and TMA stores (c_map)
-  CUtensorMap c_map[kMaxG];  // C as [rows][n], boxes of 64 rows x kCColumns (bf16 only)
+  CUtensorMap c_map[kG];  // C as [rows][n], boxes of 64 rows x kCColumns (bf16 only)
   // Diagnostics (PersistentGemm::set_trace): when non-null, consumer thread 0 of every CTA writes
   // one record per unit: [unit | k0 << 32 | k1 << 48 | half + 1 << 60 | fixed-up << 63,
   // globaltimer at the unit's start, after its main loop, at its end, after the epilogue's first
@@ -56,7 +61,8 @@ struct Params {
   unsigned long long* trace;
   int32_t trace_cap;
 };
-static_assert(sizeof(Params) <= 32000, "kernel parameters exceed CUDA's 32 KiB");
+constexpr int kSmallG = 8;
+static_assert(sizeof(Params<kMaxG>) <= 32000, "kernel parameters exceed CUDA's 32 KiB");
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define MOONEP_SM90A 1
@@ -271,8 +277,8 @@ __device__ __forceinline__ void WgmmaN(float* d, uint64_t da, uint64_t db) {
 // time (from L2).
 // half: -1 for whole 256-column tiles, 0 or 1 for the narrow tail's column halves; part: the tail
 // part's index (its fp32 partial's slot), -1 for a whole unit.
-template <int kCluster, typename F>
-__device__ __forceinline__ void ForEachUnit(const Params& p, F&& f) {
+template <int kCluster, typename P, typename F>
+__device__ __forceinline__ void ForEachUnit(const P& p, F&& f) {
   const int cluster = blockIdx.x / kCluster, clusters = gridDim.x / kCluster;
   for (int u = cluster; u < p.dp_units; u += clusters) f(u, 0, p.k_iters, -1, -1);
   const int items = (p.total_units - p.dp_units) * (p.narrow_tail ? 2 : 1);
@@ -291,8 +297,8 @@ struct Tile {
   int g, mt, nt;
   bool share_b;
 };
-template <int kCluster>
-__device__ __forceinline__ Tile DecodeUnit(const Params& p, int u, int rank) {
+template <int kCluster, typename P>
+__device__ __forceinline__ Tile DecodeUnit(const P& p, int u, int rank) {
   int g = 0;
   while (g + 1 < p.num_groups && p.unit_start[g + 1] <= u) ++g;
   const int local = u - p.unit_start[g];
@@ -316,8 +322,8 @@ __device__ __forceinline__ Tile DecodeUnit(const Params& p, int u, int rank) {
   return t;
 }
 
-template <bool kTransB, bool kOutF32, int kCluster>
-__global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid_constant__ Params p) {
+template <bool kTransB, bool kOutF32, int kCluster, int kG>
+__global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid_constant__ Params<kG> p) {
 #ifdef MOONEP_SM90A
   extern __shared__ unsigned char smem_raw[];
   // The same offsets in every CTA of a cluster (multicast writes to the same addresses).
@@ -701,9 +707,9 @@ namespace {
 
 // One instantiation of the kernel: its launch set-up, done once (dynamic shared memory, and how
 // many clusters of two fit on the device at once), then the schedule and the launch.
-template <bool kTransB, bool kOutF32, int kCluster>
+template <bool kTransB, bool kOutF32, int kCluster, int kG>
 struct Instance {
-  static constexpr auto kKernel = PersistentGemmKernel<kTransB, kOutF32, kCluster>;
+  static constexpr auto kKernel = PersistentGemmKernel<kTransB, kOutF32, kCluster, kG>;
 
   static void Configure(cudaLaunchConfig_t* cfg, cudaLaunchAttribute* attr, int ctas, cudaStream_t stream) {
     *cfg = cudaLaunchConfig_t{};
@@ -741,7 +747,7 @@ struct Instance {
     return slots;
   }
 
-  static absl::Status Run(Params* p, int sms, const PersistentGemm::TailOptions& tail, int* used_slots,
+  static absl::Status Run(Params<kG>* p, int sms, const PersistentGemm::TailOptions& tail, int* used_slots,
                           PersistentGemm::TailChoice* chosen, cudaStream_t stream) {
     MOONEP_ASSIGN_OR_RETURN(int slots, Slots(sms));
     *used_slots = slots;
@@ -770,18 +776,18 @@ struct Instance {
 // Whether clusters of two of this kernel fit on the device (false, e.g., under MIG or with a
 // driver that refuses the cluster occupancy query: the launch then runs without clusters).
 inline bool ClustersFit(bool trans_b, bool f32, int sms) {
-  if (trans_b && f32) return Instance<true, true, 2>::Slots(sms).ok();
-  if (trans_b) return Instance<true, false, 2>::Slots(sms).ok();
-  if (f32) return Instance<false, true, 2>::Slots(sms).ok();
-  return Instance<false, false, 2>::Slots(sms).ok();
+  if (trans_b && f32) return Instance<true, true, 2, kMaxG>::Slots(sms).ok();
+  if (trans_b) return Instance<true, false, 2, kMaxG>::Slots(sms).ok();
+  if (f32) return Instance<false, true, 2, kMaxG>::Slots(sms).ok();
+  return Instance<false, false, 2, kMaxG>::Slots(sms).ok();
 }
 
-template <int kCluster, typename... Args>
-absl::Status RunInstance(bool trans_b, bool f32, Args... args) {
-  if (trans_b && f32) return Instance<true, true, kCluster>::Run(args...);
-  if (trans_b) return Instance<true, false, kCluster>::Run(args...);
-  if (f32) return Instance<false, true, kCluster>::Run(args...);
-  return Instance<false, false, kCluster>::Run(args...);
+template <int kCluster, int kG, typename... Args>
+absl::Status RunInstance(bool trans_b, bool f32, Params<kG>* p, Args... args) {
+  if (trans_b && f32) return Instance<true, true, kCluster, kG>::Run(p, args...);
+  if (trans_b) return Instance<true, false, kCluster, kG>::Run(p, args...);
+  if (f32) return Instance<false, true, kCluster, kG>::Run(p, args...);
+  return Instance<false, false, kCluster, kG>::Run(p, args...);
 }
 
 }  // namespace
@@ -811,7 +817,7 @@ absl::StatusOr<std::unique_ptr<PersistentGemm>> PersistentGemm::Create() {
                                          tiles * kTileFloats * sizeof(float)));
   MOONEP_CUDA_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(&g->counters_), tiles * sizeof(int32_t)));
   MOONEP_CUDA_RETURN_IF_ERROR(cudaMemset(g->counters_, 0, tiles * sizeof(int32_t)));
-  g->params_.resize(sizeof(Params) + alignof(Params));
+  g->params_.resize(sizeof(Params<kMaxG>) + alignof(Params<kMaxG>));
   return g;
 }
 
@@ -832,46 +838,21 @@ bool PersistentGemm::Aligned(const PersistentGroup& g) {
          g.rows >= 0 && g.rows <= INT32_MAX;
 }
 
-absl::Status PersistentGemm::Run(cudaStream_t stream, bool trans_b, DType c_dtype, int64_t n,
-                                 int64_t k, const PersistentGroup* groups, size_t count) {
-  MOONEP_CHECK_ARG(Applies(false, DType::kBFloat16, c_dtype, n, k, 0.0f),
-                   "persistent GEMM: n %d, k %d or the output type is not supported", n, k);
+template <int kG>
+absl::Status PersistentGemm::Launch(cudaStream_t stream, bool trans_b, bool f32, bool cluster, int64_t n,
+                                    int64_t k, const PersistentGroup* groups) {
   void* raw = params_.data();
   size_t space = params_.size();
-  Params* p = static_cast<Params*>(std::align(alignof(Params), sizeof(Params), raw, space));
+  using P = Params<kG>;
+  P* p = static_cast<P*>(std::align(alignof(P), sizeof(P), raw, space));
   if (p == nullptr) return Internal("persistent GEMM: parameter block misaligned");
   const int n_tiles = static_cast<int>(n / kBN);
   const int k_iters = static_cast<int>(k / kBK);
-  // Every group is checked before anything is launched: bad input writes nothing.
-  order_.clear();
-  for (size_t i = 0; i < count; ++i) {
-    if (groups[i].rows == 0) continue;
-    MOONEP_CHECK_ARG(Aligned(groups[i]),
-                     "persistent GEMM: group %d is not 16-byte aligned (pointers, and leading "
-                     "dimensions in multiples of 8 elements) or has negative rows",
-                     i);
-    order_.push_back(static_cast<int32_t>(i));
-  }
-  if (interleave_) {
-    // Largest, smallest, second largest, ...: every wave mixes compute-bound tiles of large
-    // groups with the weight-streaming tiles of small ones.
-    std::stable_sort(order_.begin(), order_.end(),
-                     [&](int32_t x, int32_t y) { return groups[x].rows > groups[y].rows; });
-    scratch_.clear();
-    for (size_t lo = 0, hi = order_.size(); lo < hi;) {
-      scratch_.push_back(order_[lo++]);
-      if (lo < hi) scratch_.push_back(order_[--hi]);
-    }
-    order_.swap(scratch_);
-  }
-  // Clusters of two CTAs share half of every load; they need an even number of column tiles.
-  const bool f32 = c_dtype == DType::kFloat32;
-  const bool cluster = cluster_ && n_tiles % 2 == 0 && ClustersFit(trans_b, f32, num_sms_);
   size_t next = 0;
   while (next < order_.size()) {
     int ng = 0, units = 0;
     p->unit_start[0] = 0;
-    for (; next < order_.size() && ng < kMaxG; ++next) {
+    for (; next < order_.size() && ng < kG; ++next) {
       const size_t i = static_cast<size_t>(order_[next]);
       const PersistentGroup& gr = groups[i];
       // Boxes: A 64 rows x 64 k; B 64 k x 64 n (N-major) or 128 n x 64 k (K-major).
@@ -906,6 +887,44 @@ absl::Status PersistentGemm::Run(cudaStream_t stream, bool trans_b, DType c_dtyp
                 : RunInstance<1>(trans_b, f32, p, num_sms_, tail_, &last_slots_, &last_tail_, stream));
   }
   return absl::OkStatus();
+}
+
+absl::Status PersistentGemm::Run(cudaStream_t stream, bool trans_b, DType c_dtype, int64_t n,
+                                 int64_t k, const PersistentGroup* groups, size_t count) {
+  MOONEP_CHECK_ARG(Applies(false, DType::kBFloat16, c_dtype, n, k, 0.0f),
+                   "persistent GEMM: n %d, k %d or the output type is not supported", n, k);
+  const int n_tiles = static_cast<int>(n / kBN);
+  // Every group is checked before anything is launched: bad input writes nothing.
+  order_.clear();
+  for (size_t i = 0; i < count; ++i) {
+    if (groups[i].rows == 0) continue;
+    MOONEP_CHECK_ARG(Aligned(groups[i]),
+                     "persistent GEMM: group %d is not 16-byte aligned (pointers, and leading "
+                     "dimensions in multiples of 8 elements) or has negative rows",
+                     i);
+    order_.push_back(static_cast<int32_t>(i));
+  }
+  if (interleave_) {
+    // Largest, smallest, second largest, ...: every wave mixes compute-bound tiles of large
+    // groups with the weight-streaming tiles of small ones.
+    std::stable_sort(order_.begin(), order_.end(),
+                     [&](int32_t x, int32_t y) { return groups[x].rows > groups[y].rows; });
+    scratch_.clear();
+    for (size_t lo = 0, hi = order_.size(); lo < hi;) {
+      scratch_.push_back(order_[lo++]);
+      if (lo < hi) scratch_.push_back(order_[--hi]);
+    }
+    order_.swap(scratch_);
+  }
+  // Clusters of two CTAs share half of every load; they need an even number of column tiles.
+  const bool f32 = c_dtype == DType::kFloat32;
+  const bool cluster = cluster_ && n_tiles % 2 == 0 && ClustersFit(trans_b, f32, num_sms_);
+  // Batches of up to kMaxG groups, one launch each, with the parameter block for kSmallG groups
+  // where all of them fit in it.
+  const bool small = small_params_ && order_.size() <= static_cast<size_t>(kSmallG);
+  last_param_groups_ = small ? kSmallG : kMaxG;
+  return small ? Launch<kSmallG>(stream, trans_b, f32, cluster, n, k, groups)
+               : Launch<kMaxG>(stream, trans_b, f32, cluster, n, k, groups);
 }
 
 }  // namespace moonep::compute::cuda

@@ -124,6 +124,11 @@ class PersistentGemm {
   // bf16 epilogue through shared memory and TMA stores, which drain while the next unit's main
   // loop runs (default on; off = the stores above, straight from the registers).
   void set_tma_store(bool on) { tma_store_ = on; }
+  // Batches of at most 8 groups launch with a parameter block sized for 8 (default on; off = the
+  // 64-group block always, for comparisons). The block is copied at every launch.
+  void set_small_params(bool on) { small_params_ = on; }
+  // Groups the last call's parameter block held (8 or kMaxGroupsPerLaunch).
+  int last_param_groups() const { return last_param_groups_; }
   // Units of work per wave of the last launch (CTAs, or clusters of two).
   int last_slots() const { return last_slots_; }
   // Diagnostics: a device buffer of num_sms * cap * 6 words that every launch fills with one
@@ -136,6 +141,10 @@ class PersistentGemm {
 
  private:
   PersistentGemm() = default;
+  // Run's launches, with a parameter block for up to kG groups (persistent_gemm.cu).
+  template <int kG>
+  absl::Status Launch(cudaStream_t stream, bool trans_b, bool f32, bool cluster, int64_t n, int64_t k,
+                      const PersistentGroup* groups);
   int num_sms_ = 0;
   TailOptions tail_;
   TailChoice last_tail_;
@@ -143,6 +152,8 @@ class PersistentGemm {
   bool cluster_ = true;
   bool wide_store_ = true;
   bool tma_store_ = true;
+  bool small_params_ = true;
+  int last_param_groups_ = 0;
   int last_slots_ = 0;
   unsigned long long* trace_ = nullptr;
   int trace_cap_ = 0;
