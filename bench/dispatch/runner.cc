@@ -78,8 +78,12 @@ double RoundTo(DType dtype, double v) {
 
 // Elements of got (dtype or fp32) whose distance to ref exceeds tol * max|ref|. With `what`, a
 // check that finds any says on stderr how far off the worst one is (a diagnosis for #wrong).
+// With `magnitude` (one per element), element i's bound is tol * max(max|ref|, magnitude[i])
+// instead: for a dot product, magnitude is the sum of its terms' absolute values, the scale of the
+// error that rounding its operands (bf16: 2^-9 each) can cause however much the terms cancel. (The
+// rounding inside each operand, itself a sum, is not counted: the bound stays a proxy, not a proof.)
 int64_t CountOutside(const std::vector<double>& got, const std::vector<double>& ref, double tol,
-                     const char* what = nullptr) {
+                     const char* what = nullptr, const std::vector<double>* magnitude = nullptr) {
   double scale = 0;
   for (double v : ref) scale = std::max(scale, std::abs(v));
   const double bound = tol * std::max(scale, 1e-30);
@@ -88,7 +92,8 @@ int64_t CountOutside(const std::vector<double>& got, const std::vector<double>& 
   double worst_diff = -1;
   for (size_t i = 0; i < got.size(); ++i) {
     const double d = std::abs(got[i] - ref[i]);
-    if (!(d <= bound)) ++wrong;  // NaN counts as wrong
+    const double b = magnitude != nullptr ? std::max(bound, tol * (*magnitude)[i]) : bound;
+    if (!(d <= b)) ++wrong;  // NaN counts as wrong
     if (!(d <= worst_diff)) {
       worst_diff = d;
       worst = i;
@@ -96,10 +101,13 @@ int64_t CountOutside(const std::vector<double>& got, const std::vector<double>& 
   }
   if (wrong > 0 && what != nullptr) {
     std::fprintf(stderr,
-                 "moonep-bench-dispatch: %s: %lld of %zu values off by more than %.1e x max|ref| "
-                 "(max|ref| %.4g); the worst by %.3e x max|ref|, at %zu (got %.6g, expected %.6g)\n",
-                 what, static_cast<long long>(wrong), got.size(), tol, scale,
+                 "moonep-bench-dispatch: %s: %lld of %zu values off by more than %.1e x %s "
+                 "(max|ref| %.4g); the worst by %.3e x max|ref|, at %zu (got %.6g, expected %.6g",
+                 what, static_cast<long long>(wrong), got.size(), tol,
+                 magnitude != nullptr ? "max(max|ref|, the sum of its terms' |.|)" : "max|ref|", scale,
                  worst_diff / std::max(scale, 1e-30), worst, got[worst], ref[worst]);
+    if (magnitude != nullptr) std::fprintf(stderr, ", sum of its terms' |.| %.4g", (*magnitude)[worst]);
+    std::fprintf(stderr, ")\n");
   }
   return wrong;
 }
@@ -258,6 +266,9 @@ class Runner {
   std::vector<float> dtopk_;
   int64_t sample_ = 0;  // checked tokens 0 .. sample_-1
   std::vector<double> y_ref_, dx_ref_, dtopk_ref_;
+  // Per (token, k) of the sample: sum over H of |dy[t][col] * expert output[col]|, the scale of
+  // d topk_weights' rounding error (CountOutside's magnitude).
+  std::vector<double> dtopk_mag_;
   // Device twins of the layer's tensors (device_): gradients, dy, dx, d topk_weights; x, ids and
   // topk weights are d_x_, d_ids_, d_topk_w_ and y is d_y_. y of the measured policy is kept to
   // compare with policy none's.
@@ -695,6 +706,7 @@ absl::Status Runner::SetupLayers() {
   y_ref_.assign(static_cast<size_t>(sample_ * H_), 0.0);
   dx_ref_.assign(y_ref_.size(), 0.0);
   dtopk_ref_.assign(static_cast<size_t>(sample_ * K_), 0.0);
+  dtopk_mag_.assign(static_cast<size_t>(sample_ * K_), 0.0);
   const int32_t* ids = routing_.ids_of(rank_);
   std::vector<std::pair<int32_t, int64_t>> pairs;  // (expert, t * K + k), grouped by expert
   for (int64_t i = 0; i < sample_ * K_; ++i) pairs.push_back({ids[i], i});
@@ -719,15 +731,20 @@ absl::Status Runner::SetupLayers() {
       xt[col] = TokenValue(rank_, t, col);
       dyt[col] = GradValue(rank_, t, col);
     }
+    // The expert's output with weight 1: y is topk_weight times it, and d topk_weights is its dot
+    // product with dy.
     reference::ForwardResult fr;
     reference::BackwardResult br;
-    MOONEP_RETURN_IF_ERROR(reference::Forward(shape, w, 1, xt, {0}, wt, &fr));
+    MOONEP_RETURN_IF_ERROR(reference::Forward(shape, w, 1, xt, {0}, {1.0}, &fr));
     MOONEP_RETURN_IF_ERROR(reference::Backward(shape, w, 1, xt, {0}, wt, dyt, &br));
+    double mag = 0;
     for (int64_t col = 0; col < H_; ++col) {
-      y_ref_[t * H_ + col] += fr.y[col];
+      y_ref_[t * H_ + col] += wt[0] * fr.y[col];
       dx_ref_[t * H_ + col] += br.dx[col];
+      mag += std::abs(dyt[col] * fr.y[col]);
     }
     dtopk_ref_[i] = br.dtopk_weights[0];
+    dtopk_mag_[i] = mag;
   }
   return absl::OkStatus();
 }
@@ -1100,7 +1117,7 @@ absl::Status Runner::LayerStepDevice(bool measured, bool record) {
   for (size_t i = 0; i < got.size(); ++i) got[i] = LoadAsFloat(dx_.data(), c_.dtype, i);
   int64_t wrong = CountOutside(got, dx_ref_, tol_, "layer-bwd dx");
   std::vector<double> gotw(dtopk_.begin(), dtopk_.begin() + sample_ * K_);
-  wrong += CountOutside(gotw, dtopk_ref_, tol_, "layer-bwd d topk_weights");
+  wrong += CountOutside(gotw, dtopk_ref_, tol_, "layer-bwd d topk_weights", &dtopk_mag_);
   int64_t checked = static_cast<int64_t>(got.size() + gotw.size());
   if (!measured) {
     // Weight gradients do not depend on the plan: the head of each of home expert 0's three
@@ -1155,7 +1172,7 @@ absl::Status Runner::LayerStep(bool measured, bool record) {
   for (size_t i = 0; i < got.size(); ++i) got[i] = LoadAsFloat(dx_.data(), c_.dtype, i);
   int64_t wrong = CountOutside(got, dx_ref_, tol_, "layer-bwd dx");
   std::vector<double> gotw(dtopk_.begin(), dtopk_.begin() + sample_ * K_);
-  wrong += CountOutside(gotw, dtopk_ref_, tol_, "layer-bwd d topk_weights");
+  wrong += CountOutside(gotw, dtopk_ref_, tol_, "layer-bwd d topk_weights", &dtopk_mag_);
   int64_t checked = static_cast<int64_t>(got.size() + gotw.size());
   if (!measured) {
     // Weight gradients after the reduction do not depend on the plan: compare with policy none.
