@@ -70,6 +70,11 @@ ABSL_FLAG(bool, layer, true,
 ABSL_FLAG(int32_t, check_tokens, 2,
           "tokens per rank whose layer output, dx and d topk_weights are checked against the fp64 "
           "reference every iteration");
+ABSL_FLAG(int32_t, check_iters, -1,
+          "iterations, warm-up first, whose transport and all-to-all results are checked in "
+          "full (-1: every one; else at least 1; the layer's sampled tokens are checked every "
+          "iteration). The checks run outside the timed regions, but on large shapes they take "
+          "seconds per iteration on the host: sweeps there can check the first iteration only");
 ABSL_FLAG(int32_t, threads, 0,
           "executor threads per rank for the layer (0: the host's cores / ranks on the host)");
 ABSL_FLAG(std::string, corrupt, "",
@@ -234,6 +239,11 @@ absl::Status BuildConfigs(int32_t num_ranks, int32_t threads, const GpuPlacement
                        corrupt == "layer-fwd",
                    "--corrupt: unknown operation '%s'", corrupt);
   MOONEP_CHECK_ARG(absl::GetFlag(FLAGS_check_tokens) >= 0, "--check_tokens must be >= 0");
+  MOONEP_CHECK_ARG(absl::GetFlag(FLAGS_check_iters) == -1 || absl::GetFlag(FLAGS_check_iters) >= 1,
+                   "--check_iters must be -1 (every iteration) or >= 1, got %d",
+                   absl::GetFlag(FLAGS_check_iters));
+  MOONEP_CHECK_ARG(corrupt.empty() || absl::GetFlag(FLAGS_check_iters) == -1,
+                   "--corrupt needs every iteration checked (--check_iters=-1)");
   MOONEP_CHECK_ARG(absl::GetFlag(FLAGS_pad_multiple) >= 1, "--pad_multiple must be >= 1");
   MOONEP_CHECK_ARG(absl::GetFlag(FLAGS_slots) >= -1, "--slots must be >= -1");
   for (int32_t e : experts) {
@@ -285,6 +295,7 @@ absl::Status BuildConfigs(int32_t num_ranks, int32_t threads, const GpuPlacement
                     c.baselines = absl::GetFlag(FLAGS_baselines);
                     c.layer = absl::GetFlag(FLAGS_layer);
                     c.check_tokens = absl::GetFlag(FLAGS_check_tokens);
+                    c.check_iters = absl::GetFlag(FLAGS_check_iters);
                     c.threads = threads;
                     c.corrupt_op = absl::GetFlag(FLAGS_corrupt);
                     out->push_back(c);

@@ -140,6 +140,7 @@ class Runner {
   int64_t CheckDispatch(const planner::Plan& plan, absl::Span<const int64_t> counts,
                         const char* rows, const float* weights);
   int64_t CheckPrefetch(const planner::Plan& plan);
+  int64_t CountWrongA2aRows() const;  // the all-to-all baseline's received rows (a2a_recv_)
   int64_t CheckReduce(const planner::Plan& plan);
 
   absl::Status Timed(const std::string& key, bool record, const std::function<absl::Status()>& f) {
@@ -165,12 +166,14 @@ class Runner {
   }
   template <typename T>
   absl::Status PoisonOutput(std::vector<T>& host, DeviceBuffer& dev) {
+    if (!check_) return absl::OkStatus();  // nothing is checked this iteration
     if (device_) return dev.Fill(0xff);
     Poison(host.data(), host.size() * sizeof(T));
     return absl::OkStatus();
   }
   template <typename T>
   absl::Status Fetch(std::vector<T>& host, const DeviceBuffer& dev, size_t elems) {
+    if (!check_) return absl::OkStatus();
     return device_ ? dev.Download(host.data(), elems * sizeof(T)) : absl::OkStatus();
   }
   void MaybeCorrupt(const char* op, void* data, size_t bytes) {
@@ -265,6 +268,7 @@ class Runner {
   std::vector<char> dy_, dx_;
   std::vector<float> dtopk_;
   int64_t sample_ = 0;  // checked tokens 0 .. sample_-1
+  bool check_ = true;   // this iteration's results are checked (--check_iters)
   std::vector<double> y_ref_, dx_ref_, dtopk_ref_;
   // Per (token, k) of the sample: sum over H of |dy[t][col] * expert output[col]|, the scale of
   // d topk_weights' rounding error (CountOutside's magnitude).
@@ -793,6 +797,19 @@ int64_t Runner::CheckDispatch(const planner::Plan& plan, absl::Span<const int64_
   return wrong;
 }
 
+int64_t Runner::CountWrongA2aRows() const {
+  int64_t wrong = 0;
+  std::vector<char> expect(row_bytes_);
+  for (size_t i = 0; i < a2a_recv_src_.size(); ++i) {
+    const uint64_t key = TokenKey(static_cast<int32_t>(a2a_recv_src_[i]), a2a_recv_token_[i]);
+    for (int64_t col = 0; col < H_; ++col) {
+      StoreFromFloat(expect.data(), c_.dtype, static_cast<size_t>(col), TokenValueOfKey(key, col));
+    }
+    if (std::memcmp(expect.data(), a2a_recv_.data() + i * row_bytes_, row_bytes_) != 0) ++wrong;
+  }
+  return wrong;
+}
+
 int64_t Runner::CheckPrefetch(const planner::Plan& plan) {
   int64_t wrong = 0;
   for (int32_t s = 0; s < slots_; ++s) {
@@ -878,7 +895,7 @@ absl::Status Runner::TransportPipeline(bool measured, bool record) {
       if (!corrupted) MaybeCorrupt("prefetch", slot_weights_[s].data(), slot_weights_[s].size());
       corrupted = true;
     }
-    Count(Key("prefetch", true), CheckPrefetch(p.plan), p.plan.stats.replicas * kParams);
+    if (check_) Count(Key("prefetch", true), CheckPrefetch(p.plan), p.plan.stats.replicas * kParams);
   }
 
   const int64_t my_rows = p.plan.rank_rows[rank_];
@@ -891,8 +908,10 @@ absl::Status Runner::TransportPipeline(bool measured, bool record) {
   MOONEP_RETURN_IF_ERROR(Fetch(recv_rows_, d_rows_, static_cast<size_t>(my_rows) * row_bytes_));
   MOONEP_RETURN_IF_ERROR(Fetch(recv_w_, d_rows_w_, static_cast<size_t>(my_rows)));
   MaybeCorrupt("dispatch", recv_rows_.data(), static_cast<size_t>(my_rows) * row_bytes_);
-  Count(Key("dispatch", measured),
-        CheckDispatch(p.plan, p.handle.counts(), recv_rows_.data(), recv_w_.data()), my_rows);
+  if (check_) {
+    Count(Key("dispatch", measured),
+          CheckDispatch(p.plan, p.handle.counts(), recv_rows_.data(), recv_w_.data()), my_rows);
+  }
 
   // Identity experts: combine must give sum_k w[t,k] x[t] (exact, so bit for bit).
   MOONEP_RETURN_IF_ERROR(PoisonOutput(y_, d_y_));
@@ -900,8 +919,10 @@ absl::Status Runner::TransportPipeline(bool measured, bool record) {
       Timed(Key("combine", measured), record, [&] { return tr->Combine(&p.handle, rows, y); }));
   MOONEP_RETURN_IF_ERROR(Fetch(y_, d_y_, y_.size()));
   MaybeCorrupt("combine", y_.data(), y_.size());
-  Count(Key("combine", measured),
-        CountWrongRows(y_.data(), expected_y_.data(), T_, row_bytes_), T_);
+  if (check_) {
+    Count(Key("combine", measured),
+          CountWrongRows(y_.data(), expected_y_.data(), T_, row_bytes_), T_);
+  }
 
   // Backward forms with dy = x: combine-backward dispatches it again with the saved layout.
   MOONEP_RETURN_IF_ERROR(PoisonOutput(bwd_rows_, d_bwd_rows_));
@@ -909,8 +930,10 @@ absl::Status Runner::TransportPipeline(bool measured, bool record) {
     return tr->CombineBackward(&p.handle, x, bwd_rows);
   }));
   MOONEP_RETURN_IF_ERROR(Fetch(bwd_rows_, d_bwd_rows_, static_cast<size_t>(my_rows) * row_bytes_));
-  Count(Key("combine-bwd", measured),
-        CheckDispatch(p.plan, p.handle.counts(), bwd_rows_.data(), nullptr), my_rows);
+  if (check_) {
+    Count(Key("combine-bwd", measured),
+          CheckDispatch(p.plan, p.handle.counts(), bwd_rows_.data(), nullptr), my_rows);
+  }
 
   // d topk_weights[t, k] = <dy[t], out(t, k)> = <x[t], x[t]> with identity experts.
   MOONEP_RETURN_IF_ERROR(PoisonOutput(bwd_dtopk_, d_bwd_dtopk_));
@@ -933,11 +956,13 @@ absl::Status Runner::TransportPipeline(bool measured, bool record) {
     return tr->DispatchBackward(&p.handle, rows, bwd_dx);
   }));
   MOONEP_RETURN_IF_ERROR(Fetch(bwd_dx_, d_bwd_dx_, bwd_dx_.size()));
-  Count(Key("dispatch-bwd", measured),
-        CountWrongRows(bwd_dx_.data(), expected_dx_.data(), T_, row_bytes_), T_);
+  if (check_) {
+    Count(Key("dispatch-bwd", measured),
+          CountWrongRows(bwd_dx_.data(), expected_dx_.data(), T_, row_bytes_), T_);
+  }
 
   if (measured) {
-    for (int32_t g = 0; g < epn_; ++g) {
+    for (int32_t g = 0; g < epn_ && check_; ++g) {  // unchecked: the sums just accumulate
       if (home_grads_[g].empty()) continue;
       home_grads_[g] = home_grads_init_[g];  // same size: no allocation
       if (device_) {
@@ -959,7 +984,7 @@ absl::Status Runner::TransportPipeline(bool measured, bool record) {
     }
     int64_t blocks = 0;
     for (const auto& g : home_grads_) blocks += g.empty() ? 0 : kParams;
-    Count(Key("reduce", true), CheckReduce(p.plan), blocks);
+    if (check_) Count(Key("reduce", true), CheckReduce(p.plan), blocks);
   }
   return absl::OkStatus();
 }
@@ -976,21 +1001,12 @@ absl::Status Runner::A2aPipeline(bool record) {
                                  a2a_comm_);
     return rc == MPI_SUCCESS ? absl::OkStatus() : Internal("MPI_Alltoallv failed (%d)", rc);
   }));
-  {
-    int64_t wrong = 0;
-    std::vector<char> expect(row_bytes_);
-    for (size_t i = 0; i < a2a_recv_src_.size(); ++i) {
-      const uint64_t key = TokenKey(static_cast<int32_t>(a2a_recv_src_[i]), a2a_recv_token_[i]);
-      for (int64_t col = 0; col < H_; ++col) {
-        StoreFromFloat(expect.data(), c_.dtype, static_cast<size_t>(col), TokenValueOfKey(key, col));
-      }
-      if (std::memcmp(expect.data(), a2a_recv_.data() + i * row_bytes_, row_bytes_) != 0) ++wrong;
-    }
-    Count("dispatch/a2av", wrong, static_cast<int64_t>(a2a_recv_src_.size()));
-  }
+  if (check_) Count("dispatch/a2av", CountWrongA2aRows(), static_cast<int64_t>(a2a_recv_src_.size()));
   // Combine: identity experts' rows back by the reverse MPI_Alltoallv, then the weighted sum.
-  Poison(a2a_send_.data(), a2a_send_.size());
-  Poison(y_.data(), y_.size());
+  if (check_) {
+    Poison(a2a_send_.data(), a2a_send_.size());
+    Poison(y_.data(), y_.size());
+  }
   std::vector<float> acc(static_cast<size_t>(H_));
   MOONEP_RETURN_IF_ERROR(Timed("combine/a2av", record, [&] {
     const int rc = MPI_Alltoallv(a2a_recv_.data(), a2a_rcount_.data(), a2a_rdispl_.data(), row_type_,
@@ -1012,41 +1028,35 @@ absl::Status Runner::A2aPipeline(bool record) {
     }
     return absl::OkStatus();
   }));
-  Count("combine/a2av", CountWrongRows(y_.data(), expected_y_.data(), T_, row_bytes_), T_);
+  if (check_) Count("combine/a2av", CountWrongRows(y_.data(), expected_y_.data(), T_, row_bytes_), T_);
   return absl::OkStatus();
 }
 
 absl::Status Runner::NcclA2aPipeline(bool record) {
   // The same rows as the MPI_Alltoallv baseline (per-destination counts of SetupA2a), moved by
   // one grouped ncclSend/ncclRecv round on device buffers, no planning, no dedup.
-  MOONEP_RETURN_IF_ERROR(d_a2a_recv_.Fill(0xff));
+  if (check_) MOONEP_RETURN_IF_ERROR(d_a2a_recv_.Fill(0xff));
   MOONEP_RETURN_IF_ERROR(Timed("dispatch/" + a2a_impl_, record, [&] {
     return nccl_a2a_.Exchange(d_a2a_send_.get(), a2a_scount_.data(), a2a_sdispl_.data(),
                               d_a2a_recv_.get(), a2a_rcount_.data(), a2a_rdispl_.data(),
                               row_bytes_);
   }));
-  MOONEP_RETURN_IF_ERROR(
-      d_a2a_recv_.Download(a2a_recv_.data(), a2a_recv_src_.size() * row_bytes_));
-  {
-    int64_t wrong = 0;
-    std::vector<char> expect(row_bytes_);
-    for (size_t i = 0; i < a2a_recv_src_.size(); ++i) {
-      const uint64_t key = TokenKey(static_cast<int32_t>(a2a_recv_src_[i]), a2a_recv_token_[i]);
-      for (int64_t col = 0; col < H_; ++col) {
-        StoreFromFloat(expect.data(), c_.dtype, static_cast<size_t>(col), TokenValueOfKey(key, col));
-      }
-      if (std::memcmp(expect.data(), a2a_recv_.data() + i * row_bytes_, row_bytes_) != 0) ++wrong;
-    }
-    Count("dispatch/" + a2a_impl_, wrong, static_cast<int64_t>(a2a_recv_src_.size()));
+  if (check_) {
+    MOONEP_RETURN_IF_ERROR(
+        d_a2a_recv_.Download(a2a_recv_.data(), a2a_recv_src_.size() * row_bytes_));
+  }
+  if (check_) {
+    Count("dispatch/" + a2a_impl_, CountWrongA2aRows(), static_cast<int64_t>(a2a_recv_src_.size()));
   }
   // Combine: the rows back by the reverse exchange (the weighted sum is not part of this
   // baseline); every row must come back to its send position unchanged.
-  MOONEP_RETURN_IF_ERROR(d_a2a_back_.Fill(0xff));
+  if (check_) MOONEP_RETURN_IF_ERROR(d_a2a_back_.Fill(0xff));
   MOONEP_RETURN_IF_ERROR(Timed("combine/" + a2a_impl_, record, [&] {
     return nccl_a2a_.Exchange(d_a2a_recv_.get(), a2a_rcount_.data(), a2a_rdispl_.data(),
                               d_a2a_back_.get(), a2a_scount_.data(), a2a_sdispl_.data(),
                               row_bytes_);
   }));
+  if (!check_) return absl::OkStatus();
   MOONEP_RETURN_IF_ERROR(d_a2a_back_.Download(a2a_back_.data(), a2a_back_.size()));
   MaybeCorrupt("combine", a2a_back_.data(), a2a_back_.size());
   Count("combine/" + a2a_impl_,
@@ -1200,6 +1210,7 @@ absl::Status Runner::Run(ConfigResult* out) {
   MOONEP_RETURN_IF_ERROR(Setup());
   for (int32_t it = 0; it < c_.warmup + c_.iters; ++it) {
     const bool record = it >= c_.warmup;
+    check_ = c_.check_iters < 0 || it < c_.check_iters;
     if (it == c_.warmup) {
       measured_.transport->ResetCounters();
       if (run_none_) none_.transport->ResetCounters();

@@ -35,6 +35,10 @@ struct BenchConfig {
   bool baselines = true;  // policy none and MPI_Alltoallv (host backends) in the same run
   bool layer = true;      // whole layer forward / backward (MoeLayer; host backends only)
   int32_t check_tokens = 2;  // tokens per rank checked against the fp64 reference (layer)
+  // Iterations (warm-up ones first) whose transport and all-to-all results are checked in full;
+  // -1: all. The layer's sampled tokens are checked every iteration. The checks run outside the
+  // timed regions; on large shapes they take seconds per iteration on the host.
+  int32_t check_iters = -1;
   int32_t threads = 1;       // executor threads per rank (layer)
   // Self-test of the checks: every rank flips bytes of this operation's result after it completes
   // and before it is checked (e.g. "combine"), so the run must report #wrong > 0.
