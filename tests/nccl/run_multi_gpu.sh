@@ -11,6 +11,8 @@
 #   loads, 1.00 -> 1.63 of the mean at maxvio 3) with the layer step, moonep against none;
 # sweep / sweep-896: the transport phases over maxvio 0..4 for E=256 K=8 and E=896 K=16 (H=7168,
 #   T=4096; I=256 for E=896 so that its epn + slots experts' weights and fp32 gradients fit);
+#   Both check every row of the first (warm-up) iteration only (--check_iters=1): checking all
+#   470-940 MB per operation on the host takes over 100 s per skew level.
 # torch-sweep: torch all_to_all_single of the same bytes at the Zipf exponents those maxvio map to.
 set -uo pipefail
 final=${OUT:-gpu-out}
@@ -74,12 +76,13 @@ for step in ${*:-tests bench torch}; do
         --check_tokens=1
       ;;
     sweep)
-      sweep dsv3-sweep 200 --preset=deepseek-v3 --tokens=4096 --maxvio=0,1,2,3,4 --slots=16 \
-        --layer=false --warmup=2 --iters=10
+      sweep dsv3-sweep 260 --preset=deepseek-v3 --tokens=4096 --maxvio=0,1,2,3,4 --slots=16 \
+        --layer=false --warmup=1 --iters=8 --check_iters=1
       ;;
     sweep-896)
-      sweep e896-sweep 200 --preset=deepseek-v3 --experts=896 --topk=16 --intermediate=256 \
-        --tokens=4096 --maxvio=0,1,2,3,4 --slots=16 --layer=false --warmup=2 --iters=10
+      sweep e896-sweep 300 --preset=deepseek-v3 --experts=896 --topk=16 --intermediate=256 \
+        --tokens=4096 --maxvio=0,1,2,3,4 --slots=16 --layer=false --warmup=1 --iters=8 \
+        --check_iters=1
       ;;
     torch-sweep)  # the Zipf exponents moonep-bench-dispatch calibrates for maxvio 0..4
       for shape in "256 8 0,0.154,0.248,0.316,0.370" "896 16 0,0.121,0.193,0.245,0.286"; do
