@@ -209,41 +209,43 @@ absl::Status BuildSendLayout(const planner::Plan& plan, absl::Span<const int64_t
                    out->bucket_begin[E]);
 
   // Dedup: one row per (token, destination). Tokens are visited in increasing order, so each
-  // destination's unique list comes out sorted.
+  // destination's unique list comes out sorted. One pass gives every entry its index among its
+  // destination's unique rows: per destination, the last token seen and the index it got, so a
+  // second entry of the same token reuses it (no scan over the token's earlier entries, and no
+  // branch on the data: the scan's mispredictions made it the layout's costliest loop).
+  // Slot 0 of the per-destination arrays takes the entries without a destination.
   out->unique_begin.assign(static_cast<size_t>(R) + 1, 0);
-  auto first_of_dest = [&](int64_t t, int32_t k) {
-    const int32_t d = out->dest_rank[t * top_k + k];
-    if (d < 0) return false;
-    for (int32_t j = 0; j < k; ++j) {
-      if (out->dest_rank[t * top_k + j] == d) return false;
-    }
-    return true;
-  };
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    for (int32_t k = 0; k < top_k; ++k) {
-      if (first_of_dest(t, k)) ++out->unique_begin[out->dest_rank[t * top_k + k] + 1];
-    }
-  }
-  for (int32_t d = 0; d < R; ++d) out->unique_begin[d + 1] += out->unique_begin[d];
-  out->unique_tokens.resize(static_cast<size_t>(out->unique_begin[R]));
-  out->entry_unique_index.assign(static_cast<size_t>(n), -1);
-  std::vector<int64_t>& cursor = out->bucket_begin;  // reuse as a per-destination cursor
-  cursor.assign(out->unique_begin.begin(), out->unique_begin.end() - 1);
+  out->entry_unique_index.resize(static_cast<size_t>(n));
+  std::vector<int64_t>& last_token = out->dedup_last_token;
+  std::vector<int32_t>& last_index = out->dedup_last_index;
+  std::vector<int32_t>& unique_count = out->dedup_count;
+  last_token.assign(static_cast<size_t>(R) + 1, -1);
+  last_index.assign(static_cast<size_t>(R) + 1, 0);
+  unique_count.assign(static_cast<size_t>(R) + 1, 0);
+  const int32_t* dest = out->dest_rank.data();
+  int32_t* uidx = out->entry_unique_index.data();
   for (int64_t t = 0; t < num_tokens; ++t) {
     for (int32_t k = 0; k < top_k; ++k) {
       const int64_t i = t * top_k + k;
-      const int32_t d = out->dest_rank[i];
-      if (d < 0) continue;
-      if (first_of_dest(t, k)) {
-        out->entry_unique_index[i] = static_cast<int32_t>(cursor[d] - out->unique_begin[d]);
-        out->unique_tokens[cursor[d]++] = static_cast<int32_t>(t);
-      } else {
-        for (int32_t j = 0; j < k; ++j) {
-          if (out->dest_rank[t * top_k + j] == d) {
-            out->entry_unique_index[i] = out->entry_unique_index[t * top_k + j];
-            break;
-          }
-        }
+      const size_t d = static_cast<size_t>(dest[i] + 1);
+      const bool dup = last_token[d] == t;
+      const int32_t u = dup ? last_index[d] : unique_count[d];
+      unique_count[d] += dup ? 0 : 1;
+      last_index[d] = u;
+      last_token[d] = t;
+      uidx[i] = d == 0 ? -1 : u;
+    }
+  }
+  for (int32_t d = 0; d < R; ++d) out->unique_begin[d + 1] = out->unique_begin[d] + unique_count[d + 1];
+  out->unique_tokens.resize(static_cast<size_t>(out->unique_begin[R]));
+  // Each destination's unique tokens, in token order: every entry writes its token at its unique
+  // index (a token's entries to one destination all write the same slot with the same value).
+  {
+    const int64_t* begin = out->unique_begin.data();
+    int32_t* tokens = out->unique_tokens.data();
+    for (int64_t t = 0, i = 0; t < num_tokens; ++t) {
+      for (int32_t k = 0; k < top_k; ++k, ++i) {
+        if (dest[i] >= 0) tokens[begin[dest[i]] + uidx[i]] = static_cast<int32_t>(t);
       }
     }
   }

@@ -85,6 +85,8 @@ struct SendLayout {
   std::vector<int64_t> bucket_begin;
   std::vector<int32_t> bucket_entries;
   std::vector<int32_t> entry_unique_index;  // [T*K]
+  std::vector<int64_t> dedup_last_token;    // [R+1] per destination (slot 0: none)
+  std::vector<int32_t> dedup_last_index, dedup_count;
 
   int64_t rows_to(int32_t d) const { return entry_begin[d + 1] - entry_begin[d]; }
   int64_t unique_to(int32_t d) const { return unique_begin[d + 1] - unique_begin[d]; }
