@@ -17,6 +17,7 @@
 #include "planner/plan_builder.h"
 #include "transport/common/count_exchange.h"
 #include "transport/common/host_checks.h"
+#include "transport/common/host_rows.h"
 #include "transport/layout.h"
 #include "transport/testing_hooks.h"
 
@@ -483,36 +484,6 @@ class CountsOp : public MpiOp {
   std::vector<char> mismatch_;
 };
 
-// ---------------------------------------------------------------------------------------------
-// Row ops. Helpers over the receive layout.
-
-template <typename Fn>
-void ForEachRowFrom(const ReceiveLayout& recv, int32_t s, Fn&& fn) {
-  int64_t i = 0;
-  for (int64_t r = recv.run_begin[s]; r < recv.run_begin[s + 1]; ++r) {
-    for (int64_t j = 0; j < recv.run_count[r]; ++j) fn(i++, recv.run_row[r] + j);
-  }
-}
-
-// Zeroes every row (and weight) of [0, capacity_rows) that no group fills.
-void ZeroUnfilledRows(const planner::Plan& plan, int32_t d, const TensorView& rows, float* weights) {
-  const int32_t G = plan.num_groups();
-  const size_t row_bytes = static_cast<size_t>(rows.shape[1]) * DTypeSize(rows.dtype);
-  auto zero = [&](int64_t a, int64_t b) {
-    if (b <= a) return;
-    std::memset(rows.row(a), 0, static_cast<size_t>(b - a) * row_bytes);
-    if (weights) std::fill(weights + a, weights + b, 0.0f);
-  };
-  int64_t end = 0;
-  for (int32_t g = 0; g < G; ++g) {
-    const size_t i = static_cast<size_t>(d) * G + g;
-    zero(end, plan.group_offset[i]);
-    zero(plan.group_offset[i] + plan.group_count[i], plan.group_offset[i] + plan.group_padded[i]);
-    end = plan.group_offset[i] + plan.group_padded[i];
-  }
-  zero(end, plan.rank_rows[d]);
-}
-
 // Dispatch (with per-row metadata) and combine-backward (the same movement of dy, metadata known).
 class DispatchOp : public MpiOp {
  public:
@@ -529,7 +500,7 @@ class DispatchOp : public MpiOp {
     weights_ = weights;
     row_bytes_ = static_cast<int64_t>(x.shape[1]) * DTypeSize(x.dtype);
     const int64_t x_stride = row_bytes_;
-    ZeroUnfilledRows(plan, me_, rows, weights);
+    common::ZeroUnfilledRows(plan, me_, rows, weights);
 
     // Receives first, so that eager data finds them.
     if (forward) {
@@ -625,7 +596,7 @@ class DispatchOp : public MpiOp {
       const auto* meta = reinterpret_cast<const RowMeta*>(h_->meta_recv_.data()) + base;
       int64_t unique = 0;
       absl::Status bad;
-      ForEachRowFrom(recv, s, [&](int64_t i, int64_t row) {
+      common::ForEachRowFrom(recv, s, [&](int64_t i, int64_t row) {
         const int32_t u = meta[i].unique;
         if (u < 0 || u >= n) {
           bad = InvalidArgument("dispatch: rank %d sent unique index %d for %d rows", s, u, n);
@@ -649,7 +620,7 @@ class DispatchOp : public MpiOp {
     }
     // Rows arrived: copy each unique row into the other rows it fills (dedup expansion).
     int64_t copies = 0;
-    ForEachRowFrom(recv, s, [&](int64_t i, int64_t row) {
+    common::ForEachRowFrom(recv, s, [&](int64_t i, int64_t row) {
       const int64_t landing = h_->landing_[base + h_->recv_unique_[base + i]];
       if (landing != row) {
         std::memcpy(rows_.row(row), rows_.row(landing), static_cast<size_t>(row_bytes_));
@@ -809,7 +780,7 @@ class TopkWeightGradOp : public MpiOp {
     dots.resize(static_cast<size_t>(recv.rows_begin[R]));
     std::vector<float> a(static_cast<size_t>(H)), b(static_cast<size_t>(H));
     for (int32_t s = 0; s < R; ++s) {
-      ForEachRowFrom(recv, s, [&](int64_t i, int64_t row) {
+      common::ForEachRowFrom(recv, s, [&](int64_t i, int64_t row) {
         ConvertToFloat(dy_rows.row(row), dy_rows.dtype, a.data(), a.size());
         ConvertToFloat(out_rows.row(row), out_rows.dtype, b.data(), b.size());
         double sum = 0.0;
@@ -957,16 +928,7 @@ class ReduceOp : public MpiOp {
         }
       }
     }
-    for (size_t gi = 0; gi < sources.size(); ++gi) {
-      if (sources[gi].empty()) continue;
-      const TensorView& home = blocks_.home[gi];
-      const size_t n = static_cast<size_t>(home.numel());
-      for (size_t j = 0; j < n; ++j) {
-        float acc = LoadAsFloat(home.data, home.dtype, j);
-        for (const char* src : sources[gi]) acc += LoadAsFloat(src, home.dtype, j);
-        StoreFromFloat(home.data, home.dtype, j, acc);
-      }
-    }
+    for (size_t gi = 0; gi < sources.size(); ++gi) common::AddIntoHome(blocks_.home[gi], sources[gi]);
     return absl::OkStatus();
   }
 
