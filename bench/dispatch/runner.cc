@@ -141,6 +141,9 @@ class Runner {
                         const char* rows, const float* weights);
   int64_t CheckPrefetch(const planner::Plan& plan);
   int64_t CountWrongA2aRows() const;  // the all-to-all baseline's received rows (a2a_recv_)
+  // dx and d topk_weights of the sampled tokens (dx_, dtopk_ on the host) against the fp64
+  // reference; adds the number of values compared to *checked.
+  int64_t CountWrongBackwardSample(int64_t* checked);
   int64_t CheckReduce(const planner::Plan& plan);
 
   absl::Status Timed(const std::string& key, bool record, const std::function<absl::Status()>& f) {
@@ -810,6 +813,16 @@ int64_t Runner::CountWrongA2aRows() const {
   return wrong;
 }
 
+int64_t Runner::CountWrongBackwardSample(int64_t* checked) {
+  std::vector<double> got(static_cast<size_t>(sample_ * H_));
+  for (size_t i = 0; i < got.size(); ++i) got[i] = LoadAsFloat(dx_.data(), c_.dtype, i);
+  int64_t wrong = CountOutside(got, dx_ref_, tol_, "layer-bwd dx");
+  std::vector<double> gotw(dtopk_.begin(), dtopk_.begin() + sample_ * K_);
+  wrong += CountOutside(gotw, dtopk_ref_, tol_, "layer-bwd d topk_weights", &dtopk_mag_);
+  *checked += static_cast<int64_t>(got.size() + gotw.size());
+  return wrong;
+}
+
 int64_t Runner::CheckPrefetch(const planner::Plan& plan) {
   int64_t wrong = 0;
   for (int32_t s = 0; s < slots_; ++s) {
@@ -1124,11 +1137,8 @@ absl::Status Runner::LayerStepDevice(bool measured, bool record) {
   MOONEP_RETURN_IF_ERROR(d_dx_.Download(dx_.data(), static_cast<size_t>(sample_) * row_bytes_));
   MOONEP_RETURN_IF_ERROR(
       d_dtopk_.Download(dtopk_.data(), static_cast<size_t>(sample_ * K_) * sizeof(float)));
-  for (size_t i = 0; i < got.size(); ++i) got[i] = LoadAsFloat(dx_.data(), c_.dtype, i);
-  int64_t wrong = CountOutside(got, dx_ref_, tol_, "layer-bwd dx");
-  std::vector<double> gotw(dtopk_.begin(), dtopk_.begin() + sample_ * K_);
-  wrong += CountOutside(gotw, dtopk_ref_, tol_, "layer-bwd d topk_weights", &dtopk_mag_);
-  int64_t checked = static_cast<int64_t>(got.size() + gotw.size());
+  int64_t checked = 0;
+  int64_t wrong = CountWrongBackwardSample(&checked);
   if (!measured) {
     // Weight gradients do not depend on the plan: the head of each of home expert 0's three
     // gradient blocks (at most 64K floats each; all of it would be gigabytes per step), measured
@@ -1179,11 +1189,8 @@ absl::Status Runner::LayerStep(bool measured, bool record) {
   MOONEP_RETURN_IF_ERROR(Timed(Key("layer-bwd", measured), record, [&] {
     return layer->Backward(handle, dy, dx, absl::MakeSpan(dtopk_));
   }));
-  for (size_t i = 0; i < got.size(); ++i) got[i] = LoadAsFloat(dx_.data(), c_.dtype, i);
-  int64_t wrong = CountOutside(got, dx_ref_, tol_, "layer-bwd dx");
-  std::vector<double> gotw(dtopk_.begin(), dtopk_.begin() + sample_ * K_);
-  wrong += CountOutside(gotw, dtopk_ref_, tol_, "layer-bwd d topk_weights", &dtopk_mag_);
-  int64_t checked = static_cast<int64_t>(got.size() + gotw.size());
+  int64_t checked = 0;
+  int64_t wrong = CountWrongBackwardSample(&checked);
   if (!measured) {
     // Weight gradients after the reduction do not depend on the plan: compare with policy none.
     std::vector<double> a(gbuf_measured_.begin(), gbuf_measured_.end());
