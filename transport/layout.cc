@@ -186,27 +186,42 @@ absl::Status BuildSendLayout(const planner::Plan& plan, absl::Span<const int64_t
     cursor[0] = 0;
   }
 
-  out->dest_rank.assign(static_cast<size_t>(n), -1);
-  out->dest_row.assign(static_cast<size_t>(n), -1);
+  // Every routed entry gets a destination below (or the plan is refused), so only the entries
+  // without an expert (id -1) need the -1 written first.
+  const int64_t routed = out->bucket_begin[E];
+  if (routed < n) {
+    out->dest_rank.assign(static_cast<size_t>(n), -1);
+    out->dest_row.assign(static_cast<size_t>(n), -1);
+  } else {
+    out->dest_rank.resize(static_cast<size_t>(n));
+    out->dest_row.resize(static_cast<size_t>(n));
+  }
   out->entry_begin.resize(static_cast<size_t>(R) + 1);
-  out->entries.clear();
-  out->entries.reserve(static_cast<size_t>(out->bucket_begin[E]));
+  out->entries.resize(static_cast<size_t>(routed));
+  int32_t* entries = out->entries.data();
+  int32_t* dest_rank = out->dest_rank.data();
+  int64_t* dest_row = out->dest_row.data();
+  int64_t placed = 0;  // may pass `routed` only for a plan that places an entry twice
   for (int32_t d = 0; d < R; ++d) {
-    out->entry_begin[d] = static_cast<int64_t>(out->entries.size());
+    out->entry_begin[d] = std::min(placed, routed);
     ForEachRun(plan, offsets.data(), src, d,
                [&](int32_t, int32_t e, int64_t j0, int64_t row, int64_t cnt) {
                  const int32_t* bucket = out->bucket_entries.data() + out->bucket_begin[e] + j0;
-                 for (int64_t i = 0; i < cnt; ++i) {
-                   out->dest_rank[bucket[i]] = d;
-                   out->dest_row[bucket[i]] = row + i;
-                   out->entries.push_back(bucket[i]);
+                 if (cnt > routed - placed) {  // more than there are: refused below
+                   placed += cnt;
+                   return;
                  }
+                 for (int64_t i = 0; i < cnt; ++i) {
+                   dest_rank[bucket[i]] = d;
+                   dest_row[bucket[i]] = row + i;
+                   entries[placed + i] = bucket[i];
+                 }
+                 placed += cnt;
                });
   }
-  out->entry_begin[R] = static_cast<int64_t>(out->entries.size());
-  MOONEP_CHECK_ARG(out->entry_begin[R] == out->bucket_begin[E],
-                   "plan places %d of rank %d's %d routed entries", out->entry_begin[R], src,
-                   out->bucket_begin[E]);
+  out->entry_begin[R] = std::min(placed, routed);
+  MOONEP_CHECK_ARG(placed == routed, "plan places %d of rank %d's %d routed entries", placed, src,
+                   routed);
 
   // Dedup: one row per (token, destination). Tokens are visited in increasing order, so each
   // destination's unique list comes out sorted. One pass gives every entry its index among its
