@@ -186,16 +186,10 @@ absl::Status BuildSendLayout(const planner::Plan& plan, absl::Span<const int64_t
     cursor[0] = 0;
   }
 
-  // Every routed entry gets a destination below (or the plan is refused), so only the entries
-  // without an expert (id -1) need the -1 written first.
+  // -1 first: an entry that a faulty plan leaves unplaced must not keep an old destination.
   const int64_t routed = out->bucket_begin[E];
-  if (routed < n) {
-    out->dest_rank.assign(static_cast<size_t>(n), -1);
-    out->dest_row.assign(static_cast<size_t>(n), -1);
-  } else {
-    out->dest_rank.resize(static_cast<size_t>(n));
-    out->dest_row.resize(static_cast<size_t>(n));
-  }
+  out->dest_rank.assign(static_cast<size_t>(n), -1);
+  out->dest_row.assign(static_cast<size_t>(n), -1);
   out->entry_begin.resize(static_cast<size_t>(R) + 1);
   out->entries.resize(static_cast<size_t>(routed));
   int32_t* entries = out->entries.data();
