@@ -195,13 +195,13 @@ absl::Status BuildSendLayout(const planner::Plan& plan, absl::Span<const int64_t
   int32_t* entries = out->entries.data();
   int32_t* dest_rank = out->dest_rank.data();
   int64_t* dest_row = out->dest_row.data();
-  int64_t placed = 0;  // may pass `routed` only for a plan that places an entry twice
+  int64_t placed = 0;  // passes `routed` only for a faulty plan, which is refused below
   for (int32_t d = 0; d < R; ++d) {
-    out->entry_begin[d] = std::min(placed, routed);
+    out->entry_begin[d] = placed;
     ForEachRun(plan, offsets.data(), src, d,
                [&](int32_t, int32_t e, int64_t j0, int64_t row, int64_t cnt) {
                  const int32_t* bucket = out->bucket_entries.data() + out->bucket_begin[e] + j0;
-                 if (cnt > routed - placed) {  // more than there are: refused below
+                 if (cnt > routed - placed) {  // more entries than there are: write none
                    placed += cnt;
                    return;
                  }
@@ -213,7 +213,7 @@ absl::Status BuildSendLayout(const planner::Plan& plan, absl::Span<const int64_t
                  placed += cnt;
                });
   }
-  out->entry_begin[R] = std::min(placed, routed);
+  out->entry_begin[R] = placed;
   MOONEP_CHECK_ARG(placed == routed, "plan places %d of rank %d's %d routed entries", placed, src,
                    routed);
 

@@ -975,12 +975,14 @@ absl::Status Runner::TransportPipeline(bool measured, bool record) {
   }
 
   if (measured) {
-    for (int32_t g = 0; g < epn_ && check_; ++g) {  // unchecked: the sums just accumulate
-      if (home_grads_[g].empty()) continue;
-      home_grads_[g] = home_grads_init_[g];  // same size: no allocation
-      if (device_) {
-        MOONEP_RETURN_IF_ERROR(
-            d_home_g_[g].Upload(home_grads_[g].data(), home_grads_[g].size() * sizeof(float)));
+    if (check_) {  // known home gradients to check the sums against (unchecked: they accumulate)
+      for (int32_t g = 0; g < epn_; ++g) {
+        if (home_grads_[g].empty()) continue;
+        home_grads_[g] = home_grads_init_[g];  // same size: no allocation
+        if (device_) {
+          MOONEP_RETURN_IF_ERROR(
+              d_home_g_[g].Upload(home_grads_[g].data(), home_grads_[g].size() * sizeof(float)));
+        }
       }
     }
     const ExpertBlocks grads{kParams, home_g_views_, slot_g_views_};

@@ -50,11 +50,8 @@ for step in ${*:-tests bench torch}; do
     bench)  # DeepSeek-V3-like: E=256 K=8 H=7168 bf16, 4096 tokens per rank, maxvio 0..4, with the
             # layer step on device memory; 16 replica slots per rank keep two H200s' memory enough;
             # rows checked in the first iteration only (checking all of them took over 100 s a level)
-      MOONEP_TIMEOUT_MS=60000 timeout 300 $mpi -x MOONEP_TIMEOUT_MS .device/bin/moonep-bench-dispatch \
-        --backend=nccl --preset=deepseek-v3 --tokens=4096 --maxvio=0,2,4 --slots=16 --warmup=1 \
-        --iters=5 --check_tokens=1 --check_iters=1 --json="$out/dsv3.json" >"$out/dsv3.log" 2>&1
-      echo "== bench dsv3 np$np rc=$?"; grep -E "^# \[|=>|#wrong total|^ +(counts|plan|dispatch|combine|prefetch|reduce|layer)" "$out/dsv3.log" | head -80
-      pack
+      sweep dsv3 300 --preset=deepseek-v3 --tokens=4096 --maxvio=0,2,4 --slots=16 --warmup=1 \
+        --iters=5 --check_tokens=1 --check_iters=1
       ;;
     torch)  # PyTorch all_to_all_single of the same bytes
       PYTHONUNBUFFERED=1 timeout 120 $mpi -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=29511 \
