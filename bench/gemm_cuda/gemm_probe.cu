@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <functional>
 #include <map>
 #include <numeric>
@@ -504,6 +505,17 @@ int main(int argc, char** argv) {
       measure("persistent", [&] {
         CHECK_OK((*pg)->Run(stream, false, DType::kBFloat16, kI, kH, pgroups.data(), pgroups.size()));
       });
+      // Planning every call (the plan cache off: a new routing each call), and the plain schedule.
+      (*pg)->set_plan_cache(false);
+      measure("pers-plan", [&] {
+        CHECK_OK((*pg)->Run(stream, false, DType::kBFloat16, kI, kH, pgroups.data(), pgroups.size()));
+      });
+      (*pg)->set_plan_cache(true);
+      (*pg)->set_swap(false);
+      measure("pers-noswap", [&] {
+        CHECK_OK((*pg)->Run(stream, false, DType::kBFloat16, kI, kH, pgroups.data(), pgroups.size()));
+      });
+      (*pg)->set_swap(true);
       if (&sh == shapes) {  // once: the cost of one tensor-map encoding
         void* fn = nullptr;
         cudaDriverEntryPointQueryResult q{};
@@ -531,10 +543,14 @@ int main(int argc, char** argv) {
       unsigned long long* dev_trace;
       CHECK_CUDA(cudaMalloc(&dev_trace, size_t{6} * kCap * num_sms * sizeof(unsigned long long)));
       const auto mm = std::minmax_element(sizes.begin(), sizes.end());
-      for (int v = 0; v < 4; ++v) {
+      // MOONEP_TRACE_DUMP=prefix: the raw records of the default and the no-swap launches go to
+      // prefix<shape>-<variant>.bin (6 words a unit, kCap units a CTA, num_sms CTAs).
+      const char* dump = std::getenv("MOONEP_TRACE_DUMP");
+      for (int v = 0; v < 5; ++v) {
         (*pg)->set_cluster(v != 1);
         (*pg)->set_narrow_tail(v != 2);
         (*pg)->set_tma_store(v != 3);
+        (*pg)->set_swap(v != 4);
         for (int rep = 0; rep < 3; ++rep) {  // warm; the last launch is the one recorded
           CHECK_CUDA(cudaMemsetAsync(dev_trace, 0, size_t{6} * kCap * num_sms * sizeof(unsigned long long), stream));
           (*pg)->set_trace(rep == 2 ? dev_trace : nullptr, kCap);
@@ -550,10 +566,26 @@ int main(int argc, char** argv) {
                         static_cast<long long>(sh.avg), sh.zipf ? "zipf1.2" : "uniform", f32 ? " fp32 out" : "",
                         static_cast<long long>(*mm.first), static_cast<long long>(*mm.second),
                         v == 0 ? "default" : v == 1 ? "no clusters" : v == 2 ? "whole-tile tail" : "16-byte stores", 1e3 * dense);
+          if (v == 4) std::strncat(label, ", no swap", sizeof(label) - std::strlen(label) - 1);
           PrintTrace(label, rec, num_sms, kCap, kH / 64, 1e3 * ms, split_unit);
+          if (dump != nullptr && (v == 0 || v == 4)) {
+            char path[512];
+            std::snprintf(path, sizeof(path), "%s%dx%lld%s-%s.bin", dump, sh.groups, static_cast<long long>(sh.avg),
+                          sh.zipf ? "z" : "u", v == 0 ? "swap" : "noswap");
+            if (FILE* f = std::fopen(path, "wb")) {
+              std::fwrite(rec.data(), 8, rec.size(), f);
+              std::fclose(f);
+            }
+            std::strncat(path, ".sizes", sizeof(path) - std::strlen(path) - 1);
+            if (FILE* f = std::fopen(path, "w")) {
+              for (int64_t r : sizes) std::fprintf(f, "%lld\n", static_cast<long long>(r));
+              std::fclose(f);
+            }
+          }
         }
       }
       (*pg)->set_trace(nullptr, 0);
+      (*pg)->set_swap(true);
       (*pg)->set_cluster(true);
       (*pg)->set_narrow_tail(true);
       // bf16: the two epilogues against each other, alternating launches (no trace). (fp32 outputs
@@ -633,6 +665,8 @@ int main(int argc, char** argv) {
       int force_split = 0;  // set_tail_override
       bool force_narrow = false;
       bool big_params = false;  // set_small_params(false): the 64-group parameter block
+      bool swap = true;         // set_swap: transposed remainders and the cost-balanced schedule
+      int sorted_waves = 2;     // set_schedule_sorted_waves
     };
     const PVariant pvariants[] = {{"pers", true, true, true, false, 8},
                                   {"pers-nocluster", true, false, true, false, 8},
@@ -646,7 +680,15 @@ int main(int argc, char** argv) {
                                   // The tail as the fifth session's rule formed it where the model
                                   // now differs: narrow units whole (64x512_zipf) or none (pers-dp).
                                   {"pers-narrow1", true, true, true, false, 8, true, true, 1, true},
-                                  {"pers-bigparams", true, true, true, false, 8, true, true, 0, false, true}};
+                                  {"pers-bigparams", true, true, true, false, 8, true, true, 0, false, true},
+                                  // The plain schedule (no transposed units), as before the 12th session.
+                                  {"pers-noswap", true, true, true, false, 8, true, true, 0, false, false, false},
+                                  {"pers-noswap-il", true, true, true, true, 8, true, true, 0, false, false, false},
+                                  {"pers-nosplit", false, true, true, false, 8},
+                                  {"pers-lpt", true, true, true, false, 8, true, true, 0, false, false, true, -1},
+                                  {"pers-list", true, true, true, false, 8, true, true, 0, false, false, true, 0},
+                                  {"pers-sorted1", true, true, true, false, 8, true, true, 0, false, false, true, 1},
+                                  {"pers-sorted2-il", true, true, true, true, 8, true, true, 0, false, false, true, 2}};
     // The dense GEMM and every variant timed in interleaved rounds (ratios to this dense figure).
     std::vector<std::function<void()>> fns;
     fns.push_back([&] {
@@ -670,19 +712,31 @@ int main(int argc, char** argv) {
       });
     }
     const size_t first_pers = fns.size();
+    // One instance per variant, set up once: each keeps its own plan (its cache hits from the
+    // second round on, as a repeated batch's does), so no variant's timing includes planning.
+    static std::vector<std::unique_ptr<PersistentGemm>> instances;
     for (const PVariant& v : pvariants) {
       if (quick && &v != pvariants) break;
-      fns.push_back([&, v] {
-        (*pg)->set_stream_k(v.split);
-        (*pg)->set_cluster(v.cluster);
-        (*pg)->set_wide_store(v.wide);
-        (*pg)->set_interleave(v.interleave);
-        (*pg)->set_max_split(v.max_split);
-        (*pg)->set_narrow_tail(v.narrow);
-        (*pg)->set_tma_store(v.tma);
-        (*pg)->set_tail_override(v.force_split, v.force_narrow);
-        (*pg)->set_small_params(!v.big_params);
-        CHECK_OK((*pg)->Run(stream, false, DType::kBFloat16, kI, kH, pgroups.data(), pgroups.size()));
+      const size_t idx = static_cast<size_t>(&v - pvariants);
+      if (instances.size() <= idx) {
+        auto created = PersistentGemm::Create();
+        CHECK_OK(created.status());
+        instances.push_back(std::move(*created));
+      }
+      PersistentGemm* inst = instances[idx].get();
+      inst->set_stream_k(v.split);
+      inst->set_cluster(v.cluster);
+      inst->set_wide_store(v.wide);
+      inst->set_interleave(v.interleave);
+      inst->set_max_split(v.max_split);
+      inst->set_narrow_tail(v.narrow);
+      inst->set_tma_store(v.tma);
+      inst->set_tail_override(v.force_split, v.force_narrow);
+      inst->set_small_params(!v.big_params);
+      inst->set_swap(v.swap);
+      inst->set_schedule_sorted_waves(v.sorted_waves);
+      fns.push_back([&, inst] {
+        CHECK_OK(inst->Run(stream, false, DType::kBFloat16, kI, kH, pgroups.data(), pgroups.size()));
       });
     }
     // With --flush, as moonep-bench-gemm-cuda's interleaved figures: no run finds its operands in
@@ -709,9 +763,17 @@ int main(int argc, char** argv) {
     (*pg)->set_tma_store(true);
     (*pg)->set_tail_override(0, false);
     (*pg)->set_small_params(true);
+    (*pg)->set_swap(true);
+    (*pg)->set_schedule_sorted_waves(2);
     CHECK_OK((*pg)->Run(stream, false, DType::kBFloat16, kI, kH, pgroups.data(), pgroups.size()));
-    std::snprintf(buf, sizeof(buf), "  [tail: %d %s parts, model %.1f us]", (*pg)->last_tail().split,
-                  (*pg)->last_tail().narrow ? "narrow" : "whole", (*pg)->last_tail().cost);
+    if ((*pg)->last_scheduled()) {
+      std::snprintf(buf, sizeof(buf), "  [scheduled: %d groups transposed, tail %zu units in %d parts, model %.3f tiles]",
+                    (*pg)->last_swap_groups(), (*pg)->last_schedule().tail_units.size(),
+                    (*pg)->last_schedule().split, (*pg)->last_schedule().makespan);
+    } else {
+      std::snprintf(buf, sizeof(buf), "  [tail: %d %s parts, model %.1f us]", (*pg)->last_tail().split,
+                    (*pg)->last_tail().narrow ? "narrow" : "whole", (*pg)->last_tail().cost);
+    }
     line += buf;
     if (!quick) {  // (--quick runs no reference: the strategies above fill y_ref)
       CHECK_CUDA(cudaMemsetAsync(cmp, 0, 3 * sizeof(float), stream));

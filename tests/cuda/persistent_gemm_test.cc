@@ -72,6 +72,9 @@ struct Mode {
   int force_split = 0;     // > 0: the tail in exactly this many K-parts (set_tail_override)
   bool force_narrow = false;
   bool small_params = true;  // the 8-group parameter block where the groups fit in it
+  bool swap = true;          // transposed remainders where the model prefers them (set_swap)
+  bool force_swap = false;   // every remainder transposed (set_force_swap)
+  int sched_tail = 0, sched_split = 0;  // the cost-balanced schedule's tail forced
   const char* Name() const {
     static thread_local char buf[128];
     char forced[48] = "";
@@ -83,6 +86,13 @@ struct Mode {
                   tma_store ? ",tma-stores" : wide_store ? ",16-byte-stores" : ",4-byte-stores",
                   split && !narrow_tail ? ",whole-tile-tail" : "", forced);
     if (!small_params) std::strncat(buf, ",64-group-params", sizeof(buf) - std::strlen(buf) - 1);
+    if (!swap) std::strncat(buf, ",no-swap", sizeof(buf) - std::strlen(buf) - 1);
+    if (force_swap) std::strncat(buf, ",all-swapped", sizeof(buf) - std::strlen(buf) - 1);
+    if (sched_split > 0) {
+      char t[40];
+      std::snprintf(t, sizeof(t), ",sched-tail-%dx%d", sched_tail, sched_split);
+      std::strncat(buf, t, sizeof(buf) - std::strlen(buf) - 1);
+    }
     return buf;
   }
 };
@@ -156,6 +166,9 @@ void CheckAgainstCublas(const Layout& l, bool trans_b, DType c_dtype, const Mode
   (*pgemm)->set_tma_store(mode.tma_store);
   (*pgemm)->set_tail_override(mode.force_split, mode.force_narrow);
   (*pgemm)->set_small_params(mode.small_params);
+  (*pgemm)->set_swap(mode.swap);
+  (*pgemm)->set_force_swap(mode.force_swap);
+  (*pgemm)->set_schedule_tail_override(mode.sched_tail, mode.sched_split);
   std::vector<unsigned char> got(c.bytes()), again(c.bytes()), want(ref.bytes());
   for (int run = 0; run < 2; ++run) {
     c.Poison();
@@ -165,9 +178,31 @@ void CheckAgainstCublas(const Layout& l, bool trans_b, DType c_dtype, const Mode
   }
   ref.Download(want.data());
   EXPECT_EQ(got, again) << "two runs differ";
+  // The second run of the same batch reuses the first one's plan.
+  if ((*pgemm)->last_scheduled()) {
+    EXPECT_FALSE((*pgemm)->last_planned());
+  }
   int64_t nonempty = 0;
   for (int64_t r : l.rows) nonempty += r > 0 ? 1 : 0;
   EXPECT_EQ((*pgemm)->last_param_groups(), mode.small_params && nonempty <= 8 ? 8 : PersistentGemm::kMaxGroupsPerLaunch);
+  // Which schedule ran: transposed remainders (and the cost-balanced schedule) exactly where the
+  // model, or the forcing, asks for them.
+  {
+    const int n_tiles = static_cast<int>(l.n / PersistentGemm::kTileN);
+    const bool clusters = mode.cluster && n_tiles % 2 == 0 && mode.force_split == 0;
+    int swapped = 0;
+    for (int64_t r : l.rows) {
+      if (r % PersistentGemm::kTileN == 0) continue;
+      swapped += mode.force_swap || PersistentGemm::PrefersSwap(r, n_tiles) ? 1 : 0;
+    }
+    if (!mode.swap || !clusters) swapped = 0;
+    EXPECT_EQ((*pgemm)->last_swap_groups(), swapped);
+    EXPECT_EQ((*pgemm)->last_scheduled(), swapped > 0);
+    if (mode.sched_split > 0 && swapped > 0) {
+      EXPECT_EQ((*pgemm)->last_schedule().split, mode.sched_split);
+      EXPECT_EQ(static_cast<int>((*pgemm)->last_schedule().tail_units.size()), mode.sched_tail);
+    }
+  }
   if (mode.force_split > 0) {
     EXPECT_EQ((*pgemm)->last_tail().split, mode.force_split);
     EXPECT_EQ((*pgemm)->last_tail().narrow, mode.force_narrow);
@@ -311,6 +346,113 @@ TEST(PersistentGemmTail, ChoosesTheCheapestFormThatFits) {
   EXPECT_EQ(PersistentGemm::ChooseTail(8, 66, 16, forced).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// The cost-balanced schedule (host only). Invariants on random costs: every unit runs once, whole
+// or as all its K-parts, each part on its own cluster; the makespan it reports is the one its lists
+// give under the model; it is no worse than the plain longest-first assignment without a tail; and
+// that assignment is within Graham's 4/3 - 1/(3m) of the optimum, found here by brute force.
+TEST(PersistentGemmSchedule, ListsEveryUnitOnceAndBalancesByCost) {
+  std::mt19937_64 rng(7);
+  const int k_iters = 112;
+  const double tile_us = 0.67 * k_iters, publish = 3.5 / tile_us, fixup = 2.3 / tile_us;
+  for (int trial = 0; trial < 200; ++trial) {
+    const int clusters = 1 + static_cast<int>(rng() % 20);
+    const int units = static_cast<int>(rng() % 90);
+    std::vector<double> costs(units);
+    for (double& c : costs) c = rng() % 3 == 0 ? 1.0 : PersistentGemm::SwapCost(32 * (1 + static_cast<int>(rng() % 8)));
+    for (int sorted : {-1, 0, 2 * clusters}) {
+    SCOPED_TRACE(::testing::Message() << units << " units, " << clusters << " clusters, sorted " << sorted);
+    auto s = PersistentGemm::PlanSchedule(costs, clusters, k_iters, 8, 0, 0, sorted);
+    ASSERT_TRUE(s.ok()) << s.status();
+    ASSERT_EQ(static_cast<int>(s->start.size()), clusters + 1);
+    std::vector<int> seen(units, 0);
+    std::vector<double> load(clusters, 0.0);
+    for (int c = 0; c < clusters; ++c) {
+      for (int i = s->start[c]; i < s->start[c + 1]; ++i) {
+        ++seen[s->units[i]];
+        load[c] += costs[s->units[i]];
+      }
+    }
+    ASSERT_LE(static_cast<int>(s->tail_units.size()), PersistentGemm::kMaxTailUnits);
+    ASSERT_EQ(s->tail_cluster.size(), s->tail_units.size() * s->split);
+    if (!s->tail_units.empty()) {
+      EXPECT_GE(s->split, 2);
+      EXPECT_GE(k_iters / s->split, 4);
+    }
+    std::vector<double> finish = load;
+    std::vector<int> parts_on(clusters, 0);
+    for (size_t v = 0; v < s->tail_cluster.size(); ++v) {
+      const int c = s->tail_cluster[v], u = s->tail_units[v / s->split];
+      ASSERT_GE(c, 0);
+      ASSERT_LT(c, clusters);
+      EXPECT_EQ(++parts_on[c], 1) << "two parts on cluster " << c;
+      if (v % s->split == 0) ++seen[u];
+      finish[c] = std::max(finish[c], load[c] + costs[u] / s->split + publish + (s->split - 1) * fixup);
+    }
+    for (int u = 0; u < units; ++u) EXPECT_EQ(seen[u], 1) << "unit " << u;
+    const double makespan = clusters > 0 && units > 0 ? *std::max_element(finish.begin(), finish.end()) : 0.0;
+    EXPECT_NEAR(s->makespan, makespan, 1e-9);
+    auto plain = PersistentGemm::PlanSchedule(costs, clusters, k_iters, 1, 0, 0, sorted);
+    ASSERT_TRUE(plain.ok());
+    EXPECT_TRUE(plain->tail_units.empty());
+    EXPECT_LE(s->makespan, plain->makespan + 1e-9);
+    // Brute force on the small ones: every assignment of the units to the clusters.
+    if (sorted < 0 && units <= 8 && clusters <= 3) {
+      double opt = 1e30;
+      std::vector<int> a(units, 0);
+      for (;;) {
+        std::vector<double> l(clusters, 0.0);
+        for (int u = 0; u < units; ++u) l[a[u]] += costs[u];
+        opt = std::min(opt, units ? *std::max_element(l.begin(), l.end()) : 0.0);
+        int u = 0;
+        while (u < units && ++a[u] == clusters) a[u++] = 0;
+        if (u == units) break;
+      }
+      EXPECT_LE(plain->makespan, (4.0 / 3.0 - 1.0 / (3.0 * clusters)) * opt + 1e-9)
+          << units << " units on " << clusters << " clusters";
+    }
+    }
+  }
+  // Equal costs fill the clusters round-robin (as the plain schedule does): unit u on cluster
+  // u % clusters.
+  auto rr = PersistentGemm::PlanSchedule(std::vector<double>(140, 1.0), 66, k_iters, 1);
+  ASSERT_TRUE(rr.ok());
+  for (int c = 0; c < 66; ++c) {
+    for (int i = rr->start[c]; i < rr->start[c + 1]; ++i) EXPECT_EQ(rr->units[i] % 66, c);
+  }
+  // Bad input: no clusters, a cost that is not positive, a forced tail that does not fit.
+  EXPECT_FALSE(PersistentGemm::PlanSchedule({1.0}, 0, k_iters, 8).ok());
+  EXPECT_FALSE(PersistentGemm::PlanSchedule({1.0, 0.0}, 4, k_iters, 8).ok());
+  EXPECT_FALSE(PersistentGemm::PlanSchedule(std::vector<double>(10, 1.0), 4, k_iters, 8, 3, 2).ok());  // 6 parts
+  EXPECT_FALSE(PersistentGemm::PlanSchedule(std::vector<double>(10, 1.0), 66, 8, 8, 2, 4).ok());  // 2 K-steps
+  auto forced = PersistentGemm::PlanSchedule(std::vector<double>(10, 1.0), 66, k_iters, 8, 3, 4);
+  ASSERT_TRUE(forced.ok());
+  EXPECT_EQ(forced->tail_units.size(), 3u);
+  EXPECT_EQ(forced->split, 4);
+}
+
+// Which remainders run transposed, under the model (n = 2048: 8 column tiles): the cost of the
+// remainder both ways, by the definitions in the header.
+TEST(PersistentGemmSchedule, TransposesTheRemaindersThatCostLess) {
+  for (int64_t rows = 1; rows <= 1024; ++rows) {
+    const int64_t rest = rows % PersistentGemm::kTileN;
+    const double plain = rest == 0 ? 0 : rest <= PersistentGemm::kTileM ? 4.0 : 8.0;
+    const double swapped = rest == 0 ? 0 : 8 * PersistentGemm::SwapCost(PersistentGemm::SwapRows(rest));
+    EXPECT_EQ(PersistentGemm::PrefersSwap(rows, 8), rest != 0 && swapped < 0.98 * plain) << rows;
+    if (rest) {
+      EXPECT_EQ(PersistentGemm::SwapRows(rest) % 32, 0);
+      EXPECT_GE(PersistentGemm::SwapRows(rest), rest);
+      EXPECT_LT(PersistentGemm::SwapRows(rest), rest + 32);
+    }
+  }
+  // 8x512_zipf's groups: 1760 (rest 224), 764 (252), 469 (213), 332 (76), 254, 204, 169, 144.
+  EXPECT_TRUE(PersistentGemm::PrefersSwap(1760, 8));
+  EXPECT_FALSE(PersistentGemm::PrefersSwap(764, 8));  // 256 rows transposed cost a whole tile
+  EXPECT_TRUE(PersistentGemm::PrefersSwap(469, 8));
+  EXPECT_FALSE(PersistentGemm::PrefersSwap(332, 8));  // 76 rows: one plain 128-row tile is cheaper
+  EXPECT_TRUE(PersistentGemm::PrefersSwap(144, 8));
+  EXPECT_FALSE(PersistentGemm::PrefersSwap(20, 8));   // 32 transposed rows cost more than 128 plain
+}
+
 class PersistentVsCublas : public ::testing::TestWithParam<std::tuple<bool, bool>> {};
 
 TEST_P(PersistentVsCublas, EveryPath) {
@@ -345,21 +487,49 @@ TEST_P(PersistentVsCublas, EveryPath) {
   whole3_no_cluster.cluster = false;
   narrow1.force_split = 1;
   narrow1.force_narrow = true;
+  // The plain schedule's forms without transposed units (the default transposes 700, 129 and
+  // 2000's remainders and balances the units by cost).
+  Mode no_swap, no_swap_interleaved, no_swap_narrow, no_swap_wide, no_swap_whole_tail, no_swap_big;
+  no_swap.swap = no_swap_interleaved.swap = no_swap_narrow.swap = no_swap_wide.swap = false;
+  no_swap_whole_tail.swap = no_swap_big.swap = false;
+  no_swap_interleaved.interleave = true;
+  no_swap_narrow.wide_store = no_swap_narrow.tma_store = false;
+  no_swap_wide.tma_store = false;
+  no_swap_whole_tail.narrow_tail = false;
+  no_swap_big.small_params = false;
+  // (narrow and wide: transposed units with the scalar stores; whole: the cost-balanced schedule
+  // without a split.) The cost-balanced schedule with a forced split tail: 3 units in 4 K-parts.
+  Mode sched_tail;
+  sched_tail.sched_tail = 3;
+  sched_tail.sched_split = 4;
   for (const Mode& m : {Mode{}, whole, interleaved, no_cluster, narrow, wide, whole_tail, no_cluster_whole_tail,
-                        whole3, narrow1, whole3_no_cluster, big_params}) {
+                        whole3, narrow1, whole3_no_cluster, big_params, no_swap, no_swap_interleaved,
+                        no_swap_narrow, no_swap_wide, no_swap_whole_tail, no_swap_big, sched_tail}) {
     CheckAgainstCublas(waves, trans_b, c_dtype, m);
   }
+  // Every transposed width (32 .. 256 rows in steps of 32) and a group without a remainder, with
+  // every remainder transposed; with the scalar stores; split in 2 K-parts.
+  const Layout widths{{276, 50, 90, 128, 140, 512, 180, 210, 250}, 1024, 512};
+  Mode all, all_scalar, all_split;
+  all.force_swap = all_scalar.force_swap = all_split.force_swap = true;
+  all_scalar.tma_store = all_scalar.wide_store = false;
+  all_split.sched_tail = 8;
+  all_split.sched_split = 2;
+  for (const Mode& m : {all, all_scalar, all_split}) CheckAgainstCublas(widths, trans_b, c_dtype, m);
   // tail: 4 row tiles x 4 = 16 tiles, 8 cluster units: 16 narrow units split in 4 (the fix-up).
-  for (const Mode& m : {Mode{}, no_cluster, whole_tail}) CheckAgainstCublas(tail, trans_b, c_dtype, m);
+  for (const Mode& m : {Mode{}, no_cluster, whole_tail, no_swap, no_swap_whole_tail}) {
+    CheckAgainstCublas(tail, trans_b, c_dtype, m);
+  }
   // 2 row tiles x 4 = 8 tiles with 32 K-steps: every form of the tail in the default most parts
   // (8), so the fix-up sums eight partial tiles.
   const Layout tail8{{5, 120}, 1024, 2048};
-  for (const Mode& m : {Mode{}, no_cluster, whole_tail, no_cluster_whole_tail}) {
+  for (const Mode& m : {Mode{}, no_cluster, whole_tail, no_cluster_whole_tail, no_swap, no_swap_whole_tail}) {
     CheckAgainstCublas(tail8, trans_b, c_dtype, m);
   }
   // More than 8 groups: the 64-group parameter block by default.
   const Layout many{{100, 0, 3, 250, 130, 64, 1, 700, 129, 40, 300, 17, 5}, 1024, 512};
   CheckAgainstCublas(many, trans_b, c_dtype, Mode{});
+  CheckAgainstCublas(many, trans_b, c_dtype, no_swap);
   CheckAgainstCublas(odd_columns, trans_b, c_dtype, Mode{});
   CheckAgainstCublas(odd_columns, trans_b, c_dtype, wide);
 }

@@ -6,6 +6,7 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <mutex>
 #include <type_traits>
@@ -31,6 +32,12 @@ constexpr int kCColumns = 64;
 constexpr int kCBytes = 2 * 2 * 64 * kCColumns * 2;  // 32 KiB
 constexpr size_t kSmemBytes = kStages * (kABytes + kBBytes) + kCBytes + 1024 /* alignment */ + 256;
 
+// The cost-balanced schedule's limits (PersistentGemm::PlanSchedule): clusters, split tail units,
+// and whole units listed in the parameter block (more fall back to the round-robin schedule).
+constexpr int kMaxClusters = PersistentGemm::kMaxScheduleClusters;
+constexpr int kMaxTailUnits = PersistentGemm::kMaxTailUnits;
+constexpr int SchedCap(int groups) { return groups <= 8 ? 768 : 2176; }
+
 // The kernel's parameters for up to kG groups. A launch copies the whole block whatever the batch
 // holds, ~2.4 us more on the GPU for the 26 KiB of 64 groups than for a few bytes (measured on the
 // H200, docs/cuda.md "Tenth session"), so batches of at most kSmallG groups use a block sized for
@@ -49,6 +56,19 @@ struct Params {
   int32_t tail_split;  // the remaining units run in tail_split K-parts each, part v on cluster
                        // v % clusters (in round v / clusters)
   int32_t narrow_tail; // the tail's units run as two units of 128 columns each (halves of the tiles)
+  // Transposed tiles (PersistentGemm::set_swap): > 0 where a group's rows past its first
+  // m_tiles * 128 run as n_tiles units of D^T = op(B)^T A^T, each CTA 128 output columns x
+  // swap_n[g] rows (the rows as WGMMA's N, in steps of 32), instead of 128-row tiles.
+  int32_t swap_n[kG];
+  // The cost-balanced schedule (sched_mode 1, clusters only): cluster c runs units
+  // sched[sched_start[c] .. sched_start[c + 1]) whole, then the K-parts of the tail units: part v of
+  // tail_count * tail_split (unit tail_units[v / tail_split], K-part v % tail_split) on cluster
+  // tail_cluster[v].
+  int32_t sched_mode, sched_clusters, tail_count;
+  int16_t sched_start[kMaxClusters + 1];
+  int16_t tail_units[kMaxTailUnits];
+  uint8_t tail_cluster[kMaxClusters];
+  int16_t sched[SchedCap(kG)];
   float* partials;
   int32_t* counters;
   int32_t wide_store;  // bf16 epilogue: 16-byte stores after a transpose inside each quad of lanes
@@ -198,74 +218,14 @@ __device__ __forceinline__ uint64_t Desc(uint32_t addr, uint32_t lbo, uint32_t s
   return d;
 }
 
-// D[64 x 256] += A[64 x 16] B[16 x 256], fp32 accumulators, B transposed (MN-major) or not.
-template <int kTransB>
-__device__ __forceinline__ void Wgmma(float* d, uint64_t da, uint64_t db) {
-  // clang-format off
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-      "}, %128, %129, p, 1, 1, 0, %131;\n}\n"
-      :
-        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
-        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(da), "l"(db), "r"(1), "n"(kTransB));
-  // clang-format on
+// Four 8 x 8 bf16 matrices as StMatrix4 takes them, each stored transposed (register i of lane l:
+// row 2(l % 4) and + 1, column l / 4 of matrix i; lanes 8i..8i+7 give the row addresses of matrix i).
+__device__ __forceinline__ void StMatrix4Trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
 }
-// D[64 x 128] += A[64 x 16] B[16 x 128]: the tail's narrow tiles.
-template <int kTransB>
-__device__ __forceinline__ void Wgmma128(float* d, uint64_t da, uint64_t db) {
-  // clang-format off
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-      "}, %64, %65, p, 1, 1, 0, %67;\n}\n"
-      :
-        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(da), "l"(db), "r"(1), "n"(kTransB));
-  // clang-format on
-}
-template <int kN, int kTransB>
-__device__ __forceinline__ void WgmmaN(float* d, uint64_t da, uint64_t db) {
-  if constexpr (kN == 256) {
-    Wgmma<kTransB>(d, da, db);
-  } else {
-    Wgmma128<kTransB>(d, da, db);
-  }
-}
+#include "moonep/compute/cuda/wgmma_ops.inc"
 #endif  // MOONEP_SM90A
 
 // Calls f(unit, k_begin, k_end, half, part) for every unit of work of this CTA's cluster, in
@@ -280,6 +240,16 @@ __device__ __forceinline__ void WgmmaN(float* d, uint64_t da, uint64_t db) {
 template <int kCluster, typename P, typename F>
 __device__ __forceinline__ void ForEachUnit(const P& p, F&& f) {
   const int cluster = blockIdx.x / kCluster, clusters = gridDim.x / kCluster;
+  if (p.sched_mode) {  // the host's cost-balanced lists (PersistentGemm::PlanSchedule)
+    for (int i = p.sched_start[cluster]; i < p.sched_start[cluster + 1]; ++i) f(p.sched[i], 0, p.k_iters, -1, -1);
+    const int parts = p.tail_count * p.tail_split;
+    for (int v = 0; v < parts; ++v) {
+      if (p.tail_cluster[v] != cluster) continue;
+      const int j = v % p.tail_split;
+      f(p.tail_units[v / p.tail_split], j * p.k_iters / p.tail_split, (j + 1) * p.k_iters / p.tail_split, -1, v);
+    }
+    return;
+  }
   for (int u = cluster; u < p.dp_units; u += clusters) f(u, 0, p.k_iters, -1, -1);
   const int items = (p.total_units - p.dp_units) * (p.narrow_tail ? 2 : 1);
   for (int v = cluster; v < items * p.tail_split; v += clusters) {
@@ -293,9 +263,13 @@ __device__ __forceinline__ void ForEachUnit(const P& p, F&& f) {
 // fastest). With clusters of two, a unit is two tiles: rows [mt, mt + 1) x one column tile, the two
 // CTAs sharing the B tile (each loads half and multicasts it), or, for a group's odd last row
 // tile, one row tile x two column tiles, sharing the A tile.
+// A transposed unit (swap_n > 0, clusters only): the group's rows [row0, row0 + swap_n) (past its
+// last row tile, zeros beyond the group) x output columns [256 nt + 128 rank, + 128) of each CTA,
+// the two CTAs sharing the rows.
 struct Tile {
   int g, mt, nt;
   bool share_b;
+  int swap_n, row0;
 };
 template <int kCluster, typename P>
 __device__ __forceinline__ Tile DecodeUnit(const P& p, int u, int rank) {
@@ -305,6 +279,7 @@ __device__ __forceinline__ Tile DecodeUnit(const P& p, int u, int rank) {
   Tile t;
   t.g = g;
   t.share_b = true;
+  t.swap_n = t.row0 = 0;
   if (kCluster == 1) {
     t.mt = local / p.n_tiles;
     t.nt = local % p.n_tiles;
@@ -314,6 +289,11 @@ __device__ __forceinline__ Tile DecodeUnit(const P& p, int u, int rank) {
   if (local < row_pairs) {
     t.mt = 2 * (local / p.n_tiles) + rank;
     t.nt = local % p.n_tiles;
+  } else if (p.swap_n[g] > 0) {
+    t.swap_n = p.swap_n[g];
+    t.mt = p.m_tiles[g];
+    t.row0 = p.m_tiles[g] * kBM;
+    t.nt = local - row_pairs;
   } else {
     t.share_b = false;
     t.mt = p.m_tiles[g] - 1;
@@ -363,15 +343,37 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
       constexpr uint16_t kBoth = 0x3;
       int stage = 0;
       uint32_t phase = 0;
-      ForEachUnit<kCluster>(p, [&](int u, int k0, int k1, int h, int) {
+      ForEachUnit<kCluster>(p, [&](int u, int k0, int k1, int h, int) __attribute__((always_inline)) {
         const Tile t = DecodeUnit<kCluster>(p, u, rank);
         const bool mc_a = kCluster > 1 && !t.share_b, mc_b = kCluster > 1 && t.share_b;
         for (int k = k0; k < k1; ++k) {
           MbarWait(&empty[stage], phase ^ 1);
-          MbarExpectTx(&full[stage], kABytes + (h < 0 ? kBBytes : kBBytes / 2));
           unsigned char* a = sa + stage * kABytes;
           unsigned char* b = sb + stage * kBBytes;
           const int kc = k * kBK;
+          if (kCluster > 1 && t.swap_n > 0) {
+            // Transposed: the A stage holds op(B)^T, this CTA's 128 output columns x 64 k; the B
+            // stage the group's rows [row0, + swap_n) x 64 k in boxes of 64 rows, box j loaded by
+            // CTA j % 2 for both.
+            const int nb = (t.swap_n + 63) / 64;
+            MbarExpectTx(&full[stage], kABytes + nb * 8192);
+            const int i0 = t.nt * kBN + 128 * rank;
+            if (kTransB) {  // B as [n][k]: one box of 128 rows, K-major
+              TmaLoad2d(a, &p.b_map[t.g], kc, i0, &full[stage]);
+            } else {  // B as [k][n]: two boxes of 64 columns, MN-major
+              TmaLoad2d(a, &p.b_map[t.g], i0, kc, &full[stage]);
+              TmaLoad2d(a + 8192, &p.b_map[t.g], i0 + 64, kc, &full[stage]);
+            }
+            for (int j = rank; j < nb; j += 2) {
+              TmaLoad2dMulticast(b + j * 8192, &p.a_map[t.g], kc, t.row0 + 64 * j, &full[stage], kBoth);
+            }
+            if (++stage == kStages) {
+              stage = 0;
+              phase ^= 1;
+            }
+            continue;
+          }
+          MbarExpectTx(&full[stage], kABytes + (h < 0 ? kBBytes : kBBytes / 2));
           if (mc_a) {  // the two CTAs share the row tile: each loads 64 rows for both
             TmaLoad2dMulticast(a + rank * 8192, &p.a_map[t.g], kc, t.mt * kBM + 64 * rank, &full[stage], kBoth);
           } else {
@@ -432,7 +434,7 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
     int stage = 0;
     uint32_t phase = 0;
     int records = 0;
-    ForEachUnit<kCluster>(p, [&](int u, int k0, int k1, int half, int part_index) {
+    ForEachUnit<kCluster>(p, [&](int u, int k0, int k1, int half, int part_index) __attribute__((always_inline)) {
       const Tile t = DecodeUnit<kCluster>(p, u, rank);
       const bool tracing = p.trace != nullptr && ct == 0 && records < p.trace_cap;
       if (tracing) trace_times[0] = trace_times[2] = GlobalTimer();
@@ -450,8 +452,11 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
         r[5] = 0;
       };
       // kN: 256 columns, or 128 for the narrow tail's halves (columns [128 half, + 128)).
-      auto tile = [&](auto n_tag) {
+      // kSwap: a transposed unit, D^T[128 output columns][kN rows]; warpgroup c computes output
+      // columns [64c, 64c + 64) of the CTA's 128.
+      auto tile = [&](auto n_tag, auto swap_tag) __attribute__((always_inline)) {
       constexpr int kN = decltype(n_tag)::value;
+      constexpr bool kSwap = decltype(swap_tag)::value;
       const int col_base = t.nt * kBN + (kN == 256 ? 0 : 128 * half);
       float acc[kN / 2];
 #pragma unroll
@@ -464,13 +469,22 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
         const uint32_t b_base = SmemAddr(sb + stage * kBBytes);
 #pragma unroll
         for (int kk = 0; kk < kBK / 16; ++kk) {
-          const uint64_t da = Desc(a_base + kk * 32, 16, 1024);
-          // K-major B ([n][64 k] rows of 128 bytes): like A. N-major B: four 64-column blocks of
-          // [64 k][64 n] (8 KiB apart: the leading offset), 8-row groups 1 KiB apart (the stride
-          // offset; the probe measured the two swapped as wrong).
-          const uint64_t db = kTransB ? Desc(b_base + kk * 32, 16, 1024)
-                                      : Desc(b_base + kk * 16 * 128, 64 * kBK * 2, 1024);
-          WgmmaN<kN, kTransB ? 0 : 1>(acc, da, db);
+          if constexpr (kSwap) {
+            // A: op(B)^T, K-major ([128 n][64 k], like the plain A) or MN-major (two [64 k][64 n]
+            // blocks, this warpgroup's the c-th); B: the rows, K-major ([kN rows][64 k]).
+            const uint32_t a_stage = SmemAddr(sa + stage * kABytes);
+            const uint64_t da = kTransB ? Desc(a_stage + c * 64 * 128 + kk * 32, 16, 1024)
+                                        : Desc(a_stage + c * 8192 + kk * 16 * 128, 64 * kBK * 2, 1024);
+            WgmmaMN<kN, kTransB ? 0 : 1, 0>(acc, da, Desc(b_base + kk * 32, 16, 1024));
+          } else {
+            const uint64_t da = Desc(a_base + kk * 32, 16, 1024);
+            // K-major B ([n][64 k] rows of 128 bytes): like A. N-major B: four 64-column blocks of
+            // [64 k][64 n] (8 KiB apart: the leading offset), 8-row groups 1 KiB apart (the stride
+            // offset; the probe measured the two swapped as wrong).
+            const uint64_t db = kTransB ? Desc(b_base + kk * 32, 16, 1024)
+                                        : Desc(b_base + kk * 16 * 128, 64 * kBK * 2, 1024);
+            WgmmaMN<kN, 0, kTransB ? 0 : 1>(acc, da, db);
+          }
         }
         WgmmaCommit();
         WgmmaWait<1>();
@@ -554,7 +568,54 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
           }
         }
       }
-      if (kOutF32 || (!p.wide_store && !p.tma_store)) {
+      if constexpr (kSwap) {
+        // Accumulator 4j + {0,1} is (output column lane/4 of this warp's 16, rows 8j + 2(lane%4)
+        // + {0,1}), 4j + {2,3} the same rows 8 columns further.
+        const int col = t.nt * kBN + 128 * rank + c * 64 + warp * 16 + lane / 4;
+        if (kOutF32 || !p.tma_store) {
+#pragma unroll
+          for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int r = t.row0 + 8 * j + 2 * (lane % 4) + e;
+              if (r >= rows) continue;
+#pragma unroll
+              for (int h = 0; h < 2; ++h) {
+                if (kOutF32) {
+                  static_cast<float*>(p.c[t.g])[r * ldc + col + 8 * h] = acc[4 * j + 2 * h + e];
+                } else {
+                  static_cast<__nv_bfloat16*>(p.c[t.g])[r * ldc + col + 8 * h] =
+                      __float2bfloat16_rn(acc[4 * j + 2 * h + e]);
+                }
+              }
+            }
+          }
+        } else {
+          // 64 rows at a time through the staging buffers, as below, each 8 x 8 block transposed by
+          // stmatrix: buffer row = output row, 16-byte chunk = 8 output columns; a TMA store clipped
+          // to the group's rows (a unit's rows end with the group's).
+          const int mat = lane / 8;
+#pragma unroll
+          for (int part = 0; part < (kN + 63) / 64; ++part) {
+            unsigned char* buf = sc + c * (kCBytes / 2) + (part % 2) * (kCBytes / 4);
+            if (tid == 0) BulkWait<1, true>();
+            WarpgroupBarrier(c);
+#pragma unroll
+            for (int jj = 0; jj < 8 && part * 8 + jj < kN / 8; jj += 2) {
+              const int j = part * 8 + jj;  // row blocks j (matrices 0, 1) and j + 1 (2, 3)
+              const int row = 8 * (jj + (mat >> 1)) + lane % 8;
+              const int chunk = 2 * warp + (mat & 1);
+              const uint32_t addr = SmemAddr(buf) + row * 128 + ((chunk ^ (row % 8)) << 4);
+              StMatrix4Trans(addr, PackBf16(acc[4 * j], acc[4 * j + 1]), PackBf16(acc[4 * j + 2], acc[4 * j + 3]),
+                             PackBf16(acc[4 * j + 4], acc[4 * j + 5]), PackBf16(acc[4 * j + 6], acc[4 * j + 7]));
+            }
+            if (tracing && part == 0) trace_times[2] = GlobalTimer();
+            FenceProxyAsync();
+            WarpgroupBarrier(c);
+            if (tid == 0) TmaStore2d(&p.c_map[t.g], buf, t.nt * kBN + 128 * rank + c * 64, t.row0 + part * 64);
+          }
+        }
+      } else if (kOutF32 || (!p.wide_store && !p.tma_store)) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           if (r0 + 8 * h >= rows) continue;
@@ -627,10 +688,27 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
       }
       trace(part_index >= 0);
       };
+      using Plain = std::false_type;
+      if constexpr (kCluster > 1) {
+        if (t.swap_n > 0) {
+          using Swap = std::true_type;
+          switch (t.swap_n) {
+            case 32: tile(std::integral_constant<int, 32>{}, Swap{}); break;
+            case 64: tile(std::integral_constant<int, 64>{}, Swap{}); break;
+            case 96: tile(std::integral_constant<int, 96>{}, Swap{}); break;
+            case 128: tile(std::integral_constant<int, 128>{}, Swap{}); break;
+            case 160: tile(std::integral_constant<int, 160>{}, Swap{}); break;
+            case 192: tile(std::integral_constant<int, 192>{}, Swap{}); break;
+            case 224: tile(std::integral_constant<int, 224>{}, Swap{}); break;
+            default: tile(std::integral_constant<int, 256>{}, Swap{}); break;
+          }
+          return;
+        }
+      }
       if (half < 0) {
-        tile(std::integral_constant<int, 256>{});
+        tile(std::integral_constant<int, 256>{}, Plain{});
       } else {
-        tile(std::integral_constant<int, 128>{});
+        tile(std::integral_constant<int, 128>{}, Plain{});
       }
     });
   }
@@ -657,51 +735,6 @@ bool Encode(void* fn, CUtensorMap* map, const void* base, uint64_t inner, uint64
 }
 
 }  // namespace
-
-// The tail's modeled time in microseconds, from the H200 traces in docs/cuda.md ("Where a unit's
-// time goes", "Tenth session"): a 128 x 256 x 64 K-step of a whole tile 0.67 us, of a narrow
-// (128-column) tile 0.47 us; publishing a part's fp32 partial 3.5 us (whole) / 2.2 us (narrow);
-// the part that arrives last reads every other part's partial at 2.3 / 1.9 us each. Parts beyond
-// the clusters would run in further rounds (kWorkspaceRounds bounds them; unsplit narrow units
-// beyond the clusters are not bounded, having no partials).
-double PersistentGemm::TailCost(int rest, int slots, int k_iters, bool narrow, int split) {
-  if (rest <= 0) return 0.0;
-  const int items = rest * (narrow ? 2 : 1);
-  const int rounds = (items * split + slots - 1) / slots;
-  const double step = narrow ? 0.47 : 0.67;
-  const double main = rounds * ((k_iters + split - 1) / split) * step;
-  if (split == 1) return main;
-  return main + (narrow ? 2.2 : 3.5) + (split - 1) * (narrow ? 1.9 : 2.3);
-}
-
-absl::StatusOr<PersistentGemm::TailChoice> PersistentGemm::ChooseTail(int rest, int slots, int k_iters,
-                                                                      const TailOptions& o) {
-  TailChoice best{false, 1, TailCost(rest, slots, k_iters, false, 1)};
-  if (rest <= 0 || !o.split) return best;
-  // A split needs >= 4 K-steps a part and its partials in the workspace (kWorkspaceRounds rounds).
-  auto fits = [&](bool narrow, int split) {
-    const int parts = rest * (narrow ? 2 : 1) * split;
-    return split == 1 || (parts <= kWorkspaceRounds * slots && k_iters / split >= 4);
-  };
-  if (o.force_split > 0) {
-    if (o.force_split > 1 && !fits(o.force_narrow, o.force_split)) {
-      return InvalidArgument("persistent GEMM: a forced tail of %d %s parts per unit does not fit "
-                             "(%d tail units, %d slots, %d K-steps)",
-                             o.force_split, o.force_narrow ? "narrow" : "whole", rest, slots, k_iters);
-    }
-    return TailChoice{o.force_narrow, o.force_split,
-                      TailCost(rest, slots, k_iters, o.force_narrow, o.force_split)};
-  }
-  for (bool narrow : {false, true}) {
-    if (narrow && !o.narrow) continue;
-    for (int split = 1; split <= o.max_split; ++split) {
-      if (!fits(narrow, split)) continue;
-      const double cost = TailCost(rest, slots, k_iters, narrow, split);
-      if (cost < best.cost) best = TailChoice{narrow, split, cost};
-    }
-  }
-  return best;
-}
 
 namespace {
 
@@ -751,6 +784,13 @@ struct Instance {
                           PersistentGemm::TailChoice* chosen, cudaStream_t stream) {
     MOONEP_ASSIGN_OR_RETURN(int slots, Slots(sms));
     *used_slots = slots;
+    if (p->sched_mode) {  // the cost-balanced schedule, planned by the caller for its clusters
+      cudaLaunchConfig_t cfg;
+      cudaLaunchAttribute attr;
+      Configure(&cfg, &attr, p->sched_clusters * kCluster, stream);
+      MOONEP_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kKernel, *p));
+      return CudaStatus(cudaGetLastError(), "persistent grouped GEMM launch");
+    }
     const int units = p->total_units;
     const int rest = units % slots;
     // The last, partial wave: whole waves before it run data-parallel; its units are cut into
@@ -773,14 +813,15 @@ struct Instance {
   }
 };
 
-// Whether clusters of two of this kernel fit on the device (false, e.g., under MIG or with a
-// driver that refuses the cluster occupancy query: the launch then runs without clusters).
-inline bool ClustersFit(bool trans_b, bool f32, int sms) {
-  if (trans_b && f32) return Instance<true, true, 2, kMaxG>::Slots(sms).ok();
-  if (trans_b) return Instance<true, false, 2, kMaxG>::Slots(sms).ok();
-  if (f32) return Instance<false, true, 2, kMaxG>::Slots(sms).ok();
-  return Instance<false, false, 2, kMaxG>::Slots(sms).ok();
+// Clusters of two of this kernel that fit on the device at once (an error, e.g., under MIG or with
+// a driver that refuses the cluster occupancy query: the launch then runs without clusters).
+inline absl::StatusOr<int> ClusterSlots(bool trans_b, bool f32, int sms) {
+  if (trans_b && f32) return Instance<true, true, 2, kMaxG>::Slots(sms);
+  if (trans_b) return Instance<true, false, 2, kMaxG>::Slots(sms);
+  if (f32) return Instance<false, true, 2, kMaxG>::Slots(sms);
+  return Instance<false, false, 2, kMaxG>::Slots(sms);
 }
+inline bool ClustersFit(bool trans_b, bool f32, int sms) { return ClusterSlots(trans_b, f32, sms).ok(); }
 
 template <int kCluster, int kG, typename... Args>
 absl::Status RunInstance(bool trans_b, bool f32, Params<kG>* p, Args... args) {
@@ -848,11 +889,61 @@ absl::Status PersistentGemm::Launch(cudaStream_t stream, bool trans_b, bool f32,
   if (p == nullptr) return Internal("persistent GEMM: parameter block misaligned");
   const int n_tiles = static_cast<int>(n / kBN);
   const int k_iters = static_cast<int>(k / kBK);
+  // Transposed units need clusters; the tests' forced tail forms keep the plain schedule.
+  const bool may_swap = swap_ && cluster && tail_.force_split == 0;
+  last_scheduled_ = false;
+  last_swap_groups_ = 0;
   size_t next = 0;
   while (next < order_.size()) {
+    const size_t first = next;
+    const size_t end = std::min(order_.size(), first + static_cast<size_t>(kG));
+    // The batch's units with or without transposed remainders (and their costs, for the schedule).
+    auto count_units = [&](bool swap) {
+      int units = 0, swapped = 0;
+      costs_.clear();
+      for (size_t j = first; j < end; ++j) {
+        const PersistentGroup& gr = groups[order_[j]];
+        const bool s = swap && gr.rows % kBN != 0 && (force_swap_ || PrefersSwap(gr.rows, n_tiles));
+        const int m_tiles = static_cast<int>(s ? gr.rows / kBN * 2 : (gr.rows + kBM - 1) / kBM);
+        const int whole = cluster ? (m_tiles / 2) * n_tiles + (s ? 0 : (m_tiles % 2) * (n_tiles / 2))
+                                  : m_tiles * n_tiles;
+        costs_.insert(costs_.end(), static_cast<size_t>(whole), 1.0);
+        if (s) costs_.insert(costs_.end(), static_cast<size_t>(n_tiles), SwapCost(SwapRows(gr.rows % kBN)));
+        units += whole + (s ? n_tiles : 0);
+        swapped += s ? 1 : 0;
+      }
+      return std::make_pair(units, swapped);
+    };
+    bool swap = false;
+    int sched_clusters = 0;
+    if (may_swap) {
+      const auto [units, swapped] = count_units(true);
+      MOONEP_ASSIGN_OR_RETURN(const int slots, ClusterSlots(trans_b, f32, num_sms_));
+      const int clusters = std::min(slots, units);
+      // The schedule must fit the parameter block, and the split parts the workspace.
+      if (swapped > 0 && units <= SchedCap(kG) && clusters <= kMaxClusters && clusters * 2 <= num_sms_) {
+        swap = true;
+        sched_clusters = clusters;
+        // The last plan is reused when the batch's unit costs and the options are the same (a
+        // repeated batch, or the same routing's next GEMM of the same shape).
+        const std::array<int, 6> key{clusters,
+                                     static_cast<int>(k / kBK),
+                                     tail_.split ? tail_.max_split : 1,
+                                     sched_force_tail_,
+                                     sched_force_split_,
+                                     sched_sorted_waves_ < 0 ? -1 : sched_sorted_waves_ * clusters};
+        last_planned_ = !plan_cache_ || key != plan_key_ || costs_ != plan_costs_;
+        if (last_planned_) {
+          MOONEP_ASSIGN_OR_RETURN(schedule_, PlanSchedule(costs_, key[0], key[1], key[2], key[3], key[4], key[5]));
+          plan_key_ = key;
+          plan_costs_ = costs_;
+        }
+        last_swap_groups_ += swapped;
+      }
+    }
     int ng = 0, units = 0;
     p->unit_start[0] = 0;
-    for (; next < order_.size() && ng < kG; ++next) {
+    for (; next < end; ++next) {
       const size_t i = static_cast<size_t>(order_[next]);
       const PersistentGroup& gr = groups[i];
       // Boxes: A 64 rows x 64 k; B 64 k x 64 n (N-major) or 128 n x 64 k (K-major).
@@ -863,13 +954,30 @@ absl::Status PersistentGemm::Launch(cudaStream_t stream, bool trans_b, bool f32,
           (f32 || !tma_store_ ||
            Encode(encode_, &p->c_map[ng], gr.c, n, gr.rows, gr.ldc, kCColumns, 64));
       if (!ok) return Internal("persistent GEMM: cuTensorMapEncodeTiled refused group %d", i);
-      const int m_tiles = static_cast<int>((gr.rows + kBM - 1) / kBM);
+      const bool s = swap && gr.rows % kBN != 0 && (force_swap_ || PrefersSwap(gr.rows, n_tiles));
+      const int m_tiles = static_cast<int>(s ? gr.rows / kBN * 2 : (gr.rows + kBM - 1) / kBM);
       p->c[ng] = gr.c;
       p->ldc[ng] = gr.ldc;
       p->rows[ng] = static_cast<int32_t>(gr.rows);
       p->m_tiles[ng] = m_tiles;
-      units += cluster ? (m_tiles / 2) * n_tiles + (m_tiles % 2) * (n_tiles / 2) : m_tiles * n_tiles;
+      p->swap_n[ng] = s ? SwapRows(gr.rows % kBN) : 0;
+      units += cluster ? (m_tiles / 2) * n_tiles + (s ? n_tiles : (m_tiles % 2) * (n_tiles / 2))
+                       : m_tiles * n_tiles;
       p->unit_start[++ng] = units;
+    }
+    p->sched_mode = swap ? 1 : 0;
+    p->sched_clusters = sched_clusters;
+    p->tail_count = 0;
+    if (swap) {
+      const Schedule& s = schedule_;
+      for (size_t c = 0; c < s.start.size(); ++c) p->sched_start[c] = static_cast<int16_t>(s.start[c]);
+      for (size_t u = 0; u < s.units.size(); ++u) p->sched[u] = static_cast<int16_t>(s.units[u]);
+      for (size_t u = 0; u < s.tail_units.size(); ++u) p->tail_units[u] = static_cast<int16_t>(s.tail_units[u]);
+      for (size_t v = 0; v < s.tail_cluster.size(); ++v) p->tail_cluster[v] = static_cast<uint8_t>(s.tail_cluster[v]);
+      p->tail_count = static_cast<int32_t>(s.tail_units.size());
+      p->tail_split = s.split;
+      last_tail_ = TailChoice{false, s.split, s.makespan};
+      last_scheduled_ = true;
     }
     if (ng == 0) break;
     p->num_groups = ng;

@@ -33,6 +33,7 @@
 
 #include <cuda_runtime.h>
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -98,6 +99,72 @@ class PersistentGemm {
   // form does not fit).
   static absl::StatusOr<TailChoice> ChooseTail(int rest, int slots, int k_iters, const TailOptions& o);
 
+  // Transposed units (set_swap, default on; clusters only). A group's rows past its last whole
+  // 256 can run as units of D^T = op(B)^T A^T: each CTA of a cluster 128 output columns x N rows,
+  // the rows as WGMMA's N (32..256 in steps of 32), so a group pads its rows to 32, not to 128.
+  // Such a unit's time is modeled, relative to a whole 128 x 256 tile's, as
+  // kSwapFixed + (1 - kSwapFixed) N / 256: fitted to the H200 (33 groups of N rows, four waves of
+  // transposed units against as many whole ones: N = 32, 160, 192, 224 took 0.51, 0.82, 0.81-0.86,
+  // 0.90 of the time; docs/cuda.md, "Twelfth session"). A group's remainder runs transposed where
+  // that model makes it cheaper than its one or two 128-row tiles; a batch with any transposed unit
+  // runs the cost-balanced schedule (PlanSchedule).
+  static constexpr double kSwapFixed = 0.45;
+  static constexpr int kSwapStep = 32;
+  static int SwapRows(int64_t rest) {  // the N of a remainder of `rest` rows (1..255)
+    return static_cast<int>((rest + kSwapStep - 1) / kSwapStep * kSwapStep);
+  }
+  static double SwapCost(int n) { return kSwapFixed + (1.0 - kSwapFixed) * n / kTileN; }
+  // Whether a group of `rows` rows runs its remainder (rows % 256) transposed, with n_tiles
+  // 256-column tiles: n_tiles units at SwapCost against n_tiles / 2 (<= 128 rows) or n_tiles
+  // (more) whole units.
+  static bool PrefersSwap(int64_t rows, int n_tiles);
+
+  // The cost-balanced schedule of one launch. Units are assigned in their order, the last
+  // sorted_last of them (all: longest processing time first) sorted by cost, each to the least
+  // loaded cluster, ties to the lowest index (equal costs fill the clusters round-robin, as the
+  // plain schedule does). Then the most loaded cluster trades units with less loaded ones while that
+  // lowers it (bounded), and up to kMaxTailUnits of the clusters' last units may be taken out and
+  // split into `split` K-parts, part v on the v-th least loaded cluster, if that lowers the modeled
+  // makespan. Costs are in whole-tile times.
+  static constexpr int kMaxScheduleClusters = 160;
+  static constexpr int kMaxTailUnits = 64;
+  struct Schedule {
+    std::vector<int> start;         // cluster c's whole units: units[start[c] .. start[c + 1])
+    std::vector<int> units;
+    std::vector<int> tail_units;    // split units
+    std::vector<int> tail_cluster;  // part v (of tail_units[v / split], K-part v % split): its cluster
+    int split = 1;
+    double makespan = 0.0;          // the model's, in whole-tile times
+  };
+  // force_split > 0: exactly force_tail units in force_split parts (an error where they do not fit:
+  // more parts than clusters, fewer than 4 K-steps a part, more than kMaxTailUnits units).
+  // sorted_last >= 0: only the last sorted_last units (in unit order) are sorted by cost; the units
+  // before them are assigned in their order (list scheduling: each to the least loaded cluster).
+  static absl::StatusOr<Schedule> PlanSchedule(const std::vector<double>& costs, int clusters, int k_iters,
+                                               int max_split, int force_tail = 0, int force_split = 0,
+                                               int sorted_last = -1);
+  void set_swap(bool on) { swap_ = on; }
+  // How many waves' worth of units at the end of the unit order are sorted by cost before the
+  // assignment (-1: all of them, longest processing time first).
+  void set_schedule_sorted_waves(int waves) { sched_sorted_waves_ = waves; }
+  // Tests: every group's remainder transposed, whatever the model prefers (needs set_swap).
+  void set_force_swap(bool on) { force_swap_ = on; }
+  // Tests: the cost-balanced schedule's tail forced (see PlanSchedule; 0 = the model's choice).
+  void set_schedule_tail_override(int units, int split) {
+    sched_force_tail_ = units;
+    sched_force_split_ = split;
+  }
+  // Whether the last launch ran the cost-balanced schedule, and how many of its groups had
+  // transposed units.
+  bool last_scheduled() const { return last_scheduled_; }
+  int last_swap_groups() const { return last_swap_groups_; }
+  const Schedule& last_schedule() const { return schedule_; }
+  // The last plan is reused while a batch's unit costs and the options repeat (default on; off:
+  // every launch plans, for measuring the planning's host time). last_planned(): whether the last
+  // launch planned.
+  void set_plan_cache(bool on) { plan_cache_ = on; }
+  bool last_planned() const { return last_planned_; }
+
   // The K-split tail (default on); off = every tile whole, for comparisons.
   void set_stream_k(bool on) { tail_.split = on; }
   // At most this many K-parts per tail tile (default 8).
@@ -153,6 +220,17 @@ class PersistentGemm {
   bool wide_store_ = true;
   bool tma_store_ = true;
   bool small_params_ = true;
+  bool swap_ = true;
+  bool force_swap_ = false;
+  int sched_force_tail_ = 0, sched_force_split_ = 0;
+  int sched_sorted_waves_ = 2;
+  bool last_scheduled_ = false;
+  int last_swap_groups_ = 0;
+  Schedule schedule_;
+  std::vector<double> costs_;
+  bool plan_cache_ = true, last_planned_ = false;
+  std::array<int, 6> plan_key_{};
+  std::vector<double> plan_costs_;
   int last_param_groups_ = 0;
   int last_slots_ = 0;
   unsigned long long* trace_ = nullptr;
