@@ -932,12 +932,24 @@ absl::Status PersistentGemm::Launch(cudaStream_t stream, bool trans_b, bool f32,
                                      sched_force_tail_,
                                      sched_force_split_,
                                      sched_sorted_waves_ < 0 ? -1 : sched_sorted_waves_ * clusters};
-        last_planned_ = !plan_cache_ || key != plan_key_ || costs_ != plan_costs_;
-        if (last_planned_) {
-          MOONEP_ASSIGN_OR_RETURN(schedule_, PlanSchedule(costs_, key[0], key[1], key[2], key[3], key[4], key[5]));
-          plan_key_ = key;
-          plan_costs_ = costs_;
+        PlanEntry* hit = nullptr;
+        for (PlanEntry& e : plans_) {
+          if (plan_cache_ && e.key == key && e.costs == costs_) hit = &e;
         }
+        last_planned_ = hit == nullptr;
+        if (hit == nullptr) {
+          MOONEP_ASSIGN_OR_RETURN(Schedule planned, PlanSchedule(costs_, key[0], key[1], key[2], key[3], key[4], key[5]));
+          if (plans_.size() < kPlanCacheEntries) plans_.emplace_back();
+          hit = &plans_[0];
+          for (PlanEntry& e : plans_) {  // an empty slot or the least recently used
+            if (e.used < hit->used) hit = &e;
+          }
+          hit->key = key;
+          hit->costs = costs_;
+          hit->schedule = std::move(planned);
+        }
+        hit->used = ++plan_clock_;
+        schedule_ = hit->schedule;
         last_swap_groups_ += swapped;
       }
     }

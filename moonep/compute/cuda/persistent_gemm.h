@@ -159,9 +159,9 @@ class PersistentGemm {
   bool last_scheduled() const { return last_scheduled_; }
   int last_swap_groups() const { return last_swap_groups_; }
   const Schedule& last_schedule() const { return schedule_; }
-  // The last plan is reused while a batch's unit costs and the options repeat (default on; off:
-  // every launch plans, for measuring the planning's host time). last_planned(): whether the last
-  // launch planned.
+  // The last kPlanCacheEntries plans are reused while a batch's unit costs and the options repeat
+  // (default on; off: every launch plans, for measuring the planning's host time).
+  // last_planned(): whether the last launch planned.
   void set_plan_cache(bool on) { plan_cache_ = on; }
   bool last_planned() const { return last_planned_; }
 
@@ -229,8 +229,16 @@ class PersistentGemm {
   Schedule schedule_;
   std::vector<double> costs_;
   bool plan_cache_ = true, last_planned_ = false;
-  std::array<int, 6> plan_key_{};
-  std::vector<double> plan_costs_;
+  // The last few plans (the executor's GEMMs of one routing differ in n and k).
+  static constexpr size_t kPlanCacheEntries = 8;
+  struct PlanEntry {
+    std::array<int, 6> key{};
+    std::vector<double> costs;
+    Schedule schedule;
+    uint64_t used = 0;
+  };
+  std::vector<PlanEntry> plans_;
+  uint64_t plan_clock_ = 0;
   int last_param_groups_ = 0;
   int last_slots_ = 0;
   unsigned long long* trace_ = nullptr;

@@ -249,9 +249,10 @@ absl::StatusOr<PersistentGemm::Schedule> PersistentGemm::PlanSchedule(const std:
     const double base = rest[by_load[clusters - 1]];
     for (int split = 2; split <= max_split; ++split) {
       if (forced && split != force_split) continue;
-      if (t * split > clusters || k_iters / split < 4) continue;
+      if (t * split > clusters || k_iters / split < 4) break;  // (more parts fit no better)
+      if (!forced && base >= s.makespan - 1e-9) break;
       double makespan = base;
-      for (int v = 0; v < t * split; ++v) {
+      for (int v = 0; v < t * split && (forced || makespan < s.makespan - 1e-9); ++v) {
         makespan = std::max(makespan, rest[by_load[v]] + costs[last[v / split]] / split + publish +
                                           (split - 1) * fixup);
       }
