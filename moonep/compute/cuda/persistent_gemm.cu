@@ -434,6 +434,10 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
     int stage = 0;
     uint32_t phase = 0;
     int records = 0;
+    // The epilogue's two staging buffers are used in turn across units: a transposed unit can
+    // store an odd number of chunks, and the next unit's first chunk must not take the buffer
+    // whose store may still be reading it (BulkWait<1> leaves the newest store pending).
+    int cbuf = 0;
     ForEachUnit<kCluster>(p, [&](int u, int k0, int k1, int half, int part_index) __attribute__((always_inline)) {
       const Tile t = DecodeUnit<kCluster>(p, u, rank);
       const bool tracing = p.trace != nullptr && ct == 0 && records < p.trace_cap;
@@ -597,7 +601,7 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
           const int mat = lane / 8;
 #pragma unroll
           for (int part = 0; part < (kN + 63) / 64; ++part) {
-            unsigned char* buf = sc + c * (kCBytes / 2) + (part % 2) * (kCBytes / 4);
+            unsigned char* buf = sc + c * (kCBytes / 2) + (cbuf++ % 2) * (kCBytes / 4);
             if (tid == 0) BulkWait<1, true>();
             WarpgroupBarrier(c);
 #pragma unroll
@@ -634,7 +638,7 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
         const int row = warp * 16 + lane % 8 + 8 * (mat & 1);  // this lane's row address
 #pragma unroll
         for (int part = 0; part < kN / kCColumns; ++part) {
-          unsigned char* buf = sc + c * (kCBytes / 2) + (part % 2) * (kCBytes / 4);
+          unsigned char* buf = sc + c * (kCBytes / 2) + (cbuf++ % 2) * (kCBytes / 4);
           if (tid == 0) BulkWait<1, true>();  // the store before the newest has read its buffer
           WarpgroupBarrier(c);
 #pragma unroll
