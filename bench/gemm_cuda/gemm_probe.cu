@@ -666,7 +666,7 @@ int main(int argc, char** argv) {
       bool force_narrow = false;
       bool big_params = false;  // set_small_params(false): the 64-group parameter block
       bool swap = true;         // set_swap: transposed remainders and the cost-balanced schedule
-      int sorted_waves = 2;     // set_schedule_sorted_waves
+      int sorted_waves = -1;    // set_schedule_sorted_waves (-1: every unit, longest first)
     };
     const PVariant pvariants[] = {{"pers", true, true, true, false, 8},
                                   {"pers-nocluster", true, false, true, false, 8},
@@ -685,7 +685,7 @@ int main(int argc, char** argv) {
                                   {"pers-noswap", true, true, true, false, 8, true, true, 0, false, false, false},
                                   {"pers-noswap-il", true, true, true, true, 8, true, true, 0, false, false, false},
                                   {"pers-nosplit", false, true, true, false, 8},
-                                  {"pers-lpt", true, true, true, false, 8, true, true, 0, false, false, true, -1},
+                                  {"pers-sorted2", true, true, true, false, 8, true, true, 0, false, false, true, 2},
                                   {"pers-list", true, true, true, false, 8, true, true, 0, false, false, true, 0},
                                   {"pers-sorted1", true, true, true, false, 8, true, true, 0, false, false, true, 1},
                                   {"pers-sorted2-il", true, true, true, true, 8, true, true, 0, false, false, true, 2}};
@@ -764,7 +764,7 @@ int main(int argc, char** argv) {
     (*pg)->set_tail_override(0, false);
     (*pg)->set_small_params(true);
     (*pg)->set_swap(true);
-    (*pg)->set_schedule_sorted_waves(2);
+    (*pg)->set_schedule_sorted_waves(-1);
     CHECK_OK((*pg)->Run(stream, false, DType::kBFloat16, kI, kH, pgroups.data(), pgroups.size()));
     if ((*pg)->last_scheduled()) {
       std::snprintf(buf, sizeof(buf), "  [scheduled: %d groups transposed, tail %zu units in %d parts, model %.3f tiles]",
