@@ -1,3 +1,11 @@
+#!/usr/bin/env python3
+"""Unit durations by kind from moonep-gemm-probe's raw trace records (MOONEP_TRACE_DUMP): whole
+units, odd (a group's last 128-row tile as two column tiles), transposed units of N rows, and split
+parts; and when the CTAs finished. Assumes the probe's H200 layout: 132 CTAs, 256 records of 6 words
+each, K = 7168 (112 K-steps), n = 2048 (8 column tiles), the groups in the given order, and the
+remainder rule of PersistentGemm::PrefersSwap with kSwapFixed = 0.45 (files named *noswap* were
+recorded with set_swap(false)). Usage: python3 this.py FILE.bin [FILE.bin ...] (FILE.bin.sizes next
+to each)."""
 import struct, sys, math
 A=0.45
 def c(n): return A+(1-A)*n/256

@@ -457,7 +457,9 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
       };
       // kN: 256 columns, or 128 for the narrow tail's halves (columns [128 half, + 128)).
       // kSwap: a transposed unit, D^T[128 output columns][kN rows]; warpgroup c computes output
-      // columns [64c, 64c + 64) of the CTA's 128.
+      // columns [64c, 64c + 64) of the CTA's 128. (always_inline, here and on the unit lambdas: with
+      // ten instantiations the compiler outlined this one, and ptxas then serializes every WGMMA
+      // across the call, warning C7510.)
       auto tile = [&](auto n_tag, auto swap_tag) __attribute__((always_inline)) {
       constexpr int kN = decltype(n_tag)::value;
       constexpr bool kSwap = decltype(swap_tag)::value;
