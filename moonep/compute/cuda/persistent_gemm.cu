@@ -790,18 +790,26 @@ struct Instance {
                           PersistentGemm::TailChoice* chosen, cudaStream_t stream) {
     MOONEP_ASSIGN_OR_RETURN(int slots, Slots(sms));
     *used_slots = slots;
-    if (p->sched_mode) {  // the cost-balanced schedule, planned by the caller for its clusters
-      cudaLaunchConfig_t cfg;
-      cudaLaunchAttribute attr;
-      Configure(&cfg, &attr, p->sched_clusters * kCluster, stream);
-      MOONEP_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kKernel, *p));
-      return CudaStatus(cudaGetLastError(), "persistent grouped GEMM launch");
+    // The cost-balanced schedule was planned by the caller for its clusters.
+    int clusters = p->sched_clusters;
+    if (!p->sched_mode) {
+      MOONEP_ASSIGN_OR_RETURN(clusters, PlainSchedule(p, slots, tail, chosen));
     }
+    cudaLaunchConfig_t cfg;
+    cudaLaunchAttribute attr;
+    Configure(&cfg, &attr, clusters * kCluster, stream);
+    MOONEP_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kKernel, *p));
+    return CudaStatus(cudaGetLastError(), "persistent grouped GEMM launch");
+  }
+
+  // The round-robin schedule's fields. The last, partial wave: whole waves before it run
+  // data-parallel; its units are cut into K-parts (and, where chosen, first into two narrow units
+  // each: 128-column halves of their tiles), as ChooseTail's model of the tail's time picks.
+  // Returns the clusters to launch.
+  static absl::StatusOr<int> PlainSchedule(Params<kG>* p, int slots, const PersistentGemm::TailOptions& tail,
+                                           PersistentGemm::TailChoice* chosen) {
     const int units = p->total_units;
     const int rest = units % slots;
-    // The last, partial wave: whole waves before it run data-parallel; its units are cut into
-    // K-parts (and, where chosen, first into two narrow units each: 128-column halves of their
-    // tiles), as ChooseTail's model of the tail's time picks.
     MOONEP_ASSIGN_OR_RETURN(const PersistentGemm::TailChoice c,
                             PersistentGemm::ChooseTail(rest, slots, p->k_iters, tail));
     *chosen = c;
@@ -810,12 +818,7 @@ struct Instance {
     p->tail_split = split ? c.split : 1;
     p->narrow_tail = split && c.narrow ? 1 : 0;
     const int tail_parts = split ? rest * (c.narrow ? 2 : 1) * c.split : 0;
-    const int clusters = std::min(slots, std::max(units - rest > 0 ? slots : units, tail_parts));
-    cudaLaunchConfig_t cfg;
-    cudaLaunchAttribute attr;
-    Configure(&cfg, &attr, clusters * kCluster, stream);
-    MOONEP_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kKernel, *p));
-    return CudaStatus(cudaGetLastError(), "persistent grouped GEMM launch");
+    return std::min(slots, std::max(units - rest > 0 ? slots : units, tail_parts));
   }
 };
 
@@ -903,27 +906,38 @@ absl::Status PersistentGemm::Launch(cudaStream_t stream, bool trans_b, bool f32,
   while (next < order_.size()) {
     const size_t first = next;
     const size_t end = std::min(order_.size(), first + static_cast<size_t>(kG));
-    // The batch's units with or without transposed remainders (and their costs, for the schedule).
-    auto count_units = [&](bool swap) {
+    // A group's form: whether its remainder runs transposed (where `swap` allows it), its plain
+    // row tiles, and its units (whole ones, then n_tiles transposed ones if so).
+    struct Form {
+      bool swap;
+      int m_tiles, whole;
+    };
+    auto form = [&](int64_t rows, bool swap) {
+      Form f;
+      f.swap = swap && rows % kBN != 0 && (force_swap_ || PrefersSwap(rows, n_tiles));
+      f.m_tiles = static_cast<int>(f.swap ? rows / kBN * 2 : (rows + kBM - 1) / kBM);
+      f.whole = cluster ? (f.m_tiles / 2) * n_tiles + (f.swap ? 0 : (f.m_tiles % 2) * (n_tiles / 2))
+                        : f.m_tiles * n_tiles;
+      return f;
+    };
+    // The batch's units with transposed remainders, and their costs for the schedule.
+    auto count_units = [&]() {
       int units = 0, swapped = 0;
       costs_.clear();
       for (size_t j = first; j < end; ++j) {
-        const PersistentGroup& gr = groups[order_[j]];
-        const bool s = swap && gr.rows % kBN != 0 && (force_swap_ || PrefersSwap(gr.rows, n_tiles));
-        const int m_tiles = static_cast<int>(s ? gr.rows / kBN * 2 : (gr.rows + kBM - 1) / kBM);
-        const int whole = cluster ? (m_tiles / 2) * n_tiles + (s ? 0 : (m_tiles % 2) * (n_tiles / 2))
-                                  : m_tiles * n_tiles;
-        costs_.insert(costs_.end(), static_cast<size_t>(whole), 1.0);
-        if (s) costs_.insert(costs_.end(), static_cast<size_t>(n_tiles), SwapCost(SwapRows(gr.rows % kBN)));
-        units += whole + (s ? n_tiles : 0);
-        swapped += s ? 1 : 0;
+        const int64_t rows = groups[order_[j]].rows;
+        const Form f = form(rows, true);
+        costs_.insert(costs_.end(), static_cast<size_t>(f.whole), 1.0);
+        if (f.swap) costs_.insert(costs_.end(), static_cast<size_t>(n_tiles), SwapCost(SwapRows(rows % kBN)));
+        units += f.whole + (f.swap ? n_tiles : 0);
+        swapped += f.swap ? 1 : 0;
       }
       return std::make_pair(units, swapped);
     };
     bool swap = false;
     int sched_clusters = 0;
     if (may_swap) {
-      const auto [units, swapped] = count_units(true);
+      const auto [units, swapped] = count_units();
       MOONEP_ASSIGN_OR_RETURN(const int slots, ClusterSlots(trans_b, f32, num_sms_));
       const int clusters = std::min(slots, units);
       // The schedule must fit the parameter block, and the split parts the workspace.
@@ -933,29 +947,29 @@ absl::Status PersistentGemm::Launch(cudaStream_t stream, bool trans_b, bool f32,
         // The last plan is reused when the batch's unit costs and the options are the same (a
         // repeated batch, or the same routing's next GEMM of the same shape).
         const std::array<int, 6> key{clusters,
-                                     static_cast<int>(k / kBK),
+                                     k_iters,
                                      tail_.split ? tail_.max_split : 1,
                                      sched_force_tail_,
                                      sched_force_split_,
                                      sched_sorted_waves_ < 0 ? -1 : sched_sorted_waves_ * clusters};
-        PlanEntry* hit = nullptr;
-        for (PlanEntry& e : plans_) {
-          if (plan_cache_ && e.key == key && e.costs == costs_) hit = &e;
+        int hit = -1;
+        for (size_t e = 0; e < plans_.size(); ++e) {
+          if (plan_cache_ && plans_[e].key == key && plans_[e].costs == costs_) hit = static_cast<int>(e);
         }
-        last_planned_ = hit == nullptr;
-        if (hit == nullptr) {
+        last_planned_ = hit < 0;
+        if (hit < 0) {
           MOONEP_ASSIGN_OR_RETURN(Schedule planned, PlanSchedule(costs_, key[0], key[1], key[2], key[3], key[4], key[5]));
           if (plans_.size() < kPlanCacheEntries) plans_.emplace_back();
-          hit = &plans_[0];
-          for (PlanEntry& e : plans_) {  // an empty slot or the least recently used
-            if (e.used < hit->used) hit = &e;
+          hit = 0;
+          for (size_t e = 0; e < plans_.size(); ++e) {  // an empty slot or the least recently used
+            if (plans_[e].used < plans_[hit].used) hit = static_cast<int>(e);
           }
-          hit->key = key;
-          hit->costs = costs_;
-          hit->schedule = std::move(planned);
+          plans_[hit].key = key;
+          plans_[hit].costs = costs_;
+          plans_[hit].schedule = std::move(planned);
         }
-        hit->used = ++plan_clock_;
-        schedule_ = hit->schedule;
+        plans_[hit].used = ++plan_clock_;
+        last_plan_ = hit;
         last_swap_groups_ += swapped;
       }
     }
@@ -972,22 +986,20 @@ absl::Status PersistentGemm::Launch(cudaStream_t stream, bool trans_b, bool f32,
           (f32 || !tma_store_ ||
            Encode(encode_, &p->c_map[ng], gr.c, n, gr.rows, gr.ldc, kCColumns, 64));
       if (!ok) return Internal("persistent GEMM: cuTensorMapEncodeTiled refused group %d", i);
-      const bool s = swap && gr.rows % kBN != 0 && (force_swap_ || PrefersSwap(gr.rows, n_tiles));
-      const int m_tiles = static_cast<int>(s ? gr.rows / kBN * 2 : (gr.rows + kBM - 1) / kBM);
+      const Form f = form(gr.rows, swap);
       p->c[ng] = gr.c;
       p->ldc[ng] = gr.ldc;
       p->rows[ng] = static_cast<int32_t>(gr.rows);
-      p->m_tiles[ng] = m_tiles;
-      p->swap_n[ng] = s ? SwapRows(gr.rows % kBN) : 0;
-      units += cluster ? (m_tiles / 2) * n_tiles + (s ? n_tiles : (m_tiles % 2) * (n_tiles / 2))
-                       : m_tiles * n_tiles;
+      p->m_tiles[ng] = f.m_tiles;
+      p->swap_n[ng] = f.swap ? SwapRows(gr.rows % kBN) : 0;
+      units += f.whole + (f.swap ? n_tiles : 0);
       p->unit_start[++ng] = units;
     }
     p->sched_mode = swap ? 1 : 0;
     p->sched_clusters = sched_clusters;
     p->tail_count = 0;
     if (swap) {
-      const Schedule& s = schedule_;
+      const Schedule& s = plans_[last_plan_].schedule;
       for (size_t c = 0; c < s.start.size(); ++c) p->sched_start[c] = static_cast<int16_t>(s.start[c]);
       for (size_t u = 0; u < s.units.size(); ++u) p->sched[u] = static_cast<int16_t>(s.units[u]);
       for (size_t u = 0; u < s.tail_units.size(); ++u) p->tail_units[u] = static_cast<int16_t>(s.tail_units[u]);

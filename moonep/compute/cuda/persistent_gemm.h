@@ -165,7 +165,11 @@ class PersistentGemm {
   // transposed units.
   bool last_scheduled() const { return last_scheduled_; }
   int last_swap_groups() const { return last_swap_groups_; }
-  const Schedule& last_schedule() const { return schedule_; }
+  // The last cost-balanced launch's schedule (empty before any).
+  const Schedule& last_schedule() const {
+    static const Schedule kNone;
+    return last_plan_ < 0 ? kNone : plans_[static_cast<size_t>(last_plan_)].schedule;
+  }
   // The last kPlanCacheEntries plans are reused while a batch's unit costs and the options repeat
   // (default on; off: every launch plans, for measuring the planning's host time).
   // last_planned(): whether the last launch planned.
@@ -233,7 +237,6 @@ class PersistentGemm {
   int sched_sorted_waves_ = -1;
   bool last_scheduled_ = false;
   int last_swap_groups_ = 0;
-  Schedule schedule_;
   std::vector<double> costs_;
   bool plan_cache_ = true, last_planned_ = false;
   // The last few plans (the executor's GEMMs of one routing differ in n and k).
@@ -245,6 +248,7 @@ class PersistentGemm {
     uint64_t used = 0;
   };
   std::vector<PlanEntry> plans_;
+  int last_plan_ = -1;  // the plan the last cost-balanced launch ran
   uint64_t plan_clock_ = 0;
   int last_param_groups_ = 0;
   int last_slots_ = 0;

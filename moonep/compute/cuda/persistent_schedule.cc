@@ -9,6 +9,16 @@
 #include "moonep/core/status.h"
 
 namespace moonep::compute::cuda {
+namespace {
+
+// The split tail's model (TailCost, PlanSchedule), from the H200 traces: a K-step of a whole tile
+// and of a narrow (128-column) one, publishing a part's fp32 partial, and the last part's read of
+// each other part's partial (us; whole / narrow).
+constexpr double kStepUs = 0.67, kNarrowStepUs = 0.47;
+constexpr double kPublishUs = 3.5, kNarrowPublishUs = 2.2;
+constexpr double kFixupUs = 2.3, kNarrowFixupUs = 1.9;
+
+}  // namespace
 
 // The tail's modeled time in microseconds, from the H200 traces in docs/cuda.md ("Where a unit's
 // time goes", "Tenth session"): a 128 x 256 x 64 K-step of a whole tile 0.67 us, of a narrow
@@ -20,10 +30,10 @@ double PersistentGemm::TailCost(int rest, int slots, int k_iters, bool narrow, i
   if (rest <= 0) return 0.0;
   const int items = rest * (narrow ? 2 : 1);
   const int rounds = (items * split + slots - 1) / slots;
-  const double step = narrow ? 0.47 : 0.67;
+  const double step = narrow ? kNarrowStepUs : kStepUs;
   const double main = rounds * ((k_iters + split - 1) / split) * step;
   if (split == 1) return main;
-  return main + (narrow ? 2.2 : 3.5) + (split - 1) * (narrow ? 1.9 : 2.3);
+  return main + (narrow ? kNarrowPublishUs : kPublishUs) + (split - 1) * (narrow ? kNarrowFixupUs : kFixupUs);
 }
 
 absl::StatusOr<PersistentGemm::TailChoice> PersistentGemm::ChooseTail(int rest, int slots, int k_iters,
@@ -115,11 +125,11 @@ absl::StatusOr<PersistentGemm::Schedule> PersistentGemm::PlanSchedule(const std:
   std::sort(values.begin(), values.end());
   values.erase(std::unique(values.begin(), values.end()), values.end());
   const int nv = static_cast<int>(values.size());
-  std::vector<int> value_of(units);
-  for (int u = 0; u < units; ++u) {
-    value_of[u] = static_cast<int>(std::lower_bound(values.begin(), values.end(), costs[u]) - values.begin());
-  }
   if (nv <= 16 && clusters > 1 && units > 0) {
+    std::vector<int> value_of(units);
+    for (int u = 0; u < units; ++u) {
+      value_of[u] = static_cast<int>(std::lower_bound(values.begin(), values.end(), costs[u]) - values.begin());
+    }
     std::vector<int> count(static_cast<size_t>(clusters) * nv, 0);
     auto cnt = [&](int c, int v) -> int& { return count[static_cast<size_t>(c) * nv + v]; };
     for (int u = 0; u < units; ++u) ++cnt(where[u], value_of[u]);
@@ -216,8 +226,8 @@ absl::StatusOr<PersistentGemm::Schedule> PersistentGemm::PlanSchedule(const std:
   // own cluster, the least loaded first, where the model finds that shorter. A split
   // part's fixed costs in whole-tile times (TailCost's): publishing its partial, and for the last
   // part reading each other one.
-  const double tile_us = 0.67 * k_iters;
-  const double publish = 3.5 / tile_us, fixup = 2.3 / tile_us;
+  const double tile_us = kStepUs * k_iters;
+  const double publish = kPublishUs / tile_us, fixup = kFixupUs / tile_us;
   Schedule s;
   s.makespan = units > 0 ? *std::max_element(load.begin(), load.end()) : 0.0;
   // Tail candidates: the units last in each cluster's list, the most loaded clusters' first.
