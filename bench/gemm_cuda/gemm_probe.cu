@@ -10,10 +10,11 @@
 //                partition the GPU instead of each planning for all of it
 //   lt-part-S-xF: SM shares scaled by F (oversubscribed)
 //
-//   moonep-gemm-probe [--reps N] [--only SHAPE_INDEX] [--quick] [--trace] [--flush]
+//   moonep-gemm-probe [--reps N] [--only SHAPE_INDEX] [--quick] [--trace] [--flush] [--variants A,B]
 //   (--quick: no checks, only the dense GEMM and the default persistent kernel: for profilers;
 //    --trace: a timeline of the persistent kernel's units per shape, from globaltimer records;
-//    --flush: 256 MiB overwritten before every interleaved run, as in moonep-bench-gemm-cuda)
+//    --flush: 256 MiB overwritten before every interleaved run, as in moonep-bench-gemm-cuda;
+//    --variants: only these persistent variants besides the default "pers")
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -277,7 +278,16 @@ int main(int argc, char** argv) {
   int split_unit = -1;          // --split-unit U: the trace's unit times for units < U and >= U apart
   bool f32 = false;             // --f32 (with --trace): fp32 outputs
   bool flush = false;           // --flush: the interleaved rounds overwrite 256 MiB before every run
+  std::vector<std::string> only_variants;  // --variants a,b: only these persistent variants (and "pers")
   for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--variants" && i + 1 < argc) {
+      std::string list = argv[++i];
+      for (size_t at = 0; at <= list.size();) {
+        const size_t comma = std::min(list.find(',', at), list.size());
+        only_variants.push_back(list.substr(at, comma - at));
+        at = comma + 1;
+      }
+    }
     if (std::string(argv[i]) == "--reps" && i + 1 < argc) reps = std::max(1, std::atoi(argv[++i]));
     if (std::string(argv[i]) == "--only" && i + 1 < argc) only = std::atoi(argv[++i]);
     if (std::string(argv[i]) == "--quick") quick = true;
@@ -715,13 +725,29 @@ int main(int argc, char** argv) {
     // One instance per variant, set up once: each keeps its own plan (its cache hits from the
     // second round on, as a repeated batch's does), so no variant's timing includes planning.
     static std::vector<std::unique_ptr<PersistentGemm>> instances;
+    std::vector<const PVariant*> timed;  // the variants timed: --variants' (the default first), or all
     for (const PVariant& v : pvariants) {
       if (quick && &v != pvariants) break;
+      bool wanted = only_variants.empty() || &v == pvariants;
+      for (const std::string& name : only_variants) wanted = wanted || name == v.name;
+      if (wanted) timed.push_back(&v);
+    }
+    for (const std::string& name : only_variants) {
+      bool known = false;
+      for (const PVariant& v : pvariants) known = known || name == v.name;
+      if (!known) {
+        std::fprintf(stderr, "--variants: no persistent variant named '%s'\n", name.c_str());
+        return 2;
+      }
+    }
+    for (const PVariant* vp : timed) {
+      const PVariant& v = *vp;
       const size_t idx = static_cast<size_t>(&v - pvariants);
-      if (instances.size() <= idx) {
+      if (instances.size() <= idx) instances.resize(idx + 1);
+      if (instances[idx] == nullptr) {
         auto created = PersistentGemm::Create();
         CHECK_OK(created.status());
-        instances.push_back(std::move(*created));
+        instances[idx] = std::move(*created);
       }
       PersistentGemm* inst = instances[idx].get();
       inst->set_stream_k(v.split);
@@ -749,7 +775,7 @@ int main(int argc, char** argv) {
     std::snprintf(buf, sizeof(buf), "  | interleaved: dense %.0f", tf(ims[0]));
     line += buf;
     for (size_t f = 1; f < ims.size(); ++f) {
-      const char* name = f < first_pers ? GemmStrategyName(il_strategies[f - 1]) : pvariants[f - first_pers].name;
+      const char* name = f < first_pers ? GemmStrategyName(il_strategies[f - 1]) : timed[f - first_pers]->name;
       std::snprintf(buf, sizeof(buf), "  %s %.0f (%.2f, %.0f us)", name, tf(ims[f]), ims[0] / ims[f],
                     1e3 * ims[f]);
       line += buf;
