@@ -1,8 +1,8 @@
 // Thirteenth session: the schedule model's makespans for the benchmark's Zipf shapes (n = 2048,
-// 66 clusters), as in docs/cuda.md 'Thirteenth session'. Built on the host against
+// 66 clusters), as in docs/cuda.md 'Thirteenth session'. Built against
 // persistent_schedule.cc with cuda-schedule-unequal-parts-model-s13.patch applied (it prints
 // the patch's Schedule fields; the no-tail column is max_split 1):
-//   g++ -std=c++17 -O2 -I. -Imoonep/include -I/usr/local/cuda/include THIS moonep/compute/cuda/persistent_schedule.cc \
+//   nvcc -std=c++17 -O2 -I. -Imoonep/include THIS moonep/compute/cuda/persistent_schedule.cc \
 //     build-cuda/lib/libmoonep_core.a -labsl_status -labsl_strings -labsl_str_format_internal -labsl_statusor
 #include <chrono>
 #include <cmath>
@@ -11,22 +11,10 @@
 #include <random>
 #include <vector>
 #include <algorithm>
+#include "bench/gemm_cuda/bench_util.cuh"
 #include "moonep/compute/cuda/persistent_gemm.h"
 using moonep::compute::cuda::PersistentGemm;
-std::vector<int64_t> GroupSizes(int groups, int64_t avg, bool zipf, uint64_t seed) {
-  std::vector<int64_t> sizes(groups, avg);
-  if (!zipf) return sizes;
-  const int64_t total = avg * groups;
-  std::vector<double> w(groups);
-  for (int i = 0; i < groups; ++i) w[i] = 1.0 / std::pow(i + 1.0, 1.2);
-  const double sum = std::accumulate(w.begin(), w.end(), 0.0);
-  int64_t assigned = 0;
-  for (int i = 0; i < groups; ++i) { sizes[i] = (int64_t)std::floor(total * w[i] / sum); assigned += sizes[i]; }
-  sizes[0] += total - assigned;
-  std::mt19937_64 rng(seed);
-  std::shuffle(sizes.begin(), sizes.end(), rng);
-  return sizes;
-}
+using moonep::bench_gemm::GroupSizes;
 int main(int argc, char** argv) {
   const int n_tiles = 8, k_iters = argc > 1 ? atoi(argv[1]) : 112;
   for (int g : {8, 32, 64}) for (int avg : {256, 512, 1024}) {
