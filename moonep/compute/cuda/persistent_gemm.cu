@@ -140,6 +140,24 @@ __device__ __forceinline__ void TmaLoad2dMulticast(void* dst, const CUtensorMap*
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(SmemAddr(bar)), "h"(mask)
       : "memory");
 }
+// 3-D boxes: the N-major weights as [n / 64][k][64] (TmaLoad3d's c0 = 0, c1 = k, c2 = n / 64), so
+// that one load brings 128 columns as two 64-column panels, the layout of two 2-D boxes.
+__device__ __forceinline__ void TmaLoad3d(void* dst, const CUtensorMap* map, int c0, int c1, int c2,
+                                          uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(SmemAddr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(SmemAddr(bar))
+      : "memory");
+}
+__device__ __forceinline__ void TmaLoad3dMulticast(void* dst, const CUtensorMap* map, int c0, int c1, int c2,
+                                                   uint64_t* bar, uint16_t mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      ".multicast::cluster [%0], [%1, {%2, %3, %4}], [%5], %6;" ::"r"(SmemAddr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(SmemAddr(bar)), "h"(mask)
+      : "memory");
+}
 // Arrives on the barrier at the same offset in cluster CTA `rank`.
 __device__ __forceinline__ void MbarArriveCluster(uint64_t* bar, uint32_t rank) {
   uint32_t remote;
@@ -353,19 +371,18 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
           const int kc = k * kBK;
           if (kCluster > 1 && t.swap_n > 0) {
             // Transposed: the A stage holds op(B)^T, this CTA's 128 output columns x 64 k; the B
-            // stage the group's rows [row0, + swap_n) x 64 k in boxes of 64 rows, box j loaded by
-            // CTA j % 2 for both.
-            const int nb = (t.swap_n + 63) / 64;
-            MbarExpectTx(&full[stage], kABytes + nb * 8192);
+            // stage the group's rows [row0, + swap_n) x 64 k in boxes of 128 rows, box j loaded by
+            // CTA j % 2 for both (rows past the group's end arrive as zeros and are not read).
+            const int nb = (t.swap_n + 127) / 128;
+            MbarExpectTx(&full[stage], kABytes + nb * 16384);
             const int i0 = t.nt * kBN + 128 * rank;
             if (kTransB) {  // B as [n][k]: one box of 128 rows, K-major
               TmaLoad2d(a, &p.b_map[t.g], kc, i0, &full[stage]);
-            } else {  // B as [k][n]: two boxes of 64 columns, MN-major
-              TmaLoad2d(a, &p.b_map[t.g], i0, kc, &full[stage]);
-              TmaLoad2d(a + 8192, &p.b_map[t.g], i0 + 64, kc, &full[stage]);
+            } else {  // B as [k][n]: 128 columns as two 64-column panels, MN-major
+              TmaLoad3d(a, &p.b_map[t.g], 0, kc, i0 / 64, &full[stage]);
             }
             for (int j = rank; j < nb; j += 2) {
-              TmaLoad2dMulticast(b + j * 8192, &p.a_map[t.g], kc, t.row0 + 64 * j, &full[stage], kBoth);
+              TmaLoad2dMulticast(b + j * 16384, &p.a_map[t.g], kc, t.row0 + 128 * j, &full[stage], kBoth);
             }
             if (++stage == kStages) {
               stage = 0;
@@ -374,11 +391,10 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
             continue;
           }
           MbarExpectTx(&full[stage], kABytes + (h < 0 ? kBBytes : kBBytes / 2));
-          if (mc_a) {  // the two CTAs share the row tile: each loads 64 rows for both
-            TmaLoad2dMulticast(a + rank * 8192, &p.a_map[t.g], kc, t.mt * kBM + 64 * rank, &full[stage], kBoth);
+          if (mc_a) {  // the two CTAs share the row tile: rank 0 loads it for both
+            if (rank == 0) TmaLoad2dMulticast(a, &p.a_map[t.g], kc, t.mt * kBM, &full[stage], kBoth);
           } else {
             TmaLoad2d(a, &p.a_map[t.g], kc, t.mt * kBM, &full[stage]);
-            TmaLoad2d(a + 8192, &p.a_map[t.g], kc, t.mt * kBM + 64, &full[stage]);
           }
           if (h >= 0) {  // a narrow tile: columns [128h, 128h + 128) of the column tile
             if (kTransB) {  // one box of 128 columns; in a pair, rank 0 loads it for both
@@ -387,14 +403,12 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
               } else if (rank == 0) {
                 TmaLoad2dMulticast(b, &p.b_map[t.g], kc, t.nt * kBN + 128 * h, &full[stage], kBoth);
               }
-            } else {  // two boxes of 64 columns, one per CTA of a pair
-              for (int j = 0; j < 2; ++j) {
-                const int col = t.nt * kBN + 128 * h + j * 64;
-                if (!mc_b) {
-                  TmaLoad2d(b + j * 8192, &p.b_map[t.g], col, kc, &full[stage]);
-                } else if (j == rank) {
-                  TmaLoad2dMulticast(b + j * 8192, &p.b_map[t.g], col, kc, &full[stage], kBoth);
-                }
+            } else {  // two panels of 64 columns; in a pair, rank 0 loads them for both
+              const int c2 = (t.nt * kBN + 128 * h) / 64;
+              if (!mc_b) {
+                TmaLoad3d(b, &p.b_map[t.g], 0, kc, c2, &full[stage]);
+              } else if (rank == 0) {
+                TmaLoad3dMulticast(b, &p.b_map[t.g], 0, kc, c2, &full[stage], kBoth);
               }
             }
           } else if (kTransB) {  // B as [n][k]: two boxes of 128 columns
@@ -404,12 +418,13 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
               TmaLoad2d(b, &p.b_map[t.g], kc, t.nt * kBN, &full[stage]);
               TmaLoad2d(b + 16384, &p.b_map[t.g], kc, t.nt * kBN + 128, &full[stage]);
             }
-          } else {  // B as [k][n]: four boxes of 64 columns
-            for (int j = 0; j < kBN / 64; ++j) {
+          } else {  // B as [k][n]: four panels of 64 columns, two per load
+            for (int j = 0; j < 2; ++j) {
+              const int c2 = (t.nt * kBN + 128 * j) / 64;
               if (!mc_b) {
-                TmaLoad2d(b + j * 8192, &p.b_map[t.g], t.nt * kBN + j * 64, kc, &full[stage]);
-              } else if (j / 2 == rank) {
-                TmaLoad2dMulticast(b + j * 8192, &p.b_map[t.g], t.nt * kBN + j * 64, kc, &full[stage], kBoth);
+                TmaLoad3d(b + j * 16384, &p.b_map[t.g], 0, kc, c2, &full[stage]);
+              } else if (j == rank) {
+                TmaLoad3dMulticast(b + j * 16384, &p.b_map[t.g], 0, kc, c2, &full[stage], kBoth);
               }
             }
           }
@@ -727,6 +742,21 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
 
 using EncodeFn = PFN_cuTensorMapEncodeTiled_v12000;
 
+// N-major weights [k][n] (row stride ld_elems) as the 3-D tensor [n / 64][k][64], boxes of
+// {64, box_k, 2}: two 64-column panels per load.
+bool EncodePanels(void* fn, CUtensorMap* map, const void* base, uint64_t n, uint64_t k, uint64_t ld_elems,
+                  uint32_t box_k) {
+  const cuuint64_t dims[3] = {64, k, n / 64};
+  const cuuint64_t strides[2] = {ld_elems * 2, 128};
+  const cuuint32_t box[3] = {64, box_k, 2};
+  const cuuint32_t elem[3] = {1, 1, 1};
+  return reinterpret_cast<EncodeFn>(fn)(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3,
+                                        const_cast<void*>(base), dims, strides, box, elem,
+                                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 bool Encode(void* fn, CUtensorMap* map, const void* base, uint64_t inner, uint64_t outer,
             uint64_t ld_elems, uint32_t box_inner, uint32_t box_outer) {
   const cuuint64_t dims[2] = {inner, outer};
@@ -978,11 +1008,14 @@ absl::Status PersistentGemm::Launch(cudaStream_t stream, bool trans_b, bool f32,
     for (; next < end; ++next) {
       const size_t i = static_cast<size_t>(order_[next]);
       const PersistentGroup& gr = groups[i];
-      // Boxes: A 64 rows x 64 k; B 64 k x 64 n (N-major) or 128 n x 64 k (K-major).
+      // Boxes: A 128 rows x 64 k; B 64 k x 128 n as two 64-column panels (N-major, EncodePanels) or
+      // 128 n x 64 k (K-major). Fewer, larger loads per stage: with 64-row A boxes and 64-column B
+      // boxes (before the fourteenth session) a transposed unit of 160 rows took 22 % longer
+      // (docs/cuda.md).
       const bool ok =
-          Encode(encode_, &p->a_map[ng], gr.a, k, gr.rows, gr.lda, kBK, 64) &&
+          Encode(encode_, &p->a_map[ng], gr.a, k, gr.rows, gr.lda, kBK, 128) &&
           (trans_b ? Encode(encode_, &p->b_map[ng], gr.b, k, n, gr.ldb, kBK, 128)
-                   : Encode(encode_, &p->b_map[ng], gr.b, n, k, gr.ldb, 64, kBK)) &&
+                   : EncodePanels(encode_, &p->b_map[ng], gr.b, n, k, gr.ldb, kBK)) &&
           (f32 || !tma_store_ ||
            Encode(encode_, &p->c_map[ng], gr.c, n, gr.rows, gr.ldc, kCColumns, 64));
       if (!ok) return Internal("persistent GEMM: cuTensorMapEncodeTiled refused group %d", i);
