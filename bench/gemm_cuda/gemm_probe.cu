@@ -677,6 +677,7 @@ int main(int argc, char** argv) {
       bool big_params = false;  // set_small_params(false): the 64-group parameter block
       bool swap = true;         // set_swap: transposed remainders and the cost-balanced schedule
       int sorted_waves = -1;    // set_schedule_sorted_waves (-1: every unit, longest first)
+      int sched_tail = 0, sched_split = 0;  // set_schedule_tail_override (0: the model's tail)
     };
     const PVariant pvariants[] = {{"pers", true, true, true, false, 8},
                                   {"pers-nocluster", true, false, true, false, 8},
@@ -698,7 +699,14 @@ int main(int argc, char** argv) {
                                   {"pers-sorted2", true, true, true, false, 8, true, true, 0, false, false, true, 2},
                                   {"pers-list", true, true, true, false, 8, true, true, 0, false, false, true, 0},
                                   {"pers-sorted1", true, true, true, false, 8, true, true, 0, false, false, true, 1},
-                                  {"pers-sorted2-il", true, true, true, true, 8, true, true, 0, false, false, true, 2}};
+                                  {"pers-sorted2-il", true, true, true, true, 8, true, true, 0, false, false, true, 2},
+                                  // The cost-balanced schedule's split tail forced: units x parts.
+                                  {"pers-t8x2", true, true, true, false, 8, true, true, 0, false, false, true, -1, 8, 2},
+                                  {"pers-t8x4", true, true, true, false, 8, true, true, 0, false, false, true, -1, 8, 4},
+                                  {"pers-t8x6", true, true, true, false, 8, true, true, 0, false, false, true, -1, 8, 6},
+                                  {"pers-t16x2", true, true, true, false, 8, true, true, 0, false, false, true, -1, 16, 2},
+                                  {"pers-t16x3", true, true, true, false, 8, true, true, 0, false, false, true, -1, 16, 3},
+                                  {"pers-t24x2", true, true, true, false, 8, true, true, 0, false, false, true, -1, 24, 2}};
     // The dense GEMM and every variant timed in interleaved rounds (ratios to this dense figure).
     std::vector<std::function<void()>> fns;
     fns.push_back([&] {
@@ -761,6 +769,7 @@ int main(int argc, char** argv) {
       inst->set_small_params(!v.big_params);
       inst->set_swap(v.swap);
       inst->set_schedule_sorted_waves(v.sorted_waves);
+      inst->set_schedule_tail_override(v.sched_tail, v.sched_split);
       fns.push_back([&, inst] {
         CHECK_OK(inst->Run(stream, false, DType::kBFloat16, kI, kH, pgroups.data(), pgroups.size()));
       });
