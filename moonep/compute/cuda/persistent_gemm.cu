@@ -526,6 +526,19 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
       const int r0 = t.mt * kBM + c * 64 + warp * 16 + lane / 4;
       const int col0 = col_base + 2 * (lane % 4);
       const int64_t ldc = p.ldc[t.g];
+      // One 64-row box of the bf16 epilogue through this warpgroup's staging buffers, used in turn:
+      // once the store before the newest has read the buffer, `fill` writes it, and a TMA store writes it out at {c0, c1}, clipped to the group's rows, while the
+      // warpgroup goes on.
+      auto stage_and_store = [&](int part, int c0, int c1, auto&& fill) __attribute__((always_inline)) {
+        unsigned char* buf = sc + c * (kCBytes / 2) + (cbuf++ % 2) * (kCBytes / 4);
+        if (tid == 0) BulkWait<1, true>();
+        WarpgroupBarrier(c);
+        fill(buf);
+        if (tracing && part == 0) trace_times[2] = GlobalTimer();
+        FenceProxyAsync();
+        WarpgroupBarrier(c);
+        if (tid == 0) TmaStore2d(&p.c_map[t.g], buf, c0, c1);
+      };
       auto store_pair = [&](int r, int col, float x, float y) {  // columns col, col + 1 of row r
         if (kOutF32) {
           *reinterpret_cast<float2*>(static_cast<float*>(p.c[t.g]) + r * ldc + col) = make_float2(x, y);
@@ -618,22 +631,17 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
           const int mat = lane / 8;
 #pragma unroll
           for (int part = 0; part < (kN + 63) / 64; ++part) {
-            unsigned char* buf = sc + c * (kCBytes / 2) + (cbuf++ % 2) * (kCBytes / 4);
-            if (tid == 0) BulkWait<1, true>();
-            WarpgroupBarrier(c);
+            stage_and_store(part, t.nt * kBN + 128 * rank + c * 64, t.row0 + part * 64, [&](unsigned char* buf) __attribute__((always_inline)) {
 #pragma unroll
-            for (int jj = 0; jj < 8 && part * 8 + jj < kN / 8; jj += 2) {
-              const int j = part * 8 + jj;  // row blocks j (matrices 0, 1) and j + 1 (2, 3)
-              const int row = 8 * (jj + (mat >> 1)) + lane % 8;
-              const int chunk = 2 * warp + (mat & 1);
-              const uint32_t addr = SmemAddr(buf) + row * 128 + ((chunk ^ (row % 8)) << 4);
-              StMatrix4Trans(addr, PackBf16(acc[4 * j], acc[4 * j + 1]), PackBf16(acc[4 * j + 2], acc[4 * j + 3]),
-                             PackBf16(acc[4 * j + 4], acc[4 * j + 5]), PackBf16(acc[4 * j + 6], acc[4 * j + 7]));
-            }
-            if (tracing && part == 0) trace_times[2] = GlobalTimer();
-            FenceProxyAsync();
-            WarpgroupBarrier(c);
-            if (tid == 0) TmaStore2d(&p.c_map[t.g], buf, t.nt * kBN + 128 * rank + c * 64, t.row0 + part * 64);
+              for (int jj = 0; jj < 8 && part * 8 + jj < kN / 8; jj += 2) {
+                const int j = part * 8 + jj;  // row blocks j (matrices 0, 1) and j + 1 (2, 3)
+                const int row = 8 * (jj + (mat >> 1)) + lane % 8;
+                const int chunk = 2 * warp + (mat & 1);
+                const uint32_t addr = SmemAddr(buf) + row * 128 + ((chunk ^ (row % 8)) << 4);
+                StMatrix4Trans(addr, PackBf16(acc[4 * j], acc[4 * j + 1]), PackBf16(acc[4 * j + 2], acc[4 * j + 3]),
+                               PackBf16(acc[4 * j + 4], acc[4 * j + 5]), PackBf16(acc[4 * j + 6], acc[4 * j + 7]));
+              }
+            });
           }
         }
       } else if (kOutF32 || (!p.wide_store && !p.tma_store)) {
@@ -655,21 +663,16 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
         const int row = warp * 16 + lane % 8 + 8 * (mat & 1);  // this lane's row address
 #pragma unroll
         for (int part = 0; part < kN / kCColumns; ++part) {
-          unsigned char* buf = sc + c * (kCBytes / 2) + (cbuf++ % 2) * (kCBytes / 4);
-          if (tid == 0) BulkWait<1, true>();  // the store before the newest has read its buffer
-          WarpgroupBarrier(c);
+          stage_and_store(part, col_base + part * kCColumns, t.mt * kBM + c * 64, [&](unsigned char* buf) __attribute__((always_inline)) {
 #pragma unroll
-          for (int jj = 0; jj < kCColumns / 8; jj += 2) {
-            const int j = part * (kCColumns / 8) + jj;  // blocks j (matrices 0, 1) and j + 1 (2, 3)
-            const int chunk = jj + (mat >> 1);
-            const uint32_t addr = SmemAddr(buf) + row * 128 + ((chunk ^ (row % 8)) << 4);
-            StMatrix4(addr, PackBf16(acc[4 * j], acc[4 * j + 1]), PackBf16(acc[4 * j + 2], acc[4 * j + 3]),
-                      PackBf16(acc[4 * j + 4], acc[4 * j + 5]), PackBf16(acc[4 * j + 6], acc[4 * j + 7]));
-          }
-          if (tracing && part == 0) trace_times[2] = GlobalTimer();
-          FenceProxyAsync();
-          WarpgroupBarrier(c);
-          if (tid == 0) TmaStore2d(&p.c_map[t.g], buf, col_base + part * kCColumns, t.mt * kBM + c * 64);
+            for (int jj = 0; jj < kCColumns / 8; jj += 2) {
+              const int j = part * (kCColumns / 8) + jj;  // blocks j (matrices 0, 1) and j + 1 (2, 3)
+              const int chunk = jj + (mat >> 1);
+              const uint32_t addr = SmemAddr(buf) + row * 128 + ((chunk ^ (row % 8)) << 4);
+              StMatrix4(addr, PackBf16(acc[4 * j], acc[4 * j + 1]), PackBf16(acc[4 * j + 2], acc[4 * j + 3]),
+                        PackBf16(acc[4 * j + 4], acc[4 * j + 5]), PackBf16(acc[4 * j + 6], acc[4 * j + 7]));
+            }
+          });
         }
       } else {
         // bf16, 16 bytes per lane: lane q of a quad holds columns 8j + 2q, +1 of every block j;
