@@ -15,7 +15,10 @@
 //    --trace: a timeline of the persistent kernel's units per shape, from globaltimer records;
 //    --flush: 256 MiB overwritten before every interleaved run, as in moonep-bench-gemm-cuda;
 //    --variants: only these persistent variants besides the default "pers"; the forced split
-//    tails pers-tUxP run only when named here)
+//    tails pers-tUxP run only when named here;
+//    with --trace: --force-swap every group's remainder transposed (set_force_swap),
+//    --sorted-waves W the schedule's list order (set_schedule_sorted_waves), --trace-default-only
+//    the default launch's timeline alone)
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -279,6 +282,9 @@ int main(int argc, char** argv) {
   int split_unit = -1;          // --split-unit U: the trace's unit times for units < U and >= U apart
   bool f32 = false;             // --f32 (with --trace): fp32 outputs
   bool flush = false;           // --flush: the interleaved rounds overwrite 256 MiB before every run
+  bool force_swap = false;      // --force-swap (with --trace): every remainder transposed
+  int sorted_waves = -2;        // --sorted-waves W (with --trace): set_schedule_sorted_waves(W)
+  bool trace_default_only = false;  // --trace-default-only: no other launch forms in the trace
   std::vector<std::string> only_variants;  // --variants a,b: only these persistent variants (and "pers")
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--variants" && i + 1 < argc) {
@@ -296,6 +302,9 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--overhead") overhead = quick = true;
     if (std::string(argv[i]) == "--f32") f32 = true;
     if (std::string(argv[i]) == "--flush") flush = true;
+    if (std::string(argv[i]) == "--force-swap") force_swap = true;
+    if (std::string(argv[i]) == "--trace-default-only") trace_default_only = true;
+    if (std::string(argv[i]) == "--sorted-waves" && i + 1 < argc) sorted_waves = std::max(-1, std::atoi(argv[++i]));
     if (std::string(argv[i]) == "--split-unit" && i + 1 < argc) split_unit = std::atoi(argv[++i]);
     if (std::string(argv[i]) == "--sizes" && i + 1 < argc) {
       const char* c = argv[++i];
@@ -312,8 +321,8 @@ int main(int argc, char** argv) {
       }
     }
   }
-  if (f32 && !trace) {
-    std::fprintf(stderr, "--f32 goes with --trace only\n");
+  if ((f32 || force_swap || trace_default_only || sorted_waves != -2) && !trace) {
+    std::fprintf(stderr, "--f32, --force-swap, --sorted-waves and --trace-default-only go with --trace only\n");
     return 2;
   }
   const int64_t max_rows = 65536, max_groups = 64;  // the buffers below
@@ -557,7 +566,9 @@ int main(int argc, char** argv) {
       // MOONEP_TRACE_DUMP=prefix: the raw records of the default and the no-swap launches go to
       // prefix<shape>-<variant>.bin (6 words a unit, kCap units a CTA, num_sms CTAs).
       const char* dump = std::getenv("MOONEP_TRACE_DUMP");
-      for (int v = 0; v < 5; ++v) {
+      (*pg)->set_force_swap(force_swap);
+      if (sorted_waves != -2) (*pg)->set_schedule_sorted_waves(sorted_waves);
+      for (int v = 0; v < (trace_default_only ? 1 : 5); ++v) {
         (*pg)->set_cluster(v != 1);
         (*pg)->set_narrow_tail(v != 2);
         (*pg)->set_tma_store(v != 3);
