@@ -18,7 +18,12 @@
 //    tails pers-tUxP run only when named here;
 //    with --trace: --force-swap every group's remainder transposed (set_force_swap),
 //    --sorted-waves W the schedule's list order (set_schedule_sorted_waves), --trace-default-only
-//    the default launch's timeline alone)
+//    the default launch's timeline alone;
+//    --sustain MS: the dense GEMM, then the default persistent kernel, each called back to back
+//    for MS ms (twice, 1 s apart), printing the time per call and the wall-clock window of each
+//    phase, to read against `nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw -lms 20`;
+//    --shared-weights: every group multiplies by the same weight matrix, so that the grouped GEMM
+//    reads no more weight bytes from HBM than the dense GEMM)
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -32,12 +37,14 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <memory>
 #include <functional>
 #include <map>
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -285,6 +292,8 @@ int main(int argc, char** argv) {
   bool force_swap = false;      // --force-swap (with --trace): every remainder transposed
   int sorted_waves = -2;        // --sorted-waves W (with --trace): set_schedule_sorted_waves(W)
   bool trace_default_only = false;  // --trace-default-only: no other launch forms in the trace
+  int sustain_ms = 0;           // --sustain MS: each of dense and persistent back to back for MS ms
+  bool shared_weights = false;  // --shared-weights: one weight matrix for every group
   std::vector<std::string> only_variants;  // --variants a,b: only these persistent variants (and "pers")
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--variants" && i + 1 < argc) {
@@ -300,9 +309,12 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--quick") quick = true;
     if (std::string(argv[i]) == "--trace") trace = quick = true;
     if (std::string(argv[i]) == "--overhead") overhead = quick = true;
+    if (std::string(argv[i]) == "--sustain") quick = true;
+    if (std::string(argv[i]) == "--shared-weights") shared_weights = true;
     if (std::string(argv[i]) == "--f32") f32 = true;
     if (std::string(argv[i]) == "--flush") flush = true;
     if (std::string(argv[i]) == "--force-swap") force_swap = true;
+    if (std::string(argv[i]) == "--sustain" && i + 1 < argc) sustain_ms = std::max(1, std::atoi(argv[++i]));
     if (std::string(argv[i]) == "--trace-default-only") trace_default_only = true;
     if (std::string(argv[i]) == "--sorted-waves" && i + 1 < argc) sorted_waves = std::max(-1, std::atoi(argv[++i]));
     if (std::string(argv[i]) == "--split-unit" && i + 1 < argc) split_unit = std::atoi(argv[++i]);
@@ -468,7 +480,9 @@ int main(int argc, char** argv) {
     auto tf = [&](double ms) { return flops / (ms * 1e-3) / 1e12; };
     std::vector<int64_t> offset(sizes.size() + 1, 0);
     for (size_t g = 0; g < sizes.size(); ++g) offset[g + 1] = offset[g] + sizes[g];
-    auto wg = [&](int g) { return static_cast<const char*>(w) + static_cast<size_t>(g) * kH * kI * 2; };
+    auto wg = [&](int g) {
+      return static_cast<const char*>(w) + (shared_weights ? 0 : static_cast<size_t>(g) * kH * kI * 2);
+    };
     auto xg = [&](int g) { return static_cast<const char*>(x) + static_cast<size_t>(offset[g]) * kH * 2; };
     auto yg = [&](int g) { return static_cast<char*>(y) + static_cast<size_t>(offset[g]) * kI * out_bytes; };
     std::vector<PersistentGroup> pgroups;
@@ -490,6 +504,61 @@ int main(int argc, char** argv) {
                                CUDA_R_16BF, kI, x, CUDA_R_16BF, kH, &zero, y, CUDA_R_16BF, kI,
                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     });
+    if (sustain_ms > 0) {
+      // Back-to-back calls for sustain_ms (a sync every 10 calls), then 1 s idle. The wall-clock
+      // window (local time, as nvidia-smi's timestamps) places each phase in a clock/power log.
+      auto now_ms = [] {
+        return std::chrono::duration<double, std::milli>(std::chrono::system_clock::now().time_since_epoch()).count();
+      };
+      auto stamp = [](double ms) {
+        const std::time_t t = static_cast<std::time_t>(ms / 1e3);
+        char b[64];
+        std::strftime(b, sizeof(b), "%H:%M:%S", std::localtime(&t));
+        char out[80];
+        std::snprintf(out, sizeof(out), "%s.%03d", b, static_cast<int>(std::fmod(ms, 1e3)));
+        return std::string(out);
+      };
+      auto sustain = [&](const char* name, const std::function<void()>& fn) {
+        for (int i = 0; i < 3; ++i) fn();
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+        cudaEvent_t a, b;
+        CHECK_CUDA(cudaEventCreate(&a));
+        CHECK_CUDA(cudaEventCreate(&b));
+        const double t0 = now_ms();
+        CHECK_CUDA(cudaEventRecord(a, stream));
+        int calls = 0;
+        while (now_ms() - t0 < sustain_ms) {
+          for (int i = 0; i < 10; ++i) fn();
+          calls += 10;
+          CHECK_CUDA(cudaStreamSynchronize(stream));
+        }
+        CHECK_CUDA(cudaEventRecord(b, stream));
+        CHECK_CUDA(cudaEventSynchronize(b));
+        const double t1 = now_ms();
+        float ms = 0;
+        CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
+        CHECK_CUDA(cudaEventDestroy(a));
+        CHECK_CUDA(cudaEventDestroy(b));
+        std::printf("sustain %dx%lld_%s %-10s %d calls, %.1f us per call (%.0f TFLOP/s), from %s to %s\n", sh.groups,
+                    static_cast<long long>(sh.avg), sh.zipf ? "zipf1.2" : "uniform", name, calls,
+                    1e3 * ms / calls, tf(ms / calls), stamp(t0).c_str(), stamp(t1).c_str());
+        std::fflush(stdout);
+        std::this_thread::sleep_for(std::chrono::seconds(1));
+      };
+      auto dense_fn = [&] {
+        CHECK_BLAS(cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, kI, static_cast<int>(total), kH, &one, w,
+                                 CUDA_R_16BF, kI, x, CUDA_R_16BF, kH, &zero, y, CUDA_R_16BF, kI,
+                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      };
+      auto pers_fn = [&] {
+        CHECK_OK((*pg)->Run(stream, false, DType::kBFloat16, kI, kH, pgroups.data(), pgroups.size()));
+      };
+      for (int round = 0; round < 2; ++round) {
+        sustain("dense", dense_fn);
+        sustain("persistent", pers_fn);
+      }
+      continue;
+    }
     if (overhead) {
       // Host microseconds per call (no sync), GPU microseconds per call with a sync after every
       // call (as TimeMs) and with 20 calls queued back to back (host work hidden behind the GPU).
