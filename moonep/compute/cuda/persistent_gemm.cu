@@ -527,8 +527,8 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
       const int col0 = col_base + 2 * (lane % 4);
       const int64_t ldc = p.ldc[t.g];
       // One 64-row box of the bf16 epilogue through this warpgroup's staging buffers, used in turn:
-      // once the store before the newest has read the buffer, `fill` writes it, and a TMA store writes it out at {c0, c1}, clipped to the group's rows, while the
-      // warpgroup goes on.
+      // once the store before the newest has read the buffer, `fill` writes it, and a TMA store
+      // writes it out at {c0, c1}, clipped to the group's rows, while the warpgroup goes on.
       auto stage_and_store = [&](int part, int c0, int c1, auto&& fill) __attribute__((always_inline)) {
         unsigned char* buf = sc + c * (kCBytes / 2) + (cbuf++ % 2) * (kCBytes / 4);
         if (tid == 0) BulkWait<1, true>();
@@ -745,6 +745,18 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentGemmKernel(const __grid
 
 using EncodeFn = PFN_cuTensorMapEncodeTiled_v12000;
 
+// A bf16 tensor map of `rank` dimensions (dims innermost first, byte strides of the outer ones),
+// 128-byte swizzled boxes; rows or columns past the tensor's end load as zeros.
+bool EncodeTiled(void* fn, CUtensorMap* map, const void* base, uint32_t rank, const cuuint64_t* dims,
+                 const cuuint64_t* strides, const cuuint32_t* box) {
+  const cuuint32_t elem[3] = {1, 1, 1};
+  return reinterpret_cast<EncodeFn>(fn)(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank,
+                                        const_cast<void*>(base), dims, strides, box, elem,
+                                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 // N-major weights [k][n] (row stride ld_elems) as the 3-D tensor [n / 64][k][64], boxes of
 // {64, box_k, 2}: two 64-column panels per load.
 bool EncodePanels(void* fn, CUtensorMap* map, const void* base, uint64_t n, uint64_t k, uint64_t ld_elems,
@@ -752,12 +764,7 @@ bool EncodePanels(void* fn, CUtensorMap* map, const void* base, uint64_t n, uint
   const cuuint64_t dims[3] = {64, k, n / 64};
   const cuuint64_t strides[2] = {ld_elems * 2, 128};
   const cuuint32_t box[3] = {64, box_k, 2};
-  const cuuint32_t elem[3] = {1, 1, 1};
-  return reinterpret_cast<EncodeFn>(fn)(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3,
-                                        const_cast<void*>(base), dims, strides, box, elem,
-                                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  return EncodeTiled(fn, map, base, 3, dims, strides, box);
 }
 
 bool Encode(void* fn, CUtensorMap* map, const void* base, uint64_t inner, uint64_t outer,
@@ -765,12 +772,7 @@ bool Encode(void* fn, CUtensorMap* map, const void* base, uint64_t inner, uint64
   const cuuint64_t dims[2] = {inner, outer};
   const cuuint64_t strides[1] = {ld_elems * 2};
   const cuuint32_t box[2] = {box_inner, box_outer};
-  const cuuint32_t elem[2] = {1, 1};
-  return reinterpret_cast<EncodeFn>(fn)(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
-                                        const_cast<void*>(base), dims, strides, box, elem,
-                                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  return EncodeTiled(fn, map, base, 2, dims, strides, box);
 }
 
 }  // namespace

@@ -21,11 +21,10 @@ constexpr double kFixupUs = 2.3, kNarrowFixupUs = 1.9;
 }  // namespace
 
 // The tail's modeled time in microseconds, from the H200 traces in docs/cuda.md ("Where a unit's
-// time goes", "Tenth session"): a 128 x 256 x 64 K-step of a whole tile 0.67 us, of a narrow
-// (128-column) tile 0.47 us; publishing a part's fp32 partial 3.5 us (whole) / 2.2 us (narrow);
-// the part that arrives last reads every other part's partial at 2.3 / 1.9 us each. Parts beyond
-// the clusters would run in further rounds (kWorkspaceRounds bounds them; unsplit narrow units
-// beyond the clusters are not bounded, having no partials).
+// time goes", "Tenth session"), with the per-step, publish and fix-up costs above; the part that
+// arrives last reads every other part's partial. Parts beyond the clusters would run in further
+// rounds (kWorkspaceRounds bounds them; unsplit narrow units beyond the clusters are not bounded,
+// having no partials).
 double PersistentGemm::TailCost(int rest, int slots, int k_iters, bool narrow, int split) {
   if (rest <= 0) return 0.0;
   const int items = rest * (narrow ? 2 : 1);
