@@ -23,7 +23,8 @@
 //    for MS ms (twice, 1 s apart), printing the time per call and the wall-clock window of each
 //    phase, to read against `nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw -lms 20`;
 //    --shared-weights: every group multiplies by the same weight matrix, so that the grouped GEMM
-//    reads no more weight bytes from HBM than the dense GEMM)
+//    reads no more weight bytes from HBM than the dense GEMM; --k-major: the weights stored [I][H],
+//    the persistent kernel's K-major B and the dense GEMM's transposed operand (no lt-S))
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -294,6 +295,7 @@ int main(int argc, char** argv) {
   bool trace_default_only = false;  // --trace-default-only: no other launch forms in the trace
   int sustain_ms = 0;           // --sustain MS: each of dense and persistent back to back for MS ms
   bool shared_weights = false;  // --shared-weights: one weight matrix for every group
+  bool k_major = false;         // --k-major: weights stored [I][H] (the persistent kernel's K-major B)
   std::vector<std::string> only_variants;  // --variants a,b: only these persistent variants (and "pers")
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--variants" && i + 1 < argc) {
@@ -310,6 +312,7 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--trace") trace = quick = true;
     if (std::string(argv[i]) == "--overhead") overhead = quick = true;
     if (std::string(argv[i]) == "--shared-weights") shared_weights = true;
+    if (std::string(argv[i]) == "--k-major") k_major = true;
     if (std::string(argv[i]) == "--f32") f32 = true;
     if (std::string(argv[i]) == "--flush") flush = true;
     if (std::string(argv[i]) == "--force-swap") force_swap = true;
@@ -493,7 +496,7 @@ int main(int argc, char** argv) {
       pgr.a = xg(static_cast<int>(g));
       pgr.lda = kH;
       pgr.b = wg(static_cast<int>(g));
-      pgr.ldb = kI;
+      pgr.ldb = k_major ? kH : kI;
       pgr.c = yg(static_cast<int>(g));
       pgr.ldc = kI;
       pgr.rows = sizes[g];
@@ -503,14 +506,14 @@ int main(int argc, char** argv) {
     const float one = 1.0f, zero = 0.0f;
     // The dense GEMM of the same FLOPs: every comparison's baseline.
     auto dense_call = [&] {
-      CHECK_BLAS(cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, kI, static_cast<int>(total), kH, &one, w,
-                               CUDA_R_16BF, kI, x, CUDA_R_16BF, kH, &zero, y, CUDA_R_16BF, kI,
-                               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      CHECK_BLAS(cublasGemmEx(blas, k_major ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, kI, static_cast<int>(total),
+                               kH, &one, w, CUDA_R_16BF, k_major ? kH : kI, x, CUDA_R_16BF, kH, &zero, y,
+                               CUDA_R_16BF, kI, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     };
     const double dense = TimeMs(stream, reps, dense_call);
     // The persistent kernel as *pg is set up at the time of the call.
     auto pers_call = [&] {
-      CHECK_OK((*pg)->Run(stream, false, DType::kBFloat16, kI, kH, pgroups.data(), pgroups.size()));
+      CHECK_OK((*pg)->Run(stream, k_major, DType::kBFloat16, kI, kH, pgroups.data(), pgroups.size()));
     };
     if (sustain_ms > 0) {
       // Back-to-back calls for sustain_ms (a sync every 10 calls), then 1 s idle. The wall-clock
@@ -636,7 +639,7 @@ int main(int argc, char** argv) {
           CHECK_CUDA(cudaMemsetAsync(dev_trace, 0, size_t{6} * kCap * num_sms * sizeof(unsigned long long), stream));
           (*pg)->set_trace(rep == 2 ? dev_trace : nullptr, kCap);
           const double ms = TimeMs(stream, 1, [&] {
-            CHECK_OK((*pg)->Run(stream, false, f32 ? DType::kFloat32 : DType::kBFloat16, kI, kH, pgroups.data(),
+            CHECK_OK((*pg)->Run(stream, k_major, f32 ? DType::kFloat32 : DType::kBFloat16, kI, kH, pgroups.data(),
                                 pgroups.size()));
           });
           if (rep < 2) continue;
@@ -677,7 +680,7 @@ int main(int argc, char** argv) {
         for (bool tma : {true, false}) {
           epilogues.push_back([&, tma] {
             (*pg)->set_tma_store(tma);
-            CHECK_OK((*pg)->Run(stream, false, DType::kBFloat16, kI, kH, pgroups.data(), pgroups.size()));
+            CHECK_OK((*pg)->Run(stream, k_major, DType::kBFloat16, kI, kH, pgroups.data(), pgroups.size()));
           });
         }
         const std::vector<double> ems = TimeInterleavedMs(stream, reps, epilogues);
@@ -700,7 +703,7 @@ int main(int argc, char** argv) {
       if (quick) break;
       (*gg)->set_strategy(s);
       GemmBatch batch;
-      batch.Clear(false, false, DType::kBFloat16, DType::kBFloat16);
+      batch.Clear(false, k_major, DType::kBFloat16, DType::kBFloat16);
       for (const PersistentGroup& pgr : pgroups) {
         if (pgr.rows > 0) batch.problems.push_back(ToProblem(pgr, kI, kH));
       }
@@ -720,7 +723,7 @@ int main(int argc, char** argv) {
     };
     const Variant variants[] = {{"lt-4", 4, false, 1.0}};
     for (const Variant& v : variants) {
-      if (quick) break;
+      if (quick || k_major) break;
       const Assignment a = Assign(sizes, v.streams, v.partition, v.over, num_sms);
       std::vector<const Lt::Entry*> plan(sizes.size(), nullptr);
       for (int g : a.order) {
@@ -785,7 +788,7 @@ int main(int argc, char** argv) {
     const GemmStrategy il_strategies[] = {GemmStrategy::kStreams, GemmStrategy::kChunked, GemmStrategy::kAuto};
     std::vector<GemmBatch> il_batches(3);
     for (int i = 0; i < 3 && !quick; ++i) {
-      il_batches[i].Clear(false, false, DType::kBFloat16, DType::kBFloat16);
+      il_batches[i].Clear(false, k_major, DType::kBFloat16, DType::kBFloat16);
       for (const PersistentGroup& pgr : pgroups) {
         if (pgr.rows > 0) il_batches[i].problems.push_back(ToProblem(pgr, kI, kH));
       }
@@ -841,7 +844,7 @@ int main(int argc, char** argv) {
       inst->set_schedule_sorted_waves(v.sorted_waves);
       inst->set_schedule_tail_override(v.sched_tail, v.sched_split);
       fns.push_back([&, inst] {
-        CHECK_OK(inst->Run(stream, false, DType::kBFloat16, kI, kH, pgroups.data(), pgroups.size()));
+        CHECK_OK(inst->Run(stream, k_major, DType::kBFloat16, kI, kH, pgroups.data(), pgroups.size()));
       });
     }
     // With --flush, as moonep-bench-gemm-cuda's interleaved figures: no run finds its operands in
@@ -870,7 +873,7 @@ int main(int argc, char** argv) {
     (*pg)->set_small_params(true);
     (*pg)->set_swap(true);
     (*pg)->set_schedule_sorted_waves(-1);
-    CHECK_OK((*pg)->Run(stream, false, DType::kBFloat16, kI, kH, pgroups.data(), pgroups.size()));
+    CHECK_OK((*pg)->Run(stream, k_major, DType::kBFloat16, kI, kH, pgroups.data(), pgroups.size()));
     if ((*pg)->last_scheduled()) {
       std::snprintf(buf, sizeof(buf), "  [scheduled: %d groups transposed, tail %zu units in %d parts, model %.3f tiles]",
                     (*pg)->last_swap_groups(), (*pg)->last_schedule().tail_units.size(),
