@@ -24,7 +24,8 @@
 //    phase, to read against `nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw -lms 20`;
 //    --shared-weights: every group multiplies by the same weight matrix, so that the grouped GEMM
 //    reads no more weight bytes from HBM than the dense GEMM; --k-major: the weights stored [I][H],
-//    the persistent kernel's K-major B and the dense GEMM's transposed operand (no lt-S))
+//    the persistent kernel's K-major B and the dense GEMM's transposed operand (no lt-S);
+//    --weight-pad BYTES: each group's weight matrix BYTES further from the previous one)
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -296,6 +297,7 @@ int main(int argc, char** argv) {
   int sustain_ms = 0;           // --sustain MS: each of dense and persistent back to back for MS ms
   bool shared_weights = false;  // --shared-weights: one weight matrix for every group
   bool k_major = false;         // --k-major: weights stored [I][H] (the persistent kernel's K-major B)
+  int64_t weight_pad = 0;       // --weight-pad BYTES: the groups' weight matrices that much further apart
   std::vector<std::string> only_variants;  // --variants a,b: only these persistent variants (and "pers")
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--variants" && i + 1 < argc) {
@@ -313,6 +315,13 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--overhead") overhead = quick = true;
     if (std::string(argv[i]) == "--shared-weights") shared_weights = true;
     if (std::string(argv[i]) == "--k-major") k_major = true;
+    if (std::string(argv[i]) == "--weight-pad" && i + 1 < argc) {
+      weight_pad = std::atoll(argv[++i]);
+      if (weight_pad < 0 || weight_pad % 256 != 0 || weight_pad > (int64_t{64} << 20)) {
+        std::fprintf(stderr, "--weight-pad wants a multiple of 256 bytes from 0 to 64 MiB, got '%s'\n", argv[i]);
+        return 2;
+      }
+    }
     if (std::string(argv[i]) == "--f32") f32 = true;
     if (std::string(argv[i]) == "--flush") flush = true;
     if (std::string(argv[i]) == "--force-swap") force_swap = true;
@@ -373,11 +382,12 @@ int main(int argc, char** argv) {
 
   void *x, *w, *y, *y_ref;
   CHECK_CUDA(cudaMalloc(&x, max_rows * kH * 2));
-  CHECK_CUDA(cudaMalloc(&w, max_groups * int64_t{kH} * kI * 2));
+  const int64_t w_stride = int64_t{kH} * kI * 2 + weight_pad;  // bytes from one group's weights to the next
+  CHECK_CUDA(cudaMalloc(&w, max_groups * w_stride));
   CHECK_CUDA(cudaMalloc(&y, max_rows * kI * 4));
   CHECK_CUDA(cudaMalloc(&y_ref, max_rows * kI * 2));
   FillBf16<<<2048, 256, 0, stream>>>(static_cast<uint16_t*>(x), max_rows * kH, 1, 1.0f);
-  FillBf16<<<2048, 256, 0, stream>>>(static_cast<uint16_t*>(w), max_groups * int64_t{kH} * kI, 2, 1.0f);
+  FillBf16<<<2048, 256, 0, stream>>>(static_cast<uint16_t*>(w), max_groups * w_stride / 2, 2, 1.0f);
   CHECK_CUDA(cudaStreamSynchronize(stream));
 
   // Correctness of the persistent kernel against per-group cuBLAS: forward (N-major B, bf16 and
@@ -486,7 +496,7 @@ int main(int argc, char** argv) {
     std::vector<int64_t> offset(sizes.size() + 1, 0);
     for (size_t g = 0; g < sizes.size(); ++g) offset[g + 1] = offset[g] + sizes[g];
     auto wg = [&](int g) {
-      return static_cast<const char*>(w) + (shared_weights ? 0 : static_cast<size_t>(g) * kH * kI * 2);
+      return static_cast<const char*>(w) + (shared_weights ? 0 : static_cast<size_t>(g) * w_stride);
     };
     auto xg = [&](int g) { return static_cast<const char*>(x) + static_cast<size_t>(offset[g]) * kH * 2; };
     auto yg = [&](int g) { return static_cast<char*>(y) + static_cast<size_t>(offset[g]) * kI * out_bytes; };
