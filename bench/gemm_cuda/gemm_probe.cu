@@ -1,6 +1,6 @@
 // moonep-gemm-probe: measures candidate ways of running a skewed grouped GEMM through cuBLASLt
 // against the same run's dense GEMM and MoonEP's current strategies, to decide what the executor
-// should do with skewed views (docs/cuda.md, "Probing cuBLASLt"). Not part of the product: a
+// should do with skewed views (docs/cuda.md, "The persistent grouped GEMM"). Not part of the product: a
 // measurement tool whose results are recorded in the docs.
 //
 // Candidates (bf16 H=7168 -> I=2048, bf16 out, per-group X_g[rows, H] x W_g[H, I]):
@@ -684,7 +684,7 @@ int main(int argc, char** argv) {
       (*pg)->set_narrow_tail(true);
       // bf16: the two epilogues against each other, alternating launches (no trace). (fp32 outputs
       // have one epilogue, float2 stores from the registers: a TMA-store one measured no faster,
-      // see docs/cuda.md.)
+      // see docs/cuda-history.md, "Seventh session".)
       if (!f32) {
         std::vector<std::function<void()>> epilogues;
         for (bool tma : {true, false}) {

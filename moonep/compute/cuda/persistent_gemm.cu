@@ -40,7 +40,7 @@ constexpr int SchedCap(int groups) { return groups <= 8 ? 768 : 2176; }
 
 // The kernel's parameters for up to kG groups. A launch copies the whole block whatever the batch
 // holds, ~2.4 us more on the GPU for the 26 KiB of 64 groups than for a few bytes (measured on the
-// H200, docs/cuda.md "Tenth session"), so batches of at most kSmallG groups use a block sized for
+// H200, docs/cuda-history.md, "Tenth session"), so batches of at most kSmallG groups use a block sized for
 // them.
 template <int kG>
 struct Params {
@@ -1016,7 +1016,7 @@ absl::Status PersistentGemm::Launch(cudaStream_t stream, bool trans_b, bool f32,
       // Boxes: A 128 rows x 64 k; B 64 k x 128 n as two 64-column panels (N-major, EncodePanels) or
       // 128 n x 64 k (K-major). Fewer, larger loads per stage: with 64-row A boxes and 64-column B
       // boxes (before the fourteenth session) a transposed unit of 160 rows took 22 % longer
-      // (docs/cuda.md).
+      // (docs/cuda-history.md, "Fourteenth session").
       const bool ok =
           Encode(encode_, &p->a_map[ng], gr.a, k, gr.rows, gr.lda, kBK, 128) &&
           (trans_b ? Encode(encode_, &p->b_map[ng], gr.b, k, n, gr.ldb, kBK, 128)

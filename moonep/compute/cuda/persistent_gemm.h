@@ -95,7 +95,7 @@ class PersistentGemm {
   };
   // Tail parts: at most this many rounds of one part per cluster (the workspace holds one partial
   // tile per part and CTA). One: a second round measured slower than the model says (32x512_zipf:
-  // 3 whole parts in two rounds 825-836 us, the last wave unsplit 799-814; docs/cuda.md).
+  // 3 whole parts in two rounds 825-836 us, the last wave unsplit 799-814; docs/cuda-history.md).
   static constexpr int kWorkspaceRounds = 1;
   // The tail's modeled time (us) for `rest` units left over a whole number of waves of `slots`
   // units, K-steps k_iters, in narrow or whole units of `split` K-parts each.
@@ -111,7 +111,7 @@ class PersistentGemm {
   // Such a unit's time is modeled, relative to a whole 128 x 256 tile's, as
   // kSwapFixed + (1 - kSwapFixed) N / 256: fitted to the H200 (33 groups of N rows, four waves of
   // transposed units against as many whole ones: N = 32, 160, 192, 224 took 0.51, 0.82, 0.81-0.86,
-  // 0.90 of the time; docs/cuda.md, "Twelfth session"). A group's remainder runs transposed where
+  // 0.90 of the time; docs/cuda-history.md, "Twelfth session"). A group's remainder runs transposed where
   // that model makes it cheaper than its one or two 128-row tiles; a batch with any transposed unit
   // runs the cost-balanced schedule (PlanSchedule).
   static constexpr double kSwapFixed = 0.45;
