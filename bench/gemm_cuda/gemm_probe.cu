@@ -1,7 +1,7 @@
 // moonep-gemm-probe: measures candidate ways of running a skewed grouped GEMM through cuBLASLt
 // against the same run's dense GEMM and MoonEP's current strategies, to decide what the executor
-// should do with skewed views (docs/cuda.md, "The persistent grouped GEMM"). Not part of the product: a
-// measurement tool whose results are recorded in the docs.
+// should do with skewed views (docs/cuda.md, "The persistent grouped GEMM"). Not part of the
+// product: a measurement tool whose results are recorded in the docs.
 //
 // Candidates (bf16 H=7168 -> I=2048, bf16 out, per-group X_g[rows, H] x W_g[H, I]):
 //   lt-S:        one cublasLtMatmul per group over S streams (largest first, least-loaded stream)

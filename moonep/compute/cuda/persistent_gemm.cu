@@ -40,8 +40,8 @@ constexpr int SchedCap(int groups) { return groups <= 8 ? 768 : 2176; }
 
 // The kernel's parameters for up to kG groups. A launch copies the whole block whatever the batch
 // holds, ~2.4 us more on the GPU for the 26 KiB of 64 groups than for a few bytes (measured on the
-// H200, docs/cuda-history.md, "Tenth session"), so batches of at most kSmallG groups use a block sized for
-// them.
+// H200, docs/cuda-history.md, "Tenth session"), so batches of at most kSmallG groups use a block
+// sized for them.
 template <int kG>
 struct Params {
   CUtensorMap a_map[kG];

@@ -111,9 +111,9 @@ class PersistentGemm {
   // Such a unit's time is modeled, relative to a whole 128 x 256 tile's, as
   // kSwapFixed + (1 - kSwapFixed) N / 256: fitted to the H200 (33 groups of N rows, four waves of
   // transposed units against as many whole ones: N = 32, 160, 192, 224 took 0.51, 0.82, 0.81-0.86,
-  // 0.90 of the time; docs/cuda-history.md, "Twelfth session"). A group's remainder runs transposed where
-  // that model makes it cheaper than its one or two 128-row tiles; a batch with any transposed unit
-  // runs the cost-balanced schedule (PlanSchedule).
+  // 0.90 of the time; docs/cuda-history.md, "Twelfth session"). A group's remainder runs transposed
+  // where that model makes it cheaper than its one or two 128-row tiles; a batch with any
+  // transposed unit runs the cost-balanced schedule (PlanSchedule).
   static constexpr double kSwapFixed = 0.45;
   static constexpr int kSwapStep = 32;
   static int SwapRows(int64_t rest) {  // the N of a remainder of `rest` rows (1..255)

@@ -20,8 +20,8 @@ constexpr double kFixupUs = 2.3, kNarrowFixupUs = 1.9;
 
 }  // namespace
 
-// The tail's modeled time in microseconds, from the H200 traces in docs/cuda-history.md ("Where a unit's
-// time goes", "Tenth session"), with the per-step, publish and fix-up costs above; the part that
+// The tail's modeled time in microseconds, from the H200 traces in docs/cuda-history.md ("Where a
+// unit's time goes", "Tenth session"), with the per-step, publish and fix-up costs above; the part that
 // arrives last reads every other part's partial. Parts beyond the clusters would run in further
 // rounds (kWorkspaceRounds bounds them; unsplit narrow units beyond the clusters are not bounded,
 // having no partials).
