@@ -21,10 +21,10 @@ constexpr double kFixupUs = 2.3, kNarrowFixupUs = 1.9;
 }  // namespace
 
 // The tail's modeled time in microseconds, from the H200 traces in docs/cuda-history.md ("Where a
-// unit's time goes", "Tenth session"), with the per-step, publish and fix-up costs above; the part that
-// arrives last reads every other part's partial. Parts beyond the clusters would run in further
-// rounds (kWorkspaceRounds bounds them; unsplit narrow units beyond the clusters are not bounded,
-// having no partials).
+// unit's time goes", "Tenth session"), with the per-step, publish and fix-up costs above; the part
+// that arrives last reads every other part's partial. Parts beyond the clusters would run in
+// further rounds (kWorkspaceRounds bounds them; unsplit narrow units beyond the clusters are not
+// bounded, having no partials).
 double PersistentGemm::TailCost(int rest, int slots, int k_iters, bool narrow, int split) {
   if (rest <= 0) return 0.0;
   const int items = rest * (narrow ? 2 : 1);
