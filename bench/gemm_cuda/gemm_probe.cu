@@ -690,7 +690,7 @@ int main(int argc, char** argv) {
         for (bool tma : {true, false}) {
           epilogues.push_back([&, tma] {
             (*pg)->set_tma_store(tma);
-            CHECK_OK((*pg)->Run(stream, k_major, DType::kBFloat16, kI, kH, pgroups.data(), pgroups.size()));
+            pers_call();
           });
         }
         const std::vector<double> ems = TimeInterleavedMs(stream, reps, epilogues);
@@ -883,7 +883,7 @@ int main(int argc, char** argv) {
     (*pg)->set_small_params(true);
     (*pg)->set_swap(true);
     (*pg)->set_schedule_sorted_waves(-1);
-    CHECK_OK((*pg)->Run(stream, k_major, DType::kBFloat16, kI, kH, pgroups.data(), pgroups.size()));
+    pers_call();
     if ((*pg)->last_scheduled()) {
       std::snprintf(buf, sizeof(buf), "  [scheduled: %d groups transposed, tail %zu units in %d parts, model %.3f tiles]",
                     (*pg)->last_swap_groups(), (*pg)->last_schedule().tail_units.size(),
