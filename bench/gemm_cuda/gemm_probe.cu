@@ -26,6 +26,10 @@
 //    reads no more weight bytes from HBM than the dense GEMM; --k-major: the weights stored [I][H],
 //    the persistent kernel's K-major B and the dense GEMM's transposed operand (no lt-S);
 //    --weight-pad BYTES: each group's weight matrix BYTES further from the previous one)
+//   Every call in the interleaved rounds runs inside an NVTX range named after it ("dense", the
+//   strategy's name, the persistent variant's name), so that a profiler can pick one variant's
+//   launches: ncu --nvtx --nvtx-include "pers-noswap/" ... (header-only NVTX v3: nothing is
+//   recorded unless a tool is attached).
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -33,6 +37,7 @@
 
 #include <cuda.h>
 #include <cudaTypedefs.h>
+#include <nvtx3/nvToolsExt.h>
 
 #include <algorithm>
 #include <chrono>
@@ -794,7 +799,14 @@ int main(int argc, char** argv) {
                                   {"pers-t24x2", true, true, true, false, 8, true, true, 0, false, false, true, -1, 24, 2}};
     // The dense GEMM and every variant timed in interleaved rounds (ratios to this dense figure).
     std::vector<std::function<void()>> fns;
-    fns.push_back(dense_call);
+    auto named = [](const char* name, std::function<void()> f) {
+      return [name, f = std::move(f)] {
+        nvtxRangePushA(name);
+        f();
+        nvtxRangePop();
+      };
+    };
+    fns.push_back(named("dense", dense_call));
     const GemmStrategy il_strategies[] = {GemmStrategy::kStreams, GemmStrategy::kChunked, GemmStrategy::kAuto};
     std::vector<GemmBatch> il_batches(3);
     for (int i = 0; i < 3 && !quick; ++i) {
@@ -802,13 +814,13 @@ int main(int argc, char** argv) {
       for (const PersistentGroup& pgr : pgroups) {
         if (pgr.rows > 0) il_batches[i].problems.push_back(ToProblem(pgr, kI, kH));
       }
-      fns.push_back([&, i] {
+      fns.push_back(named(GemmStrategyName(il_strategies[i]), [&, i] {
         (*gg)->set_strategy(il_strategies[i]);
         CHECK_OK((*staging)->Begin());
         CHECK_OK((*gg)->Plan(&il_batches[i], staging->get()));
         CHECK_OK((*staging)->Upload(stream));
         CHECK_OK((*gg)->Run(&il_batches[i], **staging));
-      });
+      }));
     }
     const size_t first_pers = fns.size();
     // One instance per variant, set up once: each keeps its own plan (its cache hits from the
@@ -853,9 +865,9 @@ int main(int argc, char** argv) {
       inst->set_swap(v.swap);
       inst->set_schedule_sorted_waves(v.sorted_waves);
       inst->set_schedule_tail_override(v.sched_tail, v.sched_split);
-      fns.push_back([&, inst] {
+      fns.push_back(named(v.name, [&, inst] {
         CHECK_OK(inst->Run(stream, k_major, DType::kBFloat16, kI, kH, pgroups.data(), pgroups.size()));
-      });
+      }));
     }
     // With --flush, as moonep-bench-gemm-cuda's interleaved figures: no run finds its operands in
     // the L2, and the card recovers its clock between runs.
