@@ -526,10 +526,12 @@ int main(int argc, char** argv) {
                                CUDA_R_16BF, kI, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     };
     const double dense = TimeMs(stream, reps, dense_call);
-    // The persistent kernel as *pg is set up at the time of the call.
-    auto pers_call = [&] {
-      CHECK_OK((*pg)->Run(stream, k_major, DType::kBFloat16, kI, kH, pgroups.data(), pgroups.size()));
+    // One persistent GEMM over this shape's groups, on instance g as it is set up at the time.
+    auto run_pers = [&](PersistentGemm* g, DType out = DType::kBFloat16) {
+      CHECK_OK(g->Run(stream, k_major, out, kI, kH, pgroups.data(), pgroups.size()));
     };
+    // The default instance (*pg).
+    auto pers_call = [&] { run_pers(pg->get()); };
     if (sustain_ms > 0) {
       // Back-to-back calls for sustain_ms (a sync every 10 calls), then 1 s idle. The wall-clock
       // window (local time, as nvidia-smi's timestamps) places each phase in a clock/power log.
@@ -654,8 +656,7 @@ int main(int argc, char** argv) {
           CHECK_CUDA(cudaMemsetAsync(dev_trace, 0, size_t{6} * kCap * num_sms * sizeof(unsigned long long), stream));
           (*pg)->set_trace(rep == 2 ? dev_trace : nullptr, kCap);
           const double ms = TimeMs(stream, 1, [&] {
-            CHECK_OK((*pg)->Run(stream, k_major, f32 ? DType::kFloat32 : DType::kBFloat16, kI, kH, pgroups.data(),
-                                pgroups.size()));
+            run_pers(pg->get(), f32 ? DType::kFloat32 : DType::kBFloat16);
           });
           if (rep < 2) continue;
           std::vector<unsigned long long> rec(size_t{6} * kCap * num_sms);
@@ -865,9 +866,7 @@ int main(int argc, char** argv) {
       inst->set_swap(v.swap);
       inst->set_schedule_sorted_waves(v.sorted_waves);
       inst->set_schedule_tail_override(v.sched_tail, v.sched_split);
-      fns.push_back(named(v.name, [&, inst] {
-        CHECK_OK(inst->Run(stream, k_major, DType::kBFloat16, kI, kH, pgroups.data(), pgroups.size()));
-      }));
+      fns.push_back(named(v.name, [&, inst] { run_pers(inst); }));
     }
     // With --flush, as moonep-bench-gemm-cuda's interleaved figures: no run finds its operands in
     // the L2, and the card recovers its clock between runs.
