@@ -72,6 +72,24 @@ inline double TimeMs(cudaStream_t stream, int reps, Fn&& fn) {
   return ms[reps / 2];
 }
 
+// Milliseconds on `stream` from just before fn() to just after it, however many launches (and
+// synchronizations) fn makes: one pair of events around the whole call.
+template <typename Fn>
+inline double SpanMs(cudaStream_t stream, Fn&& fn) {
+  cudaEvent_t a, b;
+  CHECK_CUDA(cudaEventCreate(&a));
+  CHECK_CUDA(cudaEventCreate(&b));
+  CHECK_CUDA(cudaEventRecord(a, stream));
+  fn();
+  CHECK_CUDA(cudaEventRecord(b, stream));
+  CHECK_CUDA(cudaEventSynchronize(b));
+  float ms = 0;
+  CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
+  CHECK_CUDA(cudaEventDestroy(a));
+  CHECK_CUDA(cudaEventDestroy(b));
+  return ms;
+}
+
 // Median milliseconds of each of fns, timed in rounds (one run of every fn per round, `reps`
 // rounds, after 3 warm-up rounds) so that clock and temperature drifts hit all of them alike.
 // With flush (a device buffer of flush_bytes, larger than the L2), the buffer is overwritten before

@@ -549,24 +549,16 @@ int main(int argc, char** argv) {
       auto sustain = [&](const char* name, const std::function<void()>& fn) {
         for (int i = 0; i < 3; ++i) fn();
         CHECK_CUDA(cudaStreamSynchronize(stream));
-        cudaEvent_t a, b;
-        CHECK_CUDA(cudaEventCreate(&a));
-        CHECK_CUDA(cudaEventCreate(&b));
         const double t0 = now_ms();
-        CHECK_CUDA(cudaEventRecord(a, stream));
         int calls = 0;
-        while (now_ms() - t0 < sustain_ms) {
-          for (int i = 0; i < 10; ++i) fn();
-          calls += 10;
-          CHECK_CUDA(cudaStreamSynchronize(stream));
-        }
-        CHECK_CUDA(cudaEventRecord(b, stream));
-        CHECK_CUDA(cudaEventSynchronize(b));
+        const double ms = SpanMs(stream, [&] {
+          while (now_ms() - t0 < sustain_ms) {
+            for (int i = 0; i < 10; ++i) fn();
+            calls += 10;
+            CHECK_CUDA(cudaStreamSynchronize(stream));
+          }
+        });
         const double t1 = now_ms();
-        float ms = 0;
-        CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
-        CHECK_CUDA(cudaEventDestroy(a));
-        CHECK_CUDA(cudaEventDestroy(b));
         std::printf("sustain %dx%lld_%s %-10s %d calls, %.1f us per call (%.0f TFLOP/s), from %s to %s\n", sh.groups,
                     static_cast<long long>(sh.avg), sh.zipf ? "zipf1.2" : "uniform", name, calls,
                     1e3 * ms / calls, tf(ms / calls), stamp(t0).c_str(), stamp(t1).c_str());
@@ -593,15 +585,9 @@ int main(int argc, char** argv) {
         const auto h1 = std::chrono::steady_clock::now();
         CHECK_CUDA(cudaStreamSynchronize(stream));
         const double host = std::chrono::duration<double, std::micro>(h1 - h0).count() / kCalls;
-        cudaEvent_t a, b;
-        CHECK_CUDA(cudaEventCreate(&a));
-        CHECK_CUDA(cudaEventCreate(&b));
-        CHECK_CUDA(cudaEventRecord(a, stream));
-        for (int i = 0; i < kCalls; ++i) fn();
-        CHECK_CUDA(cudaEventRecord(b, stream));
-        CHECK_CUDA(cudaEventSynchronize(b));
-        float ms = 0;
-        CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
+        const double ms = SpanMs(stream, [&] {
+          for (int i = 0; i < kCalls; ++i) fn();
+        });
         std::printf("overhead %dx%lld_%s %-10s host %.1f us/call, synced %.1f us, pipelined %.1f us\n",
                     sh.groups, static_cast<long long>(sh.avg), sh.zipf ? "zipf1.2" : "uniform", name,
                     host, synced, 1e3 * ms / kCalls);
