@@ -26,6 +26,8 @@
 //    reads no more weight bytes from HBM than the dense GEMM; --k-major: the weights stored [I][H],
 //    the persistent kernel's K-major B and the dense GEMM's transposed operand (no lt-S);
 //    --weight-pad BYTES: each group's weight matrix BYTES further from the previous one)
+//   After the rounds, every persistent variant timed is run once more on a poisoned output and
+//   checked against the reference ("[NAME rel ...]"), then the default ("[check rel ...]").
 //   Every call in the interleaved rounds runs inside an NVTX range named after it ("dense", the
 //   strategy's name, the persistent variant's name), so that a profiler can pick one variant's
 //   launches: ncu --nvtx --nvtx-include "pers-noswap/" ... (header-only NVTX v3: nothing is
@@ -890,15 +892,26 @@ int main(int argc, char** argv) {
                     (*pg)->last_tail().narrow ? "narrow" : "whole", (*pg)->last_tail().cost);
     }
     line += buf;
-    if (!quick) {  // (--quick runs no reference: the strategies above fill y_ref)
+    // (--quick runs no reference: the strategies above fill y_ref.) Every persistent variant timed
+    // above is checked, its output poisoned first ("[NAME rel ...]"), then the default ("[check rel ...]").
+    auto check = [&](const std::string& label) {
       CHECK_CUDA(cudaMemsetAsync(cmp, 0, 3 * sizeof(float), stream));
       Compare<<<256, 256, 0, stream>>>(y, y_ref, total * kI, 0, cmp);
       float h[3];
       CHECK_CUDA(cudaMemcpyAsync(h, cmp, sizeof(h), cudaMemcpyDeviceToHost, stream));
       CHECK_CUDA(cudaStreamSynchronize(stream));
-      std::snprintf(buf, sizeof(buf), "  [check rel %.1e%s]", h[0] / h[1],
+      std::snprintf(buf, sizeof(buf), "  [%s rel %.1e%s]", label.c_str(), h[0] / h[1],
                     (h[2] == 0 && h[0] / h[1] < 1e-2) ? "" : " WRONG");
       line += buf;
+    };
+    if (!quick) {
+      for (size_t f = first_pers + 1; f < fns.size(); ++f) {
+        CHECK_CUDA(cudaMemsetAsync(y, 0xff, total * kI * 2, stream));
+        fns[f]();
+        check(timed[f - first_pers]->name);
+      }
+      if (fns.size() > first_pers + 1) pers_call();  // the default's output again
+      check("check");
     }
     const auto mm = std::minmax_element(sizes.begin(), sizes.end());
     std::printf("%dx%lld_%s (rows %lld-%lld): dense %.0f |%s\n", sh.groups, static_cast<long long>(sh.avg),
