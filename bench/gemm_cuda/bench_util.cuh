@@ -50,28 +50,6 @@ static __global__ void FillBf16(uint16_t* p, size_t n, uint64_t seed, float scal
   }
 }
 
-// Median milliseconds of `reps` event-timed runs of fn on `stream`, after 3 warm-ups.
-template <typename Fn>
-inline double TimeMs(cudaStream_t stream, int reps, Fn&& fn) {
-  for (int i = 0; i < 3; ++i) fn();
-  CHECK_CUDA(cudaStreamSynchronize(stream));
-  cudaEvent_t a, b;
-  CHECK_CUDA(cudaEventCreate(&a));
-  CHECK_CUDA(cudaEventCreate(&b));
-  std::vector<float> ms(reps);
-  for (int r = 0; r < reps; ++r) {
-    CHECK_CUDA(cudaEventRecord(a, stream));
-    fn();
-    CHECK_CUDA(cudaEventRecord(b, stream));
-    CHECK_CUDA(cudaEventSynchronize(b));
-    CHECK_CUDA(cudaEventElapsedTime(&ms[r], a, b));
-  }
-  CHECK_CUDA(cudaEventDestroy(a));
-  CHECK_CUDA(cudaEventDestroy(b));
-  std::sort(ms.begin(), ms.end());
-  return ms[reps / 2];
-}
-
 // Milliseconds on `stream` from just before fn() to just after it, however many launches (and
 // synchronizations) fn makes: one pair of events around the whole call.
 template <typename Fn>
@@ -90,6 +68,17 @@ inline double SpanMs(cudaStream_t stream, Fn&& fn) {
   return ms;
 }
 
+// Median milliseconds of `reps` event-timed runs of fn on `stream`, after 3 warm-ups.
+template <typename Fn>
+inline double TimeMs(cudaStream_t stream, int reps, Fn&& fn) {
+  for (int i = 0; i < 3; ++i) fn();
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  std::vector<double> ms(reps);
+  for (int r = 0; r < reps; ++r) ms[r] = SpanMs(stream, fn);
+  std::sort(ms.begin(), ms.end());
+  return ms[reps / 2];
+}
+
 // Median milliseconds of each of fns, timed in rounds (one run of every fn per round, `reps`
 // rounds, after 3 warm-up rounds) so that clock and temperature drifts hit all of them alike.
 // With flush (a device buffer of flush_bytes, larger than the L2), the buffer is overwritten before
@@ -102,22 +91,13 @@ inline std::vector<double> TimeInterleavedMs(cudaStream_t stream, int reps,
     for (const auto& fn : fns) fn();
   }
   CHECK_CUDA(cudaStreamSynchronize(stream));
-  cudaEvent_t a, b;
-  CHECK_CUDA(cudaEventCreate(&a));
-  CHECK_CUDA(cudaEventCreate(&b));
-  std::vector<std::vector<float>> ms(fns.size(), std::vector<float>(reps));
+  std::vector<std::vector<double>> ms(fns.size(), std::vector<double>(reps));
   for (int r = 0; r < reps; ++r) {
     for (size_t f = 0; f < fns.size(); ++f) {
       if (flush != nullptr) CHECK_CUDA(cudaMemsetAsync(flush, (r + static_cast<int>(f)) & 0xFF, flush_bytes, stream));
-      CHECK_CUDA(cudaEventRecord(a, stream));
-      fns[f]();
-      CHECK_CUDA(cudaEventRecord(b, stream));
-      CHECK_CUDA(cudaEventSynchronize(b));
-      CHECK_CUDA(cudaEventElapsedTime(&ms[f][r], a, b));
+      ms[f][r] = SpanMs(stream, fns[f]);
     }
   }
-  CHECK_CUDA(cudaEventDestroy(a));
-  CHECK_CUDA(cudaEventDestroy(b));
   std::vector<double> med;
   for (auto& m : ms) {
     std::sort(m.begin(), m.end());

@@ -894,7 +894,9 @@ int main(int argc, char** argv) {
     line += buf;
     // (--quick runs no reference: the strategies above fill y_ref.) Every persistent variant timed
     // above is checked, its output poisoned first ("[NAME rel ...]"), then the default ("[check rel ...]").
-    auto check = [&](const std::string& label) {
+    auto check = [&](const std::string& label, const std::function<void()>& run) {
+      CHECK_CUDA(cudaMemsetAsync(y, 0xff, total * kI * 2, stream));
+      run();
       CHECK_CUDA(cudaMemsetAsync(cmp, 0, 3 * sizeof(float), stream));
       Compare<<<256, 256, 0, stream>>>(y, y_ref, total * kI, 0, cmp);
       float h[3];
@@ -905,14 +907,8 @@ int main(int argc, char** argv) {
       line += buf;
     };
     if (!quick) {
-      for (size_t f = first_pers + 1; f < fns.size(); ++f) {
-        CHECK_CUDA(cudaMemsetAsync(y, 0xff, total * kI * 2, stream));
-        fns[f]();
-        check(timed[f - first_pers]->name);
-      }
-      CHECK_CUDA(cudaMemsetAsync(y, 0xff, total * kI * 2, stream));
-      pers_call();  // the default's output again, poisoned first like the variants'
-      check("check");
+      for (size_t f = first_pers + 1; f < fns.size(); ++f) check(timed[f - first_pers]->name, fns[f]);
+      check("check", pers_call);
     }
     const auto mm = std::minmax_element(sizes.begin(), sizes.end());
     std::printf("%dx%lld_%s (rows %lld-%lld): dense %.0f |%s\n", sh.groups, static_cast<long long>(sh.avg),
