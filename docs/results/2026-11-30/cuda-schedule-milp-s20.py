@@ -16,7 +16,10 @@ parts' partials (any part may arrive last, so every part is charged them). A par
    adds up to the unit; every cluster is alone or in one such group. Plans of this form are
    buildable with today's kernel plus per-part K ranges.
 3. The same groups with the transposed units' fixed cost lowered: what the units would have to
-   cost for 0.9.
+   cost for 0.9. (0.16 is what they cost inside 8x512_zipf's own launch in the fourteenth
+   session's trace, cuda-persistent-trace-units-s14.txt: N = 192 60.0 us and N = 224 68.0 us
+   against 76.0 us a whole unit. The planner's 0.45 was fitted to waves of transposed units
+   only, all streaming their weights from HBM at once.)
 Runs in a few minutes (bisection, one MILP per step).
 """
 import itertools
@@ -171,7 +174,7 @@ for pub, fix in ((3.5, 2.3), (3.5, 1.0), (2.0, 1.0), (0.0, 0.0)):
     print(f"2. groups of <= 4 parts, publish {pub} us, read {fix} us: best makespan {T:.3f} -> {ratio(T):.3f}")
 T = bisect(groups_ok, kd, 3.5, 2.3, 2)
 print(f"2. groups of exactly 2 parts, publish 3.5 us, read 2.3 us: best makespan {T:.3f} -> {ratio(T):.3f}")
-for fixed in (0.30, 0.15, 0.0):
+for fixed in (0.30, 0.16, 0.15, 0.0):
     k2 = kinds(sizes(8, 512), fixed)
     T = bisect(groups_ok, k2, 3.5, 2.3)
     print(f"3. transposed units at {fixed:.2f} + {1 - fixed:.2f} N / 256 ({sum(c * n for c, n in k2.items()):.1f} "
