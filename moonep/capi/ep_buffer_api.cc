@@ -41,9 +41,10 @@ moonepResult_t moonepEpBufferCreate(moonepComm_t comm, const moonepEpBufferConfi
                                     moonepEpBuffer_t* buffer) {
   return GuardOn(comm, "moonepEpBufferCreate", [&]() -> absl::Status {
     MOONEP_RETURN_IF_ERROR(CheckHandle(comm, Kind::kComm, "comm"));
-    MOONEP_CHECK_ARG(buffer != nullptr, "buffer is NULL");
     moonep::runtime::LayerConfig c;
-    const absl::Status read = moonep::capi::ReadLayerConfig(config, &c);
+    // Like moonepLayerCreate: a local error still joins the agreement, so the peers fail at once.
+    const absl::Status read = buffer == nullptr ? moonep::InvalidArgument("buffer is NULL")
+                                                : moonep::capi::ReadLayerConfig(config, &c);
     if (!read.ok()) {
       moonep::runtime::LayerConfig invalid;
       (void)moonep::runtime::AgreeOnConfig(comm->impl.get(), invalid, read, "EP buffer creation");
@@ -82,10 +83,11 @@ moonepResult_t moonepEpDispatch(moonepEpBuffer_t buffer, int64_t num_tokens, con
                                 moonepEpHandle_t* handle) {
   return GuardOn(CommOf(buffer), "moonepEpDispatch", [&]() -> absl::Status {
     MOONEP_RETURN_IF_ERROR(CheckHandle(buffer, Kind::kEpBuffer, "buffer"));
-    MOONEP_CHECK_ARG(handle != nullptr, "handle is NULL");
     const auto& c = buffer->impl->config();
     absl::Status local = absl::OkStatus();
-    if (num_tokens < 0 || num_tokens > c.max_tokens) {
+    if (handle == nullptr) {
+      local = moonep::InvalidArgument("handle is NULL");
+    } else if (num_tokens < 0 || num_tokens > c.max_tokens) {
       local = moonep::InvalidArgument("num_tokens is %d; must be in [0, max_tokens = %d]",
                                       num_tokens, c.max_tokens);
     }

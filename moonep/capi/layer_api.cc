@@ -26,11 +26,11 @@ moonepResult_t moonepLayerCreate(moonepComm_t comm, const moonepLayerConfig_t* c
                                  moonepLayer_t* layer) {
   return GuardOn(comm, "moonepLayerCreate", [&]() -> absl::Status {
     MOONEP_RETURN_IF_ERROR(CheckHandle(comm, Kind::kComm, "comm"));
-    MOONEP_CHECK_ARG(layer != nullptr, "layer is NULL");
     moonep::runtime::LayerConfig c;
-    // A config that cannot even be read still joins the collective agreement (with an invalid
-    // local verdict) so the other ranks fail instead of waiting.
-    const absl::Status read = moonep::capi::ReadLayerConfig(config, &c);
+    // A config that cannot even be read (or nowhere to put the layer) still joins the collective
+    // agreement (with an invalid local verdict) so the other ranks fail instead of waiting.
+    const absl::Status read = layer == nullptr ? moonep::InvalidArgument("layer is NULL")
+                                               : moonep::capi::ReadLayerConfig(config, &c);
     if (!read.ok()) {
       moonep::runtime::LayerConfig invalid;
       (void)moonep::runtime::AgreeOnConfig(comm->impl.get(), invalid, read, "MoE layer creation");
@@ -88,12 +88,13 @@ moonepResult_t moonepLayerForward(moonepLayer_t layer, int64_t num_tokens, const
                                   moonepLayerHandle_t* handle, void* stream) {
   return GuardOn(CommOf(layer), "moonepLayerForward", [&]() -> absl::Status {
     MOONEP_RETURN_IF_ERROR(CheckHandle(layer, Kind::kLayer, "layer"));
-    MOONEP_CHECK_ARG(handle != nullptr, "handle is NULL");
     const auto& c = layer->impl->config();
     // A failing local check still enters Forward (with num_tokens = -1), whose agreed checks make
     // every rank fail at once instead of waiting for this one.
     absl::Status local = absl::OkStatus();
-    if (num_tokens < 0 || num_tokens > c.max_tokens) {
+    if (handle == nullptr) {
+      local = moonep::InvalidArgument("handle is NULL");
+    } else if (num_tokens < 0 || num_tokens > c.max_tokens) {
       local = moonep::InvalidArgument("num_tokens is %d; must be in [0, max_tokens = %d]",
                                       num_tokens, c.max_tokens);
     }

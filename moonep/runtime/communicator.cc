@@ -166,7 +166,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> Communicator::FromUniqueId(const U
   for (char c : id.bytes) hash = (hash ^ static_cast<unsigned char>(c)) * 16777619u;
   const int color = local.ok() ? static_cast<int>(hash & 0x3fffffff) : MPI_UNDEFINED;
   MPI_Comm split = MPI_COMM_NULL;
-  const int rc = MPI_Comm_split(MPI_COMM_WORLD, color, local.ok() ? rank : 0, &split);
+  int rc = MPI_Comm_split(MPI_COMM_WORLD, color, local.ok() ? rank : 0, &split);
   if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Comm_split(MPI_COMM_WORLD)");
   if (!local.ok()) return local;
   MPI_Comm_set_errhandler(split, MPI_ERRORS_RETURN);
@@ -182,7 +182,11 @@ absl::StatusOr<std::unique_ptr<Communicator>> Communicator::FromUniqueId(const U
   mine.rank = rank;
   mine.size = size;
   std::vector<Member> all(static_cast<size_t>(got_size));
-  MPI_Allgather(&mine, sizeof(Member), MPI_BYTE, all.data(), sizeof(Member), MPI_BYTE, split);
+  rc = MPI_Allgather(&mine, sizeof(Member), MPI_BYTE, all.data(), sizeof(Member), MPI_BYTE, split);
+  if (rc != MPI_SUCCESS) {
+    MPI_Comm_free(&split);
+    return MpiError(rc, "MPI_Allgather of the unique ids");
+  }
   absl::Status verdict = absl::OkStatus();
   for (int i = 0; i < got_size && verdict.ok(); ++i) {
     if (std::memcmp(all[i].id, id.bytes, kUniqueIdBytes) != 0) {
@@ -228,7 +232,11 @@ Communicator::~Communicator() {
   replicas_.clear();
   nccl_comms_.reset();  // finalizes the shared NCCL pair (bounded), before MPI goes
   trace_.reset();
-  if (comm_ != MPI_COMM_NULL) {
+  if (!parked_.empty()) {
+    // An agreement failed: a late peer's messages may still land in its buffers, and the
+    // communicator may still carry them. Both are left allocated (as the transports do).
+    for (auto& exchange : parked_) (void)exchange.release();
+  } else if (comm_ != MPI_COMM_NULL) {
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (!finalized) MPI_Comm_free(&comm_);
@@ -266,26 +274,139 @@ absl::Status Communicator::SetTracePath(const std::string& path) {
 
 absl::Status Communicator::Allgather(absl::Span<const char> bytes, std::string* out,
                                      const char* phase) {
-  out->assign(bytes.size() * static_cast<size_t>(size_), '\0');
-  MPI_Request request = MPI_REQUEST_NULL;
-  int rc = MPI_Iallgather(bytes.data(), static_cast<int>(bytes.size()), MPI_BYTE, out->data(),
-                          static_cast<int>(bytes.size()), MPI_BYTE, comm_, &request);
-  if (rc != MPI_SUCCESS) return MpiError(rc, phase);
-  const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::milliseconds(param::TimeoutMs());
-  int done = 0;
-  int spins = 0;
-  while (true) {
-    rc = MPI_Test(&request, &done, MPI_STATUS_IGNORE);
-    if (rc != MPI_SUCCESS) return MpiError(rc, phase);
-    if (done) return absl::OkStatus();
-    if (std::chrono::steady_clock::now() > deadline) {
-      // The request cannot be cancelled portably; the communicator is unusable from here on.
-      return Timeout("%s: not every rank joined within MOONEP_TIMEOUT_MS = %d ms", phase,
-                     param::TimeoutMs());
-    }
-    if (++spins > 100) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  if (!broken_.ok()) {
+    return InvalidUsage("%s: an earlier agreement on this communicator failed (%s); destroy it",
+                        phase, broken_.message());
   }
+  // Point to point (the communicator is MoonEP's own duplicate, so every tag on it is ours),
+  // in two rounds: the data, then a confirmation from every peer that it has all of it. A rank
+  // that times out in either round sends "gave up" to every peer instead, which a peer's
+  // confirmation receive takes in its place, so a rank that joins late fails too instead of
+  // going on alone into the next collective. Unlike a nonblocking collective, a timeout can name
+  // the ranks not heard from and cancel its receives.
+  constexpr int kDataTag = 1, kConfirmTag = 2, kGaveUpTag = 3;
+  const int n = static_cast<int>(bytes.size());
+  auto ex = std::make_unique<Exchange>();
+  ex->send.assign(bytes.begin(), bytes.end());
+  ex->recv.assign(bytes.size() * static_cast<size_t>(size_), '\0');
+  std::memcpy(ex->recv.data() + static_cast<size_t>(rank_) * n, bytes.data(), bytes.size());
+  ex->confirm.assign(static_cast<size_t>(size_) + 1, 0);  // [r]: from rank r; [size_]: to send
+  std::vector<int> peers;
+  for (int r = 0; r < size_; ++r) {
+    if (r != rank_) peers.push_back(r);
+  }
+  const size_t P = peers.size();
+  std::vector<MPI_Status> status(2 * P);
+  std::vector<int> indices(2 * P);
+  // Fails the agreement: open receives cancelled, "gave up" sent to every peer, the buffers
+  // parked (MPI may still use them), the communicator refusing further agreements.
+  auto give_up = [&](absl::Status why) {
+    for (size_t i = 0; i < P; ++i) {
+      if (ex->requests[i] == MPI_REQUEST_NULL) continue;
+      MPI_Cancel(&ex->requests[i]);
+      MPI_Request_free(&ex->requests[i]);
+    }
+    for (int r : peers) {
+      MPI_Request notice = MPI_REQUEST_NULL;
+      if (MPI_Isend(&ex->confirm[static_cast<size_t>(size_)], 1, MPI_BYTE, r, kGaveUpTag, comm_,
+                    &notice) == MPI_SUCCESS) {
+        MPI_Request_free(&notice);
+      }
+    }
+    broken_ = std::move(why);
+    parked_.push_back(std::move(ex));
+    return broken_;
+  };
+  // Posts the receives (requests [0, P)) and sends ([P, 2P)) of one round; then waits for all of
+  // them until the deadline. Returns the peers whose receive is still open at the deadline (empty:
+  // done) or an MPI error.
+  auto round = [&](auto post_recv, auto post_send, const char* what) -> absl::StatusOr<std::vector<int>> {
+    ex->requests.assign(2 * P, MPI_REQUEST_NULL);
+    for (size_t i = 0; i < P; ++i) {
+      int rc = post_recv(peers[i], &ex->requests[i]);
+      if (rc == MPI_SUCCESS) rc = post_send(peers[i], &ex->requests[P + i]);
+      if (rc != MPI_SUCCESS) return MpiError(rc, what);
+    }
+    const auto deadline =
+        std::chrono::steady_clock::now() + std::chrono::milliseconds(param::TimeoutMs());
+    for (int spins = 0;; ++spins) {
+      // Testsome, not Testall: completed requests become MPI_REQUEST_NULL, so a timeout can
+      // tell which receives are still open.
+      int completed = 0;
+      const int rc = MPI_Testsome(static_cast<int>(2 * P), ex->requests.data(), &completed,
+                                  indices.data(), status.data());
+      if (rc != MPI_SUCCESS) return MpiError(rc, what);
+      if (completed == MPI_UNDEFINED) return std::vector<int>();
+      for (int j = 0; j < completed; ++j) {
+        if (indices[j] < static_cast<int>(P)) ex->confirm_tag[indices[j]] = status[j].MPI_TAG;
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        std::vector<int> missing;
+        for (size_t i = 0; i < P; ++i) {
+          if (ex->requests[i] != MPI_REQUEST_NULL) missing.push_back(peers[i]);
+        }
+        return missing;  // empty: every receive done, a send still open (parked below)
+      }
+      if (spins > 100) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  };
+  auto names = [](const std::vector<int>& ranks) {
+    std::string s;
+    for (int r : ranks) s += (s.empty() ? "" : ",") + std::to_string(r);
+    return s;
+  };
+  ex->confirm_tag.assign(P, 0);
+  absl::StatusOr<std::vector<int>> missing = round(
+      [&](int r, MPI_Request* q) {
+        return MPI_Irecv(ex->recv.data() + static_cast<size_t>(r) * n, n, MPI_BYTE, r, kDataTag,
+                         comm_, q);
+      },
+      [&](int r, MPI_Request* q) {
+        return MPI_Isend(ex->send.data(), n, MPI_BYTE, r, kDataTag, comm_, q);
+      },
+      phase);
+  if (!missing.ok()) return give_up(missing.status());
+  if (!missing->empty()) {
+    return give_up(Timeout("%s timed out after MOONEP_TIMEOUT_MS = %d ms on rank %d: nothing "
+                           "heard from rank(s) %s", phase, param::TimeoutMs(), rank_,
+                           names(*missing)));
+  }
+  // Confirmation: the receive from each peer takes its confirmation or its "gave up".
+  missing = round(
+      [&](int r, MPI_Request* q) {
+        return MPI_Irecv(&ex->confirm[static_cast<size_t>(r)], 1, MPI_BYTE, r, MPI_ANY_TAG, comm_, q);
+      },
+      [&](int r, MPI_Request* q) {
+        return MPI_Isend(&ex->confirm[static_cast<size_t>(size_)], 1, MPI_BYTE, r, kConfirmTag,
+                         comm_, q);
+      },
+      phase);
+  if (!missing.ok()) return give_up(missing.status());
+  if (!missing->empty()) {
+    return give_up(Timeout("%s timed out after MOONEP_TIMEOUT_MS = %d ms on rank %d: no "
+                           "confirmation from rank(s) %s", phase, param::TimeoutMs(), rank_,
+                           names(*missing)));
+  }
+  std::vector<int> gave_up;
+  for (size_t i = 0; i < P; ++i) {
+    if (ex->confirm_tag[i] == kGaveUpTag) gave_up.push_back(peers[i]);
+  }
+  absl::Status result = absl::OkStatus();
+  if (!gave_up.empty()) {
+    broken_ = RemoteError("%s: rank(s) %s gave up waiting (MOONEP_TIMEOUT_MS) and failed", phase,
+                          names(gave_up));
+    result = broken_;
+  } else {
+    out->assign(ex->recv.begin(), ex->recv.end());
+  }
+  // A send a peer never took (it gave up) still owns its buffer.
+  for (MPI_Request q : ex->requests) {
+    if (q != MPI_REQUEST_NULL) {
+      parked_.push_back(std::move(ex));
+      break;
+    }
+  }
+  return result;
 }
 
 }  // namespace moonep::runtime

@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 #include <tuple>
 
 #include "absl/status/statusor.h"
@@ -105,15 +106,30 @@ class Communicator {
   bool has_nccl_comms() const { return nccl_comms_ != nullptr; }
 
   // Agreement helper: allgathers `bytes` from every rank with a deadline of MOONEP_TIMEOUT_MS
-  // (Timeout naming the phase when a rank does not join). out gets size() * bytes.size() bytes.
+  // (per round: the data, then every peer's confirmation). out gets size() * bytes.size() bytes.
+  // A rank that does not join in time: Timeout naming the phase and the ranks not heard from,
+  // and this rank tells its peers it gave up, so a rank that joins late fails too (RemoteError
+  // naming the rank that gave up) instead of going on alone.
+  // After either, the communicator's agreements are refused (its collectives are out of step):
+  // destroy it. The buffers of an exchange that failed, and the MPI communicator, are then left
+  // allocated for good (a late peer's messages may still land in them).
   absl::Status Allgather(absl::Span<const char> bytes, std::string* out, const char* phase);
 
  private:
   Communicator() = default;
   static absl::StatusOr<std::unique_ptr<Communicator>> Adopt(MPI_Comm owned);
 
+  // An agreement's messages, kept alive after a timeout while MPI may still use them.
+  struct Exchange {
+    std::vector<char> send, recv, confirm;
+    std::vector<int> confirm_tag;  // tag each peer's confirmation round arrived with
+    std::vector<MPI_Request> requests;
+  };
+
   MPI_Comm comm_ = MPI_COMM_NULL;
   int32_t rank_ = 0, size_ = 0;
+  absl::Status broken_;  // why agreements are refused (an earlier one failed)
+  std::vector<std::unique_ptr<Exchange>> parked_;
   int32_t next_layer_id_ = 0;
   uint64_t token_ = 0;
   std::unique_ptr<TraceWriter> trace_;

@@ -162,10 +162,8 @@ absl::StatusOr<LayerHandle> EpBuffer::Dispatch(int64_t num_tokens, const TensorV
   MOONEP_RETURN_IF_ERROR(planner_->MakePlan(ctx->dispatch.counts(), &ctx->plan));
   stats_.seconds[static_cast<int>(Phase::kPlan)] = Since(t);
   const int32_t rank = comm_->rank();
-  if (ctx->plan.rank_rows[rank] > capacity_) {
-    return OutOfMemory("the plan puts %d rows on this rank; its receive capacity is %d "
-                       "(max_recv_rows)", ctx->plan.rank_rows[rank], capacity_);
-  }
+  // Every rank's rows against its own capacity (they may differ): the same verdict everywhere.
+  MOONEP_RETURN_IF_ERROR(CheckPlanFitsCapacities(ctx->plan, ctx->dispatch.rank_capacity_));
   t = Clock::now();
   s = transport_->Dispatch(
       ctx->plan, x, topk_weights, &ctx->dispatch,

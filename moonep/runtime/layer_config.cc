@@ -81,6 +81,26 @@ int64_t RecvCapacityRows(const LayerConfig& c, int32_t num_ranks) {
          groups * (c.pad_multiple - 1);
 }
 
+absl::Status CheckPlanFitsCapacities(const planner::Plan& plan,
+                                     absl::Span<const int64_t> capacity) {
+  if (capacity.size() != plan.rank_rows.size()) {
+    return Internal("plan for %d ranks, receive capacities of %d", plan.rank_rows.size(),
+                    capacity.size());
+  }
+  int32_t worst = -1;
+  int64_t worst_over = 0;
+  for (size_t r = 0; r < capacity.size(); ++r) {
+    const int64_t over = plan.rank_rows[r] - capacity[r];
+    if (over > worst_over) {
+      worst_over = over;
+      worst = static_cast<int32_t>(r);
+    }
+  }
+  if (worst < 0) return absl::OkStatus();
+  return OutOfMemory("the plan puts %d rows on rank %d; its receive capacity is %d "
+                     "(max_recv_rows)", plan.rank_rows[worst], worst, capacity[worst]);
+}
+
 namespace {
 
 // The fields every rank must agree on, as plain integers (fixed layout on the wire).

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/types/span.h"
 #include "moonep/core/dtype.h"
 #include "moonep/core/tensor.h"
 #include "planner/plan.h"
@@ -60,5 +61,10 @@ absl::Status AgreeOnConfig(Communicator* comm, const LayerConfig& config,
 
 // The resolved receive capacity (rows) of this rank.
 int64_t RecvCapacityRows(const LayerConfig& config, int32_t num_ranks);
+
+// Every rank's rows in `plan` against its receive capacity (`capacity`, [R], as the count exchange
+// shared them). The plan and the capacities are the same on every rank, so every rank reaches the
+// same verdict: OutOfMemory naming the rank with the largest overflow, before anything moves.
+absl::Status CheckPlanFitsCapacities(const planner::Plan& plan, absl::Span<const int64_t> capacity);
 
 }  // namespace moonep::runtime

@@ -439,15 +439,8 @@ absl::Status MoeLayer::RunForward(Context* ctx, const TensorView& x, absl::Span<
   t = Clock::now();
   MOONEP_RETURN_IF_ERROR(planner_->MakePlan(ctx->dispatch.counts(), &ctx->plan));
   stats_.seconds[static_cast<int>(Phase::kPlan)] = Since(t);
-  if (ctx->plan.rank_rows[rank] > capacity_) {
-    // Every rank has the same plan, so every rank reaches this verdict.
-    int32_t worst = 0;
-    for (int32_t r = 0; r < comm_->size(); ++r) {
-      if (ctx->plan.rank_rows[r] > ctx->plan.rank_rows[worst]) worst = r;
-    }
-    return OutOfMemory("the plan puts %d rows on rank %d; its receive capacity is %d "
-                       "(max_recv_rows)", ctx->plan.rank_rows[worst], worst, capacity_);
-  }
+  // Every rank's rows against its own capacity (they may differ): the same verdict everywhere.
+  MOONEP_RETURN_IF_ERROR(CheckPlanFitsCapacities(ctx->plan, ctx->dispatch.rank_capacity_));
   ctx->token = comm_->NextToken();
   MOONEP_RETURN_IF_ERROR(BuildViews(ctx, /*need_grads=*/false));
 

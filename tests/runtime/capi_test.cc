@@ -4,6 +4,8 @@
 // every misuse returns an error code and a message, nothing crashes.
 #include <mpi.h>
 
+#include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -226,6 +228,95 @@ TEST_F(CApiTest, BadConfigsFailOnEveryRank) {
                                t.y.data(), &h, nullptr), moonepSuccess) << moonepGetLastError(comm_);
   EXPECT_EQ(moonepLayerBackward(layer, h, t.dy.data(), t.dx.data(), nullptr, nullptr), moonepInvalidUsage);
   EXPECT_EQ(moonepLayerRelease(layer, h), moonepSuccess);
+  EXPECT_EQ(moonepLayerDestroy(layer), moonepSuccess);
+}
+
+// One rank's receive capacity too small for a step: every rank fails with OutOfMemory naming that
+// rank, before anything moves, and the layer and the EP buffer stay usable (a step that fits runs).
+TEST_F(CApiTest, CapacityOverflowOnOneRankFailsEveryRankAndStaysUsable) {
+  const int small = size() - 1;
+  moonepLayerConfig_t c = Config(moonepPolicyNone);
+  if (rank() == small) c.max_recv_rows = 1;  // capacities may differ between ranks
+  GlobalProblem g = MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kTokens,
+                                      DType::kFloat32, 11);
+  RankTensors t = MakeRankTensors(g, rank(), DType::kFloat32);
+  // The routing sends more than one row to rank `small` (its experts appear in it).
+  int64_t to_small = 0;
+  for (int r = 0; r < size(); ++r) {
+    for (int32_t id : MakeRankTensors(g, r, DType::kFloat32).ids) to_small += id / epn() == small;
+  }
+  ASSERT_GT(to_small, 1);
+  const std::string rank_name = "on rank " + std::to_string(small);
+
+  moonepLayer_t layer = nullptr;
+  ASSERT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepSuccess) << moonepGetLastError(comm_);
+  moonepExpertTensors_t w = Tensors(t, false);
+  ASSERT_EQ(moonepLayerBindParams(layer, &w, nullptr), moonepSuccess);
+  moonepLayerHandle_t h = nullptr;
+  EXPECT_EQ(moonepLayerForward(layer, t.tokens, t.x.data(), t.ids.data(), t.weights.data(),
+                               t.y.data(), &h, nullptr), moonepOutOfMemory);
+  EXPECT_NE(std::string(moonepGetLastError(comm_)).find(rank_name), std::string::npos)
+      << moonepGetLastError(comm_);
+  // No tokens anywhere: the plan fits, the layer still works.
+  ASSERT_EQ(moonepLayerForward(layer, 0, t.x.data(), t.ids.data(), t.weights.data(), t.y.data(),
+                               &h, nullptr), moonepSuccess) << moonepGetLastError(comm_);
+  EXPECT_EQ(moonepLayerRelease(layer, h), moonepSuccess);
+  EXPECT_EQ(moonepLayerDestroy(layer), moonepSuccess);
+
+  moonepEpBuffer_t buf = nullptr;
+  ASSERT_EQ(moonepEpBufferCreate(comm_, &c, &buf), moonepSuccess) << moonepGetLastError(comm_);
+  moonepEpHandle_t eh = nullptr;
+  EXPECT_EQ(moonepEpDispatch(buf, t.tokens, t.x.data(), t.ids.data(), t.weights.data(), &eh),
+            moonepOutOfMemory);
+  EXPECT_NE(std::string(moonepGetLastError(comm_)).find(rank_name), std::string::npos)
+      << moonepGetLastError(comm_);
+  ASSERT_EQ(moonepEpDispatch(buf, 0, t.x.data(), t.ids.data(), t.weights.data(), &eh),
+            moonepSuccess) << moonepGetLastError(comm_);
+  EXPECT_EQ(moonepEpRelease(buf, eh), moonepSuccess);
+  EXPECT_EQ(moonepEpBufferDestroy(buf), moonepSuccess);
+}
+
+// A NULL output pointer on one rank of a collective call fails that rank with InvalidArgument and
+// the others at once with RemoteError (well within MOONEP_TIMEOUT_MS), instead of leaving them to
+// time out; the objects stay usable.
+TEST_F(CApiTest, NullOutputPointerOnOneRankFailsEveryRankAtOnce) {
+  const moonepLayerConfig_t c = Config(moonepPolicyMoonEP);
+  const bool odd = rank() == 0;
+  const auto start = std::chrono::steady_clock::now();
+  moonepLayer_t layer = nullptr;
+  EXPECT_EQ(moonepLayerCreate(comm_, &c, odd ? nullptr : &layer),
+            odd ? moonepInvalidArgument : moonepRemoteError) << moonepGetLastError(comm_);
+  moonepEpBuffer_t buf = nullptr;
+  EXPECT_EQ(moonepEpBufferCreate(comm_, &c, odd ? nullptr : &buf),
+            odd ? moonepInvalidArgument : moonepRemoteError) << moonepGetLastError(comm_);
+  ASSERT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepSuccess) << moonepGetLastError(comm_);
+  ASSERT_EQ(moonepEpBufferCreate(comm_, &c, &buf), moonepSuccess) << moonepGetLastError(comm_);
+  GlobalProblem g = MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kTokens,
+                                      DType::kFloat32, 12);
+  RankTensors t = MakeRankTensors(g, rank(), DType::kFloat32);
+  moonepExpertTensors_t w = Tensors(t, false);
+  ASSERT_EQ(moonepLayerBindParams(layer, &w, nullptr), moonepSuccess);
+  moonepLayerHandle_t h = nullptr;
+  EXPECT_EQ(moonepLayerForward(layer, t.tokens, t.x.data(), t.ids.data(), t.weights.data(),
+                               t.y.data(), odd ? nullptr : &h, nullptr),
+            odd ? moonepInvalidArgument : moonepRemoteError) << moonepGetLastError(comm_);
+  moonepEpHandle_t eh = nullptr;
+  EXPECT_EQ(moonepEpDispatch(buf, t.tokens, t.x.data(), t.ids.data(), t.weights.data(),
+                             odd ? nullptr : &eh),
+            odd ? moonepInvalidArgument : moonepRemoteError) << moonepGetLastError(comm_);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const char* timeout_ms = std::getenv("MOONEP_TIMEOUT_MS");
+  EXPECT_LT(seconds, 0.5 * (timeout_ms != nullptr ? std::atof(timeout_ms) : 60000.0) / 1000.0)
+      << "the peers waited for the rank that failed";
+
+  ASSERT_EQ(moonepLayerForward(layer, t.tokens, t.x.data(), t.ids.data(), t.weights.data(),
+                               t.y.data(), &h, nullptr), moonepSuccess) << moonepGetLastError(comm_);
+  EXPECT_EQ(moonepLayerRelease(layer, h), moonepSuccess);
+  ASSERT_EQ(moonepEpDispatch(buf, t.tokens, t.x.data(), t.ids.data(), t.weights.data(), &eh),
+            moonepSuccess) << moonepGetLastError(comm_);
+  EXPECT_EQ(moonepEpRelease(buf, eh), moonepSuccess);
+  EXPECT_EQ(moonepEpBufferDestroy(buf), moonepSuccess);
   EXPECT_EQ(moonepLayerDestroy(layer), moonepSuccess);
 }
 

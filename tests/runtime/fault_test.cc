@@ -5,6 +5,7 @@
 //  - a rank that skips the combine leaves its peers waiting: they fail with a timeout naming the
 //    phase within a few MOONEP_TIMEOUT_MS, never hang.
 #include <chrono>
+#include <thread>
 #include <string>
 
 #include "moonep/core/status.h"
@@ -85,6 +86,46 @@ TEST_F(LayerFaultTest, SilentRankTimesOutEveryRankAndLayerBecomesUnusable) {
     EXPECT_LT(seconds, 3 * 2.0 + 2.0) << "took " << seconds << " s with MOONEP_TIMEOUT_MS=2000";
     EXPECT_FALSE(fresh->usable());
   }
+}
+
+// A rank that joins a layer's creation only after MOONEP_TIMEOUT_MS: the others time out naming
+// it; the late rank, once it joins, learns they gave up and fails too instead of going on alone
+// (the exchange's buffers outlive the timed-out call: no late write into freed memory, which the
+// ASan build checks). The communicator then refuses further agreements at once.
+TEST_F(LayerFaultTest, LateRankAtCreationFailsEveryRankAndNamesIt) {
+  if (size() < 2) GTEST_SKIP() << "needs peers";
+  auto comm = runtime::Communicator::FromMpi(MPI_COMM_WORLD);
+  ASSERT_TRUE(comm.ok()) << comm.status();
+  const int late = size() - 1;
+  if (rank() == late) std::this_thread::sleep_for(std::chrono::milliseconds(2600));
+  auto start = std::chrono::steady_clock::now();
+  auto layer = MakeLayer(comm->get(), size());
+  EXPECT_EQ(layer, nullptr);
+  runtime::LayerConfig c;
+  c.num_experts = 2 * size();
+  c.top_k = 2;
+  c.hidden = 8;
+  c.intermediate = 4;
+  c.max_tokens = 32;
+  c.num_threads = 1;
+  auto again = runtime::MoeLayer::Create(comm->get(), c);
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_FALSE(again.ok());
+  EXPECT_EQ(ToResult(again.status()), moonepInvalidUsage) << again.status();
+  EXPECT_NE(std::string(again.status().message()).find("earlier agreement"), std::string::npos)
+      << again.status();
+  if (rank() != late) {
+    EXPECT_NE(std::string(again.status().message()).find("nothing heard from rank(s) " +
+                                                         std::to_string(late)),
+              std::string::npos) << again.status();
+    EXPECT_LT(seconds, 2.0 + 1.5) << "took " << seconds << " s with MOONEP_TIMEOUT_MS=2000";
+  } else {
+    EXPECT_NE(std::string(again.status().message()).find("gave up"), std::string::npos)
+        << again.status();
+    EXPECT_LT(seconds, 1.0) << "the late rank waited " << seconds << " s";
+  }
+  // Let the late rank finish before the communicators go (its messages are in flight until then).
+  MPI_Barrier(MPI_COMM_WORLD);
 }
 
 }  // namespace
