@@ -175,7 +175,10 @@ absl::Status DecideEplb(const PolicyInput& in, PolicyScratch* sc, Decisions* dec
     sc->eplb_replica_begin[E] = static_cast<int32_t>(sc->eplb_replica_rank.size());
     std::fill(sc->eplb_sum.begin(), sc->eplb_sum.end(), 0);
   }
-  for (int32_t e = 0; e < E; ++e) sc->eplb_sum[e] += in.totals[e];
+  // Up to eplb_period steps of totals below 2^52 each: the sum saturates rather than wrap.
+  for (int32_t e = 0; e < E; ++e) {
+    sc->eplb_sum[e] = std::min(sc->eplb_sum[e], INT64_MAX - in.totals[e]) + in.totals[e];
+  }
   ++sc->eplb_step;
   for (int32_t e = 0; e < E; ++e) {
     const int32_t b = sc->eplb_replica_begin[e], k = sc->eplb_replica_begin[e + 1] - b;

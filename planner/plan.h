@@ -42,20 +42,22 @@ struct PlannerConfig {
   int32_t slots = -1;          // replica slots per rank; -1 means E / R
   int32_t pad_multiple = 1;    // each group's rows padded to a multiple of this (GEMM alignment)
   int32_t ranks_per_node = 0;  // 0: flat topology; else ranks [n*rpn, (n+1)*rpn) form node n
+                               // (above R: one node of every rank)
   std::vector<int32_t> home;   // [E] home rank of each expert; empty means e / (E / R)
   std::vector<double> speeds;  // [R] relative speeds (balance time, not tokens); empty: all 1
   Policy policy = Policy::kMoonEP;
   // Optional sizes so that stats can report bytes (0: stats report rows/experts only).
-  int64_t row_bytes = 0;       // bytes of one dispatched token row
-  int64_t expert_bytes = 0;    // bytes of one expert's parameters (prefetch = reduce size)
+  int64_t row_bytes = 0;       // bytes of one dispatched token row (at most 2^40)
+  int64_t expert_bytes = 0;    // bytes of one expert's parameters (prefetch = reduce size; <= 2^40)
   // eplb: re-plan every this many steps on the running average of past counts.
   int32_t eplb_period = 1;
   // fastermoe-shadow cost model (seconds per token of compute; seconds per byte of broadcast).
   double shadow_compute_s_per_token = 1e-6;
   double shadow_broadcast_s_per_byte = 1e-10;
-  // eplb: redundant (extra physical) experts in total, spread over ranks (-1: R, one per rank),
-  // and expert groups for its hierarchical policy (0: one group per node when ranks_per_node is
-  // set, which selects the hierarchical policy; otherwise the global policy).
+  // eplb: redundant (extra physical) experts in total, spread over ranks (-1: R, one per rank; at
+  // most R * slots, one per replica slot), and expert groups for its hierarchical policy (0: one
+  // group per node when ranks_per_node is set, which selects the hierarchical policy; otherwise
+  // the global policy).
   int32_t eplb_redundant = -1;
   int32_t eplb_num_groups = 0;
   // test-force-replicas only, one-rank mode: when num_ranks == 1, replica slots hold copies of
@@ -81,6 +83,7 @@ struct PlanStats {
   int64_t rows_travel_inter = 0;  // token rows sent across nodes (all, when flat)
   int32_t prefetch_intra = 0;     // replicas whose home is on the same node
   int32_t prefetch_inter = 0;     // replicas whose home is on another node
+  // (Byte stats saturate at INT64_MAX.)
   int64_t dispatch_bytes_intra = 0, dispatch_bytes_inter = 0;  // rows * row_bytes
   int64_t prefetch_bytes_intra = 0, prefetch_bytes_inter = 0;  // replicas * expert_bytes
   int64_t reduce_bytes_intra = 0, reduce_bytes_inter = 0;      // same as prefetch

@@ -23,7 +23,12 @@ absl::Status ResolveConfig(const PlannerConfig& in, PlannerConfig* out) {
                    out->slots, in.num_experts);
   MOONEP_CHECK_ARG(in.pad_multiple >= 1, "pad_multiple must be >= 1, got %d", in.pad_multiple);
   MOONEP_CHECK_ARG(in.ranks_per_node >= 0, "ranks_per_node must be >= 0, got %d", in.ranks_per_node);
-  MOONEP_CHECK_ARG(in.row_bytes >= 0 && in.expert_bytes >= 0, "row_bytes/expert_bytes must be >= 0");
+  // (Byte stats are rows or replicas times these, saturating at INT64_MAX.)
+  constexpr int64_t kMaxBytes = int64_t{1} << 40;
+  MOONEP_CHECK_ARG(in.row_bytes >= 0 && in.row_bytes <= kMaxBytes,
+                   "row_bytes must be in [0, 2^40], got %d", in.row_bytes);
+  MOONEP_CHECK_ARG(in.expert_bytes >= 0 && in.expert_bytes <= kMaxBytes,
+                   "expert_bytes must be in [0, 2^40], got %d", in.expert_bytes);
   if (out->home.empty()) {
     out->home.resize(in.num_experts);
     for (int32_t e = 0; e < in.num_experts; ++e) out->home[e] = e / epn;
@@ -114,6 +119,13 @@ void InitPlan(const PlannerConfig& c, Plan* plan) {
 }
 
 namespace {
+
+// n * bytes for the byte stats (n, bytes >= 0), INT64_MAX when past it: 2^52 rows of 2^40 bytes
+// do not fit.
+int64_t SaturatingBytes(int64_t n, int64_t bytes) {
+  int64_t v = 0;
+  return __builtin_mul_overflow(n, bytes, &v) ? INT64_MAX : v;
+}
 
 int64_t Overlap(int64_t a0, int64_t a1, int64_t b0, int64_t b1) {
   return std::max<int64_t>(0, std::min(a1, b1) - std::max(a0, b0));
@@ -429,10 +441,10 @@ absl::Status FinalizePlan(const PlannerConfig& c, absl::Span<const int64_t> coun
     st.max_load_after = std::max(st.max_load_after, after);
   }
   st.mean_load = static_cast<double>(st.total_tokens) / R;
-  st.dispatch_bytes_intra = st.rows_travel_intra * c.row_bytes;
-  st.dispatch_bytes_inter = st.rows_travel_inter * c.row_bytes;
-  st.prefetch_bytes_intra = st.reduce_bytes_intra = st.prefetch_intra * c.expert_bytes;
-  st.prefetch_bytes_inter = st.reduce_bytes_inter = st.prefetch_inter * c.expert_bytes;
+  st.dispatch_bytes_intra = SaturatingBytes(st.rows_travel_intra, c.row_bytes);
+  st.dispatch_bytes_inter = SaturatingBytes(st.rows_travel_inter, c.row_bytes);
+  st.prefetch_bytes_intra = st.reduce_bytes_intra = SaturatingBytes(st.prefetch_intra, c.expert_bytes);
+  st.prefetch_bytes_inter = st.reduce_bytes_inter = SaturatingBytes(st.prefetch_inter, c.expert_bytes);
   return absl::OkStatus();
 }
 
@@ -628,7 +640,7 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
   if (scratch->block_size <= 0) {
     scratch->home_cols = false;
     scratch->block_size = BlockSize(c);
-    const int32_t B = scratch->block_size, NB = (R + B - 1) / B;
+    const int32_t B = scratch->block_size, NB = NumBlocks(R, B);
     std::vector<int64_t>& bp = scratch->block_prefix;
     bp.assign(static_cast<size_t>(NB + 1) * E, 0);
     for (int32_t b = 0; b < NB; ++b) {
@@ -643,7 +655,7 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
   const int32_t B = scratch->block_size;
   const int64_t* bp = scratch->block_prefix.data();
   const int64_t* cnt = counts.data();
-  const int32_t NB = (R + B - 1) / B;
+  const int32_t NB = NumBlocks(R, B);
   if (scratch->table_key[0] != R || scratch->table_key[1] != E || scratch->table_key[2] != B ||
       scratch->table_key[3] != rpn) {
     scratch->block_row.resize(static_cast<size_t>(R) + 1);
@@ -881,10 +893,10 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
   st.prefetch_intra = prefetch_intra;
   st.prefetch_inter = num_replicas - prefetch_intra;
   st.mean_load = static_cast<double>(st.total_tokens) / R;
-  st.dispatch_bytes_intra = st.rows_travel_intra * c.row_bytes;
-  st.dispatch_bytes_inter = st.rows_travel_inter * c.row_bytes;
-  st.prefetch_bytes_intra = st.reduce_bytes_intra = st.prefetch_intra * c.expert_bytes;
-  st.prefetch_bytes_inter = st.reduce_bytes_inter = st.prefetch_inter * c.expert_bytes;
+  st.dispatch_bytes_intra = SaturatingBytes(st.rows_travel_intra, c.row_bytes);
+  st.dispatch_bytes_inter = SaturatingBytes(st.rows_travel_inter, c.row_bytes);
+  st.prefetch_bytes_intra = st.reduce_bytes_intra = SaturatingBytes(st.prefetch_intra, c.expert_bytes);
+  st.prefetch_bytes_inter = st.reduce_bytes_inter = SaturatingBytes(st.prefetch_inter, c.expert_bytes);
   return absl::OkStatus();
 }
 

@@ -94,12 +94,16 @@ struct BuildScratch {
 // Source blocks for FinalizeHolders: 8 ranks (a prefix of one expert's column is then the
 // nearer block prefix plus or minus at most 4 entries; the counts pass writes one prefix row per
 // 8 sources), else 4 when 8 does not divide the node size, else the node size (node ranges must
-// be block prefixes).
+// be block prefixes). A node size above R is one node of all R ranks, whose range ends at the
+// totals row whatever the block: 8 (the node size there once made the block count overflow).
 inline int32_t BlockSize(const PlannerConfig& resolved) {
   const int32_t rpn = resolved.ranks_per_node;
-  if (rpn <= 0 || rpn % 8 == 0) return 8;
+  if (rpn <= 0 || rpn % 8 == 0 || rpn > resolved.num_ranks) return 8;
   return rpn % 4 == 0 ? 4 : rpn;
 }
+
+// Source blocks of B ranks covering R ranks: ceil(R / B) (R > 0, B > 0), without overflow.
+inline int32_t NumBlocks(int32_t R, int32_t B) { return (R - 1) / B + 1; }
 
 // Whether plans of this config may hold replicas on their expert's home rank (Plan::home_replicas):
 // test-force-replicas with test_home_replicas at one rank.

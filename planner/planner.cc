@@ -46,6 +46,16 @@ absl::StatusOr<std::unique_ptr<Planner>> Planner::Create(const PlannerConfig& co
     const int32_t redundant = c.eplb_redundant < 0 ? c.num_ranks : c.eplb_redundant;
     MOONEP_CHECK_ARG(redundant % c.num_ranks == 0,
                      "eplb_redundant (%d) must be a multiple of num_ranks (%d)", redundant, c.num_ranks);
+    // A copy off its home takes a replica slot (beyond them it falls back home), so more than
+    // R * slots redundant experts place nothing more; the bound also keeps EPLB's E + redundant
+    // physical experts (its memory and time per re-plan) in check.
+    const int64_t slots_total = static_cast<int64_t>(c.num_ranks) * c.slots;
+    MOONEP_CHECK_ARG(redundant <= slots_total,
+                     "eplb_redundant (%d) must not exceed num_ranks * slots = %d (one copy per "
+                     "replica slot)", redundant, slots_total);
+    MOONEP_CHECK_ARG(int64_t{c.num_experts} + redundant <= INT32_MAX,
+                     "num_experts + eplb_redundant = %d physical experts is too large",
+                     int64_t{c.num_experts} + redundant);
   }
   MOONEP_CHECK_ARG(c.eplb_num_groups >= 0, "eplb_num_groups must be >= 0, got %d", c.eplb_num_groups);
   // Loads are summed in int64: reject shapes whose sizes overflow the index arithmetic.
@@ -314,7 +324,7 @@ absl::Status SumCountBlocks(const int64_t* counts, const Plan& plan, int32_t B, 
   constexpr int64_t kMaxTokens = int64_t{1} << 52;
   const int32_t R = plan.num_ranks, E = plan.num_experts, epn = plan.experts_per_rank;
   const int32_t rpn = plan.ranks_per_node;
-  const int32_t NB = (R + B - 1) / B;
+  const int32_t NB = NumBlocks(R, B);
   const size_t n = static_cast<size_t>(E);
   // Row 0 (the sums before block 0) is all zero: zeroed when the shape changes and never written
   // otherwise (this pass writes rows 1..NB; FinalizeHolders' own fill assigns zeros to it).
@@ -430,7 +440,7 @@ absl::Status Planner::MakePlan(absl::Span<const int64_t> counts, Plan* plan) {
   // One pass over counts: per-block prefix sums (row b of block_prefix = sum of the sources
   // before block b; row NB = the totals) and the home columns, negative entries and overflow
   // rejected.
-  const int32_t block = BlockSize(c), NB = (R + block - 1) / block;
+  const int32_t block = BlockSize(c), NB = NumBlocks(R, block);
   PreparePlan(c, plan);
   st.build.block_size = 0;  // not valid until the pass completes
   st.build.home_cols = false;

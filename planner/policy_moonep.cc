@@ -480,30 +480,33 @@ absl::Status DecideMoonEP(const PolicyInput& in, PolicyScratch* sc, Decisions* d
 
   // The slot limit blocks perfect balance: find the smallest cap of the fastest rank, L, such
   // that capacities floor(L * w_d / w_max) are reachable.
+  // L is searched in 128 bits: a slow rank's home load (< 2^52) times w_max / w_d (up to 2^20)
+  // can pass 2^63. A capacity past INT64_MAX (far above the total) is clamped to it.
   std::vector<int64_t>& w = sc->load;
   SpeedWeights(c, &w);
   const int64_t w_max = *std::max_element(w.begin(), w.end());
-  int64_t lo = *std::max_element(sc->cap.begin(), sc->cap.end()), hi = lo;
+  __int128 lo = *std::max_element(sc->cap.begin(), sc->cap.end()), hi = lo;
   for (int32_t d = 0; d < R; ++d) {
     const __int128 need = (static_cast<__int128>(in.home_load[d]) * w_max + w[d] - 1) / w[d];
-    hi = std::max<int64_t>(hi, static_cast<int64_t>(need));
+    hi = std::max(hi, need);
   }
   std::vector<int64_t>& cap = sc->remaining;
-  auto caps_for = [&](int64_t L) {
+  auto caps_for = [&](__int128 L) {
     cap.resize(R);
     for (int32_t d = 0; d < R; ++d) {
-      cap[d] = static_cast<int64_t>(static_cast<__int128>(L) * w[d] / w_max);
+      cap[d] = static_cast<int64_t>(std::min<__int128>(L * w[d] / w_max, INT64_MAX));
     }
   };
   // Invariant: hi reachable (every capacity >= home load), lo - 1 not known reachable.
   while (lo < hi) {
-    const int64_t mid = lo + (hi - lo) / 2;
+    const __int128 mid = lo + (hi - lo) / 2;
     caps_for(mid);
     if (TryAll(in, cap, sc, dec)) hi = mid; else lo = mid + 1;
   }
   caps_for(hi);
   if (!TryAll(in, cap, sc, dec)) {
-    return Internal("moonep: no reachable capacity at L = %d", hi);
+    return Internal("moonep: no reachable capacity at L = %d",
+                    static_cast<int64_t>(std::min<__int128>(hi, INT64_MAX)));
   }
   return absl::OkStatus();
 }

@@ -150,9 +150,11 @@ absl::Status CheckComputeView(const ComputeView& view, bool need_grads) {
     MOONEP_CHECK_ARG(gv.row_offset >= 0 && gv.row_count >= 0 && gv.padded_count >= gv.row_count,
                      "group %d: bad row segment (offset %d, count %d, padded %d)", g,
                      gv.row_offset, gv.row_count, gv.padded_count);
-    MOONEP_CHECK_ARG(gv.row_offset + gv.padded_count <= view.total_rows,
-                     "group %d: rows [%d, %d) run past total_rows %d", g, gv.row_offset,
-                     gv.row_offset + gv.padded_count, view.total_rows);
+    // offset + padded <= total_rows, in a form that cannot overflow.
+    MOONEP_CHECK_ARG(gv.padded_count <= view.total_rows &&
+                         gv.row_offset <= view.total_rows - gv.padded_count,
+                     "group %d: rows [%d, %d + %d) run past total_rows %d", g, gv.row_offset,
+                     gv.row_offset, gv.padded_count, view.total_rows);
     if (gv.row_count == 0) continue;  // empty groups are never read: their tensors may be empty
     for (int p = 0; p < 3; ++p) {
       const int64_t rows = p == 2 ? I : H, cols = p == 2 ? H : I;
@@ -173,8 +175,10 @@ absl::Status CheckComputeView(const ComputeView& view, bool need_grads) {
     for (int32_t b = a + 1; b < G; ++b) {
       const GroupView& gb = view.groups[b];
       if (gb.padded_count == 0) continue;
-      if (ga.row_offset < gb.row_offset + gb.padded_count &&
-          gb.row_offset < ga.row_offset + ga.padded_count) {
+      // a.offset < b.offset + b.padded and b.offset < a.offset + a.padded (offsets >= 0: no
+      // difference overflows).
+      if (ga.row_offset - gb.row_offset < gb.padded_count &&
+          gb.row_offset - ga.row_offset < ga.padded_count) {
         return InvalidArgument("groups %d and %d: row segments overlap", a, b);
       }
     }
@@ -300,10 +304,32 @@ absl::Status BuildComputeView(const planner::Plan& plan, int32_t rank,
 // ----------------------------------------------------------------------------------------------
 // ReplicaBuffer
 
+namespace {
+
+// Bytes of `slots` blocks of 3 * H * I elements of `dtype`, rounded up to kAlign; false when they
+// (or one block) do not fit in size_t.
+bool SlotsBytes(int32_t slots, int64_t hidden, int64_t intermediate, DType dtype, size_t* bytes) {
+  size_t block = 0, all = 0;
+  if (slots < 0 || hidden < 0 || intermediate < 0 ||
+      __builtin_mul_overflow(static_cast<size_t>(hidden), static_cast<size_t>(intermediate), &block) ||
+      __builtin_mul_overflow(block, 3 * DTypeSize(dtype), &block) ||
+      __builtin_mul_overflow(block, static_cast<size_t>(slots), &all) || all > SIZE_MAX - kAlign) {
+    return false;
+  }
+  *bytes = RoundUp(all, kAlign);
+  return true;
+}
+
+}  // namespace
+
 size_t ReplicaBuffer::BytesFor(int32_t slots, int64_t hidden, int64_t intermediate, DType dtype,
                                DType grad_dtype) {
-  const size_t elems = 3 * static_cast<size_t>(slots) * static_cast<size_t>(hidden * intermediate);
-  return RoundUp(elems * DTypeSize(dtype), kAlign) + RoundUp(elems * DTypeSize(grad_dtype), kAlign);
+  size_t weights = 0, grads = 0;
+  if (!SlotsBytes(slots, hidden, intermediate, dtype, &weights) ||
+      !SlotsBytes(slots, hidden, intermediate, grad_dtype, &grads) || weights > SIZE_MAX - grads) {
+    return SIZE_MAX;
+  }
+  return weights + grads;
 }
 
 absl::StatusOr<std::unique_ptr<ReplicaBuffer>> ReplicaBuffer::Create(
@@ -317,6 +343,12 @@ absl::StatusOr<std::unique_ptr<ReplicaBuffer>> ReplicaBuffer::Create(
   MOONEP_CHECK_ARG(grad_dtype == DType::kFloat32 || grad_dtype == dtype,
                    "grad_dtype: must be fp32 or the weight dtype (%s), got %s", DTypeName(dtype),
                    DTypeName(grad_dtype));
+  // One slot's blocks are checked too (slot_weight_bytes() and the views multiply them out).
+  const size_t bytes = BytesFor(std::max(slots, 1), hidden, intermediate, dtype, grad_dtype);
+  MOONEP_CHECK_ARG(bytes != SIZE_MAX,
+                   "ReplicaBuffer: %d slots of 3 x hidden (%d) x intermediate (%d) elements (%s "
+                   "weights, %s gradients) do not fit in size_t", slots, hidden, intermediate,
+                   DTypeName(dtype), DTypeName(grad_dtype));
   std::unique_ptr<ReplicaBuffer> buf(new ReplicaBuffer());
   buf->slots_ = slots;
   buf->hidden_ = hidden;

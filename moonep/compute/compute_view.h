@@ -138,7 +138,8 @@ class ReplicaBuffer {
   // Sets every replica gradient to zero (before a step's first backward).
   void ZeroGrads();
 
-  // The bytes Create allocates for these arguments.
+  // The bytes Create allocates for these arguments; SIZE_MAX when they do not fit in size_t (or
+  // an argument is negative), which Create rejects with InvalidArgument.
   static size_t BytesFor(int32_t slots, int64_t hidden, int64_t intermediate, DType dtype,
                          DType grad_dtype);
 

@@ -11,6 +11,7 @@ namespace moonep::reference {
 
 RandomProblem MakeRandomProblem(const MoeShape& shape, int64_t tokens, uint64_t seed,
                                 double drop_probability) {
+  if (!CheckShape(shape, tokens).ok()) return RandomProblem{};
   const int64_t E = shape.num_experts, K = shape.top_k, H = shape.hidden, I = shape.intermediate;
   std::mt19937_64 rng(seed);
   std::normal_distribution<double> normal(0.0, 1.0);
@@ -78,6 +79,8 @@ GradientCheckResult Compare(const char* name, RandomProblem& p, const MoeShape& 
 }  // namespace
 
 absl::Status CheckGradients(const GradientCheckCase& c, std::vector<GradientCheckResult>* results) {
+  results->clear();
+  MOONEP_RETURN_IF_ERROR(CheckShape(c.shape, c.tokens));  // before building the problem from it
   RandomProblem p = MakeRandomProblem(c.shape, c.tokens, c.seed, c.drop_probability);
   BackwardResult grads;
   MOONEP_RETURN_IF_ERROR(Backward(c.shape, p.weights, c.tokens, p.x, p.topk_ids, p.topk_weights,

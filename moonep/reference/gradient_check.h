@@ -28,7 +28,8 @@ struct GradientCheckResult {
 // so entries that are zero up to rounding do not dominate.
 absl::Status CheckGradients(const GradientCheckCase& c, std::vector<GradientCheckResult>* results);
 
-// A random problem (used by the check and by tests elsewhere).
+// A random problem (used by the check and by tests elsewhere); empty when CheckShape rejects the
+// shape.
 struct RandomProblem {
   ExpertWeights weights;
   std::vector<double> x, topk_weights, dy;

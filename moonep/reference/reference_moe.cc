@@ -33,12 +33,26 @@ void PreActivations(const MoeShape& shape, const ExpertWeights& w, int64_t e, co
 
 }  // namespace
 
-absl::Status CheckInputs(const MoeShape& shape, const ExpertWeights& w, int64_t tokens,
-                         const std::vector<double>& x, const std::vector<int32_t>& topk_ids,
-                         const std::vector<double>& topk_weights) {
+absl::Status CheckShape(const MoeShape& shape, int64_t tokens) {
   const int64_t E = shape.num_experts, K = shape.top_k, H = shape.hidden, I = shape.intermediate;
   MOONEP_CHECK_ARG(E > 0 && K > 0 && H > 0 && I > 0 && tokens >= 0,
                    "shape must be positive (E=%d K=%d H=%d I=%d T=%d)", E, K, H, I, tokens);
+  // Every size the layer computes (weights, x, top-k, the expert outputs) must fit in int64.
+  int64_t v = 0;
+  MOONEP_CHECK_ARG(!__builtin_mul_overflow(E, H, &v) && !__builtin_mul_overflow(v, I, &v),
+                   "E*H*I overflows int64 (E=%d H=%d I=%d)", E, H, I);
+  MOONEP_CHECK_ARG(!__builtin_mul_overflow(tokens, H, &v), "T*H overflows int64 (T=%d H=%d)",
+                   tokens, H);
+  MOONEP_CHECK_ARG(!__builtin_mul_overflow(tokens, K, &v) && !__builtin_mul_overflow(v, H, &v),
+                   "T*K*H overflows int64 (T=%d K=%d H=%d)", tokens, K, H);
+  return absl::OkStatus();
+}
+
+absl::Status CheckInputs(const MoeShape& shape, const ExpertWeights& w, int64_t tokens,
+                         const std::vector<double>& x, const std::vector<int32_t>& topk_ids,
+                         const std::vector<double>& topk_weights) {
+  MOONEP_RETURN_IF_ERROR(CheckShape(shape, tokens));
+  const int64_t E = shape.num_experts, K = shape.top_k, H = shape.hidden, I = shape.intermediate;
   MOONEP_CHECK_ARG(static_cast<int64_t>(w.wg.size()) == E * H * I, "wg has %d values, need %d",
                    w.wg.size(), E * H * I);
   MOONEP_CHECK_ARG(static_cast<int64_t>(w.wu.size()) == E * H * I, "wu has %d values, need %d",

@@ -36,7 +36,12 @@ struct BackwardResult {
   std::vector<double> dtopk_weights;  // [T*K]; 0 where e = -1
 };
 
-// Checks shapes and expert ids (-1 allowed; any other id outside [0, E) is an error).
+// Checks a shape and token count: all positive (tokens >= 0), and every size the layer computes
+// from them (E*H*I, T*H, T*K*H) within int64.
+absl::Status CheckShape(const MoeShape& shape, int64_t tokens);
+
+// Checks shapes (CheckShape, then every vector's size) and expert ids (-1 allowed; any other id
+// outside [0, E) is an error).
 absl::Status CheckInputs(const MoeShape& shape, const ExpertWeights& w, int64_t tokens,
                          const std::vector<double>& x, const std::vector<int32_t>& topk_ids,
                          const std::vector<double>& topk_weights);

@@ -60,7 +60,7 @@ absl::Status ValidateRoutingParams(const RoutingParams& params);
 // One step of routing. Which fields are filled depends on how it was sampled (see above).
 struct StepRouting {
   int32_t num_ranks = 0, num_experts = 0, topk = 0;
-  std::vector<int32_t> tokens;    // [R] tokens of each source rank
+  std::vector<int64_t> tokens;    // [R] tokens of each source rank (a trace's can pass int32)
   std::vector<int32_t> topk_ids;  // [sum(tokens) * K], rank-major, token-major; empty if unknown
   std::vector<int64_t> counts;    // [R * E]; empty if unknown
   std::vector<int64_t> totals;    // [E] always

@@ -137,9 +137,10 @@ absl::StatusOr<std::unique_ptr<Simulator>> Simulator::Create(const SimOptions& o
   threads = std::max(1, std::min<int32_t>(threads, static_cast<int32_t>(st.planners.size())));
   st.workers.resize(threads);
 
-  st.rpn = o.cost.ranks_per_node > 0 ? o.cost.ranks_per_node : 1;
+  // A node larger than R is one node of all R ranks (the planner reads it the same way).
+  st.rpn = o.cost.ranks_per_node > 0 ? std::min(o.cost.ranks_per_node, st.R) : 1;
   if (st.model) {
-    const int32_t nodes = (st.R + st.rpn - 1) / st.rpn, D = st.model->num_domains();
+    const int32_t nodes = (st.R - 1) / st.rpn + 1, D = st.model->num_domains();
     st.node_domain.assign(static_cast<size_t>(nodes) * D, 0);
     for (int32_t r = 0; r < st.R; ++r) ++st.node_domain[static_cast<size_t>(r / st.rpn) * D + st.model->DomainOf(r)];
   }
@@ -236,11 +237,12 @@ absl::StatusOr<SimResult> Simulator::Run(StepSink* sink,
           r.totals[e] += c[e];
           row += c[e];
         }
-        // Each token makes K choices (fewer when some are -1: then this undercounts tokens).
-        r.tokens[s] = static_cast<int32_t>(st.K > 0 ? (row + st.K - 1) / st.K : row);
+        // Each token makes K choices (fewer when some are -1: then this undercounts tokens). The
+        // reader bounds a record's sum by 2^52, so neither sum overflows.
+        r.tokens[s] = st.K > 0 ? (row + st.K - 1) / st.K : row;
       }
       if (st.detail == Detail::kTotals) {
-        const int32_t nodes = (R + st.rpn - 1) / st.rpn;
+        const int32_t nodes = (R - 1) / st.rpn + 1;
         st.node_counts.assign(static_cast<size_t>(nodes) * E, 0);
         for (int32_t s = 0; s < R; ++s) {
           int64_t* dst = st.node_counts.data() + static_cast<size_t>(s / st.rpn) * E;

@@ -111,6 +111,27 @@ int64_t HeaderValue(const std::string& header, const std::string& key) {
   return v;
 }
 
+// The planner's bound on one step's counts: each below 2^52, summing to at most 2^52 (so no sum
+// over a record overflows). `first_field` numbers counts[0] among the line's fields; `sum` runs
+// over the lines of one record.
+constexpr int64_t kMaxTokens = int64_t{1} << 52;
+
+bool CheckCounts(const int64_t* counts, size_t n, size_t first_field, int64_t* sum,
+                 std::string* error) {
+  for (size_t i = 0; i < n; ++i) {
+    if (counts[i] >= kMaxTokens) {
+      *error = absl::StrFormat("field %d (%d) is not below 2^52", first_field + i, counts[i]);
+      return false;
+    }
+    *sum += counts[i];  // both below 2^52: no overflow
+    if (*sum > kMaxTokens) {
+      *error = absl::StrFormat("the counts of one step sum past 2^52 (at field %d)", first_field + i);
+      return false;
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 TraceReader::~TraceReader() {
@@ -222,6 +243,8 @@ absl::StatusOr<bool> TraceReader::Next(TraceRecord* record) {
           fields.size()));
     }
     if (fields[1] > INT32_MAX) return LineError("layer is too large");
+    int64_t sum = 0;
+    if (!CheckCounts(fields.data() + 2, fields.size() - 2, 3, &sum, &error)) return LineError(error);
     record->step = fields[0];
     record->layer = static_cast<int32_t>(fields[1]);
     std::copy(fields.begin() + 2, fields.end(), record->counts.begin());
@@ -229,6 +252,7 @@ absl::StatusOr<bool> TraceReader::Next(TraceRecord* record) {
   }
   // CSV: R consecutive data lines form one step.
   record->counts.resize(static_cast<size_t>(R) * E);
+  int64_t sum = 0;
   for (int32_t row = 0; row < R; ++row) {
     if (!pending_) {
       bool got;
@@ -248,6 +272,7 @@ absl::StatusOr<bool> TraceReader::Next(TraceRecord* record) {
       return LineError(absl::StrFormat("expected %d counts (one per expert, as on the first row), got %d",
                                        E, fields.size()));
     }
+    if (!CheckCounts(fields.data(), fields.size(), 1, &sum, &error)) return LineError(error);
     std::copy(fields.begin(), fields.end(), record->counts.begin() + static_cast<size_t>(row) * E);
   }
   record->step = csv_records_++;

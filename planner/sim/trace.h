@@ -45,7 +45,8 @@ class TraceReader {
   TraceFormat format() const { return format_; }
 
   // Reads the next record into `record`; returns false at the end of the file. Errors name the
-  // file and line.
+  // file and line. Counts must be below 2^52 and one record's sum at most 2^52 (the planner's
+  // bounds).
   absl::StatusOr<bool> Next(TraceRecord* record);
 
  private:

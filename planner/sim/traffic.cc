@@ -191,7 +191,7 @@ void TrafficCounter::FromTotals(const Plan& plan, const StepRouting& routing,
   m->rows_intra = std::llround(intra);
   m->rows_inter = std::llround(inter);
   double sum_tokens = 0;
-  for (int32_t t : routing.tokens) sum_tokens += t;
+  for (int64_t t : routing.tokens) sum_tokens += static_cast<double>(t);
   const double mean_tokens = R > 0 ? sum_tokens / R : 0;
   double sent_intra = 0, sent_inter = 0;
   const int32_t rpn = plan.ranks_per_node > 0 ? plan.ranks_per_node : 1;

@@ -474,5 +474,84 @@ TEST(ExecutorConfigCheck, RejectsBadConfig) {
   EXPECT_GE((*ok)->num_threads(), 1);
 }
 
+
+// Row segments near INT64_MAX: offset + padded count once wrapped negative and passed the bounds.
+TEST(CheckComputeView, SegmentsPastInt64AreOutOfBounds) {
+  float w[3] = {0.5f, 0.25f, 0.125f};
+  ComputeView v;
+  v.hidden = 1;
+  v.intermediate = 1;
+  v.total_rows = 4;
+  GroupView g;
+  g.expert = 0;
+  g.row_offset = INT64_MAX - 1;
+  g.row_count = 2;
+  g.padded_count = 2;
+  g.weights = {TensorView::Contiguous(&w[0], DType::kFloat32, {1, 1}),
+               TensorView::Contiguous(&w[1], DType::kFloat32, {1, 1}),
+               TensorView::Contiguous(&w[2], DType::kFloat32, {1, 1})};
+  v.groups = {g};
+  absl::Status s = CheckComputeView(v, /*need_grads=*/false);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("group 0: rows"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("run past total_rows 4"), std::string::npos) << s;
+  v.groups[0].row_count = 0;  // padding only: no tensors read, the bounds still hold
+  s = CheckComputeView(v, false);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  v.groups[0].row_offset = INT64_MAX;
+  v.groups[0].padded_count = INT64_MAX;
+  EXPECT_EQ(CheckComputeView(v, false).code(), absl::StatusCode::kInvalidArgument);
+  // In bounds and overlapping, and in bounds side by side.
+  v.total_rows = INT64_MAX;
+  v.groups = {g, g};
+  v.groups[0].row_offset = INT64_MAX - 4;
+  v.groups[1].row_offset = INT64_MAX - 3;
+  s = CheckComputeView(v, false);
+  EXPECT_NE(s.message().find("overlap"), std::string::npos) << s;
+  v.groups[1].row_offset = INT64_MAX - 2;
+  EXPECT_TRUE(CheckComputeView(v, false).ok());
+}
+
+// Sizes past size_t: slots x 3 x H x I x 4 bytes once wrapped to 0 and made a buffer of no bytes.
+TEST(ReplicaBuffer, SizesPastSizeTAreRejected) {
+  EXPECT_EQ(ReplicaBuffer::BytesFor(1 << 22, int64_t{1} << 20, int64_t{1} << 20, DType::kFloat32,
+                                    DType::kFloat32),
+            SIZE_MAX);
+  EXPECT_EQ(ReplicaBuffer::BytesFor(4, int64_t{1} << 31, int64_t{1} << 31, DType::kBFloat16,
+                                    DType::kFloat32),
+            SIZE_MAX);
+  for (int32_t slots : {4, 0}) {  // no slots: still no slot size past size_t
+    auto buf = ReplicaBuffer::Create(slots, int64_t{1} << 31, int64_t{1} << 31, DType::kFloat32);
+    ASSERT_FALSE(buf.ok()) << slots;
+    EXPECT_EQ(buf.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(buf.status().message().find("hidden (2147483648)"), std::string::npos) << buf.status();
+  }
+  auto buf = ReplicaBuffer::Create(1 << 22, int64_t{1} << 20, int64_t{1} << 20, DType::kFloat32);
+  ASSERT_FALSE(buf.ok());
+  EXPECT_EQ(buf.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(buf.status().message().find("4194304 slots"), std::string::npos) << buf.status();
+  // Representable sizes keep the formula.
+  EXPECT_EQ(ReplicaBuffer::BytesFor(3, 5, 7, DType::kBFloat16, DType::kFloat32),
+            (3u * 3 * 5 * 7 * 2 + 63) / 64 * 64 + (3u * 3 * 5 * 7 * 4 + 63) / 64 * 64);
+}
+
+// A workspace past size_t (3 * max_rows * I floats = 3 * 2^62, times 4 bytes) once wrapped to a few
+// bytes, and Create succeeded with a workspace far smaller than the calls would write.
+TEST(ExecutorConfigCheck, WorkspacePastSizeTIsRejected) {
+  const ExecutorConfig configs[] = {
+      {1, int64_t{1} << 28, DType::kFloat32, int64_t{1} << 34, 1},
+      {int64_t{1} << 60, 1, DType::kBFloat16, 1, 1},  // per-thread bf16 panels of 2^60 floats
+      {1, int64_t{1} << 60, DType::kBFloat16, 1, 1},
+      {INT64_MAX, INT64_MAX, DType::kFloat32, INT64_MAX, 64},
+  };
+  for (const ExecutorConfig& c : configs) {
+    auto ex = cpu::CpuExecutor::Create(c);
+    ASSERT_FALSE(ex.ok()) << c.hidden << " " << c.intermediate << " " << c.max_rows;
+    EXPECT_EQ(ex.status().code(), absl::StatusCode::kInvalidArgument) << ex.status();
+    EXPECT_NE(ex.status().message().find("workspace"), std::string::npos) << ex.status();
+    EXPECT_EQ(cpu::CpuWorkspaceBytes(c, c.num_threads), SIZE_MAX);
+  }
+}
+
 }  // namespace
 }  // namespace moonep::compute

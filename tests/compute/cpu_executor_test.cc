@@ -10,7 +10,10 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <random>
+#include <thread>
+#include <vector>
 
 #include "moonep/reference/reference_moe.h"
 #include "tests/compute/problem.h"
@@ -491,6 +494,59 @@ TEST(Executor, WorkspaceFollowsTheFormula) {
       EXPECT_EQ((*ex)->WorkspaceBytes(), 4 * (T * per_thread + 3 * 5000 * I)) << H << "x" << I;
     }
   }
+}
+
+
+}  // namespace
+}  // namespace moonep::compute
+
+extern "C" {
+int openblas_get_num_threads(void) __attribute__((weak));
+void openblas_set_num_threads(int) __attribute__((weak));
+}
+
+namespace moonep::compute {
+namespace {
+
+// OpenBLAS's thread count is process-global and distinct executors may run at once: a guard that
+// leaves while another is still inside a call must not restore the count under it (the first
+// guard's exit once set it back to N mid-call of the second); the last one out restores it.
+TEST(ScopedSingleThreadedBlas, OverlappingGuardsRestoreWhenTheLastLeaves) {
+  if (openblas_get_num_threads == nullptr || openblas_set_num_threads == nullptr) {
+    GTEST_SKIP() << "the BLAS is not OpenBLAS";
+  }
+  const int before = openblas_get_num_threads();
+  openblas_set_num_threads(2);
+  if (openblas_get_num_threads() != 2) {
+    openblas_set_num_threads(before);
+    GTEST_SKIP() << "this OpenBLAS cannot run 2 threads";
+  }
+  auto a = std::make_unique<cpu::ScopedSingleThreadedBlas>();
+  EXPECT_EQ(openblas_get_num_threads(), 1);
+  auto b = std::make_unique<cpu::ScopedSingleThreadedBlas>();
+  EXPECT_EQ(openblas_get_num_threads(), 1);
+  a.reset();  // the first guard leaves while the second is still in its call
+  EXPECT_EQ(openblas_get_num_threads(), 1);
+  auto c = std::make_unique<cpu::ScopedSingleThreadedBlas>();
+  b.reset();
+  EXPECT_EQ(openblas_get_num_threads(), 1);
+  c.reset();
+  EXPECT_EQ(openblas_get_num_threads(), 2);  // restored by the last one out
+  // Guards from many threads at once, each around a GEMM: the count ends restored.
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([] {
+      float x[4] = {1, 2, 3, 4}, y[4] = {0, 0, 0, 0};
+      for (int i = 0; i < 200; ++i) {
+        cpu::ScopedSingleThreadedBlas guard;
+        cpu::Gemm(2, 2, 2, cpu::Operand{x, DType::kFloat32, 2, false},
+                  cpu::Operand{x, DType::kFloat32, 2, false}, 0.0f, y, 2, nullptr);
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(openblas_get_num_threads(), 2);
+  openblas_set_num_threads(before);
 }
 
 }  // namespace

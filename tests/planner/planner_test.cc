@@ -809,5 +809,133 @@ TEST(PlannerGreedyFill, UsesPresortedOrdersOnlyWhenTheyMatch) {
   EXPECT_GT(stale_rooms, 100);
 }
 
+
+// ---- Extreme config values and counts: clear errors or valid plans, never a crash ----------
+
+// ranks_per_node above R means one node holding every rank (as ranks_per_node = 8 at R = 4 always
+// did); INT32_MAX once made the source-block count negative (a crash at R = 2) or zero (a plan
+// that routed no token at R = 64).
+TEST(PlannerExtremeConfig, RanksPerNodeAboveRanksIsOneNode) {
+  std::mt19937_64 rng(31);
+  for (int32_t R : {2, 5, 64}) {
+    const int32_t E = 2 * R;
+    const auto counts = MakeCounts(Skew::kZipf, R, E, 64, 2, 1.2, rng);
+    const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t{0});
+    for (int32_t rpn : {R + 3, int32_t{1} << 30, INT32_MAX}) {
+      PlannerConfig c;
+      c.num_ranks = R;
+      c.num_experts = E;
+      c.ranks_per_node = rpn;
+      const Plan plan = MustPlan(c, counts);
+      EXPECT_EQ(plan.stats.total_tokens, total) << "R=" << R << " rpn=" << rpn;
+      EXPECT_EQ(plan.piece_count.empty() ? 0 : std::accumulate(plan.piece_count.begin(),
+                                                               plan.piece_count.end(), int64_t{0}),
+                total) << "R=" << R << " rpn=" << rpn;
+      EXPECT_EQ(plan.stats.rows_travel_inter, 0) << "one node: nothing crosses nodes";
+      // The same decisions as a node of exactly R ranks.
+      c.ranks_per_node = R;
+      const Plan one_node = MustPlan(c, counts);
+      EXPECT_EQ(plan.alloc, one_node.alloc) << "R=" << R << " rpn=" << rpn;
+      EXPECT_EQ(plan.piece_start, one_node.piece_start) << "R=" << R << " rpn=" << rpn;
+    }
+  }
+}
+
+TEST(PlannerExtremeConfig, EplbRedundantIsBounded) {
+  PlannerConfig c;
+  c.num_ranks = 1;
+  c.num_experts = 1;
+  c.policy = Policy::kEplb;
+  c.eplb_redundant = 1 << 30;  // once allocated gigabytes of physical experts per plan
+  auto p = Planner::Create(c);
+  ASSERT_FALSE(p.ok());
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(p.status().message().find("eplb_redundant (1073741824)"), std::string::npos) << p.status();
+  // At most one copy per replica slot: R * slots = 4 * 2.
+  c.num_ranks = 4;
+  c.num_experts = 8;
+  c.eplb_redundant = 12;
+  EXPECT_EQ(Planner::Create(c).status().code(), absl::StatusCode::kInvalidArgument);
+  c.eplb_redundant = 8;
+  std::vector<int64_t> counts(32, 1);
+  counts[0] = 100;
+  MustPlan(c, counts);
+  c.eplb_redundant = -1;  // the default, R
+  MustPlan(c, counts);
+}
+
+// eplb sums the totals of up to eplb_period steps: 2049 steps of 2^52 tokens pass 2^63. The sum
+// saturates instead of wrapping to a negative weight (which failed the step with "negative weight").
+TEST(PlannerExtremeConfig, EplbLongPeriodSumSaturates) {
+  PlannerConfig c;
+  c.num_ranks = 2;
+  c.num_experts = 2;
+  c.policy = Policy::kEplb;
+  c.eplb_period = 2049;
+  auto planner = Planner::Create(c);
+  ASSERT_TRUE(planner.ok()) << planner.status();
+  const std::vector<int64_t> totals = {int64_t{1} << 52, 0};
+  Plan plan;
+  std::string first;
+  for (int step = 0; step <= 2049; ++step) {
+    const absl::Status s = (*planner)->Decide(totals, &plan);
+    ASSERT_TRUE(s.ok()) << "step " << step << ": " << s;
+    if (step == 0) first = SerializePlan(plan);
+  }
+  // The re-plan at step 2049 still sees only expert 0 loaded: the placement of step 0.
+  EXPECT_EQ(plan.stats.replicas, 1);
+  EXPECT_EQ(SerializePlan(plan), first);
+}
+
+TEST(PlannerExtremeConfig, ByteSizesAreBoundedAndStatsSaturate) {
+  PlannerConfig c;
+  c.num_ranks = 2;
+  c.num_experts = 2;
+  c.row_bytes = int64_t{1} << 62;
+  auto p = Planner::Create(c);
+  ASSERT_FALSE(p.ok());
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(p.status().message().find("row_bytes"), std::string::npos) << p.status();
+  c.row_bytes = 0;
+  c.expert_bytes = (int64_t{1} << 40) + 1;
+  p = Planner::Create(c);
+  ASSERT_FALSE(p.ok());
+  EXPECT_NE(p.status().message().find("expert_bytes"), std::string::npos) << p.status();
+  // The largest sizes: 2^30 travelling rows of 2^40 bytes are past int64, reported as INT64_MAX.
+  c.row_bytes = int64_t{1} << 40;
+  c.expert_bytes = int64_t{1} << 40;
+  std::vector<int64_t> counts = {int64_t{1} << 31, 0, 0, 0};  // source 0 -> expert 0, all of it
+  const Plan plan = MustPlan(c, counts);
+  ASSERT_EQ(plan.stats.rows_travel_inter, int64_t{1} << 30);
+  EXPECT_EQ(plan.stats.dispatch_bytes_inter, INT64_MAX);
+  EXPECT_EQ(plan.stats.prefetch_bytes_inter, int64_t{1} << 40);
+  BuildScratch scratch;
+  Plan again = plan;
+  ASSERT_TRUE(FinalizePlan((*Planner::Create(c))->config(), counts, &again, &scratch).ok());
+  EXPECT_EQ(again.stats.dispatch_bytes_inter, INT64_MAX);
+}
+
+// With speeds, the fastest rank's capacity L that lets a slow rank keep its home load can pass
+// 2^63 (2^44 tokens x 2^20 / 1): it was truncated to 0 and the policy failed with "no reachable
+// capacity". Rank 1 (speed 1e-6, one slot on rank 0) can shed one of its two 2^43 experts.
+TEST(PlannerExtremeConfig, SpeedsCapacityPast2To63) {
+  PlannerConfig c;
+  c.num_ranks = 2;
+  c.num_experts = 4;
+  c.slots = 1;
+  c.speeds = {1, 1e-6};
+  std::vector<int64_t> counts(8, 0);
+  counts[1 * 4 + 2] = int64_t{1} << 43;
+  counts[1 * 4 + 3] = int64_t{1} << 43;
+  for (Policy policy : {Policy::kMoonEP, Policy::kMoonEPGreedy}) {
+    c.policy = policy;
+    const Plan plan = MustPlan(c, counts);
+    if (policy == Policy::kMoonEP) {
+      EXPECT_EQ(RankLoads(plan)[1], int64_t{1} << 43);
+      EXPECT_EQ(plan.stats.replicas, 1);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace moonep::planner

@@ -93,5 +93,46 @@ TEST(ReferenceTest, RejectsBadInput) {
   EXPECT_FALSE(Forward(shape, p.weights, 4, p.x, p.topk_ids, p.topk_weights, &out).ok());
 }
 
+
+// E * H * I = 2^21 * 2^21 * 2^22 = 2^64 once wrapped to 0, so empty weights passed the check.
+TEST(ReferenceTest, SizesPastInt64AreRejected) {
+  const MoeShape shape{int64_t{1} << 21, 1, int64_t{1} << 21, int64_t{1} << 22};
+  ExpertWeights w;
+  ForwardResult out;
+  absl::Status s = Forward(shape, w, 0, {}, {}, {}, &out);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("E*H*I"), std::string::npos) << s;
+  BackwardResult grads;
+  s = Backward(shape, w, 0, {}, {}, {}, {}, &grads);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  // tokens * K and tokens * K * H (the expert outputs) as well.
+  const MoeShape wide{1, int64_t{1} << 40, 1, 1};
+  ExpertWeights one{{0.5}, {0.5}, {0.5}};
+  s = Forward(wide, one, int64_t{1} << 24, {}, {}, {}, &out);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("T*K"), std::string::npos) << s;
+}
+
+// An invalid shape is rejected before the random problem is built (E = 0 once divided by zero in
+// MakeRandomProblem's k % E).
+TEST(ReferenceTest, GradientCheckValidatesTheShapeFirst) {
+  for (const MoeShape shape : {MoeShape{0, 1, 1, 1}, MoeShape{2, 0, 1, 1}, MoeShape{-1, 1, 1, 1},
+                               MoeShape{2, 1, -3, 1}, MoeShape{int64_t{1} << 21, 1, int64_t{1} << 21,
+                                                               int64_t{1} << 22}}) {
+    GradientCheckCase c;
+    c.shape = shape;
+    c.tokens = 2;
+    std::vector<GradientCheckResult> results;
+    const absl::Status s = CheckGradients(c, &results);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_TRUE(results.empty());
+  }
+  GradientCheckCase c;
+  c.shape = MoeShape{2, 1, 2, 2};
+  c.tokens = -1;
+  std::vector<GradientCheckResult> results;
+  EXPECT_EQ(CheckGradients(c, &results).code(), absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace moonep::reference

@@ -122,5 +122,27 @@ TEST(TraceTest, MalformedFilesNameTheLine) {
   EXPECT_NE(missing.status().message().find("does-not-exist.trace"), std::string::npos);
 }
 
+
+// The planner takes counts below 2^52 summing to at most 2^52; a trace past that is rejected at its
+// line (the simulator's sums of a record then cannot overflow).
+TEST(TraceTest, CountsPast2To52NameTheLine) {
+  const std::string h = "# moonep-trace v1 R=2 E=2 K=1\n";
+  const std::string at = std::to_string(int64_t{1} << 52), below = std::to_string((int64_t{1} << 52) - 1);
+  ExpectError("big.trace", h + "0 0 1 2 3 4\n1 0 1 " + at + " 3 4\n", TraceFormat::kAuto, 0, 0,
+              {"big.trace:3:", "field 4", "2^52"});
+  ExpectError("sum.trace", h + "0 0 " + below + " 0 0 2\n", TraceFormat::kAuto, 0, 0,
+              {"sum.trace:2:", "sum past 2^52"});
+  ExpectError("max.trace", h + "0 0 4611686018427387904 4611686018427387904 1 1\n", TraceFormat::kAuto,
+              0, 0, {"max.trace:2:", "field 3", "2^52"});
+  ExpectError("big.csv", "1,2\n" + at + ",0\n", TraceFormat::kCsv, 2, 0, {"big.csv:2:", "field 1", "2^52"});
+  ExpectError("sum.csv", below + ",0\n0,2\n", TraceFormat::kCsv, 2, 0, {"sum.csv:2:", "sum past 2^52"});
+  // The limit itself is accepted.
+  auto ok = TraceReader::Open(WriteFile("limit.trace", h + "0 0 " + below + " 1 0 0\n"), TraceFormat::kAuto, 0, 0);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  const std::vector<TraceRecord> recs = ReadAll(ok->get());
+  ASSERT_EQ(recs.size(), 1u);
+  EXPECT_EQ(recs[0].counts[0], (int64_t{1} << 52) - 1);
+}
+
 }  // namespace
 }  // namespace moonep::sim

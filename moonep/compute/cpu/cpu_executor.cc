@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <new>
+#include <stdexcept>
 #include <thread>
 
 #include "moonep/compute/cpu/activation.h"
@@ -18,37 +20,71 @@ constexpr size_t kAlignFloats = 16;  // 64 bytes
 
 size_t RoundUp(size_t v, size_t m) { return (v + m - 1) / m * m; }
 
+// a * b and a + b in size_t; *overflow is set when one wraps (sizes of a config past size_t).
+size_t Mul(size_t a, size_t b, bool* overflow) {
+  size_t v = 0;
+  *overflow |= __builtin_mul_overflow(a, b, &v);
+  return v;
+}
+size_t Add(size_t a, size_t b, bool* overflow) {
+  size_t v = 0;
+  *overflow |= __builtin_add_overflow(a, b, &v);
+  return v;
+}
+
 // Per-thread scratch layout, in floats. `a` doubles as the output tile of F2/B2 (bf16 storage).
+// `overflow`: the layout does not fit in size_t (its other fields are then meaningless).
 struct ScratchLayout {
   int64_t rb = 0;
   size_t a = 0, b = 0, t = 0, x = 0, dy = 0, gemm = 0, tile = 0, total = 0;
+  bool overflow = false;
 };
 
+// (H, I > 0 and max_rows >= 0: CheckExecutorConfig.)
 ScratchLayout Layout(const ExecutorConfig& c) {
   ScratchLayout l;
+  bool* of = &l.overflow;
   const int64_t H = c.hidden, I = c.intermediate, M = std::max(H, I);
   const int64_t tw = std::min(kWeightTile, M), tc = std::min(kColTile, M);
   l.rb = std::max<int64_t>(1, std::min(kRowBlock, c.max_rows));
-  const size_t rbc = static_cast<size_t>(l.rb * tc), rbh = static_cast<size_t>(l.rb * H);
+  const size_t rbc = static_cast<size_t>(l.rb * tc);
+  const size_t rbh = Mul(static_cast<size_t>(l.rb), static_cast<size_t>(H), of);
   l.a = 0;
   l.b = rbc;
   l.t = 2 * rbc;
   size_t end = 3 * rbc;
   if (c.dtype == DType::kBFloat16) {
     l.x = end;
-    l.dy = l.x + rbh;
-    l.gemm = l.dy + rbh;
+    l.dy = Add(l.x, rbh, of);
+    l.gemm = Add(l.dy, rbh, of);
     // B panel of the widest GEMM: M columns, or 2I for the fused gate|up GEMM (I <= kColTile).
     const int64_t widest = std::max(M, I <= kColTile ? 2 * I : 0);
-    l.tile = l.gemm + static_cast<size_t>(kPanelK * (tw + widest));
-    end = l.tile + static_cast<size_t>(tw * M);
+    l.tile = Add(l.gemm, Mul(kPanelK, Add(static_cast<size_t>(tw), static_cast<size_t>(widest), of), of),
+                 of);
+    end = Add(l.tile, Mul(static_cast<size_t>(tw), static_cast<size_t>(M), of), of);
   }
+  *of |= end > SIZE_MAX - kAlignFloats;
   l.total = RoundUp(end, kAlignFloats);
   return l;
 }
 
-size_t SharedFloats(const ExecutorConfig& c) {
-  return RoundUp(3 * static_cast<size_t>(c.max_rows * c.intermediate), kAlignFloats);
+size_t SharedFloats(const ExecutorConfig& c, bool* overflow) {
+  const size_t n = Mul(3, Mul(static_cast<size_t>(c.max_rows), static_cast<size_t>(c.intermediate),
+                              overflow), overflow);
+  *overflow |= n > SIZE_MAX - kAlignFloats;
+  return RoundUp(n, kAlignFloats);
+}
+
+// The workspace bytes: 4 * (threads * per-thread floats + shared floats) (the per-thread floats in
+// *per_thread); false when they do not fit in size_t (with room to round them up to 64).
+bool CheckedWorkspaceBytes(const ExecutorConfig& c, int threads, size_t* per_thread, size_t* bytes) {
+  const ScratchLayout l = Layout(c);
+  bool overflow = l.overflow;
+  const size_t floats = Add(Mul(static_cast<size_t>(threads), l.total, &overflow),
+                            SharedFloats(c, &overflow), &overflow);
+  *per_thread = l.total;
+  *bytes = Mul(sizeof(float), floats, &overflow);
+  return !overflow && *bytes <= SIZE_MAX - 64;
 }
 
 int ResolveThreads(const ExecutorConfig& c) {
@@ -133,14 +169,21 @@ std::pair<int64_t, int64_t> TileLimits(const std::vector<int64_t>& rows, int64_t
 }
 
 size_t CpuWorkspaceBytes(const ExecutorConfig& config, int threads) {
-  return sizeof(float) * (static_cast<size_t>(threads) * Layout(config).total + SharedFloats(config));
+  size_t per_thread = 0, bytes = 0;
+  return CheckedWorkspaceBytes(config, threads, &per_thread, &bytes) ? bytes : SIZE_MAX;
 }
 
 absl::StatusOr<std::unique_ptr<CpuExecutor>> CpuExecutor::Create(const ExecutorConfig& config) {
   MOONEP_RETURN_IF_ERROR(CheckExecutorConfig(config));
-  std::unique_ptr<CpuExecutor> ex(new CpuExecutor(config, ResolveThreads(config)));
-  ex->workspace_bytes_ = CpuWorkspaceBytes(config, ex->pool_->size());
-  ex->per_thread_floats_ = Layout(config).total;
+  const int threads = ResolveThreads(config);
+  size_t per_thread = 0, bytes = 0;
+  MOONEP_CHECK_ARG(CheckedWorkspaceBytes(config, threads, &per_thread, &bytes),
+                   "config: the workspace for hidden %d, intermediate %d, max_rows %d and %d "
+                   "threads does not fit in size_t", config.hidden, config.intermediate,
+                   config.max_rows, threads);
+  std::unique_ptr<CpuExecutor> ex(new CpuExecutor(config, threads));
+  ex->workspace_bytes_ = bytes;
+  ex->per_thread_floats_ = per_thread;
   ex->workspace_ = static_cast<float*>(std::aligned_alloc(64, RoundUp(ex->workspace_bytes_, 64)));
   if (ex->workspace_ == nullptr) {
     return OutOfMemory("CpuExecutor: cannot allocate a %d-byte workspace", ex->workspace_bytes_);
@@ -148,10 +191,18 @@ absl::StatusOr<std::unique_ptr<CpuExecutor>> CpuExecutor::Create(const ExecutorC
   ex->shared_ = ex->workspace_ + ex->pool_->size() * ex->per_thread_floats_;
   // Enough task slots for max_rows spread over up to 256 groups, plus the finer tiles of
   // TileLimits (fewer than 2 * kTilesPerThread per thread beyond one per group); more groups grow
-  // it once.
-  ex->tasks_.reserve(static_cast<size_t>(config.max_rows / kRowBlock + 256) * 3 +
-                     static_cast<size_t>(2 * kTilesPerThread * std::max(ex->pool_->size(), 2)));
-  ex->group_rows_.reserve(256);
+  // it once. (Fewer bytes than the workspace, but an allocation all the same: a failure is
+  // OutOfMemory, not an exception out of Create.)
+  const size_t tasks = static_cast<size_t>(config.max_rows / kRowBlock + 256) * 3 +
+                       static_cast<size_t>(2 * kTilesPerThread * std::max(ex->pool_->size(), 2));
+  try {
+    ex->tasks_.reserve(tasks);
+    ex->group_rows_.reserve(256);
+  } catch (const std::bad_alloc&) {
+    return OutOfMemory("CpuExecutor: cannot allocate %d task slots", tasks);
+  } catch (const std::length_error&) {
+    return OutOfMemory("CpuExecutor: cannot allocate %d task slots", tasks);
+  }
   return ex;
 }
 

@@ -18,7 +18,8 @@
 // small groups' tiles then run side by side, one thread each, so a 100x skew between groups still
 // keeps all threads busy. OpenBLAS itself runs single-threaded during a call (its thread count is
 // process-global and its own split could change rounding with the thread count); the previous
-// count is restored afterwards. Empty groups produce no tile.
+// count is restored when the last call in progress, of any executor, ends. Empty groups produce
+// no tile.
 //
 // Memory (floats, allocated once at creation; rb = min(kRowBlock, max_rows), M = max(H, I),
 // tc = min(kColTile, M), Tw = min(kWeightTile, M), T = threads):
@@ -64,7 +65,8 @@ int64_t ColTile(int64_t width, int64_t max_tile = kColTile);
 std::pair<int64_t, int64_t> TileLimits(const std::vector<int64_t>& rows, int64_t width,
                                        int threads);
 
-// The workspace CpuExecutor allocates for `config` with `threads` threads.
+// The workspace CpuExecutor allocates for `config` with `threads` threads; SIZE_MAX when it does
+// not fit in size_t (Create then fails with InvalidArgument).
 size_t CpuWorkspaceBytes(const ExecutorConfig& config, int threads);
 
 class CpuExecutor final : public Executor {

@@ -1,6 +1,7 @@
 #include "moonep/compute/cpu/gemm.h"
 
 #include <algorithm>
+#include <mutex>
 
 #include <cblas.h>
 
@@ -88,15 +89,32 @@ void Gemm(int64_t M, int64_t N, int64_t K, const Operand& a, const Operand& b, f
   }
 }
 
+namespace {
+
+// The guards alive in the process and the count the first of them saved.
+std::mutex blas_mutex;
+int blas_guards = 0;
+int blas_saved = 0;
+
+bool HaveOpenBlas() {
+  return openblas_get_num_threads != nullptr && openblas_set_num_threads != nullptr;
+}
+
+}  // namespace
+
 ScopedSingleThreadedBlas::ScopedSingleThreadedBlas() {
-  if (openblas_get_num_threads != nullptr && openblas_set_num_threads != nullptr) {
-    saved_ = openblas_get_num_threads();
-    if (saved_ != 1) openblas_set_num_threads(1);
+  if (!HaveOpenBlas()) return;
+  std::lock_guard<std::mutex> lock(blas_mutex);
+  if (blas_guards++ == 0) {
+    blas_saved = openblas_get_num_threads();
+    if (blas_saved != 1) openblas_set_num_threads(1);
   }
 }
 
 ScopedSingleThreadedBlas::~ScopedSingleThreadedBlas() {
-  if (saved_ > 1 && openblas_set_num_threads != nullptr) openblas_set_num_threads(saved_);
+  if (!HaveOpenBlas()) return;
+  std::lock_guard<std::mutex> lock(blas_mutex);
+  if (--blas_guards == 0 && blas_saved > 1) openblas_set_num_threads(blas_saved);
 }
 
 }  // namespace moonep::compute::cpu

@@ -34,16 +34,15 @@ void Gemm(int64_t M, int64_t N, int64_t K, const Operand& a, const Operand& b, f
           float* c, int64_t ldc, float* scratch);
 
 // Keeps OpenBLAS single-threaded while alive (the executor parallelizes over its own fixed tiles)
-// and restores the previous thread count after. No-op when the BLAS is not OpenBLAS.
+// and restores the previous thread count after. OpenBLAS's count is process-global and distinct
+// executors may run at once, so the guards are counted (under a mutex): the first one in saves
+// the count and sets 1, the last one out restores it. No-op when the BLAS is not OpenBLAS.
 class ScopedSingleThreadedBlas {
  public:
   ScopedSingleThreadedBlas();
   ~ScopedSingleThreadedBlas();
   ScopedSingleThreadedBlas(const ScopedSingleThreadedBlas&) = delete;
   ScopedSingleThreadedBlas& operator=(const ScopedSingleThreadedBlas&) = delete;
-
- private:
-  int saved_ = 0;
 };
 
 }  // namespace moonep::compute::cpu
