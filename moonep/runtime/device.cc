@@ -163,6 +163,7 @@ absl::StatusOr<DeviceMemory> DeviceMemory::Allocate(Device device, size_t bytes,
   DeviceMemory m;
   m.device_ = device;
   if (bytes == 0) return m;
+  if (bytes > SIZE_MAX / 2) return OutOfMemory("cannot allocate %d bytes for %s", bytes, what);
   if (device == Device::kCpu) {
     const size_t rounded = (bytes + kHostAlign - 1) / kHostAlign * kHostAlign;
     m.data_ = std::aligned_alloc(kHostAlign, rounded);

@@ -32,53 +32,66 @@ absl::StatusOr<std::unique_ptr<EpBuffer>> EpBuffer::Create(Communicator* comm,
   if (comm == nullptr) return InvalidArgument("comm is null");
   absl::Status local = CheckLayerConfig(config, comm->size(), /*need_executor=*/false);
   if (local.ok()) local = UseDevice(config.device, config.device_index);
-  MOONEP_RETURN_IF_ERROR(AgreeOnConfig(comm, config, local, "EP buffer creation"));
+  // The planner and the buffers (their size depends on max_recv_rows, which ranks may set
+  // differently) are made before the agreement, so a rank that cannot make them fails creation
+  // on every rank instead of leaving the others in the transport's collective setup.
   std::unique_ptr<EpBuffer> buf(new EpBuffer());
-  buf->comm_ = comm;
-  buf->config_ = config;
-  buf->epn_ = config.num_experts / comm->size();
-  buf->slots_ = config.slots < 0 ? buf->epn_ : config.slots;
-  buf->layer_id_ = config.layer_id >= 0 ? config.layer_id : comm->NextLayerId();
-  buf->capacity_ = RecvCapacityRows(config, comm->size());
   const int64_t row_bytes = config.hidden * static_cast<int64_t>(DTypeSize(config.dtype));
+  if (local.ok()) {
+    buf->comm_ = comm;
+    buf->config_ = config;
+    buf->epn_ = config.num_experts / comm->size();
+    buf->slots_ = config.slots < 0 ? buf->epn_ : config.slots;
+    buf->capacity_ = RecvCapacityRows(config, comm->size());
 
-  planner::PlannerConfig pc;
-  pc.num_ranks = comm->size();
-  pc.num_experts = config.num_experts;
-  pc.slots = buf->slots_;
-  pc.pad_multiple = config.pad_multiple;
-  pc.ranks_per_node = config.ranks_per_node;
-  pc.policy = config.policy;
-  pc.eplb_period = config.eplb_period;
-  // One rank has no peer to replicate onto: the test policy then routes through the rank's own
-  // slots, so prefetch, replica compute and reduce still run (tests, single-GPU checks).
-  pc.test_home_replicas = true;
-  pc.row_bytes = row_bytes;
-  pc.expert_bytes = 3 * config.hidden * config.intermediate *
-                    static_cast<int64_t>(DTypeSize(config.dtype));
-  MOONEP_ASSIGN_OR_RETURN(buf->planner_, planner::Planner::Create(pc));
-  transport::TransportOptions to;
-  to.comm = comm->mpi_comm();
-  to.max_tokens = config.max_tokens;
-  to.max_top_k = config.top_k;
-  to.max_row_bytes = row_bytes;
-  MOONEP_ASSIGN_OR_RETURN(buf->transport_, comm->MakeTransport(TransportBackend(config), to));
-  for (int32_t i = 0; i < config.max_inflight; ++i) {
+    planner::PlannerConfig pc;
+    pc.num_ranks = comm->size();
+    pc.num_experts = config.num_experts;
+    pc.slots = buf->slots_;
+    pc.pad_multiple = config.pad_multiple;
+    pc.ranks_per_node = config.ranks_per_node;
+    pc.policy = config.policy;
+    pc.eplb_period = config.eplb_period;
+    // One rank has no peer to replicate onto: the test policy then routes through the rank's own
+    // slots, so prefetch, replica compute and reduce still run (tests, single-GPU checks).
+    pc.test_home_replicas = true;
+    pc.row_bytes = row_bytes;
+    pc.expert_bytes = 3 * config.hidden * config.intermediate *
+                      static_cast<int64_t>(DTypeSize(config.dtype));
+    auto planner = planner::Planner::Create(pc);
+    if (planner.ok()) {
+      buf->planner_ = std::move(*planner);
+    } else {
+      local = planner.status();
+    }
+  }
+  for (int32_t i = 0; local.ok() && i < config.max_inflight; ++i) {
     auto ctx = std::make_unique<Context>();
-    MOONEP_ASSIGN_OR_RETURN(ctx->rows,
-                            DeviceMemory::Allocate(config.device,
-                                                   static_cast<size_t>(buf->capacity_ * row_bytes),
-                                                   "EP buffer rows"));
-    MOONEP_ASSIGN_OR_RETURN(ctx->row_weights,
-                            DeviceMemory::Allocate(config.device,
-                                                   static_cast<size_t>(buf->capacity_) * 4,
-                                                   "EP buffer row weights"));
+    auto rows = DeviceMemory::Allocate(
+        config.device, static_cast<size_t>(buf->capacity_) * static_cast<size_t>(row_bytes),
+        "EP buffer rows");
+    auto weights = DeviceMemory::Allocate(config.device, static_cast<size_t>(buf->capacity_) * 4,
+                                          "EP buffer row weights");
+    if (!rows.ok() || !weights.ok()) {
+      local = rows.ok() ? weights.status() : rows.status();
+      break;
+    }
+    ctx->rows = std::move(*rows);
+    ctx->row_weights = std::move(*weights);
     const size_t groups = static_cast<size_t>(buf->epn_ + buf->slots_);
     ctx->group_expert.assign(groups, -1);
     ctx->group_offset.assign(groups, 0);
     ctx->group_count.assign(groups, 0);
     buf->contexts_.push_back(std::move(ctx));
   }
+  MOONEP_RETURN_IF_ERROR(AgreeOnConfig(comm, config, local, "EP buffer creation"));
+  buf->layer_id_ = config.layer_id >= 0 ? config.layer_id : comm->NextLayerId();
+  transport::TransportOptions to;
+  to.comm = comm->mpi_comm();
+  to.max_tokens = config.max_tokens;
+  to.max_top_k = config.top_k;
+  to.max_row_bytes = row_bytes;
+  MOONEP_ASSIGN_OR_RETURN(buf->transport_, comm->MakeTransport(TransportBackend(config), to));
   return buf;
 }
 

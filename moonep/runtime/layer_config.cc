@@ -57,6 +57,26 @@ absl::Status CheckLayerConfig(const LayerConfig& c, int32_t num_ranks, bool need
   MOONEP_CHECK_ARG(c.max_recv_rows >= 0, "max_recv_rows is %d; must be >= 0", c.max_recv_rows);
   MOONEP_CHECK_ARG(c.max_inflight >= 1, "max_inflight is %d; must be >= 1", c.max_inflight);
   MOONEP_CHECK_ARG(c.num_threads >= 0, "num_threads is %d; must be >= 0", c.num_threads);
+  // Sizes whose buffers would not fit (their byte counts would wrap): refused here, before the
+  // agreement, so that every rank fails alike.
+  constexpr int64_t kMaxRowBytes = int64_t{1} << 30;  // the host transports' limit on a row
+  MOONEP_CHECK_ARG(c.hidden <= kMaxRowBytes / static_cast<int64_t>(DTypeSize(c.dtype)),
+                   "hidden is %d; a row of %s is then above 1 GiB", c.hidden, DTypeName(c.dtype));
+  MOONEP_CHECK_ARG(c.intermediate <= (int64_t{1} << 30), "intermediate is %d; must be <= 2^30",
+                   c.intermediate);
+  MOONEP_CHECK_ARG(c.max_tokens <= INT32_MAX / c.top_k,
+                   "max_tokens x top_k = %d x %d routing entries; at most 2^31 - 1", c.max_tokens,
+                   c.top_k);
+  MOONEP_CHECK_ARG(c.pad_multiple <= (1 << 16), "pad_multiple is %d; must be <= 65536",
+                   c.pad_multiple);
+  const int64_t capacity = RecvCapacityRows(c, num_ranks);  // no overflow within the bounds above
+  int64_t rows_bytes = 0;
+  MOONEP_CHECK_ARG(c.max_recv_rows <= (int64_t{1} << 40) &&
+                       !__builtin_mul_overflow(capacity,
+                                               c.hidden * static_cast<int64_t>(DTypeSize(c.dtype)),
+                                               &rows_bytes),
+                   "a receive buffer of %d rows (max_recv_rows %d) of %d %s values does not fit",
+                   capacity, c.max_recv_rows, c.hidden, DTypeName(c.dtype));
   return absl::OkStatus();
 }
 

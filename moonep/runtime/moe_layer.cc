@@ -63,50 +63,90 @@ struct MoeLayer::Context {
   bool splittable = true;  // false: one pass after the prefetch
 };
 
+// The rows, weights and scratch buffers of every context, and the shared replica buffer.
+absl::Status MoeLayer::AllocateBuffers() {
+  MOONEP_ASSIGN_OR_RETURN(replicas_,
+                          comm_->Replicas(slots_, config_.hidden, config_.intermediate,
+                                          config_.dtype, config_.grad_dtype, config_.device));
+  const Device dev = config_.device;
+  const size_t rows_bytes = static_cast<size_t>(capacity_) * row_bytes_;
+  const size_t cap = static_cast<size_t>(capacity_);
+  for (int32_t i = 0; i < config_.max_inflight; ++i) {
+    auto ctx = std::make_unique<Context>();
+    MOONEP_ASSIGN_OR_RETURN(ctx->x_rows, DeviceMemory::Allocate(dev, rows_bytes, "x rows"));
+    MOONEP_ASSIGN_OR_RETURN(ctx->y_rows, DeviceMemory::Allocate(dev, rows_bytes, "y rows"));
+    MOONEP_ASSIGN_OR_RETURN(ctx->row_weights,
+                            DeviceMemory::Allocate(dev, cap * sizeof(float), "row weights"));
+    contexts_.push_back(std::move(ctx));
+  }
+  MOONEP_ASSIGN_OR_RETURN(dy_rows_, DeviceMemory::Allocate(dev, rows_bytes, "dy rows"));
+  MOONEP_ASSIGN_OR_RETURN(dx_rows_, DeviceMemory::Allocate(dev, rows_bytes, "dx rows"));
+  MOONEP_ASSIGN_OR_RETURN(
+      dtopk_scratch_,
+      DeviceMemory::Allocate(dev, static_cast<size_t>(config_.max_tokens * config_.top_k) * 4,
+                             "d topk_weights scratch"));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<MoeLayer>> MoeLayer::Create(Communicator* comm,
                                                            const LayerConfig& config) {
   if (comm == nullptr) return InvalidArgument("comm is null");
   absl::Status local = CheckLayerConfig(config, comm->size(), /*need_executor=*/true);
   // A rank without its GPU fails creation on every rank (not a hang in the transport's setup).
   if (local.ok()) local = UseDevice(config.device, config.device_index);
-  MOONEP_RETURN_IF_ERROR(AgreeOnConfig(comm, config, local, "MoE layer creation"));
 
+  // The planner, the executor and the buffers (their sizes depend on max_recv_rows, which ranks
+  // may set differently, and they need free memory) are made before the agreement: a rank that
+  // cannot make them fails creation on every rank, instead of leaving the others in the
+  // transport's collective setup.
   std::unique_ptr<MoeLayer> layer(new MoeLayer());
-  layer->comm_ = comm;
-  layer->config_ = config;
-  layer->epn_ = config.num_experts / comm->size();
-  layer->slots_ = config.slots < 0 ? layer->epn_ : config.slots;
+  if (local.ok()) {
+    layer->comm_ = comm;
+    layer->config_ = config;
+    layer->epn_ = config.num_experts / comm->size();
+    layer->slots_ = config.slots < 0 ? layer->epn_ : config.slots;
+    layer->capacity_ = RecvCapacityRows(config, comm->size());
+    layer->row_bytes_ = static_cast<size_t>(config.hidden) * DTypeSize(config.dtype);
+
+    planner::PlannerConfig pc;
+    pc.num_ranks = comm->size();
+    pc.num_experts = config.num_experts;
+    pc.slots = layer->slots_;
+    pc.pad_multiple = config.pad_multiple;
+    pc.ranks_per_node = config.ranks_per_node;
+    pc.policy = config.policy;
+    pc.eplb_period = config.eplb_period;
+    // One rank has no peer to replicate onto: the test policy then routes through the rank's own
+    // slots, so prefetch, replica compute and reduce still run (tests, single-GPU checks).
+    pc.test_home_replicas = true;
+    pc.row_bytes = static_cast<int64_t>(layer->row_bytes_);
+    pc.expert_bytes = 3 * config.hidden * config.intermediate *
+                      static_cast<int64_t>(DTypeSize(config.dtype));
+    auto planner = planner::Planner::Create(pc);
+    if (planner.ok()) {
+      layer->planner_ = std::move(*planner);
+    } else {
+      local = planner.status();
+    }
+  }
+  if (local.ok()) {
+    compute::ExecutorConfig ec;
+    ec.hidden = config.hidden;
+    ec.intermediate = config.intermediate;
+    ec.dtype = config.dtype;
+    ec.max_rows = layer->capacity_;
+    ec.num_threads = config.num_threads;
+    auto backend = MakeDeviceBackend(config.device, ec);
+    if (backend.ok()) {
+      layer->executor_ = std::move(backend->executor);
+      layer->ops_ = std::move(backend->ops);
+    } else {
+      local = backend.status();
+    }
+  }
+  if (local.ok()) local = layer->AllocateBuffers();
+  MOONEP_RETURN_IF_ERROR(AgreeOnConfig(comm, config, local, "MoE layer creation"));
   layer->layer_id_ = config.layer_id >= 0 ? config.layer_id : comm->NextLayerId();
-  layer->capacity_ = RecvCapacityRows(config, comm->size());
-  layer->row_bytes_ = static_cast<size_t>(config.hidden) * DTypeSize(config.dtype);
-
-  planner::PlannerConfig pc;
-  pc.num_ranks = comm->size();
-  pc.num_experts = config.num_experts;
-  pc.slots = layer->slots_;
-  pc.pad_multiple = config.pad_multiple;
-  pc.ranks_per_node = config.ranks_per_node;
-  pc.policy = config.policy;
-  pc.eplb_period = config.eplb_period;
-  // One rank has no peer to replicate onto: the test policy then routes through the rank's own
-  // slots, so prefetch, replica compute and reduce still run (tests, single-GPU checks).
-  pc.test_home_replicas = true;
-  pc.row_bytes = static_cast<int64_t>(layer->row_bytes_);
-  pc.expert_bytes = 3 * config.hidden * config.intermediate *
-                    static_cast<int64_t>(DTypeSize(config.dtype));
-  // Planner and executor creation are local and deterministic (same config everywhere), so
-  // they succeed or fail on every rank alike.
-  MOONEP_ASSIGN_OR_RETURN(layer->planner_, planner::Planner::Create(pc));
-
-  compute::ExecutorConfig ec;
-  ec.hidden = config.hidden;
-  ec.intermediate = config.intermediate;
-  ec.dtype = config.dtype;
-  ec.max_rows = layer->capacity_;
-  ec.num_threads = config.num_threads;
-  MOONEP_ASSIGN_OR_RETURN(DeviceBackend backend, MakeDeviceBackend(config.device, ec));
-  layer->executor_ = std::move(backend.executor);
-  layer->ops_ = std::move(backend.ops);
 
   transport::TransportOptions to;
   to.comm = comm->mpi_comm();
@@ -115,28 +155,6 @@ absl::StatusOr<std::unique_ptr<MoeLayer>> MoeLayer::Create(Communicator* comm,
   to.max_row_bytes = static_cast<int64_t>(layer->row_bytes_);
   MOONEP_ASSIGN_OR_RETURN(layer->transport_,
                           comm->MakeTransport(TransportBackend(config), to));
-
-  MOONEP_ASSIGN_OR_RETURN(layer->replicas_,
-                          comm->Replicas(layer->slots_, config.hidden, config.intermediate,
-                                         config.dtype, config.grad_dtype, config.device));
-
-  const Device dev = config.device;
-  const size_t rows_bytes = static_cast<size_t>(layer->capacity_) * layer->row_bytes_;
-  const size_t cap = static_cast<size_t>(layer->capacity_);
-  for (int32_t i = 0; i < config.max_inflight; ++i) {
-    auto ctx = std::make_unique<Context>();
-    MOONEP_ASSIGN_OR_RETURN(ctx->x_rows, DeviceMemory::Allocate(dev, rows_bytes, "x rows"));
-    MOONEP_ASSIGN_OR_RETURN(ctx->y_rows, DeviceMemory::Allocate(dev, rows_bytes, "y rows"));
-    MOONEP_ASSIGN_OR_RETURN(ctx->row_weights,
-                            DeviceMemory::Allocate(dev, cap * sizeof(float), "row weights"));
-    layer->contexts_.push_back(std::move(ctx));
-  }
-  MOONEP_ASSIGN_OR_RETURN(layer->dy_rows_, DeviceMemory::Allocate(dev, rows_bytes, "dy rows"));
-  MOONEP_ASSIGN_OR_RETURN(layer->dx_rows_, DeviceMemory::Allocate(dev, rows_bytes, "dx rows"));
-  MOONEP_ASSIGN_OR_RETURN(
-      layer->dtopk_scratch_,
-      DeviceMemory::Allocate(dev, static_cast<size_t>(config.max_tokens * config.top_k) * 4,
-                             "d topk_weights scratch"));
 
   for (int32_t s = 0; s < layer->slots_; ++s) {
     const compute::ExpertParams& w = layer->replicas_->buffer->weights()[s];
@@ -147,7 +165,7 @@ absl::StatusOr<std::unique_ptr<MoeLayer>> MoeLayer::Create(Communicator* comm,
   MOONEP_INFO("MoE layer %d: E=%d K=%d H=%d I=%d %s slots=%d policy=%s device=%s transport=%s "
               "capacity=%d rows, %d bytes", layer->layer_id_, config.num_experts, config.top_k,
               config.hidden, config.intermediate, DTypeName(config.dtype), layer->slots_,
-              planner::PolicyName(config.policy), dev == Device::kCuda ? "cuda" : "cpu",
+              planner::PolicyName(config.policy), config.device == Device::kCuda ? "cuda" : "cpu",
               layer->transport_->backend(), layer->capacity_, layer->MemoryBytes());
   return layer;
 }

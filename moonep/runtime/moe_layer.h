@@ -127,6 +127,8 @@ class MoeLayer {
  private:
   struct Context;
   MoeLayer() = default;
+  // At creation, before the agreement (local).
+  absl::Status AllocateBuffers();
   absl::StatusOr<Context*> Lookup(LayerHandle handle) const;
   // Marks the layer unusable: any failure once rows or weights are moving (the transport only
   // agrees on errors of the count exchange; after that a peer may be left mid-operation).

@@ -320,6 +320,55 @@ TEST_F(CApiTest, NullOutputPointerOnOneRankFailsEveryRankAtOnce) {
   EXPECT_EQ(moonepLayerDestroy(layer), moonepSuccess);
 }
 
+// Sizes whose buffers cannot exist fail creation on every rank with a message naming the field:
+// byte counts that would wrap (refused before anything is allocated), and an allocation that
+// fails on one rank only (made before the agreement, so the other ranks do not go on into the
+// transport's collective setup without it).
+TEST_F(CApiTest, OversizedConfigsFailOnEveryRank) {
+  struct Case {
+    const char* field;
+    void (*set)(moonepLayerConfig_t*);
+  };
+  const Case cases[] = {
+      {"max_tokens", [](moonepLayerConfig_t* c) { c->max_tokens = INT64_MAX; }},
+      {"hidden", [](moonepLayerConfig_t* c) { c->hidden = int64_t{1} << 40; }},
+      {"intermediate", [](moonepLayerConfig_t* c) { c->intermediate = int64_t{1} << 40; }},
+      {"max_recv_rows", [](moonepLayerConfig_t* c) { c->max_recv_rows = (int64_t{1} << 62) + 8; }},
+      {"pad_multiple", [](moonepLayerConfig_t* c) { c->pad_multiple = INT32_MAX; }},
+  };
+  for (const Case& k : cases) {
+    moonepLayerConfig_t c = Config(moonepPolicyMoonEP);
+    k.set(&c);  // on every rank: every rank's own verdict names the field
+    moonepLayer_t layer = nullptr;
+    EXPECT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepInvalidArgument) << k.field;
+    EXPECT_NE(std::string(moonepGetLastError(comm_)).find(k.field), std::string::npos)
+        << moonepGetLastError(comm_);
+    moonepEpBuffer_t buf = nullptr;
+    if (std::string(k.field) != "intermediate") {  // an EP buffer has no intermediate size
+      EXPECT_EQ(moonepEpBufferCreate(comm_, &c, &buf), moonepInvalidArgument) << k.field;
+    }
+  }
+  // 2^34 receive rows of 32 bytes (512 GiB, and an executor workspace larger still) on the last
+  // rank only: it cannot allocate them; every rank fails, at once.
+  const auto start = std::chrono::steady_clock::now();
+  moonepLayerConfig_t c = Config(moonepPolicyMoonEP);
+  const bool big = rank() == size() - 1;
+  if (big) c.max_recv_rows = int64_t{1} << 34;
+  moonepLayer_t layer = nullptr;
+  EXPECT_EQ(moonepLayerCreate(comm_, &c, &layer), big ? moonepOutOfMemory : moonepRemoteError)
+      << moonepGetLastError(comm_);
+  moonepEpBuffer_t buf = nullptr;
+  EXPECT_EQ(moonepEpBufferCreate(comm_, &c, &buf), big ? moonepOutOfMemory : moonepRemoteError)
+      << moonepGetLastError(comm_);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(seconds, 10.0) << "creation took " << seconds << " s";
+  // The communicator is still good for a layer that fits.
+  c = Config(moonepPolicyMoonEP);
+  ASSERT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepSuccess) << moonepGetLastError(comm_);
+  EXPECT_EQ(moonepLayerDestroy(layer), moonepSuccess);
+}
+
 TEST_F(CApiTest, EpBufferMovesRowsWeightsAndGradients) {
   const DType dt = DType::kFloat32;
   GlobalProblem g = MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kTokens, dt, 9);
