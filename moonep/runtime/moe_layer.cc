@@ -183,6 +183,15 @@ size_t MoeLayer::MemoryBytes() const {
 
 absl::Status MoeLayer::BindParameters(absl::Span<const compute::ExpertParams> weights,
                                       absl::Span<const compute::ExpertParams> grads) {
+  // A step's weights stay as its forward saw them: its backward (on every rank alike) reuses the
+  // replica slots that forward filled. A rebinding takes effect at the next forward, which
+  // always copies the replicas anew.
+  for (const auto& ctx : contexts_) {
+    if (ctx->busy) {
+      return InvalidUsage("BindParameters: a forward handle is still outstanding; rebind between "
+                          "steps (after every handle's backward or release)");
+    }
+  }
   MOONEP_CHECK_ARG(weights.size() == static_cast<size_t>(epn_),
                    "weights has %d experts; this rank holds epn = %d", weights.size(), epn_);
   MOONEP_CHECK_ARG(grads.empty() || grads.size() == static_cast<size_t>(epn_),
@@ -214,8 +223,8 @@ absl::Status MoeLayer::BindParameters(absl::Span<const compute::ExpertParams> we
   for (const auto& g : grads_) home_grad_blocks_.insert(home_grad_blocks_.end(), {g.gate, g.up, g.down});
   bound_ = true;
   grads_bound_ = !grads_.empty();
-  // Rebinding may change the weights the replica slots were copied from.
-  replicas_->loaded_by = 0;
+  // (The replica slots' loaded_by is left alone: it is state every rank must agree on, and this
+  // call is local. No handle is outstanding, and a new forward never matches it.)
   return absl::OkStatus();
 }
 

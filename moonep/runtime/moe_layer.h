@@ -87,7 +87,8 @@ class MoeLayer {
 
   // The caller's parameters of this rank's epn home experts (plan.local_experts order, i.e.
   // experts rank*epn .. rank*epn+epn-1 with default placement), and their gradients (empty for a
-  // forward-only layer). Local; may be called again to rebind.
+  // forward-only layer). Local; may be called again to rebind between steps (InvalidUsage while a
+  // forward handle is outstanding); a rebinding takes effect at the next forward.
   absl::Status BindParameters(absl::Span<const compute::ExpertParams> weights,
                               absl::Span<const compute::ExpertParams> grads);
 

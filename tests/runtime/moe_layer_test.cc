@@ -260,6 +260,35 @@ TEST_F(MoeLayerTest, BadRoutingFailsEverywhereAndLayerStaysUsable) {
   EXPECT_LT(err.dw, 1e-5);
 }
 
+// Rebinding is local, so it must not change what a step does collectively: refused while a
+// forward handle is outstanding (on one rank only here; the step then completes on every rank),
+// and between steps (on one rank only, the same tensors) the next steps still match the reference.
+TEST_F(MoeLayerTest, RebindOnOneRankKeepsTheStepsInStep) {
+  const DType dtype = DType::kFloat32;
+  GlobalProblem g = MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kBaseTokens, dtype, 8);
+  auto layer = MoeLayer::Create(comm_.get(), Config(dtype, planner::Policy::kTestForceReplicas));
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  RankTensors t = MakeRankTensors(g, rank(), dtype);
+  ASSERT_TRUE((*layer)->BindParameters(t.params, t.grads).ok());
+  auto h = RunForward(layer->get(), &t, dtype, kHidden);
+  ASSERT_TRUE(h.ok()) << h.status();
+  if (rank() == 0) {
+    const absl::Status rebind = (*layer)->BindParameters(t.params, t.grads);
+    EXPECT_EQ(ToResult(rebind), moonepInvalidUsage) << rebind;
+  }
+  ASSERT_TRUE(RunBackward(layer->get(), *h, &t, dtype, kHidden).ok());
+  if (rank() == 0) {
+    ASSERT_TRUE((*layer)->BindParameters(t.params, t.grads).ok());
+  }
+  RankTensors fresh = MakeRankTensors(g, rank(), dtype);  // gradients start from zero again
+  ASSERT_TRUE((*layer)->BindParameters(fresh.params, fresh.grads).ok());
+  Errors err;
+  StepAndCompare(layer->get(), g, &fresh, dtype, &err);
+  EXPECT_LT(err.y, 1e-5);
+  EXPECT_LT(err.dx, 1e-5);
+  EXPECT_LT(err.dw, 1e-5);
+}
+
 TEST_F(MoeLayerTest, TraceRecordsCountsOfEveryStep) {
   const std::string path = "moonep_runtime_trace_test_" + std::to_string(size()) + ".txt";
   if (rank() == 0) std::remove(path.c_str());

@@ -222,7 +222,9 @@ MOONEP_API moonepResult_t moonepLayerDestroy(moonepLayer_t layer);
 /* Local. Binds this rank's E/R home experts' weights and, for training, their gradients (NULL
  * grads: forward only). Weights must have the layer dtype, gradients grad_dtype. MoonEP reads the
  * weights and accumulates (+=) into the gradients in place during forward/backward; the memory
- * stays the caller's and must outlive its use. May be called again to rebind. */
+ * stays the caller's and must outlive its use. May be called again to rebind between steps: with
+ * a forward handle outstanding it returns moonepInvalidUsage (a step's backward uses the weights
+ * its forward saw); a rebinding takes effect at the next forward. */
 MOONEP_API moonepResult_t moonepLayerBindParams(moonepLayer_t layer,
                                                 const moonepExpertTensors_t* weights,
                                                 const moonepExpertTensors_t* grads);
