@@ -69,7 +69,8 @@ absl::Status EnsureMpi() {
   }
   if (!initialized) {
     int provided = 0;
-    const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
+    // MPI_THREAD_MULTIPLE: distinct communicators may be used from distinct threads at once.
+    const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
     if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Init_thread");
     g_we_initialized_mpi = true;
   }

@@ -140,7 +140,7 @@ class Communicator {
       replicas_;
 };
 
-// Initialises MPI (MPI_THREAD_SERIALIZED or better) when the caller has not; MoonEP then finalizes
+// Initialises MPI (asking for MPI_THREAD_MULTIPLE) when the caller has not; MoonEP then finalizes
 // it when its last communicator is destroyed.
 absl::Status EnsureMpi();
 

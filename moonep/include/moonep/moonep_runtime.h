@@ -22,7 +22,9 @@
  *
  * Thread safety: MoonEP objects are not thread-safe, but the library is reentrant: distinct
  * communicators (and the layers and buffers made on them) may be used concurrently from distinct
- * threads; one communicator and its objects must not be used by two threads at once. The
+ * threads (MPI then has to provide MPI_THREAD_MULTIPLE: MoonEP asks for it when it initialises
+ * MPI; a caller that initialises MPI at a lower level must use MoonEP from one thread at a time);
+ * one communicator and its objects must not be used by two threads at once. The
  * moonepGetUniqueId, moonepGetVersion and moonepGetErrorString calls may be made from any thread.
  *
  * Backends: transports mpi, ucx (host memory) and nccl (GPU memory). Every communicator is built
