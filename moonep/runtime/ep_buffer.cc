@@ -44,21 +44,7 @@ absl::StatusOr<std::unique_ptr<EpBuffer>> EpBuffer::Create(Communicator* comm,
     buf->slots_ = config.slots < 0 ? buf->epn_ : config.slots;
     buf->capacity_ = RecvCapacityRows(config, comm->size());
 
-    planner::PlannerConfig pc;
-    pc.num_ranks = comm->size();
-    pc.num_experts = config.num_experts;
-    pc.slots = buf->slots_;
-    pc.pad_multiple = config.pad_multiple;
-    pc.ranks_per_node = config.ranks_per_node;
-    pc.policy = config.policy;
-    pc.eplb_period = config.eplb_period;
-    // One rank has no peer to replicate onto: the test policy then routes through the rank's own
-    // slots, so prefetch, replica compute and reduce still run (tests, single-GPU checks).
-    pc.test_home_replicas = true;
-    pc.row_bytes = row_bytes;
-    pc.expert_bytes = 3 * config.hidden * config.intermediate *
-                      static_cast<int64_t>(DTypeSize(config.dtype));
-    auto planner = planner::Planner::Create(pc);
+    auto planner = planner::Planner::Create(PlannerConfigFor(config, comm->size(), buf->slots_));
     if (planner.ok()) {
       buf->planner_ = std::move(*planner);
     } else {

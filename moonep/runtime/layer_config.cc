@@ -101,6 +101,25 @@ int64_t RecvCapacityRows(const LayerConfig& c, int32_t num_ranks) {
          groups * (c.pad_multiple - 1);
 }
 
+planner::PlannerConfig PlannerConfigFor(const LayerConfig& config, int32_t num_ranks,
+                                        int32_t slots) {
+  planner::PlannerConfig pc;
+  pc.num_ranks = num_ranks;
+  pc.num_experts = config.num_experts;
+  pc.slots = slots;
+  pc.pad_multiple = config.pad_multiple;
+  pc.ranks_per_node = config.ranks_per_node;
+  pc.policy = config.policy;
+  pc.eplb_period = config.eplb_period;
+  // One rank has no peer to replicate onto: the test policy then routes through the rank's own
+  // slots, so prefetch, replica compute and reduce still run (tests, single-GPU checks).
+  pc.test_home_replicas = true;
+  const int64_t dtype_bytes = static_cast<int64_t>(DTypeSize(config.dtype));
+  pc.row_bytes = config.hidden * dtype_bytes;
+  pc.expert_bytes = 3 * config.hidden * config.intermediate * dtype_bytes;
+  return pc;
+}
+
 absl::Status CheckPlanFitsCapacities(const planner::Plan& plan,
                                      absl::Span<const int64_t> capacity) {
   if (capacity.size() != plan.rank_rows.size()) {

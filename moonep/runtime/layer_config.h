@@ -59,6 +59,10 @@ absl::Status CheckLayerConfig(const LayerConfig& config, int32_t num_ranks, bool
 absl::Status AgreeOnConfig(Communicator* comm, const LayerConfig& config,
                            const absl::Status& local_verdict, const char* what);
 
+// The planner's config for a layer or EP buffer of `config` on `num_ranks` ranks with `slots`
+// replica slots a rank (resolved).
+planner::PlannerConfig PlannerConfigFor(const LayerConfig& config, int32_t num_ranks, int32_t slots);
+
 // The resolved receive capacity (rows) of this rank.
 int64_t RecvCapacityRows(const LayerConfig& config, int32_t num_ranks);
 

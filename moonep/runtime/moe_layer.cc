@@ -108,21 +108,7 @@ absl::StatusOr<std::unique_ptr<MoeLayer>> MoeLayer::Create(Communicator* comm,
     layer->capacity_ = RecvCapacityRows(config, comm->size());
     layer->row_bytes_ = static_cast<size_t>(config.hidden) * DTypeSize(config.dtype);
 
-    planner::PlannerConfig pc;
-    pc.num_ranks = comm->size();
-    pc.num_experts = config.num_experts;
-    pc.slots = layer->slots_;
-    pc.pad_multiple = config.pad_multiple;
-    pc.ranks_per_node = config.ranks_per_node;
-    pc.policy = config.policy;
-    pc.eplb_period = config.eplb_period;
-    // One rank has no peer to replicate onto: the test policy then routes through the rank's own
-    // slots, so prefetch, replica compute and reduce still run (tests, single-GPU checks).
-    pc.test_home_replicas = true;
-    pc.row_bytes = static_cast<int64_t>(layer->row_bytes_);
-    pc.expert_bytes = 3 * config.hidden * config.intermediate *
-                      static_cast<int64_t>(DTypeSize(config.dtype));
-    auto planner = planner::Planner::Create(pc);
+    auto planner = planner::Planner::Create(PlannerConfigFor(config, comm->size(), layer->slots_));
     if (planner.ok()) {
       layer->planner_ = std::move(*planner);
     } else {

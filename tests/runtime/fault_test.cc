@@ -26,7 +26,7 @@ class LayerFaultTest : public MpiTest {
   }
 };
 
-std::unique_ptr<runtime::MoeLayer> MakeLayer(runtime::Communicator* comm, int size) {
+runtime::LayerConfig SmallConfig(int size) {
   runtime::LayerConfig c;
   c.num_experts = 2 * size;
   c.top_k = 2;
@@ -35,7 +35,11 @@ std::unique_ptr<runtime::MoeLayer> MakeLayer(runtime::Communicator* comm, int si
   c.max_tokens = 32;
   c.num_threads = 1;
   c.policy = planner::Policy::kTestForceReplicas;
-  auto layer = runtime::MoeLayer::Create(comm, c);
+  return c;
+}
+
+std::unique_ptr<runtime::MoeLayer> MakeLayer(runtime::Communicator* comm, int size) {
+  auto layer = runtime::MoeLayer::Create(comm, SmallConfig(size));
   return layer.ok() ? std::move(*layer) : nullptr;
 }
 
@@ -43,15 +47,7 @@ TEST_F(LayerFaultTest, SilentRankTimesOutEveryRankAndLayerBecomesUnusable) {
   if (size() < 2) GTEST_SKIP() << "needs peers";
   auto comm = runtime::Communicator::FromMpi(MPI_COMM_WORLD);
   ASSERT_TRUE(comm.ok()) << comm.status();
-  runtime::LayerConfig c;
-  c.num_experts = 2 * size();
-  c.top_k = 2;
-  c.hidden = 8;
-  c.intermediate = 4;
-  c.max_tokens = 32;
-  c.num_threads = 1;
-  c.policy = planner::Policy::kTestForceReplicas;
-  auto layer = runtime::MoeLayer::Create(comm->get(), c);
+  auto layer = runtime::MoeLayer::Create(comm->get(), SmallConfig(size()));
   ASSERT_TRUE(layer.ok()) << layer.status();
   GlobalProblem g = MakeGlobalProblem(size(), 2, 2, 8, 4, 24, DType::kFloat32, 21);
   RankTensors t = MakeRankTensors(g, rank(), DType::kFloat32);
@@ -101,14 +97,7 @@ TEST_F(LayerFaultTest, LateRankAtCreationFailsEveryRankAndNamesIt) {
   auto start = std::chrono::steady_clock::now();
   auto layer = MakeLayer(comm->get(), size());
   EXPECT_EQ(layer, nullptr);
-  runtime::LayerConfig c;
-  c.num_experts = 2 * size();
-  c.top_k = 2;
-  c.hidden = 8;
-  c.intermediate = 4;
-  c.max_tokens = 32;
-  c.num_threads = 1;
-  auto again = runtime::MoeLayer::Create(comm->get(), c);
+  auto again = runtime::MoeLayer::Create(comm->get(), SmallConfig(size()));
   double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   ASSERT_FALSE(again.ok());
   EXPECT_EQ(ToResult(again.status()), moonepInvalidUsage) << again.status();
