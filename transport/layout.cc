@@ -12,6 +12,9 @@ absl::Status ValidateRouting(absl::Span<const int32_t> topk_ids, int64_t num_tok
   MOONEP_CHECK_ARG(num_tokens >= 0, "num_tokens must be >= 0, got %d", num_tokens);
   MOONEP_CHECK_ARG(top_k >= 1, "top_k must be >= 1, got %d", top_k);
   MOONEP_CHECK_ARG(num_experts >= 1, "num_experts must be >= 1, got %d", num_experts);
+  MOONEP_CHECK_ARG(num_tokens <= kMaxEntries / top_k,
+                   "num_tokens * top_k = %d * %d is above %d, the most entries a rank can route",
+                   num_tokens, top_k, kMaxEntries);
   const int64_t n = num_tokens * top_k;
   MOONEP_CHECK_ARG(static_cast<int64_t>(topk_ids.size()) == n,
                    "topk_ids has %d entries, need num_tokens * top_k = %d * %d", topk_ids.size(),
@@ -82,13 +85,47 @@ absl::Status CheckPlanForTransport(const planner::Plan& plan, absl::Span<const i
     MOONEP_CHECK_ARG(plan.local_experts[i] >= 0 && plan.local_experts[i] < E,
                      "plan: local_experts[%d] = %d is not an expert", i, plan.local_experts[i]);
   }
+  // The groups this check fills (GroupOf: home_group, then slots) must be the groups ForEachRun
+  // reads (ExpertOfGroup: local_experts, then slots), or rows checked against one group land in
+  // another: each expert's home group computes it, ...
+  const int32_t epn = plan.experts_per_rank;
+  for (int32_t e = 0; e < E; ++e) {
+    MOONEP_CHECK_ARG(plan.home_group[e] >= 0 && plan.home_group[e] < epn,
+                     "plan: home_group[%d] = %d is not a home group (experts_per_rank = %d)", e,
+                     plan.home_group[e], epn);
+    const size_t at = static_cast<size_t>(plan.home[e]) * epn + plan.home_group[e];
+    MOONEP_CHECK_ARG(plan.local_experts[at] == e,
+                     "plan: expert %d is home group %d of rank %d, but local_experts[%d] = %d", e,
+                     plan.home_group[e], plan.home[e], at, plan.local_experts[at]);
+  }
+  // ... and each used slot is its expert's only group on its rank (no expert twice on a rank, no
+  // replica on the expert's home rank unless the plan has home_replicas, whose pieces pick their
+  // group by row).
+  for (int32_t d = 0; d < R; ++d) {
+    for (int32_t s = 0; s < plan.slots; ++s) {
+      const int32_t e = plan.slot_expert[static_cast<size_t>(d) * plan.slots + s];
+      if (e < 0 || (plan.home_replicas && plan.home[e] == d)) continue;
+      const int32_t g = plan.GroupOf(d, e);
+      MOONEP_CHECK_ARG(g == epn + s,
+                       "plan: slot %d of rank %d holds expert %d, which rank %d computes in group "
+                       "%d already", s, d, e, d, g);
+    }
+  }
+  // Every expert's pieces inside the piece arrays, before any piece is read.
+  for (int32_t e = 0; e < E; ++e) {
+    MOONEP_CHECK_ARG(plan.piece_begin[e + 1] >= plan.piece_begin[e] &&
+                         static_cast<size_t>(plan.piece_begin[e + 1]) <= P,
+                     "plan: piece_begin[%d] = %d is not in [piece_begin[%d] = %d, %d pieces]",
+                     e + 1, plan.piece_begin[e + 1], e, plan.piece_begin[e], P);
+  }
   // Groups back to back inside rank_rows.
   for (int32_t d = 0; d < R; ++d) {
     int64_t row = 0;
     for (int32_t g = 0; g < G; ++g) {
       const size_t i = static_cast<size_t>(d) * G + g;
       MOONEP_CHECK_ARG(plan.group_offset[i] >= row && plan.group_count[i] >= 0 &&
-                           plan.group_padded[i] >= plan.group_count[i],
+                           plan.group_padded[i] >= plan.group_count[i] &&
+                           plan.group_padded[i] <= INT64_MAX - plan.group_offset[i],
                        "plan: group %d of rank %d overlaps the previous one or has bad sizes", g, d);
       row = plan.group_offset[i] + plan.group_padded[i];
     }
@@ -104,8 +141,6 @@ absl::Status CheckPlanForTransport(const planner::Plan& plan, absl::Span<const i
       MOONEP_CHECK_ARG(c >= 0, "counts[%d][%d] = %d is negative", s, e, c);
       total += c;
     }
-    MOONEP_CHECK_ARG(plan.piece_begin[e + 1] >= plan.piece_begin[e],
-                     "plan: piece_begin is not increasing at expert %d", e);
     int64_t pos = 0;
     for (int32_t p = plan.piece_begin[e]; p < plan.piece_begin[e + 1]; ++p) {
       const int32_t d = plan.piece_dest[p];
@@ -130,7 +165,7 @@ absl::Status CheckPlanForTransport(const planner::Plan& plan, absl::Span<const i
       }
       const size_t i = static_cast<size_t>(d) * G + g;
       MOONEP_CHECK_ARG(plan.piece_row[p] == plan.group_offset[i] + filled[i] &&
-                           filled[i] + plan.piece_count[p] <= plan.group_count[i],
+                           plan.piece_count[p] <= plan.group_count[i] - filled[i],
                        "plan: piece %d of expert %d does not fill group %d of rank %d in order", p,
                        e, g, d);
       filled[i] += plan.piece_count[p];

@@ -10,6 +10,7 @@
 // order in which a receiver lists the rows it gets from a source.
 #pragma once
 
+#include <climits>
 #include <cstdint>
 #include <vector>
 
@@ -19,8 +20,11 @@
 
 namespace moonep::transport {
 
-// Checks routing input of one rank: topk_ids has T*K entries, each in [-1, E), and no expert twice
-// within one token's top-k. Names the first offending (token, k).
+// Entries per rank (num_tokens * top_k) at most: the layouts index entries with int32.
+constexpr int64_t kMaxEntries = INT32_MAX;
+
+// Checks routing input of one rank: topk_ids has T*K entries (T*K <= kMaxEntries), each in [-1, E),
+// and no expert twice within one token's top-k. Names the first offending (token, k).
 absl::Status ValidateRouting(absl::Span<const int32_t> topk_ids, int64_t num_tokens, int32_t top_k,
                              int32_t num_experts);
 
@@ -28,9 +32,10 @@ absl::Status ValidateRouting(absl::Span<const int32_t> topk_ids, int64_t num_tok
 void CountRouting(absl::Span<const int32_t> topk_ids, int32_t num_experts, int64_t* counts);
 
 // Checks that a plan fits counts[R*E] well enough for the transport to trust it with memory:
-// sizes, pieces that cover each expert's order exactly, destinations that hold the expert, piece
-// rows that fill their group back to back, groups inside rank_rows. The check is a pure function
-// of (plan, counts), so every rank reaches the same verdict.
+// sizes, home groups that agree with local_experts, slots that hold no expert twice on a rank,
+// piece_begin within the piece arrays, pieces that cover each expert's order exactly, destinations
+// that hold the expert, piece rows that fill their group back to back, groups inside rank_rows.
+// The check is a pure function of (plan, counts), so every rank reaches the same verdict.
 absl::Status CheckPlanForTransport(const planner::Plan& plan, absl::Span<const int64_t> counts);
 
 // Calls fn(group, expert, first_j, row, n) for every run of source `src` on rank `dest`, in

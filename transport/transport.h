@@ -37,6 +37,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "moonep/core/env.h"
 #include "moonep/core/tensor.h"
 #include "planner/plan.h"
 #include "transport/layout.h"
@@ -68,13 +69,21 @@ struct OpCounters {
   int64_t messages_sent = 0;
 };
 
+// Limits of TransportOptions, checked at creation (InvalidArgument naming the field):
+// max_tokens * max_top_k <= kMaxEntries (layout.h: entries are indexed with int32), and for the
+// host backends max_row_bytes <= kMaxRowBytes (MPI counts a row's bytes with an int).
+constexpr int64_t kMaxRowBytes = int64_t{1} << 30;
+// A longer timeout (options or MOONEP_TIMEOUT_MS) is taken as this one (about 31.7 years): a
+// deadline of now() + timeout must stay within the clock's range.
+constexpr int64_t kMaxTimeoutMs = param::kMaxTimeoutMs;
+
 struct TransportOptions {
   MPI_Comm comm = MPI_COMM_WORLD;  // bootstrap communicator; always duplicated, never used raw
   // Declared maxima: staging buffers are sized from them once; larger calls fail with OutOfMemory.
   int64_t max_tokens = 0;     // largest num_tokens this rank passes
   int32_t max_top_k = 0;      // largest top_k
   int64_t max_row_bytes = 0;  // largest row (hidden * dtype size) passed to any row operation
-  int64_t timeout_ms = 0;     // 0: MOONEP_TIMEOUT_MS
+  int64_t timeout_ms = 0;     // 0: MOONEP_TIMEOUT_MS; above kMaxTimeoutMs: kMaxTimeoutMs
 };
 
 // Per-expert parameter (or gradient) blocks of one rank: any number of tensors per expert (gate,

@@ -7,9 +7,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
+#include <exception>
 #include <fstream>
 #include <new>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -20,6 +22,7 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -253,7 +256,21 @@ absl::Status BuildConfigs(int32_t num_ranks, int32_t threads, const GpuPlacement
   }
   // The checks RunConfig would make, up front, so bad flags end every rank cleanly.
   for (int64_t t : tokens) MOONEP_CHECK_ARG(t >= 1, "--tokens must be >= 1, got %d", t);
-  for (int64_t h : hidden) MOONEP_CHECK_ARG(h >= 1, "--hidden must be >= 1, got %d", h);
+  for (int64_t h : hidden) {
+    MOONEP_CHECK_ARG(h >= 1, "--hidden must be >= 1, got %d", h);
+    for (DType d : dtypes) {
+      MOONEP_CHECK_ARG(h <= transport::kMaxRowBytes / static_cast<int64_t>(DTypeSize(d)),
+                       "--hidden=%d: a row of %s is above %d bytes, the transports' "
+                       "max_row_bytes", h, DTypeName(d), transport::kMaxRowBytes);
+    }
+  }
+  for (int64_t t : tokens) {
+    for (int32_t k : topk) {
+      MOONEP_CHECK_ARG(k < 1 || t <= kMaxEntriesPerRank / k,
+                       "--tokens * --topk = %d * %d is above %d, the most entries a rank can "
+                       "route", t, k, kMaxEntriesPerRank);
+    }
+  }
   for (int64_t i : inter) MOONEP_CHECK_ARG(i >= 1, "--intermediate must be >= 1, got %d", i);
   for (int32_t e : experts) {
     for (int32_t k : topk) {
@@ -404,6 +421,12 @@ int Main(int argc, char** argv, const std::string& command) {
           "out of host memory setting up or running this configuration (its experts' weights, "
           "fp32 gradients and buffers do not fit on this rank: use more ranks, fewer --tokens, or "
           "--layer=false)");
+    } catch (const std::length_error& e) {
+      s = absl::ResourceExhaustedError(absl::StrCat(
+          "a buffer of this configuration is larger than a vector can hold (", e.what(),
+          "): use fewer --tokens, a smaller --hidden or --intermediate"));
+    } catch (const std::exception& e) {
+      s = absl::InternalError(absl::StrCat("this configuration failed: ", e.what()));
     }
     if (!s.ok()) {
       // An operation failed (or the setup did): say where, and end the job rather than hang.

@@ -287,6 +287,8 @@ class Runner {
   std::map<std::string, Series> series_;
 };
 
+static_assert(kMaxEntriesPerRank == transport::kMaxEntries, "the workload's bound is the transports'");
+
 absl::Status Runner::Setup() {
   MPI_Comm_size(comm_, &R_);
   MPI_Comm_rank(comm_, &rank_);
@@ -298,6 +300,9 @@ absl::Status Runner::Setup() {
   MOONEP_CHECK_ARG(E_ >= R_ && E_ % R_ == 0,
                    "--experts=%d must be a positive multiple of the number of ranks (%d)", E_, R_);
   MOONEP_CHECK_ARG(H_ >= 1, "--hidden must be >= 1, got %d", H_);
+  MOONEP_CHECK_ARG(H_ <= transport::kMaxRowBytes / static_cast<int64_t>(DTypeSize(c_.dtype)),
+                   "--hidden=%d: a row of %s is above %d bytes, the transports' max_row_bytes", H_,
+                   DTypeName(c_.dtype), transport::kMaxRowBytes);
   MOONEP_CHECK_ARG(I_ >= 1, "--intermediate must be >= 1, got %d", I_);
   MOONEP_CHECK_ARG(c_.iters >= 1, "--iters must be >= 1, got %d", c_.iters);
   MOONEP_CHECK_ARG(c_.warmup >= 0, "--warmup must be >= 0, got %d", c_.warmup);

@@ -104,6 +104,11 @@ absl::StatusOr<Routing> MakeRouting(const RoutingSpec& spec) {
   MOONEP_CHECK_ARG(E >= 1, "--experts must be >= 1, got %d", E);
   MOONEP_CHECK_ARG(K >= 1 && K <= E, "--topk must be in [1, experts=%d], got %d", E, K);
   MOONEP_CHECK_ARG(T >= 1, "--tokens must be >= 1, got %d", T);
+  // Checked before any product: R * T * K must not overflow, and the transports index a rank's
+  // entries with int32. R * T * K then fits int64 (R < 2^31).
+  MOONEP_CHECK_ARG(T <= kMaxEntriesPerRank / K,
+                   "--tokens * --topk = %d * %d is above %d, the most entries a rank can route",
+                   T, K, kMaxEntriesPerRank);
   const int64_t entries = static_cast<int64_t>(R) * T * K, cap = static_cast<int64_t>(R) * T;
 
   Routing out;

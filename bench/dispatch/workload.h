@@ -19,6 +19,7 @@
 // whatever the order, and every transport result can be compared bit for bit.
 #pragma once
 
+#include <climits>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -28,6 +29,9 @@
 #include "moonep/core/dtype.h"
 
 namespace moonep::bench {
+
+// The transports' limit on entries (tokens * top_k) per rank: kMaxEntries of transport/layout.h.
+constexpr int64_t kMaxEntriesPerRank = INT32_MAX;
 
 struct SkewSpec {
   enum class Kind { kMaxvio, kZipf };

@@ -5,6 +5,8 @@
 #include <cstdlib>
 #include <string>
 
+#include "moonep/core/status.h"
+
 namespace moonep::env {
 
 static const char* Lookup(const char* suffix) {
@@ -13,15 +15,41 @@ static const char* Lookup(const char* suffix) {
   return (value != nullptr && value[0] != '\0') ? value : nullptr;
 }
 
+// A base-10 integer: an optional sign, then at least one digit, nothing else; false when
+// malformed or outside int64.
+static bool ParseBase10(const char* value, int64_t* out) {
+  const char* p = value;
+  if (*p == '+' || *p == '-') ++p;
+  if (*p < '0' || *p > '9') return false;  // no leading spaces, no empty digits
+  errno = 0;
+  char* end = nullptr;
+  const long long parsed = std::strtoll(value, &end, 10);
+  if (errno != 0 || end == value || *end != '\0') return false;
+  *out = parsed;
+  return true;
+}
+
+absl::StatusOr<int64_t> ParseInt(const char* suffix, int64_t fallback, int64_t min, int64_t max) {
+  const char* value = Lookup(suffix);
+  if (value == nullptr) return fallback;
+  int64_t parsed = 0;
+  if (!ParseBase10(value, &parsed)) {
+    return InvalidArgument("MOONEP_%s=%s: not a base-10 integer (expected one in [%d, %d])",
+                           suffix, value, min, max);
+  }
+  if (parsed < min || parsed > max) {
+    return InvalidArgument("MOONEP_%s=%s: out of range [%d, %d]", suffix, value, min, max);
+  }
+  return parsed;
+}
+
 int64_t ReadInt(const char* suffix, int64_t fallback) {
   const char* value = Lookup(suffix);
   if (value == nullptr) return fallback;
-  errno = 0;
-  char* end = nullptr;
-  long long parsed = std::strtoll(value, &end, 0);
-  if (errno != 0 || end == value || *end != '\0') {
-    std::fprintf(stderr, "MoonEP WARN ignoring MOONEP_%s=%s: not an integer; using %lld\n", suffix,
-                 value, static_cast<long long>(fallback));
+  int64_t parsed = 0;
+  if (!ParseBase10(value, &parsed)) {
+    std::fprintf(stderr, "MoonEP WARN ignoring MOONEP_%s=%s: not a base-10 integer; using %lld\n",
+                 suffix, value, static_cast<long long>(fallback));
     return fallback;
   }
   return parsed;

@@ -1,16 +1,26 @@
 // Configuration through the environment: one declaration per knob, read once and cached.
 //
-//   MOONEP_INT_PARAM(TimeoutMs, "TIMEOUT_MS", 60000)   // defines int64_t moonep::param::TimeoutMs()
+//   MOONEP_INT_PARAM(NumThreads, "NUM_THREADS", 0)   // defines int64_t moonep::param::NumThreads()
+//   MOONEP_CHECKED_INT_PARAM(Knob, "KNOB", 8, 0, 64)  // defines const absl::StatusOr<int64_t>& Knob()
 //
-// reads MOONEP_TIMEOUT_MS the first time it is called. Every knob is listed in docs/environment.md.
+// read MOONEP_<suffix> the first time they are called. Values are base-10 integers (an optional
+// sign, then digits: no spaces, no hex, "010" is ten). A checked knob is an InvalidArgument naming
+// the variable when the value is malformed or outside [min, max], for its reader to return; an
+// unchecked one warns and uses its fallback. Every knob is listed in docs/environment.md.
 #pragma once
 
 #include <cstdint>
 #include <string>
 
+#include "absl/status/statusor.h"
+
 namespace moonep::env {
 
-// The raw value of MOONEP_<suffix>, or `fallback` when unset or empty.
+// MOONEP_<suffix> as a base-10 integer in [min, max]; `fallback` when unset or empty; otherwise
+// InvalidArgument: "MOONEP_<suffix>=<value>: ..." with the accepted range.
+absl::StatusOr<int64_t> ParseInt(const char* suffix, int64_t fallback, int64_t min, int64_t max);
+// MOONEP_<suffix> as a base-10 integer, or `fallback` when unset or empty; a malformed value warns
+// on stderr and gives `fallback` (for readers that cannot return an error).
 int64_t ReadInt(const char* suffix, int64_t fallback);
 std::string ReadString(const char* suffix, const std::string& fallback);
 
@@ -22,6 +32,13 @@ std::string ReadString(const char* suffix, const std::string& fallback);
     return value;                                                         \
   }
 
+#define MOONEP_CHECKED_INT_PARAM(Name, suffix, fallback, min, max)                  \
+  inline const ::absl::StatusOr<int64_t>& Name() {                                  \
+    static const ::absl::StatusOr<int64_t> value =                                  \
+        ::moonep::env::ParseInt(suffix, fallback, min, max);                        \
+    return value;                                                                   \
+  }
+
 #define MOONEP_STRING_PARAM(Name, suffix, fallback)                                 \
   inline const std::string& Name() {                                                \
     static const std::string value = ::moonep::env::ReadString(suffix, fallback);   \
@@ -29,8 +46,17 @@ std::string ReadString(const char* suffix, const std::string& fallback);
   }
 
 namespace moonep::param {
-// Every wait in MoonEP ends after this many milliseconds with moonepTimeout.
-MOONEP_INT_PARAM(TimeoutMs, "TIMEOUT_MS", 60000)
+// The longest wait (about 31.7 years): a longer timeout is taken as this one, so that a deadline
+// now() + timeout stays within the clock's range (it overflowed above ~9.2e12 ms).
+constexpr int64_t kMaxTimeoutMs = int64_t{1000000000000};
+// MOONEP_TIMEOUT_MS as given: >= 1, else an InvalidArgument naming it (transports refuse it).
+MOONEP_CHECKED_INT_PARAM(CheckedTimeoutMs, "TIMEOUT_MS", 60000, 1, INT64_MAX)
+// Every wait in MoonEP ends after this many milliseconds with moonepTimeout: MOONEP_TIMEOUT_MS, at
+// most kMaxTimeoutMs; 60000 where it is malformed (CheckedTimeoutMs says why).
+inline int64_t TimeoutMs() {
+  const absl::StatusOr<int64_t>& ms = CheckedTimeoutMs();
+  return ms.ok() ? (*ms < kMaxTimeoutMs ? *ms : kMaxTimeoutMs) : 60000;
+}
 // Threads for the CPU executor (0: all cores).
 MOONEP_INT_PARAM(NumThreads, "NUM_THREADS", 0)
 // WARN (default), INFO or TRACE; also NONE.

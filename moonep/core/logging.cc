@@ -11,6 +11,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_replace.h"
 #include "moonep/core/env.h"
+#include "moonep/core/status.h"
 
 namespace moonep::log {
 namespace {
@@ -48,12 +49,17 @@ Sink& GetSink() {
   return *sink;
 }
 
-Level ParseLevel() {
-  std::string value = absl::AsciiStrToUpper(param::DebugLevel());
-  if (value == "NONE" || value == "OFF") return Level::kNone;
-  if (value == "INFO") return Level::kInfo;
-  if (value == "TRACE") return Level::kTrace;
-  return Level::kWarn;
+// MOONEP_DEBUG, parsed once.
+const absl::StatusOr<Level>& ConfiguredLevel() {
+  static const absl::StatusOr<Level>* level = [] {
+    auto* parsed = new absl::StatusOr<Level>(ParseLevel(param::DebugLevel()));
+    if (!parsed->ok()) {
+      std::fprintf(stderr, "MoonEP WARN %s; logging at WARN\n",
+                   std::string(parsed->status().message()).c_str());
+    }
+    return parsed;
+  }();
+  return *level;
 }
 
 const char* LevelName(Level level) {
@@ -67,10 +73,21 @@ const char* LevelName(Level level) {
 
 }  // namespace
 
+absl::StatusOr<Level> ParseLevel(absl::string_view value) {
+  const std::string upper = absl::AsciiStrToUpper(value);
+  if (upper == "NONE" || upper == "OFF") return Level::kNone;
+  if (upper == "WARN") return Level::kWarn;
+  if (upper == "INFO") return Level::kInfo;
+  if (upper == "TRACE") return Level::kTrace;
+  return InvalidArgument("MOONEP_DEBUG=%s: not a log level (NONE, WARN, INFO or TRACE)", value);
+}
+
 Level CurrentLevel() {
-  static const Level level = ParseLevel();
+  static const Level level = ConfiguredLevel().ok() ? *ConfiguredLevel() : Level::kWarn;
   return level;
 }
+
+absl::Status LevelStatus() { return ConfiguredLevel().status(); }
 
 void SetRank(int rank) { g_rank.store(rank); }
 

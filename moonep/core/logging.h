@@ -3,13 +3,21 @@
 //   host:1234:1240 [rank 3] MoonEP INFO planner: 12 replicas, max/mean 1.00
 #pragma once
 
+#include "absl/status/statusor.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/string_view.h"
 
 namespace moonep::log {
 
 enum class Level { kNone = 0, kWarn = 1, kInfo = 2, kTrace = 3 };
 
+// A MOONEP_DEBUG value, any case: NONE (or OFF), WARN, INFO, TRACE; InvalidArgument naming
+// MOONEP_DEBUG otherwise.
+absl::StatusOr<Level> ParseLevel(absl::string_view value);
+// The level of MOONEP_DEBUG (WARN when unset). A malformed value logs at WARN, says so once on
+// stderr, and LevelStatus() returns its error (transport creation fails with it).
 Level CurrentLevel();
+absl::Status LevelStatus();
 // The rank written into each line (-1 until a communicator sets it).
 void SetRank(int rank);
 void Write(Level level, const std::string& message);

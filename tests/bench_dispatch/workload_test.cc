@@ -121,6 +121,19 @@ TEST(BenchWorkload, BadSpecsNameTheFlag) {
   EXPECT_NE(zipf.status().message().find("--zipf"), absl::string_view::npos);
 }
 
+TEST(BenchWorkload, TokensTimesTopkAboveTheTransportLimitNameTheFlags) {
+  // --tokens=2^60 --topk=8: R * T * K used to overflow and the ids' allocation threw
+  // std::length_error. T * K is bounded by the transports' limit on entries per rank (2^31 - 1).
+  auto huge = MakeRouting({4, 16, 8, int64_t{1} << 60, {SkewSpec::Kind::kMaxvio, 0}, 1});
+  ASSERT_FALSE(huge.ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(huge.status())) << huge.status();
+  EXPECT_NE(huge.status().message().find("--tokens * --topk"), absl::string_view::npos)
+      << huge.status();
+  auto edge = MakeRouting({1, 16, 8, (int64_t{1} << 28), {SkewSpec::Kind::kMaxvio, 0}, 1});
+  ASSERT_FALSE(edge.ok());  // 2^28 * 8 = 2^31: one past the limit
+  EXPECT_NE(edge.status().message().find("2147483647"), absl::string_view::npos) << edge.status();
+}
+
 TEST(BenchWorkload, ValuesAreExactInEveryDtype) {
   // Products and K-term sums of these values must be exact in fp32, and the inputs exact in bf16.
   for (int64_t i = 0; i < 2000; ++i) {

@@ -516,6 +516,78 @@ TEST_P(NcclWeightsTest, ReduceSumsContributionsExactlyAndReproducibly) {
   }
 }
 
+TEST_P(NcclWeightsTest, TwoReducesInFlightKeepTheirOwnGradients) {
+  // Two reduces started before either is waited for (waited in reverse order): each has its own
+  // staging and source-pointer tables. With one transport-wide staging, the second overwrote the
+  // pinned table the first one's upload reads, and grew (freed) the staging under it.
+  const int32_t epn = plan_.experts_per_rank;
+  const auto home_grad = [](int op, int32_t e, int k, int32_t j) {
+    return static_cast<float>((e + k + j) % 7 + 16 * op);
+  };
+  const auto slot_grad = [](int op, int32_t d, int32_t e, int k, int32_t j) {
+    return static_cast<float>((d * 3 + e + k + j + op) % 5 + 1 + 8 * op);
+  };
+  // The second reduce's blocks: copies of the fixture's layout with their own memory.
+  std::vector<std::unique_ptr<DeviceVector<float>>> f32b;
+  std::vector<std::unique_ptr<DeviceVector<BFloat16>>> b16b;
+  std::vector<TensorView> views_b;
+  for (size_t b = 0; b < f32_.size(); ++b) {
+    const int32_t e = BlockExpert(static_cast<int32_t>(b));
+    std::vector<float> a(24);
+    std::vector<BFloat16> c(5);
+    for (int32_t j = 0; j < 24; ++j) {
+      a[j] = static_cast<int32_t>(b) < epn ? home_grad(1, e, 0, j)
+                                           : (e < 0 ? 0.0f : slot_grad(1, rank(), e, 0, j));
+    }
+    for (int32_t j = 0; j < 5; ++j) {
+      c[j] = BFloat16::FromFloat(static_cast<int32_t>(b) < epn
+                                     ? home_grad(1, e, 1, j)
+                                     : (e < 0 ? 0.0f : slot_grad(1, rank(), e, 1, j)));
+    }
+    f32b.push_back(std::make_unique<DeviceVector<float>>(a));
+    b16b.push_back(std::make_unique<DeviceVector<BFloat16>>(c));
+    views_b.push_back(
+        TensorView::Contiguous(f32b.back()->get(), DType::kFloat32, {24}, Device::kCuda));
+    views_b.push_back(
+        TensorView::Contiguous(b16b.back()->get(), DType::kBFloat16, {5}, Device::kCuda));
+  }
+  const size_t home = static_cast<size_t>(epn) * 2;
+  const ExpertBlocks second{2, absl::MakeConstSpan(views_b.data(), home),
+                            absl::MakeConstSpan(views_b.data() + home, views_b.size() - home)};
+  Fill([&](int32_t b, int k, int32_t j) {
+    const int32_t e = BlockExpert(b);
+    if (b < epn) return home_grad(0, e, k, j);
+    return e < 0 ? 0.0f : slot_grad(0, rank(), e, k, j);
+  });
+  auto first = t_->StartReduce(plan_, View());
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto later = t_->StartReduce(plan_, second);
+  ASSERT_TRUE(later.ok()) << later.status();
+  absl::Status st = (*later)->Wait();
+  ASSERT_TRUE(st.ok()) << st;
+  st = (*first)->Wait();
+  ASSERT_TRUE(st.ok()) << st;
+  for (int op = 0; op < 2; ++op) {
+    for (int32_t g = 0; g < epn; ++g) {
+      const int32_t e = BlockExpert(g);
+      const std::vector<float> got32 = op == 0 ? f32_[g]->Download() : f32b[g]->Download();
+      const std::vector<BFloat16> got16 = op == 0 ? b16_[g]->Download() : b16b[g]->Download();
+      for (int k = 0; k < 2; ++k) {
+        for (int32_t j = 0; j < (k == 0 ? 24 : 5); ++j) {
+          float want = home_grad(op, e, k, j);
+          for (int32_t d = 0; d < plan_.num_ranks; ++d) {
+            for (int32_t s = 0; s < plan_.slots; ++s) {
+              if (plan_.slot_expert[d * plan_.slots + s] == e) want += slot_grad(op, d, e, k, j);
+            }
+          }
+          const float got = k == 0 ? got32[j] : got16[j].ToFloat();
+          ASSERT_EQ(got, want) << "reduce " << op << " expert " << e << " tensor " << k;
+        }
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Plans, NcclWeightsTest,
                          ::testing::Values(std::string("random"), std::string("moonep"),
                                            std::string("test-force-replicas")),
@@ -625,6 +697,53 @@ TEST_F(NcclTest, SilentPeerBecomesATimeoutNamingThePhase) {
     EXPECT_EQ(ToResult(t->ExchangeCounts(ids.span(), p.T[rank()], p.K, p.E, 1000, &h)),
               moonepInvalidUsage);
   }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// A buffer that grows while an earlier operation's kernel waits on a silent peer: growing used to
+// cudaFree the old allocation from inside Start*, and cudaFree waits for the whole device, so the
+// call never returned (past every timeout). Now the old allocation is kept until nothing is in
+// flight, the start returns, and the wait ends in the Timeout.
+TEST_F(NcclTest, GrowingABufferWhileAKernelWaitsOnASilentPeerDoesNotHang) {
+  if (size() < 2) GTEST_SKIP() << "needs two ranks";
+  const int32_t me = rank(), silent = size() - 1;
+  const Problem p = MakeProblem(size(), 2 * size(), 2, 4, 6, 9, -1);
+  planner::Plan plan;
+  ASSERT_TRUE(PlanOfKind("random", p, 9, &plan).ok());
+  auto t = MakeTransport(p.max_tokens(), p.K, p.H * 4, /*timeout_ms=*/2000);
+  ASSERT_NE(t, nullptr);
+  const int64_t cap = CapacityRows(p, plan.num_groups(), plan.pad_multiple);
+  DeviceVector<int32_t> ids(p.ids[me]);
+  DeviceVector<float> x(p.x[me]), w(p.weights[me]), rows(cap * p.H), rw(cap);
+  DispatchHandle h;
+  ASSERT_TRUE(t->ExchangeCounts(ids.span(), p.T[me], p.K, p.E, cap, &h).ok());
+  MPI_Barrier(MPI_COMM_WORLD);
+  testing::SetSkipRank(silent, OpKind::kDispatch);
+  const auto start = std::chrono::steady_clock::now();
+  auto dispatch = t->StartDispatch(plan, x.Matrix(p.T[me], p.H), w.span(), &h,
+                                   rows.Matrix(cap, p.H), rw.span());
+  testing::ClearSkip();
+  ASSERT_TRUE(dispatch.ok()) << dispatch.status();
+  // The same handle with 64 times the experts: its count buffers (device and pinned) grow while
+  // the dispatch's kernels wait for the silent rank.
+  // (The ids stay valid: below E < 64 E.)
+  auto counts = t->StartExchangeCounts(ids.span(), p.T[me], p.K, 64 * p.E, cap, &h);
+  const double start_ms = std::chrono::duration<double, std::milli>(
+                              std::chrono::steady_clock::now() - start).count();
+  if (me != silent) {
+    EXPECT_LT(start_ms, 2000.0) << "the start blocked on the device";
+    ASSERT_TRUE(counts.ok()) << counts.status();
+    // Queued behind the stuck dispatch: its deadline passes, the pair is aborted.
+    absl::Status st = (*counts)->Wait();
+    EXPECT_EQ(ToResult(st), moonepTimeout) << st;
+    EXPECT_FALSE((*dispatch)->Wait().ok());
+  } else if (counts.ok()) {
+    (*counts)->Wait().IgnoreError();  // times out: rank 0's count exchange never posts
+  }
+  const double ms = std::chrono::duration<double, std::milli>(
+                        std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(ms, 2 * 2000 + 3000) << "a wait outlived the timeout";
+  t.reset();
   MPI_Barrier(MPI_COMM_WORLD);
 }
 

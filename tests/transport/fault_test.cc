@@ -5,8 +5,11 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdlib>
+#include <limits>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "moonep/core/status.h"
 #include "planner/planner.h"
@@ -111,8 +114,9 @@ TEST_P(FaultTest, NumExpertsDifferingAcrossRanksFailsEveryRank) {
 }
 
 TEST_P(FaultTest, HiddenSizeDifferingAcrossRanksFailsWithoutHanging) {
-  // Rank 0's rows are one column wider: receivers get the wrong byte counts.
-  const int64_t T = p_.T[rank()], H = rank() == 0 ? p_.H + 1 : p_.H;
+  // Rank 0's rows are one column narrower (wider ones are refused locally: above max_row_bytes):
+  // receivers get the wrong byte counts.
+  const int64_t T = p_.T[rank()], H = rank() == 0 ? p_.H - 1 : p_.H;
   DispatchHandle h;
   std::vector<float> x(T * H, 1.0f), rows(cap_ * H), w(cap_);
   const auto start = Clock::now();
@@ -250,7 +254,147 @@ TEST_P(FaultTest, RankThatNeverJoinsReduceTimesOutItsPeers) {
   }
 }
 
+TEST_P(FaultTest, DispatchRowsWiderThanMaxRowBytesAreRefusedOnEveryRank) {
+  // The declared max_row_bytes (p_.H * 4 here) bounds every row that travels; dispatch used to
+  // send any width (MPI cast it to int).
+  const int64_t T = p_.T[rank()], H = 2 * p_.H;
+  DispatchHandle h;
+  ASSERT_TRUE(t_->ExchangeCounts(p_.ids[rank()], T, p_.K, p_.E, cap_, &h).ok());
+  // Every rank is done with the count exchange before any fails (and aborts its peers).
+  MPI_Barrier(MPI_COMM_WORLD);
+  std::vector<float> x(T * H, 1.0f), rows(cap_ * H), w(cap_);
+  absl::Status st = t_->Dispatch(plan_, TensorView::Contiguous(x.data(), DType::kFloat32, {T, H}),
+                                 p_.weights[rank()], &h,
+                                 TensorView::Contiguous(rows.data(), DType::kFloat32, {cap_, H}),
+                                 absl::MakeSpan(w));
+  EXPECT_EQ(ToResult(st), moonepOutOfMemory) << st;
+  EXPECT_NE(st.message().find("x: a row has 32 bytes, above the declared max_row_bytes = 16"),
+            std::string::npos) << st;
+}
+
+TEST_P(FaultTest, CombineBackwardRowsWiderThanMaxRowBytesAreRefusedOnEveryRank) {
+  DispatchHandle h;
+  std::vector<float> rows;
+  ASSERT_TRUE(DispatchOnce(&h, &rows).ok());
+  MPI_Barrier(MPI_COMM_WORLD);  // every rank is done with the dispatch before any fails
+  const int64_t T = p_.T[rank()], H = 2 * p_.H;
+  std::vector<float> dy(T * H, 1.0f), dy_rows(cap_ * H);
+  absl::Status st = t_->CombineBackward(
+      &h, TensorView::Contiguous(dy.data(), DType::kFloat32, {T, H}),
+      TensorView::Contiguous(dy_rows.data(), DType::kFloat32, {cap_, H}));
+  EXPECT_EQ(ToResult(st), moonepOutOfMemory) << st;
+  EXPECT_NE(st.message().find("dy: a row has 32 bytes"), std::string::npos) << st;
+}
+
+TEST_P(FaultTest, HugeTimeoutIsTakenAsTheMaximumInsteadOfOverflowing) {
+  // now() + timeout used to overflow for timeouts above ~9.2e12 ms: every wait then timed out at
+  // once. Such a timeout means "never" and is taken as kMaxTimeoutMs.
+  TransportOptions o;
+  o.max_tokens = p_.max_tokens();
+  o.max_top_k = p_.K;
+  o.max_row_bytes = p_.H * 4;
+  o.timeout_ms = std::numeric_limits<int64_t>::max() / 2;
+  auto t = CreateTransport(GetParam(), o);
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ((*t)->timeout_ms(), kMaxTimeoutMs);
+  DispatchHandle h;
+  absl::Status st = (*t)->ExchangeCounts(p_.ids[rank()], p_.T[rank()], p_.K, p_.E, cap_, &h);
+  EXPECT_TRUE(st.ok()) << st;
+}
+
+TEST_P(FaultTest, DeclaredEntriesAbove2To31AreRefusedAtCreation) {
+  // Entry indices (t * K + k) are int32: max_tokens * max_top_k must stay below 2^31.
+  TransportOptions o;
+  o.max_tokens = int64_t{1} << 30;
+  o.max_top_k = 4;
+  o.max_row_bytes = 16;
+  auto t = CreateTransport(GetParam(), o);
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(ToResult(t.status()), moonepInvalidArgument) << t.status();
+  EXPECT_NE(t.status().message().find("max_tokens * max_top_k"), std::string::npos) << t.status();
+}
+
+// MPI with ob1 over shared memory without single copy (transport_fault_rndv_test): a receive whose
+// rendezvous message started to arrive cannot be cancelled and completes only when its sender
+// makes progress. After a failure, the cleanup waits for such receives one second in all; it
+// used to wait one second for each (minutes with many peers and tensors).
+TEST_P(FaultTest, CleanupWaitsForUncancellableReceivesOneSecondInAll) {
+  if (GetParam() != "mpi") GTEST_SKIP() << "the MPI backend's cleanup";
+  if (size() != 2) GTEST_SKIP() << "two ranks";
+  const char* copy = std::getenv("OMPI_MCA_btl_vader_single_copy_mechanism");
+  if (copy == nullptr || std::string(copy) != "none") {
+    GTEST_SKIP() << "needs ob1 over vader without single copy (a rendezvous that waits for its "
+                    "sender): run as transport_fault_rndv_test";
+  }
+  // Rank 1 holds replicas of rank 0's experts: its gradients go to rank 0.
+  int32_t slots_to_0 = 0;
+  for (int32_t s = 0; s < plan_.slots; ++s) {
+    const int32_t e = plan_.slot_expert[1 * plan_.slots + s];
+    slots_to_0 += e >= 0 && plan_.home[e] == 0;
+  }
+  if (slots_to_0 == 0) GTEST_SKIP() << "the plan has no replica of rank 0's experts on rank 1";
+  TransportOptions o;
+  o.max_tokens = p_.max_tokens();
+  o.max_top_k = p_.K;
+  o.max_row_bytes = p_.H * 4;
+  o.timeout_ms = 1000;
+  auto t = CreateTransport("mpi", o);
+  ASSERT_TRUE(t.ok()) << t.status();
+  // 8 tensors of 256 KiB per expert: each above the TCP eager limit, so each is a rendezvous.
+  constexpr int32_t kTensors = 8;
+  constexpr int64_t kFloats = 64 * 1024;
+  const int32_t epn = plan_.experts_per_rank, S = plan_.slots;
+  // Left allocated: after the failure, MPI may still read the blocks (sends are released, not
+  // cancelled).
+  auto& home = *new std::vector<std::vector<float>>(epn * kTensors, std::vector<float>(kFloats, 1.0f));
+  auto& slot = *new std::vector<std::vector<float>>(S * kTensors, std::vector<float>(kFloats, 1.0f));
+  std::vector<TensorView> hv, sv;
+  for (auto& v : home) hv.push_back(TensorView::Contiguous(v.data(), DType::kFloat32, {kFloats}));
+  for (auto& v : slot) sv.push_back(TensorView::Contiguous(v.data(), DType::kFloat32, {kFloats}));
+  MPI_Barrier(MPI_COMM_WORLD);
+  const auto start = Clock::now();
+  auto request = (*t)->StartReduce(plan_, ExpertBlocks{kTensors, hv, sv});
+  ASSERT_TRUE(request.ok()) << request.status();
+  if (rank() == 1) {
+    // Starts every send (each rendezvous announced), then makes no MPI progress for 6 s.
+    std::this_thread::sleep_for(std::chrono::seconds(6));
+    (*request)->Wait().IgnoreError();  // late: a timeout here is expected
+    return;
+  }
+  const absl::Status st = (*request)->Wait();
+  const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  EXPECT_EQ(ToResult(st), moonepTimeout) << st;
+  // The 1 s timeout, then at most 1 s for every matched receive together (plus slack); per
+  // receive, it took until rank 1 woke up (6 s).
+  EXPECT_LT(ms, 1000 + 1000 + 1500) << slots_to_0 * kTensors << " receives from rank 1";
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, FaultTest, ::testing::ValuesIn(AvailableBackends()),
+                         [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
+
+// Registered with one malformed MOONEP_* variable (transport_env_test_*), named by
+// MOONEP_TEST_BAD_VARIABLE: creating a transport fails on every rank with InvalidArgument naming the
+// variable, instead of silently using a default.
+class BadEnvironmentTest : public moonep::testing::MpiTest,
+                           public ::testing::WithParamInterface<std::string> {};
+
+TEST_P(BadEnvironmentTest, CreationFailsNamingTheVariable) {
+  const char* bad = std::getenv("MOONEP_TEST_BAD_VARIABLE");
+  if (bad == nullptr) GTEST_SKIP() << "run by transport_env_test_* with a malformed variable";
+  const std::string variable = bad;
+  if (std::getenv(variable.c_str()) == nullptr) GTEST_SKIP() << variable << " is not set";
+  if (variable == "MOONEP_UCX_EAGER_BYTES" && GetParam() != "ucx") GTEST_SKIP() << "UCX only";
+  TransportOptions o;
+  o.max_tokens = 8;
+  o.max_top_k = 2;
+  o.max_row_bytes = 16;
+  auto t = CreateTransport(GetParam(), o);
+  ASSERT_FALSE(t.ok()) << variable << "=" << std::getenv(variable.c_str()) << " was accepted";
+  EXPECT_EQ(ToResult(t.status()), moonepInvalidArgument) << t.status();
+  EXPECT_NE(t.status().message().find(variable + "="), std::string::npos) << t.status();
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, BadEnvironmentTest, ::testing::ValuesIn(AvailableBackends()),
                          [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
 
 }  // namespace

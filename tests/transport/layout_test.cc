@@ -5,10 +5,13 @@
 
 #include <gtest/gtest.h>
 
+#include <climits>
 #include <set>
 
 #include "planner/plan_builder.h"
 #include "tests/transport/transport_test_util.h"
+#include "transport/common/host_checks.h"
+#include "transport/common/host_rows.h"
 
 namespace moonep::transport {
 namespace {
@@ -147,6 +150,130 @@ TEST(CheckPlanTest, RejectsCorruptPlans) {
     bad.piece_count.pop_back();
     EXPECT_TRUE(absl::IsInvalidArgument(CheckPlanForTransport(bad, p.counts)));
   }
+}
+
+// A plan whose home groups (home_group, read by the check through GroupOf) disagree with the
+// groups' experts (local_experts, read by ForEachRun through ExpertOfGroup) would pass the piece
+// checks on one group and land its rows in another: R=2, E=2, epn=1, local_experts=[0,1],
+// home_group=[1,0]. Both pieces fill rank 1's only group, so rank 0 has rank_rows 0, yet
+// ForEachRun sends expert 0's rows to rank 0's group 0, past its receive buffer.
+TEST(CheckPlanTest, RejectsHomeGroupThatDisagreesWithLocalExperts) {
+  const Problem p = MakeProblem(2, 2, 1, 1, 10, 7, -1, /*drop=*/0.0);
+  planner::Plan good;
+  ASSERT_TRUE(MakeRandomPlan("home", p, 7, 0, 1, &good).ok());
+  ASSERT_TRUE(CheckPlanForTransport(good, p.counts).ok());
+  ASSERT_EQ(good.experts_per_rank, 1);
+  ASSERT_EQ(good.local_experts, (std::vector<int32_t>{0, 1}));
+  const int64_t c0 = p.counts[0] + p.counts[2], c1 = p.counts[1] + p.counts[3];
+  ASSERT_GT(c0, 0);
+  ASSERT_GT(c1, 0);
+  planner::Plan bad = good;
+  bad.home_group = {1, 0};
+  bad.group_offset = {0, 0};
+  bad.group_count = {0, c0 + c1};
+  bad.group_padded = {0, c0 + c1};
+  bad.rank_rows = {0, c0 + c1};
+  bad.piece_begin = {0, 1, 2};
+  bad.piece_dest = {0, 1};
+  bad.piece_start = {0, 0};
+  bad.piece_count = {c0, c1};
+  bad.piece_row = {0, c0};
+  const absl::Status s = CheckPlanForTransport(bad, p.counts);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_NE(s.message().find("home_group[0] = 1"), std::string::npos) << s;
+
+  // In range but naming another expert's group: home_group[0] = 0 is group 0 of rank 0, which
+  // local_experts says computes expert 0, so that one is right; swapping local_experts is not.
+  planner::Plan swapped = good;
+  swapped.local_experts = {1, 0};
+  const absl::Status s2 = CheckPlanForTransport(swapped, p.counts);
+  EXPECT_TRUE(absl::IsInvalidArgument(s2)) << s2;
+  EXPECT_NE(s2.message().find("local_experts"), std::string::npos) << s2;
+}
+
+TEST(CheckPlanTest, RejectsPieceBeginOutsideThePieceArrays) {
+  const Problem p = MakeProblem(1, 2, 1, 1, 10, 9, -1, /*drop=*/0.0);
+  planner::Plan good;
+  ASSERT_TRUE(MakeRandomPlan("home", p, 9, 0, 1, &good).ok());
+  ASSERT_TRUE(CheckPlanForTransport(good, p.counts).ok());
+  ASSERT_EQ(good.piece_dest.size(), 2u);
+  // piece_begin = [0, 5, 2]: ends at P = 2, but expert 0's range [0, 5) reads past the arrays.
+  planner::Plan bad = good;
+  bad.piece_begin = {0, 5, 2};
+  const absl::Status s = CheckPlanForTransport(bad, p.counts);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_NE(s.message().find("piece_begin[1] = 5"), std::string::npos) << s;
+}
+
+TEST(CheckPlanTest, RejectsASlotThatRepeatsAnExpertOnItsRank) {
+  // Two slots of one rank holding the same expert: ForEachRun would report that expert's rows
+  // once per slot group.
+  const Problem p = MakeProblem(2, 2, 1, 1, 10, 11, -1, /*drop=*/0.0);
+  planner::Plan good;
+  ASSERT_TRUE(MakeRandomPlan("home", p, 11, 2, 1, &good).ok());
+  ASSERT_TRUE(CheckPlanForTransport(good, p.counts).ok());
+  planner::Plan bad = good;
+  bad.slot_expert = {1, 1, -1, -1};  // rank 0's two slots both hold expert 1 (no rows in them)
+  const absl::Status s = CheckPlanForTransport(bad, p.counts);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_NE(s.message().find("slot"), std::string::npos) << s;
+  bad.slot_expert = {0, -1, -1, -1};  // a replica of rank 0's own expert (no home_replicas)
+  EXPECT_TRUE(absl::IsInvalidArgument(CheckPlanForTransport(bad, p.counts)));
+}
+
+TEST(ValidateRoutingTest, BoundsEntriesPerRankBelowInt32) {
+  // Entry indices (t * K + k) are int32 in the layouts: num_tokens * top_k must stay below 2^31.
+  const absl::Status s = ValidateRouting({}, int64_t{1} << 30, 2, 8);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_NE(s.message().find("2147483647"), std::string::npos) << s;
+  // No overflow of num_tokens * top_k either.
+  EXPECT_TRUE(absl::IsInvalidArgument(ValidateRouting({}, int64_t{1} << 61, 8, 8)));
+}
+
+TEST(CheckRowTensorTest, RejectsNegativeAndEmptyShapes) {
+  std::vector<float> data(16);
+  TensorView v = TensorView::Contiguous(data.data(), DType::kFloat32, {4, 4});
+  EXPECT_TRUE(common::CheckRowTensor(v, "y", 0, -1, "MPI").ok());
+  // Any column count allowed (cols = -1) must still be a count: a contiguous [4, -3] view passed
+  // every check, and its row bytes went negative (huge as size_t) into memset and memcpy.
+  TensorView neg = TensorView::Contiguous(data.data(), DType::kFloat32, {4, -3});
+  absl::Status s = common::CheckRowTensor(neg, "y", 0, -1, "MPI");
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_NE(s.message().find("y: has -3 columns"), std::string::npos) << s;
+  TensorView no_cols = TensorView::Contiguous(data.data(), DType::kFloat32, {4, 0});
+  EXPECT_TRUE(absl::IsInvalidArgument(common::CheckRowTensor(no_cols, "y", 0, -1, "MPI")));
+  TensorView neg_rows = TensorView::Contiguous(data.data(), DType::kFloat32, {-1, 4});
+  s = common::CheckRowTensor(neg_rows, "x", -5, -1, "MPI");
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_NE(s.message().find("x: has -1 rows"), std::string::npos) << s;
+}
+
+TEST(RunBlocksTest, SplitsRunsAboveTheBlockLimit) {
+  // MPI's block lengths are int: a combine run of 2 GiB or more went out as a negative length.
+  // Here with a 100-byte limit and 16-byte rows: 6 rows per block.
+  std::vector<int64_t> displs;
+  std::vector<int> lengths;
+  common::AppendRunBlocks(3, 14, 16, 100, &displs, &lengths);
+  EXPECT_EQ(displs, (std::vector<int64_t>{48, 48 + 96, 48 + 192}));
+  EXPECT_EQ(lengths, (std::vector<int>{96, 96, 32}));
+  common::AppendRunBlocks(40, 2, 16, 100, &displs, &lengths);  // appends, short runs whole
+  EXPECT_EQ(displs.back(), 640);
+  EXPECT_EQ(lengths.back(), 32);
+  // The MPI limit: 3 rows of 1 GiB (the largest row allowed) become 3 blocks, each an int.
+  displs.clear();
+  lengths.clear();
+  const int64_t gib = int64_t{1} << 30;
+  common::AppendRunBlocks(0, 3, gib, INT_MAX, &displs, &lengths);
+  EXPECT_EQ(displs, (std::vector<int64_t>{0, gib, 2 * gib}));
+  EXPECT_EQ(lengths, (std::vector<int>{1 << 30, 1 << 30, 1 << 30}));
+  // A 2 GiB run of 1 MiB rows: two blocks below INT_MAX.
+  displs.clear();
+  lengths.clear();
+  common::AppendRunBlocks(0, 2048, 1 << 20, INT_MAX, &displs, &lengths);
+  ASSERT_EQ(lengths.size(), 2u);
+  EXPECT_EQ(int64_t{lengths[0]} + lengths[1], 2 * gib);
+  EXPECT_GT(lengths[0], 0);
+  EXPECT_GT(lengths[1], 0);
 }
 
 TEST(SendLayoutTest, RejectsRoutingThatDoesNotMatchCounts) {

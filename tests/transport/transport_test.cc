@@ -676,6 +676,57 @@ TEST_P(WeightsTest, ReduceSumsContributionsExactly) {
   }
 }
 
+TEST_P(WeightsTest, TwoReducesInFlightKeepTheirOwnGradients) {
+  // Two reductions started before either is waited for, then waited for in reverse order: each
+  // must sum its own replica gradients (a staging shared by both hands one the other's, or frees
+  // the first one's buffer under its pending receives when the second grows it).
+  const auto home_grad = [](int op, int32_t e, int k, int32_t j) {
+    return static_cast<float>((e + k + j) % 7 + 16 * op);
+  };
+  const auto slot_grad = [](int op, int32_t d, int32_t e, int k, int32_t j) {
+    return static_cast<float>((d * 3 + e + k + j + op) % 5 + 1 + 8 * op);
+  };
+  Blocks home[2], slots[2];
+  for (int op = 0; op < 2; ++op) {
+    home[op].Init(plan_.experts_per_rank);
+    slots[op].Init(plan_.slots);
+    home[op].Fill([&](int32_t g, int k, int32_t j) { return home_grad(op, HomeExpert(g), k, j); });
+    slots[op].Fill([&](int32_t s, int k, int32_t j) {
+      return SlotExpert(s) < 0 ? 0.0f : slot_grad(op, rank(), SlotExpert(s), k, j);
+    });
+  }
+  auto view = [&](int op) {
+    return ExpertBlocks{Blocks::kTensors,
+                        absl::MakeConstSpan(home[op].views.data(), home[op].views.size()),
+                        absl::MakeConstSpan(slots[op].views.data(), slots[op].views.size())};
+  };
+  auto first = t_->StartReduce(plan_, view(0));
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto second = t_->StartReduce(plan_, view(1));
+  ASSERT_TRUE(second.ok()) << second.status();
+  absl::Status st = (*second)->Wait();
+  ASSERT_TRUE(st.ok()) << st;
+  st = (*first)->Wait();
+  ASSERT_TRUE(st.ok()) << st;
+  for (int op = 0; op < 2; ++op) {
+    for (int32_t g = 0; g < plan_.experts_per_rank; ++g) {
+      const int32_t e = HomeExpert(g);
+      for (int k = 0; k < Blocks::kTensors; ++k) {
+        for (int32_t j = 0; j < home[op].Size(k); ++j) {
+          float want = home_grad(op, e, k, j);
+          for (int32_t d = 0; d < plan_.num_ranks; ++d) {
+            for (int32_t s = 0; s < plan_.slots; ++s) {
+              if (plan_.slot_expert[d * plan_.slots + s] == e) want += slot_grad(op, d, e, k, j);
+            }
+          }
+          ASSERT_EQ(home[op].Get(g, k, j), want)
+              << "reduce " << op << " expert " << e << " tensor " << k << " j " << j;
+        }
+      }
+    }
+  }
+}
+
 TEST_P(WeightsTest, ReduceIsBitIdenticalAcrossRuns) {
   std::vector<std::vector<float>> first;
   for (int run = 0; run < 3; ++run) {

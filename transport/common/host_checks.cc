@@ -1,7 +1,12 @@
 #include "transport/common/host_checks.h"
 
+#include <algorithm>
+#include <cstdint>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "moonep/core/env.h"
+#include "moonep/core/logging.h"
 #include "moonep/core/status.h"
 #include "transport/layout.h"
 
@@ -11,14 +16,37 @@ std::string RankList(const std::vector<int>& ranks) { return absl::StrJoin(ranks
 
 bool IsRowDType(DType d) { return d == DType::kFloat32 || d == DType::kBFloat16; }
 
+absl::Status CheckOptions(const TransportOptions& o) {
+  MOONEP_CHECK_ARG(o.max_tokens >= 0 && o.max_top_k >= 0 && o.max_row_bytes >= 0 &&
+                       o.timeout_ms >= 0,
+                   "options: max_tokens, max_top_k, max_row_bytes and timeout_ms must be >= 0");
+  MOONEP_CHECK_ARG(o.max_row_bytes <= kMaxRowBytes, "options.max_row_bytes = %d is above 1 GiB",
+                   o.max_row_bytes);
+  MOONEP_CHECK_ARG(o.max_top_k == 0 || o.max_tokens <= kMaxEntries / o.max_top_k,
+                   "options: max_tokens * max_top_k = %d * %d is above %d, the most entries a "
+                   "rank can route", o.max_tokens, o.max_top_k, kMaxEntries);
+  return absl::OkStatus();
+}
+
+absl::Status CheckEnvironment() {
+  MOONEP_RETURN_IF_ERROR(param::CheckedTimeoutMs().status());
+  return log::LevelStatus();
+}
+
+int64_t ResolveTimeoutMs(int64_t options_timeout_ms) {
+  const int64_t ms = options_timeout_ms > 0 ? options_timeout_ms : param::TimeoutMs();
+  return std::min(ms, kMaxTimeoutMs);
+}
+
 absl::Status CheckRowTensor(const TensorView& v, const char* name, int64_t min_rows, int64_t cols,
                             const char* backend, Device device) {
   MOONEP_CHECK_ARG(v.ndim == 2, "%s: expected a 2-D tensor, got %s", name, v.DebugString());
   MOONEP_CHECK_ARG(v.device == device, "%s: the %s transport needs %s memory, got %s", name,
                    backend, device == Device::kCpu ? "host" : "device", v.DebugString());
   MOONEP_CHECK_ARG(IsRowDType(v.dtype), "%s: dtype must be fp32 or bf16", name);
-  MOONEP_CHECK_ARG(v.shape[0] >= min_rows, "%s: has %d rows, needs at least %d", name, v.shape[0],
-                   min_rows);
+  MOONEP_CHECK_ARG(v.shape[0] >= 0 && v.shape[0] >= min_rows, "%s: has %d rows, needs at least %d",
+                   name, v.shape[0], std::max<int64_t>(min_rows, 0));
+  MOONEP_CHECK_ARG(v.shape[1] >= 1, "%s: has %d columns, needs at least 1", name, v.shape[1]);
   MOONEP_CHECK_ARG(cols < 0 || v.shape[1] == cols, "%s: has %d columns, expected %d", name,
                    v.shape[1], cols);
   MOONEP_CHECK_ARG(v.is_contiguous(), "%s: tensor must be contiguous", name);
@@ -79,11 +107,30 @@ absl::Status CheckDispatchAgreed(const planner::Plan& plan, const DispatchHandle
   return absl::OkStatus();
 }
 
+namespace {
+// Rows that travel (and rows summed per token, staged) are at most max_row_bytes wide (at most
+// kMaxRowBytes: MPI passes a row's bytes as an int). Columns are >= 1 (CheckRowTensor).
+absl::Status CheckRowBytes(const TensorView& rows, const char* name, int64_t max_row_bytes) {
+  const int64_t size = static_cast<int64_t>(DTypeSize(rows.dtype));
+  if (rows.shape[1] > max_row_bytes / size) {
+    // rows.shape[1] * size may overflow: say "above" without the product when it would.
+    if (rows.shape[1] > INT64_MAX / size) {
+      return OutOfMemory("%s: a row has %d columns of %d bytes, above the declared max_row_bytes "
+                         "= %d", name, rows.shape[1], size, max_row_bytes);
+    }
+    return OutOfMemory("%s: a row has %d bytes, above the declared max_row_bytes = %d", name,
+                       rows.shape[1] * size, max_row_bytes);
+  }
+  return absl::OkStatus();
+}
+}  // namespace
+
 absl::Status CheckDispatchBuffers(const planner::Plan& plan, const TensorView& x,
                                   absl::Span<const float> topk_weights, const DispatchHandle& h,
                                   const TensorView& recv_rows, absl::Span<float> recv_weights,
-                                  int32_t rank, const char* backend) {
+                                  int32_t rank, int64_t max_row_bytes, const char* backend) {
   MOONEP_RETURN_IF_ERROR(CheckRowTensor(x, "x", h.num_tokens_, -1, backend));
+  MOONEP_RETURN_IF_ERROR(CheckRowBytes(x, "x", max_row_bytes));
   MOONEP_RETURN_IF_ERROR(
       CheckRowTensor(recv_rows, "recv_rows", plan.rank_rows[rank], x.shape[1], backend));
   if (recv_rows.dtype != x.dtype) {
@@ -121,8 +168,10 @@ absl::Status PrepareDispatch(const planner::Plan& plan, absl::Span<const float> 
 }
 
 absl::Status CheckCombineBackwardBuffers(const DispatchHandle& h, const TensorView& dy,
-                                         const TensorView& dy_rows, const char* backend) {
+                                         const TensorView& dy_rows, int64_t max_row_bytes,
+                                         const char* backend) {
   MOONEP_RETURN_IF_ERROR(CheckRowTensor(dy, "dy", h.num_tokens_, -1, backend));
+  MOONEP_RETURN_IF_ERROR(CheckRowBytes(dy, "dy", max_row_bytes));
   if (dy.shape[0] != h.num_tokens_) {
     return InvalidArgument("dy: has %d rows, need num_tokens = %d", dy.shape[0], h.num_tokens_);
   }
@@ -133,18 +182,6 @@ absl::Status CheckCombineBackwardBuffers(const DispatchHandle& h, const TensorVi
   }
   return absl::OkStatus();
 }
-
-namespace {
-// Rows summed per token are staged at most max_row_bytes wide.
-absl::Status CheckRowBytes(const TensorView& rows, const char* name, int64_t max_row_bytes) {
-  const int64_t bytes = rows.shape[1] * static_cast<int64_t>(DTypeSize(rows.dtype));
-  if (bytes > max_row_bytes) {
-    return OutOfMemory("%s: a row has %d bytes, above the declared max_row_bytes = %d", name,
-                       bytes, max_row_bytes);
-  }
-  return absl::OkStatus();
-}
-}  // namespace
 
 absl::Status CheckCombineBuffers(const DispatchHandle& h, const TensorView& expert_rows,
                                  const TensorView& y, int64_t max_row_bytes, const char* backend) {

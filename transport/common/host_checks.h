@@ -22,9 +22,18 @@ std::string RankList(const std::vector<int>& ranks);
 
 bool IsRowDType(DType d);
 
+// TransportOptions at creation, before anything collective (the host backends): maxima and
+// timeout_ms >= 0, max_row_bytes <= kMaxRowBytes, max_tokens * max_top_k <= kMaxEntries.
+absl::Status CheckOptions(const TransportOptions& options);
+// The MOONEP_* variables every transport reads (MOONEP_TIMEOUT_MS, MOONEP_DEBUG): a malformed one is
+// InvalidArgument naming it, for creation to return.
+absl::Status CheckEnvironment();
+// options.timeout_ms, else MOONEP_TIMEOUT_MS (checked by CheckEnvironment), at most kMaxTimeoutMs.
+int64_t ResolveTimeoutMs(int64_t options_timeout_ms);
+
 // A 2-D contiguous matrix of fp32 or bf16 in memory of `device` (as its TensorView says; a device
-// backend also checks the pointer itself) with at least `min_rows` rows and `cols` columns
-// (cols < 0: any), non-null when it has elements, aligned to its element size.
+// backend also checks the pointer itself) with at least max(min_rows, 0) rows and `cols` columns
+// (cols < 0: any count >= 1), non-null when it has elements, aligned to its element size.
 absl::Status CheckRowTensor(const TensorView& v, const char* name, int64_t min_rows, int64_t cols,
                             const char* backend, Device device = Device::kCpu);
 
@@ -45,20 +54,22 @@ absl::Status CheckHandleReady(OpKind kind, const DispatchHandle* handle, int32_t
 absl::Status CheckDispatchAgreed(const planner::Plan& plan, const DispatchHandle& h,
                                  int32_t rank, int32_t size);
 
-// This rank's dispatch buffers (local checks).
+// This rank's dispatch buffers (local checks); x's rows at most max_row_bytes (OutOfMemory).
 absl::Status CheckDispatchBuffers(const planner::Plan& plan, const TensorView& x,
                                   absl::Span<const float> topk_weights, const DispatchHandle& h,
                                   const TensorView& recv_rows, absl::Span<float> recv_weights,
-                                  int32_t rank, const char* backend);
+                                  int32_t rank, int64_t max_row_bytes, const char* backend);
 
 // Stores the plan and the top-k weights in the handle and builds its send and receive layouts.
 // An error (a routing the plan does not cover) is local.
 absl::Status PrepareDispatch(const planner::Plan& plan, absl::Span<const float> topk_weights,
                              int32_t rank, DispatchHandle* h);
 
-// Local checks of the operations that reuse a dispatched handle.
+// Local checks of the operations that reuse a dispatched handle. Rows that travel or are staged
+// are at most max_row_bytes wide (OutOfMemory naming the tensor).
 absl::Status CheckCombineBackwardBuffers(const DispatchHandle& h, const TensorView& dy,
-                                         const TensorView& dy_rows, const char* backend);
+                                         const TensorView& dy_rows, int64_t max_row_bytes,
+                                         const char* backend);
 absl::Status CheckCombineBuffers(const DispatchHandle& h, const TensorView& expert_rows,
                                  const TensorView& y, int64_t max_row_bytes, const char* backend);
 absl::Status CheckDispatchBackwardBuffers(const DispatchHandle& h, const TensorView& dx_rows,

@@ -4,6 +4,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <climits>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -15,6 +16,7 @@
 #include "moonep/core/logging.h"
 #include "moonep/core/status.h"
 #include "planner/plan_builder.h"
+#include "transport/common/buffer_pool.h"
 #include "transport/common/count_exchange.h"
 #include "transport/common/host_checks.h"
 #include "transport/common/host_rows.h"
@@ -38,6 +40,15 @@ struct RowMeta {  // per dispatched row, sender -> receiver: its unique row and 
 };
 static_assert(sizeof(RowMeta) == 8, "RowMeta is sent as bytes");
 
+// The MPI datatype of one RowMeta (8 bytes), freed with the op's start (posted operations keep it).
+struct MetaType {
+  MPI_Datatype type = MPI_DATATYPE_NULL;
+  absl::Status Make();
+  ~MetaType() {
+    if (type != MPI_DATATYPE_NULL) MPI_Type_free(&type);
+  }
+};
+
 absl::Status MpiCheck(int rc, const char* what) {
   if (rc == MPI_SUCCESS) return absl::OkStatus();
   char text[MPI_MAX_ERROR_STRING];
@@ -47,6 +58,12 @@ absl::Status MpiCheck(int rc, const char* what) {
 }
 
 using common::RankList;
+
+absl::Status MetaType::Make() {
+  MOONEP_RETURN_IF_ERROR(
+      MpiCheck(MPI_Type_contiguous(sizeof(RowMeta), MPI_BYTE, &type), "MPI_Type_contiguous"));
+  return MpiCheck(MPI_Type_commit(&type), "MPI_Type_commit");
+}
 
 // Names this backend in argument errors ("the MPI transport needs host memory").
 constexpr char kBackendName[] = "MPI";
@@ -95,6 +112,8 @@ class MpiOp : public Request {
   // True when a send was released unfinished: MPI may still read its buffer later, so buffers
   // the op owns must then outlive it.
   bool sends_released() const { return sends_released_; }
+  // True when a receive was released uncancelled: MPI may still write into its buffer later.
+  bool receives_released() const { return receives_released_; }
 
   MpiTransport* transport_;
   OpKind kind_;
@@ -113,7 +132,7 @@ class MpiOp : public Request {
   std::vector<int> indices_;
   std::vector<MPI_Status> statuses_;
   int active_ = 0;
-  bool done_ = false, sends_released_ = false;
+  bool done_ = false, sends_released_ = false, receives_released_ = false;
   absl::Status status_;
   Clock::time_point deadline_;
   int64_t timeout_ms_;
@@ -175,7 +194,8 @@ class MpiTransport : public Transport {
   absl::Status AbortPeers(OpKind kind, absl::Status status);
   // Checks for a peer's abort notice.
   absl::Status PollAbort();
-  std::vector<char> reduce_staging;
+  // Reduce staging: one buffer per reduce in flight, reused.
+  common::BufferPool<std::vector<char>> reduce_staging;
 
  private:
   MpiTransport() = default;
@@ -397,22 +417,24 @@ absl::Status MpiOp::Fail(absl::Status status, bool notify_peers) {
 void MpiOp::Cleanup() {
   // Receives still posted would write into caller memory later: cancel them. Sends cannot be
   // cancelled reliably; they are released and complete (or not) in the background.
+  // A receive already matched cannot be cancelled and completes when its data arrives; the
+  // receives get one second for that all together (one each made a failure with many peers and
+  // tensors take minutes), rather than block on a stuck peer.
+  const Clock::time_point until = Clock::now() + std::chrono::seconds(1);
   for (size_t i = 0; i < requests_.size(); ++i) {
     if (requests_[i] == MPI_REQUEST_NULL) continue;
     if (pending_[i].recv) {
-      // A receive already matched cannot be cancelled and completes when its data arrives; give
-      // it a moment rather than block on a stuck peer.
       MPI_Cancel(&requests_[i]);
-      const Clock::time_point until = Clock::now() + std::chrono::seconds(1);
       int done = 0;
-      while (!done && Clock::now() < until) {
+      do {  // at least one test: a cancelled receive completes at once
         MPI_Test(&requests_[i], &done, MPI_STATUS_IGNORE);
         if (!done) std::this_thread::yield();
-      }
+      } while (!done && Clock::now() < until);
       if (!done) {
         MOONEP_WARN("%s: a receive from rank %d could not be cancelled", OpName(kind_),
                     pending_[i].peer);
         MPI_Request_free(&requests_[i]);
+        receives_released_ = true;
       }
     } else {
       MPI_Request_free(&requests_[i]);
@@ -502,6 +524,10 @@ class DispatchOp : public MpiOp {
     const int64_t x_stride = row_bytes_;
     common::ZeroUnfilledRows(plan, me_, rows, weights);
 
+    // Metadata travels as whole RowMeta elements: a count of rows fits an int where bytes might
+    // not (rows per peer are at most kMaxEntries).
+    MetaType meta;
+    if (forward) MOONEP_RETURN_IF_ERROR(meta.Make());
     // Receives first, so that eager data finds them.
     if (forward) {
       h_->meta_recv_.resize(static_cast<size_t>(recv.rows_begin[R]) * sizeof(RowMeta));
@@ -514,9 +540,8 @@ class DispatchOp : public MpiOp {
       if (s == me_ || n == 0) continue;
       if (forward) {
         MOONEP_RETURN_IF_ERROR(PostRecv(h_->meta_recv_.data() + recv.rows_begin[s] * sizeof(RowMeta),
-                                        static_cast<int>(n * sizeof(RowMeta)), MPI_BYTE, s,
-                                        kSubMeta, n * static_cast<int64_t>(sizeof(RowMeta)),
-                                        kSubMeta));
+                                        static_cast<int>(n), meta.type, s, kSubMeta,
+                                        n * static_cast<int64_t>(sizeof(RowMeta)), kSubMeta));
       } else {
         MOONEP_RETURN_IF_ERROR(PostRowsRecv(s));
       }
@@ -528,14 +553,13 @@ class DispatchOp : public MpiOp {
       const int64_t n = send.rows_to(d);
       if (d == me_ || n == 0) continue;
       if (forward) {
-        auto* meta = reinterpret_cast<RowMeta*>(h_->meta_send_.data()) + send.entry_begin[d];
+        auto* rows_meta = reinterpret_cast<RowMeta*>(h_->meta_send_.data()) + send.entry_begin[d];
         for (int64_t i = 0; i < n; ++i) {
           const int32_t entry = send.entries[send.entry_begin[d] + i];
-          meta[i].unique = send.entry_unique[send.entry_begin[d] + i];
-          meta[i].weight = h_->topk_weights_[entry];
+          rows_meta[i].unique = send.entry_unique[send.entry_begin[d] + i];
+          rows_meta[i].weight = h_->topk_weights_[entry];
         }
-        MOONEP_RETURN_IF_ERROR(PostSend(meta, static_cast<int>(n * sizeof(RowMeta)), MPI_BYTE, d,
-                                        kSubMeta));
+        MOONEP_RETURN_IF_ERROR(PostSend(rows_meta, static_cast<int>(n), meta.type, d, kSubMeta));
         counters_.bytes_sent += n * static_cast<int64_t>(sizeof(RowMeta));
       }
       const int64_t u = send.unique_to(d);
@@ -680,17 +704,17 @@ class CombineOp : public MpiOp {
     for (int32_t s = 0; s < R; ++s) {
       const int64_t n = recv.rows_from(s);
       if (s == me_ || n == 0) continue;
-      const int64_t runs = recv.run_begin[s + 1] - recv.run_begin[s];
-      displs.resize(static_cast<size_t>(runs));
-      lengths.resize(static_cast<size_t>(runs));
-      for (int64_t r = 0; r < runs; ++r) {
-        displs[r] = static_cast<MPI_Aint>(recv.run_row[recv.run_begin[s] + r]) * row_bytes_;
-        lengths[r] = static_cast<int>(recv.run_count[recv.run_begin[s] + r] * row_bytes_);
+      // One block per run; runs above INT_MAX bytes (MPI's int block length) in several.
+      displs.clear();
+      lengths.clear();
+      for (int64_t r = recv.run_begin[s]; r < recv.run_begin[s + 1]; ++r) {
+        common::AppendRunBlocks(recv.run_row[r], recv.run_count[r], row_bytes_, INT_MAX, &displs,
+                                &lengths);
       }
       MPI_Datatype type;
       MOONEP_RETURN_IF_ERROR(MpiCheck(
-          MPI_Type_create_hindexed(static_cast<int>(runs), lengths.data(), displs.data(), MPI_BYTE,
-                                   &type),
+          MPI_Type_create_hindexed(static_cast<int>(lengths.size()), lengths.data(),
+                                   displs.data(), MPI_BYTE, &type),
           "MPI_Type_create_hindexed"));
       MPI_Type_commit(&type);
       absl::Status st = PostSend(rows.data, 1, type, s, kSubData);
@@ -853,9 +877,19 @@ class PrefetchOp : public MpiOp {
 // Staging blocks start at multiples of 16 bytes, so every element type is aligned.
 int64_t AlignUp(int64_t bytes) { return (bytes + 15) / 16 * 16; }
 
+// Each reduce stages its incoming blocks in its own buffer of the transport's pool, so reduces in
+// flight together keep their gradients apart.
 class ReduceOp : public MpiOp {
  public:
   ReduceOp(MpiTransport* t, MPI_Comm comm, int64_t seq) : MpiOp(t, OpKind::kReduce, comm, seq) {}
+  ~ReduceOp() override {
+    Release();  // receives cancelled before the staging goes back to the pool ...
+    if (receives_released()) {
+      transport_->reduce_staging.Abandon(staging_);  // ... or it stays allocated for good
+    } else {
+      transport_->reduce_staging.Release(staging_);
+    }
+  }
 
   absl::Status Start(const planner::Plan& plan, const ExpertBlocks& b) {
     plan_ = &plan;
@@ -872,10 +906,9 @@ class ReduceOp : public MpiOp {
         }
       }
     }
-    if (static_cast<int64_t>(transport_->reduce_staging.size()) < need) {
-      transport_->reduce_staging.resize(static_cast<size_t>(need));
-    }
-    char* staging = transport_->reduce_staging.data();
+    staging_ = transport_->reduce_staging.Acquire();
+    if (static_cast<int64_t>(staging_->size()) < need) staging_->resize(static_cast<size_t>(need));
+    char* staging = staging_->data();
     int64_t offset = 0;
     for (int32_t d = 0; d < R; ++d) {
       for (int32_t sl = 0; sl < S; ++sl) {
@@ -910,7 +943,7 @@ class ReduceOp : public MpiOp {
     const int32_t epn = plan.experts_per_rank;
     // Where each incoming block sits in staging, per (home group, tensor), in increasing rank.
     std::vector<std::vector<const char*>> sources(static_cast<size_t>(epn) * nt);
-    const char* staging = transport_->reduce_staging.data();
+    const char* staging = staging_->data();
     int64_t offset = 0;
     for (int32_t d = 0; d < R; ++d) {
       for (int32_t sl = 0; sl < S; ++sl) {
@@ -934,6 +967,7 @@ class ReduceOp : public MpiOp {
 
   const planner::Plan* plan_ = nullptr;
   ExpertBlocks blocks_;
+  std::vector<char>* staging_ = nullptr;  // this op's, from transport_->reduce_staging
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -944,15 +978,11 @@ absl::StatusOr<std::unique_ptr<Transport>> MpiTransport::Create(const TransportO
   MPI_Initialized(&initialized);
   if (!initialized) return InvalidUsage("MPI transport: MPI is not initialized");
   MOONEP_CHECK_ARG(options.comm != MPI_COMM_NULL, "options.comm is MPI_COMM_NULL");
-  MOONEP_CHECK_ARG(options.max_tokens >= 0 && options.max_top_k >= 0 &&
-                       options.max_row_bytes >= 0 && options.timeout_ms >= 0,
-                   "options: max_tokens, max_top_k, max_row_bytes and timeout_ms must be >= 0");
-  MOONEP_CHECK_ARG(options.max_row_bytes <= (int64_t{1} << 30),
-                   "options.max_row_bytes = %d is above 1 GiB", options.max_row_bytes);
+  MOONEP_RETURN_IF_ERROR(common::CheckOptions(options));
+  MOONEP_RETURN_IF_ERROR(common::CheckEnvironment());
   std::unique_ptr<MpiTransport> t(new MpiTransport());
   t->options_ = options;
-  t->timeout_ms_ = options.timeout_ms > 0 ? options.timeout_ms : param::TimeoutMs();
-  if (t->timeout_ms_ <= 0) t->timeout_ms_ = 60000;
+  t->timeout_ms_ = common::ResolveTimeoutMs(options.timeout_ms);
   for (MPI_Comm* c : {&t->rows_comm_, &t->weights_comm_, &t->abort_comm_}) {
     MOONEP_RETURN_IF_ERROR(MpiCheck(MPI_Comm_dup(options.comm, c), "MPI_Comm_dup"));
     MPI_Comm_set_errhandler(*c, MPI_ERRORS_RETURN);
@@ -1125,7 +1155,8 @@ absl::StatusOr<RequestPtr> MpiTransport::StartDispatch(const planner::Plan& plan
   // Agreed checks (identical on every rank) are returned as they are; local ones abort the peers.
   MOONEP_RETURN_IF_ERROR(common::CheckDispatchAgreed(plan, *h, rank_, size_));
   absl::Status s = common::CheckDispatchBuffers(plan, x, topk_weights, *h, recv_rows,
-                                                recv_weights, rank_, kBackendName);
+                                                recv_weights, rank_, options_.max_row_bytes,
+                                                kBackendName);
   if (s.ok()) s = common::PrepareDispatch(plan, topk_weights, rank_, h);
   if (!s.ok()) return AbortPeers(OpKind::kDispatch, s);
   auto op = std::make_unique<DispatchOp>(this, OpKind::kDispatch, rows_comm_, rows_seq_++, h);
@@ -1139,7 +1170,8 @@ absl::StatusOr<RequestPtr> MpiTransport::StartCombineBackward(DispatchHandle* h,
   MOONEP_RETURN_IF_ERROR(Usable());
   if (testing::ShouldSkip(rank_, OpKind::kCombineBackward)) return Skipped();
   MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kCombineBackward, h));
-  absl::Status s = common::CheckCombineBackwardBuffers(*h, dy, dy_rows, kBackendName);
+  absl::Status s =
+      common::CheckCombineBackwardBuffers(*h, dy, dy_rows, options_.max_row_bytes, kBackendName);
   if (!s.ok()) return AbortPeers(OpKind::kCombineBackward, s);
   auto op = std::make_unique<DispatchOp>(this, OpKind::kCombineBackward, rows_comm_, rows_seq_++, h);
   MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(dy, dy_rows, nullptr)));

@@ -24,6 +24,7 @@
 #include "moonep/core/logging.h"
 #include "moonep/core/status.h"
 #include "planner/plan_builder.h"
+#include "transport/common/buffer_pool.h"
 #include "transport/common/host_checks.h"
 #include "transport/layout.h"
 #include "transport/nccl/nccl_kernels.h"
@@ -106,6 +107,10 @@ class DeviceGuard {
 };
 
 // A device allocation that grows on demand (never in a steady state: sizes repeat step to step).
+// Growing keeps the old allocation (retired) instead of freeing it: device work of an earlier
+// operation may still use it, and cudaFree waits for the whole device, forever when a kernel waits
+// on a dead peer. The transport frees retired allocations (FreeRetired) only when no operation on
+// its communicators is in flight.
 class DeviceBuffer {
  public:
   DeviceBuffer() = default;
@@ -113,10 +118,11 @@ class DeviceBuffer {
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
   ~DeviceBuffer() {
     if (data_) cudaFree(data_);
+    FreeRetired();
   }
   absl::Status Reserve(size_t bytes, const char* what) {
     if (bytes <= bytes_) return absl::OkStatus();
-    if (data_) cudaFree(data_);
+    if (data_) retired_.push_back(data_);
     data_ = nullptr;
     bytes_ = 0;
     bytes = (bytes + 255) / 256 * 256;
@@ -131,13 +137,19 @@ class DeviceBuffer {
   T* get() const {
     return static_cast<T*>(data_);
   }
+  void FreeRetired() {
+    for (void* p : retired_) cudaFree(p);
+    retired_.clear();
+  }
 
  private:
   void* data_ = nullptr;
   size_t bytes_ = 0;
+  std::vector<void*> retired_;
 };
 
-// Pinned host memory (for copies that overlap and for small D2H reads), growing on demand.
+// Pinned host memory (for copies that overlap and for small D2H reads), growing on demand; an
+// outgrown allocation is retired like DeviceBuffer's (cudaFreeHost waits for the device too).
 class PinnedBuffer {
  public:
   PinnedBuffer() = default;
@@ -145,10 +157,11 @@ class PinnedBuffer {
   PinnedBuffer& operator=(const PinnedBuffer&) = delete;
   ~PinnedBuffer() {
     if (data_) cudaFreeHost(data_);
+    FreeRetired();
   }
   absl::Status Reserve(size_t bytes, const char* what) {
     if (bytes <= bytes_) return absl::OkStatus();
-    if (data_) cudaFreeHost(data_);
+    if (data_) retired_.push_back(data_);
     data_ = nullptr;
     bytes_ = 0;
     bytes = (bytes + 255) / 256 * 256;
@@ -163,10 +176,15 @@ class PinnedBuffer {
   T* get() const {
     return static_cast<T*>(data_);
   }
+  void FreeRetired() {
+    for (void* p : retired_) cudaFreeHost(p);
+    retired_.clear();
+  }
 
  private:
   void* data_ = nullptr;
   size_t bytes_ = 0;
+  std::vector<void*> retired_;
 };
 
 // Host tables packed into one block (256-byte aligned parts) so one copy uploads them all.
@@ -203,6 +221,20 @@ struct HandleState {
   DeviceBuffer send_staging, recv_staging;
   int64_t ones_count = 0;
 
+  // Frees the allocations every buffer above outgrew (no operation may be in flight).
+  void FreeRetired() {
+    for (PinnedBuffer* b : {&header_host, &header_all_host, &counts_all_host, &ids_host,
+                            &tables_host, &unique_recv_host, &staging_begin_host, &bad_host}) {
+      b->FreeRetired();
+    }
+    for (DeviceBuffer* b : {&header_dev, &header_all_dev, &counts_dev, &counts_all_dev,
+                            &tables_dev, &unique_recv_dev, &staging_begin_dev, &bad_dev,
+                            &weights_dev, &ones_dev, &meta_send_dev, &meta_recv_dev, &send_staging,
+                            &recv_staging}) {
+      b->FreeRetired();
+    }
+  }
+
   template <typename T>
   T* table(size_t offset) const {
     return reinterpret_cast<T*>(tables_dev.get() + offset);
@@ -210,6 +242,20 @@ struct HandleState {
   template <typename T>
   T* host_table(size_t offset) const {
     return reinterpret_cast<T*>(tables_host.get() + offset);
+  }
+};
+
+// One reduce's staging of incoming replica gradients and its per-home-tensor source pointer
+// table (device copy and the pinned host copy it is uploaded from). Each reduce in flight holds its
+// own (NcclTransportImpl::reduce_staging_), so a second reduce neither overwrites the first one's
+// table nor grows the staging its receives are posted into.
+struct ReduceStaging {
+  DeviceBuffer staging, sources_dev;
+  PinnedBuffer sources_host;
+  void FreeRetired() {
+    staging.FreeRetired();
+    sources_dev.FreeRetired();
+    sources_host.FreeRetired();
   }
 };
 
@@ -240,6 +286,8 @@ class NcclComms {
   ncclComm_t rows = nullptr, weights = nullptr;
   absl::Status poisoned;
   std::array<std::deque<NcclOp*>, 2> queue;  // per channel (0 rows, 1 weights), in start order
+  // Operations of every transport on the pair not yet complete (their device work may run).
+  int64_t ops_in_flight = 0;
 
  private:
   NcclComms() = default;
@@ -282,6 +330,8 @@ class NcclOp : public NcclRequest {
   // Names the phase, this rank and the peers in a step's error.
   absl::Status Context(const absl::Status& status) const;
   absl::Status Record();
+  // The op no longer counts as in flight (its device work is complete, or the pair was aborted).
+  void Landed();
 
   NcclTransportImpl* transport_;
   OpKind kind_;
@@ -298,6 +348,7 @@ class NcclOp : public NcclRequest {
   absl::Status status_;
   Clock::time_point deadline_;
   OpCounters counters_;
+  bool in_flight_ = true;
 };
 
 class DoneRequest : public NcclRequest {
@@ -369,6 +420,11 @@ class NcclTransportImpl : public NcclTransport {
     auto& q = comms_->queue[op->channel()];
     q.erase(std::remove(q.begin(), q.end(), op), q.end());
   }
+  void OpStarted() { ++comms_->ops_in_flight; }
+  void OpLanded() { --comms_->ops_in_flight; }
+  // Frees the allocations buffers outgrew, when no operation on the communicator pair is in flight
+  // (cudaFree waits for the device: under a kernel blocked on a dead peer it would never return).
+  void FreeRetired();
   void Progress(int channel) {
     auto& q = comms_->queue[channel];
     while (!q.empty()) {
@@ -430,9 +486,8 @@ class NcclTransportImpl : public NcclTransport {
   cudaEvent_t caller_ready_ = nullptr;
   absl::Status poisoned_;
   std::unordered_map<const DispatchHandle*, std::unique_ptr<HandleState>> states_;
-  // Reduce: staging of incoming replica gradients and the per-home-tensor source pointer table.
-  DeviceBuffer reduce_staging_, reduce_sources_dev_;
-  PinnedBuffer reduce_sources_host_;
+  // Reduce: one staging per reduce in flight, reused.
+  common::BufferPool<ReduceStaging> reduce_staging_;
   std::array<OpCounters, static_cast<int>(OpKind::kNumKinds)> counters_{};
 };
 
@@ -447,6 +502,7 @@ NcclOp::NcclOp(NcclTransportImpl* t, OpKind kind, cudaStream_t stream, std::vect
       peers_(std::move(peers)),
       deadline_(Clock::now() + std::chrono::milliseconds(t->timeout_ms())) {
   counters_.calls = 1;
+  t->OpStarted();
   if (cudaEventCreateWithFlags(&event_, cudaEventDisableTiming) != cudaSuccess) {
     cudaGetLastError();
     event_ = nullptr;
@@ -458,8 +514,15 @@ NcclOp::~NcclOp() {
     // Device work may still use the caller's buffers: abort it rather than leave it running.
     Fail(InvalidUsage("%s: request destroyed before it completed", OpName(kind_))).IgnoreError();
   }
+  Landed();
   transport_->Dequeue(this);
   if (event_) cudaEventDestroy(event_);
+}
+
+void NcclOp::Landed() {
+  if (!in_flight_) return;
+  in_flight_ = false;
+  transport_->OpLanded();
 }
 
 absl::Status NcclOp::Record() {
@@ -519,6 +582,7 @@ absl::StatusOr<bool> NcclOp::Test() {
   if (done_) return Test();
   if (stop_) {
     done_ = true;
+    Landed();  // a stop posts no work after the step whose work was complete
     status_ = verdict_;
     return Test();
   }
@@ -527,6 +591,7 @@ absl::StatusOr<bool> NcclOp::Test() {
     if (q == cudaSuccess) {
       absl::Status s = finish_ ? finish_() : absl::OkStatus();
       done_ = true;  // finish errors are verdicts on completed work; fatal ones already aborted
+      Landed();
       status_ = s;
       if (!s.ok()) return s;
       transport_->AddCounters(kind_, counters_);
@@ -565,6 +630,7 @@ absl::Status NcclOp::Fail(absl::Status status) {
   done_ = true;
   status_ = status;
   transport_->Abort(status);
+  Landed();  // the pair is aborted: no Start reaches FreeRetired again
   return status;
 }
 
@@ -579,14 +645,14 @@ absl::Status NcclOp::Fail(absl::Status status) {
 absl::StatusOr<std::shared_ptr<NcclComms>> NcclComms::Create(const TransportOptions& options,
                                                              const NcclBootstrap& bootstrap) {
   MOONEP_CHECK_ARG(options.timeout_ms >= 0, "options.timeout_ms must be >= 0");
+  MOONEP_RETURN_IF_ERROR(common::CheckEnvironment());
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     cudaGetLastError();
     return Unavailable("NCCL transport: no CUDA device is visible");
   }
   std::shared_ptr<NcclComms> c(new NcclComms());
-  c->timeout_ms = options.timeout_ms > 0 ? options.timeout_ms : param::TimeoutMs();
-  if (c->timeout_ms <= 0) c->timeout_ms = 60000;
+  c->timeout_ms = common::ResolveTimeoutMs(options.timeout_ms);
   const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(c->timeout_ms);
 
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
@@ -784,13 +850,18 @@ absl::StatusOr<std::unique_ptr<Transport>> NcclTransportImpl::Create(
                    "options.max_top_k = %d: the NCCL transport's "
                    "combine kernel supports top_k <= 32",
                    options.max_top_k);
+  MOONEP_CHECK_ARG(options.max_top_k == 0 || options.max_tokens <= kMaxEntries / options.max_top_k,
+                   "options: max_tokens * max_top_k = %d * %d is above %d, the most entries a "
+                   "rank can route", options.max_tokens, options.max_top_k, kMaxEntries);
+  MOONEP_RETURN_IF_ERROR(common::CheckEnvironment());
   if (!comms->poisoned.ok()) {
     return InvalidUsage("NCCL transport: the communicators were aborted after an earlier failure "
                         "(%s)", std::string(comms->poisoned.message()));
   }
   std::unique_ptr<NcclTransportImpl> t(new NcclTransportImpl());
   t->options_ = options;
-  t->timeout_ms_ = options.timeout_ms > 0 ? options.timeout_ms : comms->timeout_ms;
+  t->timeout_ms_ =
+      options.timeout_ms > 0 ? std::min(options.timeout_ms, kMaxTimeoutMs) : comms->timeout_ms;
   t->rank_ = comms->rank;
   t->size_ = comms->size;
   t->device_ = comms->device;
@@ -880,6 +951,12 @@ void NcclTransportImpl::AddCounters(OpKind kind, const OpCounters& c) {
   o.messages_sent += c.messages_sent;
 }
 
+void NcclTransportImpl::FreeRetired() {
+  if (comms_->ops_in_flight != 0) return;
+  for (auto& state : states_) state.second->FreeRetired();
+  reduce_staging_.ForEach([](ReduceStaging* r) { r->FreeRetired(); });
+}
+
 HandleState* NcclTransportImpl::StateOf(const DispatchHandle* h) {
   std::unique_ptr<HandleState>& s = states_[h];
   if (!s) s = std::make_unique<HandleState>();
@@ -902,10 +979,11 @@ absl::Status NcclTransportImpl::CheckDevicePointer(const void* p, const char* na
 absl::Status NcclTransportImpl::CheckRows(const TensorView& v, const char* name, int64_t min_rows,
                                           int64_t cols, bool row_operand) const {
   MOONEP_RETURN_IF_ERROR(common::CheckRowTensor(v, name, min_rows, cols, "NCCL", Device::kCuda));
-  const int64_t row_bytes = v.shape[1] * static_cast<int64_t>(DTypeSize(v.dtype));
-  MOONEP_CHECK_ARG(!row_operand || row_bytes <= options_.max_row_bytes,
-                   "%s: a row has %d bytes, above the declared max_row_bytes = %d", name, row_bytes,
-                   options_.max_row_bytes);
+  // Columns are >= 1 (CheckRowTensor); compared without the product, which may overflow.
+  const int64_t size = static_cast<int64_t>(DTypeSize(v.dtype));
+  MOONEP_CHECK_ARG(!row_operand || v.shape[1] <= options_.max_row_bytes / size,
+                   "%s: a row has %d columns of %d bytes, above the declared max_row_bytes = %d",
+                   name, v.shape[1], size, options_.max_row_bytes);
   if (v.numel() == 0) return absl::OkStatus();
   return CheckDevicePointer(v.data, name);
 }
@@ -948,6 +1026,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
     int64_t recv_capacity_rows, DispatchHandle* h) {
   MOONEP_RETURN_IF_ERROR(Usable());
   DeviceGuard guard(device_);
+  FreeRetired();
   if (testing::ShouldSkip(rank_, OpKind::kCounts)) {
     MOONEP_WARN("transport nccl: test hook: rank %d skips this operation", rank_);
     return RequestPtr(new DoneRequest());
@@ -957,17 +1036,18 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
   if (num_experts < 1)
     return Fatal(InvalidArgument("num_experts must be >= 1, got %d", num_experts));
   absl::Status local;
+  // The maxima first: within them num_tokens * top_k <= kMaxEntries cannot overflow.
   if (num_tokens < 0 || top_k < 0) {
     local = InvalidArgument("num_tokens = %d and top_k = %d must be >= 0", num_tokens, top_k);
-  } else if (static_cast<int64_t>(topk_ids.size()) != num_tokens * top_k) {
-    local = InvalidArgument("topk_ids: has %d entries, need num_tokens * top_k = %d",
-                            topk_ids.size(), num_tokens * top_k);
   } else if (num_tokens > options_.max_tokens) {
     local = OutOfMemory("num_tokens = %d exceeds the declared max_tokens = %d", num_tokens,
                         options_.max_tokens);
   } else if (top_k > options_.max_top_k) {
     local =
         OutOfMemory("top_k = %d exceeds the declared max_top_k = %d", top_k, options_.max_top_k);
+  } else if (static_cast<int64_t>(topk_ids.size()) != num_tokens * top_k) {
+    local = InvalidArgument("topk_ids: has %d entries, need num_tokens * top_k = %d",
+                            topk_ids.size(), num_tokens * top_k);
   } else if (recv_capacity_rows < 0) {
     local = InvalidArgument("recv_capacity_rows must be >= 0, got %d", recv_capacity_rows);
   } else if (!topk_ids.empty()) {
@@ -1114,6 +1194,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartDispatch(
     DispatchHandle* h, const TensorView& recv_rows, absl::Span<float> recv_weights) {
   MOONEP_RETURN_IF_ERROR(Usable());
   DeviceGuard guard(device_);
+  FreeRetired();
   if (testing::ShouldSkip(rank_, OpKind::kDispatch)) return RequestPtr(new DoneRequest());
   MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kDispatch, h));
   // Agreed checks: functions of (plan, counts, capacities), identical on every rank.
@@ -1468,6 +1549,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartCombineBackward(DispatchHandl
                                                                    const TensorView& dy_rows) {
   MOONEP_RETURN_IF_ERROR(Usable());
   DeviceGuard guard(device_);
+  FreeRetired();
   if (testing::ShouldSkip(rank_, OpKind::kCombineBackward)) return RequestPtr(new DoneRequest());
   MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kCombineBackward, h));
   absl::Status s = CheckRows(dy, "dy", h->num_tokens_, -1);
@@ -1605,6 +1687,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartCombine(DispatchHandle* h,
                                                            const TensorView& y) {
   MOONEP_RETURN_IF_ERROR(Usable());
   DeviceGuard guard(device_);
+  FreeRetired();
   if (testing::ShouldSkip(rank_, OpKind::kCombine)) return RequestPtr(new DoneRequest());
   MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kCombine, h));
   return StartRowsBack(OpKind::kCombine, h, expert_rows, y);
@@ -1615,6 +1698,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartDispatchBackward(DispatchHand
                                                                     const TensorView& dx) {
   MOONEP_RETURN_IF_ERROR(Usable());
   DeviceGuard guard(device_);
+  FreeRetired();
   if (testing::ShouldSkip(rank_, OpKind::kDispatchBackward)) return RequestPtr(new DoneRequest());
   MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kDispatchBackward, h));
   return StartRowsBack(OpKind::kDispatchBackward, h, dx_rows, dx);
@@ -1627,6 +1711,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartTopkWeightGrad(
     absl::Span<float> d_topk_weights) {
   MOONEP_RETURN_IF_ERROR(Usable());
   DeviceGuard guard(device_);
+  FreeRetired();
   if (testing::ShouldSkip(rank_, OpKind::kTopkWeightGrad)) return RequestPtr(new DoneRequest());
   MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kTopkWeightGrad, h));
   const int32_t R = size_, me = rank_, K = h->top_k_;
@@ -1741,6 +1826,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartPrefetch(const planner::Plan&
                                                             const ExpertBlocks& params) {
   MOONEP_RETURN_IF_ERROR(Usable());
   DeviceGuard guard(device_);
+  FreeRetired();
   if (testing::ShouldSkip(rank_, OpKind::kPrefetch)) return RequestPtr(new DoneRequest());
   MOONEP_RETURN_IF_ERROR(
       Annotate(common::CheckSlotPlan(plan, size_, /*home_replicas_supported=*/true), "prefetch"));
@@ -1833,6 +1919,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartReduce(const planner::Plan& p
                                                           const ExpertBlocks& grads) {
   MOONEP_RETURN_IF_ERROR(Usable());
   DeviceGuard guard(device_);
+  FreeRetired();
   if (testing::ShouldSkip(rank_, OpKind::kReduce)) return RequestPtr(new DoneRequest());
   MOONEP_RETURN_IF_ERROR(
       Annotate(common::CheckSlotPlan(plan, size_, /*home_replicas_supported=*/true), "reduce"));
@@ -1890,15 +1977,17 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartReduce(const planner::Plan& p
   std::sort(peers.begin(), peers.end());
   size_t num_pointers = 0;
   for (const auto& list : sources) num_pointers += list.size();
+  // This reduce's own staging and tables (another reduce may be in flight with its own); given
+  // back to the pool when the reduce completes.
+  ReduceStaging* mine = reduce_staging_.Acquire();
   {
-    absl::Status s =
-        reduce_staging_.Reserve(std::max<size_t>(staging_bytes, 256), "reduce staging");
+    absl::Status s = mine->staging.Reserve(std::max<size_t>(staging_bytes, 256), "reduce staging");
     if (s.ok())
-      s = reduce_sources_dev_.Reserve(std::max<size_t>(num_pointers, 1) * sizeof(void*),
-                                      "reduce table");
+      s = mine->sources_dev.Reserve(std::max<size_t>(num_pointers, 1) * sizeof(void*),
+                                    "reduce table");
     if (s.ok())
-      s = reduce_sources_host_.Reserve(std::max<size_t>(num_pointers, 1) * sizeof(void*),
-                                       "reduce table");
+      s = mine->sources_host.Reserve(std::max<size_t>(num_pointers, 1) * sizeof(void*),
+                                     "reduce table");
     if (!s.ok()) return Fatal(s);
   }
   // Source pointer table (device addresses of the staged blocks), uploaded with the op.
@@ -1911,7 +2000,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartReduce(const planner::Plan& p
   };
   std::vector<Sum> sums;
   {
-    const void** table = reduce_sources_host_.get<const void*>();
+    const void** table = mine->sources_host.get<const void*>();
     size_t at = 0;
     for (size_t gi = 0; gi < sources.size(); ++gi) {
       if (sources[gi].empty()) continue;
@@ -1919,7 +2008,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartReduce(const planner::Plan& p
       sums.push_back(
           {home.data, home.dtype, home.numel(), at, static_cast<int32_t>(sources[gi].size())});
       for (const Source& src : sources[gi]) {
-        table[at++] = src.direct != nullptr ? src.direct : reduce_staging_.get() + src.offset;
+        table[at++] = src.direct != nullptr ? src.direct : mine->staging.get() + src.offset;
       }
     }
   }
@@ -1936,9 +2025,9 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartReduce(const planner::Plan& p
     }
   }
   const cudaStream_t stream = weights_stream_;
-  char* staging = reduce_staging_.get();
-  const void* const* table_dev = reduce_sources_dev_.get<const void*>();
-  const void* table_host = reduce_sources_host_.get();
+  char* staging = mine->staging.get();
+  const void* const* table_dev = mine->sources_dev.get<const void*>();
+  const void* table_host = mine->sources_host.get();
   auto move = [=]() -> absl::Status {
     MOONEP_RETURN_IF_ERROR(WaitCaller(stream));
     if (transfers.empty() && sums.empty()) return absl::OkStatus();
@@ -1969,7 +2058,13 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartReduce(const planner::Plan& p
     }
     return absl::OkStatus();
   };
-  return Run(std::move(op), {move}, nullptr);
+  // The staging goes back to the pool once the reduce's device work completed (a failed reduce
+  // keeps it: the transport is unusable then).
+  auto finish = [this, mine]() -> absl::Status {
+    reduce_staging_.Release(mine);
+    return absl::OkStatus();
+  };
+  return Run(std::move(op), {move}, finish);
 }
 
 }  // namespace

@@ -20,6 +20,7 @@
 #include "moonep/core/logging.h"
 #include "moonep/core/status.h"
 #include "planner/plan_builder.h"
+#include "transport/common/buffer_pool.h"
 #include "transport/common/count_exchange.h"
 #include "transport/common/host_checks.h"
 #include "transport/common/host_rows.h"
@@ -52,8 +53,9 @@ enum MsgType : int32_t {
 // A replica rank's reduce contribution to one home rank up to this size travels eagerly inside a
 // control message (UCX buffers it at the home rank): no round trip for the home rank's ready, and
 // the replica rank does not wait for the home rank. Larger ones are puts into the home rank's
-// reduction staging. MOONEP_UCX_EAGER_BYTES (default 8192; 0: always puts).
-MOONEP_INT_PARAM(EagerReduceBytes, "UCX_EAGER_BYTES", 8192)
+// reduction staging. MOONEP_UCX_EAGER_BYTES (default 8192; 0: always puts; at most 1 GiB; anything
+// else fails transport creation naming it).
+MOONEP_CHECKED_INT_PARAM(EagerReduceBytes, "UCX_EAGER_BYTES", 8192, 0, int64_t{1} << 30)
 
 // Every control message (an active message) starts with this header.
 struct MsgHeader {
@@ -320,7 +322,9 @@ class UcxTransport : public Transport {
   int64_t InFlight(int channel) const { return channel_in_flight_[channel]; }
   void ChannelDelta(int channel, int delta) { channel_in_flight_[channel] += delta; }
 
-  std::vector<char> reduce_staging;
+  // Reduce staging: one buffer per reduce in flight, reused (and its registration with it).
+  common::BufferPool<std::vector<char>> reduce_staging;
+  int64_t eager_bytes() const { return eager_bytes_; }
   RegistrationStats stats() const {
     RegistrationStats s = stats_;
     s.regions_cached = static_cast<int64_t>(regions_.size());
@@ -362,6 +366,7 @@ class UcxTransport : public Transport {
   TransportOptions options_;
   int32_t rank_ = 0, size_ = 1;
   int64_t timeout_ms_ = 0;
+  int64_t eager_bytes_ = 0;  // MOONEP_UCX_EAGER_BYTES
   MPI_Comm comm_ = MPI_COMM_NULL;
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
@@ -1221,9 +1226,12 @@ class PrefetchOp : public UcxOp {
 // not leave the next fp32 block misaligned); both sides use this size.
 int64_t StagedBytes(size_t bytes) { return (static_cast<int64_t>(bytes) + 15) & ~int64_t{15}; }
 
+// Each reduce stages into its own buffer of the transport's pool, so reduces in flight together
+// keep their gradients apart.
 class ReduceOp : public UcxOp {
  public:
   ReduceOp(UcxTransport* t, int channel, int64_t seq) : UcxOp(t, OpKind::kReduce, channel, seq) {}
+  ~ReduceOp() override { transport_->reduce_staging.Release(staging_); }
 
   absl::Status Start(const planner::Plan& plan, const ExpertBlocks& b) {
     plan_ = &plan;
@@ -1244,7 +1252,8 @@ class ReduceOp : public UcxOp {
         }
       }
     }
-    std::vector<char>& staging = transport_->reduce_staging;
+    staging_ = transport_->reduce_staging.Acquire();
+    std::vector<char>& staging = *staging_;
     if (static_cast<int64_t>(staging.size()) < need) staging.resize(static_cast<size_t>(need));
     if (need > 0) MOONEP_RETURN_IF_ERROR(PinBuffer(staging.data(), staging.size()));
     int64_t offset = 0;
@@ -1253,7 +1262,7 @@ class ReduceOp : public UcxOp {
     for (int32_t d = 0; d < R; ++d) {
       if (blocks_from[d] == 0) continue;
       offset_from_[d] = offset;
-      if (bytes_from[d] <= EagerReduceBytes()) {
+      if (bytes_from[d] <= transport_->eager_bytes()) {
         ExpectMessage(d, kMsgEagerBlocks);
       } else {
         std::vector<char> targets;
@@ -1278,7 +1287,7 @@ class ReduceOp : public UcxOp {
         }
       }
       if (!sends) continue;
-      if (total > EagerReduceBytes()) {
+      if (total > transport_->eager_bytes()) {
         ExpectMessage(h, kMsgReady);
         continue;
       }
@@ -1311,7 +1320,7 @@ class ReduceOp : public UcxOp {
         return InvalidArgument("reduce: rank %d sent %d bytes of gradients, rank %d expected %d "
                                "(sizes differ across ranks?)", h, m.size(), me_, bytes_from_[h]);
       }
-      if (!m.empty()) std::memcpy(transport_->reduce_staging.data() + offset_from_[h], m.data(), m.size());
+      if (!m.empty()) std::memcpy(staging_->data() + offset_from_[h], m.data(), m.size());
       counters_.bytes_received += static_cast<int64_t>(m.size());
       return OnSignal(h);
     }
@@ -1363,7 +1372,7 @@ class ReduceOp : public UcxOp {
     const int32_t R = plan.num_ranks, S = plan.slots, nt = blocks_.tensors_per_expert;
     const int32_t epn = plan.experts_per_rank;
     std::vector<std::vector<const char*>> sources(static_cast<size_t>(epn) * nt);
-    const char* staging = transport_->reduce_staging.data();
+    const char* staging = staging_->data();
     int64_t offset = 0;
     for (int32_t d = 0; d < R; ++d) {
       for (int32_t sl = 0; sl < S; ++sl) {
@@ -1383,6 +1392,7 @@ class ReduceOp : public UcxOp {
   const planner::Plan* plan_ = nullptr;
   ExpertBlocks blocks_;
   std::vector<int64_t> offset_from_, bytes_from_;
+  std::vector<char>* staging_ = nullptr;  // this op's, from transport_->reduce_staging
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -1454,15 +1464,13 @@ absl::StatusOr<std::unique_ptr<Transport>> UcxTransport::Create(const TransportO
   MPI_Initialized(&initialized);
   if (!initialized) return InvalidUsage("UCX transport: MPI is not initialized (bootstrap)");
   MOONEP_CHECK_ARG(options.comm != MPI_COMM_NULL, "options.comm is MPI_COMM_NULL");
-  MOONEP_CHECK_ARG(options.max_tokens >= 0 && options.max_top_k >= 0 &&
-                       options.max_row_bytes >= 0 && options.timeout_ms >= 0,
-                   "options: max_tokens, max_top_k, max_row_bytes and timeout_ms must be >= 0");
-  MOONEP_CHECK_ARG(options.max_row_bytes <= (int64_t{1} << 30),
-                   "options.max_row_bytes = %d is above 1 GiB", options.max_row_bytes);
+  MOONEP_RETURN_IF_ERROR(common::CheckOptions(options));
+  MOONEP_RETURN_IF_ERROR(common::CheckEnvironment());
+  MOONEP_RETURN_IF_ERROR(EagerReduceBytes().status());
   std::unique_ptr<UcxTransport> t(new UcxTransport());
   t->options_ = options;
-  t->timeout_ms_ = options.timeout_ms > 0 ? options.timeout_ms : param::TimeoutMs();
-  if (t->timeout_ms_ <= 0) t->timeout_ms_ = 60000;
+  t->timeout_ms_ = common::ResolveTimeoutMs(options.timeout_ms);
+  t->eager_bytes_ = *EagerReduceBytes();
   auto mpi = [](int rc, const char* what) -> absl::Status {
     if (rc == MPI_SUCCESS) return absl::OkStatus();
     return SystemError("%s failed (MPI error %d)", what, rc);
@@ -1595,7 +1603,13 @@ UcxTransport::~UcxTransport() {
     if (!barrier_done) MOONEP_WARN("transport ucx: not every rank reached destruction; closing anyway");
   }
   const Clock::time_point until = Clock::now() + std::chrono::milliseconds(2000);
-  for (Outgoing& o : outbox_) ucp_request_free(o.request);
+  // Freed requests may still be sent by the progress below (wire-up replays them): their payloads
+  // are kept until the worker is gone.
+  std::vector<std::unique_ptr<std::vector<char>>> payloads;
+  for (Outgoing& o : outbox_) {
+    ucp_request_free(o.request);
+    payloads.push_back(std::move(o.bytes));
+  }
   outbox_.clear();
   for (auto& kv : remote_keys_) ucp_rkey_destroy(kv.second);
   remote_keys_.clear();
@@ -1642,6 +1656,7 @@ UcxTransport::~UcxTransport() {
   regions_.clear();
   if (signal_memh_) ucp_mem_unmap(context_, signal_memh_);
   if (worker_) ucp_worker_destroy(worker_);
+  payloads.clear();
   if (context_) ReleaseContext();
   if (comm_ != MPI_COMM_NULL && barrier_done) MPI_Comm_free(&comm_);
 }
@@ -1899,7 +1914,8 @@ absl::StatusOr<RequestPtr> UcxTransport::StartDispatch(const planner::Plan& plan
   // Agreed checks (identical on every rank) are returned as they are; local ones abort the peers.
   MOONEP_RETURN_IF_ERROR(common::CheckDispatchAgreed(plan, *h, rank_, size_));
   absl::Status s = common::CheckDispatchBuffers(plan, x, topk_weights, *h, recv_rows,
-                                                recv_weights, rank_, kBackendName);
+                                                recv_weights, rank_, options_.max_row_bytes,
+                                                kBackendName);
   if (s.ok()) s = common::PrepareDispatch(plan, topk_weights, rank_, h);
   if (!s.ok()) return AbortPeers(OpKind::kDispatch, s);
   auto op = std::make_unique<DispatchOp>(this, OpKind::kDispatch, kRowsChannel, seq_[kRowsChannel]++, h);
@@ -1914,7 +1930,8 @@ absl::StatusOr<RequestPtr> UcxTransport::StartCombineBackward(DispatchHandle* h,
   if (testing::ShouldSkip(rank_, OpKind::kCombineBackward)) return Skipped();
   MOONEP_RETURN_IF_ERROR(CheckChannel(OpKind::kCombineBackward, kRowsChannel));
   MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kCombineBackward, h));
-  absl::Status s = common::CheckCombineBackwardBuffers(*h, dy, dy_rows, kBackendName);
+  absl::Status s =
+      common::CheckCombineBackwardBuffers(*h, dy, dy_rows, options_.max_row_bytes, kBackendName);
   if (!s.ok()) return AbortPeers(OpKind::kCombineBackward, s);
   auto op = std::make_unique<DispatchOp>(this, OpKind::kCombineBackward, kRowsChannel, seq_[kRowsChannel]++, h);
   MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(dy, dy_rows, nullptr)));
