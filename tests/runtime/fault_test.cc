@@ -5,6 +5,7 @@
 //  - a rank that skips the combine leaves its peers waiting: they fail with a timeout naming the
 //    phase within a few MOONEP_TIMEOUT_MS, never hang.
 #include <chrono>
+#include <cstdlib>
 #include <thread>
 #include <string>
 
@@ -115,6 +116,30 @@ TEST_F(LayerFaultTest, LateRankAtCreationFailsEveryRankAndNamesIt) {
   }
   // Let the late rank finish before the communicators go (its messages are in flight until then).
   MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// Run by runtime_env_one_rank_np2 (skipped elsewhere): MOONEP_DEBUG is malformed on rank
+// MOONEP_TEST_BAD_RANK only. That rank's creation fails naming the variable, and the others fail at
+// once with RemoteError, instead of waiting in the transport's collective setup for it.
+TEST_F(LayerFaultTest, BadEnvironmentOnOneRankFailsCreationEverywhere) {
+  const char* bad = std::getenv("MOONEP_TEST_BAD_RANK");
+  if (bad == nullptr) GTEST_SKIP() << "run by runtime_env_one_rank_np2";
+  const int bad_rank = std::atoi(bad);
+  auto comm = runtime::Communicator::FromMpi(MPI_COMM_WORLD);
+  ASSERT_TRUE(comm.ok()) << comm.status();
+  const auto start = std::chrono::steady_clock::now();
+  auto layer = runtime::MoeLayer::Create(comm->get(), SmallConfig(size()));
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_FALSE(layer.ok());
+  if (rank() == bad_rank) {
+    EXPECT_EQ(ToResult(layer.status()), moonepInvalidArgument) << layer.status();
+    EXPECT_NE(std::string(layer.status().message()).find("MOONEP_DEBUG"), std::string::npos)
+        << layer.status();
+  } else {
+    EXPECT_EQ(ToResult(layer.status()), moonepRemoteError) << layer.status();
+  }
+  EXPECT_LT(seconds, 1.5) << "creation took " << seconds << " s";
 }
 
 }  // namespace
