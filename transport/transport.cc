@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "moonep/core/status.h"
+#include "transport/common/host_checks.h"
 #include "transport/mpi/mpi_transport.h"
 #include "transport/testing_hooks.h"
 #ifdef MOONEP_HAVE_UCX
@@ -78,6 +79,15 @@ std::vector<std::string> AvailableBackends() {
   backends.push_back("ucx");
 #endif
   return backends;
+}
+
+absl::Status CheckTransportEnvironment(absl::string_view backend) {
+  MOONEP_RETURN_IF_ERROR(common::CheckEnvironment());
+#ifdef MOONEP_HAVE_UCX
+  if (backend == "ucx") return ucx::CheckUcxEnvironment();
+#endif
+  (void)backend;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(absl::string_view backend,

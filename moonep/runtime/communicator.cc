@@ -69,8 +69,10 @@ absl::Status EnsureMpi() {
   }
   if (!initialized) {
     int provided = 0;
-    // MPI_THREAD_MULTIPLE: distinct communicators may be used from distinct threads at once.
-    const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+    // SERIALIZED: MoonEP's own calls come from one thread at a time unless the caller asks for
+    // more by initialising MPI itself with MPI_THREAD_MULTIPLE (see moonep_runtime.h); MULTIPLE
+    // would make every MPI call of a single-threaded program take MPI's locks.
+    const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
     if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Init_thread");
     g_we_initialized_mpi = true;
   }
@@ -233,11 +235,11 @@ Communicator::~Communicator() {
   replicas_.clear();
   nccl_comms_.reset();  // finalizes the shared NCCL pair (bounded), before MPI goes
   trace_.reset();
-  if (!parked_.empty()) {
-    // An agreement failed: a late peer's messages may still land in its buffers, and the
-    // communicator may still carry them. Both are left allocated (as the transports do).
-    for (auto& exchange : parked_) (void)exchange.release();
-  } else if (comm_ != MPI_COMM_NULL) {
+  // Parked exchanges: a late peer's messages may still land in their buffers, or MPI still read
+  // a send's. They are left allocated, and after a failed agreement so is the communicator, which
+  // may still carry them (as the transports do).
+  for (auto& exchange : parked_) (void)exchange.release();
+  if (broken_.ok() && comm_ != MPI_COMM_NULL) {
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (!finalized) MPI_Comm_free(&comm_);
@@ -259,6 +261,15 @@ absl::StatusOr<SharedReplicas*> Communicator::Replicas(int32_t slots, int64_t hi
   SharedReplicas* raw = shared.get();
   replicas_.emplace(key, std::move(shared));
   return raw;
+}
+
+void Communicator::DropReplicas(const SharedReplicas* replicas) {
+  for (auto it = replicas_.begin(); it != replicas_.end(); ++it) {
+    if (it->second.get() == replicas) {
+      replicas_.erase(it);
+      return;
+    }
+  }
 }
 
 size_t Communicator::ReplicaBytes() const {
@@ -322,6 +333,11 @@ absl::Status Communicator::Allgather(absl::Span<const char> bytes, std::string* 
   // them until the deadline. Returns the peers whose receive is still open at the deadline (empty:
   // done) or an MPI error.
   auto round = [&](auto post_recv, auto post_send, const char* what) -> absl::StatusOr<std::vector<int>> {
+    // Sends of an earlier round still open (every receive came in by its deadline) stay
+    // with the exchange, so that it is parked while they are.
+    for (MPI_Request q : ex->requests) {
+      if (q != MPI_REQUEST_NULL) ex->open_sends.push_back(q);
+    }
     ex->requests.assign(2 * P, MPI_REQUEST_NULL);
     for (size_t i = 0; i < P; ++i) {
       int rc = post_recv(peers[i], &ex->requests[i]);
@@ -400,13 +416,17 @@ absl::Status Communicator::Allgather(absl::Span<const char> bytes, std::string* 
   } else {
     out->assign(ex->recv.begin(), ex->recv.end());
   }
-  // A send a peer never took (it gave up) still owns its buffer.
-  for (MPI_Request q : ex->requests) {
-    if (q != MPI_REQUEST_NULL) {
-      parked_.push_back(std::move(ex));
-      break;
+  // A send a peer never took (it gave up) still owns its buffer: released to complete in the
+  // background, with the buffer parked.
+  bool open = false;
+  for (std::vector<MPI_Request>* list : {&ex->requests, &ex->open_sends}) {
+    for (MPI_Request& q : *list) {
+      if (q == MPI_REQUEST_NULL) continue;
+      MPI_Request_free(&q);
+      open = true;
     }
   }
+  if (open) parked_.push_back(std::move(ex));
   return result;
 }
 

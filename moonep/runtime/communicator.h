@@ -78,6 +78,9 @@ class Communicator {
   absl::StatusOr<SharedReplicas*> Replicas(int32_t slots, int64_t hidden, int64_t intermediate,
                                            DType dtype, DType grad_dtype,
                                            Device device = Device::kCpu);
+  // Frees a replica buffer Replicas made, when the layer it was made for failed creation before
+  // any other layer could use it (local).
+  void DropReplicas(const SharedReplicas* replicas);
   // Bytes held by every shared replica buffer.
   size_t ReplicaBytes() const;
 
@@ -109,7 +112,8 @@ class Communicator {
   // (per round: the data, then every peer's confirmation). out gets size() * bytes.size() bytes.
   // A rank that does not join in time: Timeout naming the phase and the ranks not heard from,
   // and this rank tells its peers it gave up, so a rank that joins late fails too (RemoteError
-  // naming the rank that gave up) instead of going on alone.
+  // naming the rank that gave up) instead of going on alone. (Not in every case: a rank that
+  // stalls past the timeout between the two rounds can still leave the others going on.)
   // After either, the communicator's agreements are refused (its collectives are out of step):
   // destroy it. The buffers of an exchange that failed, and the MPI communicator, are then left
   // allocated for good (a late peer's messages may still land in them).
@@ -124,6 +128,7 @@ class Communicator {
     std::vector<char> send, recv, confirm;
     std::vector<int> confirm_tag;  // tag each peer's confirmation round arrived with
     std::vector<MPI_Request> requests;
+    std::vector<MPI_Request> open_sends;  // of an earlier round, still open
   };
 
   MPI_Comm comm_ = MPI_COMM_NULL;
@@ -140,7 +145,7 @@ class Communicator {
       replicas_;
 };
 
-// Initialises MPI (asking for MPI_THREAD_MULTIPLE) when the caller has not; MoonEP then finalizes
+// Initialises MPI (MPI_THREAD_SERIALIZED) when the caller has not; MoonEP then finalizes
 // it when its last communicator is destroyed.
 absl::Status EnsureMpi();
 

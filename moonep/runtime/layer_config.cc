@@ -10,7 +10,7 @@
 #include "moonep/core/status.h"
 #include "moonep/runtime/communicator.h"
 #include "moonep/runtime/device.h"
-#include "transport/common/host_checks.h"
+#include "transport/transport.h"
 
 namespace moonep::runtime {
 
@@ -58,9 +58,9 @@ absl::Status CheckLayerConfig(const LayerConfig& c, int32_t num_ranks, bool need
   MOONEP_CHECK_ARG(c.max_recv_rows >= 0, "max_recv_rows is %d; must be >= 0", c.max_recv_rows);
   MOONEP_CHECK_ARG(c.max_inflight >= 1, "max_inflight is %d; must be >= 1", c.max_inflight);
   MOONEP_CHECK_ARG(c.num_threads >= 0, "num_threads is %d; must be >= 0", c.num_threads);
-  // A malformed MOONEP_TIMEOUT_MS or MOONEP_DEBUG on this rank: refused here, before the
-  // agreement (the transport's creation, after it, is collective).
-  MOONEP_RETURN_IF_ERROR(transport::common::CheckEnvironment());
+  // A malformed MOONEP_TIMEOUT_MS, MOONEP_DEBUG or (UCX) MOONEP_UCX_EAGER_BYTES on this rank:
+  // refused here, before the agreement (the transport's creation, after it, is collective).
+  MOONEP_RETURN_IF_ERROR(transport::CheckTransportEnvironment(TransportBackend(c)));
   // Sizes whose buffers would not fit (their byte counts would wrap): refused here, before the
   // agreement, so that every rank fails alike.
   constexpr int64_t kMaxRowBytes = int64_t{1} << 30;  // the host transports' limit on a row

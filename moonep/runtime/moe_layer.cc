@@ -65,9 +65,11 @@ struct MoeLayer::Context {
 
 // The rows, weights and scratch buffers of every context, and the shared replica buffer.
 absl::Status MoeLayer::AllocateBuffers() {
+  const size_t before = comm_->ReplicaBytes();
   MOONEP_ASSIGN_OR_RETURN(replicas_,
                           comm_->Replicas(slots_, config_.hidden, config_.intermediate,
                                           config_.dtype, config_.grad_dtype, config_.device));
+  made_replicas_ = comm_->ReplicaBytes() != before;
   const Device dev = config_.device;
   const size_t rows_bytes = static_cast<size_t>(capacity_) * row_bytes_;
   const size_t cap = static_cast<size_t>(capacity_);
@@ -131,6 +133,14 @@ absl::StatusOr<std::unique_ptr<MoeLayer>> MoeLayer::Create(Communicator* comm,
     }
   }
   if (local.ok()) local = layer->AllocateBuffers();
+  // A replica buffer this creation made goes again if the creation fails (the communicator would
+  // otherwise keep it, unused, until it is destroyed).
+  struct DropReplicasOnFailure {
+    MoeLayer* layer;
+    ~DropReplicasOnFailure() {
+      if (layer != nullptr && layer->made_replicas_) layer->comm_->DropReplicas(layer->replicas_);
+    }
+  } drop{layer.get()};
   MOONEP_RETURN_IF_ERROR(AgreeOnConfig(comm, config, local, "MoE layer creation"));
   layer->layer_id_ = config.layer_id >= 0 ? config.layer_id : comm->NextLayerId();
 
@@ -153,6 +163,7 @@ absl::StatusOr<std::unique_ptr<MoeLayer>> MoeLayer::Create(Communicator* comm,
               config.hidden, config.intermediate, DTypeName(config.dtype), layer->slots_,
               planner::PolicyName(config.policy), config.device == Device::kCuda ? "cuda" : "cpu",
               layer->transport_->backend(), layer->capacity_, layer->MemoryBytes());
+  drop.layer = nullptr;  // created: the buffer is the communicator's to keep
   return layer;
 }
 

@@ -159,6 +159,7 @@ class MoeLayer {
   std::unique_ptr<compute::Executor> executor_;
   std::unique_ptr<DeviceOps> ops_;  // row scaling and zeroing, ordered before the executor
   SharedReplicas* replicas_ = nullptr;
+  bool made_replicas_ = false;  // Create's AllocateBuffers made replicas_ (dropped if Create fails)
 
   bool bound_ = false, grads_bound_ = false;
   std::vector<compute::ExpertParams> weights_, grads_;

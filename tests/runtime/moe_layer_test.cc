@@ -227,6 +227,11 @@ TEST_F(MoeLayerTest, ConfigMismatchFailsOnEveryRank) {
   } else {
     EXPECT_EQ(ToResult(layer.status()), moonepRemoteError) << layer.status();
   }
+  // Creations that failed leave no replica buffer behind on the communicator (they are made
+  // before the agreement).
+  if (size() > 1) {
+    EXPECT_EQ(comm_->ReplicaBytes(), 0u);
+  }
 }
 
 TEST_F(MoeLayerTest, BadRoutingFailsEverywhereAndLayerStaysUsable) {

@@ -40,12 +40,14 @@ struct RowMeta {  // per dispatched row, sender -> receiver: its unique row and 
 };
 static_assert(sizeof(RowMeta) == 8, "RowMeta is sent as bytes");
 
-// The MPI datatype of one RowMeta (8 bytes), freed with the op's start (posted operations keep it).
+// The MPI datatype of one RowMeta (8 bytes), made once per transport.
 struct MetaType {
   MPI_Datatype type = MPI_DATATYPE_NULL;
   absl::Status Make();
   ~MetaType() {
-    if (type != MPI_DATATYPE_NULL) MPI_Type_free(&type);
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (type != MPI_DATATYPE_NULL && !finalized) MPI_Type_free(&type);
   }
 };
 
@@ -196,6 +198,7 @@ class MpiTransport : public Transport {
   absl::Status PollAbort();
   // Reduce staging: one buffer per reduce in flight, reused.
   common::BufferPool<std::vector<char>> reduce_staging;
+  MetaType meta_type;  // dispatch metadata, counted in rows
 
  private:
   MpiTransport() = default;
@@ -526,8 +529,7 @@ class DispatchOp : public MpiOp {
 
     // Metadata travels as whole RowMeta elements: a count of rows fits an int where bytes might
     // not (rows per peer are at most kMaxEntries).
-    MetaType meta;
-    if (forward) MOONEP_RETURN_IF_ERROR(meta.Make());
+    const MetaType& meta = transport_->meta_type;
     // Receives first, so that eager data finds them.
     if (forward) {
       h_->meta_recv_.resize(static_cast<size_t>(recv.rows_begin[R]) * sizeof(RowMeta));
@@ -978,8 +980,11 @@ absl::StatusOr<std::unique_ptr<Transport>> MpiTransport::Create(const TransportO
   MPI_Initialized(&initialized);
   if (!initialized) return InvalidUsage("MPI transport: MPI is not initialized");
   MOONEP_CHECK_ARG(options.comm != MPI_COMM_NULL, "options.comm is MPI_COMM_NULL");
-  MOONEP_RETURN_IF_ERROR(common::CheckOptions(options));
-  MOONEP_RETURN_IF_ERROR(common::CheckEnvironment());
+  // Options and environment are checked locally but reported after an agreement (below, once
+  // every rank has made the communicators), so that a value wrong on one rank only fails every
+  // rank instead of leaving the others in MPI_Comm_dup.
+  absl::Status checked = common::CheckOptions(options);
+  if (checked.ok()) checked = CheckTransportEnvironment("mpi");
   std::unique_ptr<MpiTransport> t(new MpiTransport());
   t->options_ = options;
   t->timeout_ms_ = common::ResolveTimeoutMs(options.timeout_ms);
@@ -989,6 +994,15 @@ absl::StatusOr<std::unique_ptr<Transport>> MpiTransport::Create(const TransportO
   }
   MPI_Comm_rank(t->rows_comm_, &t->rank_);
   MPI_Comm_size(t->rows_comm_, &t->size_);
+  {
+    int ok = checked.ok() ? 1 : 0, all_ok = 0;
+    MOONEP_RETURN_IF_ERROR(
+        MpiCheck(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, t->rows_comm_), "MPI_Allreduce"));
+    if (!checked.ok()) return checked;
+    if (!all_ok) {
+      return RemoteError("MPI transport: another rank refused its options or environment");
+    }
+  }
   void* attr = nullptr;
   int flag = 0;
   MPI_Comm_get_attr(t->rows_comm_, MPI_TAG_UB, &attr, &flag);
@@ -1003,6 +1017,7 @@ absl::StatusOr<std::unique_ptr<Transport>> MpiTransport::Create(const TransportO
       "MPI_Allreduce"));
   next_epoch = t->epoch_ + 1;
   t->abort_tag_ = static_cast<int>(t->epoch_ % (tag_ub + 1));
+  MOONEP_RETURN_IF_ERROR(t->meta_type.Make());
   MOONEP_RETURN_IF_ERROR(MpiCheck(MPI_Irecv(t->abort_in_.data(), 2, MPI_INT64_T, MPI_ANY_SOURCE,
                                             t->abort_tag_, t->abort_comm_, &t->abort_request_),
                                   "MPI_Irecv"));

@@ -1464,13 +1464,15 @@ absl::StatusOr<std::unique_ptr<Transport>> UcxTransport::Create(const TransportO
   MPI_Initialized(&initialized);
   if (!initialized) return InvalidUsage("UCX transport: MPI is not initialized (bootstrap)");
   MOONEP_CHECK_ARG(options.comm != MPI_COMM_NULL, "options.comm is MPI_COMM_NULL");
-  MOONEP_RETURN_IF_ERROR(common::CheckOptions(options));
-  MOONEP_RETURN_IF_ERROR(common::CheckEnvironment());
-  MOONEP_RETURN_IF_ERROR(EagerReduceBytes().status());
+  // Options and environment are checked locally but reported through the agreement below (after
+  // the communicator's duplication, which every rank makes), so that a value wrong on one rank
+  // only fails every rank instead of leaving the others in a collective.
+  absl::Status checked = common::CheckOptions(options);
+  if (checked.ok()) checked = CheckTransportEnvironment("ucx");
   std::unique_ptr<UcxTransport> t(new UcxTransport());
   t->options_ = options;
   t->timeout_ms_ = common::ResolveTimeoutMs(options.timeout_ms);
-  t->eager_bytes_ = *EagerReduceBytes();
+  t->eager_bytes_ = checked.ok() ? *EagerReduceBytes() : 0;
   auto mpi = [](int rc, const char* what) -> absl::Status {
     if (rc == MPI_SUCCESS) return absl::OkStatus();
     return SystemError("%s failed (MPI error %d)", what, rc);
@@ -1483,6 +1485,7 @@ absl::StatusOr<std::unique_ptr<Transport>> UcxTransport::Create(const TransportO
 
   // Every rank sets up locally, then all agree that every rank succeeded before exchanging.
   absl::Status local = [&]() -> absl::Status {
+    MOONEP_RETURN_IF_ERROR(checked);
     MOONEP_ASSIGN_OR_RETURN(t->context_, AcquireContext());
     ucp_worker_params_t wp;
     std::memset(&wp, 0, sizeof(wp));
@@ -1520,7 +1523,10 @@ absl::StatusOr<std::unique_ptr<Transport>> UcxTransport::Create(const TransportO
   MOONEP_RETURN_IF_ERROR(
       mpi(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, t->comm_), "MPI_Allreduce"));
   if (!local.ok()) return local;
-  if (!all_ok) return RemoteError("UCX transport: another rank failed to set up UCX");
+  if (!all_ok) {
+    return RemoteError("UCX transport: another rank failed to set up UCX (or refused its options "
+                       "or environment)");
+  }
 
   // Bootstrap over MPI: worker addresses, then the signal area's address and key (once).
   auto allgather_bytes = [&](const void* mine, int len,
@@ -2018,6 +2024,8 @@ absl::StatusOr<RequestPtr> UcxTransport::StartReduce(const planner::Plan& plan,
 absl::StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(const TransportOptions& options) {
   return UcxTransport::Create(options);
 }
+
+absl::Status CheckUcxEnvironment() { return EagerReduceBytes().status(); }
 
 absl::StatusOr<RegistrationStats> GetRegistrationStats(const Transport& transport) {
   const auto* t = dynamic_cast<const UcxTransport*>(&transport);

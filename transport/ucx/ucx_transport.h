@@ -15,6 +15,8 @@ namespace moonep::transport::ucx {
 // signal area's key, and for the barrier at destruction). UCX reads its own UCX_* environment
 // (UCX_TLS, UCX_NET_DEVICES, ...).
 absl::StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(const TransportOptions& options);
+// MOONEP_UCX_EAGER_BYTES parsed strictly (InvalidArgument naming it when malformed or out of range).
+absl::Status CheckUcxEnvironment();
 
 // Memory registration of one UCX transport since its creation (the signal area not included).
 struct RegistrationStats {

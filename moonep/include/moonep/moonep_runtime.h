@@ -22,8 +22,8 @@
  *
  * Thread safety: MoonEP objects are not thread-safe, but the library is reentrant: distinct
  * communicators (and the layers and buffers made on them) may be used concurrently from distinct
- * threads (MPI then has to provide MPI_THREAD_MULTIPLE: MoonEP asks for it when it initialises
- * MPI; a caller that initialises MPI at a lower level must use MoonEP from one thread at a time);
+ * threads when MPI provides MPI_THREAD_MULTIPLE (initialise MPI with it before the first MoonEP
+ * call; MoonEP itself initialises MPI_THREAD_SERIALIZED: then use MoonEP from one thread at a time);
  * one communicator and its objects must not be used by two threads at once. The
  * moonepGetUniqueId, moonepGetVersion and moonepGetErrorString calls may be made from any thread.
  *
