@@ -2,6 +2,7 @@
 // absl::Status into moonepResult_t. No exception may cross the C boundary.
 #pragma once
 
+#include <cstring>
 #include <exception>
 #include <string>
 
@@ -29,6 +30,16 @@ moonepResult_t Guard(const char* function, Body&& body) {
   } catch (...) {
     return Report(Internal("%s: unexpected exception", function));
   }
+}
+
+// The integer stored in a C enum field, read without assuming it is a valid enumerator (a caller
+// may pass any int there; loading it as the enum type would be undefined behaviour).
+template <typename Enum>
+int RawEnum(const Enum& field) {
+  static_assert(sizeof(Enum) == sizeof(int), "C enums are int-sized here");
+  int value;
+  std::memcpy(&value, &field, sizeof(value));
+  return value;
 }
 
 }  // namespace moonep::capi

@@ -61,9 +61,10 @@ moonepResult_t moonepPlannerCreate(const moonepPlannerConfig_t* config, moonepPl
     c.slots = config->slots;
     c.pad_multiple = config->pad_multiple;
     c.ranks_per_node = config->ranks_per_node;
-    MOONEP_CHECK_ARG(config->policy >= moonepPolicyNone && config->policy <= moonepPolicyTestForceReplicas,
-                     "config->policy %d is not a moonepPlannerPolicy_t", static_cast<int>(config->policy));
-    c.policy = static_cast<moonep::planner::Policy>(config->policy);
+    const int policy = moonep::capi::RawEnum(config->policy);
+    MOONEP_CHECK_ARG(policy >= moonepPolicyNone && policy <= moonepPolicyTestForceReplicas,
+                     "config->policy %d is not a moonepPlannerPolicy_t", policy);
+    c.policy = static_cast<moonep::planner::Policy>(policy);
     if (config->home != nullptr) c.home.assign(config->home, config->home + config->num_experts);
     if (config->speeds != nullptr) c.speeds.assign(config->speeds, config->speeds + config->num_ranks);
     c.row_bytes = config->row_bytes;

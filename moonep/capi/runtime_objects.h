@@ -78,16 +78,6 @@ absl::Status ReadExpertTensors(const moonepExpertTensors_t* tensors, const char*
                                DType expected, Device device,
                                std::vector<compute::ExpertParams>* out);
 
-// The integer stored in a C enum field, read without assuming it is a valid enumerator (a caller
-// may pass any int there; loading it as the enum type would be undefined behaviour).
-template <typename Enum>
-int RawEnum(const Enum& field) {
-  static_assert(sizeof(Enum) == sizeof(int), "C enums are int-sized here");
-  int value;
-  std::memcpy(&value, &field, sizeof(value));
-  return value;
-}
-
 absl::Status ReadDType(const moonepDataType_t& dtype, const char* name, DType* out);
 
 // Fills a C stats struct (up to stats->size) from the C++ one.
