@@ -21,6 +21,12 @@ absl::Status ValidateCostConfig(const CostConfig& c) {
                    c.weight_bytes);
   MOONEP_CHECK_ARG(c.grad_bytes > 0 && c.grad_bytes <= 8, "grad_bytes must be in [1, 8], got %d",
                    c.grad_bytes);
+  // One expert's weights (or gradients) at most 2^40 bytes, the planner's bound on expert_bytes:
+  // expert_weight_bytes() and the byte counts made from it then fit in int64.
+  const int64_t per_element = 3LL * std::max(c.weight_bytes, c.grad_bytes);
+  MOONEP_CHECK_ARG(static_cast<int64_t>(c.hidden) * c.intermediate <= (int64_t{1} << 40) / per_element,
+                   "3 x hidden (%d) x intermediate (%d) x %d bytes: an expert above 2^40 bytes",
+                   c.hidden, c.intermediate, std::max(c.weight_bytes, c.grad_bytes));
   return absl::OkStatus();
 }
 

@@ -83,6 +83,12 @@ std::string FormatSummary(const SimResult& r, const SimOptions& o) {
 
 namespace {
 
+// a * b (both >= 0) for the byte columns, INT64_MAX when past it.
+int64_t SaturatingProduct(int64_t a, int64_t b) {
+  int64_t v = 0;
+  return __builtin_mul_overflow(a, b, &v) ? INT64_MAX : v;
+}
+
 struct Field {
   const char* name;
   std::string value;
@@ -111,9 +117,9 @@ std::vector<Field> Fields(const StepRecord& r) {
       {"rows_inter", i64(m.rows_inter), false},
       {"dispatch_rows_intra", i64(m.dispatch_intra), false},
       {"dispatch_rows_inter", i64(m.dispatch_inter), false},
-      {"dispatch_bytes", i64(dispatch_rows * r.row_bytes), false},
-      {"prefetch_bytes", i64(static_cast<int64_t>(m.replicas) * r.expert_bytes), false},
-      {"reduce_bytes", i64(static_cast<int64_t>(m.replicas) * r.grad_bytes), false},
+      {"dispatch_bytes", i64(SaturatingProduct(dispatch_rows, r.row_bytes)), false},
+      {"prefetch_bytes", i64(SaturatingProduct(m.replicas, r.expert_bytes)), false},
+      {"reduce_bytes", i64(SaturatingProduct(m.replicas, r.grad_bytes)), false},
       {"t_counts", num(r.time.counts), false},
       {"t_prefetch", num(r.time.prefetch), false},
       {"t_dispatch", num(r.time.dispatch), false},

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cmath>
 #include <random>
+#include <string>
 
 #include "gtest/gtest.h"
 #include "planner/sim/cost_model.h"
@@ -30,6 +31,23 @@ TEST(CostModelTest, FlopsAndBytes) {
   EXPECT_EQ(c.row_bytes(), 2000);
   EXPECT_EQ(c.expert_weight_bytes(), 3LL * 1000 * 500 * 2);
   EXPECT_EQ(c.expert_grad_bytes(), 3LL * 1000 * 500 * 4);
+}
+
+// An expert above 2^40 bytes is refused (its byte counts would pass int64); the DeepSeek-V3
+// expert (3 x 7168 x 2048 x 4-byte gradients) is far below.
+TEST(CostModelTest, ExpertsAbove2To40BytesAreRefused) {
+  CostConfig c = Config();
+  EXPECT_TRUE(ValidateCostConfig(c).ok());
+  c.hidden = 7168;
+  c.intermediate = 2048;
+  EXPECT_TRUE(ValidateCostConfig(c).ok());
+  c.hidden = c.intermediate = 1 << 30;
+  const absl::Status s = ValidateCostConfig(c);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(std::string(s.message()).find("2^40"), std::string::npos) << s;
+  c.hidden = INT32_MAX;
+  c.intermediate = INT32_MAX;
+  EXPECT_FALSE(ValidateCostConfig(c).ok());
 }
 
 TEST(CostModelTest, PhaseTimesFromTheSlowestRank) {
