@@ -225,13 +225,13 @@ class Transport {
 // Backends built into this library ("mpi" always).
 std::vector<std::string> AvailableBackends();
 
-// Creates a transport of the named backend; collective over options.comm.
 // The MOONEP_* variables `backend` reads (MOONEP_TIMEOUT_MS, MOONEP_DEBUG; for "ucx" also
 // MOONEP_UCX_EAGER_BYTES), parsed strictly: InvalidArgument naming a malformed one. Local: a caller
 // that creates transports on several ranks checks it before anything collective, so that a value
 // wrong on one rank only fails every rank (the runtime folds it into its creation agreement).
 absl::Status CheckTransportEnvironment(absl::string_view backend);
 
+// Creates a transport of the named backend; collective over options.comm.
 absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(absl::string_view backend,
                                                            const TransportOptions& options);
 

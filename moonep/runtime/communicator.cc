@@ -249,9 +249,11 @@ Communicator::~Communicator() {
 
 absl::StatusOr<SharedReplicas*> Communicator::Replicas(int32_t slots, int64_t hidden,
                                                        int64_t intermediate, DType dtype,
-                                                       DType grad_dtype, Device device) {
+                                                       DType grad_dtype, Device device,
+                                                       bool* created) {
   auto key = std::make_tuple(slots, hidden, intermediate, static_cast<int32_t>(dtype),
                              static_cast<int32_t>(grad_dtype), static_cast<int32_t>(device));
+  if (created != nullptr) *created = false;
   auto it = replicas_.find(key);
   if (it != replicas_.end()) return it->second.get();
   auto shared = std::make_unique<SharedReplicas>();
@@ -260,6 +262,7 @@ absl::StatusOr<SharedReplicas*> Communicator::Replicas(int32_t slots, int64_t hi
                                                          grad_dtype, DeviceAllocator(device)));
   SharedReplicas* raw = shared.get();
   replicas_.emplace(key, std::move(shared));
+  if (created != nullptr) *created = true;
   return raw;
 }
 

@@ -75,9 +75,10 @@ class Communicator {
 
   // The replica buffer for layers of this shape on `device` (the current GPU for kCuda), created
   // on first use (local, not collective).
+  // *created (if given): whether this call made it.
   absl::StatusOr<SharedReplicas*> Replicas(int32_t slots, int64_t hidden, int64_t intermediate,
                                            DType dtype, DType grad_dtype,
-                                           Device device = Device::kCpu);
+                                           Device device = Device::kCpu, bool* created = nullptr);
   // Frees a replica buffer Replicas made, when the layer it was made for failed creation before
   // any other layer could use it (local).
   void DropReplicas(const SharedReplicas* replicas);

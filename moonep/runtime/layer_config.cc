@@ -63,12 +63,11 @@ absl::Status CheckLayerConfig(const LayerConfig& c, int32_t num_ranks, bool need
   MOONEP_RETURN_IF_ERROR(transport::CheckTransportEnvironment(TransportBackend(c)));
   // Sizes whose buffers would not fit (their byte counts would wrap): refused here, before the
   // agreement, so that every rank fails alike.
-  constexpr int64_t kMaxRowBytes = int64_t{1} << 30;  // the host transports' limit on a row
-  MOONEP_CHECK_ARG(c.hidden <= kMaxRowBytes / static_cast<int64_t>(DTypeSize(c.dtype)),
+  MOONEP_CHECK_ARG(c.hidden <= transport::kMaxRowBytes / static_cast<int64_t>(DTypeSize(c.dtype)),
                    "hidden is %d; a row of %s is then above 1 GiB", c.hidden, DTypeName(c.dtype));
   MOONEP_CHECK_ARG(c.intermediate <= (int64_t{1} << 30), "intermediate is %d; must be <= 2^30",
                    c.intermediate);
-  MOONEP_CHECK_ARG(c.max_tokens <= INT32_MAX / c.top_k,
+  MOONEP_CHECK_ARG(c.max_tokens <= transport::kMaxEntries / c.top_k,
                    "max_tokens x top_k = %d x %d routing entries; at most 2^31 - 1", c.max_tokens,
                    c.top_k);
   MOONEP_CHECK_ARG(c.pad_multiple <= (1 << 16), "pad_multiple is %d; must be <= 65536",

@@ -65,11 +65,10 @@ struct MoeLayer::Context {
 
 // The rows, weights and scratch buffers of every context, and the shared replica buffer.
 absl::Status MoeLayer::AllocateBuffers() {
-  const size_t before = comm_->ReplicaBytes();
   MOONEP_ASSIGN_OR_RETURN(replicas_,
                           comm_->Replicas(slots_, config_.hidden, config_.intermediate,
-                                          config_.dtype, config_.grad_dtype, config_.device));
-  made_replicas_ = comm_->ReplicaBytes() != before;
+                                          config_.dtype, config_.grad_dtype, config_.device,
+                                          &made_replicas_));
   const Device dev = config_.device;
   const size_t rows_bytes = static_cast<size_t>(capacity_) * row_bytes_;
   const size_t cap = static_cast<size_t>(capacity_);
