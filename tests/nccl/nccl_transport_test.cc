@@ -715,6 +715,17 @@ TEST_F(NcclTest, GrowingABufferWhileAKernelWaitsOnASilentPeerDoesNotHang) {
   const int64_t cap = CapacityRows(p, plan.num_groups(), plan.pad_multiple);
   DeviceVector<int32_t> ids(p.ids[me]);
   DeviceVector<float> x(p.x[me]), w(p.weights[me]), rows(cap * p.H), rw(cap);
+  // A first dispatch with every rank: NCCL connects a pair of ranks at its first send/receive,
+  // inside ncclGroupEnd, which a silent peer would hold up. Connected, the silent dispatch's start
+  // only enqueues its kernels and returns, and those kernels are what wait on the silent rank.
+  {
+    DispatchHandle warm;
+    ASSERT_TRUE(t->ExchangeCounts(ids.span(), p.T[me], p.K, p.E, cap, &warm).ok());
+    auto d = t->StartDispatch(plan, x.Matrix(p.T[me], p.H), w.span(), &warm, rows.Matrix(cap, p.H),
+                              rw.span());
+    ASSERT_TRUE(d.ok()) << d.status();
+    ASSERT_TRUE((*d)->Wait().ok());
+  }
   DispatchHandle h;
   ASSERT_TRUE(t->ExchangeCounts(ids.span(), p.T[me], p.K, p.E, cap, &h).ok());
   MPI_Barrier(MPI_COMM_WORLD);
