@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -795,6 +796,35 @@ TEST_F(NcclTest, PeerThatNeverJoinsMakesCreationTimeOut) {
   absl::Status st = ok->ExchangeCounts(ids.span(), 1, 1, 1, 4, &h);
   ASSERT_TRUE(st.ok()) << st;
   EXPECT_EQ(h.counts()[0], 1);
+}
+
+// Run by nccl_env_one_rank_np2 (skipped elsewhere): MOONEP_DEBUG is malformed on rank
+// MOONEP_TEST_BAD_RANK only. Created with the MPI bootstrap, that rank's transport fails naming the
+// variable and the others fail at once with RemoteError; before, the bad rank returned before the
+// unique id's MPI_Bcast and left the others in it with no timeout.
+TEST_F(NcclTest, BadEnvironmentOnOneRankFailsCreationEverywhere) {
+  const char* bad = std::getenv("MOONEP_TEST_BAD_RANK");
+  if (bad == nullptr) GTEST_SKIP() << "run by nccl_env_one_rank_np2 (tests/nccl/run_multi_gpu.sh)";
+  if (size() < 2) GTEST_SKIP() << "needs two ranks";
+  const int bad_rank = std::atoi(bad);
+  TransportOptions o;
+  o.max_tokens = 4;
+  o.max_top_k = 1;
+  o.max_row_bytes = 4;
+  const auto start = std::chrono::steady_clock::now();
+  auto t = CreateTransport("nccl", o);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_FALSE(t.ok());
+  if (rank() == bad_rank) {
+    EXPECT_EQ(ToResult(t.status()), moonepInvalidArgument) << t.status();
+    EXPECT_NE(std::string(t.status().message()).find("MOONEP_DEBUG"), std::string::npos)
+        << t.status();
+  } else {
+    EXPECT_EQ(ToResult(t.status()), moonepRemoteError) << t.status();
+  }
+  EXPECT_LT(seconds, 1.5) << "creation took " << seconds << " s";
+  MPI_Barrier(MPI_COMM_WORLD);
 }
 
 TEST_F(NcclTest, CommunicatorFromAUniqueId) {

@@ -42,6 +42,11 @@ for step in ${*:-tests bench torch}; do
         echo "== $t np$np rc=$?"; grep -E "^cuda |PASSED|FAILED|SKIPPED \]" "$out/$t.np$np.log" | head -12
         pack
       done
+      # A malformed MOONEP_DEBUG on rank 1 only: creation fails on every rank at once.
+      MOONEP_TEST_BAD_RANK=1 MOONEP_TIMEOUT_MS=2000 timeout 60 $mpi -x MOONEP_TEST_BAD_RANK \
+        -x MOONEP_TIMEOUT_MS tests/runtime/bad_env_on_one_rank.sh .device/bin/nccl_transport_test \
+        --gtest_filter='*BadEnvironmentOnOneRank*' >"$out/nccl_env_one_rank.np$np.log" 2>&1
+      echo "== nccl_env_one_rank np$np rc=$?"; grep -E "PASSED|FAILED|SKIPPED \]" "$out/nccl_env_one_rank.np$np.log" | head -4
       PYTHONUNBUFFERED=1 timeout 120 $mpi python3 examples/torch/moe_torch.py --device cuda \
         >"$out/torch_cuda.log" 2>&1
       echo "== torch example cuda np$np rc=$?"; grep -E "PASS|FAIL" "$out/torch_cuda.log"

@@ -644,13 +644,23 @@ absl::Status NcclOp::Fail(absl::Status status) {
 
 absl::StatusOr<std::shared_ptr<NcclComms>> NcclComms::Create(const TransportOptions& options,
                                                              const NcclBootstrap& bootstrap) {
-  MOONEP_CHECK_ARG(options.timeout_ms >= 0, "options.timeout_ms must be >= 0");
-  MOONEP_RETURN_IF_ERROR(common::CheckEnvironment());
+  // Local checks. With the MPI bootstrap they are reported after an agreement over options.comm,
+  // so that one rank's bad value fails every rank instead of leaving the others in the unique id's
+  // MPI_Bcast, which has no timeout. (The other bootstraps meet first in ncclCommInitRankConfig,
+  // which has the deadline: there the others time out.)
+  absl::Status checked;
+  if (options.timeout_ms < 0) checked = InvalidArgument("options.timeout_ms must be >= 0");
+  if (checked.ok()) checked = common::CheckEnvironment();
   int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+  if (checked.ok() && (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0)) {
     cudaGetLastError();
-    return Unavailable("NCCL transport: no CUDA device is visible");
+    checked = Unavailable("NCCL transport: no CUDA device is visible");
   }
+  if (checked.ok() && bootstrap.kind != NcclBootstrap::Kind::kWrap && bootstrap.device >= devices) {
+    checked = InvalidArgument("bootstrap.device = %d, but %d device(s) exist", bootstrap.device,
+                              devices);
+  }
+  if (bootstrap.kind != NcclBootstrap::Kind::kMpi) MOONEP_RETURN_IF_ERROR(checked);
   std::shared_ptr<NcclComms> c(new NcclComms());
   c->timeout_ms = common::ResolveTimeoutMs(options.timeout_ms);
   const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(c->timeout_ms);
@@ -682,6 +692,14 @@ absl::StatusOr<std::shared_ptr<NcclComms>> NcclComms::Create(const TransportOpti
       int r = 0, n = 0;
       MPI_Comm_rank(options.comm, &r);
       MPI_Comm_size(options.comm, &n);
+      int ok = checked.ok() ? 1 : 0, all_ok = 0;
+      if (MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, options.comm) != MPI_SUCCESS) {
+        return SystemError("NCCL transport: MPI_Allreduce of the creation checks failed");
+      }
+      if (!checked.ok()) return checked;
+      if (!all_ok) {
+        return RemoteError("NCCL transport: another rank refused its options, environment or GPU");
+      }
       int made = 1;
       if (r == 0) made = ncclGetUniqueId(&id) == ncclSuccess ? 1 : 0;
       if (MPI_Bcast(&made, 1, MPI_INT, 0, options.comm) != MPI_SUCCESS ||
