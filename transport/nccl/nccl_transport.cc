@@ -347,6 +347,7 @@ class NcclOp : public NcclRequest {
   bool done_ = false;
   absl::Status status_;
   Clock::time_point deadline_;
+  Clock::time_point created_ = Clock::now();  // for MOONEP_DEBUG=TRACE's stage times
   OpCounters counters_;
   bool in_flight_ = true;
 };
@@ -556,9 +557,16 @@ bool NcclOp::TryPostNext() {
       return true;
     }
   }
+  const Clock::time_point posting = Clock::now();
   absl::Status s = steps_[next_++]();
   if (s.ok() && !stop_) s = Record();
   if (!s.ok()) Fail(Context(s)).IgnoreError();
+  // Where an operation's time goes: when each stage's host step began (the previous stage's device
+  // work seen complete) and how long the step took to enqueue, from the op's creation.
+  MOONEP_TRACE("transport nccl: %s stage %d of %d posted at %.1f us, its host step %.1f us",
+               OpName(kind_), next_, steps_.size(),
+               std::chrono::duration<double, std::micro>(posting - created_).count(),
+               std::chrono::duration<double, std::micro>(Clock::now() - posting).count());
   return true;
 }
 
@@ -592,6 +600,8 @@ absl::StatusOr<bool> NcclOp::Test() {
       absl::Status s = finish_ ? finish_() : absl::OkStatus();
       done_ = true;  // finish errors are verdicts on completed work; fatal ones already aborted
       Landed();
+      MOONEP_TRACE("transport nccl: %s complete at %.1f us", OpName(kind_),
+                   std::chrono::duration<double, std::micro>(Clock::now() - created_).count());
       status_ = s;
       if (!s.ok()) return s;
       transport_->AddCounters(kind_, counters_);
@@ -1210,6 +1220,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
 absl::StatusOr<RequestPtr> NcclTransportImpl::StartDispatch(
     const planner::Plan& plan, const TensorView& x, absl::Span<const float> topk_weights,
     DispatchHandle* h, const TensorView& recv_rows, absl::Span<float> recv_weights) {
+  const Clock::time_point entered = Clock::now();
   MOONEP_RETURN_IF_ERROR(Usable());
   DeviceGuard guard(device_);
   FreeRetired();
@@ -1338,6 +1349,8 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartDispatch(
   st->unique_from.assign(R, 0);
   st->staging_begin.assign(R + 1, 0);
 
+  MOONEP_TRACE("transport nccl: dispatch: checks, layouts and tables on the host %.1f us",
+               std::chrono::duration<double, std::micro>(Clock::now() - entered).count());
   auto op = NewOp(OpKind::kDispatch, rows_stream_, RowPeers(h));
   NcclOp* raw = op.get();
   const cudaStream_t stream = rows_stream_;
