@@ -236,9 +236,9 @@ struct HandleState {
       b->FreeRetired();
     }
     for (DeviceBuffer* b : {&header_dev, &header_all_dev, &counts_dev, &counts_all_dev,
-                            &wire_dev, &wire_all_dev, &tables_dev, &unique_recv_dev, &staging_begin_dev, &bad_dev,
-                            &weights_dev, &ones_dev, &meta_send_dev, &meta_recv_dev, &send_staging,
-                            &recv_staging}) {
+                            &wire_dev, &wire_all_dev, &tables_dev, &unique_recv_dev,
+                            &staging_begin_dev, &bad_dev, &weights_dev, &ones_dev, &meta_send_dev,
+                            &meta_recv_dev, &send_staging, &recv_staging}) {
       b->FreeRetired();
     }
   }
