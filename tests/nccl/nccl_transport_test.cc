@@ -18,6 +18,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -763,6 +764,20 @@ TEST_F(NcclTest, CountExchangeOnACountedHandleTakesOneRound) {
   }
   ASSERT_TRUE(exchange(E, &rounds).ok());
   expect_counts(E);
+  // A new handle object where a counted one was (the transport keys its buffers by the address)
+  // is not counted: two rounds, whatever the address.
+  {
+    std::optional<DispatchHandle> slot;
+    slot.emplace();
+    ASSERT_TRUE(t->ExchangeCounts(ids.span(), p.T[me], p.K, E, 100, &*slot).ok());
+    slot.reset();
+    slot.emplace();
+    const int64_t before = t->counters(OpKind::kCounts).messages_sent;
+    ASSERT_TRUE(t->ExchangeCounts(ids.span(), p.T[me], p.K, E, 100, &*slot).ok());
+    if (R > 1) {
+      EXPECT_EQ((t->counters(OpKind::kCounts).messages_sent - before) / (R - 1), 2);
+    }
+  }
   MPI_Barrier(MPI_COMM_WORLD);
 }
 

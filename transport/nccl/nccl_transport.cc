@@ -211,9 +211,7 @@ struct HandleState {
   // The one-round form (StartExchangeCounts): [header, invalid, counts[E]] of every rank at once.
   PinnedBuffer wire_all_host;
   DeviceBuffer wire_dev, wire_all_dev;
-  // E of the last count exchange on this handle that succeeded on every rank (0: none), and whether
-  // one is in flight. Both change only at points every rank reaches in the same order.
-  int32_t agreed_experts = 0;
+  // Whether a count exchange on this handle is in flight (StartExchangeCounts refuses a second).
   bool counts_in_flight = false;
   // Tables of the last dispatch (one upload per dispatch).
   PinnedBuffer tables_host;
@@ -1115,10 +1113,13 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
   const int64_t width = 1 + E;
   const int64_t entries = local.ok() ? num_tokens * top_k : 0;
   // One round instead of two when the handle's last exchange succeeded: the headers travel with
-  // the counts, sized by that exchange's E (which every rank knows alike). If every rank still uses
-  // that E the counts arrive with the headers; if all moved to another E, a second round follows
-  // sized by the new one; if they disagree, the headers say so and the exchange stops as before.
-  const int32_t wire_experts = st->agreed_experts;
+  // the counts, sized by that exchange's E (which every rank knows alike: success is agreed). If
+  // every rank still uses that E the counts arrive with the headers; if all moved to another E, a
+  // second round follows sized by the new one; if they disagree, the headers say so and the
+  // exchange stops as before. The handle object decides, not its address: a new handle where an
+  // old one was is not counted, and the transport's state keyed by the address does not count.
+  const int32_t wire_experts =
+      h->counted_ && h->num_ranks_ == R && h->rank_ == rank_ ? h->num_experts_ : 0;
   const bool one_round = wire_experts > 0;
   const int64_t wire_width = kHeader + 1 + static_cast<int64_t>(wire_experts);
   {
@@ -1146,7 +1147,6 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
   }
   h->counted_ = false;
   h->dispatched_ = false;
-  st->agreed_experts = 0;
   int64_t* header = st->header_host.get<int64_t>();
   header[0] = local.ok() ? 0 : 1;
   header[1] = num_tokens;
@@ -1295,7 +1295,6 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
     }
     planner::ComputeSourceOffsets(h->counts_, R, E, &h->offsets_);
     h->counted_ = true;
-    st->agreed_experts = E;
     return absl::OkStatus();
   };
   st->counts_in_flight = true;
