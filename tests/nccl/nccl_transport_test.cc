@@ -18,7 +18,6 @@
 #include <cstring>
 #include <functional>
 #include <memory>
-#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -699,107 +698,6 @@ TEST_F(NcclTest, SilentPeerBecomesATimeoutNamingThePhase) {
     EXPECT_EQ(ToResult(t->ExchangeCounts(ids.span(), p.T[rank()], p.K, p.E, 1000, &h)),
               moonepInvalidUsage);
   }
-  MPI_Barrier(MPI_COMM_WORLD);
-}
-
-// The count exchange on a handle whose last exchange succeeded takes one round: the headers travel
-// with the counts, sized by that exchange's E. Counted here as rounds x peers (messages_sent):
-// two rounds on a new handle, after a failed exchange, and when every rank moves to another E;
-// one otherwise. Every exchange's counts are checked against the problem's.
-TEST_F(NcclTest, CountExchangeOnACountedHandleTakesOneRound) {
-  const int32_t R = size(), me = rank();
-  const Problem p = MakeProblem(R, 2 * R, 2, 4, 6, 41, -1);
-  const int32_t E = p.E;
-  auto t = MakeTransport(p.max_tokens(), p.K, 16);
-  ASSERT_NE(t, nullptr);
-  DeviceVector<int32_t> ids(p.ids[me]);
-  DispatchHandle h;
-  auto exchange = [&](int32_t experts, int64_t* rounds) {
-    const int64_t before = t->counters(OpKind::kCounts).messages_sent;
-    absl::Status st = t->ExchangeCounts(ids.span(), p.T[me], p.K, experts, 100, &h);
-    *rounds = R > 1 ? (t->counters(OpKind::kCounts).messages_sent - before) / (R - 1) : -1;
-    return st;
-  };
-  auto expect_counts = [&](int32_t experts) {
-    std::vector<int64_t> want(static_cast<size_t>(R) * experts, 0);
-    for (int32_t r = 0; r < R; ++r) {
-      for (int32_t e = 0; e < E; ++e) want[r * experts + e] = p.counts[r * E + e];
-    }
-    EXPECT_EQ(std::vector<int64_t>(h.counts().begin(), h.counts().end()), want) << experts;
-  };
-  const int64_t two = R > 1 ? 2 : -1, one = R > 1 ? 1 : -1;
-  int64_t rounds = 0;
-  ASSERT_TRUE(exchange(E, &rounds).ok());  // a new handle
-  EXPECT_EQ(rounds, two);
-  expect_counts(E);
-  ASSERT_TRUE(exchange(E, &rounds).ok());
-  EXPECT_EQ(rounds, one);
-  expect_counts(E);
-  ASSERT_TRUE(exchange(2 * E, &rounds).ok());  // every rank moves to 2E: a second round
-  EXPECT_EQ(rounds, two);
-  expect_counts(2 * E);
-  ASSERT_TRUE(exchange(2 * E, &rounds).ok());
-  EXPECT_EQ(rounds, one);
-  expect_counts(2 * E);
-  if (R > 1) {
-    // Rank 0 uses 3E, the others 2E: refused on every rank from the headers, transport usable.
-    absl::Status st = exchange(me == 0 ? 3 * E : 2 * E, &rounds);
-    EXPECT_EQ(ToResult(st), moonepInvalidArgument) << st;
-    EXPECT_NE(std::string(st.message()).find("num_experts"), std::string::npos) << st;
-  }
-  ASSERT_TRUE(exchange(E, &rounds).ok());  // no agreed E after a failure: two rounds
-  EXPECT_EQ(rounds, R > 1 ? two : one);
-  expect_counts(E);
-  // An id out of range on the last rank, in a one-round exchange: that rank names it, the others
-  // report RemoteError, and the transport stays usable.
-  {
-    std::vector<int32_t> bad_ids = p.ids[me];
-    if (me == R - 1 && !bad_ids.empty()) bad_ids[0] = E;
-    DeviceVector<int32_t> bad(bad_ids);
-    const bool has_bad = !p.ids[R - 1].empty();
-    absl::Status st = t->ExchangeCounts(bad.span(), p.T[me], p.K, E, 100, &h);
-    if (has_bad) {
-      EXPECT_EQ(ToResult(st), me == R - 1 ? moonepInvalidArgument : moonepRemoteError) << st;
-    }
-  }
-  ASSERT_TRUE(exchange(E, &rounds).ok());
-  expect_counts(E);
-  // A new handle object where a counted one was (the transport keys its buffers by the address)
-  // is not counted: two rounds, whatever the address.
-  {
-    std::optional<DispatchHandle> slot;
-    slot.emplace();
-    ASSERT_TRUE(t->ExchangeCounts(ids.span(), p.T[me], p.K, E, 100, &*slot).ok());
-    slot.reset();
-    slot.emplace();
-    const int64_t before = t->counters(OpKind::kCounts).messages_sent;
-    ASSERT_TRUE(t->ExchangeCounts(ids.span(), p.T[me], p.K, E, 100, &*slot).ok());
-    if (R > 1) {
-      EXPECT_EQ((t->counters(OpKind::kCounts).messages_sent - before) / (R - 1), 2);
-    }
-  }
-  MPI_Barrier(MPI_COMM_WORLD);
-}
-
-// Which form a count exchange takes depends on whether the handle's previous one completed, so a
-// second exchange started on a handle whose first is still in flight is refused (on every rank,
-// as every rank makes the same call here).
-TEST_F(NcclTest, SecondCountExchangeOnAHandleInFlightIsRefused) {
-  const int32_t me = rank();
-  const Problem p = MakeProblem(size(), 2 * size(), 2, 4, 6, 43, -1);
-  auto t = MakeTransport(p.max_tokens(), p.K, 16, /*timeout_ms=*/5000);
-  ASSERT_NE(t, nullptr);
-  DeviceVector<int32_t> ids(p.ids[me]);
-  DispatchHandle h;
-  auto first = t->StartExchangeCounts(ids.span(), p.T[me], p.K, p.E, 100, &h);
-  ASSERT_TRUE(first.ok()) << first.status();
-  auto second = t->StartExchangeCounts(ids.span(), p.T[me], p.K, p.E, 100, &h);
-  ASSERT_FALSE(second.ok());
-  EXPECT_EQ(ToResult(second.status()), moonepInvalidUsage) << second.status();
-  EXPECT_NE(std::string(second.status().message()).find("has not completed"), std::string::npos)
-      << second.status();
-  (*first)->Wait().IgnoreError();  // the refusal made the transport unusable
-  t.reset();
   MPI_Barrier(MPI_COMM_WORLD);
 }
 

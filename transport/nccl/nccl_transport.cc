@@ -208,11 +208,6 @@ struct HandleState {
   // Count exchange.
   PinnedBuffer header_host, header_all_host, counts_all_host, ids_host;
   DeviceBuffer header_dev, header_all_dev, counts_dev, counts_all_dev;
-  // The one-round form (StartExchangeCounts): [header, invalid, counts[E]] of every rank at once.
-  PinnedBuffer wire_all_host;
-  DeviceBuffer wire_dev, wire_all_dev;
-  // Whether a count exchange on this handle is in flight (StartExchangeCounts refuses a second).
-  bool counts_in_flight = false;
   // Tables of the last dispatch (one upload per dispatch).
   PinnedBuffer tables_host;
   DeviceBuffer tables_dev;
@@ -229,14 +224,13 @@ struct HandleState {
   // Frees the allocations every buffer above outgrew (no operation may be in flight).
   void FreeRetired() {
     for (PinnedBuffer* b : {&header_host, &header_all_host, &counts_all_host, &ids_host,
-                            &wire_all_host, &tables_host, &unique_recv_host, &staging_begin_host,
-                            &bad_host}) {
+                            &tables_host, &unique_recv_host, &staging_begin_host, &bad_host}) {
       b->FreeRetired();
     }
     for (DeviceBuffer* b : {&header_dev, &header_all_dev, &counts_dev, &counts_all_dev,
-                            &wire_dev, &wire_all_dev, &tables_dev, &unique_recv_dev,
-                            &staging_begin_dev, &bad_dev, &weights_dev, &ones_dev, &meta_send_dev,
-                            &meta_recv_dev, &send_staging, &recv_staging}) {
+                            &tables_dev, &unique_recv_dev, &staging_begin_dev, &bad_dev,
+                            &weights_dev, &ones_dev, &meta_send_dev, &meta_recv_dev, &send_staging,
+                            &recv_staging}) {
       b->FreeRetired();
     }
   }
@@ -324,8 +318,6 @@ class NcclOp : public NcclRequest {
     stop_ = true;
     verdict_ = std::move(verdict);
   }
-  // Called once when the op ends, however it ends (completed, stopped, failed or destroyed).
-  void OnEnd(std::function<void()> f) { on_end_ = std::move(f); }
 
   // For the channel's progress: true when nothing remains to post (or the op ended).
   bool AllPosted() const { return done_ || stop_ || next_ >= steps_.size(); }
@@ -340,12 +332,6 @@ class NcclOp : public NcclRequest {
   absl::Status Record();
   // The op no longer counts as in flight (its device work is complete, or the pair was aborted).
   void Landed();
-  void Ended() {
-    if (!on_end_) return;
-    std::function<void()> f = std::move(on_end_);
-    on_end_ = nullptr;
-    f();
-  }
 
   NcclTransportImpl* transport_;
   OpKind kind_;
@@ -359,7 +345,6 @@ class NcclOp : public NcclRequest {
   bool stop_ = false;
   absl::Status verdict_;
   bool done_ = false;
-  std::function<void()> on_end_;
   absl::Status status_;
   Clock::time_point deadline_;
   Clock::time_point created_ = Clock::now();  // for MOONEP_DEBUG=TRACE's stage times
@@ -606,7 +591,6 @@ absl::StatusOr<bool> NcclOp::Test() {
   if (stop_) {
     done_ = true;
     Landed();  // a stop posts no work after the step whose work was complete
-    Ended();
     status_ = verdict_;
     return Test();
   }
@@ -616,7 +600,6 @@ absl::StatusOr<bool> NcclOp::Test() {
       absl::Status s = finish_ ? finish_() : absl::OkStatus();
       done_ = true;  // finish errors are verdicts on completed work; fatal ones already aborted
       Landed();
-      Ended();
       MOONEP_TRACE("transport nccl: %s complete at %.1f us", OpName(kind_),
                    std::chrono::duration<double, std::micro>(Clock::now() - created_).count());
       status_ = s;
@@ -658,7 +641,6 @@ absl::Status NcclOp::Fail(absl::Status status) {
   status_ = status;
   transport_->Abort(status);
   Landed();  // the pair is aborted: no Start reaches FreeRetired again
-  Ended();
   return status;
 }
 
@@ -1102,26 +1084,9 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
   if (!local.ok()) local = Annotate(local, absl::StrFormat("count exchange on rank %d", rank_));
 
   HandleState* st = StateOf(h);
-  // Whether the handle's previous exchange completed is what every rank decides the form on, so
-  // it must have completed on this rank too (waited for, or found complete by Test).
-  if (st->counts_in_flight) {
-    return Fatal(InvalidUsage(
-        "count exchange: the handle's previous count exchange has not completed; wait for it "
-        "before starting another on the same handle"));
-  }
   const int32_t R = size_, E = num_experts;
   const int64_t width = 1 + E;
   const int64_t entries = local.ok() ? num_tokens * top_k : 0;
-  // One round instead of two when the handle's last exchange succeeded: the headers travel with
-  // the counts, sized by that exchange's E (which every rank knows alike: success is agreed). If
-  // every rank still uses that E the counts arrive with the headers; if all moved to another E, a
-  // second round follows sized by the new one; if they disagree, the headers say so and the
-  // exchange stops as before. The handle object decides, not its address: a new handle where an
-  // old one was is not counted, and the transport's state keyed by the address does not count.
-  const int32_t wire_experts =
-      h->counted_ && h->num_ranks_ == R && h->rank_ == rank_ ? h->num_experts_ : 0;
-  const bool one_round = wire_experts > 0;
-  const int64_t wire_width = kHeader + 1 + static_cast<int64_t>(wire_experts);
   {
     absl::Status s = st->header_host.Reserve(kHeader * 8, "the count header");
     if (s.ok())
@@ -1134,15 +1099,6 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
       s = st->header_all_dev.Reserve(static_cast<size_t>(R) * kHeader * 8, "count headers");
     if (s.ok()) s = st->counts_dev.Reserve(static_cast<size_t>(width) * 8, "counts");
     if (s.ok()) s = st->counts_all_dev.Reserve(static_cast<size_t>(R * width) * 8, "counts");
-    if (s.ok() && one_round) {
-      s = st->wire_dev.Reserve(static_cast<size_t>(wire_width) * 8, "count headers and counts");
-      if (s.ok())
-        s = st->wire_all_dev.Reserve(static_cast<size_t>(R * wire_width) * 8,
-                                     "count headers and counts");
-      if (s.ok())
-        s = st->wire_all_host.Reserve(static_cast<size_t>(R * wire_width) * 8,
-                                      "count headers and counts");
-    }
     if (!s.ok()) return Fatal(s);
   }
   h->counted_ = false;
@@ -1163,36 +1119,9 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
   const int64_t T = num_tokens;
   const int32_t K = top_k, me = rank_;
   const cudaStream_t stream = rows_stream_;
-  raw->counters().bytes_sent = (one_round ? wire_width : kHeader + width) * 8 * (R - 1);
-  raw->counters().messages_sent = (one_round ? 1 : 2) * (R - 1);  // rounds x peers
+  raw->counters().bytes_sent = (kHeader + width) * 8 * (R - 1);
   auto exchange_header = [=]() -> absl::Status {
     MOONEP_RETURN_IF_ERROR(WaitCaller(stream));
-    if (one_round) {
-      int64_t* wire = st->wire_dev.get<int64_t>();
-      MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(wire, st->header_host.get(), kHeader * 8,
-                                                  cudaMemcpyHostToDevice, stream));
-      MOONEP_CUDA_RETURN_IF_ERROR(
-          cudaMemsetAsync(wire + kHeader, 0, (wire_width - kHeader) * 8, stream));
-      // With another E than the wire's, the counts are made for the second round.
-      int64_t* counts = E == wire_experts ? wire + kHeader : st->counts_dev.get<int64_t>();
-      if (E != wire_experts) {
-        MOONEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(counts, 0, width * 8, stream));
-      }
-      if (entries > 0) {
-        MOONEP_CUDA_RETURN_IF_ERROR(LaunchCountRouting(ids, T, K, E, counts + 1, counts, stream));
-        MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st->ids_host.get(), ids,
-                                                    static_cast<size_t>(entries) * 4,
-                                                    cudaMemcpyDeviceToHost, stream));
-      }
-      MOONEP_RETURN_IF_ERROR(
-          Settle(ncclAllGather(wire, st->wire_all_dev.get(), static_cast<size_t>(wire_width),
-                               ncclInt64, comms_->rows, stream),
-                 comms_->rows, "count exchange (ncclAllGather of headers and counts)"));
-      MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st->wire_all_host.get(), st->wire_all_dev.get(),
-                                                  static_cast<size_t>(R * wire_width) * 8,
-                                                  cudaMemcpyDeviceToHost, stream));
-      return absl::OkStatus();
-    }
     MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st->header_dev.get(), st->header_host.get(),
                                                 kHeader * 8, cudaMemcpyHostToDevice, stream));
     MOONEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st->counts_dev.get(), 0, width * 8, stream));
@@ -1212,13 +1141,6 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
     return absl::OkStatus();
   };
   auto exchange_counts = [=]() -> absl::Status {
-    if (one_round) {  // the headers out of the combined rows
-      const int64_t* wire = st->wire_all_host.get<int64_t>();
-      int64_t* headers = st->header_all_host.get<int64_t>();
-      for (int32_t r = 0; r < R; ++r) {
-        std::copy(wire + r * wire_width, wire + r * wire_width + kHeader, headers + r * kHeader);
-      }
-    }
     // Every rank reads the same headers, so every rank reaches the same verdict here.
     const int64_t* all = st->header_all_host.get<int64_t>();
     std::vector<int> bad;
@@ -1238,18 +1160,6 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
       raw->Stop(RemoteError("count exchange: rank(s) %s rejected their routing input",
                             absl::StrJoin(bad, ",")));
       return absl::OkStatus();
-    }
-    if (one_round && E == wire_experts) {  // every rank's E is the wire's: the counts are here
-      const int64_t* wire = st->wire_all_host.get<int64_t>();
-      int64_t* counts = st->counts_all_host.get<int64_t>();
-      for (int32_t r = 0; r < R; ++r) {
-        std::copy(wire + r * wire_width + kHeader, wire + (r + 1) * wire_width, counts + r * width);
-      }
-      return absl::OkStatus();
-    }
-    if (one_round) {  // every rank moved to another E: a second round sized by it
-      raw->counters().bytes_sent += width * 8 * (R - 1);
-      raw->counters().messages_sent += R - 1;
     }
     MOONEP_RETURN_IF_ERROR(
         Settle(ncclAllGather(st->counts_dev.get(), st->counts_all_dev.get(),
@@ -1297,8 +1207,6 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
     h->counted_ = true;
     return absl::OkStatus();
   };
-  st->counts_in_flight = true;
-  raw->OnEnd([st] { st->counts_in_flight = false; });
   return Run(std::move(op), {exchange_header, exchange_counts}, finish);
 }
 
