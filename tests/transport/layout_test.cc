@@ -21,6 +21,21 @@ using test::MakeProblem;
 using test::MakeRandomPlan;
 using test::Problem;
 
+// Host backends poll without sleeping only with a core per rank on the node; unknown CPU counts
+// and nonsense rank counts answer no (the sleeping waits, which are correct everywhere).
+TEST(SpinWaitsTest, OnlyWithACorePerLocalRank) {
+  EXPECT_TRUE(common::SpinWaits(1, 1));
+  EXPECT_TRUE(common::SpinWaits(2, 2));
+  EXPECT_TRUE(common::SpinWaits(8, 16));
+  EXPECT_FALSE(common::SpinWaits(3, 2));
+  EXPECT_FALSE(common::SpinWaits(8, 2));
+  EXPECT_FALSE(common::SpinWaits(2, 0));
+  EXPECT_FALSE(common::SpinWaits(2, -1));
+  EXPECT_FALSE(common::SpinWaits(0, 4));
+  // The one-argument form asks the node: one rank always has a core.
+  EXPECT_TRUE(common::SpinWaits(1));
+}
+
 TEST(ValidateRoutingTest, AcceptsValidAndMinusOne) {
   std::vector<int32_t> ids = {0, 3, -1, -1, 2, 1};
   EXPECT_TRUE(ValidateRouting(ids, 3, 2, 4).ok());

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include <unistd.h>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "moonep/core/env.h"
@@ -37,6 +39,12 @@ int64_t ResolveTimeoutMs(int64_t options_timeout_ms) {
   const int64_t ms = options_timeout_ms > 0 ? options_timeout_ms : param::TimeoutMs();
   return std::min(ms, kMaxTimeoutMs);
 }
+
+bool SpinWaits(int local_ranks, long cpus) {
+  return cpus > 0 && local_ranks >= 1 && local_ranks <= cpus;
+}
+
+bool SpinWaits(int local_ranks) { return SpinWaits(local_ranks, sysconf(_SC_NPROCESSORS_ONLN)); }
 
 absl::Status CheckRowTensor(const TensorView& v, const char* name, int64_t min_rows, int64_t cols,
                             const char* backend, Device device) {

@@ -30,6 +30,11 @@ absl::Status CheckOptions(const TransportOptions& options);
 absl::Status CheckEnvironment();
 // options.timeout_ms, else MOONEP_TIMEOUT_MS (checked by CheckEnvironment), at most kMaxTimeoutMs.
 int64_t ResolveTimeoutMs(int64_t options_timeout_ms);
+// Whether a host backend's waits may poll without sleeping: at most one rank per online CPU of
+// this node (`cpus`: sysconf(_SC_NPROCESSORS_ONLN) in the one-argument form; <= 0 when unknown,
+// which answers no). With more ranks than cores a polling rank would hold the core its peer needs.
+bool SpinWaits(int local_ranks, long cpus);
+bool SpinWaits(int local_ranks);
 
 // A 2-D contiguous matrix of fp32 or bf16 in memory of `device` (as its TensorView says; a device
 // backend also checks the pointer itself) with at least max(min_rows, 0) rows and `cols` columns

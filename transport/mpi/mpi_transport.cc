@@ -149,6 +149,9 @@ class MpiTransport : public Transport {
   int32_t rank() const override { return rank_; }
   int32_t size() const override { return size_; }
   int64_t timeout_ms() const override { return timeout_ms_; }
+  // How MpiOp::Wait waits: polling without sleeps while this node has a core per rank, else
+  // sleeping between polls (common::SpinWaits).
+  bool spin_waits() const { return spin_waits_; }
 
   absl::StatusOr<RequestPtr> StartExchangeCounts(absl::Span<const int32_t> topk_ids,
                                                  int64_t num_tokens, int32_t top_k,
@@ -210,6 +213,7 @@ class MpiTransport : public Transport {
   TransportOptions options_;
   int32_t rank_ = 0, size_ = 1;
   int64_t timeout_ms_ = 0;
+  bool spin_waits_ = false;
   int64_t tag_slots_ = 1, seqs_per_epoch_ = 1, epoch_ = 0;
   int abort_tag_ = 0;
   MPI_Comm rows_comm_ = MPI_COMM_NULL, weights_comm_ = MPI_COMM_NULL, abort_comm_ = MPI_COMM_NULL;
@@ -378,7 +382,23 @@ absl::StatusOr<bool> MpiOp::Test() {
 }
 
 absl::Status MpiOp::Wait() {
-  // Poll hot for 200 us without yielding (a small exchange completes within it, and keeping the
+  // A core per rank on this node: poll without sleeping (a yield every millisecond lets anything
+  // else that wants the core run). MPI moves a large message only while the ranks poll: with the
+  // sleeps below, a 33 MB dispatch between two ranks took 2.6x as long (docs/transport.md).
+  if (transport_->spin_waits()) {
+    Clock::time_point next_yield = Clock::now() + std::chrono::milliseconds(1);
+    while (true) {
+      absl::StatusOr<bool> r = Test();
+      if (!r.ok()) return r.status();
+      if (*r) return absl::OkStatus();
+      const Clock::time_point now = Clock::now();
+      if (now >= next_yield) {
+        std::this_thread::yield();
+        next_yield = now + std::chrono::milliseconds(1);
+      }
+    }
+  }
+  // More ranks than cores: poll hot for 200 us without yielding (a small exchange completes within it, and keeping the
   // core keeps both sides of a multi-round exchange running; a yield on a contended host gave
   // the core away for a whole scheduler slice: 4 ms for a 128-byte count exchange), then sleep
   // between polls, 20 us doubling to 100 us, so that ranks sharing cores hand them to the peer
@@ -995,6 +1015,17 @@ absl::StatusOr<std::unique_ptr<Transport>> MpiTransport::Create(const TransportO
   MPI_Comm_rank(t->rows_comm_, &t->rank_);
   MPI_Comm_size(t->rows_comm_, &t->size_);
   {
+    // Ranks sharing this node (collective, at the same point on every rank).
+    MPI_Comm local = MPI_COMM_NULL;
+    int local_size = 1;
+    if (MPI_Comm_split_type(t->rows_comm_, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &local) ==
+        MPI_SUCCESS) {
+      MPI_Comm_size(local, &local_size);
+      MPI_Comm_free(&local);
+    }
+    t->spin_waits_ = common::SpinWaits(local_size);
+  }
+  {
     int ok = checked.ok() ? 1 : 0, all_ok = 0;
     MOONEP_RETURN_IF_ERROR(
         MpiCheck(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, t->rows_comm_), "MPI_Allreduce"));
@@ -1022,7 +1053,8 @@ absl::StatusOr<std::unique_ptr<Transport>> MpiTransport::Create(const TransportO
                                             t->abort_tag_, t->abort_comm_, &t->abort_request_),
                                   "MPI_Irecv"));
   log::SetRank(t->rank_);
-  MOONEP_INFO("transport mpi: %d ranks, timeout %d ms", t->size_, t->timeout_ms_);
+  MOONEP_INFO("transport mpi: %d ranks, timeout %d ms, waits %s", t->size_, t->timeout_ms_,
+              t->spin_waits_ ? "polling (a core per rank)" : "sleeping between polls");
   return std::unique_ptr<Transport>(std::move(t));
 }
 
