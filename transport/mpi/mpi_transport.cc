@@ -384,7 +384,8 @@ absl::StatusOr<bool> MpiOp::Test() {
 absl::Status MpiOp::Wait() {
   // A core per rank on this node: poll without sleeping (a yield every millisecond lets anything
   // else that wants the core run). MPI moves a large message only while the ranks poll: with the
-  // sleeps below, a 33 MB dispatch between two ranks took 2.6x as long (docs/transport.md).
+  // sleeps below, a dispatch of 67 MB of rows between two ranks took 2.3-2.5x as long
+  // (docs/transport.md).
   if (transport_->spin_waits()) {
     Clock::time_point next_yield = Clock::now() + std::chrono::milliseconds(1);
     while (true) {
@@ -398,11 +399,12 @@ absl::Status MpiOp::Wait() {
       }
     }
   }
-  // More ranks than cores: poll hot for 200 us without yielding (a small exchange completes within it, and keeping the
-  // core keeps both sides of a multi-round exchange running; a yield on a contended host gave
-  // the core away for a whole scheduler slice: 4 ms for a 128-byte count exchange), then sleep
-  // between polls, 20 us doubling to 100 us, so that ranks sharing cores hand them to the peer
-  // they wait for. Sleeps never pass the deadline, so a timeout fires when it is due.
+  // More ranks than cores: poll hot for 200 us without yielding (a small exchange completes within
+  // it, and keeping the core keeps both sides of a multi-round exchange running; a yield on a
+  // contended host gave the core away for a whole scheduler slice: 4 ms for a 128-byte count
+  // exchange), then sleep between polls, 20 us doubling to 100 us, so that ranks sharing cores
+  // hand them to the peer they wait for. Sleeps never pass the deadline, so a timeout fires when
+  // it is due.
   constexpr auto kSpin = std::chrono::microseconds(200);
   constexpr auto kFirstSleep = std::chrono::microseconds(20);
   constexpr auto kMaxSleep = std::chrono::microseconds(100);
