@@ -46,6 +46,15 @@ bool SpinWaits(int local_ranks, long cpus) {
 
 bool SpinWaits(int local_ranks) { return SpinWaits(local_ranks, sysconf(_SC_NPROCESSORS_ONLN)); }
 
+absl::Status AgreeOnCreationChecks(MPI_Comm comm, const absl::Status& local, const char* refused) {
+  int ok = local.ok() ? 1 : 0, all_ok = 0;
+  const int rc = MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, comm);
+  if (rc != MPI_SUCCESS) return SystemError("MPI_Allreduce of the creation checks failed (%d)", rc);
+  if (!local.ok()) return local;
+  if (!all_ok) return RemoteError("%s", refused);
+  return absl::OkStatus();
+}
+
 absl::Status CheckRowTensor(const TensorView& v, const char* name, int64_t min_rows, int64_t cols,
                             const char* backend, Device device) {
   MOONEP_CHECK_ARG(v.ndim == 2, "%s: expected a 2-D tensor, got %s", name, v.DebugString());

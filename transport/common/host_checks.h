@@ -35,6 +35,10 @@ int64_t ResolveTimeoutMs(int64_t options_timeout_ms);
 // which answers no). With more ranks than cores a polling rank would hold the core its peer needs.
 bool SpinWaits(int local_ranks, long cpus);
 bool SpinWaits(int local_ranks);
+// Agrees on every rank's local creation checks (MPI_Allreduce over `comm`, collective), so that a
+// value wrong on one rank fails every rank instead of leaving the others in a later collective:
+// this rank's own error; else RemoteError(`refused`) when another rank failed; else OK.
+absl::Status AgreeOnCreationChecks(MPI_Comm comm, const absl::Status& local, const char* refused);
 
 // A 2-D contiguous matrix of fp32 or bf16 in memory of `device` (as its TensorView says; a device
 // backend also checks the pointer itself) with at least max(min_rows, 0) rows and `cols` columns

@@ -1027,15 +1027,8 @@ absl::StatusOr<std::unique_ptr<Transport>> MpiTransport::Create(const TransportO
     }
     t->spin_waits_ = common::SpinWaits(local_size);
   }
-  {
-    int ok = checked.ok() ? 1 : 0, all_ok = 0;
-    MOONEP_RETURN_IF_ERROR(
-        MpiCheck(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, t->rows_comm_), "MPI_Allreduce"));
-    if (!checked.ok()) return checked;
-    if (!all_ok) {
-      return RemoteError("MPI transport: another rank refused its options or environment");
-    }
-  }
+  MOONEP_RETURN_IF_ERROR(common::AgreeOnCreationChecks(
+      t->rows_comm_, checked, "MPI transport: another rank refused its options or environment"));
   void* attr = nullptr;
   int flag = 0;
   MPI_Comm_get_attr(t->rows_comm_, MPI_TAG_UB, &attr, &flag);

@@ -702,14 +702,9 @@ absl::StatusOr<std::shared_ptr<NcclComms>> NcclComms::Create(const TransportOpti
       int r = 0, n = 0;
       MPI_Comm_rank(options.comm, &r);
       MPI_Comm_size(options.comm, &n);
-      int ok = checked.ok() ? 1 : 0, all_ok = 0;
-      if (MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, options.comm) != MPI_SUCCESS) {
-        return SystemError("NCCL transport: MPI_Allreduce of the creation checks failed");
-      }
-      if (!checked.ok()) return checked;
-      if (!all_ok) {
-        return RemoteError("NCCL transport: another rank refused its options, environment or GPU");
-      }
+      MOONEP_RETURN_IF_ERROR(common::AgreeOnCreationChecks(
+          options.comm, checked,
+          "NCCL transport: another rank refused its options, environment or GPU"));
       int made = 1;
       if (r == 0) made = ncclGetUniqueId(&id) == ncclSuccess ? 1 : 0;
       if (MPI_Bcast(&made, 1, MPI_INT, 0, options.comm) != MPI_SUCCESS ||
@@ -730,9 +725,7 @@ absl::StatusOr<std::shared_ptr<NcclComms>> NcclComms::Create(const TransportOpti
   MOONEP_CHECK_ARG(size >= 1 && rank >= 0 && rank < size,
                    "bootstrap: rank %d is not in [0, size = %d)", rank, size);
   if (bootstrap.kind != NcclBootstrap::Kind::kWrap) {
-    if (bootstrap.device >= 0) {
-      MOONEP_CHECK_ARG(bootstrap.device < devices, "bootstrap.device = %d, but %d device(s) exist",
-                       bootstrap.device, devices);
+    if (bootstrap.device >= 0) {  // below `devices`: checked with the other local checks
       c->device = bootstrap.device;
     } else {
       MOONEP_CUDA_RETURN_IF_ERROR(cudaGetDevice(&c->device));

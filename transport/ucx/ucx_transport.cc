@@ -1519,14 +1519,9 @@ absl::StatusOr<std::unique_ptr<Transport>> UcxTransport::Create(const TransportO
     std::memset(attr.address, 0, mp.length);
     return absl::OkStatus();
   }();
-  int ok = local.ok() ? 1 : 0, all_ok = 0;
-  MOONEP_RETURN_IF_ERROR(
-      mpi(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, t->comm_), "MPI_Allreduce"));
-  if (!local.ok()) return local;
-  if (!all_ok) {
-    return RemoteError("UCX transport: another rank failed to set up UCX (or refused its options "
-                       "or environment)");
-  }
+  MOONEP_RETURN_IF_ERROR(common::AgreeOnCreationChecks(
+      t->comm_, local,
+      "UCX transport: another rank failed to set up UCX (or refused its options or environment)"));
 
   // Bootstrap over MPI: worker addresses, then the signal area's address and key (once).
   auto allgather_bytes = [&](const void* mine, int len,
