@@ -155,7 +155,9 @@ class Transport {
 
   // Validates this rank's routing (ids in [-1, E), no expert twice per token, T <= max_tokens,
   // K <= max_top_k), then allgathers counts[E] with a validity flag, T and the rank's receive
-  // capacity (rows its dispatch buffer holds). Fills handle->counts() = [R*E].
+  // capacity (rows its dispatch buffer holds). Fills handle->counts() = [R*E]. A handle's previous
+  // count exchange must have ended before the next starts on it (the NCCL transport refuses
+  // otherwise).
   virtual absl::StatusOr<RequestPtr> StartExchangeCounts(absl::Span<const int32_t> topk_ids,
                                                          int64_t num_tokens, int32_t top_k,
                                                          int32_t num_experts,

@@ -701,6 +701,148 @@ TEST_F(NcclTest, SilentPeerBecomesATimeoutNamingThePhase) {
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
+// The count exchange takes two rounds on a transport's first exchange (and after the ranks
+// disagreed on E), one afterwards: the headers travel with the counts, sized by the E of the
+// transport's last exchange. Rounds are counted as messages_sent / peers. The form depends on the
+// transport's exchanges only, never on the handle: a fresh handle takes one round too, and a rank
+// that joins with a fresh handle after a local input error (as the runtime does) takes the same
+// form as its peers. Every exchange's counts are checked against the problem's.
+TEST_F(NcclTest, CountExchangeTakesOneRoundAfterTheTransportsFirst) {
+  const int32_t R = size(), me = rank();
+  const Problem p = MakeProblem(R, 2 * R, 2, 4, 6, 41, -1);
+  const int32_t E = p.E;
+  auto t = MakeTransport(p.max_tokens(), p.K, 16);
+  ASSERT_NE(t, nullptr);
+  DeviceVector<int32_t> ids(p.ids[me]);
+  DispatchHandle h;
+  auto messages = [&] { return t->counters(OpKind::kCounts).messages_sent; };
+  // Rounds of the exchanges since `before` (-1 with one rank: no peers, no messages).
+  auto rounds_since = [&](int64_t before) { return R > 1 ? (messages() - before) / (R - 1) : -1; };
+  auto exchange = [&](int32_t experts, DispatchHandle* handle, int64_t* rounds) {
+    const int64_t before = messages();
+    absl::Status st = t->ExchangeCounts(ids.span(), p.T[me], p.K, experts, 100, handle);
+    *rounds = rounds_since(before);
+    return st;
+  };
+  auto expect_counts = [&](const DispatchHandle& handle, int32_t experts) {
+    std::vector<int64_t> want(static_cast<size_t>(R) * experts, 0);
+    for (int32_t r = 0; r < R; ++r) {
+      for (int32_t e = 0; e < E; ++e) want[r * experts + e] = p.counts[r * E + e];
+    }
+    EXPECT_EQ(std::vector<int64_t>(handle.counts().begin(), handle.counts().end()), want)
+        << experts;
+    EXPECT_EQ(handle.num_experts(), experts);
+    for (int32_t r = 0; r < R; ++r) EXPECT_EQ(handle.tokens_of_rank(r), p.T[r]);
+  };
+  const int64_t two = R > 1 ? 2 : -1, one = R > 1 ? 1 : -1;
+  int64_t rounds = 0;
+  ASSERT_TRUE(exchange(E, &h, &rounds).ok());  // the transport's first exchange
+  EXPECT_EQ(rounds, two);
+  expect_counts(h, E);
+  ASSERT_TRUE(exchange(E, &h, &rounds).ok());
+  EXPECT_EQ(rounds, one);
+  expect_counts(h, E);
+  {
+    DispatchHandle fresh;  // the form is the transport's, not the handle's
+    ASSERT_TRUE(exchange(E, &fresh, &rounds).ok());
+    EXPECT_EQ(rounds, one);
+    expect_counts(fresh, E);
+  }
+  ASSERT_TRUE(exchange(2 * E, &h, &rounds).ok());  // every rank moves to 2E: a second round
+  EXPECT_EQ(rounds, two);
+  expect_counts(h, 2 * E);
+  ASSERT_TRUE(exchange(2 * E, &h, &rounds).ok());
+  EXPECT_EQ(rounds, one);
+  expect_counts(h, 2 * E);
+  if (R > 1) {
+    // Rank 0 uses 3E, the others 2E: refused on every rank from the headers, transport usable.
+    absl::Status st = exchange(me == 0 ? 3 * E : 2 * E, &h, &rounds);
+    EXPECT_EQ(ToResult(st), moonepInvalidArgument) << st;
+    EXPECT_NE(std::string(st.message()).find("num_experts"), std::string::npos) << st;
+    EXPECT_EQ(rounds, 0) << "a refused exchange is not counted";
+    ASSERT_TRUE(exchange(E, &h, &rounds).ok());  // no common E after the disagreement
+    EXPECT_EQ(rounds, two);
+    EXPECT_TRUE(t->health().ok()) << t->health();
+    expect_counts(h, E);
+  }
+  ASSERT_TRUE(exchange(E, &h, &rounds).ok());
+  EXPECT_EQ(rounds, one);
+  expect_counts(h, E);
+  {
+    // The runtime's pattern: the last rank's input fails its local checks (num_tokens above
+    // max_tokens) and it joins with a fresh handle; the others pass their counted handle.
+    DispatchHandle scratch;
+    const bool bad = me == R - 1;
+    absl::Status st =
+        bad ? t->ExchangeCounts(ids.span(), p.max_tokens() + 1, p.K, E, 100, &scratch)
+            : t->ExchangeCounts(ids.span(), p.T[me], p.K, E, 100, &h);
+    EXPECT_EQ(ToResult(st), bad ? moonepOutOfMemory : moonepRemoteError) << st;
+    EXPECT_NE(std::string(st.message()).find(bad ? "max_tokens" : "rejected"), std::string::npos)
+        << st;
+    EXPECT_TRUE(t->health().ok()) << t->health();
+  }
+  ASSERT_TRUE(exchange(E, &h, &rounds).ok());  // the ranks still agreed on E: one round
+  EXPECT_EQ(rounds, one);
+  expect_counts(h, E);
+  {
+    // An id out of range on the last rank, in a one-round exchange: that rank names it, the others
+    // report RemoteError, and the transport stays usable.
+    std::vector<int32_t> bad_ids = p.ids[me];
+    if (me == R - 1 && !bad_ids.empty()) bad_ids[0] = E;
+    DeviceVector<int32_t> bad(bad_ids);
+    absl::Status st = t->ExchangeCounts(bad.span(), p.T[me], p.K, E, 100, &h);
+    if (!p.ids[R - 1].empty()) {
+      EXPECT_EQ(ToResult(st), me == R - 1 ? moonepInvalidArgument : moonepRemoteError) << st;
+    }
+    ASSERT_TRUE(exchange(E, &h, &rounds).ok());
+    expect_counts(h, E);
+  }
+  {
+    // Three exchanges in flight at once, waited for in reverse order: the second (2E) starts before
+    // the first (E, one round) has run its second step, and still takes the form every rank takes
+    // (one round sized by E, then a second by 2E); the third (2E) then takes one round.
+    DispatchHandle h2, h3;
+    const int64_t before = messages();
+    auto first = t->StartExchangeCounts(ids.span(), p.T[me], p.K, E, 100, &h);
+    ASSERT_TRUE(first.ok()) << first.status();
+    auto second = t->StartExchangeCounts(ids.span(), p.T[me], p.K, 2 * E, 100, &h2);
+    ASSERT_TRUE(second.ok()) << second.status();
+    auto third = t->StartExchangeCounts(ids.span(), p.T[me], p.K, 2 * E, 100, &h3);
+    ASSERT_TRUE(third.ok()) << third.status();
+    ASSERT_TRUE((*third)->Wait().ok());
+    ASSERT_TRUE((*second)->Wait().ok());
+    ASSERT_TRUE((*first)->Wait().ok());
+    EXPECT_EQ(rounds_since(before), R > 1 ? 4 : -1);
+    expect_counts(h, E);
+    expect_counts(h2, 2 * E);
+    expect_counts(h3, 2 * E);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// A handle's buffers belong to its count exchange until that ends: a second exchange started on
+// it before then is refused (InvalidUsage, and the transport is unusable afterwards, as after any
+// call that cannot be described to the peers). Every rank makes the same call here.
+TEST_F(NcclTest, SecondCountExchangeOnAHandleInFlightIsRefused) {
+  const int32_t me = rank();
+  const Problem p = MakeProblem(size(), 2 * size(), 2, 4, 6, 43, -1);
+  auto t = MakeTransport(p.max_tokens(), p.K, 16, /*timeout_ms=*/5000);
+  ASSERT_NE(t, nullptr);
+  DeviceVector<int32_t> ids(p.ids[me]);
+  DispatchHandle h;
+  auto first = t->StartExchangeCounts(ids.span(), p.T[me], p.K, p.E, 100, &h);
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto second = t->StartExchangeCounts(ids.span(), p.T[me], p.K, p.E, 100, &h);
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(ToResult(second.status()), moonepInvalidUsage) << second.status();
+  EXPECT_NE(std::string(second.status().message()).find("has not ended"), std::string::npos)
+      << second.status();
+  (*first)->Wait().IgnoreError();  // the refusal made the transport unusable
+  EXPECT_FALSE(t->health().ok());
+  t.reset();
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
 // A buffer that grows while an earlier operation's kernel waits on a silent peer: growing used to
 // cudaFree the old allocation from inside Start*, and cudaFree waits for the whole device, so the
 // call never returned (past every timeout). Now the old allocation is kept until nothing is in

@@ -5,7 +5,8 @@
 # carried as .device (optionally with NVIDIA nccl-tests' alltoall_perf, built here from its public
 # source, copied into .device/bin: not part of this repository). NVLink multicast stays off
 # (NCCL_NVLS_ENABLE=0). Logs: $OUT/multi.tgz.
-#   tests/nccl/run_multi_gpu.sh [tests|bench|torch|nccltests|layer-skew|sweep|sweep-896|torch-sweep]...
+#   tests/nccl/run_multi_gpu.sh [tests|bench|torch|nccltests|layer-skew|sweep|sweep-896|torch-sweep|
+#     counts-ab]...
 #   (default: tests bench torch)
 # layer-skew: the Mixtral-8x7B preset (E=8, K=2: on two ranks the routing skew reaches the ranks'
 #   loads, 1.00 -> 1.63 of the mean at maxvio 3) with the layer step, moonep against none;
@@ -77,6 +78,23 @@ for step in ${*:-tests bench torch}; do
     layer-skew)
       sweep mixtral 240 --preset=mixtral-8x7b --tokens=4096 --maxvio=0,1,2,3 --warmup=1 --iters=3 \
         --check_tokens=1
+      ;;
+    counts-ab)  # this build's count exchange against another commit's moonep-bench-dispatch,
+                # copied into the bundle by hand as .device/bin/bench-old; alternately, three times
+      if [ -x .device/bin/bench-old ]; then
+        for i in 1 2 3; do
+          for b in bench-old moonep-bench-dispatch; do
+            timeout 120 $mpi .device/bin/$b --backend=nccl --preset=mixtral-8x7b --tokens=4096 \
+              --maxvio=0,2 --layer=false --warmup=3 --iters=20 --check_iters=1 \
+              >>"$out/counts-ab.log" 2>&1
+            echo "== $b run $i rc=$?"
+          done
+        done
+        grep -E "command:|^ +counts|#wrong total" "$out/counts-ab.log"
+      else
+        echo "== counts-ab: no .device/bin/bench-old in the bundle, skipped"
+      fi
+      pack
       ;;
     sweep)
       sweep dsv3-sweep 260 --preset=deepseek-v3 --tokens=4096 --maxvio=0,1,2,3,4 --slots=16 \

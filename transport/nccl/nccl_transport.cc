@@ -208,6 +208,10 @@ struct HandleState {
   // Count exchange.
   PinnedBuffer header_host, header_all_host, counts_all_host, ids_host;
   DeviceBuffer header_dev, header_all_dev, counts_dev, counts_all_dev;
+  // The one-round form's message, [header, invalid, counts[W]] (every rank's land in counts_all_*).
+  DeviceBuffer wire_dev;
+  // A count exchange on this handle has started and not ended (its buffers are in use).
+  bool counts_in_flight = false;
   // Tables of the last dispatch (one upload per dispatch).
   PinnedBuffer tables_host;
   DeviceBuffer tables_dev;
@@ -228,7 +232,7 @@ struct HandleState {
       b->FreeRetired();
     }
     for (DeviceBuffer* b : {&header_dev, &header_all_dev, &counts_dev, &counts_all_dev,
-                            &tables_dev, &unique_recv_dev, &staging_begin_dev, &bad_dev,
+                            &wire_dev, &tables_dev, &unique_recv_dev, &staging_begin_dev, &bad_dev,
                             &weights_dev, &ones_dev, &meta_send_dev, &meta_recv_dev, &send_staging,
                             &recv_staging}) {
       b->FreeRetired();
@@ -318,6 +322,8 @@ class NcclOp : public NcclRequest {
     stop_ = true;
     verdict_ = std::move(verdict);
   }
+  // Called once when the op ends, however it ends (completed, stopped, failed or destroyed).
+  void OnEnd(std::function<void()> f) { on_end_ = std::move(f); }
 
   // For the channel's progress: true when nothing remains to post (or the op ended).
   bool AllPosted() const { return done_ || stop_ || next_ >= steps_.size(); }
@@ -332,6 +338,12 @@ class NcclOp : public NcclRequest {
   absl::Status Record();
   // The op no longer counts as in flight (its device work is complete, or the pair was aborted).
   void Landed();
+  void Ended() {
+    if (!on_end_) return;
+    std::function<void()> f = std::move(on_end_);
+    on_end_ = nullptr;
+    f();
+  }
 
   NcclTransportImpl* transport_;
   OpKind kind_;
@@ -345,6 +357,7 @@ class NcclOp : public NcclRequest {
   bool stop_ = false;
   absl::Status verdict_;
   bool done_ = false;
+  std::function<void()> on_end_;
   absl::Status status_;
   Clock::time_point deadline_;
   Clock::time_point created_ = Clock::now();  // for MOONEP_DEBUG=TRACE's stage times
@@ -486,6 +499,12 @@ class NcclTransportImpl : public NcclTransport {
   cudaStream_t caller_stream_ = nullptr;  // legacy default stream
   cudaEvent_t caller_ready_ = nullptr;
   absl::Status poisoned_;
+  // The count exchange's form (StartExchangeCounts). wire_experts_: the E every rank used in this
+  // transport's last count exchange (0: none yet, or the ranks disagreed), read and written only
+  // in the exchange's host steps, which every rank runs in the same order over the same headers;
+  // the next exchange sends its counts with its header, sized by it. reserve_experts_: the largest
+  // E of any exchange started, which bounds it (buffers are reserved at the start).
+  int32_t wire_experts_ = 0, reserve_experts_ = 0;
   std::unordered_map<const DispatchHandle*, std::unique_ptr<HandleState>> states_;
   // Reduce: one staging per reduce in flight, reused.
   common::BufferPool<ReduceStaging> reduce_staging_;
@@ -516,6 +535,7 @@ NcclOp::~NcclOp() {
     Fail(InvalidUsage("%s: request destroyed before it completed", OpName(kind_))).IgnoreError();
   }
   Landed();
+  Ended();
   transport_->Dequeue(this);
   if (event_) cudaEventDestroy(event_);
 }
@@ -591,6 +611,7 @@ absl::StatusOr<bool> NcclOp::Test() {
   if (stop_) {
     done_ = true;
     Landed();  // a stop posts no work after the step whose work was complete
+    Ended();
     status_ = verdict_;
     return Test();
   }
@@ -600,6 +621,7 @@ absl::StatusOr<bool> NcclOp::Test() {
       absl::Status s = finish_ ? finish_() : absl::OkStatus();
       done_ = true;  // finish errors are verdicts on completed work; fatal ones already aborted
       Landed();
+      Ended();
       MOONEP_TRACE("transport nccl: %s complete at %.1f us", OpName(kind_),
                    std::chrono::duration<double, std::micro>(Clock::now() - created_).count());
       status_ = s;
@@ -641,6 +663,7 @@ absl::Status NcclOp::Fail(absl::Status status) {
   status_ = status;
   transport_->Abort(status);
   Landed();  // the pair is aborted: no Start reaches FreeRetired again
+  Ended();
   return status;
 }
 
@@ -1037,8 +1060,20 @@ absl::Status NcclTransportImpl::CheckDispatched(OpKind kind, DispatchHandle* h) 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Count exchange: [flag, T, K, E, capacity] allgathered first (so ranks agree on E before sizing
-// the second exchange), then [invalid, counts[E]] computed on the device from the device ids.
+// Count exchange. A rank's message is its header [flag, T, K, E, capacity] and [invalid,
+// counts[E]], counted on the device from the device ids. It takes one of two forms, the same on
+// every rank:
+// - one round: header and counts in one allgather of kHeader + 1 + W values, where W is the E
+//   every rank used in this transport's last count exchange. If every rank still uses W, the counts
+//   have arrived with the headers; if every rank moved to another E, a second round sized by it
+//   follows; if the ranks disagree, the headers say so.
+// - two rounds (the transport's first exchange, and the one after the ranks disagreed on E): the
+//   headers first, so that every rank knows E before the counts' allgather is sized by it.
+// The form is chosen in the exchange's first host step, not when it starts. A channel's steps run
+// in issue order on every rank (Progress), so the previous exchange's second step, which sets W
+// from the headers every rank received alike, has run by then on every rank, whether or not its
+// caller has waited for it yet. Nothing about the handle enters the choice: a rank that joins with
+// a fresh handle (the runtime does, after a local input error) takes the same form as the others.
 
 constexpr int kHeader = 5;
 
@@ -1077,21 +1112,32 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
   if (!local.ok()) local = Annotate(local, absl::StrFormat("count exchange on rank %d", rank_));
 
   HandleState* st = StateOf(h);
+  // The handle's buffers belong to its exchange until that ends.
+  if (st->counts_in_flight) {
+    return Fatal(InvalidUsage("count exchange: the handle's previous count exchange has not "
+                              "ended; wait for it before starting another on the same handle"));
+  }
   const int32_t R = size_, E = num_experts;
   const int64_t width = 1 + E;
   const int64_t entries = local.ok() ? num_tokens * top_k : 0;
+  // The wire's E when this exchange's first step runs is that of an exchange started before this
+  // one, so at most reserve_experts_. counts_all_* also receive the one-round form's rows.
+  reserve_experts_ = std::max(reserve_experts_, E);
+  const int64_t max_wire = kHeader + 1 + static_cast<int64_t>(reserve_experts_);
+  const size_t all_bytes = static_cast<size_t>(R * std::max(width, max_wire)) * 8;
   {
     absl::Status s = st->header_host.Reserve(kHeader * 8, "the count header");
     if (s.ok())
       s = st->header_all_host.Reserve(static_cast<size_t>(R) * kHeader * 8, "count headers");
-    if (s.ok()) s = st->counts_all_host.Reserve(static_cast<size_t>(R * width) * 8, "counts");
+    if (s.ok()) s = st->counts_all_host.Reserve(all_bytes, "counts");
     if (s.ok())
       s = st->ids_host.Reserve(static_cast<size_t>(std::max<int64_t>(entries, 1)) * 4, "ids");
     if (s.ok()) s = st->header_dev.Reserve(kHeader * 8, "the count header");
     if (s.ok())
       s = st->header_all_dev.Reserve(static_cast<size_t>(R) * kHeader * 8, "count headers");
     if (s.ok()) s = st->counts_dev.Reserve(static_cast<size_t>(width) * 8, "counts");
-    if (s.ok()) s = st->counts_all_dev.Reserve(static_cast<size_t>(R * width) * 8, "counts");
+    if (s.ok()) s = st->counts_all_dev.Reserve(all_bytes, "counts");
+    if (s.ok()) s = st->wire_dev.Reserve(static_cast<size_t>(max_wire) * 8, "header and counts");
     if (!s.ok()) return Fatal(s);
   }
   h->counted_ = false;
@@ -1112,30 +1158,66 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
   const int64_t T = num_tokens;
   const int32_t K = top_k, me = rank_;
   const cudaStream_t stream = rows_stream_;
-  raw->counters().bytes_sent = (kHeader + width) * 8 * (R - 1);
+  // The wire's E this exchange took (0: two rounds), set by its first step for its second.
+  auto wire_experts = std::make_shared<int32_t>(0);
+  // Rounds are counted as messages (one per peer and round), bytes as what this rank sent.
+  auto round = [raw, R](int64_t values) {
+    raw->counters().bytes_sent += values * 8 * (R - 1);
+    raw->counters().messages_sent += R - 1;
+  };
   auto exchange_header = [=]() -> absl::Status {
     MOONEP_RETURN_IF_ERROR(WaitCaller(stream));
-    MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st->header_dev.get(), st->header_host.get(),
-                                                kHeader * 8, cudaMemcpyHostToDevice, stream));
-    MOONEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st->counts_dev.get(), 0, width * 8, stream));
+    const int32_t W = wire_experts_;
+    *wire_experts = W;
+    int64_t* counts = st->counts_dev.get<int64_t>();
+    int64_t* send = st->header_dev.get<int64_t>();
+    int64_t sent = kHeader;
+    if (W > 0) {
+      send = st->wire_dev.get<int64_t>();
+      sent = kHeader + 1 + W;
+      MOONEP_CUDA_RETURN_IF_ERROR(
+          cudaMemsetAsync(send + kHeader, 0, static_cast<size_t>(1 + W) * 8, stream));
+      // With another E than the wire's, the counts are made for the second round.
+      if (E == W) counts = send + kHeader;
+    }
+    MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(send, st->header_host.get(), kHeader * 8,
+                                                cudaMemcpyHostToDevice, stream));
+    if (counts != send + kHeader) {
+      MOONEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(counts, 0, width * 8, stream));
+    }
     if (entries > 0) {
-      int64_t* counts = st->counts_dev.get<int64_t>();
       MOONEP_CUDA_RETURN_IF_ERROR(LaunchCountRouting(ids, T, K, E, counts + 1, counts, stream));
       MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st->ids_host.get(), ids,
                                                   static_cast<size_t>(entries) * 4,
                                                   cudaMemcpyDeviceToHost, stream));
     }
-    MOONEP_RETURN_IF_ERROR(Settle(ncclAllGather(st->header_dev.get(), st->header_all_dev.get(),
-                                                kHeader, ncclInt64, comms_->rows, stream),
-                                  comms_->rows, "count exchange (ncclAllGather of headers)"));
-    MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st->header_all_host.get(), st->header_all_dev.get(),
-                                                static_cast<size_t>(R) * kHeader * 8,
+    void* recv = W > 0 ? st->counts_all_dev.get() : st->header_all_dev.get();
+    void* host = W > 0 ? st->counts_all_host.get() : st->header_all_host.get();
+    MOONEP_RETURN_IF_ERROR(Settle(
+        ncclAllGather(send, recv, static_cast<size_t>(sent), ncclInt64, comms_->rows, stream),
+        comms_->rows,
+        W > 0 ? "count exchange (ncclAllGather of headers and counts)"
+              : "count exchange (ncclAllGather of headers)"));
+    MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host, recv, static_cast<size_t>(R * sent) * 8,
                                                 cudaMemcpyDeviceToHost, stream));
+    round(sent);
     return absl::OkStatus();
   };
   auto exchange_counts = [=]() -> absl::Status {
-    // Every rank reads the same headers, so every rank reaches the same verdict here.
-    const int64_t* all = st->header_all_host.get<int64_t>();
+    const int32_t W = *wire_experts;
+    const int64_t wire_width = kHeader + 1 + static_cast<int64_t>(W);
+    int64_t* all = st->header_all_host.get<int64_t>();
+    int64_t* rows = st->counts_all_host.get<int64_t>();
+    if (W > 0) {  // the headers out of the one-round rows
+      for (int32_t r = 0; r < R; ++r) {
+        std::copy(rows + r * wire_width, rows + r * wire_width + kHeader, all + r * kHeader);
+      }
+    }
+    // Every rank reads the same headers, so every rank reaches the same verdict here, and sets the
+    // same wire for the next exchange: the common E, or none when the ranks disagree.
+    bool same = true;
+    for (int32_t r = 1; r < R; ++r) same = same && all[r * kHeader + 3] == all[3];
+    wire_experts_ = same ? static_cast<int32_t>(all[3]) : 0;
     std::vector<int> bad;
     for (int32_t r = 0; r < R; ++r) {
       if (all[r * kHeader + 3] != E) {
@@ -1154,6 +1236,12 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
                             absl::StrJoin(bad, ",")));
       return absl::OkStatus();
     }
+    if (W == E) {  // every rank used the wire's E: the counts came with the headers
+      for (int32_t r = 0; r < R; ++r) {  // rows of kHeader + 1 + E into rows of 1 + E, in place
+        std::copy(rows + r * wire_width + kHeader, rows + (r + 1) * wire_width, rows + r * width);
+      }
+      return absl::OkStatus();
+    }
     MOONEP_RETURN_IF_ERROR(
         Settle(ncclAllGather(st->counts_dev.get(), st->counts_all_dev.get(),
                              static_cast<size_t>(width), ncclInt64, comms_->rows, stream),
@@ -1161,6 +1249,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
     MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st->counts_all_host.get(), st->counts_all_dev.get(),
                                                 static_cast<size_t>(R * width) * 8,
                                                 cudaMemcpyDeviceToHost, stream));
+    round(width);
     return absl::OkStatus();
   };
   auto finish = [=]() -> absl::Status {
@@ -1200,6 +1289,8 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
     h->counted_ = true;
     return absl::OkStatus();
   };
+  st->counts_in_flight = true;
+  raw->OnEnd([st] { st->counts_in_flight = false; });
   return Run(std::move(op), {exchange_header, exchange_counts}, finish);
 }
 
