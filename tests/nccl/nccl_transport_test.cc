@@ -701,12 +701,13 @@ TEST_F(NcclTest, SilentPeerBecomesATimeoutNamingThePhase) {
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
-// The count exchange takes two rounds on a transport's first exchange (and after the ranks
-// disagreed on E), one afterwards: the headers travel with the counts, sized by the E of the
-// transport's last exchange. Rounds are counted as messages_sent / peers. The form depends on the
-// transport's exchanges only, never on the handle: a fresh handle takes one round too, and a rank
-// that joins with a fresh handle after a local input error (as the runtime does) takes the same
-// form as its peers. Every exchange's counts are checked against the problem's.
+// The count exchange takes two rounds on a communicator pair's first exchange (and after the
+// ranks disagreed on E), one afterwards: the headers travel with the counts, sized by the E of the
+// pair's last exchange. Rounds are counted as messages_sent / peers (at one rank there are no
+// messages: there only the counts are checked). The form depends on the pair's exchanges only,
+// never on the handle: a fresh handle takes one round too, and a rank that joins with a fresh
+// handle after a local input error (as the runtime does) takes the same form as its peers. Every
+// exchange's counts are checked against the problem's.
 TEST_F(NcclTest, CountExchangeTakesOneRoundAfterTheTransportsFirst) {
   const int32_t R = size(), me = rank();
   const Problem p = MakeProblem(R, 2 * R, 2, 4, 6, 41, -1);
@@ -754,9 +755,21 @@ TEST_F(NcclTest, CountExchangeTakesOneRoundAfterTheTransportsFirst) {
   ASSERT_TRUE(exchange(2 * E, &h, &rounds).ok());
   EXPECT_EQ(rounds, one);
   expect_counts(h, 2 * E);
+  {
+    // A fresh handle with an E below the wire's: its buffers are sized for the wire (2E), the
+    // first round carries zeros in the counts' places, a second brings the counts of E.
+    DispatchHandle fresh;
+    ASSERT_TRUE(exchange(E, &fresh, &rounds).ok());
+    EXPECT_EQ(rounds, two);
+    expect_counts(fresh, E);
+    ASSERT_TRUE(exchange(2 * E, &h, &rounds).ok());
+    EXPECT_EQ(rounds, two);
+    expect_counts(h, 2 * E);
+  }
   if (R > 1) {
-    // Rank 0 uses 3E, the others 2E: refused on every rank from the headers, transport usable.
-    absl::Status st = exchange(me == 0 ? 3 * E : 2 * E, &h, &rounds);
+    // Rank 0 uses E, below the wire's 2E, the others 2E: refused on every rank from the headers,
+    // transport usable.
+    absl::Status st = exchange(me == 0 ? E : 2 * E, &h, &rounds);
     EXPECT_EQ(ToResult(st), moonepInvalidArgument) << st;
     EXPECT_NE(std::string(st.message()).find("num_experts"), std::string::npos) << st;
     EXPECT_EQ(rounds, 0) << "a refused exchange is not counted";
@@ -799,8 +812,9 @@ TEST_F(NcclTest, CountExchangeTakesOneRoundAfterTheTransportsFirst) {
   }
   {
     // Three exchanges in flight at once, waited for in reverse order: the second (2E) starts before
-    // the first (E, one round) has run its second step, and still takes the form every rank takes
-    // (one round sized by E, then a second by 2E); the third (2E) then takes one round.
+    // the first (E, one round) is waited for, usually before its second step has run, and still
+    // takes the form every rank takes (one round sized by E, then a second by 2E); the third (2E)
+    // then takes one round.
     DispatchHandle h2, h3;
     const int64_t before = messages();
     auto first = t->StartExchangeCounts(ids.span(), p.T[me], p.K, E, 100, &h);
@@ -821,11 +835,11 @@ TEST_F(NcclTest, CountExchangeTakesOneRoundAfterTheTransportsFirst) {
 }
 
 // A handle's buffers belong to its count exchange until that ends: a second exchange started on
-// it before then is refused (InvalidUsage, and the transport is unusable afterwards, as after any
-// call that cannot be described to the peers). Every rank makes the same call here.
+// it before then is refused with InvalidUsage, before anything reaches the peers. Every rank makes
+// the same call here, so the first exchange completes and the transport stays usable.
 TEST_F(NcclTest, SecondCountExchangeOnAHandleInFlightIsRefused) {
-  const int32_t me = rank();
-  const Problem p = MakeProblem(size(), 2 * size(), 2, 4, 6, 43, -1);
+  const int32_t R = size(), me = rank();
+  const Problem p = MakeProblem(R, 2 * R, 2, 4, 6, 43, -1);
   auto t = MakeTransport(p.max_tokens(), p.K, 16, /*timeout_ms=*/5000);
   ASSERT_NE(t, nullptr);
   DeviceVector<int32_t> ids(p.ids[me]);
@@ -837,9 +851,62 @@ TEST_F(NcclTest, SecondCountExchangeOnAHandleInFlightIsRefused) {
   EXPECT_EQ(ToResult(second.status()), moonepInvalidUsage) << second.status();
   EXPECT_NE(std::string(second.status().message()).find("has not ended"), std::string::npos)
       << second.status();
-  (*first)->Wait().IgnoreError();  // the refusal made the transport unusable
-  EXPECT_FALSE(t->health().ok());
-  t.reset();
+  ASSERT_TRUE((*first)->Wait().ok());
+  EXPECT_TRUE(t->health().ok()) << t->health();
+  EXPECT_EQ(std::vector<int64_t>(h.counts().begin(), h.counts().end()), p.counts);
+  ASSERT_TRUE(t->ExchangeCounts(ids.span(), p.T[me], p.K, p.E, 100, &h).ok());  // ended: accepted
+  EXPECT_EQ(std::vector<int64_t>(h.counts().begin(), h.counts().end()), p.counts);
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// Transports on one communicator pair share its count exchange's form, which follows the pair's
+// order of operations: a transport made again on one rank only (a layer rebuilt there) still
+// takes the form its peers take on their older transport.
+TEST_F(NcclTest, CountExchangeFormFollowsTheSharedPair) {
+  const int32_t R = size(), me = rank();
+  const Problem p = MakeProblem(R, 2 * R, 2, 4, 6, 47, -1);
+  TransportOptions o;
+  o.max_tokens = std::max<int64_t>(1, p.max_tokens());
+  o.max_top_k = p.K;
+  o.max_row_bytes = 16;
+  auto comms = nccl::CreateNcclComms(o, nccl::NcclBootstrap{});
+  ASSERT_TRUE(comms.ok()) << comms.status();
+  auto make = [&] {
+    auto t = nccl::CreateNcclTransport(o, *comms);
+    EXPECT_TRUE(t.ok()) << t.status();
+    return t.ok() ? std::move(*t) : nullptr;
+  };
+  auto a = make(), b = make();
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  DeviceVector<int32_t> ids(p.ids[me]);
+  auto exchange = [&](Transport* t, int32_t experts, int64_t* rounds) {
+    DispatchHandle h;
+    const int64_t before = t->counters(OpKind::kCounts).messages_sent;
+    absl::Status st = t->ExchangeCounts(ids.span(), p.T[me], p.K, experts, 100, &h);
+    *rounds = R > 1 ? (t->counters(OpKind::kCounts).messages_sent - before) / (R - 1) : -1;
+    if (st.ok() && experts == p.E) {
+      EXPECT_EQ(std::vector<int64_t>(h.counts().begin(), h.counts().end()), p.counts);
+    }
+    return st;
+  };
+  const int64_t two = R > 1 ? 2 : -1, one = R > 1 ? 1 : -1;
+  int64_t rounds = 0;
+  ASSERT_TRUE(exchange(a.get(), p.E, &rounds).ok());  // the pair's first exchange
+  EXPECT_EQ(rounds, two);
+  ASSERT_TRUE(exchange(b.get(), p.E, &rounds).ok());  // b's first, the pair's second
+  EXPECT_EQ(rounds, one);
+  if (me == 0) {  // rank 0 makes b again
+    b.reset();
+    b = make();
+    ASSERT_NE(b, nullptr);
+  }
+  ASSERT_TRUE(exchange(b.get(), p.E, &rounds).ok());
+  EXPECT_EQ(rounds, one);
+  ASSERT_TRUE(exchange(a.get(), 2 * p.E, &rounds).ok());
+  EXPECT_EQ(rounds, two);
+  ASSERT_TRUE(exchange(b.get(), 2 * p.E, &rounds).ok());
+  EXPECT_EQ(rounds, one);
   MPI_Barrier(MPI_COMM_WORLD);
 }
 

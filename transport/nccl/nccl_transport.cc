@@ -292,6 +292,14 @@ class NcclComms {
   std::array<std::deque<NcclOp*>, 2> queue;  // per channel (0 rows, 1 weights), in start order
   // Operations of every transport on the pair not yet complete (their device work may run).
   int64_t ops_in_flight = 0;
+  // The count exchange's form (StartExchangeCounts), kept per pair because the pair's order of
+  // operations is what every rank shares (every transport on it, in the same order on every rank).
+  // wire_experts: the E every rank used in the pair's last count exchange (0: none yet, or the
+  // ranks disagreed), read and written only in the exchanges' host steps, which every rank runs in
+  // the same order over the same headers; the next exchange sends its counts with its header,
+  // sized by it. reserve_experts: the largest E of any exchange started on the pair, which bounds
+  // it (buffers are reserved at the start).
+  int32_t wire_experts = 0, reserve_experts = 0;
 
  private:
   NcclComms() = default;
@@ -499,12 +507,6 @@ class NcclTransportImpl : public NcclTransport {
   cudaStream_t caller_stream_ = nullptr;  // legacy default stream
   cudaEvent_t caller_ready_ = nullptr;
   absl::Status poisoned_;
-  // The count exchange's form (StartExchangeCounts). wire_experts_: the E every rank used in this
-  // transport's last count exchange (0: none yet, or the ranks disagreed), read and written only
-  // in the exchange's host steps, which every rank runs in the same order over the same headers;
-  // the next exchange sends its counts with its header, sized by it. reserve_experts_: the largest
-  // E of any exchange started, which bounds it (buffers are reserved at the start).
-  int32_t wire_experts_ = 0, reserve_experts_ = 0;
   std::unordered_map<const DispatchHandle*, std::unique_ptr<HandleState>> states_;
   // Reduce: one staging per reduce in flight, reused.
   common::BufferPool<ReduceStaging> reduce_staging_;
@@ -1064,16 +1066,19 @@ absl::Status NcclTransportImpl::CheckDispatched(OpKind kind, DispatchHandle* h) 
 // counts[E]], counted on the device from the device ids. It takes one of two forms, the same on
 // every rank:
 // - one round: header and counts in one allgather of kHeader + 1 + W values, where W is the E
-//   every rank used in this transport's last count exchange. If every rank still uses W, the counts
-//   have arrived with the headers; if every rank moved to another E, a second round sized by it
-//   follows; if the ranks disagree, the headers say so.
-// - two rounds (the transport's first exchange, and the one after the ranks disagreed on E): the
+//   every rank used in the last count exchange on this communicator pair. If every rank still
+//   uses W, the counts have arrived with the headers; if every rank moved to another E, a second
+//   round sized by it follows (the first then carried zeros in the counts' places); if the ranks
+//   disagree, the headers say so.
+// - two rounds (the pair's first exchange, and the one after the ranks disagreed on E): the
 //   headers first, so that every rank knows E before the counts' allgather is sized by it.
 // The form is chosen in the exchange's first host step, not when it starts. A channel's steps run
 // in issue order on every rank (Progress), so the previous exchange's second step, which sets W
 // from the headers every rank received alike, has run by then on every rank, whether or not its
-// caller has waited for it yet. Nothing about the handle enters the choice: a rank that joins with
-// a fresh handle (the runtime does, after a local input error) takes the same form as the others.
+// caller has waited for it yet. W is the pair's, not the transport's or the handle's: the pair's
+// order of operations is what the ranks share (transports on a shared pair are started in the same
+// order everywhere, but one rank may have made a layer's transport again), and a rank that joins
+// with a fresh handle (the runtime does, after a local input error) takes its peers' form.
 
 constexpr int kHeader = 5;
 
@@ -1112,18 +1117,20 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
   if (!local.ok()) local = Annotate(local, absl::StrFormat("count exchange on rank %d", rank_));
 
   HandleState* st = StateOf(h);
-  // The handle's buffers belong to its exchange until that ends.
+  // The handle's buffers belong to its exchange until that ends (its Wait, or a Test that
+  // returned true or an error). Refused before anything is described to the peers: a rank that
+  // makes this call alone leaves them to time out in this exchange, as any rank that does not join.
   if (st->counts_in_flight) {
-    return Fatal(InvalidUsage("count exchange: the handle's previous count exchange has not "
-                              "ended; wait for it before starting another on the same handle"));
+    return InvalidUsage("count exchange: the handle's previous count exchange has not ended; wait "
+                        "for it before starting another on the same handle");
   }
   const int32_t R = size_, E = num_experts;
   const int64_t width = 1 + E;
   const int64_t entries = local.ok() ? num_tokens * top_k : 0;
   // The wire's E when this exchange's first step runs is that of an exchange started before this
-  // one, so at most reserve_experts_. counts_all_* also receive the one-round form's rows.
-  reserve_experts_ = std::max(reserve_experts_, E);
-  const int64_t max_wire = kHeader + 1 + static_cast<int64_t>(reserve_experts_);
+  // one, so at most the pair's reserve_experts. counts_all_* also receive the one-round rows.
+  comms_->reserve_experts = std::max(comms_->reserve_experts, E);
+  const int64_t max_wire = kHeader + 1 + static_cast<int64_t>(comms_->reserve_experts);
   const size_t all_bytes = static_cast<size_t>(R * std::max(width, max_wire)) * 8;
   {
     absl::Status s = st->header_host.Reserve(kHeader * 8, "the count header");
@@ -1167,7 +1174,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
   };
   auto exchange_header = [=]() -> absl::Status {
     MOONEP_RETURN_IF_ERROR(WaitCaller(stream));
-    const int32_t W = wire_experts_;
+    const int32_t W = comms_->wire_experts;
     *wire_experts = W;
     int64_t* counts = st->counts_dev.get<int64_t>();
     int64_t* send = st->header_dev.get<int64_t>();
@@ -1217,7 +1224,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
     // same wire for the next exchange: the common E, or none when the ranks disagree.
     bool same = true;
     for (int32_t r = 1; r < R; ++r) same = same && all[r * kHeader + 3] == all[3];
-    wire_experts_ = same ? static_cast<int32_t>(all[3]) : 0;
+    comms_->wire_experts = same ? static_cast<int32_t>(all[3]) : 0;
     std::vector<int> bad;
     for (int32_t r = 0; r < R; ++r) {
       if (all[r * kHeader + 3] != E) {
