@@ -18,12 +18,12 @@ std::string RankList(const std::vector<int>& ranks) { return absl::StrJoin(ranks
 
 bool IsRowDType(DType d) { return d == DType::kFloat32 || d == DType::kBFloat16; }
 
-absl::Status CheckOptions(const TransportOptions& o) {
+absl::Status CheckOptions(const TransportOptions& o, bool host_rows) {
   MOONEP_CHECK_ARG(o.max_tokens >= 0 && o.max_top_k >= 0 && o.max_row_bytes >= 0 &&
                        o.timeout_ms >= 0,
                    "options: max_tokens, max_top_k, max_row_bytes and timeout_ms must be >= 0");
-  MOONEP_CHECK_ARG(o.max_row_bytes <= kMaxRowBytes, "options.max_row_bytes = %d is above 1 GiB",
-                   o.max_row_bytes);
+  MOONEP_CHECK_ARG(!host_rows || o.max_row_bytes <= kMaxRowBytes,
+                   "options.max_row_bytes = %d is above 1 GiB", o.max_row_bytes);
   MOONEP_CHECK_ARG(o.max_top_k == 0 || o.max_tokens <= kMaxEntries / o.max_top_k,
                    "options: max_tokens * max_top_k = %d * %d is above %d, the most entries a "
                    "rank can route", o.max_tokens, o.max_top_k, kMaxEntries);

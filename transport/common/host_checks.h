@@ -22,9 +22,10 @@ std::string RankList(const std::vector<int>& ranks);
 
 bool IsRowDType(DType d);
 
-// TransportOptions at creation, before anything collective (the host backends): maxima and
-// timeout_ms >= 0, max_row_bytes <= kMaxRowBytes, max_tokens * max_top_k <= kMaxEntries.
-absl::Status CheckOptions(const TransportOptions& options);
+// TransportOptions at creation, before anything collective: maxima and timeout_ms >= 0,
+// max_tokens * max_top_k <= kMaxEntries, and where rows move through the host backends
+// (host_rows: MPI counts a row's bytes with an int) max_row_bytes <= kMaxRowBytes.
+absl::Status CheckOptions(const TransportOptions& options, bool host_rows = true);
 // The MOONEP_* variables every transport reads (MOONEP_TIMEOUT_MS, MOONEP_DEBUG): a malformed one is
 // InvalidArgument naming it, for creation to return.
 absl::Status CheckEnvironment();

@@ -106,18 +106,32 @@ class DeviceGuard {
   int previous_ = -1;
 };
 
-// A device allocation that grows on demand (never in a steady state: sizes repeat step to step).
+// Where a GrowingBuffer's memory comes from: the device, or pinned host memory (for copies that
+// overlap and for small D2H reads).
+struct DeviceMemory {
+  static constexpr const char* kName = "device";
+  static cudaError_t Allocate(void** p, size_t bytes) { return cudaMalloc(p, bytes); }
+  static void Free(void* p) { cudaFree(p); }
+};
+struct PinnedMemory {
+  static constexpr const char* kName = "pinned";
+  static cudaError_t Allocate(void** p, size_t bytes) { return cudaMallocHost(p, bytes); }
+  static void Free(void* p) { cudaFreeHost(p); }
+};
+
+// An allocation that grows on demand (never in a steady state: sizes repeat step to step).
 // Growing keeps the old allocation (retired) instead of freeing it: device work of an earlier
-// operation may still use it, and cudaFree waits for the whole device, forever when a kernel waits
-// on a dead peer. The transport frees retired allocations (FreeRetired) only when no operation on
-// its communicators is in flight.
-class DeviceBuffer {
+// operation may still use it, and cudaFree / cudaFreeHost wait for the whole device, forever when
+// a kernel waits on a dead peer. The transport frees retired allocations (FreeRetired) only when
+// no operation on its communicators is in flight.
+template <typename Memory>
+class GrowingBuffer {
  public:
-  DeviceBuffer() = default;
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() {
-    if (data_) cudaFree(data_);
+  GrowingBuffer() = default;
+  GrowingBuffer(const GrowingBuffer&) = delete;
+  GrowingBuffer& operator=(const GrowingBuffer&) = delete;
+  ~GrowingBuffer() {
+    if (data_) Memory::Free(data_);
     FreeRetired();
   }
   absl::Status Reserve(size_t bytes, const char* what) {
@@ -126,9 +140,10 @@ class DeviceBuffer {
     data_ = nullptr;
     bytes_ = 0;
     bytes = (bytes + 255) / 256 * 256;
-    if (cudaMalloc(&data_, bytes) != cudaSuccess) {
+    if (Memory::Allocate(&data_, bytes) != cudaSuccess) {
       cudaGetLastError();
-      return OutOfMemory("NCCL transport: cannot allocate %d device bytes for %s", bytes, what);
+      return OutOfMemory("NCCL transport: cannot allocate %d %s bytes for %s", bytes,
+                         Memory::kName, what);
     }
     bytes_ = bytes;
     return absl::OkStatus();
@@ -138,7 +153,7 @@ class DeviceBuffer {
     return static_cast<T*>(data_);
   }
   void FreeRetired() {
-    for (void* p : retired_) cudaFree(p);
+    for (void* p : retired_) Memory::Free(p);
     retired_.clear();
   }
 
@@ -147,45 +162,8 @@ class DeviceBuffer {
   size_t bytes_ = 0;
   std::vector<void*> retired_;
 };
-
-// Pinned host memory (for copies that overlap and for small D2H reads), growing on demand; an
-// outgrown allocation is retired like DeviceBuffer's (cudaFreeHost waits for the device too).
-class PinnedBuffer {
- public:
-  PinnedBuffer() = default;
-  PinnedBuffer(const PinnedBuffer&) = delete;
-  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
-  ~PinnedBuffer() {
-    if (data_) cudaFreeHost(data_);
-    FreeRetired();
-  }
-  absl::Status Reserve(size_t bytes, const char* what) {
-    if (bytes <= bytes_) return absl::OkStatus();
-    if (data_) retired_.push_back(data_);
-    data_ = nullptr;
-    bytes_ = 0;
-    bytes = (bytes + 255) / 256 * 256;
-    if (cudaMallocHost(&data_, bytes) != cudaSuccess) {
-      cudaGetLastError();
-      return OutOfMemory("NCCL transport: cannot allocate %d pinned bytes for %s", bytes, what);
-    }
-    bytes_ = bytes;
-    return absl::OkStatus();
-  }
-  template <typename T = char>
-  T* get() const {
-    return static_cast<T*>(data_);
-  }
-  void FreeRetired() {
-    for (void* p : retired_) cudaFreeHost(p);
-    retired_.clear();
-  }
-
- private:
-  void* data_ = nullptr;
-  size_t bytes_ = 0;
-  std::vector<void*> retired_;
-};
+using DeviceBuffer = GrowingBuffer<DeviceMemory>;
+using PinnedBuffer = GrowingBuffer<PinnedMemory>;
 
 // Host tables packed into one block (256-byte aligned parts) so one copy uploads them all.
 class TableBlock {
@@ -330,7 +308,8 @@ class NcclOp : public NcclRequest {
     stop_ = true;
     verdict_ = std::move(verdict);
   }
-  // Called once when the op ends, however it ends (completed, stopped, failed or destroyed).
+  // Called once when the op lands (Landed), however it ends: completed, stopped, failed or
+  // destroyed.
   void OnEnd(std::function<void()> f) { on_end_ = std::move(f); }
 
   // For the channel's progress: true when nothing remains to post (or the op ended).
@@ -344,14 +323,9 @@ class NcclOp : public NcclRequest {
   // Names the phase, this rank and the peers in a step's error.
   absl::Status Context(const absl::Status& status) const;
   absl::Status Record();
-  // The op no longer counts as in flight (its device work is complete, or the pair was aborted).
+  // The op no longer counts as in flight (its device work is complete, or the pair was aborted);
+  // runs the OnEnd callback.
   void Landed();
-  void Ended() {
-    if (!on_end_) return;
-    std::function<void()> f = std::move(on_end_);
-    on_end_ = nullptr;
-    f();
-  }
 
   NcclTransportImpl* transport_;
   OpKind kind_;
@@ -537,7 +511,6 @@ NcclOp::~NcclOp() {
     Fail(InvalidUsage("%s: request destroyed before it completed", OpName(kind_))).IgnoreError();
   }
   Landed();
-  Ended();
   transport_->Dequeue(this);
   if (event_) cudaEventDestroy(event_);
 }
@@ -546,6 +519,11 @@ void NcclOp::Landed() {
   if (!in_flight_) return;
   in_flight_ = false;
   transport_->OpLanded();
+  if (on_end_) {
+    std::function<void()> f = std::move(on_end_);
+    on_end_ = nullptr;
+    f();
+  }
 }
 
 absl::Status NcclOp::Record() {
@@ -613,7 +591,6 @@ absl::StatusOr<bool> NcclOp::Test() {
   if (stop_) {
     done_ = true;
     Landed();  // a stop posts no work after the step whose work was complete
-    Ended();
     status_ = verdict_;
     return Test();
   }
@@ -623,7 +600,6 @@ absl::StatusOr<bool> NcclOp::Test() {
       absl::Status s = finish_ ? finish_() : absl::OkStatus();
       done_ = true;  // finish errors are verdicts on completed work; fatal ones already aborted
       Landed();
-      Ended();
       MOONEP_TRACE("transport nccl: %s complete at %.1f us", OpName(kind_),
                    std::chrono::duration<double, std::micro>(Clock::now() - created_).count());
       status_ = s;
@@ -665,7 +641,6 @@ absl::Status NcclOp::Fail(absl::Status status) {
   status_ = status;
   transport_->Abort(status);
   Landed();  // the pair is aborted: no Start reaches FreeRetired again
-  Ended();
   return status;
 }
 
@@ -889,16 +864,11 @@ namespace {
 absl::StatusOr<std::unique_ptr<Transport>> NcclTransportImpl::Create(
     const TransportOptions& options, std::shared_ptr<NcclComms> comms) {
   MOONEP_CHECK_ARG(comms != nullptr, "comms is null");
-  MOONEP_CHECK_ARG(options.max_tokens >= 0 && options.max_top_k >= 0 &&
-                       options.max_row_bytes >= 0 && options.timeout_ms >= 0,
-                   "options: max_tokens, max_top_k, max_row_bytes and timeout_ms must be >= 0");
+  MOONEP_RETURN_IF_ERROR(common::CheckOptions(options, /*host_rows=*/false));
   MOONEP_CHECK_ARG(options.max_top_k <= 32,
                    "options.max_top_k = %d: the NCCL transport's "
                    "combine kernel supports top_k <= 32",
                    options.max_top_k);
-  MOONEP_CHECK_ARG(options.max_top_k == 0 || options.max_tokens <= kMaxEntries / options.max_top_k,
-                   "options: max_tokens * max_top_k = %d * %d is above %d, the most entries a "
-                   "rank can route", options.max_tokens, options.max_top_k, kMaxEntries);
   MOONEP_RETURN_IF_ERROR(common::CheckEnvironment());
   if (!comms->poisoned.ok()) {
     return InvalidUsage("NCCL transport: the communicators were aborted after an earlier failure "
