@@ -116,6 +116,9 @@ class DispatchHandle {
   int64_t num_tokens_ = 0;
   int32_t top_k_ = 0, num_experts_ = 0;
   bool counted_ = false, dispatched_ = false;
+  // A count exchange on this handle has started and not ended (the host backends; the NCCL
+  // backend keeps its own per-handle state).
+  bool counts_in_flight_ = false;
   int64_t seq_ = -1;  // counts operation this handle belongs to
   std::vector<int32_t> topk_ids_;
   std::vector<float> topk_weights_;
@@ -156,8 +159,9 @@ class Transport {
   // Validates this rank's routing (ids in [-1, E), no expert twice per token, T <= max_tokens,
   // K <= max_top_k), then allgathers counts[E] with a validity flag, T and the rank's receive
   // capacity (rows its dispatch buffer holds). Fills handle->counts() = [R*E]. A handle's previous
-  // count exchange must have ended before the next starts on it (the NCCL transport refuses
-  // otherwise).
+  // count exchange must have ended (its Wait, or a Test that returned true or an error) before the
+  // next starts on it: every backend refuses otherwise with InvalidUsage, before anything reaches
+  // the peers, and stays usable.
   virtual absl::StatusOr<RequestPtr> StartExchangeCounts(absl::Span<const int32_t> topk_ids,
                                                          int64_t num_tokens, int32_t top_k,
                                                          int32_t num_experts,

@@ -101,6 +101,34 @@ TEST_P(FaultTest, DuplicateExpertInTopkIsRejectedEverywhere) {
   EXPECT_EQ(ToResult(st), rank() == 0 ? moonepInvalidArgument : moonepRemoteError) << st;
 }
 
+// A second count exchange on a handle whose first has not ended is refused on the rank that makes
+// it, before anything reaches the peers: InvalidUsage, the transport usable, the first exchange's
+// counts intact, and the handle accepted again once the first has ended.
+TEST_P(FaultTest, SecondCountExchangeOnAHandleInFlightIsRefused) {
+  const int64_t T = p_.T[rank()];
+  DispatchHandle h;
+  auto first = t_->StartExchangeCounts(p_.ids[rank()], T, p_.K, p_.E, cap_, &h);
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto second = t_->StartExchangeCounts(p_.ids[rank()], T, p_.K, p_.E, cap_, &h);
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(ToResult(second.status()), moonepInvalidUsage) << second.status();
+  EXPECT_NE(second.status().message().find("has not ended"), std::string::npos)
+      << second.status();
+  // Another handle is not affected while the first is in flight.
+  DispatchHandle other;
+  auto third = t_->StartExchangeCounts(p_.ids[rank()], T, p_.K, p_.E, cap_, &other);
+  ASSERT_TRUE(third.ok()) << third.status();
+  ASSERT_TRUE((*first)->Wait().ok());
+  ASSERT_TRUE((*third)->Wait().ok());
+  EXPECT_TRUE(t_->health().ok()) << t_->health();
+  EXPECT_EQ(std::vector<int64_t>(h.counts().begin(), h.counts().end()), p_.counts);
+  EXPECT_EQ(std::vector<int64_t>(other.counts().begin(), other.counts().end()), p_.counts);
+  // Ended: accepted again, and the handle dispatches.
+  std::vector<float> rows;
+  absl::Status st = DispatchOnce(&h, &rows);
+  EXPECT_TRUE(st.ok()) << st;
+}
+
 TEST_P(FaultTest, NumExpertsDifferingAcrossRanksFailsEveryRank) {
   // Rank 0 claims twice the experts (its ids stay valid): message sizes differ, every rank sees it.
   DispatchHandle h;

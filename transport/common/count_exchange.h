@@ -14,6 +14,10 @@ namespace moonep::transport::common {
 
 constexpr int kCountHeader = 5;  // invalid flag, T, K, E, receive capacity
 
+// The refusal of a count exchange on a handle whose previous count exchange has not ended (every
+// backend: InvalidUsage, returned before anything reaches the peers; the transport stays usable).
+absl::Status CountsInFlightError();
+
 // This rank's message (kCountHeader + E values); counts are left zero when `local` failed.
 void PackCountMessage(const absl::Status& local, absl::Span<const int32_t> topk_ids,
                       int64_t num_tokens, int32_t top_k, int32_t num_experts,

@@ -6,8 +6,10 @@
 #include <chrono>
 #include <climits>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -83,6 +85,8 @@ class MpiOp : public Request {
 
   // Runs the op's local start work; on error the op is failed (and the transport poisoned).
   absl::Status Begin(absl::Status started);
+  // fn runs once, when the op ends: completed, failed, or destroyed unfinished.
+  void OnEnd(std::function<void()> fn) { on_end_ = std::move(fn); }
 
  protected:
   // Fails an unfinished op (cancels its receives); derived destructors call it first, so that no
@@ -129,7 +133,11 @@ class MpiOp : public Request {
   absl::Status Fail(absl::Status status, bool notify_peers = true);
   void Cleanup();
   absl::Status TimeoutStatus() const;
+  void Ended() {
+    if (on_end_) std::exchange(on_end_, nullptr)();
+  }
 
+  std::function<void()> on_end_;
   std::vector<MPI_Request> requests_;
   std::vector<int> indices_;
   std::vector<MPI_Status> statuses_;
@@ -374,6 +382,7 @@ absl::StatusOr<bool> MpiOp::Test() {
     absl::Status s = Finish();
     if (!s.ok()) return Fail(s);
     done_ = true;
+    Ended();
     transport_->AddCounters(kind_, counters_);
     return true;
   }
@@ -426,6 +435,7 @@ absl::Status MpiOp::Fail(absl::Status status, bool notify_peers) {
   done_ = true;
   status_ = status;
   Cleanup();
+  Ended();
   // Agreed errors (all ranks failed the same way, every message was consumed) keep the transport.
   const bool remote = ToResult(status) == moonepRemoteError;
   if (active_ != 0 ||
@@ -1171,10 +1181,14 @@ absl::StatusOr<RequestPtr> MpiTransport::StartExchangeCounts(absl::Span<const in
     return AbortPeers(OpKind::kCounts,
                       InvalidArgument("num_experts must be >= 1, got %d", num_experts));
   }
+  // Refused before anything reaches the peers; the transport stays usable.
+  if (handle->counts_in_flight_) return common::CountsInFlightError();
   const absl::Status local = common::CheckCountsInput(topk_ids, num_tokens, top_k, num_experts,
                                                       recv_capacity_rows, options_, rank_);
   auto op = std::make_unique<CountsOp>(this, rows_comm_, rows_seq_++, handle);
   handle->seq_ = rows_seq_ - 1;
+  handle->counts_in_flight_ = true;
+  op->OnEnd([handle] { handle->counts_in_flight_ = false; });
   MOONEP_RETURN_IF_ERROR(op->Begin(
       op->Start(local, topk_ids, num_tokens, top_k, num_experts, recv_capacity_rows)));
   return RequestPtr(std::move(op));

@@ -25,6 +25,7 @@
 #include "moonep/core/status.h"
 #include "planner/plan_builder.h"
 #include "transport/common/buffer_pool.h"
+#include "transport/common/count_exchange.h"
 #include "transport/common/host_checks.h"
 #include "transport/layout.h"
 #include "transport/nccl/nccl_kernels.h"
@@ -1090,10 +1091,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
   // The handle's buffers belong to its exchange until that ends (its Wait, or a Test that
   // returned true or an error). Refused before anything is described to the peers: a rank that
   // makes this call alone leaves them to time out in this exchange, as any rank that does not join.
-  if (st->counts_in_flight) {
-    return InvalidUsage("count exchange: the handle's previous count exchange has not ended; wait "
-                        "for it before starting another on the same handle");
-  }
+  if (st->counts_in_flight) return common::CountsInFlightError();
   const int32_t R = size_, E = num_experts;
   const int64_t width = 1 + E;
   const int64_t entries = local.ok() ? num_tokens * top_k : 0;

@@ -7,11 +7,13 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -160,6 +162,8 @@ class UcxOp : public Request {
   absl::StatusOr<bool> Test() override;
   absl::Status Wait() override;
   absl::Status Begin(absl::Status started);
+  // fn runs once, when the op ends: completed, failed, or destroyed unfinished.
+  void OnEnd(std::function<void()> fn) { on_end_ = std::move(fn); }
 
  protected:
   // Expect a message of `type` from `peer` in this op; OnMessage runs when it arrives.
@@ -228,6 +232,7 @@ class UcxOp : public Request {
   std::vector<Sent> sent_;
   std::vector<uint64_t> pinned_;
   uint64_t signal_value_ = 0;
+  std::function<void()> on_end_;
   bool done_ = false;
   absl::Status status_;
   Clock::time_point deadline_;
@@ -687,6 +692,7 @@ absl::Status UcxOp::Fail(absl::Status status) {
 }
 
 void UcxOp::Cleanup() {
+  if (on_end_) std::exchange(on_end_, nullptr)();
   // Flushes still pending complete in the background; their requests are released now. Puts
   // already issued cannot be recalled: a failed transport is destroyed, not reused.
   for (const PendingFlush& f : flushes_) ucp_request_free(f.request);
@@ -1888,10 +1894,14 @@ absl::StatusOr<RequestPtr> UcxTransport::StartExchangeCounts(absl::Span<const in
     return AbortPeers(OpKind::kCounts,
                       InvalidArgument("num_experts must be >= 1, got %d", num_experts));
   }
+  // Refused before anything reaches the peers; the transport stays usable.
+  if (handle->counts_in_flight_) return common::CountsInFlightError();
   const absl::Status local = common::CheckCountsInput(topk_ids, num_tokens, top_k, num_experts,
                                                       recv_capacity_rows, options_, rank_);
   auto op = std::make_unique<CountsOp>(this, kRowsChannel, seq_[kRowsChannel]++, handle);
   handle->seq_ = seq_[kRowsChannel] - 1;
+  handle->counts_in_flight_ = true;
+  op->OnEnd([handle] { handle->counts_in_flight_ = false; });
   MOONEP_RETURN_IF_ERROR(op->Begin(
       op->Start(local, topk_ids, num_tokens, top_k, num_experts, recv_capacity_rows)));
   return RequestPtr(std::move(op));
