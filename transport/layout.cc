@@ -184,7 +184,7 @@ absl::Status CheckPlanForTransport(const planner::Plan& plan, absl::Span<const i
 
 absl::Status BuildSendLayout(const planner::Plan& plan, absl::Span<const int64_t> offsets,
                              int32_t src, absl::Span<const int32_t> topk_ids, int64_t num_tokens,
-                             int32_t top_k, SendLayout* out) {
+                             int32_t top_k, SendLayout* out, WorkerPool* pool) {
   const int32_t R = plan.num_ranks, E = plan.num_experts;
   const int64_t n = num_tokens * top_k;
   MOONEP_CHECK_ARG(src >= 0 && src < R, "source rank %d is not in [0, %d)", src, R);
@@ -196,107 +196,210 @@ absl::Status BuildSendLayout(const planner::Plan& plan, absl::Span<const int64_t
   out->num_tokens = num_tokens;
   out->top_k = top_k;
 
-  // Entries of each expert in token order: the j-th is at position offsets[src][e] + j.
-  out->bucket_begin.assign(static_cast<size_t>(E) + 1, 0);
-  for (int32_t e : topk_ids) {
-    if (e >= 0) ++out->bucket_begin[e + 1];
-  }
+  // The passes over the entries run on P chunks of whole tokens (one per thread of `pool`; one
+  // below kMinEntriesPerChunk entries a chunk). Per-chunk counts and a prefix over the chunks
+  // between passes make every result the one a single pass in token order gives.
+  const int64_t threads = pool != nullptr ? pool->size() : 1;
+  const int64_t P = std::max<int64_t>(1, std::min(threads, n / kMinEntriesPerChunk));
+  auto token_begin = [&](int64_t c) { return num_tokens * c / P; };
+  auto run = [&](auto&& fn) {
+    if (P == 1) {
+      fn(int64_t{0});
+    } else {
+      pool->Run(P, fn);
+    }
+  };
+  const int32_t* ids = topk_ids.data();
+
+  // Pass 1, per chunk: entries per expert.
+  // Per-chunk arrays start on their own cache lines (kChunkPad elements), or the threads' counters
+  // share lines: that made the dedup pass 3x slower on two threads.
+  constexpr int64_t kChunkPad = 16;
+  auto padded = [](int64_t v) { return (v + kChunkPad - 1) / kChunkPad * kChunkPad; };
+  const int64_t count_stride = padded(E);
+  out->chunk_count.resize(static_cast<size_t>(P * count_stride));
+  int64_t* chunk_count = out->chunk_count.data();
+  run([&](int64_t c) {
+    int64_t* count = chunk_count + c * count_stride;
+    std::fill(count, count + E, 0);
+    const int64_t lo = token_begin(c) * top_k, hi = token_begin(c + 1) * top_k;
+    for (int64_t i = lo; i < hi; ++i) {
+      const int32_t e = ids[i];
+      if (e >= 0) ++count[e];
+    }
+  });
+  // An expert's entries in token order: the j-th is at position offsets[src][e] + j. Each chunk's
+  // count becomes the j of its first entry of the expert.
+  int64_t routed = 0;
   for (int32_t e = 0; e < E; ++e) {
+    int64_t have = 0;
+    for (int64_t c = 0; c < P; ++c) {
+      int64_t& v = chunk_count[c * count_stride + e];
+      const int64_t cnt = v;
+      v = have;
+      have += cnt;
+    }
     const int64_t want = offsets[static_cast<size_t>(src + 1) * E + e] -
                          offsets[static_cast<size_t>(src) * E + e];
-    MOONEP_CHECK_ARG(out->bucket_begin[e + 1] == want,
+    MOONEP_CHECK_ARG(have == want,
                      "routing of rank %d has %d entries of expert %d but the counts say %d", src,
-                     out->bucket_begin[e + 1], e, want);
-    out->bucket_begin[e + 1] += out->bucket_begin[e];
-  }
-  out->bucket_entries.resize(static_cast<size_t>(out->bucket_begin[E]));
-  {
-    // Fill with a cursor per expert; restore bucket_begin afterwards.
-    std::vector<int64_t>& cursor = out->bucket_begin;
-    for (int64_t i = 0; i < n; ++i) {
-      const int32_t e = topk_ids[i];
-      if (e >= 0) out->bucket_entries[cursor[e]++] = static_cast<int32_t>(i);
-    }
-    for (int32_t e = E; e > 0; --e) cursor[e] = cursor[e - 1];
-    cursor[0] = 0;
+                     have, e, want);
+    routed += have;
   }
 
-  // -1 first: an entry that a faulty plan leaves unplaced must not keep an old destination.
-  const int64_t routed = out->bucket_begin[E];
-  out->dest_rank.assign(static_cast<size_t>(n), -1);
-  out->dest_row.assign(static_cast<size_t>(n), -1);
+  // This rank's runs, destinations in order and each destination's runs in row order: the order
+  // of the entries' list, so a run's entries start at its `pos` there. Then the runs again per
+  // expert in order of j, which must cover each expert's [0, count) exactly.
+  std::vector<SendLayout::Run>& runs = out->runs;
+  runs.clear();
   out->entry_begin.resize(static_cast<size_t>(R) + 1);
-  out->entries.resize(static_cast<size_t>(routed));
-  int32_t* entries = out->entries.data();
-  int32_t* dest_rank = out->dest_rank.data();
-  int64_t* dest_row = out->dest_row.data();
-  int64_t placed = 0;  // passes `routed` only for a faulty plan, which is refused below
+  int64_t placed = 0;
   for (int32_t d = 0; d < R; ++d) {
     out->entry_begin[d] = placed;
     ForEachRun(plan, offsets.data(), src, d,
                [&](int32_t, int32_t e, int64_t j0, int64_t row, int64_t cnt) {
-                 const int32_t* bucket = out->bucket_entries.data() + out->bucket_begin[e] + j0;
-                 if (cnt > routed - placed) {  // more entries than there are: write none
-                   placed += cnt;
-                   return;
-                 }
-                 for (int64_t i = 0; i < cnt; ++i) {
-                   dest_rank[bucket[i]] = d;
-                   dest_row[bucket[i]] = row + i;
-                   entries[placed + i] = bucket[i];
-                 }
+                 runs.push_back(SendLayout::Run{j0, cnt, row, placed, d, e});
                  placed += cnt;
                });
   }
   out->entry_begin[R] = placed;
   MOONEP_CHECK_ARG(placed == routed, "plan places %d of rank %d's %d routed entries", placed, src,
                    routed);
-
-  // Dedup: one row per (token, destination). Tokens are visited in increasing order, so each
-  // destination's unique list comes out sorted. One pass gives every entry its index among its
-  // destination's unique rows: per destination, the last token seen and the index it got, so a
-  // second entry of the same token reuses it (no scan over the token's earlier entries, and no
-  // branch on the data: the scan's mispredictions made it the layout's costliest loop).
-  // Slot 0 of the per-destination arrays takes the entries without a destination.
-  out->unique_begin.assign(static_cast<size_t>(R) + 1, 0);
-  out->entry_unique_index.resize(static_cast<size_t>(n));
-  std::vector<int64_t>& last_token = out->dedup_last_token;
-  std::vector<int32_t>& last_index = out->dedup_last_index;
-  std::vector<int32_t>& unique_count = out->dedup_count;
-  last_token.assign(static_cast<size_t>(R) + 1, -1);
-  last_index.assign(static_cast<size_t>(R) + 1, 0);
-  unique_count.assign(static_cast<size_t>(R) + 1, 0);
-  const int32_t* dest = out->dest_rank.data();
-  int32_t* uidx = out->entry_unique_index.data();
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    for (int32_t k = 0; k < top_k; ++k) {
-      const int64_t i = t * top_k + k;
-      const size_t d = static_cast<size_t>(dest[i] + 1);
-      const bool dup = last_token[d] == t;
-      const int32_t u = dup ? last_index[d] : unique_count[d];
-      unique_count[d] += dup ? 0 : 1;
-      last_index[d] = u;
-      last_token[d] = t;
-      uidx[i] = d == 0 ? -1 : u;
-    }
-  }
-  for (int32_t d = 0; d < R; ++d) out->unique_begin[d + 1] = out->unique_begin[d] + unique_count[d + 1];
-  out->unique_tokens.resize(static_cast<size_t>(out->unique_begin[R]));
-  // Each destination's unique tokens, in token order: every entry writes its token at its unique
-  // index (a token's entries to one destination all write the same slot with the same value).
+  std::vector<int64_t>& run_begin = out->expert_run_begin;
+  run_begin.assign(static_cast<size_t>(E) + 1, 0);
+  for (const SendLayout::Run& r : runs) ++run_begin[r.expert + 1];
+  for (int32_t e = 0; e < E; ++e) run_begin[e + 1] += run_begin[e];
+  std::vector<SendLayout::Run>& by_expert = out->expert_runs;
+  by_expert.resize(runs.size());
   {
-    const int64_t* begin = out->unique_begin.data();
-    int32_t* tokens = out->unique_tokens.data();
-    for (int64_t t = 0, i = 0; t < num_tokens; ++t) {
-      for (int32_t k = 0; k < top_k; ++k, ++i) {
-        if (dest[i] >= 0) tokens[begin[dest[i]] + uidx[i]] = static_cast<int32_t>(t);
+    std::vector<int64_t>& cursor = out->expert_cursor;
+    cursor.assign(run_begin.begin(), run_begin.end() - 1);
+    for (const SendLayout::Run& r : runs) by_expert[cursor[r.expert]++] = r;
+  }
+  for (int32_t e = 0; e < E; ++e) {
+    SendLayout::Run* first = by_expert.data() + run_begin[e];
+    SendLayout::Run* last = by_expert.data() + run_begin[e + 1];
+    std::sort(first, last,
+              [](const SendLayout::Run& a, const SendLayout::Run& b) { return a.j0 < b.j0; });
+    int64_t covered = 0;
+    for (const SendLayout::Run* r = first; r != last; ++r) {
+      MOONEP_CHECK_ARG(r->j0 == covered,
+                       "plan: the runs of expert %d from rank %d do not cover its entries once "
+                       "(one starts at %d, %d are covered before it)",
+                       e, src, r->j0, covered);
+      covered += r->count;
+    }
+    const int64_t want = offsets[static_cast<size_t>(src + 1) * E + e] -
+                         offsets[static_cast<size_t>(src) * E + e];
+    MOONEP_CHECK_ARG(covered == want,
+                     "plan: the runs of expert %d from rank %d cover %d of its %d entries", e, src,
+                     covered, want);
+  }
+
+  out->entries.resize(static_cast<size_t>(routed));
+  out->entry_unique.resize(static_cast<size_t>(routed));
+  int32_t* entries = out->entries.data();
+  int32_t* entry_unique = out->entry_unique.data();
+
+  // Pass 2, per chunk, in token order: each entry's j (the chunk's cursor of its expert), its run,
+  // destination and row, and its place in the entries' list. An entry without an expert gets
+  // none (-1), so no old destination survives in a reused layout. A chunk's entries of a run are a
+  // contiguous part of the run's entries (chunks hold consecutive tokens).
+  out->dest_rank.resize(static_cast<size_t>(n));
+  out->dest_row.resize(static_cast<size_t>(n));
+  int32_t* dest_rank = out->dest_rank.data();
+  int64_t* dest_row = out->dest_row.data();
+  out->entry_pos.resize(static_cast<size_t>(n));
+  int32_t* entry_pos = out->entry_pos.data();
+  const SendLayout::Run* expert_runs = by_expert.data();
+  const int64_t* expert_begin = run_begin.data();
+  run([&](int64_t c) {
+    int64_t* cursor = chunk_count + c * count_stride;
+    const int64_t lo = token_begin(c) * top_k, hi = token_begin(c + 1) * top_k;
+    for (int64_t i = lo; i < hi; ++i) {
+      const int32_t e = ids[i];
+      if (e < 0) {
+        dest_rank[i] = -1;
+        dest_row[i] = -1;
+        continue;
+      }
+      const int64_t j = cursor[e]++;
+      const SendLayout::Run* r = expert_runs + expert_begin[e];
+      while (j >= r->j0 + r->count) ++r;  // the runs cover [0, count): no step for most experts
+      const int64_t at = r->pos + (j - r->j0);
+      dest_rank[i] = r->dest;
+      dest_row[i] = r->row + (j - r->j0);
+      entries[at] = static_cast<int32_t>(i);
+      entry_pos[i] = static_cast<int32_t>(at);
+    }
+  });
+
+  // Pass 3, per chunk, the dedup: one row per (token, destination). Tokens are visited in
+  // increasing order, so each
+  // destination's unique list comes out sorted. One pass gives every entry its index among its
+  // destination's unique rows (within its chunk): per destination, the last token seen and the
+  // index it got, so a second entry of the same token reuses it (no scan over the token's earlier
+  // entries, and no branch on the data: the scan's mispredictions made it the layout's costliest
+  // loop). Slot 0 of the per-destination arrays takes the entries without a destination.
+  const int64_t slots = R + 1, stride = padded(slots);  // per-chunk arrays on their own lines
+  out->entry_unique_index.resize(static_cast<size_t>(n));
+  out->dedup_last_token.resize(static_cast<size_t>(P * stride));
+  out->dedup_last_index.resize(static_cast<size_t>(P * stride));
+  out->dedup_count.resize(static_cast<size_t>(P * stride));
+  int32_t* uidx = out->entry_unique_index.data();
+  run([&](int64_t c) {
+    int64_t* last_token = out->dedup_last_token.data() + c * stride;
+    int32_t* last_index = out->dedup_last_index.data() + c * stride;
+    int32_t* unique_count = out->dedup_count.data() + c * stride;
+    std::fill(last_token, last_token + slots, -1);
+    std::fill(last_index, last_index + slots, 0);
+    std::fill(unique_count, unique_count + slots, 0);
+    for (int64_t t = token_begin(c); t < token_begin(c + 1); ++t) {
+      for (int32_t k = 0; k < top_k; ++k) {
+        const int64_t i = t * top_k + k;
+        const size_t d = static_cast<size_t>(dest_rank[i] + 1);
+        const bool dup = last_token[d] == t;
+        const int32_t u = dup ? last_index[d] : unique_count[d];
+        unique_count[d] += dup ? 0 : 1;
+        last_index[d] = u;
+        last_token[d] = t;
+        uidx[i] = u;
       }
     }
+  });
+  // Each chunk's count per destination becomes the index of its first unique row there.
+  out->unique_begin.resize(static_cast<size_t>(R) + 1);
+  out->unique_begin[0] = 0;
+  for (int32_t d = 0; d < R; ++d) {
+    int64_t have = 0;
+    for (int64_t c = 0; c < P; ++c) {
+      int32_t& v = out->dedup_count[c * stride + d + 1];
+      const int32_t cnt = v;
+      v = static_cast<int32_t>(have);
+      have += cnt;
+    }
+    out->unique_begin[d + 1] = out->unique_begin[d] + have;
   }
-  out->entry_unique.resize(out->entries.size());
-  for (size_t i = 0; i < out->entries.size(); ++i) {
-    out->entry_unique[i] = out->entry_unique_index[out->entries[i]];
-  }
+  out->unique_tokens.resize(static_cast<size_t>(out->unique_begin[R]));
+  // Pass 4, per chunk: the entries' indices made global, each destination's unique tokens in
+  // token order (a token's entries to one destination all write the same slot with the same
+  // value), and each entry's index at its place in the list. A chunk writes its own contiguous
+  // part of each destination's tokens and of each run's entries, as in pass 2.
+  run([&](int64_t c) {
+    const int32_t* base = out->dedup_count.data() + c * stride;
+    const int64_t* begin = out->unique_begin.data();
+    int32_t* tokens = out->unique_tokens.data();
+    for (int64_t t = token_begin(c); t < token_begin(c + 1); ++t) {
+      for (int32_t k = 0; k < top_k; ++k) {
+        const int64_t i = t * top_k + k;
+        const int32_t d = dest_rank[i];
+        if (d < 0) continue;
+        const int32_t u = base[d + 1] + uidx[i];
+        tokens[begin[d] + u] = static_cast<int32_t>(t);
+        entry_unique[entry_pos[i]] = u;
+      }
+    }
+  });
   return absl::OkStatus();
 }
 

@@ -16,6 +16,7 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
+#include "moonep/core/worker_pool.h"
 #include "planner/plan.h"
 
 namespace moonep::transport {
@@ -87,21 +88,34 @@ struct SendLayout {
   std::vector<int32_t> unique_tokens;
 
   // Scratch kept for reuse (steady state does not allocate).
-  std::vector<int64_t> bucket_begin;
-  std::vector<int32_t> bucket_entries;
-  std::vector<int32_t> entry_unique_index;  // [T*K]
-  std::vector<int64_t> dedup_last_token;    // [R+1] per destination (slot 0: none)
+  struct Run {  // a run of ForEachRun: entries j0 .. j0+count-1 (in token order) of `expert`
+    int64_t j0, count, row, pos;  // row on `dest`; pos: where its entries start in `entries`
+    int32_t dest, expert;
+  };
+  std::vector<Run> runs, expert_runs;       // in the order of `entries`; per expert by j0
+  std::vector<int64_t> expert_run_begin;    // [E+1] into expert_runs
+  std::vector<int64_t> expert_cursor;       // [E]
+  std::vector<int64_t> chunk_count;         // [chunks][E, padded]
+  std::vector<int32_t> entry_unique_index;  // [T*K] within the entry's chunk
+  std::vector<int32_t> entry_pos;           // [T*K] place in `entries`
+  std::vector<int64_t> dedup_last_token;    // [chunks][R+1, padded] (slot 0: no destination)
   std::vector<int32_t> dedup_last_index, dedup_count;
 
   int64_t rows_to(int32_t d) const { return entry_begin[d + 1] - entry_begin[d]; }
   int64_t unique_to(int32_t d) const { return unique_begin[d + 1] - unique_begin[d]; }
 };
 
+// The least entries a chunk of BuildSendLayout's passes takes: below, fewer threads than the
+// pool has work on it (the fork and join of a phase cost about a microsecond each).
+constexpr int64_t kMinEntriesPerChunk = 4096;
+
 // Builds the send layout of rank `src` from its routing. Fails with InvalidArgument when the
-// routing does not match counts[src] or the plan does not place every entry.
+// routing does not match counts[src] or the plan does not place every entry. With a pool its
+// passes run on the pool's threads, in chunks of whole tokens; the layout is the same, bit for
+// bit, for any pool or none.
 absl::Status BuildSendLayout(const planner::Plan& plan, absl::Span<const int64_t> offsets,
                              int32_t src, absl::Span<const int32_t> topk_ids, int64_t num_tokens,
-                             int32_t top_k, SendLayout* layout);
+                             int32_t top_k, SendLayout* layout, WorkerPool* pool = nullptr);
 
 // One rank as a receiver: the rows each source fills, as runs of consecutive rows.
 struct ReceiveLayout {

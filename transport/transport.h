@@ -84,7 +84,11 @@ struct TransportOptions {
   int32_t max_top_k = 0;      // largest top_k
   int64_t max_row_bytes = 0;  // largest row (hidden * dtype size) passed to any row operation
   int64_t timeout_ms = 0;     // 0: MOONEP_TIMEOUT_MS; above kMaxTimeoutMs: kMaxTimeoutMs
+  // Host threads for each dispatch's layouts and tables, the calling thread included (at most
+  // kMaxHostThreads). 0: MOONEP_HOST_THREADS, else automatic (common::HostThreads).
+  int32_t host_threads = 0;
 };
+constexpr int32_t kMaxHostThreads = 64;
 
 // Per-expert parameter (or gradient) blocks of one rank: any number of tensors per expert (gate,
 // up, down, ...). Tensor i of every expert has the same dtype and element count on every rank.

@@ -57,6 +57,9 @@ inline int64_t TimeoutMs() {
   const absl::StatusOr<int64_t>& ms = CheckedTimeoutMs();
   return ms.ok() ? (*ms < kMaxTimeoutMs ? *ms : kMaxTimeoutMs) : 60000;
 }
+// Host threads a transport uses for its per-dispatch layouts and tables (0: automatic;
+// docs/environment.md). Checked: a malformed value fails transport creation naming it.
+MOONEP_CHECKED_INT_PARAM(CheckedHostThreads, "HOST_THREADS", 0, 0, 64)
 // Threads for the CPU executor (0: all cores).
 MOONEP_INT_PARAM(NumThreads, "NUM_THREADS", 0)
 // WARN (default), INFO or TRACE; also NONE.

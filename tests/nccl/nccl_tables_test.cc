@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "moonep/core/worker_pool.h"
 #include "planner/plan_builder.h"
 #include "planner/planner.h"
 #include "tests/transport/transport_test_util.h"
@@ -212,6 +213,47 @@ INSTANTIATE_TEST_SUITE_P(
       }
       return name;
     });
+
+// The layouts and tables on a pool of threads (as the transport builds them where the node has
+// cores to spare) are the one-thread ones, bit for bit, on a problem large enough for several
+// chunks; and every receive position and every entry gets its table entry.
+TEST(NcclTablesPoolTest, APoolGivesTheSameTables) {
+  WorkerPool pool(3);
+  for (const std::string kind : {"home", "random", "moonep"}) {
+    SCOPED_TRACE(kind);
+    const Problem p = test::MakeProblem(4, 16, 8, 1, 2000, 5, 2);
+    planner::Plan plan;
+    ASSERT_TRUE(MakePlan(kind, p, &plan).ok());
+    std::vector<int64_t> offsets;
+    planner::ComputeSourceOffsets(p.counts, p.R, p.E, &offsets);
+    for (int32_t r = 0; r < p.R; ++r) {
+      RankState one, many;
+      ASSERT_TRUE(BuildSendLayout(plan, offsets, r, p.ids[r], p.T[r], p.K, &one.send).ok());
+      ASSERT_TRUE(
+          BuildSendLayout(plan, offsets, r, p.ids[r], p.T[r], p.K, &many.send, &pool).ok());
+      BuildReceiveLayout(plan, offsets, r, &one.recv);
+      BuildReceiveLayout(plan, offsets, r, &many.recv);
+      BuildDispatchTables(one.send, one.recv, r, &one.tables);
+      BuildDispatchTables(many.send, many.recv, r, &many.tables, &pool);
+      const DispatchTables &a = one.tables, &b = many.tables;
+      EXPECT_EQ(a.pack_begin, b.pack_begin);
+      EXPECT_EQ(a.pack_index, b.pack_index);
+      EXPECT_EQ(a.meta_unique, b.meta_unique);
+      EXPECT_EQ(a.meta_entries, b.meta_entries);
+      EXPECT_EQ(a.unique_send, b.unique_send);
+      EXPECT_EQ(a.pos_row, b.pos_row);
+      EXPECT_EQ(a.combine_index, b.combine_index);
+      ASSERT_EQ(a.row_source.size(), b.row_source.size());
+      EXPECT_EQ(0, std::memcmp(a.row_source.data(), b.row_source.data(),
+                               a.row_source.size() * sizeof(RowSource)));
+      // Every receive position has its row; every entry with an expert its send position.
+      for (int32_t row : a.pos_row) ASSERT_GE(row, 0);
+      for (size_t i = 0; i < p.ids[r].size(); ++i) {
+        ASSERT_EQ(a.combine_index[i] >= 0, p.ids[r][i] >= 0) << "rank " << r << " entry " << i;
+      }
+    }
+  }
+}
 
 }  // namespace
 }  // namespace moonep::transport::nccl

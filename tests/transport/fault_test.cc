@@ -342,6 +342,20 @@ TEST_P(FaultTest, DeclaredEntriesAbove2To31AreRefusedAtCreation) {
   EXPECT_NE(t.status().message().find("max_tokens * max_top_k"), std::string::npos) << t.status();
 }
 
+TEST_P(FaultTest, HostThreadsOutsideTheirRangeAreRefusedAtCreation) {
+  for (int32_t threads : {-1, kMaxHostThreads + 1}) {
+    TransportOptions o;
+    o.max_tokens = 8;
+    o.max_top_k = 2;
+    o.max_row_bytes = 16;
+    o.host_threads = threads;
+    auto t = CreateTransport(GetParam(), o);
+    ASSERT_FALSE(t.ok()) << threads;
+    EXPECT_EQ(ToResult(t.status()), moonepInvalidArgument) << t.status();
+    EXPECT_NE(t.status().message().find("host_threads"), std::string::npos) << t.status();
+  }
+}
+
 // MPI with ob1 over shared memory without single copy (transport_fault_rndv_test): a receive whose
 // rendezvous message started to arrive cannot be cancelled and completes only when its sender
 // makes progress. After a failure, the cleanup waits for such receives one second in all; it

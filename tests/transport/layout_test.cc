@@ -6,8 +6,11 @@
 #include <gtest/gtest.h>
 
 #include <climits>
+#include <cstdlib>
+#include <memory>
 #include <set>
 
+#include "moonep/core/worker_pool.h"
 #include "planner/plan_builder.h"
 #include "tests/transport/transport_test_util.h"
 #include "transport/common/host_checks.h"
@@ -34,6 +37,28 @@ TEST(SpinWaitsTest, OnlyWithACorePerLocalRank) {
   EXPECT_FALSE(common::SpinWaits(0, 4));
   // The one-argument form asks the node: one rank always has a core.
   EXPECT_TRUE(common::SpinWaits(1));
+}
+
+// A transport's host threads: the option, else MOONEP_HOST_THREADS, else the node's CPUs shared by
+// its ranks, at most kAutoHostThreads; unknown CPU counts and crowded nodes get one (no pool).
+TEST(HostThreadsTest, OptionThenEnvironmentThenTheCoresPerRank) {
+  EXPECT_EQ(common::HostThreads(3, 8, 2), 3);
+  EXPECT_EQ(common::HostThreads(1, 1, 64), 1);
+  EXPECT_EQ(common::HostThreads(kMaxHostThreads + 5, 1, 2), kMaxHostThreads);
+  if (std::getenv("MOONEP_HOST_THREADS") != nullptr) GTEST_SKIP() << "MOONEP_HOST_THREADS is set";
+  EXPECT_EQ(common::HostThreads(0, 1, 16), common::kAutoHostThreads);
+  EXPECT_EQ(common::HostThreads(0, 8, 16), 2);
+  EXPECT_EQ(common::HostThreads(0, 2, 2), 1);
+  EXPECT_EQ(common::HostThreads(0, 4, 2), 1);
+  EXPECT_EQ(common::HostThreads(0, 1, 0), 1);
+  EXPECT_EQ(common::HostThreads(0, 0, 16), 1);
+  EXPECT_EQ(common::MakeHostPool(1, 1), nullptr);
+  auto pool = common::MakeHostPool(3, 1);
+  ASSERT_NE(pool, nullptr);
+  EXPECT_EQ(pool->size(), 3);
+  // Transports with the same count share one pool while any of them lives.
+  EXPECT_EQ(common::MakeHostPool(3, 8), pool);
+  EXPECT_NE(common::MakeHostPool(2, 1), pool);
 }
 
 TEST(ValidateRoutingTest, AcceptsValidAndMinusOne) {
@@ -129,6 +154,72 @@ INSTANTIATE_TEST_SUITE_P(
                       LayoutCase{3, 6, 3, "random", 2, 4}, LayoutCase{4, 8, 4, "random", -1, 1},
                       LayoutCase{4, 4, 3, "random", 3, 2}, LayoutCase{8, 16, 4, "random", 2, 8},
                       LayoutCase{8, 8, 8, "random", 7, 1}, LayoutCase{5, 10, 2, "home", 2, 3}));
+
+// The passes on a pool's threads: chunks of whole tokens, per-chunk counts joined by prefixes.
+// The layout must be the one-thread layout bit for bit (and match the brute force), for pools
+// that split the entries into 1 to 7 chunks, with tokens without any expert, replicas and split
+// experts, and ranks without tokens.
+TEST(SendLayoutTest, PoolsOfAnySizeGiveTheSameLayout) {
+  std::vector<std::unique_ptr<WorkerPool>> pools;
+  for (int threads : {2, 3, 7}) pools.push_back(std::make_unique<WorkerPool>(threads));
+  for (const LayoutCase c : {LayoutCase{4, 16, 8, "random", 4, 2}, LayoutCase{3, 12, 6, "home", 0, 1},
+                             LayoutCase{8, 32, 8, "random", 3, 4}}) {
+    for (uint64_t seed = 1; seed <= 3; ++seed) {
+      SCOPED_TRACE(::testing::Message() << "R " << c.R << " seed " << seed);
+      // 1500-3000 tokens a rank: 3 to 7 chunks of kMinEntriesPerChunk entries.
+      const Problem p = MakeProblem(c.R, c.E, c.K, 1, 1500, seed, static_cast<int32_t>(seed % c.R));
+      planner::Plan plan;
+      ASSERT_TRUE(MakeRandomPlan(c.plan, p, seed, c.slots, c.pad, &plan).ok());
+      ASSERT_TRUE(CheckPlanForTransport(plan, p.counts).ok());
+      std::vector<int64_t> offsets;
+      planner::ComputeSourceOffsets(p.counts, p.R, p.E, &offsets);
+      const auto truth = BruteForcePlacement(p, plan);
+      for (int32_t s = 0; s < p.R; ++s) {
+        SendLayout one, many;
+        ASSERT_TRUE(BuildSendLayout(plan, offsets, s, p.ids[s], p.T[s], p.K, &one).ok());
+        for (size_t i = 0; i < p.ids[s].size(); ++i) {
+          ASSERT_EQ(one.dest_rank[i], truth[s][i].rank) << "source " << s << " entry " << i;
+          ASSERT_EQ(one.dest_row[i], truth[s][i].row) << "source " << s << " entry " << i;
+        }
+        for (const auto& pool : pools) {
+          SCOPED_TRACE(::testing::Message() << "source " << s << " threads " << pool->size());
+          // Reused across pools, as a transport's handle is: stale scratch must not leak in.
+          ASSERT_TRUE(BuildSendLayout(plan, offsets, s, p.ids[s], p.T[s], p.K, &many, pool.get()).ok());
+          EXPECT_EQ(many.dest_rank, one.dest_rank);
+          EXPECT_EQ(many.dest_row, one.dest_row);
+          EXPECT_EQ(many.entry_begin, one.entry_begin);
+          EXPECT_EQ(many.entries, one.entries);
+          EXPECT_EQ(many.entry_unique, one.entry_unique);
+          EXPECT_EQ(many.unique_begin, one.unique_begin);
+          EXPECT_EQ(many.unique_tokens, one.unique_tokens);
+        }
+      }
+    }
+  }
+}
+
+TEST(SendLayoutTest, PoolRejectsRoutingThatDoesNotMatchCounts) {
+  const Problem p = MakeProblem(2, 8, 4, 1, 4000, 9);
+  planner::Plan plan;
+  ASSERT_TRUE(MakeRandomPlan("home", p, 9, 0, 1, &plan).ok());
+  std::vector<int64_t> offsets;
+  planner::ComputeSourceOffsets(p.counts, p.R, p.E, &offsets);
+  std::vector<int32_t> ids = p.ids[0];
+  for (size_t i = ids.size() / 2; i < ids.size(); ++i) {  // in a later chunk
+    if (ids[i] >= 0 && ids[i] + 1 < p.E) {
+      bool clash = false;
+      for (size_t j = i / p.K * p.K; j < i / p.K * p.K + p.K; ++j) clash |= ids[j] == ids[i] + 1;
+      if (clash) continue;
+      ++ids[i];
+      break;
+    }
+  }
+  WorkerPool pool(3);
+  SendLayout send;
+  absl::Status st = BuildSendLayout(plan, offsets, 0, ids, p.T[0], p.K, &send, &pool);
+  EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
+  EXPECT_NE(st.message().find("the counts say"), std::string::npos) << st;
+}
 
 TEST(CheckPlanTest, RejectsCorruptPlans) {
   const Problem p = MakeProblem(4, 8, 3, 1, 20, 3);

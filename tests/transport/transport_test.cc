@@ -38,11 +38,12 @@ using test::MakePlanOfKind;
 using test::Scale;
 
 std::unique_ptr<Transport> MakeTransport(const std::string& backend, const Problem& p,
-                                         int64_t max_row_bytes) {
+                                         int64_t max_row_bytes, int32_t host_threads = 0) {
   TransportOptions o;
   o.max_tokens = std::max<int64_t>(1, p.max_tokens());
   o.max_top_k = p.K;
   o.max_row_bytes = max_row_bytes;
+  o.host_threads = host_threads;
   auto t = CreateTransport(backend, o);
   EXPECT_TRUE(t.ok()) << t.status();
   return t.ok() ? std::move(*t) : nullptr;
@@ -204,6 +205,21 @@ TEST_P(RowsTest, ForwardAndBackwardMatchBruteForceAndFp64) {
     CheckForwardBackward(t.get(), p, plan, rank());
     if (HasFatalFailure()) return;
   }
+}
+
+// A dispatch large enough for the layouts to run in several chunks on the transport's host pool
+// (3 threads, whatever the node has; 1200-2400 tokens of 8 entries a rank): every operation's
+// result checked as above.
+TEST_P(RowsTest, LargeRoutingOnAHostPool) {
+  const std::string backend = std::get<0>(GetParam()), kind = std::get<1>(GetParam());
+  if (kind != "random" && kind != "moonep") return;  // two plan sources are enough here
+  const int32_t R = size();
+  const Problem p = MakeProblem(R, 4 * R, std::min(8, 4 * R), 2, 1200, 61, -1);
+  planner::Plan plan;
+  ASSERT_TRUE(MakePlanOfKind(kind, p, 61, &plan).ok());
+  auto t = MakeTransport(backend, p, p.H * 4, /*host_threads=*/3);
+  ASSERT_NE(t, nullptr);
+  CheckForwardBackward(t.get(), p, plan, rank());
 }
 
 // Bootstrap from a caller's communicator: two halves of the world run independent problems.

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
 
 #include <unistd.h>
 
@@ -27,11 +29,15 @@ absl::Status CheckOptions(const TransportOptions& o, bool host_rows) {
   MOONEP_CHECK_ARG(o.max_top_k == 0 || o.max_tokens <= kMaxEntries / o.max_top_k,
                    "options: max_tokens * max_top_k = %d * %d is above %d, the most entries a "
                    "rank can route", o.max_tokens, o.max_top_k, kMaxEntries);
+  MOONEP_CHECK_ARG(o.host_threads >= 0 && o.host_threads <= kMaxHostThreads,
+                   "options.host_threads = %d is not in [0, %d]", o.host_threads,
+                   kMaxHostThreads);
   return absl::OkStatus();
 }
 
 absl::Status CheckEnvironment() {
   MOONEP_RETURN_IF_ERROR(param::CheckedTimeoutMs().status());
+  MOONEP_RETURN_IF_ERROR(param::CheckedHostThreads().status());
   return log::LevelStatus();
 }
 
@@ -45,6 +51,40 @@ bool SpinWaits(int local_ranks, long cpus) {
 }
 
 bool SpinWaits(int local_ranks) { return SpinWaits(local_ranks, sysconf(_SC_NPROCESSORS_ONLN)); }
+
+int LocalRanks(MPI_Comm comm) {
+  MPI_Comm local = MPI_COMM_NULL;
+  int local_size = 1;
+  if (MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &local) == MPI_SUCCESS) {
+    MPI_Comm_size(local, &local_size);
+    MPI_Comm_free(&local);
+  }
+  return local_size < 1 ? 1 : local_size;
+}
+
+int HostThreads(int32_t options_threads, int local_ranks, long cpus) {
+  if (options_threads > 0) return std::min<int32_t>(options_threads, kMaxHostThreads);
+  const absl::StatusOr<int64_t>& env = param::CheckedHostThreads();
+  if (env.ok() && *env > 0) return static_cast<int>(*env);
+  if (cpus <= 0 || local_ranks < 1) return 1;
+  return static_cast<int>(std::clamp<long>(cpus / local_ranks, 1, kAutoHostThreads));
+}
+
+std::shared_ptr<WorkerPool> MakeHostPool(int32_t options_threads, int local_ranks) {
+  const int threads = HostThreads(options_threads, local_ranks, sysconf(_SC_NPROCESSORS_ONLN));
+  if (threads <= 1) return nullptr;
+  static std::mutex mu;
+  static std::map<int, std::weak_ptr<WorkerPool>>* pools =
+      new std::map<int, std::weak_ptr<WorkerPool>>;  // never destroyed: transports may outlive it
+  std::lock_guard<std::mutex> lock(mu);
+  std::weak_ptr<WorkerPool>& slot = (*pools)[threads];
+  std::shared_ptr<WorkerPool> pool = slot.lock();
+  if (pool == nullptr) {
+    pool = std::make_shared<WorkerPool>(threads);
+    slot = pool;
+  }
+  return pool;
+}
 
 absl::Status AgreeOnCreationChecks(MPI_Comm comm, const absl::Status& local, const char* refused) {
   int ok = local.ok() ? 1 : 0, all_ok = 0;
@@ -173,12 +213,12 @@ absl::Status CheckDispatchBuffers(const planner::Plan& plan, const TensorView& x
 }
 
 absl::Status PrepareDispatch(const planner::Plan& plan, absl::Span<const float> topk_weights,
-                             int32_t rank, DispatchHandle* h) {
+                             int32_t rank, DispatchHandle* h, WorkerPool* pool) {
   h->plan_ = plan;
   h->topk_weights_.assign(topk_weights.begin(), topk_weights.end());
   h->dispatched_ = false;
   absl::Status s = BuildSendLayout(h->plan_, h->offsets_, rank, h->topk_ids_, h->num_tokens_,
-                                   h->top_k_, &h->send_);
+                                   h->top_k_, &h->send_, pool);
   if (!s.ok()) return Annotate(s, "dispatch");
   BuildReceiveLayout(h->plan_, h->offsets_, rank, &h->recv_);
   return absl::OkStatus();

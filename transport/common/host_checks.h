@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -36,6 +37,18 @@ int64_t ResolveTimeoutMs(int64_t options_timeout_ms);
 // which answers no). With more ranks than cores a polling rank would hold the core its peer needs.
 bool SpinWaits(int local_ranks, long cpus);
 bool SpinWaits(int local_ranks);
+// Ranks of `comm` on this node (collective over `comm`; 1 where MPI cannot tell).
+int LocalRanks(MPI_Comm comm);
+// The threads of a transport's host pool: options_threads when > 0, else MOONEP_HOST_THREADS when
+// > 0, else automatic: this node's CPUs (`cpus`; <= 0 when unknown) shared by its `local_ranks`,
+// at most kAutoHostThreads and at least 1. Four measured fastest on the GPU machine's 16-core host
+// at the DeepSeek-V3 shape (docs/transport.md); with fewer CPUs than ranks, 1 (no pool).
+constexpr int kAutoHostThreads = 4;
+int HostThreads(int32_t options_threads, int local_ranks, long cpus);
+// A pool of that many threads, or null for one (the calling thread alone). Transports of one
+// process that resolve to the same count share one pool (a model's layers each have a transport):
+// its threads live while any of them does.
+std::shared_ptr<WorkerPool> MakeHostPool(int32_t options_threads, int local_ranks);
 // Agrees on every rank's local creation checks (MPI_Allreduce over `comm`, collective), so that a
 // value wrong on one rank fails every rank instead of leaving the others in a later collective:
 // this rank's own error; else RemoteError(`refused`) when another rank failed; else OK.
@@ -70,10 +83,11 @@ absl::Status CheckDispatchBuffers(const planner::Plan& plan, const TensorView& x
                                   const TensorView& recv_rows, absl::Span<float> recv_weights,
                                   int32_t rank, int64_t max_row_bytes, const char* backend);
 
-// Stores the plan and the top-k weights in the handle and builds its send and receive layouts.
-// An error (a routing the plan does not cover) is local.
+// Stores the plan and the top-k weights in the handle and builds its send and receive layouts
+// (on the pool's threads where there is one). An error (a routing the plan does not cover) is
+// local.
 absl::Status PrepareDispatch(const planner::Plan& plan, absl::Span<const float> topk_weights,
-                             int32_t rank, DispatchHandle* h);
+                             int32_t rank, DispatchHandle* h, WorkerPool* pool);
 
 // Local checks of the operations that reuse a dispatched handle. Rows that travel or are staged
 // are at most max_row_bytes wide (OutOfMemory naming the tensor).

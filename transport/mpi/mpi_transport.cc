@@ -222,6 +222,7 @@ class MpiTransport : public Transport {
   int32_t rank_ = 0, size_ = 1;
   int64_t timeout_ms_ = 0;
   bool spin_waits_ = false;
+  std::shared_ptr<WorkerPool> host_pool_;  // the dispatch's layouts (null: this thread alone)
   int64_t tag_slots_ = 1, seqs_per_epoch_ = 1, epoch_ = 0;
   int abort_tag_ = 0;
   MPI_Comm rows_comm_ = MPI_COMM_NULL, weights_comm_ = MPI_COMM_NULL, abort_comm_ = MPI_COMM_NULL;
@@ -1028,14 +1029,9 @@ absl::StatusOr<std::unique_ptr<Transport>> MpiTransport::Create(const TransportO
   MPI_Comm_size(t->rows_comm_, &t->size_);
   {
     // Ranks sharing this node (collective, at the same point on every rank).
-    MPI_Comm local = MPI_COMM_NULL;
-    int local_size = 1;
-    if (MPI_Comm_split_type(t->rows_comm_, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &local) ==
-        MPI_SUCCESS) {
-      MPI_Comm_size(local, &local_size);
-      MPI_Comm_free(&local);
-    }
+    const int local_size = common::LocalRanks(t->rows_comm_);
     t->spin_waits_ = common::SpinWaits(local_size);
+    if (checked.ok()) t->host_pool_ = common::MakeHostPool(options.host_threads, local_size);
   }
   MOONEP_RETURN_IF_ERROR(common::AgreeOnCreationChecks(
       t->rows_comm_, checked, "MPI transport: another rank refused its options or environment"));
@@ -1213,7 +1209,7 @@ absl::StatusOr<RequestPtr> MpiTransport::StartDispatch(const planner::Plan& plan
   absl::Status s = common::CheckDispatchBuffers(plan, x, topk_weights, *h, recv_rows,
                                                 recv_weights, rank_, options_.max_row_bytes,
                                                 kBackendName);
-  if (s.ok()) s = common::PrepareDispatch(plan, topk_weights, rank_, h);
+  if (s.ok()) s = common::PrepareDispatch(plan, topk_weights, rank_, h, host_pool_.get());
   if (!s.ok()) return AbortPeers(OpKind::kDispatch, s);
   auto op = std::make_unique<DispatchOp>(this, OpKind::kDispatch, rows_comm_, rows_seq_++, h);
   MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(x, recv_rows, recv_weights.data())));

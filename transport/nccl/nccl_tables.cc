@@ -4,46 +4,92 @@
 
 namespace moonep::transport::nccl {
 
-void BuildDispatchTables(const SendLayout& send, const ReceiveLayout& recv, int32_t me,
-                         DispatchTables* t) {
+DispatchTableSizes TableSizes(const SendLayout& send, const ReceiveLayout& recv, int32_t me) {
   const int32_t R = send.num_ranks;
-  const int64_t n_entries = send.num_tokens * send.top_k;
-  const int64_t sent_entries = send.entry_begin[R];
-  t->pack_begin.assign(R + 1, 0);
-  t->unique_send.assign(R, 0);
-  for (int32_t d = 0; d < R; ++d) {
-    t->unique_send[d] = d == me ? 0 : send.unique_to(d);
-    t->pack_begin[d + 1] = t->pack_begin[d] + t->unique_send[d];
-  }
-  t->pack_index.clear();
-  for (int32_t d = 0; d < R; ++d) {
-    if (d == me) continue;
-    t->pack_index.insert(t->pack_index.end(), send.unique_tokens.begin() + send.unique_begin[d],
-                         send.unique_tokens.begin() + send.unique_begin[d + 1]);
-  }
-  t->meta_unique.assign(send.entry_unique.begin(), send.entry_unique.begin() + sent_entries);
-  t->meta_entries.assign(send.entries.begin(), send.entries.begin() + sent_entries);
-  t->row_source.assign(static_cast<size_t>(recv.rank_rows), RowSource{-1, -1});
-  t->pos_row.assign(static_cast<size_t>(recv.rows_begin[R]), -1);
-  for (int32_t s = 0; s < R; ++s) {
-    int64_t i = 0;
-    for (int64_t run = recv.run_begin[s]; run < recv.run_begin[s + 1]; ++run) {
-      for (int64_t j = 0; j < recv.run_count[run]; ++j, ++i) {
-        const int64_t row = recv.run_row[run] + j;
-        const int64_t pos = recv.rows_begin[s] + i;
-        t->pos_row[pos] = static_cast<int32_t>(row);
-        if (s != me) t->row_source[row] = RowSource{static_cast<int32_t>(pos), s};
+  DispatchTableSizes z;
+  z.pack_index = send.unique_begin[R] - send.unique_to(me);
+  z.meta = send.entry_begin[R];
+  z.row_source = recv.rank_rows;
+  z.pos_row = recv.rows_begin[R];
+  z.combine_index = send.num_tokens * send.top_k;
+  return z;
+}
+
+void WriteDispatchTables(const SendLayout& send, const ReceiveLayout& recv, int32_t me,
+                         const DispatchTableViews& t, WorkerPool* pool) {
+  const int32_t R = send.num_ranks;
+  const DispatchTableSizes z = TableSizes(send, recv, me);
+  // Part 0, the send side: this rank's unique rows to each remote destination in destination
+  // order, and per sent entry its unique index and its entry.
+  auto send_side = [&] {
+    t.pack_begin[0] = 0;
+    for (int32_t d = 0; d < R; ++d) {
+      t.unique_send[d] = d == me ? 0 : send.unique_to(d);
+      t.pack_begin[d + 1] = t.pack_begin[d] + t.unique_send[d];
+      if (d != me) {
+        std::copy(send.unique_tokens.begin() + send.unique_begin[d],
+                  send.unique_tokens.begin() + send.unique_begin[d + 1],
+                  t.pack_index + t.pack_begin[d]);
       }
     }
+    std::copy(send.entry_unique.begin(), send.entry_unique.begin() + z.meta, t.meta_unique);
+    std::copy(send.entries.begin(), send.entries.begin() + z.meta, t.meta_entries);
+  };
+  // Part 1, the receive side: where each row of the compute layout comes from, and the row of
+  // each receive position.
+  auto receive_side = [&] {
+    std::fill(t.row_source, t.row_source + z.row_source, RowSource{-1, -1});
+    for (int32_t s = 0; s < R; ++s) {
+      int64_t pos = recv.rows_begin[s];
+      for (int64_t run = recv.run_begin[s]; run < recv.run_begin[s + 1]; ++run) {
+        for (int64_t j = 0; j < recv.run_count[run]; ++j, ++pos) {
+          const int64_t row = recv.run_row[run] + j;
+          t.pos_row[pos] = static_cast<int32_t>(row);
+          if (s != me) t.row_source[row] = RowSource{static_cast<int32_t>(pos), s};
+        }
+      }
+    }
+    for (int64_t i = send.entry_begin[me]; i < send.entry_begin[me + 1]; ++i) {
+      const int32_t entry = send.entries[i];
+      t.row_source[send.dest_row[entry]] = RowSource{entry, -2};
+    }
+  };
+  // Part 2: the send-order position of each entry, -1 where it has no destination.
+  auto combine_side = [&] {
+    std::fill(t.combine_index, t.combine_index + z.combine_index, -1);
+    for (int64_t i = 0; i < z.meta; ++i) t.combine_index[send.entries[i]] = static_cast<int32_t>(i);
+  };
+  if (pool == nullptr || pool->size() == 1) {
+    send_side();
+    receive_side();
+    combine_side();
+    return;
   }
-  for (int64_t i = send.entry_begin[me]; i < send.entry_begin[me + 1]; ++i) {
-    const int32_t entry = send.entries[i];
-    t->row_source[send.dest_row[entry]] = RowSource{entry, -2};
-  }
-  t->combine_index.assign(static_cast<size_t>(n_entries), -1);
-  for (int64_t i = 0; i < sent_entries; ++i) {
-    t->combine_index[send.entries[i]] = static_cast<int32_t>(i);
-  }
+  pool->Run(3, [&](int64_t part) {
+    if (part == 0) send_side();
+    if (part == 1) receive_side();
+    if (part == 2) combine_side();
+  });
+}
+
+void BuildDispatchTables(const SendLayout& send, const ReceiveLayout& recv, int32_t me,
+                         DispatchTables* t, WorkerPool* pool) {
+  const int32_t R = send.num_ranks;
+  const DispatchTableSizes z = TableSizes(send, recv, me);
+  t->pack_begin.resize(static_cast<size_t>(R) + 1);
+  t->unique_send.resize(static_cast<size_t>(R));
+  t->pack_index.resize(static_cast<size_t>(z.pack_index));
+  t->meta_unique.resize(static_cast<size_t>(z.meta));
+  t->meta_entries.resize(static_cast<size_t>(z.meta));
+  t->row_source.resize(static_cast<size_t>(z.row_source));
+  t->pos_row.resize(static_cast<size_t>(z.pos_row));
+  t->combine_index.resize(static_cast<size_t>(z.combine_index));
+  WriteDispatchTables(send, recv, me,
+                      DispatchTableViews{t->pack_begin.data(), t->unique_send.data(),
+                                         t->pack_index.data(), t->meta_unique.data(),
+                                         t->meta_entries.data(), t->row_source.data(),
+                                         t->pos_row.data(), t->combine_index.data()},
+                      pool);
 }
 
 }  // namespace moonep::transport::nccl

@@ -38,8 +38,32 @@ struct DispatchTables {
   std::vector<int32_t> combine_index;  // [T * K] send-order position of each entry, -1 if none
 };
 
-// Builds rank `me`'s tables. Vectors keep their capacity across calls.
+// The lengths of rank `me`'s tables (DispatchTables' vectors, in that order).
+struct DispatchTableSizes {
+  int64_t pack_index = 0, meta = 0, row_source = 0, pos_row = 0, combine_index = 0;
+};
+DispatchTableSizes TableSizes(const SendLayout& send, const ReceiveLayout& recv, int32_t me);
+
+// Where WriteDispatchTables puts each table: host memory of at least the TableSizes lengths
+// (pack_begin R + 1, unique_send R), e.g. parts of the pinned block that is uploaded.
+struct DispatchTableViews {
+  int64_t* pack_begin;
+  int64_t* unique_send;
+  int32_t* pack_index;
+  int32_t* meta_unique;
+  int32_t* meta_entries;
+  RowSource* row_source;
+  int32_t* pos_row;
+  int32_t* combine_index;
+};
+
+// Writes rank `me`'s tables. With a pool, its three independent parts (the send side, the
+// receive side, the combine index) run on its threads; the tables are the same either way.
+void WriteDispatchTables(const SendLayout& send, const ReceiveLayout& recv, int32_t me,
+                         const DispatchTableViews& out, WorkerPool* pool = nullptr);
+
+// The same into vectors (sized here; they keep their capacity across calls).
 void BuildDispatchTables(const SendLayout& send, const ReceiveLayout& recv, int32_t me,
-                         DispatchTables* tables);
+                         DispatchTables* tables, WorkerPool* pool = nullptr);
 
 }  // namespace moonep::transport::nccl

@@ -196,7 +196,6 @@ struct HandleState {
   DeviceBuffer tables_dev;
   size_t off_pack_index = 0, off_meta_unique = 0, off_meta_entries = 0, off_row_source = 0,
          off_combine_index = 0, off_pos_row = 0, off_unique_send = 0;
-  DispatchTables tables;
   std::vector<int64_t> pack_begin, staging_begin, unique_from;
   PinnedBuffer unique_recv_host, staging_begin_host, bad_host;
   DeviceBuffer unique_recv_dev, staging_begin_dev, bad_dev;
@@ -475,6 +474,7 @@ class NcclTransportImpl : public NcclTransport {
 
   TransportOptions options_;
   int32_t rank_ = 0, size_ = 1;
+  std::shared_ptr<WorkerPool> host_pool_;  // the dispatch's layouts and tables (null: no pool)
   int device_ = 0;
   int64_t timeout_ms_ = 0;
   std::shared_ptr<NcclComms> comms_;
@@ -888,9 +888,15 @@ absl::StatusOr<std::unique_ptr<Transport>> NcclTransportImpl::Create(
   MOONEP_CUDA_RETURN_IF_ERROR(
       cudaStreamCreateWithFlags(&t->weights_stream_, cudaStreamNonBlocking));
   MOONEP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&t->caller_ready_, cudaEventDisableTiming));
+  {
+    // One rank per GPU: this node's GPUs stand for its ranks (creation is not collective).
+    int devices = 1;
+    if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 1) devices = 1;
+    t->host_pool_ = common::MakeHostPool(options.host_threads, devices);
+  }
   log::SetRank(t->rank_);
-  MOONEP_INFO("transport nccl: %d ranks, GPU %d, timeout %d ms", t->size_, t->device_,
-              t->timeout_ms_);
+  MOONEP_INFO("transport nccl: %d ranks, GPU %d, timeout %d ms, %d host threads", t->size_,
+              t->device_, t->timeout_ms_, t->host_pool_ ? t->host_pool_->size() : 1);
   return std::unique_ptr<Transport>(std::move(t));
 }
 
@@ -1337,7 +1343,8 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartDispatch(
   h->plan_ = plan;
   h->dispatched_ = false;
   {
-    absl::Status s = BuildSendLayout(h->plan_, h->offsets_, me, h->topk_ids_, T, K, &h->send_);
+    absl::Status s =
+        BuildSendLayout(h->plan_, h->offsets_, me, h->topk_ids_, T, K, &h->send_, host_pool_.get());
     if (!s.ok()) return Fatal(Annotate(s, "dispatch"));
   }
   BuildReceiveLayout(h->plan_, h->offsets_, me, &h->recv_);
@@ -1350,19 +1357,18 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartDispatch(
   const int64_t rank_rows = plan.rank_rows[me];
   const size_t row_bytes = static_cast<size_t>(x.shape[1]) * DTypeSize(x.dtype);
 
-  // Tables: built on the host from the layouts, uploaded with one copy.
-  BuildDispatchTables(send, recv, me, &st->tables);
-  const DispatchTables& tab = st->tables;
-  st->pack_begin = tab.pack_begin;
-  const int64_t pack_rows = st->pack_begin[R];
+  // Tables: written on the host from the layouts straight into the pinned block that one copy
+  // uploads.
+  const DispatchTableSizes sizes = TableSizes(send, recv, me);
+  const int64_t pack_rows = sizes.pack_index;
   TableBlock block;
-  st->off_pack_index = block.Add<int32_t>(tab.pack_index.size());
-  st->off_meta_unique = block.Add<int32_t>(tab.meta_unique.size());
-  st->off_meta_entries = block.Add<int32_t>(tab.meta_entries.size());
-  st->off_row_source = block.Add<RowSource>(tab.row_source.size());
-  st->off_combine_index = block.Add<int32_t>(tab.combine_index.size());
-  st->off_pos_row = block.Add<int32_t>(tab.pos_row.size());
-  st->off_unique_send = block.Add<int64_t>(tab.unique_send.size());
+  st->off_pack_index = block.Add<int32_t>(sizes.pack_index);
+  st->off_meta_unique = block.Add<int32_t>(sizes.meta);
+  st->off_meta_entries = block.Add<int32_t>(sizes.meta);
+  st->off_row_source = block.Add<RowSource>(sizes.row_source);
+  st->off_combine_index = block.Add<int32_t>(sizes.combine_index);
+  st->off_pos_row = block.Add<int32_t>(sizes.pos_row);
+  st->off_unique_send = block.Add<int64_t>(R);
   {
     absl::Status s = st->tables_host.Reserve(block.size(), "dispatch tables");
     if (s.ok()) s = st->tables_dev.Reserve(block.size(), "dispatch tables");
@@ -1392,19 +1398,17 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartDispatch(
           static_cast<size_t>(std::max<int64_t>(recv_total, 1)) * row_bytes, "receive staging");
     if (!s.ok()) return Fatal(s);
   }
-  {
-    auto put = [&](size_t offset, const auto& v) {
-      std::copy(v.begin(), v.end(),
-                st->host_table<typename std::decay_t<decltype(v)>::value_type>(offset));
-    };
-    put(st->off_pack_index, tab.pack_index);
-    put(st->off_meta_unique, tab.meta_unique);
-    put(st->off_meta_entries, tab.meta_entries);
-    put(st->off_row_source, tab.row_source);
-    put(st->off_combine_index, tab.combine_index);
-    put(st->off_pos_row, tab.pos_row);
-    put(st->off_unique_send, tab.unique_send);
-  }
+  st->pack_begin.resize(static_cast<size_t>(R) + 1);
+  WriteDispatchTables(send, recv, me,
+                      DispatchTableViews{st->pack_begin.data(),
+                                         st->host_table<int64_t>(st->off_unique_send),
+                                         st->host_table<int32_t>(st->off_pack_index),
+                                         st->host_table<int32_t>(st->off_meta_unique),
+                                         st->host_table<int32_t>(st->off_meta_entries),
+                                         st->host_table<RowSource>(st->off_row_source),
+                                         st->host_table<int32_t>(st->off_pos_row),
+                                         st->host_table<int32_t>(st->off_combine_index)},
+                      host_pool_.get());
   st->unique_from.assign(R, 0);
   st->staging_begin.assign(R + 1, 0);
 

@@ -372,6 +372,7 @@ class UcxTransport : public Transport {
   int32_t rank_ = 0, size_ = 1;
   int64_t timeout_ms_ = 0;
   int64_t eager_bytes_ = 0;  // MOONEP_UCX_EAGER_BYTES
+  std::shared_ptr<WorkerPool> host_pool_;  // the dispatch's layouts (null: this thread alone)
   MPI_Comm comm_ = MPI_COMM_NULL;
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
@@ -1488,6 +1489,10 @@ absl::StatusOr<std::unique_ptr<Transport>> UcxTransport::Create(const TransportO
   MPI_Comm_rank(t->comm_, &t->rank_);
   MPI_Comm_size(t->comm_, &t->size_);
   const int R = t->size_;
+  {
+    const int local_size = common::LocalRanks(t->comm_);  // collective: every rank, here
+    if (checked.ok()) t->host_pool_ = common::MakeHostPool(options.host_threads, local_size);
+  }
 
   // Every rank sets up locally, then all agree that every rank succeeded before exchanging.
   absl::Status local = [&]() -> absl::Status {
@@ -1927,7 +1932,7 @@ absl::StatusOr<RequestPtr> UcxTransport::StartDispatch(const planner::Plan& plan
   absl::Status s = common::CheckDispatchBuffers(plan, x, topk_weights, *h, recv_rows,
                                                 recv_weights, rank_, options_.max_row_bytes,
                                                 kBackendName);
-  if (s.ok()) s = common::PrepareDispatch(plan, topk_weights, rank_, h);
+  if (s.ok()) s = common::PrepareDispatch(plan, topk_weights, rank_, h, host_pool_.get());
   if (!s.ok()) return AbortPeers(OpKind::kDispatch, s);
   auto op = std::make_unique<DispatchOp>(this, OpKind::kDispatch, kRowsChannel, seq_[kRowsChannel]++, h);
   MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(x, recv_rows, recv_weights.data())));

@@ -1,0 +1,107 @@
+#include "moonep/core/worker_pool.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define MOONEP_PAUSE() _mm_pause()
+#else
+#define MOONEP_PAUSE() std::this_thread::yield()
+#endif
+
+namespace moonep {
+
+WorkerPool::WorkerPool(int threads, std::chrono::microseconds spin)
+    : size_(threads < 1 ? 1 : threads), spin_(spin) {
+  threads_.reserve(static_cast<size_t>(size_ - 1));
+  for (int w = 1; w < size_; ++w) threads_.emplace_back([this, w] { Loop(w); });
+}
+
+WorkerPool::~WorkerPool() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_.store(true, std::memory_order_release);
+  }
+  cv_.notify_all();
+  for (std::thread& t : threads_) t.join();
+}
+
+bool WorkerPool::Claim(uint64_t gen, int worker, int64_t* task,
+                       const absl::FunctionRef<void(int64_t)>** fn) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (gen_.load(std::memory_order_relaxed) != gen) return false;
+  int64_t t = worker;
+  if (t >= tasks_ || claimed_[static_cast<size_t>(t)]) {
+    while (next_ < tasks_ && claimed_[static_cast<size_t>(next_)]) ++next_;
+    if (next_ >= tasks_) return false;
+    t = next_;
+  }
+  claimed_[static_cast<size_t>(t)] = 1;
+  *task = t;
+  *fn = fn_;
+  return true;
+}
+
+void WorkerPool::Run(int64_t tasks, absl::FunctionRef<void(int64_t)> fn) {
+  if (tasks <= 0) return;
+  std::unique_lock<std::mutex> owner(run_mu_, std::try_to_lock);
+  if (size_ == 1 || tasks == 1 || !owner.owns_lock()) {
+    for (int64_t t = 0; t < tasks; ++t) fn(t);
+    return;
+  }
+  uint64_t gen;
+  bool wake;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    fn_ = &fn;
+    tasks_ = tasks;
+    next_ = 0;
+    claimed_.assign(static_cast<size_t>(tasks), 0);
+    done_.store(0, std::memory_order_relaxed);
+    gen = gen_.load(std::memory_order_relaxed) + 1;
+    gen_.store(gen, std::memory_order_release);
+    wake = parked_ > 0;
+  }
+  if (wake) cv_.notify_all();
+  int64_t task;
+  const absl::FunctionRef<void(int64_t)>* f;
+  while (Claim(gen, 0, &task, &f)) {
+    (*f)(task);
+    done_.fetch_add(1, std::memory_order_acq_rel);
+  }
+  // Every task is claimed; wait for the workers' calls to return (they are running, not asleep).
+  while (done_.load(std::memory_order_acquire) < tasks) MOONEP_PAUSE();
+  std::lock_guard<std::mutex> lock(mu_);
+  fn_ = nullptr;
+}
+
+void WorkerPool::Loop(int worker) {
+  uint64_t seen = 0;  // the generation before any Run: a worker started late still sees the first
+  for (;;) {
+    // Poll for a new phase for spin_, then sleep until one comes.
+    auto until = std::chrono::steady_clock::now() + spin_;
+    for (int i = 0;; ++i) {
+      if (stop_.load(std::memory_order_acquire)) return;
+      if (gen_.load(std::memory_order_acquire) != seen) break;
+      MOONEP_PAUSE();
+      if ((i & 63) == 63 && std::chrono::steady_clock::now() >= until) {
+        std::unique_lock<std::mutex> lock(mu_);
+        ++parked_;
+        cv_.wait(lock, [&] {
+          return stop_.load(std::memory_order_relaxed) ||
+                 gen_.load(std::memory_order_relaxed) != seen;
+        });
+        --parked_;
+        if (stop_.load(std::memory_order_relaxed)) return;
+        break;
+      }
+    }
+    seen = gen_.load(std::memory_order_acquire);
+    int64_t task;
+    const absl::FunctionRef<void(int64_t)>* f;
+    while (Claim(seen, worker, &task, &f)) {
+      (*f)(task);
+      done_.fetch_add(1, std::memory_order_acq_rel);
+    }
+  }
+}
+
+}  // namespace moonep
