@@ -212,10 +212,10 @@ absl::Status BuildSendLayout(const planner::Plan& plan, absl::Span<const int64_t
   const int32_t* ids = topk_ids.data();
 
   // Pass 1, per chunk: entries per expert.
-  // Per-chunk arrays start on their own cache lines (kChunkPad elements), or the threads' counters
-  // share lines: that made the dedup pass 3x slower on two threads.
+  // Per-chunk arrays are kChunkPad elements (at least 64 bytes) apart, so that no cache line holds
+  // two chunks' counters: shared lines made the dedup pass 3x slower on two threads.
   constexpr int64_t kChunkPad = 16;
-  auto padded = [](int64_t v) { return (v + kChunkPad - 1) / kChunkPad * kChunkPad; };
+  auto padded = [](int64_t v) { return (v + 2 * kChunkPad - 1) / kChunkPad * kChunkPad; };
   const int64_t count_stride = padded(E);
   out->chunk_count.resize(static_cast<size_t>(P * count_stride));
   int64_t* chunk_count = out->chunk_count.data();
@@ -313,8 +313,20 @@ absl::Status BuildSendLayout(const planner::Plan& plan, absl::Span<const int64_t
   int32_t* entry_pos = out->entry_pos.data();
   const SendLayout::Run* expert_runs = by_expert.data();
   const int64_t* expert_begin = run_begin.data();
+  out->chunk_run.resize(static_cast<size_t>(P * count_stride));
   run([&](int64_t c) {
     int64_t* cursor = chunk_count + c * count_stride;
+    // The run of each expert that holds the chunk's next entry: j only grows within a chunk, so
+    // an expert split into many runs costs a step per run, not a search per entry.
+    int64_t* at_run = out->chunk_run.data() + c * count_stride;
+    for (int32_t e = 0; e < E; ++e) {
+      int64_t q = expert_begin[e];
+      while (q + 1 < expert_begin[e + 1] &&
+             cursor[e] >= expert_runs[q].j0 + expert_runs[q].count) {
+        ++q;
+      }
+      at_run[e] = q;
+    }
     const int64_t lo = token_begin(c) * top_k, hi = token_begin(c + 1) * top_k;
     for (int64_t i = lo; i < hi; ++i) {
       const int32_t e = ids[i];
@@ -324,8 +336,13 @@ absl::Status BuildSendLayout(const planner::Plan& plan, absl::Span<const int64_t
         continue;
       }
       const int64_t j = cursor[e]++;
-      const SendLayout::Run* r = expert_runs + expert_begin[e];
-      while (j >= r->j0 + r->count) ++r;  // the runs cover [0, count): no step for most experts
+      const SendLayout::Run* r = expert_runs + at_run[e];
+      if (j >= r->j0 + r->count) {  // the runs cover [0, count): no step for most experts
+        do {
+          ++r;
+        } while (j >= r->j0 + r->count);
+        at_run[e] = r - expert_runs;
+      }
       const int64_t at = r->pos + (j - r->j0);
       dest_rank[i] = r->dest;
       dest_row[i] = r->row + (j - r->j0);

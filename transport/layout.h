@@ -96,6 +96,7 @@ struct SendLayout {
   std::vector<int64_t> expert_run_begin;    // [E+1] into expert_runs
   std::vector<int64_t> expert_cursor;       // [E]
   std::vector<int64_t> chunk_count;         // [chunks][E, padded]
+  std::vector<int64_t> chunk_run;           // [chunks][E, padded] into expert_runs
   std::vector<int32_t> entry_unique_index;  // [T*K] within the entry's chunk
   std::vector<int32_t> entry_pos;           // [T*K] place in `entries`
   std::vector<int64_t> dedup_last_token;    // [chunks][R+1, padded] (slot 0: no destination)

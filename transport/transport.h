@@ -17,7 +17,8 @@
 // Every operation has a blocking form and a Start* form that returns a Request (test / wait).
 // Ops of the row class (counts, dispatch, combine, backward forms) and of the weight class
 // (prefetch, reduce) run on separate channels, so a prefetch may overlap a dispatch. Buffers
-// passed to a Start* call and the handle must stay valid until its request completes.
+// passed to a Start* call and the handle must stay valid until its request completes, or until
+// the request is destroyed where it never completes.
 //
 // Errors: input that ExchangeCounts validates (expert ids, sizes, capacities) is agreed on by every
 // rank: the offending rank gets InvalidArgument / OutOfMemory, every other rank RemoteError naming
@@ -121,8 +122,14 @@ class DispatchHandle {
   int32_t top_k_ = 0, num_experts_ = 0;
   bool counted_ = false, dispatched_ = false;
   // A count exchange on this handle has started and not ended (the host backends; the NCCL
-  // backend keeps its own per-handle state).
-  bool counts_in_flight_ = false;
+  // backend keeps its own per-handle state). A copy of the handle starts without the mark: the
+  // exchange writes only the original.
+  struct InFlight {
+    bool value = false;
+    InFlight() = default;
+    InFlight(const InFlight&) {}
+    InFlight& operator=(const InFlight&) { return *this; }
+  } counts_in_flight_;
   int64_t seq_ = -1;  // counts operation this handle belongs to
   std::vector<int32_t> topk_ids_;
   std::vector<float> topk_weights_;

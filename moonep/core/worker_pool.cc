@@ -1,5 +1,7 @@
 #include "moonep/core/worker_pool.h"
 
+#include <system_error>
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define MOONEP_PAUSE() _mm_pause()
@@ -9,10 +11,17 @@
 
 namespace moonep {
 
-WorkerPool::WorkerPool(int threads, std::chrono::microseconds spin)
-    : size_(threads < 1 ? 1 : threads), spin_(spin) {
-  threads_.reserve(static_cast<size_t>(size_ - 1));
-  for (int w = 1; w < size_; ++w) threads_.emplace_back([this, w] { Loop(w); });
+WorkerPool::WorkerPool(int threads, std::chrono::microseconds spin) : spin_(spin) {
+  const int want = threads < 1 ? 1 : threads;
+  threads_.reserve(static_cast<size_t>(want - 1));
+  for (int w = 1; w < want; ++w) {
+    try {
+      threads_.emplace_back([this, w] { Loop(w); });
+    } catch (const std::system_error&) {
+      break;  // the system refused another thread: run with those started
+    }
+  }
+  size_ = 1 + static_cast<int>(threads_.size());
 }
 
 WorkerPool::~WorkerPool() {
@@ -67,8 +76,15 @@ void WorkerPool::Run(int64_t tasks, absl::FunctionRef<void(int64_t)> fn) {
     (*f)(task);
     done_.fetch_add(1, std::memory_order_acq_rel);
   }
-  // Every task is claimed; wait for the workers' calls to return (they are running, not asleep).
-  while (done_.load(std::memory_order_acquire) < tasks) MOONEP_PAUSE();
+  // Every task is claimed; wait for the workers' calls to return (they are running, not asleep;
+  // on a crowded node one may be descheduled, so the wait yields after a while).
+  for (int i = 0; done_.load(std::memory_order_acquire) < tasks; ++i) {
+    if (i < 4096) {
+      MOONEP_PAUSE();
+    } else {
+      std::this_thread::yield();
+    }
+  }
   std::lock_guard<std::mutex> lock(mu_);
   fn_ = nullptr;
 }

@@ -22,7 +22,8 @@ namespace moonep {
 
 class WorkerPool {
  public:
-  // threads >= 1 counts the calling thread: threads - 1 workers are started.
+  // threads >= 1 counts the calling thread: threads - 1 workers are started (fewer where the
+  // system refuses a thread: size() says how many run).
   explicit WorkerPool(int threads, std::chrono::microseconds spin = std::chrono::microseconds(200));
   ~WorkerPool();
   WorkerPool(const WorkerPool&) = delete;
@@ -41,7 +42,7 @@ class WorkerPool {
   // Takes task `worker` of generation `gen` if it is free, else the next free one, if any is left.
   bool Claim(uint64_t gen, int worker, int64_t* task, const absl::FunctionRef<void(int64_t)>** fn);
 
-  const int size_;
+  int size_ = 1;
   const std::chrono::microseconds spin_;
   std::vector<std::thread> threads_;
   std::mutex run_mu_;  // held by the Run that has the workers

@@ -3,6 +3,7 @@
 // error in a weight operation (peers waiting on that rank learn it at once), and a rank that never
 // joins an operation (the others time out, naming it, within MOONEP_TIMEOUT_MS; run with 2000).
 #include <gtest/gtest.h>
+#include <mpi.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -127,6 +128,28 @@ TEST_P(FaultTest, SecondCountExchangeOnAHandleInFlightIsRefused) {
   std::vector<float> rows;
   absl::Status st = DispatchOnce(&h, &rows);
   EXPECT_TRUE(st.ok()) << st;
+}
+
+// A dispatch on a handle whose count exchange has not ended is a local misuse, refused before the
+// layouts are built from a routing the counts do not describe yet. Rank 0 makes it (its peers
+// learn it through the abort, so only rank 0's verdict is certain).
+TEST_P(FaultTest, DispatchOnAHandleWhoseCountExchangeIsInFlightIsRefused) {
+  const int64_t T = p_.T[rank()];
+  DispatchHandle h;
+  ASSERT_TRUE(t_->ExchangeCounts(p_.ids[rank()], T, p_.K, p_.E, cap_, &h).ok());  // counted once
+  MPI_Barrier(MPI_COMM_WORLD);  // no rank is still in the first exchange when rank 0 aborts
+  auto again = t_->StartExchangeCounts(p_.ids[rank()], T, p_.K, p_.E, cap_, &h);
+  ASSERT_TRUE(again.ok()) << again.status();
+  if (rank() == 0) {
+    std::vector<float> rows(cap_ * p_.H, 0.0f), w(cap_);
+    absl::Status st = t_->Dispatch(
+        plan_, TensorView::Contiguous(p_.x[rank()].data(), DType::kFloat32, {T, p_.H}),
+        p_.weights[rank()], &h,
+        TensorView::Contiguous(rows.data(), DType::kFloat32, {cap_, p_.H}), absl::MakeSpan(w));
+    EXPECT_EQ(ToResult(st), moonepInvalidUsage) << st;
+    EXPECT_NE(st.message().find("count exchange has not ended"), std::string::npos) << st;
+  }
+  (*again)->Wait().IgnoreError();  // ends completed or failed (the abort), within the timeout
 }
 
 TEST_P(FaultTest, NumExpertsDifferingAcrossRanksFailsEveryRank) {

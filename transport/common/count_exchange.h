@@ -17,6 +17,8 @@ constexpr int kCountHeader = 5;  // invalid flag, T, K, E, receive capacity
 // The refusal of a count exchange on a handle whose previous count exchange has not ended (every
 // backend: InvalidUsage, returned before anything reaches the peers; the transport stays usable).
 absl::Status CountsInFlightError();
+// The refusal of another operation on such a handle (a local misuse, like a handle never counted).
+absl::Status CountsNotEndedError(OpKind kind);
 
 // This rank's message (kCountHeader + E values); counts are left zero when `local` failed.
 void PackCountMessage(const absl::Status& local, absl::Span<const int32_t> topk_ids,

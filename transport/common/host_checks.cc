@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 
@@ -12,6 +13,7 @@
 #include "moonep/core/env.h"
 #include "moonep/core/logging.h"
 #include "moonep/core/status.h"
+#include "transport/common/count_exchange.h"
 #include "transport/layout.h"
 
 namespace moonep::transport::common {
@@ -60,6 +62,17 @@ int LocalRanks(MPI_Comm comm) {
     MPI_Comm_free(&local);
   }
   return local_size < 1 ? 1 : local_size;
+}
+
+int LauncherLocalRanks() {
+  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"}) {
+    const char* v = std::getenv(name);
+    if (v == nullptr) continue;
+    char* end = nullptr;
+    const long n = std::strtol(v, &end, 10);
+    if (end != v && *end == '\0' && n >= 1 && n <= 1 << 20) return static_cast<int>(n);
+  }
+  return 0;
 }
 
 int HostThreads(int32_t options_threads, int local_ranks, long cpus) {
@@ -134,6 +147,7 @@ absl::Status CheckCountsInput(absl::Span<const int32_t> topk_ids, int64_t num_to
 
 absl::Status CheckHandleReady(OpKind kind, const DispatchHandle* h, int32_t rank, int32_t size) {
   if (h == nullptr) return InvalidArgument("%s: handle is null", OpName(kind));
+  if (h->counts_in_flight_.value) return CountsNotEndedError(kind);
   if (!h->counted_ || h->num_ranks_ != size || h->rank_ != rank) {
     return InvalidUsage("%s: the handle has no count exchange of this transport", OpName(kind));
   }

@@ -39,6 +39,9 @@ bool SpinWaits(int local_ranks, long cpus);
 bool SpinWaits(int local_ranks);
 // Ranks of `comm` on this node (collective over `comm`; 1 where MPI cannot tell).
 int LocalRanks(MPI_Comm comm);
+// Ranks on this node as the launcher tells its processes (OMPI_COMM_WORLD_LOCAL_SIZE,
+// MPI_LOCALNRANKS, SLURM_NTASKS_PER_NODE), without communication; 0 where none is set.
+int LauncherLocalRanks();
 // The threads of a transport's host pool: options_threads when > 0, else MOONEP_HOST_THREADS when
 // > 0, else automatic: this node's CPUs (`cpus`; <= 0 when unknown) shared by its `local_ranks`,
 // at most kAutoHostThreads and at least 1. Four measured fastest on the GPU machine's 16-core host

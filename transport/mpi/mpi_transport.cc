@@ -1178,13 +1178,13 @@ absl::StatusOr<RequestPtr> MpiTransport::StartExchangeCounts(absl::Span<const in
                       InvalidArgument("num_experts must be >= 1, got %d", num_experts));
   }
   // Refused before anything reaches the peers; the transport stays usable.
-  if (handle->counts_in_flight_) return common::CountsInFlightError();
+  if (handle->counts_in_flight_.value) return common::CountsInFlightError();
   const absl::Status local = common::CheckCountsInput(topk_ids, num_tokens, top_k, num_experts,
                                                       recv_capacity_rows, options_, rank_);
   auto op = std::make_unique<CountsOp>(this, rows_comm_, rows_seq_++, handle);
   handle->seq_ = rows_seq_ - 1;
-  handle->counts_in_flight_ = true;
-  op->OnEnd([handle] { handle->counts_in_flight_ = false; });
+  handle->counts_in_flight_.value = true;
+  op->OnEnd([handle] { handle->counts_in_flight_.value = false; });
   MOONEP_RETURN_IF_ERROR(op->Begin(
       op->Start(local, topk_ids, num_tokens, top_k, num_experts, recv_capacity_rows)));
   return RequestPtr(std::move(op));

@@ -889,10 +889,13 @@ absl::StatusOr<std::unique_ptr<Transport>> NcclTransportImpl::Create(
       cudaStreamCreateWithFlags(&t->weights_stream_, cudaStreamNonBlocking));
   MOONEP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&t->caller_ready_, cudaEventDisableTiming));
   {
-    // One rank per GPU: this node's GPUs stand for its ranks (creation is not collective).
+    // Ranks on this node without a collective (creation is not one): the launcher's count where
+    // it sets one, else this node's GPUs (one rank per GPU; a rank that sees one GPU alone through
+    // CUDA_VISIBLE_DEVICES counts 1 unless the launcher says more).
     int devices = 1;
     if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 1) devices = 1;
-    t->host_pool_ = common::MakeHostPool(options.host_threads, devices);
+    t->host_pool_ = common::MakeHostPool(options.host_threads,
+                                         std::max(devices, common::LauncherLocalRanks()));
   }
   log::SetRank(t->rank_);
   MOONEP_INFO("transport nccl: %d ranks, GPU %d, timeout %d ms, %d host threads", t->size_,
@@ -1027,8 +1030,11 @@ std::vector<int> NcclTransportImpl::RowPeers(const DispatchHandle* h) const {
 
 absl::Status NcclTransportImpl::CheckDispatched(OpKind kind, DispatchHandle* h) {
   if (h == nullptr) return Fatal(InvalidArgument("%s: handle is null", OpName(kind)));
-  if (!h->counted_ || h->num_ranks_ != size_ || h->rank_ != rank_ ||
-      states_.find(h) == states_.end()) {
+  const auto state = states_.find(h);
+  if (state != states_.end() && state->second->counts_in_flight) {
+    return Fatal(common::CountsNotEndedError(kind));
+  }
+  if (!h->counted_ || h->num_ranks_ != size_ || h->rank_ != rank_ || state == states_.end()) {
     return Fatal(
         InvalidUsage("%s: the handle has no count exchange of this transport", OpName(kind)));
   }
