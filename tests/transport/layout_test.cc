@@ -10,6 +10,7 @@
 #include <memory>
 #include <set>
 
+#include "moonep/core/status.h"
 #include "moonep/core/worker_pool.h"
 #include "planner/plan_builder.h"
 #include "tests/transport/transport_test_util.h"
@@ -89,6 +90,21 @@ struct LayoutCase {
   int32_t slots, pad;
 };
 
+// A random plan of kind c.plan for p (checked for the transport), its source offsets and the
+// brute-force placement of every entry.
+struct PlacedProblem {
+  planner::Plan plan;
+  std::vector<int64_t> offsets;
+  std::vector<std::vector<test::Placement>> truth;
+};
+absl::Status Place(const LayoutCase& c, const Problem& p, uint64_t seed, PlacedProblem* out) {
+  MOONEP_RETURN_IF_ERROR(MakeRandomPlan(c.plan, p, seed, c.slots, c.pad, &out->plan));
+  MOONEP_RETURN_IF_ERROR(CheckPlanForTransport(out->plan, p.counts));
+  planner::ComputeSourceOffsets(p.counts, p.R, p.E, &out->offsets);
+  out->truth = BruteForcePlacement(p, out->plan);
+  return absl::OkStatus();
+}
+
 class LayoutTest : public ::testing::TestWithParam<LayoutCase> {};
 
 TEST_P(LayoutTest, SenderAndReceiverAgreeWithBruteForce) {
@@ -96,12 +112,11 @@ TEST_P(LayoutTest, SenderAndReceiverAgreeWithBruteForce) {
   for (uint64_t seed = 1; seed <= 12; ++seed) {
     SCOPED_TRACE(::testing::Message() << "seed " << seed);
     const Problem p = MakeProblem(c.R, c.E, c.K, 1, 9, seed, c.R > 1 ? static_cast<int32_t>(seed % c.R) : -1);
-    planner::Plan plan;
-    ASSERT_TRUE(MakeRandomPlan(c.plan, p, seed, c.slots, c.pad, &plan).ok());
-    ASSERT_TRUE(CheckPlanForTransport(plan, p.counts).ok());
-    std::vector<int64_t> offsets;
-    planner::ComputeSourceOffsets(p.counts, p.R, p.E, &offsets);
-    const auto truth = BruteForcePlacement(p, plan);
+    PlacedProblem q;
+    ASSERT_TRUE(Place(c, p, seed, &q).ok());
+    const planner::Plan& plan = q.plan;
+    const std::vector<int64_t>& offsets = q.offsets;
+    const auto& truth = q.truth;
 
     // Receiver view: rows from each source, in receive order.
     std::vector<ReceiveLayout> recv(p.R);
@@ -168,12 +183,11 @@ TEST(SendLayoutTest, PoolsOfAnySizeGiveTheSameLayout) {
       SCOPED_TRACE(::testing::Message() << "R " << c.R << " seed " << seed);
       // 1500-3000 tokens a rank: 3 to 7 chunks of kMinEntriesPerChunk entries.
       const Problem p = MakeProblem(c.R, c.E, c.K, 1, 1500, seed, static_cast<int32_t>(seed % c.R));
-      planner::Plan plan;
-      ASSERT_TRUE(MakeRandomPlan(c.plan, p, seed, c.slots, c.pad, &plan).ok());
-      ASSERT_TRUE(CheckPlanForTransport(plan, p.counts).ok());
-      std::vector<int64_t> offsets;
-      planner::ComputeSourceOffsets(p.counts, p.R, p.E, &offsets);
-      const auto truth = BruteForcePlacement(p, plan);
+      PlacedProblem q;
+      ASSERT_TRUE(Place(c, p, seed, &q).ok());
+      const planner::Plan& plan = q.plan;
+      const std::vector<int64_t>& offsets = q.offsets;
+      const auto& truth = q.truth;
       for (int32_t s = 0; s < p.R; ++s) {
         SendLayout one, many;
         ASSERT_TRUE(BuildSendLayout(plan, offsets, s, p.ids[s], p.T[s], p.K, &one).ok());
