@@ -57,8 +57,8 @@ struct DispatchTableViews {
   int32_t* combine_index;
 };
 
-// Writes rank `me`'s tables. With a pool, its three independent parts (the send side, the
-// receive side, the combine index) run on its threads; the tables are the same either way.
+// Writes rank `me`'s tables. With a pool, its six independent parts (one or two tables each) run
+// on its threads; the tables are the same either way.
 void WriteDispatchTables(const SendLayout& send, const ReceiveLayout& recv, int32_t me,
                          const DispatchTableViews& out, WorkerPool* pool = nullptr);
 
