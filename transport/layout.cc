@@ -206,7 +206,7 @@ absl::Status BuildSendLayout(const planner::Plan& plan, absl::Span<const int64_t
     if (P == 1) {
       fn(int64_t{0});
     } else {
-      pool->Run(P, fn);
+      pool->Run(P, [&fn](int64_t c, int) { fn(c); });
     }
   };
   const int32_t* ids = topk_ids.data();

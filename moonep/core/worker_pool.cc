@@ -34,7 +34,7 @@ WorkerPool::~WorkerPool() {
 }
 
 bool WorkerPool::Claim(uint64_t gen, int worker, int64_t* task,
-                       const absl::FunctionRef<void(int64_t)>** fn) {
+                       const Task** fn) {
   std::lock_guard<std::mutex> lock(mu_);
   if (gen_.load(std::memory_order_relaxed) != gen) return false;
   int64_t t = worker;
@@ -49,11 +49,11 @@ bool WorkerPool::Claim(uint64_t gen, int worker, int64_t* task,
   return true;
 }
 
-void WorkerPool::Run(int64_t tasks, absl::FunctionRef<void(int64_t)> fn) {
+void WorkerPool::Run(int64_t tasks, Task fn) {
   if (tasks <= 0) return;
   std::unique_lock<std::mutex> owner(run_mu_, std::try_to_lock);
   if (size_ == 1 || tasks == 1 || !owner.owns_lock()) {
-    for (int64_t t = 0; t < tasks; ++t) fn(t);
+    for (int64_t t = 0; t < tasks; ++t) fn(t, 0);
     return;
   }
   uint64_t gen;
@@ -71,9 +71,9 @@ void WorkerPool::Run(int64_t tasks, absl::FunctionRef<void(int64_t)> fn) {
   }
   if (wake) cv_.notify_all();
   int64_t task;
-  const absl::FunctionRef<void(int64_t)>* f;
+  const Task* f;
   while (Claim(gen, 0, &task, &f)) {
-    (*f)(task);
+    (*f)(task, 0);
     done_.fetch_add(1, std::memory_order_acq_rel);
   }
   // Every task is claimed; wait for the workers' calls to return (they are running, not asleep;
@@ -112,9 +112,9 @@ void WorkerPool::Loop(int worker) {
     }
     seen = gen_.load(std::memory_order_acquire);
     int64_t task;
-    const absl::FunctionRef<void(int64_t)>* f;
+    const Task* f;
     while (Claim(seen, worker, &task, &f)) {
-      (*f)(task);
+      (*f)(task, worker);
       done_.fetch_add(1, std::memory_order_acq_rel);
     }
   }

@@ -21,7 +21,7 @@ TEST(WorkerPoolTest, EveryTaskRunsOnceInEveryPhase) {
       const int64_t tasks = phase % 11;  // 0 .. 10, fewer and more than threads
       hits.assign(static_cast<size_t>(tasks), 0);
       // Plain writes: Run must publish them to the caller.
-      pool.Run(tasks, [&](int64_t t) { hits[static_cast<size_t>(t)] += 1; });
+      pool.Run(tasks, [&](int64_t t, int) { hits[static_cast<size_t>(t)] += 1; });
       for (int64_t t = 0; t < tasks; ++t) ASSERT_EQ(hits[t], 1) << "phase " << phase << " task " << t;
       // Every 50 phases the workers go to sleep; the next phase must wake them (or run without).
       if (phase % 50 == 49) std::this_thread::sleep_for(std::chrono::milliseconds(2));
@@ -32,7 +32,7 @@ TEST(WorkerPoolTest, EveryTaskRunsOnceInEveryPhase) {
 TEST(WorkerPoolTest, TasksRunOnSeveralThreadsWhenTheyTakeLong) {
   WorkerPool pool(4, std::chrono::microseconds(100000));
   std::atomic<int> running{0}, most{0};
-  pool.Run(4, [&](int64_t) {  // wakes the workers
+  pool.Run(4, [&](int64_t, int) {  // wakes the workers
     const int now = running.fetch_add(1) + 1;
     int m = most.load();
     while (now > m && !most.compare_exchange_weak(m, now)) {
@@ -52,7 +52,7 @@ TEST(WorkerPoolTest, ConcurrentRunsOnASharedPoolEachRunTheirOwnTasks) {
     for (int phase = 0; phase < 400; ++phase) {
       const int64_t tasks = 1 + (phase + seed) % 9;
       out.assign(static_cast<size_t>(tasks), 0);
-      pool.Run(tasks, [&](int64_t t) { out[static_cast<size_t>(t)] += t * 10 + seed; });
+      pool.Run(tasks, [&](int64_t t, int) { out[static_cast<size_t>(t)] += t * 10 + seed; });
       for (int64_t t = 0; t < tasks; ++t) {
         if (out[t] != t * 10 + seed) *ok = false;
       }
@@ -70,7 +70,7 @@ TEST(WorkerPoolTest, ANonPositiveSizeIsOneThread) {
   WorkerPool pool(0);
   EXPECT_EQ(pool.size(), 1);
   int64_t sum = 0;
-  pool.Run(5, [&](int64_t t) { sum += t; });
+  pool.Run(5, [&](int64_t t, int) { sum += t; });
   EXPECT_EQ(sum, 10);
 }
 

@@ -79,7 +79,7 @@ void WriteDispatchTables(const SendLayout& send, const ReceiveLayout& recv, int3
     for (int64_t k = 0; k < kParts; ++k) part(k);
     return;
   }
-  pool->Run(kParts, part);
+  pool->Run(kParts, [&part](int64_t k, int) { part(k); });
 }
 
 void BuildDispatchTables(const SendLayout& send, const ReceiveLayout& recv, int32_t me,

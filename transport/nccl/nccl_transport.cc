@@ -520,11 +520,7 @@ void NcclOp::Landed() {
   if (!in_flight_) return;
   in_flight_ = false;
   transport_->OpLanded();
-  if (on_end_) {
-    std::function<void()> f = std::move(on_end_);
-    on_end_ = nullptr;
-    f();
-  }
+  if (on_end_) std::exchange(on_end_, nullptr)();
 }
 
 absl::Status NcclOp::Record() {

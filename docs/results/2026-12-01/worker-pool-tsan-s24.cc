@@ -12,7 +12,7 @@ int main() {
       const int64_t tasks = 1 + phase % 7;
       // caller writes, workers read (publication), workers write, caller reads (join)
       for (int64_t t = 0; t < tasks; ++t) data[t] = phase;
-      pool.Run(tasks, [&](int64_t t) { data[t] = data[t] * 2 + 1; });
+      pool.Run(tasks, [&](int64_t t, int) { data[t] = data[t] * 2 + 1; });
       for (int64_t t = 0; t < tasks; ++t) bad += data[t] != phase * 2 + 1;
       if (phase % 500 == 499) std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
@@ -21,7 +21,7 @@ int main() {
       std::vector<int64_t> out(16);
       for (int phase = 0; phase < 1000; ++phase) {
         const int64_t tasks = 1 + (phase + seed) % 9;
-        pool.Run(tasks, [&](int64_t t) { out[t] = t * 10 + seed; });
+        pool.Run(tasks, [&](int64_t t, int) { out[t] = t * 10 + seed; });
         for (int64_t t = 0; t < tasks; ++t) *errs += out[t] != t * 10 + seed;
       }
     };

@@ -207,7 +207,8 @@ absl::StatusOr<std::unique_ptr<CpuExecutor>> CpuExecutor::Create(const ExecutorC
 }
 
 CpuExecutor::CpuExecutor(const ExecutorConfig& config, int threads)
-    : config_(config), pool_(new ThreadPool(threads)) {}
+    // Tiles take milliseconds: the workers sleep between phases (no polling).
+    : config_(config), pool_(new WorkerPool(threads, std::chrono::microseconds(0))) {}
 
 CpuExecutor::~CpuExecutor() { std::free(workspace_); }
 

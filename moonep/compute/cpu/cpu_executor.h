@@ -35,8 +35,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "moonep/compute/cpu/thread_pool.h"
 #include "moonep/compute/executor.h"
+#include "moonep/core/worker_pool.h"
 
 namespace moonep::compute::cpu {
 
@@ -105,7 +105,7 @@ class CpuExecutor final : public Executor {
   float* ThreadScratch(int worker) const { return workspace_ + worker * per_thread_floats_; }
 
   ExecutorConfig config_;
-  std::unique_ptr<ThreadPool> pool_;
+  std::unique_ptr<WorkerPool> pool_;  // its own: worker w uses ThreadScratch(w)
   float* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
   size_t per_thread_floats_ = 0;
