@@ -1,8 +1,11 @@
 // The planner-only C API over moonep::planner::Planner.
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <unordered_set>
 
 #include "moonep/capi/capi_common.h"
 #include "planner/planner.h"
@@ -14,21 +17,89 @@ struct moonepPlanner {
   std::string last_error;
 };
 
+// The first version of each struct ends where its MIN_SIZE says; fields are only ever appended.
+static_assert(MOONEP_PLANNER_CONFIG_MIN_SIZE <= sizeof(moonepPlannerConfig_t), "config min size");
+static_assert(MOONEP_PLAN_STATS_MIN_SIZE <= sizeof(moonepPlanStats_t), "stats min size");
+
 namespace moonep::capi {
 namespace {
 
+// Live planners, by address: a destroyed, never-created or other-kind pointer is refused without
+// being dereferenced. (The runtime handles' registry in runtime_objects.h has no planner kind and
+// drags in the runtime headers, so the planner keeps its own, with the same contract.)
+std::mutex& PlannerRegistryMutex() {
+  static auto* mutex = new std::mutex();  // never destroyed: usable from static destructors
+  return *mutex;
+}
+std::unordered_set<const moonepPlanner*>& PlannerRegistry() {
+  static auto* registry = new std::unordered_set<const moonepPlanner*>();
+  return *registry;
+}
 
-// Guard() plus the per-handle copy of the error message.
+void RegisterPlanner(const moonepPlanner* p) {
+  std::lock_guard<std::mutex> lock(PlannerRegistryMutex());
+  PlannerRegistry().insert(p);
+}
+
+// True when `p` was live (and is not any more): exactly one of two racing destroys gets true.
+bool UnregisterPlanner(const moonepPlanner* p) {
+  std::lock_guard<std::mutex> lock(PlannerRegistryMutex());
+  return PlannerRegistry().erase(p) == 1;
+}
+
+bool IsLivePlanner(const moonepPlanner* p) {
+  std::lock_guard<std::mutex> lock(PlannerRegistryMutex());
+  return PlannerRegistry().count(p) == 1;
+}
+
+constexpr const char kNotLive[] =
+    "planner is not a live planner (destroyed already, never created, or another kind of handle)";
+
+absl::Status CheckPlanner(const moonepPlanner* p) {
+  if (p == nullptr) return InvalidArgument("planner is NULL");
+  if (!IsLivePlanner(p)) return InvalidUsage("%s", kNotLive);
+  return absl::OkStatus();
+}
+
+// Guard() after checking that `handle` is a live planner, plus the per-handle copy of the error
+// message (written only to a live handle).
 template <typename Body>
 moonepResult_t GuardPlanner(moonepPlanner_t handle, const char* function, Body&& body) {
-  const moonepResult_t result = Guard(function, std::forward<Body>(body));
-  if (handle != nullptr) handle->last_error = result == moonepSuccess ? "" : moonepGetLastThreadError();
+  bool live = false;
+  const moonepResult_t result = Guard(function, [&]() -> absl::Status {
+    MOONEP_RETURN_IF_ERROR(CheckPlanner(handle));
+    live = true;
+    return body();
+  });
+  if (live) handle->last_error = result == moonepSuccess ? "" : moonepGetLastThreadError();
   return result;
 }
 
 absl::Status NeedPlan(moonepPlanner_t p) {
-  MOONEP_CHECK_ARG(p != nullptr, "planner is NULL");
   if (!p->has_plan) return InvalidUsage("no plan yet: call moonepPlannerPlan first");
+  return absl::OkStatus();
+}
+
+// The caller's config, `config->size` bytes of it (fields past it keep the initializer's defaults;
+// fields of a newer header past ours are not read).
+absl::Status ReadPlannerConfig(const moonepPlannerConfig_t* config, moonepPlannerConfig_t* out) {
+  if (config == nullptr) return InvalidArgument("config is NULL");
+  const size_t size = config->size;
+  if (size < MOONEP_PLANNER_CONFIG_MIN_SIZE) {
+    return InvalidArgument(
+        "moonepPlannerConfig_t: config->size is %d, below the minimum %d: initialize with "
+        "MOONEP_PLANNER_CONFIG_INITIALIZER",
+        size, MOONEP_PLANNER_CONFIG_MIN_SIZE);
+  }
+  moonepPlannerConfig_t c = MOONEP_PLANNER_CONFIG_INITIALIZER;
+  std::memcpy(&c, config, std::min(size, sizeof(c)));
+  if (c.version < MOONEP_VERSION_CODE(0, 1, 0) || c.version / 10000 != MOONEP_MAJOR) {
+    return InvalidArgument(
+        "moonepPlannerConfig_t: config->version is %d, not a MOONEP_VERSION of major version %d "
+        "(this library is %d): initialize with MOONEP_PLANNER_CONFIG_INITIALIZER",
+        c.version, MOONEP_MAJOR, MOONEP_VERSION);
+  }
+  *out = c;
   return absl::OkStatus();
 }
 
@@ -41,17 +112,13 @@ using moonep::planner::Plan;
 
 extern "C" {
 
-moonepResult_t moonepPlannerCreate(const moonepPlannerConfig_t* config, moonepPlanner_t* out) {
-  return GuardPlanner(nullptr, "moonepPlannerCreate", [&]() -> absl::Status {
+moonepResult_t moonepPlannerCreate(const moonepPlannerConfig_t* config_in, moonepPlanner_t* out) {
+  return moonep::capi::Guard("moonepPlannerCreate", [&]() -> absl::Status {
     MOONEP_CHECK_ARG(out != nullptr, "planner (output) is NULL");
     *out = nullptr;
-    MOONEP_CHECK_ARG(config != nullptr, "config is NULL");
-    MOONEP_CHECK_ARG(config->size >= sizeof(moonepPlannerConfig_t),
-                     "config->size is %d, expected %d: initialize with MOONEP_PLANNER_CONFIG_INITIALIZER",
-                     config->size, sizeof(moonepPlannerConfig_t));
-    MOONEP_CHECK_ARG(config->version / 10000 == MOONEP_MAJOR,
-                     "config->version %d is from another major version than the library (%d)",
-                     config->version, MOONEP_VERSION);
+    moonepPlannerConfig_t read;
+    MOONEP_RETURN_IF_ERROR(moonep::capi::ReadPlannerConfig(config_in, &read));
+    const moonepPlannerConfig_t* config = &read;
     MOONEP_CHECK_ARG(config->num_ranks > 0, "config->num_ranks must be positive, got %d", config->num_ranks);
     MOONEP_CHECK_ARG(config->num_experts > 0, "config->num_experts must be positive, got %d",
                      config->num_experts);
@@ -73,19 +140,25 @@ moonepResult_t moonepPlannerCreate(const moonepPlannerConfig_t* config, moonepPl
     MOONEP_ASSIGN_OR_RETURN(auto planner, moonep::planner::Planner::Create(c));
     auto handle = std::make_unique<moonepPlanner>();
     handle->planner = std::move(planner);
+    moonep::capi::RegisterPlanner(handle.get());
     *out = handle.release();
     return absl::OkStatus();
   });
 }
 
 moonepResult_t moonepPlannerDestroy(moonepPlanner_t planner) {
-  delete planner;
-  return moonepSuccess;
+  return moonep::capi::Guard("moonepPlannerDestroy", [&]() -> absl::Status {
+    if (planner == nullptr) return absl::OkStatus();  // documented no-op, like free(NULL)
+    if (!moonep::capi::UnregisterPlanner(planner)) {
+      return moonep::InvalidUsage("%s", moonep::capi::kNotLive);
+    }
+    delete planner;
+    return absl::OkStatus();
+  });
 }
 
 moonepResult_t moonepPlannerPlan(moonepPlanner_t p, const int64_t* counts, size_t num_counts) {
   return GuardPlanner(p, "moonepPlannerPlan", [&]() -> absl::Status {
-    MOONEP_CHECK_ARG(p != nullptr, "planner is NULL");
     MOONEP_CHECK_ARG(counts != nullptr, "counts is NULL");
     p->has_plan = false;
     MOONEP_RETURN_IF_ERROR(p->planner->MakePlan(absl::MakeConstSpan(counts, num_counts), &p->plan));
@@ -97,7 +170,6 @@ moonepResult_t moonepPlannerPlan(moonepPlanner_t p, const int64_t* counts, size_
 moonepResult_t moonepPlannerGetShape(moonepPlanner_t p, int* num_ranks, int* num_experts, int* slots,
                                      int* num_groups) {
   return GuardPlanner(p, "moonepPlannerGetShape", [&]() -> absl::Status {
-    MOONEP_CHECK_ARG(p != nullptr, "planner is NULL");
     const auto& c = p->planner->config();
     if (num_ranks) *num_ranks = c.num_ranks;
     if (num_experts) *num_experts = c.num_experts;
@@ -111,12 +183,14 @@ moonepResult_t moonepPlannerGetStats(moonepPlanner_t p, moonepPlanStats_t* stats
   return GuardPlanner(p, "moonepPlannerGetStats", [&]() -> absl::Status {
     MOONEP_RETURN_IF_ERROR(NeedPlan(p));
     MOONEP_CHECK_ARG(stats != nullptr, "stats is NULL");
-    MOONEP_CHECK_ARG(stats->size >= sizeof(moonepPlanStats_t), "stats->size is %d, expected %d",
-                     stats->size, sizeof(moonepPlanStats_t));
+    MOONEP_CHECK_ARG(stats->size >= MOONEP_PLAN_STATS_MIN_SIZE,
+                     "moonepPlanStats_t: stats->size is %d, below the minimum %d: set it to "
+                     "sizeof(moonepPlanStats_t) (MOONEP_PLAN_STATS_INITIALIZER)",
+                     stats->size, MOONEP_PLAN_STATS_MIN_SIZE);
     const auto& s = p->plan.stats;
     moonepPlanStats_t out;
     std::memset(&out, 0, sizeof(out));
-    out.size = stats->size;
+    out.size = std::min(stats->size, sizeof(out));  // the bytes written, told back to the caller
     out.total_tokens = s.total_tokens;
     out.max_load_before = s.max_load_before;
     out.max_load_after = s.max_load_after;
@@ -133,7 +207,7 @@ moonepResult_t moonepPlannerGetStats(moonepPlanner_t p, moonepPlanStats_t* stats
     out.prefetch_bytes_inter = s.prefetch_bytes_inter;
     out.reduce_bytes_intra = s.reduce_bytes_intra;
     out.reduce_bytes_inter = s.reduce_bytes_inter;
-    *stats = out;
+    std::memcpy(stats, &out, out.size);  // an older caller gets the fields it knows, no more
     return absl::OkStatus();
   });
 }
@@ -215,7 +289,9 @@ moonepResult_t moonepPlannerSerialize(moonepPlanner_t p, void* buffer, size_t ca
 }
 
 const char* moonepPlannerGetLastError(moonepPlanner_t p) {
-  return p == nullptr ? "planner is NULL" : p->last_error.c_str();
+  if (p == nullptr) return "planner is NULL";
+  if (!moonep::capi::IsLivePlanner(p)) return moonep::capi::kNotLive;
+  return p->last_error.c_str();
 }
 
 }  // extern "C"

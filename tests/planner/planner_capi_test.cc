@@ -1,9 +1,12 @@
 // The planner C API, through the public header only, checked against ValidatePlan-level
 // invariants recomputed here (conservation, layout, pieces).
+#include <cstdint>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -148,6 +151,329 @@ TEST(PlannerCApi, BadInputGetsAResultCode) {
   EXPECT_EQ(moonepPlannerGetStats(planner, &stats), moonepInvalidArgument);
   EXPECT_EQ(moonepPlannerDestroy(planner), moonepSuccess);
   EXPECT_EQ(moonepPlannerDestroy(nullptr), moonepSuccess);
+}
+
+// A small planned planner: R = 4, E = 8, skewed counts (so there are replicas).
+constexpr int kR = 4, kE = 8;
+
+moonepPlannerConfig_t SmallConfig() {
+  moonepPlannerConfig_t config = MOONEP_PLANNER_CONFIG_INITIALIZER;
+  config.num_ranks = kR;
+  config.num_experts = kE;
+  return config;
+}
+
+std::vector<int64_t> SmallCounts() {
+  std::vector<int64_t> counts(kR * kE, 5);
+  for (int s = 0; s < kR; ++s) counts[s * kE] = 100 + s;
+  return counts;
+}
+
+bool Contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+// Every planner entry point except create / destroy / last error, called on `p` with output
+// buffers poisoned beforehand; `outputs_untouched` reports whether all of them still hold the
+// poison afterwards.
+struct EveryCall {
+  const char* name;
+  std::function<moonepResult_t(moonepPlanner_t)> call;
+};
+
+std::vector<EveryCall> EveryPlannerCall(bool* outputs_untouched) {
+  static std::vector<int64_t> counts = SmallCounts();
+  static int ints[4];
+  static int64_t i64[4][64];
+  static char bytes[1 << 14];
+  static int32_t i32[64];
+  static size_t size;
+  static moonepPlanStats_t stats;
+  auto poison = [] {
+    std::memset(ints, 0x5A, sizeof(ints));
+    std::memset(i64, 0x5A, sizeof(i64));
+    std::memset(bytes, 0x5A, sizeof(bytes));
+    std::memset(i32, 0x5A, sizeof(i32));
+    std::memset(&size, 0x5A, sizeof(size));
+    std::memset(&stats, 0x5A, sizeof(stats));
+    stats.size = sizeof(stats);
+  };
+  poison();
+  *outputs_untouched = true;
+  auto check = [outputs_untouched](moonepResult_t r) {
+    moonepPlanStats_t expected_stats;
+    std::memset(&expected_stats, 0x5A, sizeof(expected_stats));
+    expected_stats.size = sizeof(expected_stats);
+    auto all = [](const void* p, size_t n) {
+      for (size_t i = 0; i < n; ++i) {
+        if (static_cast<const unsigned char*>(p)[i] != 0x5A) return false;
+      }
+      return true;
+    };
+    if (!all(ints, sizeof(ints)) || !all(i64, sizeof(i64)) || !all(i32, sizeof(i32)) ||
+        !all(bytes, sizeof(bytes)) || !all(&size, sizeof(size)) ||
+        std::memcmp(&stats, &expected_stats, sizeof(stats)) != 0) {
+      *outputs_untouched = false;
+    }
+    return r;
+  };
+  return {
+      {"moonepPlannerPlan",
+       [=](moonepPlanner_t p) {
+         return check(moonepPlannerPlan(p, counts.data(), counts.size()));
+       }},
+      {"moonepPlannerGetShape",
+       [=](moonepPlanner_t p) {
+         return check(moonepPlannerGetShape(p, &ints[0], &ints[1], &ints[2], &ints[3]));
+       }},
+      {"moonepPlannerGetStats",
+       [=](moonepPlanner_t p) { return check(moonepPlannerGetStats(p, &stats)); }},
+      {"moonepPlannerGetAlloc",
+       [=](moonepPlanner_t p) { return check(moonepPlannerGetAlloc(p, i64[0], 64)); }},
+      {"moonepPlannerGetSlots",
+       [=](moonepPlanner_t p) { return check(moonepPlannerGetSlots(p, i32, i64[0], 64)); }},
+      {"moonepPlannerGetLayout",
+       [=](moonepPlanner_t p) {
+         return check(moonepPlannerGetLayout(p, 0, i64[0], i64[1], i64[2], 64, &i64[3][0]));
+       }},
+      {"moonepPlannerGetPieces",
+       [=](moonepPlanner_t p) {
+         return check(moonepPlannerGetPieces(p, 0, &ints[0], i32, i64[0], i64[1], i64[2], 64));
+       }},
+      {"moonepPlannerSerialize",
+       [=](moonepPlanner_t p) {
+         return check(moonepPlannerSerialize(p, bytes, sizeof(bytes), &size));
+       }},
+  };
+}
+
+// Checks that every entry point refuses `p` with `expected` and a message naming the call and
+// containing `message`, writing nothing.
+void ExpectEveryCallRefuses(moonepPlanner_t p, moonepResult_t expected,
+                            const std::string& message) {
+  bool untouched = false;
+  for (const EveryCall& c : EveryPlannerCall(&untouched)) {
+    EXPECT_EQ(c.call(p), expected) << c.name;
+    const std::string error = moonepGetLastThreadError();
+    EXPECT_TRUE(Contains(error, c.name)) << c.name << ": " << error;
+    EXPECT_TRUE(Contains(error, message)) << c.name << ": " << error;
+    EXPECT_TRUE(untouched) << c.name << " wrote through its outputs";
+  }
+}
+
+TEST(PlannerCApiHandles, EveryCallWorksOnALivePlanner) {
+  // The same calls as the refusal tests below, on a live planner: they succeed and write.
+  const moonepPlannerConfig_t config = SmallConfig();
+  moonepPlanner_t p = nullptr;
+  ASSERT_EQ(moonepPlannerCreate(&config, &p), moonepSuccess) << moonepGetLastThreadError();
+  bool untouched = true;
+  for (const EveryCall& c : EveryPlannerCall(&untouched)) {
+    EXPECT_EQ(c.call(p), moonepSuccess) << c.name << ": " << moonepGetLastThreadError();
+  }
+  EXPECT_FALSE(untouched);
+  EXPECT_EQ(moonepPlannerDestroy(p), moonepSuccess);
+}
+
+TEST(PlannerCApiHandles, UseAfterDestroyAndDoubleDestroyAreRefused) {
+  const moonepPlannerConfig_t config = SmallConfig();
+  moonepPlanner_t p = nullptr;
+  ASSERT_EQ(moonepPlannerCreate(&config, &p), moonepSuccess) << moonepGetLastThreadError();
+  const std::vector<int64_t> counts = SmallCounts();
+  ASSERT_EQ(moonepPlannerPlan(p, counts.data(), counts.size()), moonepSuccess);
+  ASSERT_EQ(moonepPlannerDestroy(p), moonepSuccess);
+  // No planner is created from here on, so `p`'s address cannot belong to a new one.
+  ExpectEveryCallRefuses(p, moonepInvalidUsage, "not a live planner");
+  EXPECT_TRUE(Contains(moonepPlannerGetLastError(p), "not a live planner"));
+  EXPECT_EQ(moonepPlannerDestroy(p), moonepInvalidUsage);
+  EXPECT_TRUE(Contains(moonepGetLastThreadError(), "moonepPlannerDestroy"));
+  EXPECT_TRUE(Contains(moonepGetLastThreadError(), "not a live planner"));
+  EXPECT_EQ(moonepPlannerDestroy(p), moonepInvalidUsage);  // and again: no crash
+}
+
+TEST(PlannerCApiHandles, NullPlannerIsRefused) {
+  ExpectEveryCallRefuses(nullptr, moonepInvalidArgument, "planner is NULL");
+  EXPECT_STREQ(moonepPlannerGetLastError(nullptr), "planner is NULL");
+  EXPECT_EQ(moonepPlannerDestroy(nullptr), moonepSuccess);  // documented no-op
+  EXPECT_STREQ(moonepGetLastThreadError(), "");
+}
+
+TEST(PlannerCApiHandles, PointersThatWereNeverPlannersAreRefused) {
+  // Memory that was never a planner (read or freed through it, this would crash or corrupt it).
+  alignas(64) unsigned char fake[512];
+  std::memset(fake, 0xC3, sizeof(fake));
+  const auto fake_planner = reinterpret_cast<moonepPlanner_t>(fake);
+  ExpectEveryCallRefuses(fake_planner, moonepInvalidUsage, "not a live planner");
+  EXPECT_TRUE(Contains(moonepPlannerGetLastError(fake_planner), "not a live planner"));
+  EXPECT_EQ(moonepPlannerDestroy(fake_planner), moonepInvalidUsage);
+  for (unsigned char b : fake) ASSERT_EQ(b, 0xC3) << "the fake planner was written";
+
+  // A pointer into a live planner is not a planner either; the live one is unaffected.
+  const moonepPlannerConfig_t config = SmallConfig();
+  moonepPlanner_t p = nullptr;
+  ASSERT_EQ(moonepPlannerCreate(&config, &p), moonepSuccess) << moonepGetLastThreadError();
+  const auto inner = reinterpret_cast<moonepPlanner_t>(reinterpret_cast<char*>(p) + 8);
+  ExpectEveryCallRefuses(inner, moonepInvalidUsage, "not a live planner");
+  EXPECT_EQ(moonepPlannerDestroy(inner), moonepInvalidUsage);
+  int r = 0;
+  EXPECT_EQ(moonepPlannerGetShape(p, &r, nullptr, nullptr, nullptr), moonepSuccess);
+  EXPECT_EQ(r, kR);
+  EXPECT_EQ(moonepPlannerDestroy(p), moonepSuccess);
+}
+
+TEST(PlannerCApiStructs, StatsAreWrittenOnlyUpToTheCallersSize) {
+  const moonepPlannerConfig_t config = SmallConfig();
+  moonepPlanner_t p = nullptr;
+  ASSERT_EQ(moonepPlannerCreate(&config, &p), moonepSuccess) << moonepGetLastThreadError();
+  const std::vector<int64_t> counts = SmallCounts();
+  ASSERT_EQ(moonepPlannerPlan(p, counts.data(), counts.size()), moonepSuccess);
+  moonepPlanStats_t full = MOONEP_PLAN_STATS_INITIALIZER;
+  ASSERT_EQ(moonepPlannerGetStats(p, &full), moonepSuccess);
+  EXPECT_EQ(full.size, sizeof(full));
+  EXPECT_EQ(full.total_tokens, std::accumulate(counts.begin(), counts.end(), int64_t{0}));
+  EXPECT_GT(full.replicas, 0);
+
+  // An older caller's struct: `size` is the minimum (today, the first version's whole layout),
+  // in a larger buffer whose bytes past `size` are poisoned and must stay so.
+  constexpr size_t kMin = MOONEP_PLAN_STATS_MIN_SIZE;
+  static_assert(kMin > sizeof(size_t) && kMin <= sizeof(moonepPlanStats_t), "min size");
+  alignas(moonepPlanStats_t) unsigned char buffer[sizeof(moonepPlanStats_t) + 64];
+  std::memset(buffer, 0xA5, sizeof(buffer));
+  const size_t min_size = kMin;
+  std::memcpy(buffer, &min_size, sizeof(min_size));
+  ASSERT_EQ(moonepPlannerGetStats(p, reinterpret_cast<moonepPlanStats_t*>(buffer)), moonepSuccess)
+      << moonepGetLastThreadError();
+  moonepPlanStats_t expected = full;
+  expected.size = kMin;
+  EXPECT_EQ(std::memcmp(buffer, &expected, kMin), 0) << "the fields within size";
+  for (size_t i = kMin; i < sizeof(buffer); ++i) ASSERT_EQ(buffer[i], 0xA5) << "byte " << i;
+
+  // A newer caller's struct (larger than the library's): the library writes the fields it
+  // knows, says so in `size`, and leaves the rest alone.
+  std::memset(buffer, 0xA5, sizeof(buffer));
+  const size_t newer = sizeof(moonepPlanStats_t) + 32;
+  std::memcpy(buffer, &newer, sizeof(newer));
+  ASSERT_EQ(moonepPlannerGetStats(p, reinterpret_cast<moonepPlanStats_t*>(buffer)), moonepSuccess)
+      << moonepGetLastThreadError();
+  EXPECT_EQ(std::memcmp(buffer, &full, sizeof(full)), 0);
+  for (size_t i = sizeof(full); i < sizeof(buffer); ++i) ASSERT_EQ(buffer[i], 0xA5) << "byte " << i;
+
+  // Below the minimum: refused, message names the struct, the size and the minimum; no write.
+  std::memset(buffer, 0xA5, sizeof(buffer));
+  const size_t small = kMin - 8;
+  std::memcpy(buffer, &small, sizeof(small));
+  EXPECT_EQ(moonepPlannerGetStats(p, reinterpret_cast<moonepPlanStats_t*>(buffer)),
+            moonepInvalidArgument);
+  const std::string error = moonepGetLastThreadError();
+  EXPECT_TRUE(Contains(error, "moonepPlanStats_t")) << error;
+  EXPECT_TRUE(Contains(error, std::to_string(small))) << error;
+  EXPECT_TRUE(Contains(error, std::to_string(kMin))) << error;
+  EXPECT_EQ(std::memcmp(buffer, &small, sizeof(small)), 0);
+  for (size_t i = sizeof(small); i < sizeof(buffer); ++i) {
+    ASSERT_EQ(buffer[i], 0xA5) << "byte " << i;
+  }
+  EXPECT_EQ(moonepPlannerDestroy(p), moonepSuccess);
+}
+
+TEST(PlannerCApiStructs, ConfigSizeAndVersionAreChecked) {
+  moonepPlanner_t p = nullptr;
+  // Below the minimum: refused with the struct, the size and the minimum named.
+  moonepPlannerConfig_t config = SmallConfig();
+  config.size = MOONEP_PLANNER_CONFIG_MIN_SIZE - 1;
+  EXPECT_EQ(moonepPlannerCreate(&config, &p), moonepInvalidArgument);
+  std::string error = moonepGetLastThreadError();
+  EXPECT_TRUE(Contains(error, "moonepPlannerConfig_t")) << error;
+  EXPECT_TRUE(Contains(error, std::to_string(MOONEP_PLANNER_CONFIG_MIN_SIZE - 1))) << error;
+  EXPECT_TRUE(Contains(error, std::to_string(MOONEP_PLANNER_CONFIG_MIN_SIZE))) << error;
+  EXPECT_EQ(p, nullptr);
+
+  // Exactly the minimum (the first version's fields): accepted, and every field is used.
+  config = SmallConfig();
+  config.size = MOONEP_PLANNER_CONFIG_MIN_SIZE;
+  config.slots = 1;
+  config.eplb_period = 3;  // the last field of the first version
+  config.policy = moonepPolicyEplb;
+  ASSERT_EQ(moonepPlannerCreate(&config, &p), moonepSuccess) << moonepGetLastThreadError();
+  int slots = 0;
+  EXPECT_EQ(moonepPlannerGetShape(p, nullptr, nullptr, &slots, nullptr), moonepSuccess);
+  EXPECT_EQ(slots, 1);
+  EXPECT_EQ(moonepPlannerDestroy(p), moonepSuccess);
+
+  // A newer caller's larger struct (unknown fields after ours): accepted, ours read.
+  struct Newer {
+    moonepPlannerConfig_t known;
+    int64_t unknown[4];
+  } newer;
+  std::memset(&newer, 0x7F, sizeof(newer));
+  newer.known = SmallConfig();
+  newer.known.size = sizeof(newer);
+  newer.known.slots = 2;
+  ASSERT_EQ(moonepPlannerCreate(&newer.known, &p), moonepSuccess) << moonepGetLastThreadError();
+  EXPECT_EQ(moonepPlannerGetShape(p, nullptr, nullptr, &slots, nullptr), moonepSuccess);
+  EXPECT_EQ(slots, 2);
+  EXPECT_EQ(moonepPlannerDestroy(p), moonepSuccess);
+
+  // Version: 0 (never initialised) and another major version are refused, naming the field.
+  for (int version : {0, MOONEP_VERSION_CODE(MOONEP_MAJOR + 1, 0, 0)}) {
+    config = SmallConfig();
+    config.version = version;
+    EXPECT_EQ(moonepPlannerCreate(&config, &p), moonepInvalidArgument) << version;
+    error = moonepGetLastThreadError();
+    EXPECT_TRUE(Contains(error, "config->version is " + std::to_string(version))) << error;
+    EXPECT_EQ(p, nullptr);
+  }
+  // A later minor version of the same major is accepted.
+  config = SmallConfig();
+  config.version = MOONEP_VERSION_CODE(MOONEP_MAJOR, MOONEP_MINOR + 1, 0);
+  ASSERT_EQ(moonepPlannerCreate(&config, &p), moonepSuccess) << moonepGetLastThreadError();
+  EXPECT_EQ(moonepPlannerDestroy(p), moonepSuccess);
+}
+
+TEST(PlannerCApiHandles, DistinctPlannersOnManyThreads) {
+  // Each thread creates, plans, reads back and destroys its own planners, with failing calls in
+  // between; the registry is shared. Every thread must get the reference bytes and its own errors.
+  const moonepPlannerConfig_t config = SmallConfig();
+  const std::vector<int64_t> counts = SmallCounts();
+  std::vector<char> reference;
+  {
+    moonepPlanner_t p = nullptr;
+    ASSERT_EQ(moonepPlannerCreate(&config, &p), moonepSuccess);
+    ASSERT_EQ(moonepPlannerPlan(p, counts.data(), counts.size()), moonepSuccess);
+    size_t size = 0;
+    ASSERT_EQ(moonepPlannerSerialize(p, nullptr, 0, &size), moonepSuccess);
+    reference.resize(size);
+    ASSERT_EQ(moonepPlannerSerialize(p, reference.data(), size, &size), moonepSuccess);
+    ASSERT_EQ(moonepPlannerDestroy(p), moonepSuccess);
+  }
+  constexpr int kThreads = 8, kRounds = 40;
+  std::vector<int> failures(kThreads, 0);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      int& bad = failures[t];
+      for (int round = 0; round < kRounds; ++round) {
+        moonepPlanner_t p[2] = {nullptr, nullptr};
+        for (auto& h : p) bad += moonepPlannerCreate(&config, &h) != moonepSuccess;
+        if (p[0] == nullptr || p[1] == nullptr) return;
+        int64_t alloc[kR * kE];
+        bad += moonepPlannerGetAlloc(p[0], alloc, kR * kE) != moonepInvalidUsage;  // no plan yet
+        bad += !Contains(moonepPlannerGetLastError(p[0]), "no plan yet");
+        bad += !Contains(moonepGetLastThreadError(), "no plan yet");
+        for (auto h : p) bad += moonepPlannerPlan(h, counts.data(), counts.size()) != moonepSuccess;
+        bad += std::string(moonepPlannerGetLastError(p[0])) != "";
+        std::vector<char> bytes(reference.size() + 1);
+        size_t size = 0;
+        bad += moonepPlannerSerialize(p[1], bytes.data(), bytes.size(), &size) != moonepSuccess;
+        bytes.resize(size);
+        bad += bytes != reference;
+        moonepPlanStats_t stats = MOONEP_PLAN_STATS_INITIALIZER;
+        bad += moonepPlannerGetStats(p[0], &stats) != moonepSuccess;
+        bad += stats.total_tokens != std::accumulate(counts.begin(), counts.end(), int64_t{0});
+        for (auto h : p) bad += moonepPlannerDestroy(h) != moonepSuccess;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (int t = 0; t < kThreads; ++t) EXPECT_EQ(failures[t], 0) << "thread " << t;
 }
 
 }  // namespace

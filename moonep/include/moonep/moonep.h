@@ -66,6 +66,18 @@ MOONEP_API const char* moonepGetLastThreadError(void);
  * rank, each source's tokens by increasing index) into contiguous pieces. Identical input gives
  * identical plan bytes on every rank. A planner handle keeps the latest plan; the accessors copy
  * parts of it into caller buffers whose capacity (in elements) they check.
+ *
+ * Handles: every call checks its planner against the library's set of live planners. A NULL
+ * planner is moonepInvalidArgument (moonepPlannerDestroy(NULL) excepted: a no-op); a destroyed,
+ * never-created or other-kind pointer is moonepInvalidUsage with a message, and is never
+ * dereferenced; destroying a planner twice is moonepInvalidUsage. Distinct planners may be used
+ * from distinct threads at once; one planner must not be used by two threads at once.
+ *
+ * Structs: moonepPlannerConfig_t and moonepPlanStats_t start with `size` (sizeof as compiled by
+ * the caller). New fields are only ever appended after the previous version's sizeof. The library
+ * accepts any size >= the struct's MIN_SIZE below (smaller: moonepInvalidArgument naming the
+ * struct, the size and the minimum); it reads only `size` bytes of a config (fields past them take
+ * the initializer's defaults) and writes only min(size, its sizeof) bytes of stats.
  * ------------------------------------------------------------------------------------------- */
 typedef struct moonepPlanner* moonepPlanner_t;
 
@@ -94,6 +106,10 @@ typedef struct {
   int eplb_period;      /* eplb: re-plan every this many steps (>= 1) */
 } moonepPlannerConfig_t;
 
+/* The smallest config->size accepted: the end of the first version's last field (eplb_period).
+ * config->version must be a MOONEP_VERSION (>= 0.1.0) of the library's major version. */
+#define MOONEP_PLANNER_CONFIG_MIN_SIZE (offsetof(moonepPlannerConfig_t, eplb_period) + sizeof(int))
+
 #define MOONEP_PLANNER_CONFIG_INITIALIZER                                                     \
   {                                                                                           \
     sizeof(moonepPlannerConfig_t), MOONEP_VERSION, 0, 0, -1, 1, 0, moonepPolicyMoonEP, NULL, \
@@ -117,10 +133,17 @@ typedef struct {
   int64_t reduce_bytes_intra, reduce_bytes_inter;
 } moonepPlanStats_t;
 
+/* The smallest stats->size accepted: the end of the first version's last field. */
+#define MOONEP_PLAN_STATS_MIN_SIZE \
+  (offsetof(moonepPlanStats_t, reduce_bytes_inter) + sizeof(int64_t))
+/* Start from this (sets size); the other fields are outputs. */
+#define MOONEP_PLAN_STATS_INITIALIZER \
+  { sizeof(moonepPlanStats_t), 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
+
 /* Creates a planner; the config is checked and copied. */
 MOONEP_API moonepResult_t moonepPlannerCreate(const moonepPlannerConfig_t* config,
                                               moonepPlanner_t* planner);
-/* Destroys a planner (NULL is a no-op). */
+/* Destroys a planner (NULL is a no-op; a destroyed one is moonepInvalidUsage). */
 MOONEP_API moonepResult_t moonepPlannerDestroy(moonepPlanner_t planner);
 /* Plans one step from counts[num_counts], num_counts == R * E, row-major [source][expert]. */
 MOONEP_API moonepResult_t moonepPlannerPlan(moonepPlanner_t planner, const int64_t* counts,
@@ -128,7 +151,8 @@ MOONEP_API moonepResult_t moonepPlannerPlan(moonepPlanner_t planner, const int64
 /* R, E, slots per rank and groups per rank (E/R + slots) of the planner. */
 MOONEP_API moonepResult_t moonepPlannerGetShape(moonepPlanner_t planner, int* num_ranks,
                                                 int* num_experts, int* slots, int* num_groups);
-/* Stats of the latest plan; stats->size must be set by the caller. */
+/* Stats of the latest plan; stats->size must be set by the caller (>= MOONEP_PLAN_STATS_MIN_SIZE).
+ * Writes min(stats->size, the library's sizeof) bytes, stats->size included (set to that count). */
 MOONEP_API moonepResult_t moonepPlannerGetStats(moonepPlanner_t planner, moonepPlanStats_t* stats);
 /* alloc[e * R + d]: tokens of expert e computed on rank d (capacity >= R * E). */
 MOONEP_API moonepResult_t moonepPlannerGetAlloc(moonepPlanner_t planner, int64_t* alloc,
@@ -151,7 +175,8 @@ MOONEP_API moonepResult_t moonepPlannerGetPieces(moonepPlanner_t planner, int ex
  * buffer NULL only *size is written; otherwise capacity must be >= the size. */
 MOONEP_API moonepResult_t moonepPlannerSerialize(moonepPlanner_t planner, void* buffer,
                                                  size_t capacity, size_t* size);
-/* The message of the last failing call on this planner (empty string if none). */
+/* The message of the last failing call on this planner (empty string if none); for a NULL or
+ * non-live planner, a static message saying so. */
 MOONEP_API const char* moonepPlannerGetLastError(moonepPlanner_t planner);
 
 #ifdef __cplusplus
