@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -37,14 +38,34 @@ absl::Status MpiError(int code, const char* what) {
   return SystemError("%s failed: %s", what, text);
 }
 
-bool ReadEnvInt(const char* name, int32_t* value) {
-  const char* text = std::getenv(name);
-  if (text == nullptr || *text == '\0') return false;
-  char* end = nullptr;
-  const long parsed = std::strtol(text, &end, 10);
-  if (*end != '\0' || parsed < 0 || parsed > INT32_MAX) return false;
-  *value = static_cast<int32_t>(parsed);
-  return true;
+// A nonblocking creation collective (MPI_Comm_idup) that did not complete by its deadline. MPI
+// offers no way to cancel it, and completes it (writing the new communicator into `comm`) when
+// the late ranks call it: the request and its output are kept here, allocated for good.
+struct PendingIdup {
+  MPI_Request request = MPI_REQUEST_NULL;
+  MPI_Comm comm = MPI_COMM_NULL;
+};
+// Under g_mpi_mutex; never destroyed (a static vector's destructor could run before the last
+// communicator's).
+std::vector<PendingIdup*>& PendingIdups() {
+  static auto* pending = new std::vector<PendingIdup*>();
+  return *pending;
+}
+
+// Tests the pending creation collectives; drops those MPI completed (their communicators stay
+// allocated: a late peer may still have sent to them). Returns how many are still open. Under
+// g_mpi_mutex.
+int SweepPendingIdups() {
+  std::vector<PendingIdup*>& pending = PendingIdups();
+  for (auto it = pending.begin(); it != pending.end();) {
+    int done = 0;
+    if (MPI_Test(&(*it)->request, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && done) {
+      it = pending.erase(it);  // the PendingIdup itself stays allocated (its comm, see above)
+    } else {
+      ++it;
+    }
+  }
+  return static_cast<int>(pending.size());
 }
 
 void ReleaseMpi() {
@@ -52,8 +73,130 @@ void ReleaseMpi() {
   if (--g_live_comms == 0 && g_we_initialized_mpi) {
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (!finalized) MPI_Finalize();
+    if (finalized) return;
+    // A creation that timed out leaves its MPI_Comm_idup open on this rank. Open MPI 4.1's
+    // MPI_Finalize does not wait for it (checked: 3 and 4 ranks, ob1/vader/tcp), while a
+    // process that skips MPI_Finalize is reported by mpirun as an abnormal termination that
+    // kills its peers: finalize anyway, and say so.
+    const int open = SweepPendingIdups();
+    if (open > 0) {
+      MOONEP_WARN("MPI_Finalize with %d communicator creation(s) still open on this rank (they "
+                  "timed out: a rank never joined them); MPI may complete them or drop them",
+                  open);
+    }
+    MPI_Finalize();
   }
+}
+
+// A launcher variable: unset (or empty), a non-negative base-10 int32 (digits only), or neither.
+enum class EnvInt { kUnset, kOk, kMalformed };
+EnvInt ReadEnvInt(const char* name, int32_t* value) {
+  const char* text = std::getenv(name);
+  if (text == nullptr || *text == '\0') return EnvInt::kUnset;
+  int64_t parsed = 0;
+  for (const char* c = text; *c != '\0'; ++c) {
+    if (*c < '0' || *c > '9') return EnvInt::kMalformed;
+    parsed = parsed * 10 + (*c - '0');
+    if (parsed > INT32_MAX) return EnvInt::kMalformed;
+  }
+  *value = static_cast<int32_t>(parsed);
+  return EnvInt::kOk;
+}
+
+const char* EnvText(const char* name) {
+  const char* text = std::getenv(name);
+  return text != nullptr ? text : "";
+}
+
+// Creation's deadline: MOONEP_TIMEOUT_MS, read once per process like every knob. Malformed: 60000
+// ms for this creation's own waits, and `status` says why (creation then fails on every rank).
+struct CreationTimeout {
+  int64_t ms = 60000;
+  absl::Status status;
+};
+CreationTimeout ReadCreationTimeout() {
+  CreationTimeout t;
+  t.status = param::CheckedTimeoutMs().status();
+  t.ms = param::TimeoutMs();
+  return t;
+}
+
+// MPI_Comm_idup(parent), waited for until `timeout_ms` has passed. Every rank of `parent` takes
+// part, so the wait ends only when all of them have called it: on a timeout at least one has not,
+// but a nonblocking collective does not say which. A request that times out cannot be cancelled:
+// it is kept (PendingIdups) and MPI completes it if the late ranks call it later.
+absl::StatusOr<MPI_Comm> IdupWithDeadline(MPI_Comm parent, const char* parent_name,
+                                          int64_t timeout_ms, const char* phase) {
+  auto pending = std::make_unique<PendingIdup>();
+  int rc = MPI_Comm_idup(parent, &pending->comm, &pending->request);
+  if (rc != MPI_SUCCESS) return MpiError(rc, "communicator creation: MPI_Comm_idup");
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  for (int spins = 0;; ++spins) {
+    int done = 0;
+    rc = MPI_Test(&pending->request, &done, MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS) break;
+    if (done) return pending->comm;
+    if (std::chrono::steady_clock::now() > deadline) break;
+    if (spins > 100) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+  int rank = 0, size = 0;
+  MPI_Comm_rank(parent, &rank);
+  MPI_Comm_size(parent, &size);
+  {
+    std::lock_guard<std::mutex> lock(g_mpi_mutex);
+    PendingIdups().push_back(pending.release());
+  }
+  if (rc != MPI_SUCCESS) return MpiError(rc, "communicator creation: MPI_Test of MPI_Comm_idup");
+  return Timeout("%s: MPI_Comm_idup of %s (%d ranks) not complete after MOONEP_TIMEOUT_MS = %d "
+                 "ms on rank %d: at least one rank of it has not called this creation (an MPI "
+                 "nonblocking collective does not say which). This rank's part stays open in "
+                 "MPI: the ranks that did not join must still make the same call (it fails "
+                 "too), or %s must not be used for further collectives",
+                 phase, parent_name, size, timeout_ms, rank, parent_name);
+}
+
+// What a rank found wrong with its own arguments before a creation agreement: carried through
+// the agreement, so that every other rank fails at once (RemoteError quoting it) instead of
+// waiting for it until the timeout.
+struct LocalError {
+  int32_t failed = 0;
+  char why[124] = {};  // the start of the rank's own message
+};
+LocalError Carry(const absl::Status& status) {
+  LocalError e;
+  if (status.ok()) return e;
+  e.failed = 1;
+  const absl::string_view text = status.message();
+  std::memcpy(e.why, text.data(), std::min(text.size(), sizeof(e.why) - 1));
+  return e;
+}
+std::string Quote(const LocalError& e) {
+  return std::string(e.why, strnlen(e.why, sizeof(e.why)));
+}
+
+std::string RankList(const std::vector<int>& ranks) {
+  std::string s;
+  for (int r : ranks) s += (s.empty() ? "" : ",") + std::to_string(r);
+  return s;
+}
+
+// A communicator of the ranks `members` of `world` (a duplicate of MPI_COMM_WORLD), ordered as
+// given. MPI_Comm_create_group blocks until every member calls it; it is called only after an
+// agreement showed all of them present and willing.
+absl::StatusOr<MPI_Comm> CreateGroup(MPI_Comm world, const std::vector<int>& members) {
+  MPI_Group world_group = MPI_GROUP_NULL, group = MPI_GROUP_NULL;
+  MPI_Comm made = MPI_COMM_NULL;
+  int rc = MPI_Comm_group(world, &world_group);
+  if (rc == MPI_SUCCESS) {
+    rc = MPI_Group_incl(world_group, static_cast<int>(members.size()), members.data(), &group);
+  }
+  if (rc == MPI_SUCCESS) rc = MPI_Comm_create_group(world, group, 0, &made);
+  if (group != MPI_GROUP_NULL) MPI_Group_free(&group);
+  if (world_group != MPI_GROUP_NULL) MPI_Group_free(&world_group);
+  if (rc != MPI_SUCCESS) return MpiError(rc, "communicator creation: MPI_Comm_create_group");
+  MPI_Comm_set_errhandler(made, MPI_ERRORS_RETURN);
+  return made;
 }
 
 }  // namespace
@@ -80,31 +223,53 @@ absl::Status EnsureMpi() {
 }
 
 absl::StatusOr<LaunchInfo> ReadLaunchInfo() {
-  LaunchInfo info;
   struct Source {
-    const char *rank, *size, *local, *name;
+    const char *rank, *size, *name;
   };
   static const Source kSources[] = {
-      {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-       "OMPI_COMM_WORLD_*"},
-      {"PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "PMI_*"},
-      {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_*"},
-      {"RANK", "WORLD_SIZE", "LOCAL_RANK", "RANK/WORLD_SIZE"},
+      {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_*"},
+      {"PMI_RANK", "PMI_SIZE", "PMI_*"},
+      {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_*"},
+      {"RANK", "WORLD_SIZE", "RANK/WORLD_SIZE"},
   };
+  std::string partial;  // the first source with only one of its two variables set
   for (const Source& s : kSources) {
-    if (ReadEnvInt(s.rank, &info.rank) && ReadEnvInt(s.size, &info.size)) {
-      if (!ReadEnvInt(s.local, &info.local_rank)) info.local_rank = -1;
-      info.source = s.name;
-      if (info.size <= 0 || info.rank >= info.size) {
-        return InvalidArgument("launcher environment %s gives rank %d of size %d", s.name,
-                               info.rank, info.size);
+    LaunchInfo info;
+    const EnvInt rank = ReadEnvInt(s.rank, &info.rank);
+    const EnvInt size = ReadEnvInt(s.size, &info.size);
+    if (rank != EnvInt::kUnset && size != EnvInt::kUnset) {
+      if (rank == EnvInt::kMalformed) {
+        return InvalidArgument("launcher environment: %s=%s is not a rank (a base-10 integer "
+                               "from 0 to 2^31-1)", s.rank, EnvText(s.rank));
       }
+      if (size == EnvInt::kMalformed || info.size == 0) {
+        return InvalidArgument("launcher environment: %s=%s is not a number of ranks (a base-10 "
+                               "integer from 1 to 2^31-1)", s.size, EnvText(s.size));
+      }
+      if (info.rank >= info.size) {
+        return InvalidArgument("launcher environment: %s=%d is not below %s=%d", s.rank,
+                               info.rank, s.size, info.size);
+      }
+      info.source = s.name;
+      info.rank_var = s.rank;
+      info.size_var = s.size;
       return info;
     }
+    if (partial.empty() && (rank != EnvInt::kUnset || size != EnvInt::kUnset)) {
+      const char* set = rank != EnvInt::kUnset ? s.rank : s.size;
+      partial = absl::StrFormat("%s=%s is set but %s is not", set, EnvText(set),
+                                rank != EnvInt::kUnset ? s.size : s.rank);
+    }
+  }
+  if (!partial.empty()) {
+    return InvalidArgument("launcher environment incomplete: %s (looked for "
+                           "OMPI_COMM_WORLD_RANK/SIZE, PMI_RANK/SIZE, SLURM_PROCID/NTASKS and "
+                           "RANK/WORLD_SIZE)", partial);
   }
   return absl::NotFoundError(
       "no launcher environment found (OMPI_COMM_WORLD_RANK/SIZE, PMI_RANK/SIZE, "
-      "SLURM_PROCID/NTASKS or RANK/WORLD_SIZE)");
+      "SLURM_PROCID/NTASKS or RANK/WORLD_SIZE): start the processes with an MPI launcher "
+      "(mpirun, srun)");
 }
 
 UniqueId Communicator::NewUniqueId() {
@@ -141,13 +306,50 @@ absl::StatusOr<std::unique_ptr<Communicator>> Communicator::Adopt(MPI_Comm owned
   return comm;
 }
 
+absl::Status Communicator::CreationAgreement(MPI_Comm comm, absl::Span<const char> bytes,
+                                             std::string* out, const char* phase,
+                                             int64_t timeout_ms) {
+  int rank = 0, size = 0;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm_size(comm, &size);
+  std::vector<std::unique_ptr<Exchange>> parked;
+  absl::Status status = Agree(comm, rank, size, bytes, out, phase, timeout_ms, &parked);
+  // Buffers MPI may still use (a late peer's messages, an unmatched send): kept for good, like
+  // `comm` itself after a failure (the caller leaves it allocated).
+  for (auto& exchange : parked) (void)exchange.release();
+  return status;
+}
+
 absl::StatusOr<std::unique_ptr<Communicator>> Communicator::FromMpi(MPI_Comm comm) {
   MOONEP_RETURN_IF_ERROR(EnsureMpi());
   if (comm == MPI_COMM_NULL) return InvalidArgument("comm is MPI_COMM_NULL");
-  MPI_Comm dup = MPI_COMM_NULL;
-  const int rc = MPI_Comm_dup(comm, &dup);
-  if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Comm_dup");
+  const CreationTimeout timeout = ReadCreationTimeout();
+  constexpr const char* kPhase = "communicator creation (moonepCommInitMpi)";
+  MOONEP_ASSIGN_OR_RETURN(MPI_Comm dup,
+                          IdupWithDeadline(comm, "the caller's communicator", timeout.ms, kPhase));
   MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN);
+  // Every rank of `comm` has called the duplication; the agreement on the duplicate (which MoonEP
+  // owns, so its point-to-point messages are private) makes a rank that gave up fail the others,
+  // and a rank that joins after the others gave up fail too, instead of going on alone.
+  const absl::Status local =
+      timeout.status.ok() ? absl::OkStatus() : Annotate(timeout.status, kPhase);
+  const LocalError mine = Carry(local);
+  std::string gathered;
+  MOONEP_RETURN_IF_ERROR(CreationAgreement(
+      dup, absl::Span<const char>(reinterpret_cast<const char*>(&mine), sizeof(mine)), &gathered,
+      kPhase, timeout.ms));  // on failure `dup` stays allocated (peers may still send to it)
+  int size = 0;
+  MPI_Comm_size(dup, &size);
+  std::vector<LocalError> all(static_cast<size_t>(size));
+  std::memcpy(all.data(), gathered.data(), gathered.size());
+  absl::Status verdict = local;
+  for (int r = 0; r < size && verdict.ok(); ++r) {
+    if (all[r].failed) verdict = RemoteError("%s: rank %d failed: %s", kPhase, r, Quote(all[r]));
+  }
+  if (!verdict.ok()) {
+    MPI_Comm_free(&dup);
+    return verdict;
+  }
   return Adopt(dup);
 }
 
@@ -155,8 +357,18 @@ absl::StatusOr<std::unique_ptr<Communicator>> Communicator::FromUniqueId(const U
                                                                          int32_t size,
                                                                          int32_t rank) {
   MOONEP_RETURN_IF_ERROR(EnsureMpi());
-  // Local checks must not skip the collective split below, or the other processes would wait
-  // forever; a bad argument is carried through it as color/flag and reported by everyone.
+  constexpr const char* kPhase = "communicator creation (moonepCommInitRank)";
+  const CreationTimeout timeout = ReadCreationTimeout();
+  // Local checks must not skip the agreement below, or the other processes would wait for this
+  // one until their timeout; a bad argument is carried through it and reported by everyone.
+  struct Member {
+    char id[kUniqueIdBytes];
+    int32_t rank, size;
+    LocalError error;
+  } mine{};
+  std::memcpy(mine.id, id.bytes, sizeof(mine.id));
+  mine.rank = rank;
+  mine.size = size;
   absl::Status local = absl::OkStatus();
   if (std::memcmp(id.bytes, kIdMagic, sizeof(kIdMagic)) != 0) {
     local = InvalidArgument("id was not made by moonepGetUniqueId (bad magic)");
@@ -164,71 +376,128 @@ absl::StatusOr<std::unique_ptr<Communicator>> Communicator::FromUniqueId(const U
     local = InvalidArgument("nranks is %d; must be positive", size);
   } else if (rank < 0 || rank >= size) {
     local = InvalidArgument("rank is %d; must be in [0, nranks = %d)", rank, size);
+  } else if (!timeout.status.ok()) {
+    local = Annotate(timeout.status, kPhase);
   }
-  uint32_t hash = 2166136261u;  // FNV-1a of the id: processes with the same id share a color
-  for (char c : id.bytes) hash = (hash ^ static_cast<unsigned char>(c)) * 16777619u;
-  const int color = local.ok() ? static_cast<int>(hash & 0x3fffffff) : MPI_UNDEFINED;
-  MPI_Comm split = MPI_COMM_NULL;
-  int rc = MPI_Comm_split(MPI_COMM_WORLD, color, local.ok() ? rank : 0, &split);
-  if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Comm_split(MPI_COMM_WORLD)");
-  if (!local.ok()) return local;
-  MPI_Comm_set_errhandler(split, MPI_ERRORS_RETURN);
-  int got_size = 0, got_rank = 0;
-  MPI_Comm_size(split, &got_size);
-  MPI_Comm_rank(split, &got_rank);
+  mine.error = Carry(local);
+  // A private duplicate of MPI_COMM_WORLD: every process of it takes part in the agreement, which
+  // names the processes not heard from; then only the processes that passed this id make the
+  // communicator, together.
+  MOONEP_ASSIGN_OR_RETURN(MPI_Comm world,
+                          IdupWithDeadline(MPI_COMM_WORLD, "MPI_COMM_WORLD", timeout.ms, kPhase));
+  MPI_Comm_set_errhandler(world, MPI_ERRORS_RETURN);
+  std::string gathered;
+  MOONEP_RETURN_IF_ERROR(CreationAgreement(
+      world, absl::Span<const char>(reinterpret_cast<const char*>(&mine), sizeof(mine)), &gathered,
+      kPhase, timeout.ms));  // on failure `world` stays allocated (peers may still send to it)
+  int world_size = 0;
+  MPI_Comm_size(world, &world_size);
+  std::vector<Member> all(static_cast<size_t>(world_size));
+  std::memcpy(all.data(), gathered.data(), gathered.size());
   // Every member checks the same gathered data, so all reach the same verdict.
-  struct Member {
-    char id[kUniqueIdBytes];
-    int32_t rank, size;
-  } mine{};
-  std::memcpy(mine.id, id.bytes, sizeof(mine.id));
-  mine.rank = rank;
-  mine.size = size;
-  std::vector<Member> all(static_cast<size_t>(got_size));
-  rc = MPI_Allgather(&mine, sizeof(Member), MPI_BYTE, all.data(), sizeof(Member), MPI_BYTE, split);
-  if (rc != MPI_SUCCESS) {
-    MPI_Comm_free(&split);
-    return MpiError(rc, "MPI_Allgather of the unique ids");
+  std::vector<int> group;  // world ranks that passed this id
+  for (int w = 0; w < world_size; ++w) {
+    if (std::memcmp(all[w].id, id.bytes, kUniqueIdBytes) == 0) group.push_back(w);
   }
-  absl::Status verdict = absl::OkStatus();
-  for (int i = 0; i < got_size && verdict.ok(); ++i) {
-    if (std::memcmp(all[i].id, id.bytes, kUniqueIdBytes) != 0) {
-      verdict = Internal("unique id hash collision between two jobs; call moonepGetUniqueId again");
-    } else if (all[i].size != got_size) {
+  const int got_size = static_cast<int>(group.size());
+  absl::Status verdict = local;
+  for (int w : group) {
+    if (!verdict.ok()) break;
+    if (all[w].error.failed) {
+      verdict = RemoteError("%s: the process of MPI_COMM_WORLD rank %d, which passed the same id, "
+                            "failed: %s", kPhase, w, Quote(all[w].error));
+    } else if (all[w].size != got_size) {
       verdict = InvalidArgument(
           "%d processes called moonepCommInitRank with this id, but the process with rank %d "
-          "passed nranks = %d", got_size, all[i].rank, all[i].size);
-    } else if (all[i].rank != i) {
-      verdict = InvalidArgument("ranks passed with this id are not 0..%d exactly once "
-                                "(rank %d is %s)", got_size - 1, i,
-                                i < got_size - 1 && all[i].rank == all[i + 1].rank
-                                    ? "given twice" : "missing");
+          "passed nranks = %d", got_size, all[w].rank, all[w].size);
     }
   }
-  (void)got_rank;
+  std::vector<int> by_rank(static_cast<size_t>(got_size), -1);  // world rank of each rank
+  for (int w : group) {
+    if (!verdict.ok()) break;
+    int& slot = by_rank[static_cast<size_t>(all[w].rank)];
+    if (slot >= 0) {
+      verdict = InvalidArgument("ranks passed with this id are not 0..%d exactly once (rank %d is "
+                                "given twice, by the processes of MPI_COMM_WORLD ranks %d and %d)",
+                                got_size - 1, all[w].rank, slot, w);
+    }
+    slot = w;
+  }
   if (!verdict.ok()) {
-    MPI_Comm_free(&split);
+    MPI_Comm_free(&world);
     return verdict;
   }
-  return Adopt(split);
+  absl::StatusOr<MPI_Comm> made = CreateGroup(world, by_rank);
+  MPI_Comm_free(&world);
+  if (!made.ok()) return made.status();
+  return Adopt(*made);
 }
 
 absl::StatusOr<std::unique_ptr<Communicator>> Communicator::FromEnvironment() {
-  MOONEP_ASSIGN_OR_RETURN(LaunchInfo info, ReadLaunchInfo());
+  absl::StatusOr<LaunchInfo> info = ReadLaunchInfo();
+  // No launcher variable at all: not started by a launcher, so no peer waits for this process.
+  if (absl::IsNotFound(info.status())) return info.status();
   MOONEP_RETURN_IF_ERROR(EnsureMpi());
-  int world = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &world);
-  if (world != info.size) {
-    return Unavailable(
-        "%s says %d ranks but MPI_COMM_WORLD has %d: this process was not started by an MPI "
-        "launcher (mpirun/srun). The MPI backend needs one; launches without MPI (e.g. plain "
-        "torchrun) need the UCX or NCCL backend, not built yet", info.source, info.size, world);
+  constexpr const char* kPhase = "communicator creation (moonepCommInitFromEnv)";
+  const CreationTimeout timeout = ReadCreationTimeout();
+  int world_size = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &world_size);
+  struct Member {
+    int32_t rank = -1;
+    LocalError error;
+  } mine;
+  absl::Status local = absl::OkStatus();
+  if (!info.ok()) {
+    local = info.status();
+  } else if (info->size != world_size) {
+    local = InvalidUsage(
+        "%s: %s=%d and %s=%d, but MPI_COMM_WORLD has %d process(es). The communicator is made "
+        "out of MPI_COMM_WORLD, so every rank must be started by an MPI launcher (mpirun, or "
+        "srun with PMI/PMIx) that puts them all in it; a launcher without MPI (e.g. plain "
+        "torchrun) leaves each process alone in its own MPI_COMM_WORLD",
+        kPhase, info->rank_var, info->rank, info->size_var, info->size, world_size);
+  } else if (!timeout.status.ok()) {
+    local = Annotate(timeout.status, kPhase);
+  } else {
+    mine.rank = info->rank;
   }
-  MPI_Comm split = MPI_COMM_NULL;
-  const int rc = MPI_Comm_split(MPI_COMM_WORLD, 0, info.rank, &split);
-  if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Comm_split(MPI_COMM_WORLD)");
-  MPI_Comm_set_errhandler(split, MPI_ERRORS_RETURN);
-  return Adopt(split);
+  mine.error = Carry(local);
+  MOONEP_ASSIGN_OR_RETURN(MPI_Comm world,
+                          IdupWithDeadline(MPI_COMM_WORLD, "MPI_COMM_WORLD", timeout.ms, kPhase));
+  MPI_Comm_set_errhandler(world, MPI_ERRORS_RETURN);
+  std::string gathered;
+  MOONEP_RETURN_IF_ERROR(CreationAgreement(
+      world, absl::Span<const char>(reinterpret_cast<const char*>(&mine), sizeof(mine)), &gathered,
+      kPhase, timeout.ms));  // on failure `world` stays allocated (peers may still send to it)
+  std::vector<Member> all(static_cast<size_t>(world_size));
+  std::memcpy(all.data(), gathered.data(), gathered.size());
+  absl::Status verdict = local;
+  for (int w = 0; w < world_size && verdict.ok(); ++w) {
+    if (all[w].error.failed) {
+      verdict = RemoteError("%s: the process of MPI_COMM_WORLD rank %d failed: %s", kPhase, w,
+                            Quote(all[w].error));
+    }
+  }
+  // Every rank's launcher rank is below world_size (its own checks); each must appear once.
+  std::vector<int> by_rank(static_cast<size_t>(world_size), -1);
+  for (int w = 0; w < world_size && verdict.ok(); ++w) {
+    int& slot = by_rank[static_cast<size_t>(all[w].rank)];
+    if (slot >= 0) {
+      verdict = InvalidArgument(
+          "%s: the launcher environment (%s) gives rank %d to two processes, MPI_COMM_WORLD ranks "
+          "%d and %d; each rank 0..%d must be given exactly once", kPhase, info->source,
+          all[w].rank, slot, w, world_size - 1);
+    }
+    slot = w;
+  }
+  if (!verdict.ok()) {
+    MPI_Comm_free(&world);
+    return verdict;
+  }
+  absl::StatusOr<MPI_Comm> made = CreateGroup(world, by_rank);
+  MPI_Comm_free(&world);
+  if (!made.ok()) return made.status();
+  return Adopt(*made);
 }
 
 Communicator::~Communicator() {
@@ -293,6 +562,15 @@ absl::Status Communicator::Allgather(absl::Span<const char> bytes, std::string* 
     return InvalidUsage("%s: an earlier agreement on this communicator failed (%s); destroy it",
                         phase, broken_.message());
   }
+  absl::Status status = Agree(comm_, rank_, size_, bytes, out, phase, param::TimeoutMs(), &parked_);
+  if (!status.ok()) broken_ = status;
+  return status;
+}
+
+absl::Status Communicator::Agree(MPI_Comm comm, int rank, int size,
+                                 absl::Span<const char> bytes, std::string* out, const char* phase,
+                                 int64_t timeout_ms,
+                                 std::vector<std::unique_ptr<Exchange>>* parked) {
   // Point to point (the communicator is MoonEP's own duplicate, so every tag on it is ours),
   // in two rounds: the data, then a confirmation from every peer that it has all of it. A rank
   // that times out in either round sends "gave up" to every peer instead, which a peer's
@@ -303,18 +581,18 @@ absl::Status Communicator::Allgather(absl::Span<const char> bytes, std::string* 
   const int n = static_cast<int>(bytes.size());
   auto ex = std::make_unique<Exchange>();
   ex->send.assign(bytes.begin(), bytes.end());
-  ex->recv.assign(bytes.size() * static_cast<size_t>(size_), '\0');
-  std::memcpy(ex->recv.data() + static_cast<size_t>(rank_) * n, bytes.data(), bytes.size());
-  ex->confirm.assign(static_cast<size_t>(size_) + 1, 0);  // [r]: from rank r; [size_]: to send
+  ex->recv.assign(bytes.size() * static_cast<size_t>(size), '\0');
+  std::memcpy(ex->recv.data() + static_cast<size_t>(rank) * n, bytes.data(), bytes.size());
+  ex->confirm.assign(static_cast<size_t>(size) + 1, 0);  // [r]: from rank r; [size]: to send
   std::vector<int> peers;
-  for (int r = 0; r < size_; ++r) {
-    if (r != rank_) peers.push_back(r);
+  for (int r = 0; r < size; ++r) {
+    if (r != rank) peers.push_back(r);
   }
   const size_t P = peers.size();
   std::vector<MPI_Status> status(2 * P);
   std::vector<int> indices(2 * P);
   // Fails the agreement: open receives cancelled, "gave up" sent to every peer, the buffers
-  // parked (MPI may still use them), the communicator refusing further agreements.
+  // parked (MPI may still use them).
   auto give_up = [&](absl::Status why) {
     for (size_t i = 0; i < P; ++i) {
       if (ex->requests[i] == MPI_REQUEST_NULL) continue;
@@ -323,14 +601,13 @@ absl::Status Communicator::Allgather(absl::Span<const char> bytes, std::string* 
     }
     for (int r : peers) {
       MPI_Request notice = MPI_REQUEST_NULL;
-      if (MPI_Isend(&ex->confirm[static_cast<size_t>(size_)], 1, MPI_BYTE, r, kGaveUpTag, comm_,
+      if (MPI_Isend(&ex->confirm[static_cast<size_t>(size)], 1, MPI_BYTE, r, kGaveUpTag, comm,
                     &notice) == MPI_SUCCESS) {
         MPI_Request_free(&notice);
       }
     }
-    broken_ = std::move(why);
-    parked_.push_back(std::move(ex));
-    return broken_;
+    parked->push_back(std::move(ex));
+    return why;
   };
   // Posts the receives (requests [0, P)) and sends ([P, 2P)) of one round; then waits for all of
   // them until the deadline. Returns the peers whose receive is still open at the deadline (empty:
@@ -348,7 +625,7 @@ absl::Status Communicator::Allgather(absl::Span<const char> bytes, std::string* 
       if (rc != MPI_SUCCESS) return MpiError(rc, what);
     }
     const auto deadline =
-        std::chrono::steady_clock::now() + std::chrono::milliseconds(param::TimeoutMs());
+        std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
     for (int spins = 0;; ++spins) {
       // Testsome, not Testall: completed requests become MPI_REQUEST_NULL, so a timeout can
       // tell which receives are still open.
@@ -370,42 +647,37 @@ absl::Status Communicator::Allgather(absl::Span<const char> bytes, std::string* 
       if (spins > 100) std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
   };
-  auto names = [](const std::vector<int>& ranks) {
-    std::string s;
-    for (int r : ranks) s += (s.empty() ? "" : ",") + std::to_string(r);
-    return s;
-  };
   ex->confirm_tag.assign(P, 0);
   absl::StatusOr<std::vector<int>> missing = round(
       [&](int r, MPI_Request* q) {
         return MPI_Irecv(ex->recv.data() + static_cast<size_t>(r) * n, n, MPI_BYTE, r, kDataTag,
-                         comm_, q);
+                         comm, q);
       },
       [&](int r, MPI_Request* q) {
-        return MPI_Isend(ex->send.data(), n, MPI_BYTE, r, kDataTag, comm_, q);
+        return MPI_Isend(ex->send.data(), n, MPI_BYTE, r, kDataTag, comm, q);
       },
       phase);
   if (!missing.ok()) return give_up(missing.status());
   if (!missing->empty()) {
     return give_up(Timeout("%s timed out after MOONEP_TIMEOUT_MS = %d ms on rank %d: nothing "
-                           "heard from rank(s) %s", phase, param::TimeoutMs(), rank_,
-                           names(*missing)));
+                           "heard from rank(s) %s", phase, timeout_ms, rank,
+                           RankList(*missing)));
   }
   // Confirmation: the receive from each peer takes its confirmation or its "gave up".
   missing = round(
       [&](int r, MPI_Request* q) {
-        return MPI_Irecv(&ex->confirm[static_cast<size_t>(r)], 1, MPI_BYTE, r, MPI_ANY_TAG, comm_, q);
+        return MPI_Irecv(&ex->confirm[static_cast<size_t>(r)], 1, MPI_BYTE, r, MPI_ANY_TAG, comm, q);
       },
       [&](int r, MPI_Request* q) {
-        return MPI_Isend(&ex->confirm[static_cast<size_t>(size_)], 1, MPI_BYTE, r, kConfirmTag,
-                         comm_, q);
+        return MPI_Isend(&ex->confirm[static_cast<size_t>(size)], 1, MPI_BYTE, r, kConfirmTag,
+                         comm, q);
       },
       phase);
   if (!missing.ok()) return give_up(missing.status());
   if (!missing->empty()) {
     return give_up(Timeout("%s timed out after MOONEP_TIMEOUT_MS = %d ms on rank %d: no "
-                           "confirmation from rank(s) %s", phase, param::TimeoutMs(), rank_,
-                           names(*missing)));
+                           "confirmation from rank(s) %s", phase, timeout_ms, rank,
+                           RankList(*missing)));
   }
   std::vector<int> gave_up;
   for (size_t i = 0; i < P; ++i) {
@@ -413,9 +685,8 @@ absl::Status Communicator::Allgather(absl::Span<const char> bytes, std::string* 
   }
   absl::Status result = absl::OkStatus();
   if (!gave_up.empty()) {
-    broken_ = RemoteError("%s: rank(s) %s gave up waiting (MOONEP_TIMEOUT_MS) and failed", phase,
-                          names(gave_up));
-    result = broken_;
+    result = RemoteError("%s: rank(s) %s gave up waiting (MOONEP_TIMEOUT_MS) and failed", phase,
+                         RankList(gave_up));
   } else {
     out->assign(ex->recv.begin(), ex->recv.end());
   }
@@ -429,7 +700,7 @@ absl::Status Communicator::Allgather(absl::Span<const char> bytes, std::string* 
       open = true;
     }
   }
-  if (open) parked_.push_back(std::move(ex));
+  if (open) parked->push_back(std::move(ex));
   return result;
 }
 

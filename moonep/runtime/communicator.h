@@ -3,9 +3,24 @@
 // communicator (always a duplicate), the routing-trace writer, and the replica buffers shared by
 // every layer of one shape.
 //
-// Backend note: the MPI transport is the only one built so far, so every path needs an MPI launch
-// (mpirun / srun). The unique-id and environment paths build the communicator out of
-// MPI_COMM_WORLD; a launch without MPI (plain torchrun) needs the UCX or NCCL backends.
+// Every path needs an MPI launch (mpirun / srun): the unique-id and environment paths build the
+// communicator out of MPI_COMM_WORLD, and the UCX and NCCL transports bootstrap over it.
+//
+// Creation waits at most MOONEP_TIMEOUT_MS (read once per process, like every knob) in each of its
+// steps: (1) MPI_Comm_idup of the parent (the caller's communicator, or
+// MPI_COMM_WORLD), nonblocking, waited for with a deadline; a timeout there says that some rank
+// has not joined but not which (MPI does not tell); (2) an agreement over that private duplicate
+// (Agree: point to point, two rounds), which names the ranks not heard from, carries each rank's
+// own argument errors to all, and makes a rank that joins after the others gave up fail too;
+// (3) for the unique-id and environment paths, MPI_Comm_create_group among the members, which
+// blocks (MPI has no nonblocking form) but runs only after the agreement showed every member
+// present. Residual: a member that stalls past the timeout between the agreement's two rounds
+// can leave the others blocked in step 3 (as the same window in Allgather); and MPI_Init, when
+// MoonEP initialises MPI, waits for every process of the job without a deadline.
+// A timed-out MPI_Comm_idup cannot be cancelled: it stays open on the ranks that called it (MPI
+// completes it if the late ranks call it later) and the parent communicator then has that
+// collective outstanding; MoonEP keeps its request and buffers allocated for good.
+
 #pragma once
 
 #include <mpi.h>
@@ -45,22 +60,34 @@ struct SharedReplicas {
 
 // Where this process sits according to the launcher's environment variables.
 struct LaunchInfo {
-  int32_t rank = -1, size = -1, local_rank = -1;
+  int32_t rank = -1, size = -1;
   std::string source;  // "OMPI_COMM_WORLD_*", "PMI_*", "SLURM_*", "RANK/WORLD_SIZE"
+  const char* rank_var = "";  // the variables read, e.g. "RANK" and "WORLD_SIZE"
+  const char* size_var = "";
 };
-// Reads OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK}, PMI_{RANK,SIZE}, SLURM_{PROCID,NTASKS,LOCALID}
-// and torchrun's RANK / WORLD_SIZE / LOCAL_RANK, in that order. NotFound when none is set.
+// Reads OMPI_COMM_WORLD_{RANK,SIZE}, PMI_{RANK,SIZE}, SLURM_{PROCID,NTASKS} and torchrun's
+// RANK / WORLD_SIZE, in that order; the first pair with both variables set is used. Local ranks
+// (LOCAL_RANK, ...) are not read: MoonEP picks no device (the layer config's device_index does).
+// InvalidArgument naming the variable and its value when the pair used is malformed (not a
+// base-10 integer, rank not below size), or when no pair is complete but one variable of a pair
+// is set; NotFound when none is set.
 absl::StatusOr<LaunchInfo> ReadLaunchInfo();
 
 class Communicator {
  public:
-  // Duplicates `comm` (collective over it).
+  // Duplicates `comm` (collective over it). Timeout (naming the phase) when a rank of `comm`
+  // has not joined within MOONEP_TIMEOUT_MS; see the top of this file.
   static absl::StatusOr<std::unique_ptr<Communicator>> FromMpi(MPI_Comm comm);
   // Every process of MPI_COMM_WORLD calls this together; the processes that pass the same id form
-  // one communicator, ordered by `rank`. Fails on every member when the ranks are not 0..size-1.
+  // one communicator, ordered by `rank`. Fails on every member when the ranks are not 0..size-1
+  // (InvalidArgument naming a duplicated rank), and on the others (RemoteError naming the process)
+  // when one passed bad arguments.
   static absl::StatusOr<std::unique_ptr<Communicator>> FromUniqueId(const UniqueId& id,
                                                                     int32_t size, int32_t rank);
-  // From ReadLaunchInfo(): MPI_COMM_WORLD ordered by the launcher's rank.
+  // From ReadLaunchInfo(): MPI_COMM_WORLD ordered by the launcher's rank. Every process fails when
+  // one's variables are malformed (it: InvalidArgument naming the variable; the others:
+  // RemoteError naming it), when a rank is given twice (InvalidArgument naming it), or when the
+  // launcher's size is not MPI_COMM_WORLD's (InvalidUsage: not started by an MPI launcher).
   static absl::StatusOr<std::unique_ptr<Communicator>> FromEnvironment();
   // A fresh id (random bytes and a magic); rank 0 makes it and shares it out of band.
   static UniqueId NewUniqueId();
@@ -123,6 +150,15 @@ class Communicator {
  private:
   Communicator() = default;
   static absl::StatusOr<std::unique_ptr<Communicator>> Adopt(MPI_Comm owned);
+  struct Exchange;
+  // Allgather's exchange over `comm` (rank `rank` of `size`) with a deadline of `timeout_ms` per
+  // round; an exchange MPI may still use is moved to `parked`.
+  static absl::Status Agree(MPI_Comm comm, int rank, int size, absl::Span<const char> bytes,
+                            std::string* out, const char* phase, int64_t timeout_ms,
+                            std::vector<std::unique_ptr<Exchange>>* parked);
+  // Agree over a communicator being created; buffers MPI may still use are kept for good.
+  static absl::Status CreationAgreement(MPI_Comm comm, absl::Span<const char> bytes,
+                                        std::string* out, const char* phase, int64_t timeout_ms);
 
   // An agreement's messages, kept alive after a timeout while MPI may still use them.
   struct Exchange {

@@ -7,7 +7,9 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "moonep/moonep.h"
@@ -121,6 +123,269 @@ TEST_F(CApiTest, FromEnvironmentUnderMpirun) {
   EXPECT_EQ(r, rank());
   EXPECT_EQ(n, size());
   EXPECT_EQ(moonepCommDestroy(env), moonepSuccess);
+}
+
+// Sets environment variables for one scope and restores them (unset or their old value) after.
+class ScopedEnv {
+ public:
+  ScopedEnv() = default;
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+  ~ScopedEnv() {
+    for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) {
+      if (it->second) {
+        setenv(it->first.c_str(), it->second->c_str(), 1);
+      } else {
+        unsetenv(it->first.c_str());
+      }
+    }
+  }
+  void Set(const char* name, const std::string& value) {
+    Save(name);
+    setenv(name, value.c_str(), 1);
+  }
+  void Unset(const char* name) {
+    Save(name);
+    unsetenv(name);
+  }
+  // Every launcher variable MoonEP reads, so that a test can set one launcher's alone.
+  void ClearLauncher() {
+    for (const char* name : {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK",
+                             "PMI_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "RANK", "WORLD_SIZE"}) {
+      Unset(name);
+    }
+  }
+
+ private:
+  void Save(const char* name) {
+    for (const auto& entry : saved_) {
+      if (entry.first == name) return;
+    }
+    const char* old = std::getenv(name);
+    saved_.emplace_back(name, old != nullptr ? std::optional<std::string>(old) : std::nullopt);
+  }
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
+};
+
+struct Made {
+  moonepResult_t result;
+  std::string message;  // moonepGetLastThreadError() on failure
+  moonepComm_t comm;
+  double seconds;
+};
+Made InitFromEnv() {
+  const auto start = std::chrono::steady_clock::now();
+  moonepComm_t comm = nullptr;
+  const moonepResult_t r = moonepCommInitFromEnv(&comm);
+  return {r, r == moonepSuccess ? "" : moonepGetLastThreadError(), comm,
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()};
+}
+bool Has(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+// A malformed launcher variable is refused naming the variable and its value, on every rank; the
+// variable mpirun sets (read first) and torchrun's alike.
+TEST_F(CApiTest, FromEnvironmentRefusesMalformedVariables) {
+  {
+    ScopedEnv env;
+    env.Set("OMPI_COMM_WORLD_RANK", "abc");
+    const Made m = InitFromEnv();
+    EXPECT_EQ(m.result, moonepInvalidArgument) << m.message;
+    EXPECT_TRUE(Has(m.message, "OMPI_COMM_WORLD_RANK=abc")) << m.message;
+  }
+  struct Case {
+    const char *var, *value, *expect;
+  };
+  const std::string n = std::to_string(size());
+  const Case cases[] = {
+      {"RANK", "abc", "RANK=abc"},           {"RANK", "-1", "RANK=-1"},
+      {"RANK", "1 ", "RANK=1 "},             {"WORLD_SIZE", "x2", "WORLD_SIZE=x2"},
+      {"WORLD_SIZE", "0", "WORLD_SIZE=0"},   {"RANK", n.c_str(), "not below WORLD_SIZE"},
+      {"RANK", "99999999999", "RANK=99999999999"},
+  };
+  for (const Case& c : cases) {
+    ScopedEnv env;
+    env.ClearLauncher();
+    env.Set("RANK", std::to_string(rank()));
+    env.Set("WORLD_SIZE", n);
+    env.Set(c.var, c.value);
+    const Made m = InitFromEnv();
+    EXPECT_EQ(m.result, moonepInvalidArgument) << c.var << "=" << c.value << ": " << m.message;
+    EXPECT_TRUE(Has(m.message, c.expect)) << m.message;
+  }
+  {  // Half a pair: named, not "no launcher environment found".
+    ScopedEnv env;
+    env.ClearLauncher();
+    env.Set("RANK", std::to_string(rank()));
+    const Made m = InitFromEnv();
+    EXPECT_EQ(m.result, moonepInvalidArgument) << m.message;
+    EXPECT_TRUE(Has(m.message, "is set but WORLD_SIZE is not")) << m.message;
+  }
+  if (size() > 1) {  // On one rank only: it names the variable, the others name it, at once.
+    const int bad = size() - 1;
+    ScopedEnv env;
+    env.ClearLauncher();
+    env.Set("RANK", rank() == bad ? "seven" : std::to_string(rank()));
+    env.Set("WORLD_SIZE", n);
+    const Made m = InitFromEnv();
+    if (rank() == bad) {
+      EXPECT_EQ(m.result, moonepInvalidArgument) << m.message;
+      EXPECT_TRUE(Has(m.message, "RANK=seven")) << m.message;
+    } else {
+      EXPECT_EQ(m.result, moonepRemoteError) << m.message;
+      EXPECT_TRUE(Has(m.message, "MPI_COMM_WORLD rank " + std::to_string(bad))) << m.message;
+      EXPECT_TRUE(Has(m.message, "RANK=seven")) << m.message;  // quotes the rank's own error
+      EXPECT_LT(m.seconds, 20.0) << "waited for the failing rank instead of learning from it";
+    }
+  }
+}
+
+// A rank given twice by the launcher's environment is refused on every rank, naming it.
+TEST_F(CApiTest, FromEnvironmentRefusesDuplicateRanks) {
+  if (size() < 2) GTEST_SKIP() << "needs two ranks";
+  for (const char* var : {"OMPI_COMM_WORLD_RANK", "RANK"}) {
+    ScopedEnv env;
+    if (std::string(var) == "RANK") {
+      env.ClearLauncher();
+      env.Set("WORLD_SIZE", std::to_string(size()));
+    }
+    env.Set(var, std::to_string(rank() == 1 ? 0 : rank()));  // rank 0 twice, rank 1 missing
+    const Made m = InitFromEnv();
+    EXPECT_EQ(m.result, moonepInvalidArgument) << var << ": " << m.message;
+    EXPECT_TRUE(Has(m.message, "gives rank 0 to two processes, MPI_COMM_WORLD ranks 0 and 1"))
+        << m.message;
+  }
+}
+
+// torchrun's, SLURM's and PMI's variables, each alone (mpirun's out of the way), order the
+// communicator by the rank they give; LOCAL_RANK is not read. The first complete pair wins:
+// mpirun's before a stray RANK. A size that is not MPI_COMM_WORLD's says an MPI launch is needed.
+TEST_F(CApiTest, FromEnvironmentTorchrunSlurmAndPmiStyles) {
+  const char* const pairs[][2] = {
+      {"RANK", "WORLD_SIZE"}, {"SLURM_PROCID", "SLURM_NTASKS"}, {"PMI_RANK", "PMI_SIZE"}};
+  for (const auto& pair : pairs) {
+    ScopedEnv env;
+    env.ClearLauncher();
+    const int given = (rank() + 1) % size();
+    env.Set(pair[0], std::to_string(given));
+    env.Set(pair[1], std::to_string(size()));
+    env.Set("LOCAL_RANK", "not-read");
+    const Made m = InitFromEnv();
+    ASSERT_EQ(m.result, moonepSuccess) << pair[0] << ": " << m.message;
+    int r = -1, n = -1;
+    EXPECT_EQ(moonepCommRank(m.comm, &r), moonepSuccess);
+    EXPECT_EQ(moonepCommSize(m.comm, &n), moonepSuccess);
+    EXPECT_EQ(r, given) << pair[0];
+    EXPECT_EQ(n, size());
+    EXPECT_EQ(moonepCommDestroy(m.comm), moonepSuccess);
+  }
+  {
+    ScopedEnv env;
+    env.Set("RANK", "stray");  // under mpirun: OMPI_COMM_WORLD_* are read, RANK is not
+    const Made m = InitFromEnv();
+    ASSERT_EQ(m.result, moonepSuccess) << m.message;
+    int r = -1;
+    EXPECT_EQ(moonepCommRank(m.comm, &r), moonepSuccess);
+    EXPECT_EQ(r, rank());
+    EXPECT_EQ(moonepCommDestroy(m.comm), moonepSuccess);
+  }
+  {
+    ScopedEnv env;
+    env.ClearLauncher();
+    env.Set("RANK", std::to_string(rank()));
+    env.Set("WORLD_SIZE", std::to_string(size() + 1));
+    const Made m = InitFromEnv();
+    EXPECT_EQ(m.result, moonepInvalidUsage) << m.message;
+    EXPECT_TRUE(Has(m.message, "WORLD_SIZE=" + std::to_string(size() + 1))) << m.message;
+    EXPECT_TRUE(Has(m.message, "MPI_COMM_WORLD has " + std::to_string(size()))) << m.message;
+    EXPECT_TRUE(Has(m.message, "MPI launcher")) << m.message;
+    EXPECT_FALSE(Has(m.message, "not built")) << m.message;
+  }
+}
+
+// One rank does not call creation: the others fail with moonepTimeout naming the phase after
+// MOONEP_TIMEOUT_MS (2000 here), not later; the late rank, calling afterwards, fails too (naming
+// the ranks that gave up) instead of going on alone; then a creation by every rank works.
+// moonepCommInitMpi over a communicator of the test's, moonepCommInitRank over MPI_COMM_WORLD
+// (between its calls only point-to-point messages, so that MPI_COMM_WORLD's collectives stay in
+// the same order on every rank).
+// Communicator creation with a malformed MOONEP_TIMEOUT_MS fails on every rank, naming it (run by
+// runtime_capi_bad_timeout_test_np2; the fixture makes no communicator).
+class CApiCreationTest : public MpiTest {};
+
+TEST_F(CApiCreationTest, MalformedTimeoutFailsCreationNamingIt) {
+  const char* timeout = std::getenv("MOONEP_TIMEOUT_MS");
+  if (timeout == nullptr || std::string(timeout) != "2s") GTEST_SKIP() << "run with MOONEP_TIMEOUT_MS=2s";
+  moonepComm_t c = nullptr;
+  MPI_Comm world = MPI_COMM_WORLD;
+  EXPECT_EQ(moonepCommInitMpi(&c, &world), moonepInvalidArgument);
+  EXPECT_EQ(c, nullptr);
+  EXPECT_TRUE(Has(moonepGetLastThreadError(), "MOONEP_TIMEOUT_MS")) << moonepGetLastThreadError();
+}
+
+// Run by runtime_capi_timeout_test_np* (MOONEP_TIMEOUT_MS=2000: each knob is read once per
+// process).
+TEST_F(CApiTest, CreationTimesOutWhenARankDoesNotJoin) {
+  const char* timeout = std::getenv("MOONEP_TIMEOUT_MS");
+  const std::string value = timeout == nullptr ? "" : timeout;
+  if (value != "2000") GTEST_SKIP() << "run with MOONEP_TIMEOUT_MS=2000 or 2s";
+  if (size() < 2) GTEST_SKIP() << "needs two ranks";
+  const int late = size() - 1;
+  std::string others;  // "0,1,...,late-1"
+  for (int r = 0; r < late; ++r) others += (r == 0 ? "" : ",") + std::to_string(r);
+  MPI_Comm parent = MPI_COMM_NULL;
+  ASSERT_EQ(MPI_Comm_dup(MPI_COMM_WORLD, &parent), MPI_SUCCESS);
+  moonepUniqueId id;
+  if (rank() == 0) {
+    ASSERT_EQ(moonepGetUniqueId(&id), moonepSuccess);
+  }
+  MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, MPI_COMM_WORLD);
+  auto seconds_since = [](std::chrono::steady_clock::time_point start) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  for (const bool world : {false, true}) {
+    SCOPED_TRACE(world ? "moonepCommInitRank" : "moonepCommInitMpi");
+    auto create = [&](moonepComm_t* c) {
+      return world ? moonepCommInitRank(c, size(), id, rank()) : moonepCommInitMpi(c, &parent);
+    };
+    moonepComm_t c = nullptr;
+    if (rank() != late) {
+      const auto start = std::chrono::steady_clock::now();
+      const moonepResult_t r = create(&c);
+      const double s = seconds_since(start);
+      const std::string message = moonepGetLastThreadError();
+      EXPECT_EQ(r, moonepTimeout) << message;
+      EXPECT_TRUE(Has(message, "communicator creation")) << message;
+      EXPECT_TRUE(Has(message, "2000 ms")) << message;
+      EXPECT_GE(s, 1.9);
+      EXPECT_LT(s, 2.0 + 8.0) << "the timeout came late";
+      MPI_Send(nullptr, 0, MPI_BYTE, late, 77, MPI_COMM_WORLD);  // "I gave up"
+    } else {
+      for (int p = 0; p < late; ++p) {
+        MPI_Recv(nullptr, 0, MPI_BYTE, p, 77, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+      }
+      // The duplication completes (the others' parts are still open in MPI, and progress while
+      // they wait below), but nobody answers on the duplicate.
+      const auto start = std::chrono::steady_clock::now();
+      const moonepResult_t r = create(&c);
+      const double s = seconds_since(start);
+      const std::string message = moonepGetLastThreadError();
+      EXPECT_EQ(r, moonepTimeout) << message;
+      EXPECT_TRUE(Has(message, "communicator creation")) << message;
+      EXPECT_TRUE(Has(message, "nothing heard from rank(s) " + others)) << message;
+      EXPECT_LT(s, 2 * 2.0 + 8.0);
+      for (int p = 0; p < late; ++p) MPI_Send(nullptr, 0, MPI_BYTE, p, 78, MPI_COMM_WORLD);
+    }
+    if (rank() != late) MPI_Recv(nullptr, 0, MPI_BYTE, late, 78, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+    // Back in step: every rank creates, and the communicator works.
+    ASSERT_EQ(create(&c), moonepSuccess) << moonepGetLastThreadError();
+    int r = -1;
+    EXPECT_EQ(moonepCommRank(c, &r), moonepSuccess);
+    EXPECT_EQ(r, rank());
+    EXPECT_EQ(moonepCommDestroy(c), moonepSuccess);
+  }
+  MPI_Comm_free(&parent);
 }
 
 TEST_F(CApiTest, LayerMatchesReferenceAndReportsStats) {
