@@ -38,11 +38,10 @@ class FaultTest : public moonep::testing::MpiTest, public ::testing::WithParamIn
     auto planner = planner::Planner::Create(c);
     ASSERT_TRUE(planner.ok()) << planner.status();
     ASSERT_TRUE((*planner)->MakePlan(p_.counts, &plan_).ok());
-    TransportOptions o;
-    o.max_tokens = p_.max_tokens();
-    o.max_top_k = p_.K;
-    o.max_row_bytes = p_.H * 4;
-    auto t = CreateTransport(GetParam(), o);
+    options_.max_tokens = p_.max_tokens();
+    options_.max_top_k = p_.K;
+    options_.max_row_bytes = p_.H * 4;
+    auto t = CreateTransport(GetParam(), options_);
     ASSERT_TRUE(t.ok()) << t.status();
     t_ = std::move(*t);
     cap_ = 0;
@@ -67,6 +66,7 @@ class FaultTest : public moonep::testing::MpiTest, public ::testing::WithParamIn
 
   Problem p_;
   planner::Plan plan_;
+  TransportOptions options_;
   std::unique_ptr<Transport> t_;
   int64_t cap_ = 0;
 };
@@ -262,6 +262,100 @@ TEST_P(FaultTest, RankThatNeverJoinsCountExchangeTimesOutEveryOther) {
   // The transport refuses further use instead of mismatching messages.
   st = t_->ExchangeCounts(p_.ids[rank()], p_.T[rank()], p_.K, p_.E, cap_, &h);
   EXPECT_EQ(ToResult(st), moonepInvalidUsage) << st;
+}
+
+// A rank that never joins one of the data operations, each in turn on a fresh transport (a timeout
+// leaves a transport unusable). The silent rank is one that some peer needs data from in that
+// operation (computed from every rank's send layout); each peer that does ends with moonepTimeout
+// naming the operation and the silent rank within the timeout and a bit, and the silent rank ends
+// at once. Waiting out 2000 ms per operation, it runs at 2 and 3 ranks only.
+TEST_P(FaultTest, RankThatNeverJoinsADataOperationTimesOutThePeersWaitingOnIt) {
+  ASSERT_EQ(t_->timeout_ms(), 2000) << "run with MOONEP_TIMEOUT_MS=2000";
+  if (size() > 3) GTEST_SKIP() << "run at 2 and 3 ranks: each operation waits out the timeout";
+  const int32_t R = size();
+  const int64_t T = p_.T[rank()];
+  const int32_t epn = plan_.experts_per_rank, S = plan_.slots;
+  // rows[r * R + d]: rows rank r sends to rank d in dispatch (and gets back in combine).
+  std::vector<int64_t> mine(R), rows_to(R * R);
+  {
+    DispatchHandle h;
+    std::vector<float> rows;
+    ASSERT_TRUE(DispatchOnce(&h, &rows).ok());
+    for (int32_t d = 0; d < R; ++d) mine[d] = h.send_layout().rows_to(d);
+    MPI_Allgather(mine.data(), R, MPI_INT64_T, rows_to.data(), R, MPI_INT64_T, MPI_COMM_WORLD);
+  }
+  const auto waits = [&](OpKind kind, int32_t r, int32_t silent) {
+    if (r == silent) return false;
+    if (kind == OpKind::kDispatch || kind == OpKind::kCombineBackward) return rows_to[silent * R + r] > 0;
+    if (kind != OpKind::kPrefetch) return rows_to[r * R + silent] > 0;
+    for (int32_t s = 0; s < S; ++s) {
+      const int32_t e = plan_.slot_expert[r * S + s];
+      if (e >= 0 && plan_.home[e] == silent) return true;
+    }
+    return false;
+  };
+  for (OpKind kind : {OpKind::kDispatch, OpKind::kCombine, OpKind::kCombineBackward,
+                      OpKind::kDispatchBackward, OpKind::kTopkWeightGrad, OpKind::kPrefetch}) {
+    SCOPED_TRACE(OpName(kind));
+    int32_t silent = -1, most = 0;
+    for (int32_t s = 0; s < R; ++s) {
+      int32_t n = 0;
+      for (int32_t r = 0; r < R; ++r) n += waits(kind, r, s);
+      if (n > most) silent = s, most = n;
+    }
+    ASSERT_GE(silent, 0) << "no rank needs data from another in this plan";
+    MPI_Barrier(MPI_COMM_WORLD);
+    t_.reset();
+    auto t = CreateTransport(GetParam(), options_);
+    ASSERT_TRUE(t.ok()) << t.status();
+    t_ = std::move(*t);
+    DispatchHandle h;
+    std::vector<float> rows;
+    if (kind != OpKind::kDispatch) {
+      ASSERT_TRUE(DispatchOnce(&h, &rows).ok());
+    }
+    std::vector<float> y(T * p_.H), dy_rows(cap_ * p_.H, 0.5f), dx(T * p_.H), dtw(T * p_.K);
+    const auto token_view = [&](std::vector<float>& v) {
+      return TensorView::Contiguous(v.data(), DType::kFloat32, {T, p_.H});
+    };
+    const auto row_view = [&](std::vector<float>& v) {
+      return TensorView::Contiguous(v.data(), DType::kFloat32, {cap_, p_.H});
+    };
+    std::vector<std::vector<float>> home(epn, std::vector<float>(8, 1.0f)), slot(S, std::vector<float>(8));
+    std::vector<TensorView> hv, sv;
+    for (auto& v : home) hv.push_back(TensorView::Contiguous(v.data(), DType::kFloat32, {8}));
+    for (auto& v : slot) sv.push_back(TensorView::Contiguous(v.data(), DType::kFloat32, {8}));
+    testing::SetSkipRank(silent, kind);
+    const auto start = Clock::now();
+    absl::Status st;
+    switch (kind) {
+      case OpKind::kDispatch: st = DispatchOnce(&h, &rows); break;
+      case OpKind::kCombine: st = t_->Combine(&h, row_view(rows), token_view(y)); break;
+      case OpKind::kCombineBackward:
+        st = t_->CombineBackward(&h, TensorView::Contiguous(p_.dy[rank()].data(), DType::kFloat32, {T, p_.H}),
+                                 row_view(dy_rows));
+        break;
+      case OpKind::kDispatchBackward: st = t_->DispatchBackward(&h, row_view(rows), token_view(dx)); break;
+      case OpKind::kTopkWeightGrad:
+        st = t_->TopkWeightGrad(&h, row_view(dy_rows), row_view(rows), absl::MakeSpan(dtw));
+        break;
+      default: st = t_->Prefetch(plan_, ExpertBlocks{1, hv, sv}); break;
+    }
+    const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+    testing::ClearSkip();
+    if (rank() == silent) {
+      EXPECT_TRUE(st.ok()) << st;
+    } else if (waits(kind, rank(), silent)) {
+      EXPECT_EQ(ToResult(st), moonepTimeout) << st;
+      EXPECT_EQ(st.message().rfind(std::string(OpName(kind)) + " timed out", 0), 0u) << st;
+      EXPECT_NE(st.message().find("rank(s) " + std::to_string(silent)), std::string::npos) << st;
+      EXPECT_GE(ms, 2000 * 0.99);
+    } else if (!st.ok()) {  // it only sends to the silent rank: done, or waiting on it
+      EXPECT_EQ(ToResult(st), moonepTimeout) << st;
+      EXPECT_NE(st.message().find("rank(s) " + std::to_string(silent)), std::string::npos) << st;
+    }
+    EXPECT_LT(ms, 2000 + 1500);
+  }
 }
 
 TEST_P(FaultTest, RankThatNeverJoinsReduceTimesOutItsPeers) {
