@@ -4,11 +4,13 @@
 // every misuse returns an error code and a message, nothing crashes.
 #include <mpi.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -386,6 +388,72 @@ TEST_F(CApiTest, CreationTimesOutWhenARankDoesNotJoin) {
     EXPECT_EQ(moonepCommDestroy(c), moonepSuccess);
   }
   MPI_Comm_free(&parent);
+}
+
+// Distinct communicators may be used from distinct threads at once (docs/c-api.md, "Thread
+// safety"): two communicators made on the main thread, a layer on each with its own problem, then
+// three forward + backward steps on two threads at the same time, every step's outputs and
+// gradients against the fp64 reference.
+TEST_F(CApiTest, DistinctCommunicatorsOnTwoThreadsAtOnce) {
+  int provided = 0;
+  MPI_Query_thread(&provided);
+  if (provided < MPI_THREAD_MULTIPLE) GTEST_SKIP() << "MPI without MPI_THREAD_MULTIPLE";
+  const DType dt = DType::kFloat32;
+  struct Lane {
+    moonepComm_t comm = nullptr;
+    moonepLayer_t layer = nullptr;
+    GlobalProblem g;
+    RankTensors t;
+    reference::ForwardResult f;
+    reference::BackwardResult b;
+    std::vector<std::string> errors;  // filled by the lane's thread, checked on the main thread
+  };
+  std::vector<Lane> lanes(2);
+  for (int i = 0; i < 2; ++i) {
+    Lane& l = lanes[i];
+    l.g = MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kTokens, dt, 11 + i);
+    l.t = MakeRankTensors(l.g, rank(), dt);
+    ASSERT_TRUE(ReferenceLayer(l.g, &l.f, &l.b).ok());
+    MPI_Comm world = MPI_COMM_WORLD;
+    ASSERT_EQ(moonepCommInitMpi(&l.comm, &world), moonepSuccess) << moonepGetLastThreadError();
+    moonepLayerConfig_t config = Config(moonepPolicyTestForceReplicas);
+    ASSERT_EQ(moonepLayerCreate(l.comm, &config, &l.layer), moonepSuccess) << moonepGetLastError(l.comm);
+    moonepExpertTensors_t w = Tensors(l.t, false), gr = Tensors(l.t, true);
+    ASSERT_EQ(moonepLayerBindParams(l.layer, &w, &gr), moonepSuccess) << moonepGetLastError(l.comm);
+  }
+  auto run = [&](Lane* l) {
+    RankTensors& t = l->t;
+    const int64_t o = l->g.offset[rank()];
+    for (int step = 0; step < 3; ++step) {
+      std::fill(t.y.begin(), t.y.end(), 0);
+      std::fill(t.dx.begin(), t.dx.end(), 0);
+      std::fill(t.gg.begin(), t.gg.end(), 0.0f);
+      moonepLayerHandle_t h = nullptr;
+      if (moonepLayerForward(l->layer, t.tokens, t.x.data(), t.ids.data(), t.weights.data(), t.y.data(),
+                             &h, nullptr) != moonepSuccess ||
+          moonepLayerBackward(l->layer, h, t.dy.data(), t.dx.data(), t.dtopk.data(), nullptr) !=
+              moonepSuccess) {
+        l->errors.push_back("step " + std::to_string(step) + ": " + moonepGetLastThreadError());
+        return;
+      }
+      const double ey = RelError(Decode(t.y, dt), l->f.y.data() + o * kHidden, t.tokens * kHidden);
+      const double edx = RelError(Decode(t.dx, dt), l->b.dx.data() + o * kHidden, t.tokens * kHidden);
+      std::vector<double> gg(t.gg.begin(), t.gg.end());
+      const double eg = RelError(gg, l->b.dwg.data() + rank() * epn() * kHidden * kInter, gg.size());
+      if (!(ey < 1e-5 && edx < 1e-5 && eg < 1e-5)) {
+        l->errors.push_back("step " + std::to_string(step) + ": relative errors y " + std::to_string(ey) +
+                            ", dx " + std::to_string(edx) + ", d gate " + std::to_string(eg));
+      }
+    }
+  };
+  std::thread second(run, &lanes[1]);
+  run(&lanes[0]);
+  second.join();
+  for (Lane& l : lanes) {
+    for (const std::string& e : l.errors) ADD_FAILURE() << e;
+    EXPECT_EQ(moonepLayerDestroy(l.layer), moonepSuccess);
+    EXPECT_EQ(moonepCommDestroy(l.comm), moonepSuccess);
+  }
 }
 
 TEST_F(CApiTest, LayerMatchesReferenceAndReportsStats) {
