@@ -1,6 +1,9 @@
 #include "transport/transport.h"
 
+#include <algorithm>
 #include <atomic>
+#include <new>
+#include <stdexcept>
 
 #include "absl/strings/str_cat.h"
 #include "moonep/core/status.h"
@@ -72,6 +75,45 @@ absl::Status Transport::Prefetch(const planner::Plan& plan, const ExpertBlocks& 
 absl::Status Transport::Reduce(const planner::Plan& plan, const ExpertBlocks& grads) {
   return RunToCompletion(StartReduce(plan, grads));
 }
+
+absl::Status DispatchHandle::ReserveHostStaging(int64_t max_entries, int64_t max_row_bytes,
+                                                int64_t recv_capacity_rows) {
+  if (max_entries < 0 || max_row_bytes < 0 || recv_capacity_rows < 0) {
+    return InvalidArgument("staging for %d entries, rows of %d bytes, %d receive rows",
+                           max_entries, max_row_bytes, recv_capacity_rows);
+  }
+  const size_t entries = static_cast<size_t>(max_entries);
+  const size_t cap = static_cast<size_t>(recv_capacity_rows);
+  size_t rows_bytes = 0;
+  if (__builtin_mul_overflow(entries, static_cast<size_t>(max_row_bytes), &rows_bytes)) {
+    return OutOfMemory("transport staging of %d rows of %d bytes does not fit", max_entries,
+                       max_row_bytes);
+  }
+  try {
+    // The rows are used at their full size (resize); the others grow within what is reserved.
+    if (rows_staging_.size() < rows_bytes) rows_staging_.resize(rows_bytes);
+    meta_send_.reserve(entries * 8);
+    meta_recv_.reserve(cap * 8);
+    scalar_staging_.reserve(std::max(entries, cap));
+  } catch (const std::bad_alloc&) {
+    return OutOfMemory("transport staging: cannot allocate %d bytes of host memory (rows %d x "
+                       "%d bytes, metadata and scalars for %d receive rows)",
+                       rows_bytes + (entries + cap) * 8 + std::max(entries, cap) * 4,
+                       max_entries, max_row_bytes, recv_capacity_rows);
+  } catch (const std::length_error&) {
+    return OutOfMemory("transport staging: %d rows of %d bytes, %d receive rows are too large",
+                       max_entries, max_row_bytes, recv_capacity_rows);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Transport::PrepareHandle(DispatchHandle* handle, int64_t recv_capacity_rows) {
+  (void)handle;
+  (void)recv_capacity_rows;
+  return absl::OkStatus();
+}
+
+absl::Status Transport::Close() { return absl::OkStatus(); }
 
 std::vector<std::string> AvailableBackends() {
   std::vector<std::string> backends = {"mpi"};

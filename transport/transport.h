@@ -25,6 +25,9 @@
 // it, and the transport stays usable. Any other failure (a timeout, a peer's local error in another
 // operation, an MPI error) leaves the transport unusable: later calls fail with InvalidUsage and
 // the caller destroys it. No wait lasts longer than the timeout (MOONEP_TIMEOUT_MS).
+//
+// Destruction (Close, or the destructor) is collective too: every rank ends a communicator's
+// transports in the same order (see Close). Host staging: see PrepareHandle.
 #pragma once
 
 #include <mpi.h>
@@ -143,9 +146,20 @@ class DispatchHandle {
   // lands; the other rows of u are copies of it.
   std::vector<int32_t> recv_unique_;
   std::vector<int64_t> landing_, unique_from_;
-  // Staging (sized from the declared maxima on first use).
+  // Host staging of the host backends: allocated by Transport::PrepareHandle, else at first use
+  // (see there); reused while the handle lives, never shrunk.
   std::vector<char> meta_send_, meta_recv_, rows_staging_;
   std::vector<float> scalar_staging_;
+  // The host backends' PrepareHandle: reserves the staging it lists for `max_entries` routing
+  // entries (max_tokens * max_top_k), rows of `max_row_bytes` and `recv_capacity_rows`.
+  // OutOfMemory when an allocation fails.
+  absl::Status ReserveHostStaging(int64_t max_entries, int64_t max_row_bytes,
+                                  int64_t recv_capacity_rows);
+  // Bytes the host staging holds now (what PrepareHandle allocated, or first uses grew).
+  size_t HostStagingBytes() const {
+    return meta_send_.capacity() + meta_recv_.capacity() + rows_staging_.capacity() +
+           scalar_staging_.capacity() * sizeof(float);
+  }
 };
 
 class Request {
@@ -213,6 +227,36 @@ class Transport {
   // lowest rank + the next ..., in fp32, stored once (bit-identical run to run).
   virtual absl::StatusOr<RequestPtr> StartReduce(const planner::Plan& plan,
                                                  const ExpertBlocks& grads) = 0;
+
+  // Allocates `handle`'s staging for this transport's declared maxima (TransportOptions) and a
+  // receive capacity of `recv_capacity_rows` rows, so that no later operation on the handle
+  // allocates a buffer of that size. The host backends (mpi, ucx) reserve, in host memory:
+  //   rows      max_tokens * max_top_k * max_row_bytes                (combine, dispatch-backward)
+  //   metadata  (max_tokens * max_top_k + recv_capacity_rows) * 8      (dispatch, both ways)
+  //   scalars   max(max_tokens * max_top_k, recv_capacity_rows) * 4   (topk-weight-grad)
+  // (DispatchHandle::HostStagingBytes() reports them). Local; OutOfMemory when they cannot be
+  // allocated (the transport stays usable, the handle may keep part of them). A handle that was
+  // not prepared allocates each part at its first use instead, in the middle of a collective
+  // operation: the metadata at its first dispatch, the rows at its first combine or
+  // dispatch-backward (a failure to allocate them fails that operation on this rank with
+  // OutOfMemory and its peers with RemoteError, and leaves the transport unusable), the scalars at
+  // its first topk-weight-grad. The runtime prepares every handle of a layer or EP buffer at
+  // creation, where a failure is agreed by every rank instead.
+  // The default does nothing and returns OK: right for backends that keep no host staging in the
+  // handle (nccl keeps its device staging in its own per-handle state).
+  virtual absl::Status PrepareHandle(DispatchHandle* handle, int64_t recv_capacity_rows);
+
+  // Ends the transport. Collective, like creation: every rank closes (or destroys) the transports
+  // of a communicator in the same order. The host backends agree, within the timeout, that every
+  // peer got here too before they free their communicators, and return OK, or Timeout naming the
+  // peers not heard from (a peer that failed, hangs, or closes its transports in another order);
+  // their communicators then stay allocated (a late peer's messages may still arrive), everything
+  // else is freed as usual (by Close or the destructor). Every request of the transport must have
+  // completed or been destroyed before. Operations after Close fail with InvalidUsage; a second
+  // Close returns the first one's result. The destructor closes a transport that was not
+  // closed (logging a WARN when that timed out). The default returns OK (nccl: its destructor
+  // drains its streams, bounded by the timeout; nothing collective).
+  virtual absl::Status Close();
 
   virtual OpCounters counters(OpKind kind) const = 0;
   virtual void ResetCounters() = 0;

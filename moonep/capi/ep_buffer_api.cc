@@ -70,11 +70,14 @@ moonepResult_t moonepEpBufferCreate(moonepComm_t comm, const moonepEpBufferConfi
 moonepResult_t moonepEpBufferDestroy(moonepEpBuffer_t buffer) {
   return GuardOn(CommOf(buffer), "moonepEpBufferDestroy", [&]() -> absl::Status {
     MOONEP_RETURN_IF_ERROR(CheckHandle(buffer, Kind::kEpBuffer, "buffer"));
+    // Collective: a peer that does not destroy it in the same order makes this a Timeout naming
+    // it; the handle is freed either way.
+    const absl::Status closed = buffer->impl->Close();
     for (auto& h : buffer->handles) moonep::capi::Unregister(h.get());
     moonep::capi::Unregister(buffer);
     --buffer->comm->children;
     delete buffer;
-    return absl::OkStatus();
+    return closed;
   });
 }
 

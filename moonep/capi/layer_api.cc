@@ -56,11 +56,14 @@ moonepResult_t moonepLayerCreate(moonepComm_t comm, const moonepLayerConfig_t* c
 moonepResult_t moonepLayerDestroy(moonepLayer_t layer) {
   return GuardOn(CommOf(layer), "moonepLayerDestroy", [&]() -> absl::Status {
     MOONEP_RETURN_IF_ERROR(CheckHandle(layer, Kind::kLayer, "layer"));
+    // Collective: a peer that does not destroy it in the same order makes this a Timeout naming
+    // it; the handle is freed either way.
+    const absl::Status closed = layer->impl->Close();
     for (auto& h : layer->handles) moonep::capi::Unregister(h.get());
     moonep::capi::Unregister(layer);
     --layer->comm->children;
     delete layer;
-    return absl::OkStatus();
+    return closed;
   });
 }
 

@@ -3,6 +3,8 @@
 #include <chrono>
 #include <utility>
 
+#include "absl/strings/str_format.h"
+#include "moonep/core/logging.h"
 #include "moonep/core/status.h"
 
 namespace moonep::runtime {
@@ -32,18 +34,32 @@ absl::StatusOr<std::unique_ptr<EpBuffer>> EpBuffer::Create(Communicator* comm,
   if (comm == nullptr) return InvalidArgument("comm is null");
   absl::Status local = CheckLayerConfig(config, comm->size(), /*need_executor=*/false);
   if (local.ok()) local = UseDevice(config.device, config.device_index);
-  // The planner and the buffers (their size depends on max_recv_rows, which ranks may set
-  // differently) are made before the agreement, so a rank that cannot make them fails creation
-  // on every rank instead of leaving the others in the transport's collective setup.
+  // Round 1: the config, and every rank's max_tokens (for the default receive capacity).
+  int64_t sum_max_tokens = 0;
+  MOONEP_RETURN_IF_ERROR(
+      AgreeOnConfig(comm, config, local, "EP buffer creation", &sum_max_tokens));
   std::unique_ptr<EpBuffer> buf(new EpBuffer());
   const int64_t row_bytes = config.hidden * static_cast<int64_t>(DTypeSize(config.dtype));
-  if (local.ok()) {
-    buf->comm_ = comm;
-    buf->config_ = config;
-    buf->epn_ = config.num_experts / comm->size();
-    buf->slots_ = config.slots < 0 ? buf->epn_ : config.slots;
-    buf->capacity_ = RecvCapacityRows(config, comm->size());
+  buf->comm_ = comm;
+  buf->config_ = config;
+  buf->epn_ = config.num_experts / comm->size();
+  buf->slots_ = config.slots < 0 ? buf->epn_ : config.slots;
+  buf->capacity_ = RecvCapacityRows(config, comm->size(), sum_max_tokens);
+  buf->layer_id_ = config.layer_id >= 0 ? config.layer_id : comm->NextLayerId();
+  // The transport (collective; every rank is here, since the config agreed).
+  transport::TransportOptions to;
+  to.comm = comm->mpi_comm();
+  to.max_tokens = config.max_tokens;
+  to.max_top_k = config.top_k;
+  to.max_row_bytes = row_bytes;
+  to.timeout_ms = config.timeout_ms;
+  MOONEP_ASSIGN_OR_RETURN(buf->transport_, comm->MakeTransport(TransportBackend(config), to));
 
+  // The planner, the buffers and every handle's transport staging (their size depends on
+  // max_recv_rows and max_tokens, which ranks may set differently): a rank that cannot make them
+  // fails creation on every rank (round 2), and the transport goes again on every rank alike.
+  local = CheckRecvCapacity(config, buf->capacity_);
+  if (local.ok()) {
     auto planner = planner::Planner::Create(PlannerConfigFor(config, comm->size(), buf->slots_));
     if (planner.ok()) {
       buf->planner_ = std::move(*planner);
@@ -68,24 +84,41 @@ absl::StatusOr<std::unique_ptr<EpBuffer>> EpBuffer::Create(Communicator* comm,
     ctx->group_expert.assign(groups, -1);
     ctx->group_offset.assign(groups, 0);
     ctx->group_count.assign(groups, 0);
+    // Its transport staging now, not at the first combine (transport::Transport::PrepareHandle).
+    local = buf->transport_->PrepareHandle(&ctx->dispatch, buf->capacity_);
     buf->contexts_.push_back(std::move(ctx));
   }
-  MOONEP_RETURN_IF_ERROR(AgreeOnConfig(comm, config, local, "EP buffer creation"));
-  buf->layer_id_ = config.layer_id >= 0 ? config.layer_id : comm->NextLayerId();
-  transport::TransportOptions to;
-  to.comm = comm->mpi_comm();
-  to.max_tokens = config.max_tokens;
-  to.max_top_k = config.top_k;
-  to.max_row_bytes = row_bytes;
-  MOONEP_ASSIGN_OR_RETURN(buf->transport_, comm->MakeTransport(TransportBackend(config), to));
+  MOONEP_RETURN_IF_ERROR(AgreeOnVerdict(comm, local, "EP buffer creation (buffers)"));
   return buf;
 }
 
-EpBuffer::~EpBuffer() = default;
+EpBuffer::~EpBuffer() { (void)Close(); }
+
+absl::Status EpBuffer::Close() {
+  if (closed_) return close_status_;
+  closed_ = true;
+  if (transport_ != nullptr) {
+    ScopedDevice device(config_.device, config_.device_index);
+    close_status_ = transport_->Close();
+    if (!close_status_.ok()) {
+      close_status_ =
+          Annotate(close_status_, absl::StrFormat("EP buffer %d destruction", layer_id_));
+      MOONEP_WARN("%s", std::string(close_status_.message()));
+    }
+  }
+  if (broken_.ok()) broken_ = InvalidUsage("the EP buffer was closed (destroyed)");
+  return close_status_;
+}
 
 size_t EpBuffer::MemoryBytes() const {
-  size_t bytes = 0;
+  size_t bytes = StagingBytes();
   for (const auto& c : contexts_) bytes += c->rows.bytes() + c->row_weights.bytes();
+  return bytes;
+}
+
+size_t EpBuffer::StagingBytes() const {
+  size_t bytes = 0;
+  for (const auto& c : contexts_) bytes += c->dispatch.HostStagingBytes();
   return bytes;
 }
 

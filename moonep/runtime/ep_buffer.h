@@ -2,10 +2,11 @@
 // DeepEP-style level). Dispatch counts, plans and moves x rows into this rank's compute layout
 // held by the buffer; the caller computes the experts on those rows; combine, the backward forms,
 // prefetch and reduce reuse the plan saved in the handle. Every call but Layout and Release is
-// collective, in the same order on every rank.
+// collective, in the same order on every rank; so are creation and destruction (Close).
 //
 // Memory (allocated at creation): per in-flight handle, cap * (H * d + 4) bytes for the rows and
-// their weights (cap = the receive capacity, LayerConfig::max_recv_rows), plus transport staging.
+// their weights (cap = the receive capacity, LayerConfig::max_recv_rows), plus the host transport
+// staging (mpi, ucx) max_tokens * K * (H * d + 8) + cap * 8 + max(max_tokens * K, cap) * 4.
 #pragma once
 
 #include <cstdint>
@@ -36,9 +37,14 @@ struct EpLayout {
 
 class EpBuffer {
  public:
+  // Collective, like MoeLayer::Create.
   static absl::StatusOr<std::unique_ptr<EpBuffer>> Create(Communicator* comm,
                                                           const LayerConfig& config);
+  // Closes (see Close) when Close was not called, then frees everything.
   ~EpBuffer();
+  // Collective, like MoeLayer::Close: Timeout naming this buffer, the phase and the peers not
+  // heard from when a peer does not get there in time (logged as a WARN too).
+  absl::Status Close();
 
   absl::StatusOr<LayerHandle> Dispatch(int64_t num_tokens, const TensorView& x,
                                        absl::Span<const int32_t> topk_ids,
@@ -64,7 +70,10 @@ class EpBuffer {
   int32_t slots() const { return slots_; }
   int64_t recv_capacity_rows() const { return capacity_; }
   const StepStats& stats() const { return stats_; }
+  // Bytes this buffer allocated, the transport staging included.
   size_t MemoryBytes() const;
+  // The host transport staging of every handle (part of MemoryBytes; 0 for nccl).
+  size_t StagingBytes() const;
 
  private:
   struct Context;
@@ -81,6 +90,8 @@ class EpBuffer {
   int32_t epn_ = 0, slots_ = 0, layer_id_ = 0;
   int64_t capacity_ = 0;
   absl::Status broken_;
+  bool closed_ = false;
+  absl::Status close_status_;  // Close's result
   std::unique_ptr<transport::Transport> transport_;
   std::unique_ptr<planner::Planner> planner_;
   std::vector<std::unique_ptr<Context>> contexts_;

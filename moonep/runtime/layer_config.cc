@@ -58,6 +58,8 @@ absl::Status CheckLayerConfig(const LayerConfig& c, int32_t num_ranks, bool need
   MOONEP_CHECK_ARG(c.max_recv_rows >= 0, "max_recv_rows is %d; must be >= 0", c.max_recv_rows);
   MOONEP_CHECK_ARG(c.max_inflight >= 1, "max_inflight is %d; must be >= 1", c.max_inflight);
   MOONEP_CHECK_ARG(c.num_threads >= 0, "num_threads is %d; must be >= 0", c.num_threads);
+  MOONEP_CHECK_ARG(c.timeout_ms >= 0, "timeout_ms is %d; must be >= 0 (0: MOONEP_TIMEOUT_MS)",
+                   c.timeout_ms);
   // A malformed MOONEP_TIMEOUT_MS, MOONEP_DEBUG or (UCX) MOONEP_UCX_EAGER_BYTES on this rank:
   // refused here, before the agreement (the transport's creation, after it, is collective).
   MOONEP_RETURN_IF_ERROR(transport::CheckTransportEnvironment(TransportBackend(c)));
@@ -72,14 +74,20 @@ absl::Status CheckLayerConfig(const LayerConfig& c, int32_t num_ranks, bool need
                    c.top_k);
   MOONEP_CHECK_ARG(c.pad_multiple <= (1 << 16), "pad_multiple is %d; must be <= 65536",
                    c.pad_multiple);
-  const int64_t capacity = RecvCapacityRows(c, num_ranks);  // no overflow within the bounds above
+  // This rank's share of the worst case, as if every rank passed its max_tokens (the capacity
+  // itself needs every rank's max_tokens: checked again once creation has them).
+  return CheckRecvCapacity(c, RecvCapacityRows(c, num_ranks, num_ranks * c.max_tokens));
+}
+
+absl::Status CheckRecvCapacity(const LayerConfig& c, int64_t capacity) {
   int64_t rows_bytes = 0;
-  MOONEP_CHECK_ARG(c.max_recv_rows <= (int64_t{1} << 40) &&
+  MOONEP_CHECK_ARG(c.max_recv_rows <= (int64_t{1} << 40) && capacity >= 0 &&
                        !__builtin_mul_overflow(capacity,
                                                c.hidden * static_cast<int64_t>(DTypeSize(c.dtype)),
                                                &rows_bytes),
-                   "a receive buffer of %d rows (max_recv_rows %d) of %d %s values does not fit",
-                   capacity, c.max_recv_rows, c.hidden, DTypeName(c.dtype));
+                   "a receive buffer of %d rows (max_recv_rows %d, max_tokens %d on this rank) of "
+                   "%d %s values does not fit", capacity, c.max_recv_rows, c.max_tokens, c.hidden,
+                   DTypeName(c.dtype));
   return absl::OkStatus();
 }
 
@@ -94,14 +102,21 @@ std::string TransportBackend(const LayerConfig& config) {
   return config.device == Device::kCuda ? "nccl" : "mpi";
 }
 
-int64_t RecvCapacityRows(const LayerConfig& c, int32_t num_ranks) {
+int64_t RecvCapacityRows(const LayerConfig& c, int32_t num_ranks, int64_t sum_max_tokens) {
   if (c.max_recv_rows > 0) return c.max_recv_rows;
   const int64_t epn = c.num_experts / std::max(num_ranks, 1);
   const int64_t slots = c.slots < 0 ? epn : c.slots;
   const int64_t groups = epn + slots;
-  // A token sends at most one row per expert that this rank computes, and there are G of them.
-  return static_cast<int64_t>(num_ranks) * c.max_tokens * std::min<int64_t>(c.top_k, groups) +
-         groups * (c.pad_multiple - 1);
+  // A token sends at most one row per expert that this rank computes, and there are G of them;
+  // every token of every rank may pick this rank's experts (e.g. policy none, all routed here).
+  // Within CheckLayerConfig's bounds (max_tokens * K < 2^31 a rank) this fits int64 for any
+  // number of ranks MPI can have; saturated otherwise (CheckRecvCapacity then refuses it).
+  int64_t rows = 0;
+  if (__builtin_mul_overflow(sum_max_tokens, std::min<int64_t>(c.top_k, groups), &rows) ||
+      __builtin_add_overflow(rows, groups * (c.pad_multiple - 1), &rows)) {
+    return -1;
+  }
+  return rows;
 }
 
 planner::PlannerConfig PlannerConfigFor(const LayerConfig& config, int32_t num_ranks,
@@ -148,6 +163,7 @@ namespace {
 // The fields every rank must agree on, as plain integers (fixed layout on the wire).
 struct Fingerprint {
   int32_t valid;
+  int64_t max_tokens;  // not compared: summed for the receive capacity
   int32_t num_experts, top_k;
   int64_t hidden, intermediate;
   int32_t dtype, grad_dtype, slots, pad_multiple, policy, ranks_per_node, eplb_period, device,
@@ -158,10 +174,12 @@ struct Fingerprint {
 }  // namespace
 
 absl::Status AgreeOnConfig(Communicator* comm, const LayerConfig& c,
-                           const absl::Status& local_verdict, const char* what) {
+                           const absl::Status& local_verdict, const char* what,
+                           int64_t* sum_max_tokens) {
   Fingerprint mine;
   std::memset(&mine, 0, sizeof(mine));
   mine.valid = local_verdict.ok() ? 1 : 0;
+  mine.max_tokens = c.max_tokens;
   mine.num_experts = c.num_experts;
   mine.top_k = c.top_k;
   mine.hidden = c.hidden;
@@ -232,7 +250,27 @@ absl::Status AgreeOnConfig(Communicator* comm, const LayerConfig& c,
       }
     }
   }
+  if (sum_max_tokens != nullptr) {
+    // Every rank's max_tokens passed its local check (<= 2^31 - 1): the sum fits.
+    *sum_max_tokens = 0;
+    for (const Fingerprint& f : all) *sum_max_tokens += f.max_tokens;
+  }
   return absl::OkStatus();
+}
+
+absl::Status AgreeOnVerdict(Communicator* comm, const absl::Status& local_verdict,
+                            const char* what) {
+  const char mine = local_verdict.ok() ? 1 : 0;
+  std::string gathered;
+  const absl::Status agreed = comm->Allgather(absl::Span<const char>(&mine, 1), &gathered, what);
+  if (!local_verdict.ok()) return local_verdict;
+  MOONEP_RETURN_IF_ERROR(agreed);
+  std::vector<int> bad;
+  for (int r = 0; r < comm->size(); ++r) {
+    if (gathered[static_cast<size_t>(r)] != 1) bad.push_back(r);
+  }
+  if (bad.empty()) return absl::OkStatus();
+  return RemoteError("%s: failed on rank(s) %s (see their error)", what, absl::StrJoin(bad, ","));
 }
 
 }  // namespace moonep::runtime

@@ -34,8 +34,9 @@ struct LayerConfig {
   int32_t device_index = 0;
   // Static memory: the largest token count this rank will pass (may differ between ranks).
   int64_t max_tokens = 0;
-  // Rows this rank's dispatch buffer holds; 0: the worst case R * max_tokens * min(K, G) plus
-  // padding, which no routing can exceed. A smaller value (e.g. the balanced bound, see
+  // Rows this rank's dispatch buffer holds; 0: the worst case (sum of every rank's max_tokens)
+  // * min(K, G) plus padding G * (pad_multiple - 1), G = E/R + slots, which no routing can exceed
+  // (creation shares every rank's max_tokens). A smaller value (e.g. the balanced bound, see
   // docs/runtime.md) saves memory; a step that needs more fails with OutOfMemory on every rank.
   int64_t max_recv_rows = 0;
   int32_t max_inflight = 1;   // forward handles alive at once (micro-batches before backward)
@@ -44,6 +45,9 @@ struct LayerConfig {
   // Transport backend ("mpi", "ucx" where built, "nccl" for device cuda); empty:
   // MOONEP_TRANSPORT, else "nccl" for device cuda and "mpi" for the CPU.
   std::string transport;
+  // The transport's timeout in ms (every wait of a step, and the agreement at destruction); 0:
+  // MOONEP_TIMEOUT_MS. C++ only (the C config has no such field); may differ between ranks.
+  int64_t timeout_ms = 0;
 };
 
 // The backend a config selects (its transport field, else MOONEP_TRANSPORT, else "mpi").
@@ -53,18 +57,32 @@ std::string TransportBackend(const LayerConfig& config);
 absl::Status CheckLayerConfig(const LayerConfig& config, int32_t num_ranks, bool need_executor);
 
 // Collective: every rank sends its local verdict and the fields that must agree (all but
-// max_tokens, max_recv_rows, layer_id, num_threads, device_index). On disagreement every rank
-// fails with the same message naming the field and the ranks (InvalidArgument on a rank whose
-// own config is bad, RemoteError naming it on the others).
+// max_tokens, max_recv_rows, layer_id, num_threads, device_index, timeout_ms). On disagreement
+// every rank fails with the same message naming the field and the ranks (InvalidArgument on a
+// rank whose own config is bad, RemoteError naming it on the others). On success
+// *sum_max_tokens (if given) gets the sum of every rank's max_tokens (the same on every rank).
 absl::Status AgreeOnConfig(Communicator* comm, const LayerConfig& config,
-                           const absl::Status& local_verdict, const char* what);
+                           const absl::Status& local_verdict, const char* what,
+                           int64_t* sum_max_tokens = nullptr);
+
+// Collective: every rank's verdict on a local part of creation (allocations after the config
+// agreement). OK when every rank succeeded; else `local_verdict` on a rank that failed and
+// RemoteError naming the failed rank(s) on the others (or the agreement's own Timeout).
+absl::Status AgreeOnVerdict(Communicator* comm, const absl::Status& local_verdict,
+                            const char* what);
 
 // The planner's config for a layer or EP buffer of `config` on `num_ranks` ranks with `slots`
 // replica slots a rank (resolved).
 planner::PlannerConfig PlannerConfigFor(const LayerConfig& config, int32_t num_ranks, int32_t slots);
 
-// The resolved receive capacity (rows) of this rank.
-int64_t RecvCapacityRows(const LayerConfig& config, int32_t num_ranks);
+// The resolved receive capacity (rows) of this rank: max_recv_rows, else the worst case for
+// `sum_max_tokens` tokens over all ranks (AgreeOnConfig's sum; a rank receives at most one row per
+// token and group it computes, and there are G = E/R + slots groups):
+//   sum_max_tokens * min(K, G) + G * (pad_multiple - 1).
+int64_t RecvCapacityRows(const LayerConfig& config, int32_t num_ranks, int64_t sum_max_tokens);
+// That capacity's buffers fit (rows of H values: their byte count within int64); InvalidArgument
+// naming max_recv_rows / max_tokens otherwise.
+absl::Status CheckRecvCapacity(const LayerConfig& config, int64_t capacity_rows);
 
 // Every rank's rows in `plan` against its receive capacity (`capacity`, [R], as the count exchange
 // shared them). The plan and the capacities are the same on every rank, so every rank reaches the

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <utility>
 
+#include "absl/strings/str_format.h"
 #include "moonep/core/logging.h"
 #include "moonep/core/status.h"
 
@@ -78,6 +79,8 @@ absl::Status MoeLayer::AllocateBuffers() {
     MOONEP_ASSIGN_OR_RETURN(ctx->y_rows, DeviceMemory::Allocate(dev, rows_bytes, "y rows"));
     MOONEP_ASSIGN_OR_RETURN(ctx->row_weights,
                             DeviceMemory::Allocate(dev, cap * sizeof(float), "row weights"));
+    // Its transport staging now, not at the first combine (transport::Transport::PrepareHandle).
+    MOONEP_RETURN_IF_ERROR(transport_->PrepareHandle(&ctx->dispatch, capacity_));
     contexts_.push_back(std::move(ctx));
   }
   MOONEP_ASSIGN_OR_RETURN(dy_rows_, DeviceMemory::Allocate(dev, rows_bytes, "dy rows"));
@@ -95,20 +98,37 @@ absl::StatusOr<std::unique_ptr<MoeLayer>> MoeLayer::Create(Communicator* comm,
   absl::Status local = CheckLayerConfig(config, comm->size(), /*need_executor=*/true);
   // A rank without its GPU fails creation on every rank (not a hang in the transport's setup).
   if (local.ok()) local = UseDevice(config.device, config.device_index);
+  // Round 1: the config, and every rank's max_tokens (the default receive capacity is the worst
+  // case over every rank's tokens).
+  int64_t sum_max_tokens = 0;
+  MOONEP_RETURN_IF_ERROR(
+      AgreeOnConfig(comm, config, local, "MoE layer creation", &sum_max_tokens));
 
-  // The planner, the executor and the buffers (their sizes depend on max_recv_rows, which ranks
-  // may set differently, and they need free memory) are made before the agreement: a rank that
-  // cannot make them fails creation on every rank, instead of leaving the others in the
-  // transport's collective setup.
   std::unique_ptr<MoeLayer> layer(new MoeLayer());
-  if (local.ok()) {
-    layer->comm_ = comm;
-    layer->config_ = config;
-    layer->epn_ = config.num_experts / comm->size();
-    layer->slots_ = config.slots < 0 ? layer->epn_ : config.slots;
-    layer->capacity_ = RecvCapacityRows(config, comm->size());
-    layer->row_bytes_ = static_cast<size_t>(config.hidden) * DTypeSize(config.dtype);
+  layer->comm_ = comm;
+  layer->config_ = config;
+  layer->epn_ = config.num_experts / comm->size();
+  layer->slots_ = config.slots < 0 ? layer->epn_ : config.slots;
+  layer->capacity_ = RecvCapacityRows(config, comm->size(), sum_max_tokens);
+  layer->row_bytes_ = static_cast<size_t>(config.hidden) * DTypeSize(config.dtype);
+  layer->layer_id_ = config.layer_id >= 0 ? config.layer_id : comm->NextLayerId();
 
+  // The transport (collective; every rank is here, since the config agreed).
+  transport::TransportOptions to;
+  to.comm = comm->mpi_comm();
+  to.max_tokens = config.max_tokens;
+  to.max_top_k = config.top_k;
+  to.max_row_bytes = static_cast<int64_t>(layer->row_bytes_);
+  to.timeout_ms = config.timeout_ms;
+  MOONEP_ASSIGN_OR_RETURN(layer->transport_,
+                          comm->MakeTransport(TransportBackend(config), to));
+
+  // The planner, the executor, the buffers and every handle's transport staging (their sizes
+  // depend on max_recv_rows and max_tokens, which ranks may set differently, and they need free
+  // memory): a rank that cannot make them fails creation on every rank (round 2), and the
+  // transport goes again on every rank alike.
+  local = CheckRecvCapacity(config, layer->capacity_);
+  if (local.ok()) {
     auto planner = planner::Planner::Create(PlannerConfigFor(config, comm->size(), layer->slots_));
     if (planner.ok()) {
       layer->planner_ = std::move(*planner);
@@ -140,16 +160,7 @@ absl::StatusOr<std::unique_ptr<MoeLayer>> MoeLayer::Create(Communicator* comm,
       if (layer != nullptr && layer->made_replicas_) layer->comm_->DropReplicas(layer->replicas_);
     }
   } drop{layer.get()};
-  MOONEP_RETURN_IF_ERROR(AgreeOnConfig(comm, config, local, "MoE layer creation"));
-  layer->layer_id_ = config.layer_id >= 0 ? config.layer_id : comm->NextLayerId();
-
-  transport::TransportOptions to;
-  to.comm = comm->mpi_comm();
-  to.max_tokens = config.max_tokens;
-  to.max_top_k = config.top_k;
-  to.max_row_bytes = static_cast<int64_t>(layer->row_bytes_);
-  MOONEP_ASSIGN_OR_RETURN(layer->transport_,
-                          comm->MakeTransport(TransportBackend(config), to));
+  MOONEP_RETURN_IF_ERROR(AgreeOnVerdict(comm, local, "MoE layer creation (buffers)"));
 
   for (int32_t s = 0; s < layer->slots_; ++s) {
     const compute::ExpertParams& w = layer->replicas_->buffer->weights()[s];
@@ -158,15 +169,32 @@ absl::StatusOr<std::unique_ptr<MoeLayer>> MoeLayer::Create(Communicator* comm,
     layer->slot_grad_blocks_.insert(layer->slot_grad_blocks_.end(), {g.gate, g.up, g.down});
   }
   MOONEP_INFO("MoE layer %d: E=%d K=%d H=%d I=%d %s slots=%d policy=%s device=%s transport=%s "
-              "capacity=%d rows, %d bytes", layer->layer_id_, config.num_experts, config.top_k,
-              config.hidden, config.intermediate, DTypeName(config.dtype), layer->slots_,
-              planner::PolicyName(config.policy), config.device == Device::kCuda ? "cuda" : "cpu",
-              layer->transport_->backend(), layer->capacity_, layer->MemoryBytes());
+              "capacity=%d rows, %d bytes (transport staging %d)", layer->layer_id_,
+              config.num_experts, config.top_k, config.hidden, config.intermediate,
+              DTypeName(config.dtype), layer->slots_, planner::PolicyName(config.policy),
+              config.device == Device::kCuda ? "cuda" : "cpu", layer->transport_->backend(),
+              layer->capacity_, layer->MemoryBytes(), layer->StagingBytes());
   drop.layer = nullptr;  // created: the buffer is the communicator's to keep
   return layer;
 }
 
-MoeLayer::~MoeLayer() = default;
+MoeLayer::~MoeLayer() { (void)Close(); }
+
+absl::Status MoeLayer::Close() {
+  if (closed_) return close_status_;
+  closed_ = true;
+  if (transport_ != nullptr) {
+    ScopedDevice device(config_.device, config_.device_index);
+    close_status_ = transport_->Close();
+    if (!close_status_.ok()) {
+      close_status_ =
+          Annotate(close_status_, absl::StrFormat("MoE layer %d destruction", layer_id_));
+      MOONEP_WARN("%s", std::string(close_status_.message()));
+    }
+  }
+  if (broken_.ok()) broken_ = InvalidUsage("the layer was closed (destroyed)");
+  return close_status_;
+}
 
 size_t MoeLayer::MemoryBytes() const {
   size_t bytes = dy_rows_.bytes() + dx_rows_.bytes() + dtopk_scratch_.bytes();
@@ -174,6 +202,12 @@ size_t MoeLayer::MemoryBytes() const {
     bytes += ctx->x_rows.bytes() + ctx->y_rows.bytes() + ctx->row_weights.bytes();
   }
   if (executor_) bytes += executor_->WorkspaceBytes();
+  return bytes + StagingBytes();
+}
+
+size_t MoeLayer::StagingBytes() const {
+  size_t bytes = 0;
+  for (const auto& ctx : contexts_) bytes += ctx->dispatch.HostStagingBytes();
   return bytes;
 }
 

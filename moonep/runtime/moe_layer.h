@@ -10,14 +10,18 @@
 //             slots into the home experts' gradients (async) || combine dx (dispatch-backward)
 //
 // Every call is collective: all ranks of the communicator call the same layers' Forward /
-// Backward / Release in the same order. The plan is made once per forward and reused by its
-// backward through the handle.
+// Backward in the same order (Release and BindParameters are local). Creation and destruction
+// are collective too: every rank creates and destroys the layers of a communicator in the same
+// order (see Close). The plan is made once per forward and reused by its backward through the
+// handle.
 //
 // Memory, all allocated by Create / BindParameters, never during a step (cap = receive capacity
-// rows, see LayerConfig::max_recv_rows; d = dtype bytes):
+// rows, see LayerConfig::max_recv_rows; d = dtype bytes; a step's own bookkeeping, the plan and
+// layouts O(E + R * slots + max_tokens * K + cap), grows to its size at the first steps):
 //   per in-flight handle: x rows + expert output rows 2 * cap * H * d, row weights cap * 4,
-//                         the plan and layouts O(E + R * slots + max_tokens * K)
-//   per layer:            dy rows + dx rows 2 * cap * H * d, executor workspace, transport staging
+//                         host transport staging (mpi, ucx; transport::Transport::PrepareHandle)
+//                         max_tokens * K * (H * d + 8) + cap * 8 + max(max_tokens * K, cap) * 4
+//   per layer:            dy rows + dx rows 2 * cap * H * d, executor workspace
 //   per communicator and layer shape (shared by every layer of that shape):
 //                         replica weights + gradients slots * 3 * H * I * (d + grad d)
 // Weights and weight gradients stay the caller's and are read / accumulated in place.
@@ -79,11 +83,24 @@ struct LayerHandle {
 
 class MoeLayer {
  public:
-  // Collective over comm: checks the config on every rank and that all ranks agree, then sizes
-  // every buffer. `comm` must outlive the layer.
+  // Collective over comm: checks the config on every rank and that all ranks agree (sharing every
+  // rank's max_tokens), makes the transport, then sizes every buffer and the transport staging
+  // of every handle; a rank that cannot allocate its share fails creation on every rank
+  // (OutOfMemory there, RemoteError naming it elsewhere). `comm` must outlive the layer.
   static absl::StatusOr<std::unique_ptr<MoeLayer>> Create(Communicator* comm,
                                                           const LayerConfig& config);
+  // Closes (see Close) when Close was not called, then frees everything.
   ~MoeLayer();
+
+  // Ends the layer's transport: collective, every rank closes (or destroys) the layers of a
+  // communicator in the same order, as it created them. The host transports agree, within the
+  // transport's timeout (LayerConfig::timeout_ms, else MOONEP_TIMEOUT_MS), that every peer got
+  // here; a peer that does not (it failed, hangs, or destroys its layers in another order) makes
+  // Close return Timeout naming this layer, the phase and the peers not heard from, also logged as
+  // a WARN. The destructor still frees every local resource (only the transport's MPI
+  // communicators stay allocated, since a late peer's messages may still arrive). Later calls
+  // fail with InvalidUsage; a second Close returns the first one's result.
+  absl::Status Close();
 
   // The caller's parameters of this rank's epn home experts (plan.local_experts order, i.e.
   // experts rank*epn .. rank*epn+epn-1 with default placement), and their gradients (empty for a
@@ -120,8 +137,11 @@ class MoeLayer {
   // Tokens of a live handle's forward (0 for a stale handle).
   int64_t TokensOf(LayerHandle handle) const;
   int64_t recv_capacity_rows() const { return capacity_; }
-  // Bytes this layer allocated (not the shared replica buffer: Communicator::ReplicaBytes()).
+  // Bytes this layer allocated (not the shared replica buffer: Communicator::ReplicaBytes()),
+  // the transport staging included.
   size_t MemoryBytes() const;
+  // The host transport staging of every handle (part of MemoryBytes; 0 for nccl).
+  size_t StagingBytes() const;
   // False once a failure left the transport unusable; every later call then fails.
   bool usable() const { return broken_.ok(); }
 
@@ -152,6 +172,8 @@ class MoeLayer {
   int64_t capacity_ = 0;
   size_t row_bytes_ = 0;
   absl::Status broken_;
+  bool closed_ = false;
+  absl::Status close_status_;  // Close's result
   bool moving_ = false;  // the current forward got past the count exchange and planning
 
   std::unique_ptr<transport::Transport> transport_;

@@ -60,9 +60,11 @@ class MoeLayerTest : public MpiTest {
     double y = 0, dx = 0, dtopk = 0, dw = 0;
   };
 
-  // One forward + backward of `t` on `layer`, compared with the reference of the whole problem.
+  // One forward + backward of `t` on `layer`, compared with the reference of the whole problem
+  // (whose experts per rank are `experts_per_rank`, -1: epn()).
   void StepAndCompare(MoeLayer* layer, const GlobalProblem& g, RankTensors* t, DType dtype,
-                      Errors* err) {
+                      Errors* err, int32_t experts_per_rank = -1) {
+    const int32_t epn = experts_per_rank < 0 ? this->epn() : experts_per_rank;
     auto h = RunForward(layer, t, dtype, kHidden);
     ASSERT_TRUE(h.ok()) << h.status();
     ASSERT_TRUE(RunBackward(layer, *h, t, dtype, kHidden).ok());
@@ -74,11 +76,11 @@ class MoeLayerTest : public MpiTest {
     err->dx = RelError(Decode(t->dx, dtype), b.dx.data() + o * kHidden, T * kHidden);
     std::vector<double> dtopk(t->dtopk.begin(), t->dtopk.end());
     err->dtopk = RelError(dtopk, b.dtopk_weights.data() + o * kTopK, T * kTopK);
-    const size_t block = kHidden * kInter, first = rank() * epn() * block;
+    const size_t block = kHidden * kInter, first = rank() * epn * block;
     for (auto pair : {std::make_pair(&t->gg, &b.dwg), std::make_pair(&t->gu, &b.dwu),
                       std::make_pair(&t->gd, &b.dwd)}) {
       std::vector<double> got(pair.first->begin(), pair.first->end());
-      err->dw = std::max(err->dw, RelError(got, pair.second->data() + first, epn() * block));
+      err->dw = std::max(err->dw, RelError(got, pair.second->data() + first, epn * block));
     }
   }
 
@@ -362,6 +364,87 @@ TEST_F(MoeLayerTest, TraceRecordsCountsOfEveryStep) {
   ASSERT_TRUE(end.ok());
   EXPECT_FALSE(*end);
   std::remove(path.c_str());
+}
+
+// The default receive capacity is the worst case over every rank's max_tokens, which may differ:
+// the last rank may pass 100 tokens, the others 4, and every token of every rank goes to rank 0's
+// first K experts (policy none: nothing is moved off rank 0). Rank 0 then receives
+// sum(max_tokens) * K rows although its own max_tokens is 4; the step fits and matches the fp64
+// reference.
+TEST_F(MoeLayerTest, DefaultCapacityIsTheWorstCaseOverEveryRanksMaxTokens) {
+  if (size() < 2) GTEST_SKIP() << "needs ranks with different max_tokens";
+  const DType dtype = DType::kFloat32;
+  constexpr int32_t kEpn = 4;  // >= K: all K experts of a token can be rank 0's
+  GlobalProblem g;
+  g.num_ranks = size();
+  g.shape.num_experts = static_cast<int64_t>(kEpn) * size();
+  g.shape.top_k = kTopK;
+  g.shape.hidden = kHidden;
+  g.shape.intermediate = kInter;
+  for (int32_t r = 0; r < size(); ++r) {
+    g.offset.push_back(g.total);
+    g.tokens.push_back(r == size() - 1 ? 100 : 4);
+    g.total += g.tokens.back();
+  }
+  g.p = reference::MakeRandomProblem(g.shape, g.total, 31, 0.0);
+  ASSERT_EQ(g.p.topk_ids.size(), static_cast<size_t>(g.total * kTopK));
+  for (int64_t i = 0; i < g.total * kTopK; ++i) g.p.topk_ids[i] = static_cast<int32_t>(i % kTopK);
+  for (auto* v : {&g.p.weights.wg, &g.p.weights.wu, &g.p.weights.wd, &g.p.x, &g.p.dy,
+                  &g.p.topk_weights}) {
+    for (double& x : *v) x = RoundTo(dtype, x);
+  }
+
+  LayerConfig config = Config(dtype, planner::Policy::kNone);
+  config.num_experts = kEpn * size();
+  config.max_tokens = g.tokens[rank()];  // differs between ranks
+  auto layer = MoeLayer::Create(comm_.get(), config);
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  // sum of max_tokens * min(K, G = E/R + slots), no padding.
+  EXPECT_EQ((*layer)->recv_capacity_rows(), g.total * std::min<int64_t>(kTopK, 2 * kEpn));
+  RankTensors t = MakeRankTensors(g, rank(), dtype);
+  ASSERT_TRUE((*layer)->BindParameters(t.params, t.grads).ok());
+  Errors err;
+  StepAndCompare(layer->get(), g, &t, dtype, &err, kEpn);
+  EXPECT_LT(err.y, 1e-5);
+  EXPECT_LT(err.dx, 1e-5);
+  EXPECT_LT(err.dtopk, 1e-5);
+  EXPECT_LT(err.dw, 1e-5);
+  EXPECT_EQ((*layer)->stats().rank_rows, rank() == 0 ? g.total * kTopK : 0);
+}
+
+// The host transports' staging of every handle is allocated at creation and reported: the layer's
+// memory includes it at the size of the formula (transport::Transport::PrepareHandle), and a
+// forward + backward allocates none of it (it is already at its final size).
+TEST_F(MoeLayerTest, MemoryIncludesTransportStagingMadeAtCreation) {
+  const DType dtype = DType::kFloat32;
+  LayerConfig config = Config(dtype, planner::Policy::kTestForceReplicas);
+  config.max_inflight = 2;
+  auto layer = MoeLayer::Create(comm_.get(), config);
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  ASSERT_NE(std::string((*layer)->transport()->backend()), "nccl");
+  const size_t cap = static_cast<size_t>((*layer)->recv_capacity_rows());
+  const size_t entries = static_cast<size_t>(config.max_tokens) * kTopK;
+  const size_t row = kHidden * DTypeSize(dtype);
+  const size_t staging = entries * (row + 8) + cap * 8 + std::max(entries, cap) * 4;
+  EXPECT_EQ((*layer)->StagingBytes(), 2 * staging);
+  // The rest of the layer's buffers (docs/runtime.md, "Memory"), the executor workspace on top.
+  const size_t buffers = 2 * cap * (2 * row + 4) + 2 * cap * row + entries * 4;
+  const size_t before = (*layer)->MemoryBytes();
+  EXPECT_GE(before, buffers + 2 * staging);
+
+  GlobalProblem g = MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kBaseTokens, dtype, 3);
+  RankTensors t = MakeRankTensors(g, rank(), dtype);
+  ASSERT_TRUE((*layer)->BindParameters(t.params, t.grads).ok());
+  for (int step = 0; step < 2; ++step) {  // both handles (pipeline order), then one again
+    auto h1 = RunForward(layer->get(), &t, dtype, kHidden);
+    ASSERT_TRUE(h1.ok()) << h1.status();
+    auto h2 = RunForward(layer->get(), &t, dtype, kHidden);
+    ASSERT_TRUE(h2.ok()) << h2.status();
+    ASSERT_TRUE(RunBackward(layer->get(), *h2, &t, dtype, kHidden).ok());
+    ASSERT_TRUE(RunBackward(layer->get(), *h1, &t, dtype, kHidden).ok());
+  }
+  EXPECT_EQ((*layer)->StagingBytes(), 2 * staging);
+  EXPECT_EQ((*layer)->MemoryBytes(), before);
 }
 
 }  // namespace

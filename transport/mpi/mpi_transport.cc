@@ -7,6 +7,7 @@
 #include <climits>
 #include <cstring>
 #include <functional>
+#include <new>
 #include <string>
 #include <thread>
 #include <utility>
@@ -185,6 +186,9 @@ class MpiTransport : public Transport {
   absl::StatusOr<RequestPtr> StartReduce(const planner::Plan& plan,
                                          const ExpertBlocks& grads) override;
 
+  absl::Status PrepareHandle(DispatchHandle* handle, int64_t recv_capacity_rows) override;
+  absl::Status Close() override;
+
   OpCounters counters(OpKind kind) const override { return counters_[static_cast<int>(kind)]; }
   void ResetCounters() override { counters_.fill(OpCounters{}); }
   absl::Status health() const override { return poisoned_; }
@@ -216,7 +220,8 @@ class MpiTransport : public Transport {
   // Checks that the handle is ready for an operation that needs a dispatch (local misuse aborts).
   absl::Status CheckDispatched(OpKind kind, DispatchHandle* handle);
   absl::StatusOr<RequestPtr> Skipped();
-  void EnsureRowStaging(DispatchHandle* handle) const;
+  // The handle's row staging: at its first combine / dispatch-backward, unless prepared.
+  absl::Status EnsureRowStaging(DispatchHandle* handle) const;
 
   TransportOptions options_;
   int32_t rank_ = 0, size_ = 1;
@@ -225,6 +230,9 @@ class MpiTransport : public Transport {
   std::shared_ptr<WorkerPool> host_pool_;  // the dispatch's layouts (null: this thread alone)
   int64_t tag_slots_ = 1, seqs_per_epoch_ = 1, epoch_ = 0;
   int abort_tag_ = 0;
+  int close_tag_ = 0;  // Close's messages (abort_comm_)
+  bool closed_ = false;
+  absl::Status close_status_;  // Close's result
   MPI_Comm rows_comm_ = MPI_COMM_NULL, weights_comm_ = MPI_COMM_NULL, abort_comm_ = MPI_COMM_NULL;
   int64_t rows_seq_ = 0, weights_seq_ = 0;
   MPI_Request abort_request_ = MPI_REQUEST_NULL;
@@ -1049,6 +1057,7 @@ absl::StatusOr<std::unique_ptr<Transport>> MpiTransport::Create(const TransportO
       "MPI_Allreduce"));
   next_epoch = t->epoch_ + 1;
   t->abort_tag_ = static_cast<int>(t->epoch_ % (tag_ub + 1));
+  t->close_tag_ = static_cast<int>((t->epoch_ + 1) % (tag_ub + 1));
   MOONEP_RETURN_IF_ERROR(t->meta_type.Make());
   MOONEP_RETURN_IF_ERROR(MpiCheck(MPI_Irecv(t->abort_in_.data(), 2, MPI_INT64_T, MPI_ANY_SOURCE,
                                             t->abort_tag_, t->abort_comm_, &t->abort_request_),
@@ -1060,6 +1069,14 @@ absl::StatusOr<std::unique_ptr<Transport>> MpiTransport::Create(const TransportO
 }
 
 MpiTransport::~MpiTransport() {
+  if (closed_) return;
+  const absl::Status closed = Close();
+  if (!closed.ok()) MOONEP_WARN("%s", std::string(closed.message()));
+}
+
+absl::Status MpiTransport::Close() {
+  if (closed_) return close_status_;
+  closed_ = true;
   if (abort_request_ != MPI_REQUEST_NULL) {
     MPI_Cancel(&abort_request_);
     MPI_Wait(&abort_request_, MPI_STATUS_IGNORE);
@@ -1068,33 +1085,91 @@ MpiTransport::~MpiTransport() {
   // MPI hands messages for a freed context id to the next communicator that reuses the id, where
   // they break its matching; so communicators are freed only when every rank agrees that none of
   // them failed (a bounded, collective check), and are otherwise left allocated.
-  // The check's buffers outlive this object when a silent peer keeps it from completing.
+  // Every rank sends every peer whether it failed, and waits (bounded) for every peer's word: the
+  // peers not heard from are named. The check's buffers outlive this object when a peer keeps it
+  // from completing (MPI may still write into them), and so do the communicators.
   struct Check {
-    int mine = 0, any = 1;
-    MPI_Request request = MPI_REQUEST_NULL;
+    int mine = 0;
+    std::vector<int> theirs;
+    std::vector<MPI_Request> recvs, sends;
   };
   auto* check = new Check;
+  const size_t R = static_cast<size_t>(size_);
   check->mine = dirty_ ? 1 : 0;
-  int done = 0;
-  if (MPI_Iallreduce(&check->mine, &check->any, 1, MPI_INT, MPI_MAX, rows_comm_,
-                     &check->request) == MPI_SUCCESS) {
-    const Clock::time_point until = Clock::now() + std::chrono::milliseconds(timeout_ms_);
-    while (!done && Clock::now() < until) {
-      MPI_Test(&check->request, &done, MPI_STATUS_IGNORE);
-      if (!done) std::this_thread::yield();
-    }
-  } else {
-    done = 1;  // nothing pending
+  check->theirs.assign(R, 0);
+  check->recvs.assign(R, MPI_REQUEST_NULL);
+  check->sends.assign(R, MPI_REQUEST_NULL);
+  bool posted = true;
+  for (int r = 0; r < size_ && posted; ++r) {
+    if (r == rank_) continue;
+    posted = MPI_Irecv(&check->theirs[r], 1, MPI_INT, r, close_tag_, abort_comm_,
+                       &check->recvs[r]) == MPI_SUCCESS &&
+             MPI_Isend(&check->mine, 1, MPI_INT, r, close_tag_, abort_comm_, &check->sends[r]) ==
+                 MPI_SUCCESS;
   }
-  const bool clean = done && check->any == 0;
-  if (done) delete check;  // else left to the pending request, with the communicators
+  auto open = [](const std::vector<MPI_Request>& requests) {
+    std::vector<int> ranks;
+    for (size_t r = 0; r < requests.size(); ++r) {
+      if (requests[r] != MPI_REQUEST_NULL) ranks.push_back(static_cast<int>(r));
+    }
+    return ranks;
+  };
+  const Clock::time_point until = Clock::now() + std::chrono::milliseconds(timeout_ms_);
+  while (posted) {
+    // One by one (MPI_Testall completes none until all are done): the open ones name the peers.
+    bool all = true;
+    for (MPI_Request* requests : {check->recvs.data(), check->sends.data()}) {
+      for (size_t r = 0; r < R; ++r) {
+        int done = 0;
+        if (requests[r] != MPI_REQUEST_NULL) MPI_Test(&requests[r], &done, MPI_STATUS_IGNORE);
+        all = all && requests[r] == MPI_REQUEST_NULL;
+      }
+    }
+    if (all || Clock::now() >= until) break;
+    if (spin_waits_) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  }
+  const std::vector<int> silent = open(check->recvs), unreceived = open(check->sends);
+  const bool done = posted && silent.empty() && unreceived.empty();
+  bool clean = done && check->mine == 0;
+  for (int theirs : check->theirs) clean = clean && theirs == 0;
+  if (done) delete check;  // else left to the pending requests, with the communicators
+  if (!posted) {
+    close_status_ = SystemError("transport mpi destruction: could not post the check with the "
+                                "peers on rank %d; its MPI communicators stay allocated", rank_);
+  } else if (!silent.empty()) {
+    close_status_ = Timeout(
+        "transport mpi destruction timed out after %d ms on rank %d: nothing heard from rank(s) "
+        "%s (they failed, hang, or destroy their layers in another order); its MPI communicators "
+        "stay allocated", timeout_ms_, rank_, RankList(silent));
+  } else if (!unreceived.empty()) {
+    close_status_ = Timeout(
+        "transport mpi destruction timed out after %d ms on rank %d: rank(s) %s did not take "
+        "their data; its MPI communicators stay allocated", timeout_ms_, rank_,
+        RankList(unreceived));
+  }
   if (!clean) {
-    MOONEP_INFO("transport mpi: a rank failed; keeping its communicators allocated");
-    return;
+    if (close_status_.ok()) {
+      MOONEP_INFO("transport mpi: a rank failed; keeping its communicators allocated");
+    }
+    return close_status_;
   }
   for (MPI_Comm* c : {&rows_comm_, &weights_comm_, &abort_comm_}) {
     if (*c != MPI_COMM_NULL) MPI_Comm_free(c);
   }
+  return close_status_;
+}
+
+absl::Status MpiTransport::PrepareHandle(DispatchHandle* handle, int64_t recv_capacity_rows) {
+  MOONEP_RETURN_IF_ERROR(Usable());
+  MOONEP_CHECK_ARG(handle != nullptr, "handle is null");
+  MOONEP_CHECK_ARG(recv_capacity_rows >= 0, "recv_capacity_rows is %d; must be >= 0",
+                   recv_capacity_rows);
+  return handle->ReserveHostStaging(options_.max_tokens * options_.max_top_k,
+                                    options_.max_row_bytes, recv_capacity_rows);
 }
 
 void MpiTransport::AddCounters(OpKind kind, const OpCounters& c) {
@@ -1119,6 +1194,7 @@ void MpiTransport::Poison(const absl::Status& status) {
 }
 
 absl::Status MpiTransport::Usable() const {
+  if (closed_) return InvalidUsage("transport was closed (Close); destroy it");
   if (poisoned_.ok()) return absl::OkStatus();
   return InvalidUsage("transport is unusable after an earlier failure (%s); destroy it",
                       std::string(poisoned_.message()));
@@ -1157,10 +1233,17 @@ absl::StatusOr<RequestPtr> MpiTransport::Skipped() {
   return RequestPtr(new DoneRequest());
 }
 
-void MpiTransport::EnsureRowStaging(DispatchHandle* h) const {
+absl::Status MpiTransport::EnsureRowStaging(DispatchHandle* h) const {
   const size_t need = static_cast<size_t>(options_.max_tokens) * options_.max_top_k *
                       static_cast<size_t>(options_.max_row_bytes);
-  if (h->rows_staging_.size() < need) h->rows_staging_.resize(need);
+  if (h->rows_staging_.size() >= need) return absl::OkStatus();  // prepared, or used before
+  try {
+    h->rows_staging_.resize(need);
+  } catch (const std::bad_alloc&) {
+    return OutOfMemory("row staging of %d bytes (max_tokens x max_top_k x max_row_bytes): out of "
+                       "host memory (PrepareHandle allocates it up front)", need);
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<RequestPtr> MpiTransport::StartExchangeCounts(absl::Span<const int32_t> topk_ids,
@@ -1238,8 +1321,8 @@ absl::StatusOr<RequestPtr> MpiTransport::StartCombine(DispatchHandle* h,
   MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kCombine, h));
   absl::Status s =
       common::CheckCombineBuffers(*h, expert_rows, y, options_.max_row_bytes, kBackendName);
+  if (s.ok()) s = EnsureRowStaging(h);
   if (!s.ok()) return AbortPeers(OpKind::kCombine, s);
-  EnsureRowStaging(h);
   auto op = std::make_unique<CombineOp>(this, OpKind::kCombine, rows_comm_, rows_seq_++, h);
   MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(expert_rows, y)));
   return RequestPtr(std::move(op));
@@ -1253,8 +1336,8 @@ absl::StatusOr<RequestPtr> MpiTransport::StartDispatchBackward(DispatchHandle* h
   MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kDispatchBackward, h));
   absl::Status s =
       common::CheckDispatchBackwardBuffers(*h, dx_rows, dx, options_.max_row_bytes, kBackendName);
+  if (s.ok()) s = EnsureRowStaging(h);
   if (!s.ok()) return AbortPeers(OpKind::kDispatchBackward, s);
-  EnsureRowStaging(h);
   auto op = std::make_unique<CombineOp>(this, OpKind::kDispatchBackward, rows_comm_, rows_seq_++, h);
   MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(dx_rows, dx)));
   return RequestPtr(std::move(op));

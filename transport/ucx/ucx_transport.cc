@@ -9,6 +9,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <new>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -273,6 +274,9 @@ class UcxTransport : public Transport {
   absl::StatusOr<RequestPtr> StartReduce(const planner::Plan& plan,
                                          const ExpertBlocks& grads) override;
 
+  absl::Status PrepareHandle(DispatchHandle* handle, int64_t recv_capacity_rows) override;
+  absl::Status Close() override;
+
   OpCounters counters(OpKind kind) const override { return counters_[static_cast<int>(kind)]; }
   void ResetCounters() override { counters_.fill(OpCounters{}); }
   absl::Status health() const override { return poisoned_; }
@@ -348,7 +352,13 @@ class UcxTransport : public Transport {
   absl::Status CheckDispatched(OpKind kind, DispatchHandle* handle);
   absl::StatusOr<RequestPtr> Skipped();
   absl::Status CheckChannel(OpKind kind, int channel);
-  void EnsureRowStaging(DispatchHandle* handle) const;
+  // The handle's row and scalar staging, at first use unless PrepareHandle made them.
+  absl::Status EnsureRowStaging(DispatchHandle* handle) const;
+  // Close's exchange with every peer over comm_ (MPI tags kCloseArrive / kCloseDone), bounded by
+  // 2 * timeout + 2 s, with this worker's progress; fills the peers not heard from. A peer whose
+  // "gave up" message (kCloseGaveUp) arrives instead counts as heard from when `gave_up` is given
+  // (it is added there).
+  bool CloseExchange(int tag, std::vector<int>* silent, std::vector<int>* gave_up);
   void EvictRegions();
   void DestroyDroppedKeys();
 
@@ -393,6 +403,8 @@ class UcxTransport : public Transport {
   std::array<int64_t, 1> ops_in_flight_{};
   std::array<int64_t, kChannels> channel_in_flight_{};
   int64_t seq_[kChannels] = {0, 0};
+  bool closed_ = false;
+  absl::Status close_status_;  // Close's result
   bool abort_seen_ = false;
   int32_t abort_rank_ = -1, abort_kind_ = 0;
   absl::Status poisoned_;
@@ -1416,6 +1428,9 @@ ucs_status_t UcxTransport::OnActiveMessage(void* arg, const void* header, size_t
   MsgHeader h;
   std::memcpy(&h, header, sizeof(h));
   if (h.from < 0 || h.from >= t->size_ || h.from == t->rank_) return UCS_OK;
+  // Closing: no operation will read a message any more, and the endpoints (which unpack keys)
+  // may already be closed.
+  if (t->closed_) return UCS_OK;
   const char* bytes = static_cast<const char*>(data);
   switch (h.type) {
     case kMsgAbort:
@@ -1592,28 +1607,109 @@ absl::StatusOr<std::unique_ptr<Transport>> UcxTransport::Create(const TransportO
 }
 
 UcxTransport::~UcxTransport() {
-  // Peers may still be finishing (or timing out) an operation and need this worker's progress to
-  // complete their puts: progress until every rank got here, then close. A peer that never comes
-  // (it died) bounds the wait; the communicator is then left allocated rather than freed under a
-  // pending barrier.
-  bool barrier_done = true;
-  auto progress_until_barrier = [&]() {
-    const Clock::time_point until =
-        Clock::now() + std::chrono::milliseconds(2 * timeout_ms_ + 2000);
-    MPI_Request request;
-    if (MPI_Ibarrier(comm_, &request) != MPI_SUCCESS) return false;
-    int done = 0;
-    while (!done && Clock::now() < until) {
-      Progress();
-      MPI_Test(&request, &done, MPI_STATUS_IGNORE);
-      if (!done) std::this_thread::yield();
-    }
-    return done != 0;
+  if (closed_) return;
+  const absl::Status closed = Close();
+  if (!closed.ok()) MOONEP_WARN("%s", std::string(closed.message()));
+}
+
+namespace {
+// Close's MPI tags on the transport's own communicator (used for nothing else after creation).
+constexpr int kCloseArrive = 1, kCloseGaveUp = 2, kCloseDone = 3;
+}  // namespace
+
+bool UcxTransport::CloseExchange(int tag, std::vector<int>* silent, std::vector<int>* gave_up) {
+  // The buffers outlive this call when a peer never answers (MPI may still use them).
+  struct Exchange {
+    int mine = 1;
+    std::vector<int> theirs;
+    std::vector<MPI_Request> recvs, sends;
   };
-  if (comm_ != MPI_COMM_NULL && worker_ != nullptr) {
-    barrier_done = progress_until_barrier();
-    if (!barrier_done) MOONEP_WARN("transport ucx: not every rank reached destruction; closing anyway");
+  auto* x = new Exchange;
+  x->theirs.assign(static_cast<size_t>(size_), 0);
+  x->recvs.assign(static_cast<size_t>(size_), MPI_REQUEST_NULL);
+  x->sends.assign(static_cast<size_t>(size_), MPI_REQUEST_NULL);
+  bool posted = true;
+  for (int r = 0; r < size_ && posted; ++r) {
+    if (r == rank_) continue;
+    posted = MPI_Irecv(&x->theirs[r], 1, MPI_INT, r, tag, comm_, &x->recvs[r]) == MPI_SUCCESS &&
+             MPI_Isend(&x->mine, 1, MPI_INT, r, tag, comm_, &x->sends[r]) == MPI_SUCCESS;
   }
+  std::vector<bool> quit(static_cast<size_t>(size_), false);
+  const Clock::time_point until = Clock::now() + std::chrono::milliseconds(2 * timeout_ms_ + 2000);
+  while (posted) {
+    if (worker_ != nullptr) Progress();
+    bool all = true;
+    for (int r = 0; r < size_; ++r) {
+      for (MPI_Request* q : {&x->recvs[r], &x->sends[r]}) {
+        int done = 0;
+        if (*q != MPI_REQUEST_NULL) MPI_Test(q, &done, MPI_STATUS_IGNORE);
+      }
+      if (gave_up != nullptr && !quit[r] && x->recvs[r] != MPI_REQUEST_NULL) {
+        int flag = 0;
+        MPI_Iprobe(r, kCloseGaveUp, comm_, &flag, MPI_STATUS_IGNORE);
+        quit[r] = flag != 0;
+      }
+      all = all && (quit[r] || (x->recvs[r] == MPI_REQUEST_NULL &&
+                                x->sends[r] == MPI_REQUEST_NULL));
+    }
+    if (all || Clock::now() >= until) break;
+    std::this_thread::yield();
+  }
+  bool complete = posted;
+  silent->clear();
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    if (quit[r]) {
+      gave_up->push_back(r);
+      complete = false;
+    } else if (x->recvs[r] != MPI_REQUEST_NULL || x->sends[r] != MPI_REQUEST_NULL) {
+      silent->push_back(r);
+      complete = false;
+    }
+  }
+  if (complete) delete x;  // else left to the pending requests, with the communicator
+  return complete;
+}
+
+absl::Status UcxTransport::Close() {
+  if (closed_) return close_status_;
+  closed_ = true;
+  // Peers may still be finishing (or timing out) an operation and need this worker's progress to
+  // complete their puts: progress until every rank got here (every peer's word, so the ones that
+  // do not come can be named), then close. A peer that never comes (it died, hangs, or closes its
+  // transports in another order) bounds the wait; the communicator is then left allocated rather
+  // than freed under pending messages, and the peers hear that this rank gave up, so that their
+  // own close does not wait for it again.
+  bool arrived = true;
+  std::vector<int> silent, gave_up;
+  if (comm_ != MPI_COMM_NULL) {
+    arrived = CloseExchange(kCloseArrive, &silent, nullptr);
+    if (!arrived) {
+      static const int kGaveUp = 1;  // read by MPI after this returns
+      for (int r = 0; r < size_; ++r) {
+        if (r == rank_) continue;
+        MPI_Request request;
+        if (MPI_Isend(&kGaveUp, 1, MPI_INT, r, kCloseGaveUp, comm_, &request) == MPI_SUCCESS) {
+          MPI_Request_free(&request);
+        }
+      }
+      close_status_ = Timeout(
+          "transport ucx destruction timed out after %d ms on rank %d: nothing heard from "
+          "rank(s) %s (they failed, hang, or destroy their layers in another order); its "
+          "communicator stays allocated", 2 * timeout_ms_ + 2000, rank_, RankList(silent));
+    }
+  }
+  // A peer that gave up on this transport before this rank arrived (best effort: its word may
+  // still be on the way) will not flush or close its endpoints.
+  bool peer_gave_up = false;
+  if (arrived && comm_ != MPI_COMM_NULL) {
+    for (int r = 0; r < size_ && !peer_gave_up; ++r) {
+      int flag = 0;
+      if (r != rank_) MPI_Iprobe(r, kCloseGaveUp, comm_, &flag, MPI_STATUS_IGNORE);
+      peer_gave_up = flag != 0;
+    }
+  }
+  bool barrier_done = arrived && !peer_gave_up;
   const Clock::time_point until = Clock::now() + std::chrono::milliseconds(2000);
   // Freed requests may still be sent by the progress below (wire-up replays them): their payloads
   // are kept until the worker is gone.
@@ -1627,8 +1723,9 @@ UcxTransport::~UcxTransport() {
   remote_keys_.clear();
   for (ucp_rkey_h k : dropped_keys_) ucp_rkey_destroy(k);
   dropped_keys_.clear();
-  for (ucp_rkey_h k : signal_rkeys_) {
+  for (ucp_rkey_h& k : signal_rkeys_) {
     if (k) ucp_rkey_destroy(k);
+    k = nullptr;
   }
   // Flush first, then close in flush mode (a force close purges pending wire-up messages, which
   // UCX 1.13 asserts on over tcp: "got REQ message" in ucp_ep_purge_lanes). Only when every rank
@@ -1645,7 +1742,7 @@ UcxTransport::~UcxTransport() {
     }
   }
   std::vector<void*> closing;
-  for (ucp_ep_h ep : eps_) {
+  for (ucp_ep_h& ep : eps_) {
     if (ep == nullptr) continue;
     ucp_request_param_t param;
     std::memset(&param, 0, sizeof(param));
@@ -1653,6 +1750,7 @@ UcxTransport::~UcxTransport() {
     param.flags = barrier_done ? 0 : UCP_EP_CLOSE_FLAG_FORCE;
     ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &param);
     if (r != nullptr && !UCS_PTR_IS_ERR(r)) closing.push_back(r);
+    ep = nullptr;
   }
   for (void* r : closing) {
     while (ucp_request_check_status(r) == UCS_INPROGRESS && Clock::now() < until) {
@@ -1660,17 +1758,42 @@ UcxTransport::~UcxTransport() {
     }
     ucp_request_free(r);
   }
-  // Every rank closed its endpoints before any worker goes away.
-  if (barrier_done && comm_ != MPI_COMM_NULL && worker_ != nullptr) {
-    barrier_done = progress_until_barrier();
+  // Every rank closed its endpoints before any worker goes away; a peer that gave up on the first
+  // exchange ends this one too.
+  if (barrier_done && comm_ != MPI_COMM_NULL) {
+    barrier_done = CloseExchange(kCloseDone, &silent, &gave_up);
   }
   for (Region& r : regions_) ucp_mem_unmap(context_, r.memh);
   regions_.clear();
   if (signal_memh_) ucp_mem_unmap(context_, signal_memh_);
+  signal_memh_ = nullptr;
   if (worker_) ucp_worker_destroy(worker_);
+  worker_ = nullptr;
   payloads.clear();
   if (context_) ReleaseContext();
+  context_ = nullptr;
+  if (close_status_.ok() && !silent.empty()) {
+    close_status_ = Timeout(
+        "transport ucx destruction timed out after %d ms on rank %d: rank(s) %s did not close "
+        "their endpoints; its communicator stays allocated", 2 * timeout_ms_ + 2000, rank_,
+        RankList(silent));
+  }
+  if (!gave_up.empty() || (arrived && peer_gave_up)) {
+    MOONEP_WARN("transport ucx destruction on rank %d: a peer gave up waiting for this rank "
+                "(transports destroyed in another order?); its communicator stays allocated",
+                rank_);
+  }
   if (comm_ != MPI_COMM_NULL && barrier_done) MPI_Comm_free(&comm_);
+  return close_status_;
+}
+
+absl::Status UcxTransport::PrepareHandle(DispatchHandle* handle, int64_t recv_capacity_rows) {
+  MOONEP_RETURN_IF_ERROR(Usable());
+  MOONEP_CHECK_ARG(handle != nullptr, "handle is null");
+  MOONEP_CHECK_ARG(recv_capacity_rows >= 0, "recv_capacity_rows is %d; must be >= 0",
+                   recv_capacity_rows);
+  return handle->ReserveHostStaging(options_.max_tokens * options_.max_top_k,
+                                    options_.max_row_bytes, recv_capacity_rows);
 }
 
 void UcxTransport::Progress() {
@@ -1839,6 +1962,7 @@ void UcxTransport::Poison(const absl::Status& status) {
 }
 
 absl::Status UcxTransport::Usable() const {
+  if (closed_) return InvalidUsage("transport was closed (Close); destroy it");
   if (poisoned_.ok()) return absl::OkStatus();
   return InvalidUsage("transport is unusable after an earlier failure (%s); destroy it",
                       std::string(poisoned_.message()));
@@ -1876,12 +2000,19 @@ absl::Status UcxTransport::CheckChannel(OpKind kind, int channel) {
   return absl::OkStatus();
 }
 
-void UcxTransport::EnsureRowStaging(DispatchHandle* h) const {
+absl::Status UcxTransport::EnsureRowStaging(DispatchHandle* h) const {
   const size_t need = static_cast<size_t>(options_.max_tokens) * options_.max_top_k *
                       static_cast<size_t>(options_.max_row_bytes);
-  if (h->rows_staging_.size() < need) h->rows_staging_.resize(need);
   const size_t scalars = static_cast<size_t>(options_.max_tokens) * options_.max_top_k;
-  if (h->scalar_staging_.size() < scalars) h->scalar_staging_.resize(scalars);
+  try {
+    // Within what PrepareHandle reserved: no allocation.
+    if (h->rows_staging_.size() < need) h->rows_staging_.resize(need);
+    if (h->scalar_staging_.size() < scalars) h->scalar_staging_.resize(scalars);
+  } catch (const std::bad_alloc&) {
+    return OutOfMemory("row staging of %d bytes (max_tokens x max_top_k x max_row_bytes): out of "
+                       "host memory (PrepareHandle allocates it up front)", need);
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<RequestPtr> UcxTransport::StartExchangeCounts(absl::Span<const int32_t> topk_ids,
@@ -1963,8 +2094,8 @@ absl::StatusOr<RequestPtr> UcxTransport::StartCombine(DispatchHandle* h,
   MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kCombine, h));
   absl::Status s =
       common::CheckCombineBuffers(*h, expert_rows, y, options_.max_row_bytes, kBackendName);
+  if (s.ok()) s = EnsureRowStaging(h);
   if (!s.ok()) return AbortPeers(OpKind::kCombine, s);
-  EnsureRowStaging(h);
   auto op = std::make_unique<CombineOp>(this, OpKind::kCombine, kRowsChannel, seq_[kRowsChannel]++, h);
   MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(expert_rows, y)));
   return RequestPtr(std::move(op));
@@ -1979,8 +2110,8 @@ absl::StatusOr<RequestPtr> UcxTransport::StartDispatchBackward(DispatchHandle* h
   MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kDispatchBackward, h));
   absl::Status s =
       common::CheckDispatchBackwardBuffers(*h, dx_rows, dx, options_.max_row_bytes, kBackendName);
+  if (s.ok()) s = EnsureRowStaging(h);
   if (!s.ok()) return AbortPeers(OpKind::kDispatchBackward, s);
-  EnsureRowStaging(h);
   auto op = std::make_unique<CombineOp>(this, OpKind::kDispatchBackward, kRowsChannel, seq_[kRowsChannel]++, h);
   MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(dx_rows, dx)));
   return RequestPtr(std::move(op));
@@ -1996,8 +2127,8 @@ absl::StatusOr<RequestPtr> UcxTransport::StartTopkWeightGrad(DispatchHandle* h,
   MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kTopkWeightGrad, h));
   absl::Status s =
       common::CheckTopkWeightGradBuffers(*h, dy_rows, expert_rows, d_topk_weights, kBackendName);
+  if (s.ok()) s = EnsureRowStaging(h);
   if (!s.ok()) return AbortPeers(OpKind::kTopkWeightGrad, s);
-  EnsureRowStaging(h);
   auto op = std::make_unique<TopkWeightGradOp>(this, kRowsChannel, seq_[kRowsChannel]++, h);
   MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(dy_rows, expert_rows, d_topk_weights.data())));
   return RequestPtr(std::move(op));

@@ -73,7 +73,15 @@ MOONEP_API moonepResult_t moonepCommInitMpi(moonepComm_t* comm, const void* mpi_
 
 /* [collective over MPI_COMM_WORLD] Finds this process's place from the launcher's environment:
  * OMPI_COMM_WORLD_RANK/SIZE (mpirun), PMI_RANK/SIZE, SLURM_PROCID/NTASKS (srun), or torchrun's
- * RANK/WORLD_SIZE/LOCAL_RANK, and orders MPI_COMM_WORLD by that rank. */
+ * RANK/WORLD_SIZE (the first pair set; local ranks are not read), and orders MPI_COMM_WORLD by
+ * that rank. A malformed variable: moonepInvalidArgument naming it (the other ranks:
+ * moonepRemoteError); a rank given twice: moonepInvalidArgument; a size that is not
+ * MPI_COMM_WORLD's (no MPI launcher): moonepInvalidUsage.
+ *
+ * Every communicator creation waits at most MOONEP_TIMEOUT_MS for the other ranks, then fails
+ * with moonepTimeout naming the phase; a rank that calls it after the others gave up fails too.
+ * The parent communicator then has the creation's collective outstanding: the late ranks must
+ * still make the call. */
 MOONEP_API moonepResult_t moonepCommInitFromEnv(moonepComm_t* comm);
 
 /* Local. The trainer's own NCCL communicator (an ncclComm_t, passed as void* so this header needs
@@ -197,7 +205,9 @@ typedef struct {
                               tensors in GPU memory, the CUDA executor, the NCCL transport */
   int device_index;        /* the GPU of this rank (moonepDeviceCuda); made current at creation */
   int64_t max_tokens;      /* largest token count this rank will pass; sizes every buffer */
-  int64_t max_recv_rows;   /* rows of this rank's dispatch buffer; 0: the worst case (see
+  int64_t max_recv_rows;   /* rows of this rank's dispatch buffer; 0: the worst case no
+                              routing can exceed, (sum of every rank's max_tokens) *
+                              min(K, G) + G * (pad_multiple - 1), G = E/R + slots (see
                               docs/runtime.md) */
   int max_inflight;        /* forwards alive at once before their backward (micro-batches) */
   int layer_id;            /* id in routing traces; -1: creation order */
@@ -215,10 +225,20 @@ typedef struct {
 
 /* [collective] Checks the config and that every rank passed the same one (all fields but
  * max_tokens, max_recv_rows, layer_id, num_threads, device_index): a difference fails on every
- * rank with a message naming the field and the ranks. Sizes every buffer. */
+ * rank with a message naming the field and the ranks. Sizes every buffer, the transport's staging
+ * included: no buffer is allocated during a step. A rank that cannot allocate its buffers fails
+ * creation on every rank (moonepOutOfMemory there, moonepRemoteError naming it elsewhere). */
 MOONEP_API moonepResult_t moonepLayerCreate(moonepComm_t comm, const moonepLayerConfig_t* config,
                                             moonepLayer_t* layer);
-/* Local. Outstanding handles are released. */
+/* [collective] Every rank destroys the layers and EP buffers of a communicator in the same order
+ * (e.g. the order it created them, or its reverse, alike on every rank). Outstanding handles are
+ * released. The host transports (mpi, ucx) check, within MOONEP_TIMEOUT_MS, that every peer is
+ * destroying the same layer: when a peer does not get there in time (it failed, hangs, or destroys
+ * its layers in another order) the call still frees the layer and returns, after that timeout,
+ * moonepTimeout with a message naming the layer, the phase ("destruction") and the peers not heard
+ * from (also logged as a WARN); that layer's MPI communicators then stay allocated. In every case
+ * the layer handle is invalid once the call returns. With the calls out of order, which ranks
+ * report it depends on timing (at least one does). */
 MOONEP_API moonepResult_t moonepLayerDestroy(moonepLayer_t layer);
 
 /* Local. Binds this rank's E/R home experts' weights and, for training, their gradients (NULL
@@ -254,8 +274,10 @@ MOONEP_API moonepResult_t moonepLayerRelease(moonepLayer_t layer, moonepLayerHan
 
 /* Local. Statistics of the last forward and backward. stats->size must be set. */
 MOONEP_API moonepResult_t moonepLayerGetStats(moonepLayer_t layer, moonepStepStats_t* stats);
-/* Local. Bytes allocated by this layer, and by the replica buffers shared by the layers of the
- * communicator (slots * 3 * H * I * (dtype + grad dtype bytes) per layer shape). */
+/* Local. Bytes allocated by this layer (its rows, scratch, executor workspace and the host
+ * transport staging of every handle; see docs/runtime.md, "Memory"), and by the replica buffers
+ * shared by the layers of the communicator (slots * 3 * H * I * (dtype + grad dtype bytes) per
+ * layer shape). */
 MOONEP_API moonepResult_t moonepLayerGetMemory(moonepLayer_t layer, size_t* layer_bytes,
                                                size_t* shared_replica_bytes);
 
@@ -296,10 +318,14 @@ typedef struct {
   const int64_t* group_count; /* [num_groups] rows holding tokens */
 } moonepEpLayout_t;
 
-/* [collective] */
+/* [collective] Like moonepLayerCreate: every buffer, the transport staging included, is
+ * allocated here. */
 MOONEP_API moonepResult_t moonepEpBufferCreate(moonepComm_t comm,
                                                const moonepEpBufferConfig_t* config,
                                                moonepEpBuffer_t* buffer);
+/* [collective] Like moonepLayerDestroy: in the same order on every rank; moonepTimeout naming the
+ * buffer, the phase and the peers when a peer does not get there in time (the buffer is freed
+ * either way). */
 MOONEP_API moonepResult_t moonepEpBufferDestroy(moonepEpBuffer_t buffer);
 
 /* [collective] */
