@@ -78,6 +78,12 @@ absl::Status ReadLayerConfig(const moonepLayerConfig_t* c, runtime::LayerConfig*
   if (c->size < offsetof(moonepLayerConfig_t, num_experts)) {
     return InvalidArgument("config->size = %d is too small", c->size);
   }
+  // The header the caller compiled against: any 0.x from 0.1.0 (fields are only appended).
+  if (c->version < MOONEP_VERSION_CODE(0, 1, 0) || c->version / 10000 != MOONEP_MAJOR) {
+    return InvalidArgument("config->version is %d, not a MOONEP_VERSION of major version %d (this "
+                           "library is %d): initialise with MOONEP_LAYER_CONFIG_INITIALIZER",
+                           c->version, MOONEP_MAJOR, MOONEP_VERSION);
+  }
   // Fields past the caller's `size` (an older header) keep the defaults of `out`.
 #define MOONEP_HAS_FIELD(f) (offsetof(moonepLayerConfig_t, f) + sizeof(c->f) <= c->size)
   runtime::LayerConfig d;

@@ -390,6 +390,42 @@ TEST_F(CApiTest, CreationTimesOutWhenARankDoesNotJoin) {
   MPI_Comm_free(&parent);
 }
 
+// Destroying layers is collective, in the same order on every rank: with the order reversed on odd
+// ranks, the C API returns moonepTimeout naming the layer on at least one rank (which ones depends
+// on timing), frees both layers either way, and the ranks go on. Run by runtime_capi_timeout_test
+// (MOONEP_TIMEOUT_MS=2000).
+TEST_F(CApiTest, LayersDestroyedInAnotherOrderReturnTimeout) {
+  const char* timeout = std::getenv("MOONEP_TIMEOUT_MS");
+  if (timeout == nullptr || std::string(timeout) != "2000") GTEST_SKIP() << "run with MOONEP_TIMEOUT_MS=2000";
+  if (size() < 2) GTEST_SKIP() << "needs two ranks";
+  moonepLayer_t layers[2] = {nullptr, nullptr};
+  for (moonepLayer_t& l : layers) {
+    moonepLayerConfig_t config = Config(moonepPolicyTestForceReplicas);
+    ASSERT_EQ(moonepLayerCreate(comm_, &config, &l), moonepSuccess) << moonepGetLastError(comm_);
+  }
+  const bool odd = rank() % 2 == 1;
+  const auto start = std::chrono::steady_clock::now();
+  const moonepResult_t first = moonepLayerDestroy(layers[odd ? 1 : 0]);
+  const std::string message = moonepGetLastError(comm_);
+  const moonepResult_t second = moonepLayerDestroy(layers[odd ? 0 : 1]);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (first != moonepSuccess) {
+    EXPECT_EQ(first, moonepTimeout) << message;
+    EXPECT_NE(message.find("destruction timed out"), std::string::npos) << message;
+  }
+  EXPECT_EQ(second, moonepSuccess) << moonepGetLastError(comm_);
+  EXPECT_LT(s, 2 * 2.0 + 4.0);
+  int reported = first == moonepSuccess ? 0 : 1;
+  MPI_Allreduce(MPI_IN_PLACE, &reported, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+  EXPECT_GE(reported, 1);
+  // Both handles are gone, and the communicator has no children left.
+  EXPECT_EQ(moonepLayerDestroy(layers[0]), moonepInvalidUsage);
+  moonepLayerConfig_t config = Config(moonepPolicyTestForceReplicas);
+  moonepLayer_t fresh = nullptr;
+  ASSERT_EQ(moonepLayerCreate(comm_, &config, &fresh), moonepSuccess) << moonepGetLastError(comm_);
+  EXPECT_EQ(moonepLayerDestroy(fresh), moonepSuccess) << moonepGetLastError(comm_);
+}
+
 // Distinct communicators may be used from distinct threads at once (docs/c-api.md, "Thread
 // safety"): two communicators made on the main thread, a layer on each with its own problem, then
 // three forward + backward steps on two threads at the same time, every step's outputs and
@@ -524,6 +560,18 @@ TEST_F(CApiTest, BadConfigsFailOnEveryRank) {
   moonepLayerConfig_t c = Config(moonepPolicyMoonEP);
   c.magic = 0;
   EXPECT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepInvalidArgument);
+  // A version of another major, or none: refused naming the field; another minor: accepted.
+  for (const unsigned int version : {0u, static_cast<unsigned int>(MOONEP_VERSION_CODE(MOONEP_MAJOR + 1, 0, 0))}) {
+    c = Config(moonepPolicyMoonEP);
+    c.version = version;
+    EXPECT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepInvalidArgument);
+    EXPECT_NE(std::string(moonepGetLastError(comm_)).find("config->version"), std::string::npos)
+        << moonepGetLastError(comm_);
+  }
+  c = Config(moonepPolicyMoonEP);
+  c.version = MOONEP_VERSION_CODE(MOONEP_MAJOR, MOONEP_MINOR + 1, 0);
+  ASSERT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepSuccess) << moonepGetLastError(comm_);
+  EXPECT_EQ(moonepLayerDestroy(layer), moonepSuccess);
   c = Config(moonepPolicyMoonEP);
   c.policy = static_cast<moonepPlannerPolicy_t>(42);
   EXPECT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepInvalidArgument);
