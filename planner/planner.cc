@@ -243,7 +243,10 @@ absl::Status SumLoads(const PlannerConfig& c, const Plan& plan, bool contiguous,
 // block of 8 sources: dst written once; two 4-row sweeps measured 15 % slower), and
 // returns the OR of every entry read (bits >= 52 or the sign set: a bad entry). Sums wrap
 // (unsigned) until the caller has rejected bad entries; valid ones never wrap.
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+// Not under ThreadSanitizer: the clones' ifunc resolver runs while the dynamic loader relocates
+// libmoonep, before the sanitizer's runtime is initialised, and its instrumented entry crashes
+// every binary linked against the library.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(__SANITIZE_THREAD__)
 __attribute__((target_clones("avx2", "default")))
 #endif
 uint64_t AddRows(const int64_t* __restrict counts_signed, int32_t s0, int32_t s1, int32_t E,

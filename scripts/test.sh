@@ -3,12 +3,18 @@
 # Multi-rank tests run under mpirun with 1-8 ranks; GPU tests skip visibly without a GPU.
 #   scripts/test.sh            # Release build in build/
 #   scripts/test.sh --asan     # AddressSanitizer + UBSan build in build-asan/
+#   scripts/test.sh --tsan     # ThreadSanitizer build in build-tsan/
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/install-deps.sh
 preset=release
-[ "${1:-}" = "--asan" ] && preset=asan
-[ "${1:-}" = "--tsan" ] && preset=tsan
+case "${1:-}" in
+  "") ;;
+  --asan) preset=asan ;;
+  --tsan) preset=tsan ;;
+  *) echo "usage: scripts/test.sh [--asan|--tsan]" >&2; exit 2 ;;
+esac
+[ $# -le 1 ] || { echo "usage: scripts/test.sh [--asan|--tsan]" >&2; exit 2; }
+scripts/install-deps.sh
 dir=build
 [ "$preset" != release ] && dir=build-$preset
 if [ ! -f "$dir/CMakeCache.txt" ]; then

@@ -1,0 +1,71 @@
+// MOONEP_DEBUG_FILE, read once per process: core_logging_file_test sets it to a path with %h and
+// %p (every line must land in that file, under the host and pid substituted), and
+// core_logging_bad_file_test to a path that cannot be opened (logging falls back to stderr, saying
+// so). Without the variable the tests skip.
+#include <gtest/gtest.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "absl/strings/str_replace.h"
+#include "moonep/core/logging.h"
+
+namespace moonep::log {
+namespace {
+
+std::string ShortHostName() {
+  char host[256] = {0};
+  if (gethostname(host, sizeof(host) - 1) != 0) return "unknown";
+  std::string name(host);
+  return name.substr(0, name.find('.'));
+}
+
+TEST(DebugFileTest, LinesGoToTheFileWithHostAndPidSubstituted) {
+  const char* path = std::getenv("MOONEP_DEBUG_FILE");
+  const char* expect_bad = std::getenv("MOONEP_TEST_DEBUG_FILE_UNOPENABLE");
+  if (path == nullptr || expect_bad != nullptr) GTEST_SKIP() << "run by core_logging_file_test";
+  const std::string resolved = absl::StrReplaceAll(
+      path, {{"%h", ShortHostName()}, {"%p", std::to_string(static_cast<long>(getpid()))}});
+  ASSERT_NE(resolved, path) << "the registration's path has %h and %p";
+  std::remove(resolved.c_str());
+  const std::string marker = "logging-test-marker-" + std::to_string(static_cast<long>(getpid()));
+  ::testing::internal::CaptureStderr();
+  MOONEP_WARN("%s one", marker);
+  SetRank(5);
+  MOONEP_WARN("%s two", marker);
+  SetRank(-1);
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(err.find(marker), std::string::npos) << "logged to stderr too: " << err;
+  std::ifstream in(resolved);
+  ASSERT_TRUE(in.good()) << "no log file at " << resolved;
+  std::stringstream text;
+  text << in.rdbuf();
+  const std::string prefix = ShortHostName() + ":" + std::to_string(static_cast<long>(getpid())) + ":" +
+                             std::to_string(static_cast<long>(syscall(SYS_gettid)));
+  EXPECT_NE(text.str().find(prefix + " [rank -1] MoonEP WARN " + marker + " one\n"), std::string::npos)
+      << text.str();
+  EXPECT_NE(text.str().find(prefix + " [rank 5] MoonEP WARN " + marker + " two\n"), std::string::npos)
+      << text.str();
+  std::remove(resolved.c_str());
+}
+
+TEST(DebugFileTest, AnUnopenablePathFallsBackToStderrSayingSo) {
+  const char* path = std::getenv("MOONEP_DEBUG_FILE");
+  if (path == nullptr || std::getenv("MOONEP_TEST_DEBUG_FILE_UNOPENABLE") == nullptr) {
+    GTEST_SKIP() << "run by core_logging_bad_file_test";
+  }
+  ::testing::internal::CaptureStderr();
+  MOONEP_WARN("fallback line");
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find(std::string("cannot open MOONEP_DEBUG_FILE=") + path + "; logging to stderr"),
+            std::string::npos)
+      << err;
+  EXPECT_NE(err.find("MoonEP WARN fallback line\n"), std::string::npos) << err;
+}
+
+}  // namespace
+}  // namespace moonep::log
