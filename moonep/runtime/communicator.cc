@@ -306,18 +306,22 @@ absl::StatusOr<std::unique_ptr<Communicator>> Communicator::Adopt(MPI_Comm owned
   return comm;
 }
 
-absl::Status Communicator::CreationAgreement(MPI_Comm comm, absl::Span<const char> bytes,
-                                             std::string* out, const char* phase,
-                                             int64_t timeout_ms) {
+absl::StatusOr<MPI_Comm> Communicator::CreationAgreement(MPI_Comm parent, const char* parent_name,
+                                                        absl::Span<const char> bytes,
+                                                        std::string* out, const char* phase,
+                                                        int64_t timeout_ms) {
+  MOONEP_ASSIGN_OR_RETURN(MPI_Comm dup, IdupWithDeadline(parent, parent_name, timeout_ms, phase));
+  MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN);
   int rank = 0, size = 0;
-  MPI_Comm_rank(comm, &rank);
-  MPI_Comm_size(comm, &size);
+  MPI_Comm_rank(dup, &rank);
+  MPI_Comm_size(dup, &size);
   std::vector<std::unique_ptr<Exchange>> parked;
-  absl::Status status = Agree(comm, rank, size, bytes, out, phase, timeout_ms, &parked);
+  const absl::Status status = Agree(dup, rank, size, bytes, out, phase, timeout_ms, &parked);
   // Buffers MPI may still use (a late peer's messages, an unmatched send): kept for good, like
-  // `comm` itself after a failure (the caller leaves it allocated).
+  // `dup` itself after a failure (left allocated: peers may still send to it).
   for (auto& exchange : parked) (void)exchange.release();
-  return status;
+  MOONEP_RETURN_IF_ERROR(status);
+  return dup;
 }
 
 absl::StatusOr<std::unique_ptr<Communicator>> Communicator::FromMpi(MPI_Comm comm) {
@@ -325,19 +329,18 @@ absl::StatusOr<std::unique_ptr<Communicator>> Communicator::FromMpi(MPI_Comm com
   if (comm == MPI_COMM_NULL) return InvalidArgument("comm is MPI_COMM_NULL");
   const CreationTimeout timeout = ReadCreationTimeout();
   constexpr const char* kPhase = "communicator creation (moonepCommInitMpi)";
-  MOONEP_ASSIGN_OR_RETURN(MPI_Comm dup,
-                          IdupWithDeadline(comm, "the caller's communicator", timeout.ms, kPhase));
-  MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN);
-  // Every rank of `comm` has called the duplication; the agreement on the duplicate (which MoonEP
-  // owns, so its point-to-point messages are private) makes a rank that gave up fail the others,
-  // and a rank that joins after the others gave up fail too, instead of going on alone.
+  // Every rank of `comm` calls the duplication; the agreement on the duplicate (which MoonEP owns,
+  // so its point-to-point messages are private) makes a rank that gave up fail the others, and a
+  // rank that joins after the others gave up fail too, instead of going on alone.
   const absl::Status local =
       timeout.status.ok() ? absl::OkStatus() : Annotate(timeout.status, kPhase);
   const LocalError mine = Carry(local);
   std::string gathered;
-  MOONEP_RETURN_IF_ERROR(CreationAgreement(
-      dup, absl::Span<const char>(reinterpret_cast<const char*>(&mine), sizeof(mine)), &gathered,
-      kPhase, timeout.ms));  // on failure `dup` stays allocated (peers may still send to it)
+  MOONEP_ASSIGN_OR_RETURN(
+      MPI_Comm dup,
+      CreationAgreement(comm, "the caller's communicator",
+                        absl::Span<const char>(reinterpret_cast<const char*>(&mine), sizeof(mine)),
+                        &gathered, kPhase, timeout.ms));
   int size = 0;
   MPI_Comm_size(dup, &size);
   std::vector<LocalError> all(static_cast<size_t>(size));
@@ -383,13 +386,12 @@ absl::StatusOr<std::unique_ptr<Communicator>> Communicator::FromUniqueId(const U
   // A private duplicate of MPI_COMM_WORLD: every process of it takes part in the agreement, which
   // names the processes not heard from; then only the processes that passed this id make the
   // communicator, together.
-  MOONEP_ASSIGN_OR_RETURN(MPI_Comm world,
-                          IdupWithDeadline(MPI_COMM_WORLD, "MPI_COMM_WORLD", timeout.ms, kPhase));
-  MPI_Comm_set_errhandler(world, MPI_ERRORS_RETURN);
   std::string gathered;
-  MOONEP_RETURN_IF_ERROR(CreationAgreement(
-      world, absl::Span<const char>(reinterpret_cast<const char*>(&mine), sizeof(mine)), &gathered,
-      kPhase, timeout.ms));  // on failure `world` stays allocated (peers may still send to it)
+  MOONEP_ASSIGN_OR_RETURN(
+      MPI_Comm world,
+      CreationAgreement(MPI_COMM_WORLD, "MPI_COMM_WORLD",
+                        absl::Span<const char>(reinterpret_cast<const char*>(&mine), sizeof(mine)),
+                        &gathered, kPhase, timeout.ms));
   int world_size = 0;
   MPI_Comm_size(world, &world_size);
   std::vector<Member> all(static_cast<size_t>(world_size));
@@ -462,13 +464,12 @@ absl::StatusOr<std::unique_ptr<Communicator>> Communicator::FromEnvironment() {
     mine.rank = info->rank;
   }
   mine.error = Carry(local);
-  MOONEP_ASSIGN_OR_RETURN(MPI_Comm world,
-                          IdupWithDeadline(MPI_COMM_WORLD, "MPI_COMM_WORLD", timeout.ms, kPhase));
-  MPI_Comm_set_errhandler(world, MPI_ERRORS_RETURN);
   std::string gathered;
-  MOONEP_RETURN_IF_ERROR(CreationAgreement(
-      world, absl::Span<const char>(reinterpret_cast<const char*>(&mine), sizeof(mine)), &gathered,
-      kPhase, timeout.ms));  // on failure `world` stays allocated (peers may still send to it)
+  MOONEP_ASSIGN_OR_RETURN(
+      MPI_Comm world,
+      CreationAgreement(MPI_COMM_WORLD, "MPI_COMM_WORLD",
+                        absl::Span<const char>(reinterpret_cast<const char*>(&mine), sizeof(mine)),
+                        &gathered, kPhase, timeout.ms));
   std::vector<Member> all(static_cast<size_t>(world_size));
   std::memcpy(all.data(), gathered.data(), gathered.size());
   absl::Status verdict = local;

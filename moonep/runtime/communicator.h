@@ -156,9 +156,12 @@ class Communicator {
   static absl::Status Agree(MPI_Comm comm, int rank, int size, absl::Span<const char> bytes,
                             std::string* out, const char* phase, int64_t timeout_ms,
                             std::vector<std::unique_ptr<Exchange>>* parked);
-  // Agree over a communicator being created; buffers MPI may still use are kept for good.
-  static absl::Status CreationAgreement(MPI_Comm comm, absl::Span<const char> bytes,
-                                        std::string* out, const char* phase, int64_t timeout_ms);
+  // A private duplicate of `parent` (MPI_Comm_idup, waited for with a deadline), then Agree over
+  // it: the duplicate, or the first failure. After a failure the duplicate and the buffers MPI
+  // may still use stay allocated for good (late peers may still send to them).
+  static absl::StatusOr<MPI_Comm> CreationAgreement(MPI_Comm parent, const char* parent_name,
+                                                    absl::Span<const char> bytes, std::string* out,
+                                                    const char* phase, int64_t timeout_ms);
 
   // An agreement's messages, kept alive after a timeout while MPI may still use them.
   struct Exchange {

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_join.h"
 #include "moonep/core/env.h"
+#include "moonep/core/logging.h"
 #include "moonep/core/status.h"
 #include "moonep/runtime/communicator.h"
 #include "moonep/runtime/device.h"
@@ -256,6 +257,18 @@ absl::Status AgreeOnConfig(Communicator* comm, const LayerConfig& c,
     for (const Fingerprint& f : all) *sum_max_tokens += f.max_tokens;
   }
   return absl::OkStatus();
+}
+
+absl::Status CloseTransport(transport::Transport* transport, const LayerConfig& config,
+                            const std::string& what) {
+  if (transport == nullptr) return absl::OkStatus();
+  ScopedDevice device(config.device, config.device_index);
+  absl::Status closed = transport->Close();
+  if (!closed.ok()) {
+    closed = Annotate(closed, what);
+    MOONEP_WARN("%s", std::string(closed.message()));
+  }
+  return closed;
 }
 
 absl::Status AgreeOnVerdict(Communicator* comm, const absl::Status& local_verdict,

@@ -11,6 +11,10 @@
 #include "moonep/core/tensor.h"
 #include "planner/plan.h"
 
+namespace moonep::transport {
+class Transport;
+}  // namespace moonep::transport
+
 namespace moonep::runtime {
 
 class Communicator;
@@ -64,6 +68,12 @@ absl::Status CheckLayerConfig(const LayerConfig& config, int32_t num_ranks, bool
 absl::Status AgreeOnConfig(Communicator* comm, const LayerConfig& config,
                            const absl::Status& local_verdict, const char* what,
                            int64_t* sum_max_tokens = nullptr);
+
+// Collective (Transport::Close), on the config's device: ends a layer's or EP buffer's transport
+// (null: nothing to end). A failure is annotated with `what` (e.g. "MoE layer 3 destruction") and
+// logged as a WARN.
+absl::Status CloseTransport(transport::Transport* transport, const LayerConfig& config,
+                            const std::string& what);
 
 // Collective: every rank's verdict on a local part of creation (allocations after the config
 // agreement). OK when every rank succeeded; else `local_verdict` on a rank that failed and

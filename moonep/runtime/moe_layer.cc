@@ -183,15 +183,8 @@ MoeLayer::~MoeLayer() { (void)Close(); }
 absl::Status MoeLayer::Close() {
   if (closed_) return close_status_;
   closed_ = true;
-  if (transport_ != nullptr) {
-    ScopedDevice device(config_.device, config_.device_index);
-    close_status_ = transport_->Close();
-    if (!close_status_.ok()) {
-      close_status_ =
-          Annotate(close_status_, absl::StrFormat("MoE layer %d destruction", layer_id_));
-      MOONEP_WARN("%s", std::string(close_status_.message()));
-    }
-  }
+  close_status_ =
+      CloseTransport(transport_.get(), config_, absl::StrFormat("MoE layer %d destruction", layer_id_));
   if (broken_.ok()) broken_ = InvalidUsage("the layer was closed (destroyed)");
   return close_status_;
 }

@@ -216,7 +216,11 @@ TEST_F(LayerFaultTest, LayersDestroyedInAnotherOrderReportItAndTheRanksGoOn) {
     }
     EXPECT_GE(named, 1) << closed_first;
   }
-  EXPECT_GE(first_seconds, 0.8 * wait_s) << closed_first;
+  // A rank that reported it waited out its timeout; one whose first destroy a peer completed late
+  // may have waited less (it may have entered it after that peer).
+  if (!closed_first.ok()) {
+    EXPECT_GE(first_seconds, 0.8 * wait_s) << closed_first;
+  }
   int reported = closed_first.ok() ? 0 : 1;
   MPI_Allreduce(MPI_IN_PLACE, &reported, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
   EXPECT_GE(reported, 1);

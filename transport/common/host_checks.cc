@@ -352,4 +352,13 @@ absl::Status CheckSlotPlan(const planner::Plan& plan, int32_t R, bool home_repli
   return absl::OkStatus();
 }
 
+absl::Status PrepareHostHandle(const TransportOptions& options, DispatchHandle* handle,
+                               int64_t recv_capacity_rows) {
+  MOONEP_CHECK_ARG(handle != nullptr, "handle is null");
+  MOONEP_CHECK_ARG(recv_capacity_rows >= 0, "recv_capacity_rows is %d; must be >= 0",
+                   recv_capacity_rows);
+  return handle->ReserveHostStaging(options.max_tokens * options.max_top_k, options.max_row_bytes,
+                                    recv_capacity_rows);
+}
+
 }  // namespace moonep::transport::common

@@ -72,6 +72,10 @@ absl::Status CheckCountsInput(absl::Span<const int32_t> topk_ids, int64_t num_to
 
 // The handle has a count exchange of this transport (rank, size) and, for every operation but
 // dispatch, a dispatch. A local misuse: the caller aborts its peers with it.
+// The host backends' PrepareHandle after their usability check: the handle's staging for the
+// declared maxima of `options` and `recv_capacity_rows` (DispatchHandle::ReserveHostStaging).
+absl::Status PrepareHostHandle(const TransportOptions& options, DispatchHandle* handle,
+                               int64_t recv_capacity_rows);
 absl::Status CheckHandleReady(OpKind kind, const DispatchHandle* handle, int32_t rank, int32_t size);
 
 // Dispatch checks that every rank makes alike (functions of plan, counts and capacities): plan

@@ -1165,11 +1165,7 @@ absl::Status MpiTransport::Close() {
 
 absl::Status MpiTransport::PrepareHandle(DispatchHandle* handle, int64_t recv_capacity_rows) {
   MOONEP_RETURN_IF_ERROR(Usable());
-  MOONEP_CHECK_ARG(handle != nullptr, "handle is null");
-  MOONEP_CHECK_ARG(recv_capacity_rows >= 0, "recv_capacity_rows is %d; must be >= 0",
-                   recv_capacity_rows);
-  return handle->ReserveHostStaging(options_.max_tokens * options_.max_top_k,
-                                    options_.max_row_bytes, recv_capacity_rows);
+  return common::PrepareHostHandle(options_, handle, recv_capacity_rows);
 }
 
 void MpiTransport::AddCounters(OpKind kind, const OpCounters& c) {

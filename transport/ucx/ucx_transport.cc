@@ -1682,21 +1682,31 @@ absl::Status UcxTransport::Close() {
   // own close does not wait for it again.
   bool arrived = true;
   std::vector<int> silent, gave_up;
+  // Tells every peer that this rank will not take part in the second exchange (kCloseDone), so
+  // that theirs does not wait for it.
+  auto tell_gave_up = [this] {
+    static const int kGaveUp = 1;  // read by MPI after this returns
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      MPI_Request request;
+      if (MPI_Isend(&kGaveUp, 1, MPI_INT, r, kCloseGaveUp, comm_, &request) == MPI_SUCCESS) {
+        MPI_Request_free(&request);
+      }
+    }
+  };
   if (comm_ != MPI_COMM_NULL) {
     arrived = CloseExchange(kCloseArrive, &silent, nullptr);
     if (!arrived) {
-      static const int kGaveUp = 1;  // read by MPI after this returns
-      for (int r = 0; r < size_; ++r) {
-        if (r == rank_) continue;
-        MPI_Request request;
-        if (MPI_Isend(&kGaveUp, 1, MPI_INT, r, kCloseGaveUp, comm_, &request) == MPI_SUCCESS) {
-          MPI_Request_free(&request);
-        }
+      tell_gave_up();
+      if (silent.empty()) {
+        close_status_ = SystemError("transport ucx destruction: could not post the check with the "
+                                    "peers on rank %d; its communicator stays allocated", rank_);
+      } else {
+        close_status_ = Timeout(
+            "transport ucx destruction timed out after %d ms on rank %d: nothing heard from "
+            "rank(s) %s (they failed, hang, or destroy their layers in another order); its "
+            "communicator stays allocated", 2 * timeout_ms_ + 2000, rank_, RankList(silent));
       }
-      close_status_ = Timeout(
-          "transport ucx destruction timed out after %d ms on rank %d: nothing heard from "
-          "rank(s) %s (they failed, hang, or destroy their layers in another order); its "
-          "communicator stays allocated", 2 * timeout_ms_ + 2000, rank_, RankList(silent));
     }
   }
   // A peer that gave up on this transport before this rank arrived (best effort: its word may
@@ -1710,6 +1720,9 @@ absl::Status UcxTransport::Close() {
     }
   }
   bool barrier_done = arrived && !peer_gave_up;
+  // Arrived, but a peer gave up: this rank skips the second exchange too, and says so to the
+  // peers that did arrive (they may have missed the word that this rank saw).
+  if (arrived && peer_gave_up) tell_gave_up();
   const Clock::time_point until = Clock::now() + std::chrono::milliseconds(2000);
   // Freed requests may still be sent by the progress below (wire-up replays them): their payloads
   // are kept until the worker is gone.
@@ -1789,11 +1802,7 @@ absl::Status UcxTransport::Close() {
 
 absl::Status UcxTransport::PrepareHandle(DispatchHandle* handle, int64_t recv_capacity_rows) {
   MOONEP_RETURN_IF_ERROR(Usable());
-  MOONEP_CHECK_ARG(handle != nullptr, "handle is null");
-  MOONEP_CHECK_ARG(recv_capacity_rows >= 0, "recv_capacity_rows is %d; must be >= 0",
-                   recv_capacity_rows);
-  return handle->ReserveHostStaging(options_.max_tokens * options_.max_top_k,
-                                    options_.max_row_bytes, recv_capacity_rows);
+  return common::PrepareHostHandle(options_, handle, recv_capacity_rows);
 }
 
 void UcxTransport::Progress() {

@@ -67,11 +67,12 @@ MOONEP_API const char* moonepGetLastThreadError(void);
  * identical plan bytes on every rank. A planner handle keeps the latest plan; the accessors copy
  * parts of it into caller buffers whose capacity (in elements) they check.
  *
- * Handles: every call checks its planner against the library's set of live planners. A NULL
- * planner is moonepInvalidArgument (moonepPlannerDestroy(NULL) excepted: a no-op); a destroyed,
+ * Handles: every call checks its planner against the library's set of live planners. A NULL planner
+ * is moonepInvalidArgument (moonepPlannerDestroy(NULL) excepted: a no-op); a destroyed,
  * never-created or other-kind pointer is moonepInvalidUsage with a message, and is never
- * dereferenced; destroying a planner twice is moonepInvalidUsage. Distinct planners may be used
- * from distinct threads at once; one planner must not be used by two threads at once.
+ * dereferenced; destroying a planner twice is moonepInvalidUsage. (A stale pointer whose address a
+ * new planner has since taken is that planner: do not keep handles past destroy.) Distinct planners
+ * may be used from distinct threads at once; one planner must not be used by two threads at once.
  *
  * Structs: moonepPlannerConfig_t and moonepPlanStats_t start with `size` (sizeof as compiled by
  * the caller). New fields are only ever appended after the previous version's sizeof. The library

@@ -232,9 +232,10 @@ MOONEP_API moonepResult_t moonepLayerCreate(moonepComm_t comm, const moonepLayer
                                             moonepLayer_t* layer);
 /* [collective] Every rank destroys the layers and EP buffers of a communicator in the same order
  * (e.g. the order it created them, or its reverse, alike on every rank). Outstanding handles are
- * released. The host transports (mpi, ucx) check, within MOONEP_TIMEOUT_MS, that every peer is
- * destroying the same layer: when a peer does not get there in time (it failed, hangs, or destroys
- * its layers in another order) the call still frees the layer and returns, after that timeout,
+ * released. The host transports check that every peer is destroying the same layer, within
+ * MOONEP_TIMEOUT_MS (mpi) or twice that and 2 s (ucx, which also flushes its endpoints for up to
+ * 2 s): when a peer does not get there in time (it failed, hangs, or destroys its layers in
+ * another order) the call still frees the layer and returns, after that wait,
  * moonepTimeout with a message naming the layer, the phase ("destruction") and the peers not heard
  * from (also logged as a WARN); that layer's MPI communicators then stay allocated. In every case
  * the layer handle is invalid once the call returns. With the calls out of order, which ranks
