@@ -10,6 +10,7 @@
 #include <mutex>
 #include <random>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "moonep/core/env.h"
@@ -324,6 +325,22 @@ absl::StatusOr<MPI_Comm> Communicator::CreationAgreement(MPI_Comm parent, const 
   return dup;
 }
 
+template <typename T>
+absl::StatusOr<MPI_Comm> Communicator::AgreeOnRecords(MPI_Comm parent, const char* parent_name,
+                                                      const T& mine, std::vector<T>* all,
+                                                      const char* phase, int64_t timeout_ms) {
+  static_assert(std::is_trivially_copyable<T>::value, "records travel as bytes");
+  std::string gathered;
+  MOONEP_ASSIGN_OR_RETURN(
+      MPI_Comm dup,
+      CreationAgreement(parent, parent_name,
+                        absl::Span<const char>(reinterpret_cast<const char*>(&mine), sizeof(mine)),
+                        &gathered, phase, timeout_ms));
+  all->resize(gathered.size() / sizeof(T));
+  std::memcpy(all->data(), gathered.data(), all->size() * sizeof(T));
+  return dup;
+}
+
 absl::StatusOr<std::unique_ptr<Communicator>> Communicator::FromMpi(MPI_Comm comm) {
   MOONEP_RETURN_IF_ERROR(EnsureMpi());
   if (comm == MPI_COMM_NULL) return InvalidArgument("comm is MPI_COMM_NULL");
@@ -334,17 +351,10 @@ absl::StatusOr<std::unique_ptr<Communicator>> Communicator::FromMpi(MPI_Comm com
   // rank that joins after the others gave up fail too, instead of going on alone.
   const absl::Status local =
       timeout.status.ok() ? absl::OkStatus() : Annotate(timeout.status, kPhase);
-  const LocalError mine = Carry(local);
-  std::string gathered;
-  MOONEP_ASSIGN_OR_RETURN(
-      MPI_Comm dup,
-      CreationAgreement(comm, "the caller's communicator",
-                        absl::Span<const char>(reinterpret_cast<const char*>(&mine), sizeof(mine)),
-                        &gathered, kPhase, timeout.ms));
-  int size = 0;
-  MPI_Comm_size(dup, &size);
-  std::vector<LocalError> all(static_cast<size_t>(size));
-  std::memcpy(all.data(), gathered.data(), gathered.size());
+  std::vector<LocalError> all;
+  MOONEP_ASSIGN_OR_RETURN(MPI_Comm dup, AgreeOnRecords(comm, "the caller's communicator",
+                                                       Carry(local), &all, kPhase, timeout.ms));
+  const int size = static_cast<int>(all.size());
   absl::Status verdict = local;
   for (int r = 0; r < size && verdict.ok(); ++r) {
     if (all[r].failed) verdict = RemoteError("%s: rank %d failed: %s", kPhase, r, Quote(all[r]));
@@ -386,16 +396,10 @@ absl::StatusOr<std::unique_ptr<Communicator>> Communicator::FromUniqueId(const U
   // A private duplicate of MPI_COMM_WORLD: every process of it takes part in the agreement, which
   // names the processes not heard from; then only the processes that passed this id make the
   // communicator, together.
-  std::string gathered;
-  MOONEP_ASSIGN_OR_RETURN(
-      MPI_Comm world,
-      CreationAgreement(MPI_COMM_WORLD, "MPI_COMM_WORLD",
-                        absl::Span<const char>(reinterpret_cast<const char*>(&mine), sizeof(mine)),
-                        &gathered, kPhase, timeout.ms));
-  int world_size = 0;
-  MPI_Comm_size(world, &world_size);
-  std::vector<Member> all(static_cast<size_t>(world_size));
-  std::memcpy(all.data(), gathered.data(), gathered.size());
+  std::vector<Member> all;
+  MOONEP_ASSIGN_OR_RETURN(MPI_Comm world, AgreeOnRecords(MPI_COMM_WORLD, "MPI_COMM_WORLD", mine,
+                                                         &all, kPhase, timeout.ms));
+  const int world_size = static_cast<int>(all.size());
   // Every member checks the same gathered data, so all reach the same verdict.
   std::vector<int> group;  // world ranks that passed this id
   for (int w = 0; w < world_size; ++w) {
@@ -464,14 +468,9 @@ absl::StatusOr<std::unique_ptr<Communicator>> Communicator::FromEnvironment() {
     mine.rank = info->rank;
   }
   mine.error = Carry(local);
-  std::string gathered;
-  MOONEP_ASSIGN_OR_RETURN(
-      MPI_Comm world,
-      CreationAgreement(MPI_COMM_WORLD, "MPI_COMM_WORLD",
-                        absl::Span<const char>(reinterpret_cast<const char*>(&mine), sizeof(mine)),
-                        &gathered, kPhase, timeout.ms));
-  std::vector<Member> all(static_cast<size_t>(world_size));
-  std::memcpy(all.data(), gathered.data(), gathered.size());
+  std::vector<Member> all;
+  MOONEP_ASSIGN_OR_RETURN(MPI_Comm world, AgreeOnRecords(MPI_COMM_WORLD, "MPI_COMM_WORLD", mine,
+                                                         &all, kPhase, timeout.ms));
   absl::Status verdict = local;
   for (int w = 0; w < world_size && verdict.ok(); ++w) {
     if (all[w].error.failed) {

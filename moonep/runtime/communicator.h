@@ -162,6 +162,11 @@ class Communicator {
   static absl::StatusOr<MPI_Comm> CreationAgreement(MPI_Comm parent, const char* parent_name,
                                                     absl::Span<const char> bytes, std::string* out,
                                                     const char* phase, int64_t timeout_ms);
+  // CreationAgreement of every rank's `mine` (a trivially copyable record): `all[r]` is rank r's.
+  template <typename T>
+  static absl::StatusOr<MPI_Comm> AgreeOnRecords(MPI_Comm parent, const char* parent_name,
+                                                 const T& mine, std::vector<T>* all,
+                                                 const char* phase, int64_t timeout_ms);
 
   // An agreement's messages, kept alive after a timeout while MPI may still use them.
   struct Exchange {
