@@ -341,6 +341,18 @@ absl::StatusOr<MPI_Comm> Communicator::AgreeOnRecords(MPI_Comm parent, const cha
   return dup;
 }
 
+absl::StatusOr<std::unique_ptr<Communicator>> Communicator::AdoptGroup(
+    MPI_Comm world, const absl::Status& verdict, const std::vector<int>& by_rank) {
+  if (!verdict.ok()) {
+    MPI_Comm_free(&world);
+    return verdict;
+  }
+  absl::StatusOr<MPI_Comm> made = CreateGroup(world, by_rank);
+  MPI_Comm_free(&world);
+  if (!made.ok()) return made.status();
+  return Adopt(*made);
+}
+
 absl::StatusOr<std::unique_ptr<Communicator>> Communicator::FromMpi(MPI_Comm comm) {
   MOONEP_RETURN_IF_ERROR(EnsureMpi());
   if (comm == MPI_COMM_NULL) return InvalidArgument("comm is MPI_COMM_NULL");
@@ -429,14 +441,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> Communicator::FromUniqueId(const U
     }
     slot = w;
   }
-  if (!verdict.ok()) {
-    MPI_Comm_free(&world);
-    return verdict;
-  }
-  absl::StatusOr<MPI_Comm> made = CreateGroup(world, by_rank);
-  MPI_Comm_free(&world);
-  if (!made.ok()) return made.status();
-  return Adopt(*made);
+  return AdoptGroup(world, verdict, by_rank);
 }
 
 absl::StatusOr<std::unique_ptr<Communicator>> Communicator::FromEnvironment() {
@@ -490,14 +495,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> Communicator::FromEnvironment() {
     }
     slot = w;
   }
-  if (!verdict.ok()) {
-    MPI_Comm_free(&world);
-    return verdict;
-  }
-  absl::StatusOr<MPI_Comm> made = CreateGroup(world, by_rank);
-  MPI_Comm_free(&world);
-  if (!made.ok()) return made.status();
-  return Adopt(*made);
+  return AdoptGroup(world, verdict, by_rank);
 }
 
 Communicator::~Communicator() {

@@ -150,6 +150,12 @@ class Communicator {
  private:
   Communicator() = default;
   static absl::StatusOr<std::unique_ptr<Communicator>> Adopt(MPI_Comm owned);
+  // The agreed `verdict` on the members of a creation out of `world` (a private duplicate of
+  // MPI_COMM_WORLD, freed here): its error, or the communicator of the world ranks `by_rank`
+  // (MPI_Comm_create_group), adopted.
+  static absl::StatusOr<std::unique_ptr<Communicator>> AdoptGroup(MPI_Comm world,
+                                                                  const absl::Status& verdict,
+                                                                  const std::vector<int>& by_rank);
   struct Exchange;
   // Allgather's exchange over `comm` (rank `rank` of `size`) with a deadline of `timeout_ms` per
   // round; an exchange MPI may still use is moved to `parked`.
