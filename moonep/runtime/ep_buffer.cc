@@ -47,13 +47,9 @@ absl::StatusOr<std::unique_ptr<EpBuffer>> EpBuffer::Create(Communicator* comm,
   buf->capacity_ = RecvCapacityRows(config, comm->size(), sum_max_tokens);
   buf->layer_id_ = config.layer_id >= 0 ? config.layer_id : comm->NextLayerId();
   // The transport (collective; every rank is here, since the config agreed).
-  transport::TransportOptions to;
-  to.comm = comm->mpi_comm();
-  to.max_tokens = config.max_tokens;
-  to.max_top_k = config.top_k;
-  to.max_row_bytes = row_bytes;
-  to.timeout_ms = config.timeout_ms;
-  MOONEP_ASSIGN_OR_RETURN(buf->transport_, comm->MakeTransport(TransportBackend(config), to));
+  MOONEP_ASSIGN_OR_RETURN(buf->transport_,
+                          comm->MakeTransport(TransportBackend(config),
+                                              TransportOptionsFor(config, comm->mpi_comm())));
 
   // The planner, the buffers and every handle's transport staging (their size depends on
   // max_recv_rows and max_tokens, which ranks may set differently): a rank that cannot make them

@@ -111,13 +111,23 @@ int64_t RecvCapacityRows(const LayerConfig& c, int32_t num_ranks, int64_t sum_ma
   // A token sends at most one row per expert that this rank computes, and there are G of them;
   // every token of every rank may pick this rank's experts (e.g. policy none, all routed here).
   // Within CheckLayerConfig's bounds (max_tokens * K < 2^31 a rank) this fits int64 for any
-  // number of ranks MPI can have; saturated otherwise (CheckRecvCapacity then refuses it).
+  // number of ranks MPI can have; -1 otherwise (CheckRecvCapacity then refuses it).
   int64_t rows = 0;
   if (__builtin_mul_overflow(sum_max_tokens, std::min<int64_t>(c.top_k, groups), &rows) ||
       __builtin_add_overflow(rows, groups * (c.pad_multiple - 1), &rows)) {
     return -1;
   }
   return rows;
+}
+
+transport::TransportOptions TransportOptionsFor(const LayerConfig& config, MPI_Comm comm) {
+  transport::TransportOptions to;
+  to.comm = comm;
+  to.max_tokens = config.max_tokens;
+  to.max_top_k = config.top_k;
+  to.max_row_bytes = config.hidden * static_cast<int64_t>(DTypeSize(config.dtype));
+  to.timeout_ms = config.timeout_ms;
+  return to;
 }
 
 planner::PlannerConfig PlannerConfigFor(const LayerConfig& config, int32_t num_ranks,

@@ -10,10 +10,7 @@
 #include "moonep/core/dtype.h"
 #include "moonep/core/tensor.h"
 #include "planner/plan.h"
-
-namespace moonep::transport {
-class Transport;
-}  // namespace moonep::transport
+#include "transport/transport.h"
 
 namespace moonep::runtime {
 
@@ -84,6 +81,9 @@ absl::Status AgreeOnVerdict(Communicator* comm, const absl::Status& local_verdic
 // The planner's config for a layer or EP buffer of `config` on `num_ranks` ranks with `slots`
 // replica slots a rank (resolved).
 planner::PlannerConfig PlannerConfigFor(const LayerConfig& config, int32_t num_ranks, int32_t slots);
+// The transport options of a layer or EP buffer on communicator `comm` (its MPI communicator):
+// maxima from the config, rows of `hidden` values of its dtype, its timeout.
+transport::TransportOptions TransportOptionsFor(const LayerConfig& config, MPI_Comm comm);
 
 // The resolved receive capacity (rows) of this rank: max_recv_rows, else the worst case for
 // `sum_max_tokens` tokens over all ranks (AgreeOnConfig's sum; a rank receives at most one row per

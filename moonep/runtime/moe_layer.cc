@@ -114,14 +114,9 @@ absl::StatusOr<std::unique_ptr<MoeLayer>> MoeLayer::Create(Communicator* comm,
   layer->layer_id_ = config.layer_id >= 0 ? config.layer_id : comm->NextLayerId();
 
   // The transport (collective; every rank is here, since the config agreed).
-  transport::TransportOptions to;
-  to.comm = comm->mpi_comm();
-  to.max_tokens = config.max_tokens;
-  to.max_top_k = config.top_k;
-  to.max_row_bytes = static_cast<int64_t>(layer->row_bytes_);
-  to.timeout_ms = config.timeout_ms;
   MOONEP_ASSIGN_OR_RETURN(layer->transport_,
-                          comm->MakeTransport(TransportBackend(config), to));
+                          comm->MakeTransport(TransportBackend(config),
+                                              TransportOptionsFor(config, comm->mpi_comm())));
 
   // The planner, the executor, the buffers and every handle's transport staging (their sizes
   // depend on max_recv_rows and max_tokens, which ranks may set differently, and they need free

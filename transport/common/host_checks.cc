@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <new>
 
 #include <unistd.h>
 
@@ -359,6 +360,20 @@ absl::Status PrepareHostHandle(const TransportOptions& options, DispatchHandle* 
                    recv_capacity_rows);
   return handle->ReserveHostStaging(options.max_tokens * options.max_top_k, options.max_row_bytes,
                                     recv_capacity_rows);
+}
+
+absl::Status EnsureRowStaging(const TransportOptions& options, DispatchHandle* handle,
+                              bool scalars) {
+  const size_t entries = static_cast<size_t>(options.max_tokens) * options.max_top_k;
+  const size_t need = entries * static_cast<size_t>(options.max_row_bytes);
+  try {
+    if (handle->rows_staging_.size() < need) handle->rows_staging_.resize(need);
+    if (scalars && handle->scalar_staging_.size() < entries) handle->scalar_staging_.resize(entries);
+  } catch (const std::bad_alloc&) {
+    return OutOfMemory("row staging of %d bytes (max_tokens x max_top_k x max_row_bytes): out of "
+                       "host memory (PrepareHandle allocates it up front)", need);
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace moonep::transport::common

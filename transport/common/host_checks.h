@@ -76,6 +76,11 @@ absl::Status CheckCountsInput(absl::Span<const int32_t> topk_ids, int64_t num_to
 // declared maxima of `options` and `recv_capacity_rows` (DispatchHandle::ReserveHostStaging).
 absl::Status PrepareHostHandle(const TransportOptions& options, DispatchHandle* handle,
                                int64_t recv_capacity_rows);
+// The handle's row staging (max_tokens * max_top_k rows of max_row_bytes; with `scalars`, also
+// max_tokens * max_top_k floats) at their full size, before a combine or dispatch-backward: within
+// what PrepareHostHandle reserved, nothing is allocated; else OutOfMemory when they cannot be.
+absl::Status EnsureRowStaging(const TransportOptions& options, DispatchHandle* handle,
+                              bool scalars);
 absl::Status CheckHandleReady(OpKind kind, const DispatchHandle* handle, int32_t rank, int32_t size);
 
 // Dispatch checks that every rank makes alike (functions of plan, counts and capacities): plan

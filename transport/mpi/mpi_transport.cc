@@ -7,7 +7,6 @@
 #include <climits>
 #include <cstring>
 #include <functional>
-#include <new>
 #include <string>
 #include <thread>
 #include <utility>
@@ -220,8 +219,6 @@ class MpiTransport : public Transport {
   // Checks that the handle is ready for an operation that needs a dispatch (local misuse aborts).
   absl::Status CheckDispatched(OpKind kind, DispatchHandle* handle);
   absl::StatusOr<RequestPtr> Skipped();
-  // The handle's row staging: at its first combine / dispatch-backward, unless prepared.
-  absl::Status EnsureRowStaging(DispatchHandle* handle) const;
 
   TransportOptions options_;
   int32_t rank_ = 0, size_ = 1;
@@ -1229,18 +1226,6 @@ absl::StatusOr<RequestPtr> MpiTransport::Skipped() {
   return RequestPtr(new DoneRequest());
 }
 
-absl::Status MpiTransport::EnsureRowStaging(DispatchHandle* h) const {
-  const size_t need = static_cast<size_t>(options_.max_tokens) * options_.max_top_k *
-                      static_cast<size_t>(options_.max_row_bytes);
-  if (h->rows_staging_.size() >= need) return absl::OkStatus();  // prepared, or used before
-  try {
-    h->rows_staging_.resize(need);
-  } catch (const std::bad_alloc&) {
-    return OutOfMemory("row staging of %d bytes (max_tokens x max_top_k x max_row_bytes): out of "
-                       "host memory (PrepareHandle allocates it up front)", need);
-  }
-  return absl::OkStatus();
-}
 
 absl::StatusOr<RequestPtr> MpiTransport::StartExchangeCounts(absl::Span<const int32_t> topk_ids,
                                                              int64_t num_tokens, int32_t top_k,
@@ -1317,7 +1302,7 @@ absl::StatusOr<RequestPtr> MpiTransport::StartCombine(DispatchHandle* h,
   MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kCombine, h));
   absl::Status s =
       common::CheckCombineBuffers(*h, expert_rows, y, options_.max_row_bytes, kBackendName);
-  if (s.ok()) s = EnsureRowStaging(h);
+  if (s.ok()) s = common::EnsureRowStaging(options_, h, /*scalars=*/false);
   if (!s.ok()) return AbortPeers(OpKind::kCombine, s);
   auto op = std::make_unique<CombineOp>(this, OpKind::kCombine, rows_comm_, rows_seq_++, h);
   MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(expert_rows, y)));
@@ -1332,7 +1317,7 @@ absl::StatusOr<RequestPtr> MpiTransport::StartDispatchBackward(DispatchHandle* h
   MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kDispatchBackward, h));
   absl::Status s =
       common::CheckDispatchBackwardBuffers(*h, dx_rows, dx, options_.max_row_bytes, kBackendName);
-  if (s.ok()) s = EnsureRowStaging(h);
+  if (s.ok()) s = common::EnsureRowStaging(options_, h, /*scalars=*/false);
   if (!s.ok()) return AbortPeers(OpKind::kDispatchBackward, s);
   auto op = std::make_unique<CombineOp>(this, OpKind::kDispatchBackward, rows_comm_, rows_seq_++, h);
   MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(dx_rows, dx)));

@@ -352,8 +352,6 @@ class UcxTransport : public Transport {
   absl::Status CheckDispatched(OpKind kind, DispatchHandle* handle);
   absl::StatusOr<RequestPtr> Skipped();
   absl::Status CheckChannel(OpKind kind, int channel);
-  // The handle's row and scalar staging, at first use unless PrepareHandle made them.
-  absl::Status EnsureRowStaging(DispatchHandle* handle) const;
   // Close's exchange with every peer over comm_ (MPI tags kCloseArrive / kCloseDone), bounded by
   // 2 * timeout + 2 s, with this worker's progress; fills the peers not heard from. A peer whose
   // "gave up" message (kCloseGaveUp) arrives instead counts as heard from when `gave_up` is given
@@ -2009,20 +2007,6 @@ absl::Status UcxTransport::CheckChannel(OpKind kind, int channel) {
   return absl::OkStatus();
 }
 
-absl::Status UcxTransport::EnsureRowStaging(DispatchHandle* h) const {
-  const size_t need = static_cast<size_t>(options_.max_tokens) * options_.max_top_k *
-                      static_cast<size_t>(options_.max_row_bytes);
-  const size_t scalars = static_cast<size_t>(options_.max_tokens) * options_.max_top_k;
-  try {
-    // Within what PrepareHandle reserved: no allocation.
-    if (h->rows_staging_.size() < need) h->rows_staging_.resize(need);
-    if (h->scalar_staging_.size() < scalars) h->scalar_staging_.resize(scalars);
-  } catch (const std::bad_alloc&) {
-    return OutOfMemory("row staging of %d bytes (max_tokens x max_top_k x max_row_bytes): out of "
-                       "host memory (PrepareHandle allocates it up front)", need);
-  }
-  return absl::OkStatus();
-}
 
 absl::StatusOr<RequestPtr> UcxTransport::StartExchangeCounts(absl::Span<const int32_t> topk_ids,
                                                              int64_t num_tokens, int32_t top_k,
@@ -2103,7 +2087,7 @@ absl::StatusOr<RequestPtr> UcxTransport::StartCombine(DispatchHandle* h,
   MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kCombine, h));
   absl::Status s =
       common::CheckCombineBuffers(*h, expert_rows, y, options_.max_row_bytes, kBackendName);
-  if (s.ok()) s = EnsureRowStaging(h);
+  if (s.ok()) s = common::EnsureRowStaging(options_, h, /*scalars=*/true);
   if (!s.ok()) return AbortPeers(OpKind::kCombine, s);
   auto op = std::make_unique<CombineOp>(this, OpKind::kCombine, kRowsChannel, seq_[kRowsChannel]++, h);
   MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(expert_rows, y)));
@@ -2119,7 +2103,7 @@ absl::StatusOr<RequestPtr> UcxTransport::StartDispatchBackward(DispatchHandle* h
   MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kDispatchBackward, h));
   absl::Status s =
       common::CheckDispatchBackwardBuffers(*h, dx_rows, dx, options_.max_row_bytes, kBackendName);
-  if (s.ok()) s = EnsureRowStaging(h);
+  if (s.ok()) s = common::EnsureRowStaging(options_, h, /*scalars=*/true);
   if (!s.ok()) return AbortPeers(OpKind::kDispatchBackward, s);
   auto op = std::make_unique<CombineOp>(this, OpKind::kDispatchBackward, kRowsChannel, seq_[kRowsChannel]++, h);
   MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(dx_rows, dx)));
@@ -2136,7 +2120,7 @@ absl::StatusOr<RequestPtr> UcxTransport::StartTopkWeightGrad(DispatchHandle* h,
   MOONEP_RETURN_IF_ERROR(CheckDispatched(OpKind::kTopkWeightGrad, h));
   absl::Status s =
       common::CheckTopkWeightGradBuffers(*h, dy_rows, expert_rows, d_topk_weights, kBackendName);
-  if (s.ok()) s = EnsureRowStaging(h);
+  if (s.ok()) s = common::EnsureRowStaging(options_, h, /*scalars=*/true);
   if (!s.ok()) return AbortPeers(OpKind::kTopkWeightGrad, s);
   auto op = std::make_unique<TopkWeightGradOp>(this, kRowsChannel, seq_[kRowsChannel]++, h);
   MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(dy_rows, expert_rows, d_topk_weights.data())));
