@@ -29,8 +29,8 @@ absl::StatusOr<std::unique_ptr<Planner>> Planner::Create(const PlannerConfig& co
   std::unique_ptr<Planner> planner(new Planner);
   MOONEP_RETURN_IF_ERROR(ResolveConfig(config, &planner->state_->config));
   const PlannerConfig& c = planner->state_->config;
-  MOONEP_CHECK_ARG(c.slots >= 1, "slots must be >= 1 (or -1 for E/R), got %d; use policy none for home "
-                   "placement only", c.slots);
+  MOONEP_CHECK_ARG(c.slots >= 1, "slots must be >= 1 (or -1 for E/R), got %d (every policy needs a "
+                   "slot; policy none never fills one: it keeps every expert at home)", c.slots);
   MOONEP_CHECK_ARG(c.policy >= Policy::kNone && c.policy <= Policy::kTestForceReplicas,
                    "policy %d is not a known policy", static_cast<int>(c.policy));
   if (c.policy == Policy::kFasterMoEShadow) {

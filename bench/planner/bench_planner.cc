@@ -92,8 +92,12 @@ class RatioReporter : public benchmark::ConsoleReporter {
     for (const Run& run : runs) {
       if (run.error_occurred) continue;
       const bool median = run.run_type == Run::RT_Aggregate && run.aggregate_name == "median";
-      if (run.run_type == Run::RT_Aggregate && run.aggregate_name == "min") {
-        min_us_[run.run_name.function_name] = run.GetAdjustedCPUTime() * ToMicros(run.time_unit);
+      if (run.run_type == Run::RT_Iteration) {
+        // The min over repetitions, from the runs themselves (with one repetition there is no
+        // "min" aggregate).
+        const double t = run.GetAdjustedCPUTime() * ToMicros(run.time_unit);
+        auto [it, fresh] = min_us_.emplace(run.run_name.function_name, t);
+        if (!fresh) it->second = std::min(it->second, t);
       }
       if (median || run.run_type == Run::RT_Iteration) {
         const std::string name = run.run_name.function_name;  // without the aggregate suffix

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -60,7 +61,9 @@ ABSL_FLAG(double, coact_prob, 0.5, "coactivation: chance a later choice stays in
 ABSL_FLAG(uint64_t, seed, 1, "random seed (same seed, same output)");
 ABSL_FLAG(std::string, trace, "", "replay this routing trace (docs/trace-format.md) instead of a model");
 ABSL_FLAG(std::string, trace_format, "auto", "trace format: auto, moonep or csv");
-ABSL_FLAG(int32_t, trace_layer, -1, "replay only this layer's records (-1: every record, in order)");
+ABSL_FLAG(int32_t, trace_layer, -1,
+          "replay only this layer's records (-1: every record, in order; each layer is planned on "
+          "its own)");
 
 // Planning.
 ABSL_FLAG(std::string, policies, "all",
@@ -126,8 +129,10 @@ absl::Status BuildOptions(SimOptions* o) {
   MOONEP_RETURN_IF_ERROR(size("intermediate", absl::GetFlag(FLAGS_intermediate),
                               preset ? preset->intermediate : 0, true, &o->cost.intermediate));
   if (has_trace && preset) {
-    // A trace brings its own R, E and K: the preset only lends H and I unless sizes were given.
+    // A trace brings its own R, E and K: the preset only lends H and I unless sizes were given
+    // (given ones must match the trace: Simulator::Create checks).
     if (absl::GetFlag(FLAGS_ranks) == 0) rp.num_ranks = 0;
+    if (absl::GetFlag(FLAGS_experts) == 0) rp.num_experts = 0;
     if (absl::GetFlag(FLAGS_topk) == 0) rp.topk = 0;
   }
   const std::string routing = absl::GetFlag(FLAGS_routing);
@@ -233,6 +238,17 @@ absl::Status RunMain() {
   SimOptions options;
   MOONEP_RETURN_IF_ERROR(BuildOptions(&options));
   MOONEP_ASSIGN_OR_RETURN(std::unique_ptr<Simulator> sim, Simulator::Create(options));
+  if (!options.trace_path.empty()) {
+    // Sizes given with a trace must be the trace's (a CSV's R is --ranks itself).
+    const int32_t ranks = absl::GetFlag(FLAGS_ranks), experts = absl::GetFlag(FLAGS_experts);
+    MOONEP_CHECK_ARG(ranks == 0 || ranks == sim->num_ranks(), "--ranks is %d but the trace '%s' has R=%d",
+                     ranks, options.trace_path, sim->num_ranks());
+    MOONEP_CHECK_ARG(experts == 0 || experts == sim->num_experts(),
+                     "--experts is %d but the trace '%s' has E=%d", experts, options.trace_path,
+                     sim->num_experts());
+  }
+  const std::string svg_dir = absl::GetFlag(FLAGS_svg);
+  if (!svg_dir.empty()) MOONEP_RETURN_IF_ERROR(moonep::Annotate(PrepareSvgDir(svg_dir), "--svg"));
 
   TeeSink tee;
   std::FILE* csv_file = nullptr;
@@ -258,12 +274,20 @@ absl::Status RunMain() {
   progress.Done();
   absl::Status io = absl::OkStatus();
   if (json && result.ok()) io.Update(json->Finish());
-  if (csv_file && std::fclose(csv_file) != 0) io.Update(moonep::SystemError("closing --csv file failed"));
-  if (json_file && std::fclose(json_file) != 0) io.Update(moonep::SystemError("closing --json file failed"));
-  MOONEP_RETURN_IF_ERROR(result.status());
+  if (csv_file && std::fclose(csv_file) != 0) {
+    io.Update(moonep::SystemError("writing --csv file '%s' failed: %s", csv_path, std::strerror(errno)));
+  }
+  if (json_file && std::fclose(json_file) != 0) {
+    io.Update(moonep::SystemError("writing --json file '%s' failed: %s", json_path, std::strerror(errno)));
+  }
+  if (!result.ok()) {
+    // A failed run leaves no half-written files that look like results.
+    if (csv_file) std::remove(csv_path.c_str());
+    if (json_file) std::remove(json_path.c_str());
+    return result.status();
+  }
   MOONEP_RETURN_IF_ERROR(io);
   std::printf("%s", FormatSummary(*result, sim->options()).c_str());
-  const std::string svg_dir = absl::GetFlag(FLAGS_svg);
   if (!svg_dir.empty()) {
     MOONEP_RETURN_IF_ERROR(moonep::Annotate(WriteSvgs(*result, svg_dir), "--svg"));
     std::printf("wrote %s/imbalance.svg, rank_load.svg, step_time.svg\n", svg_dir.c_str());
@@ -295,7 +319,14 @@ int main(int argc, char** argv) {
                  rest[1]);
     return 2;
   }
-  const absl::Status status = RunMain();
+  absl::Status status;
+  try {
+    status = RunMain();
+  } catch (const std::bad_alloc&) {
+    status = moonep::OutOfMemory(
+        "out of memory: this run needs more memory than the process could get; lower --ranks, "
+        "--experts or --tokens, or use --detail=totals");
+  }
   if (!status.ok()) {
     std::fprintf(stderr, "moonep-sim: error: %s\n", std::string(status.message()).c_str());
     return status.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;

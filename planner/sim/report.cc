@@ -1,6 +1,7 @@
 #include "planner/sim/report.h"
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -47,9 +48,13 @@ const char* DetailNote(Detail d) {
 
 std::string FormatSummary(const SimResult& r, const SimOptions& o) {
   const CostConfig& c = o.cost;
+  const std::string steps =
+      r.layers > 1 ? absl::StrFormat("%d records of %d layers (each layer planned on its own)",
+                                     r.steps, r.layers)
+                   : absl::StrFormat("%d steps", r.steps);
   std::string out = absl::StrFormat(
-      "moonep-sim: R=%d E=%d K=%d T=%d, routing %s, %d steps, detail %s (%s), %.2f s\n", r.num_ranks,
-      r.num_experts, r.topk, r.tokens_per_rank, RoutingDescription(o), r.steps, DetailName(r.detail),
+      "moonep-sim: R=%d E=%d K=%d T=%d, routing %s, %s, detail %s (%s), %.2f s\n", r.num_ranks,
+      r.num_experts, r.topk, r.tokens_per_rank, RoutingDescription(o), steps, DetailName(r.detail),
       DetailNote(r.detail), r.wall_seconds);
   absl::StrAppendFormat(&out,
                         "cost model: H=%d I=%d, %s, %g TFLOP/s per rank, %d ranks/node, intra %g GB/s, "
@@ -436,11 +441,23 @@ std::string StepTimeSvg(const SimResult& r) {
   return chart.Finish();
 }
 
-absl::Status WriteSvgs(const SimResult& result, const std::string& dir) {
+absl::Status PrepareSvgDir(const std::string& dir) {
   MOONEP_CHECK_ARG(!dir.empty(), "svg directory is empty");
   if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
     return InvalidArgument("cannot create svg directory '%s': %s", dir, std::strerror(errno));
   }
+  struct stat st;
+  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    return InvalidArgument("svg path '%s' is not a directory", dir);
+  }
+  if (::access(dir.c_str(), W_OK | X_OK) != 0) {
+    return InvalidArgument("cannot write into svg directory '%s': %s", dir, std::strerror(errno));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WriteSvgs(const SimResult& result, const std::string& dir) {
+  MOONEP_RETURN_IF_ERROR(PrepareSvgDir(dir));
   const std::pair<const char*, std::string> files[] = {
       {"imbalance.svg", ImbalanceSvg(result)},
       {"rank_load.svg", RankLoadSvg(result)},

@@ -58,5 +58,8 @@ std::string StepTimeSvg(const SimResult& result);   // mean step time by part, p
 
 // Writes imbalance.svg, rank_load.svg and step_time.svg into `dir` (created if missing).
 absl::Status WriteSvgs(const SimResult& result, const std::string& dir);
+// Creates `dir` when missing and checks that files can be made in it (what WriteSvgs does first),
+// so that a run can refuse a bad --svg before it starts.
+absl::Status PrepareSvgDir(const std::string& dir);
 
 }  // namespace moonep::sim

@@ -154,6 +154,7 @@ absl::StatusOr<std::unique_ptr<RoutingModel>> RoutingModel::Create(const Routing
   m->log_weight_ = m->base_log_;
   m->prob_.assign(D, std::vector<double>(E, 0.0));
   m->alias_prob_.resize(D);
+  m->cdf_.resize(D);
   m->alias_index_.resize(D);
   m->share_.assign(static_cast<size_t>(D) * E, 0.0);
   if (params.kind == RoutingKind::kCoactivation) {
@@ -213,6 +214,10 @@ void RoutingModel::AdvanceDistributions() {
     const double sum = std::accumulate(p.begin(), p.end(), 0.0);
     for (double& v : p) v /= sum;
     BuildAlias(p, &alias_prob_[d], &alias_index_[d], &scratch_);
+    std::vector<double>& cdf = cdf_[d];
+    cdf.resize(static_cast<size_t>(E) + 1);
+    cdf[0] = 0;
+    for (int32_t e = 0; e < E; ++e) cdf[e + 1] = cdf[e] + p[e];
   }
 }
 
@@ -231,27 +236,52 @@ int32_t RoutingModel::DrawDistinct(int32_t domain, const int32_t* chosen, int32_
     const int32_t e = coin < ap[i] ? i : ai[i];
     if (!taken(e)) return e;
   }
+  // Successive sampling on the prefix sums: a point drawn uniformly in the mass left, moved past
+  // the interval of every chosen expert at or before it, lands in the interval of the expert
+  // drawn (O(K log K + log E); heavy skew reaches this on most later choices).
   const std::vector<double>& p = prob_[domain];
+  const std::vector<double>& cdf = cdf_[domain];
+  chosen_sorted_.assign(chosen, chosen + num_chosen);
+  std::sort(chosen_sorted_.begin(), chosen_sorted_.end());
+  double left = cdf[E];
+  for (int32_t c : chosen_sorted_) left -= p[c];
+  if (left > 0) {
+    double x = Uniform01() * left;
+    for (int32_t c : chosen_sorted_) {
+      if (cdf[c] > x) break;
+      x += p[c];
+    }
+    const int32_t e = static_cast<int32_t>(std::upper_bound(cdf.begin() + 1, cdf.end(), x) -
+                                           (cdf.begin() + 1));
+    if (e < E && p[e] > 0 && !taken(e)) return e;
+  }
+  // Rounding put the point outside every free interval (the mass left is below the prefix sums'
+  // resolution): the exact scan, O(E).
+  taken_mark_.assign(E, 0);
+  for (int32_t c : chosen_sorted_) taken_mark_[c] = 1;
   double rest = 0;
-  for (int32_t e = 0; e < E; ++e) rest += taken(e) ? 0.0 : p[e];
+  for (int32_t e = 0; e < E; ++e) rest += taken_mark_[e] ? 0.0 : p[e];
+  int32_t drawn = -1;
   if (rest > 0) {
     double u = Uniform01() * rest;
-    int32_t last = -1;
-    for (int32_t e = 0; e < E; ++e) {
-      if (taken(e) || p[e] <= 0) continue;
-      last = e;
+    for (int32_t e = 0; e < E && drawn < 0; ++e) {
+      if (taken_mark_[e] || p[e] <= 0) continue;
       u -= p[e];
-      if (u < 0) return e;
+      if (u < 0) drawn = e;
     }
-    if (last >= 0) return last;
+    // u never went below 0 (rounding): the last free expert with weight.
+    for (int32_t e = E - 1; e >= 0 && drawn < 0; --e) {
+      if (!taken_mark_[e] && p[e] > 0) drawn = e;
+    }
   }
-  // Only zero-weight experts remain: take one uniformly.
-  int32_t k = static_cast<int32_t>(Bounded(rng_, E - num_chosen));
-  for (int32_t e = 0; e < E; ++e) {
-    if (taken(e)) continue;
-    if (k-- == 0) return e;
+  if (drawn < 0) {
+    // Only zero-weight experts remain: take one uniformly.
+    int32_t k = static_cast<int32_t>(Bounded(rng_, E - num_chosen));
+    for (int32_t e = 0; e < E && drawn < 0; ++e) {
+      if (!taken_mark_[e] && k-- == 0) drawn = e;
+    }
   }
-  return 0;  // unreachable: num_chosen < E
+  return drawn >= 0 ? drawn : 0;  // drawn >= 0: num_chosen < E
 }
 
 void RoutingModel::SampleRank(int32_t rank, int32_t* ids, int64_t* counts) {

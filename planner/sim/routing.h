@@ -134,6 +134,9 @@ class RoutingModel {
   // Alias tables of prob_ (Vose), rebuilt each step.
   std::vector<std::vector<double>> alias_prob_;
   std::vector<std::vector<int32_t>> alias_index_;
+  std::vector<std::vector<double>> cdf_;         // [domain][E+1] prefix sums of prob_
+  std::vector<int32_t> chosen_sorted_;           // DrawDistinct's scratch
+  std::vector<char> taken_mark_;                 // DrawDistinct's scratch, [E]
   std::vector<double> share_;                    // [domain][E] flattened: share of one rank
   std::vector<int32_t> group_of_;                // coactivation: group of each expert
   std::vector<int32_t> group_members_;           // experts by group, coact_group per group

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <map>
+#include <set>
 #include <thread>
 
 #include "moonep/core/status.h"
@@ -30,8 +32,12 @@ struct Simulator::State {
   Detail detail = Detail::kTokens;
   std::unique_ptr<RoutingModel> model;
   std::unique_ptr<TraceReader> trace;
-  std::vector<std::unique_ptr<Planner>> planners;
-  std::vector<std::string> names;  // per planner, then "lower-bound"
+  // One planner per policy and layer: a planner keeps history (EPLB's window and re-plan period,
+  // the plan cache), and the runtime keeps one per layer, so a trace's layers never share one.
+  // Layer 0's set is made by Create; a trace's other layers get theirs when first seen.
+  std::vector<PlannerConfig> configs;  // per policy
+  std::map<int32_t, std::vector<std::unique_ptr<Planner>>> planners;
+  std::vector<std::string> names;  // per policy, then "lower-bound"
   // Per worker thread: a plan shared by the policies that worker runs (the planner clears it
   // sparsely, so reuse is cheap), and traffic scratch.
   struct Worker {
@@ -50,6 +56,8 @@ struct Simulator::State {
 Simulator::Simulator() : state_(new State) {}
 Simulator::~Simulator() = default;
 Detail Simulator::detail() const { return state_->detail; }
+int32_t Simulator::num_ranks() const { return state_->R; }
+int32_t Simulator::num_experts() const { return state_->E; }
 const SimOptions& Simulator::options() const { return state_->options; }
 
 absl::StatusOr<std::unique_ptr<Simulator>> Simulator::Create(const SimOptions& options) {
@@ -61,7 +69,8 @@ absl::StatusOr<std::unique_ptr<Simulator>> Simulator::Create(const SimOptions& o
   MOONEP_CHECK_ARG(o.steps > 0 || !o.trace_path.empty(), "steps must be positive without a trace");
   MOONEP_CHECK_ARG(o.eplb_period >= 1, "eplb_period must be >= 1, got %d", o.eplb_period);
   MOONEP_CHECK_ARG(o.pad_multiple >= 1, "pad_multiple must be >= 1, got %d", o.pad_multiple);
-  MOONEP_CHECK_ARG(o.slots >= -1, "slots must be >= 0 (or -1 for E/R), got %d", o.slots);
+  MOONEP_CHECK_ARG(o.slots == -1 || o.slots >= 1, "slots must be >= 1 (or -1 for E/R), got %d",
+                   o.slots);
   MOONEP_CHECK_ARG(o.snapshot_step >= 0, "svg_step must be >= 0, got %d", o.snapshot_step);
   MOONEP_CHECK_ARG(o.trace_layer >= -1, "trace_layer must be >= -1, got %d", o.trace_layer);
   MOONEP_RETURN_IF_ERROR(Annotate(ValidateCostConfig(o.cost), "cost model"));
@@ -74,6 +83,7 @@ absl::StatusOr<std::unique_ptr<Simulator>> Simulator::Create(const SimOptions& o
     st.R = st.trace->num_ranks();
     st.E = st.trace->num_experts();
     st.K = st.trace->topk();
+
   } else {
     MOONEP_RETURN_IF_ERROR(ValidateRoutingParams(o.routing));
     st.R = o.routing.num_ranks;
@@ -103,6 +113,13 @@ absl::StatusOr<std::unique_ptr<Simulator>> Simulator::Create(const SimOptions& o
   MOONEP_CHECK_ARG(st.detail != Detail::kCounts || st.R <= kMaxCountsRanks,
                    "detail=counts keeps an R x R matrix: ranks must be <= %d, got %d",
                    kMaxCountsRanks, st.R);
+  if (st.detail == Detail::kTokens) {
+    const int64_t choices = static_cast<int64_t>(st.R) * st.T * st.K;
+    MOONEP_CHECK_ARG(choices <= kMaxTokenChoices,
+                     "detail=tokens holds every token's choices: ranks * tokens * topk = %d is "
+                     "above %d (%d GiB); use --detail=counts or totals",
+                     choices, kMaxTokenChoices, kMaxTokenChoices * 4 >> 30);
+  }
 
   std::vector<Policy> policies = {Policy::kNone};
   for (Policy p : o.policies) {
@@ -127,14 +144,15 @@ absl::StatusOr<std::unique_ptr<Simulator>> Simulator::Create(const SimOptions& o
       c.shadow_broadcast_s_per_byte = 1.0 / (o.cost.inter_gbps * 1e9);
     }
     MOONEP_ASSIGN_OR_RETURN(std::unique_ptr<Planner> planner, Planner::Create(c));
-    st.planners.push_back(std::move(planner));
+    st.planners[0].push_back(std::move(planner));
+    st.configs.push_back(c);
     st.names.push_back(planner::PolicyName(p));
   }
   st.names.push_back("lower-bound");
 
   MOONEP_CHECK_ARG(o.threads >= 0, "threads must be >= 0, got %d", o.threads);
   int32_t threads = o.threads > 0 ? o.threads : static_cast<int32_t>(std::thread::hardware_concurrency());
-  threads = std::max(1, std::min<int32_t>(threads, static_cast<int32_t>(st.planners.size())));
+  threads = std::max(1, std::min<int32_t>(threads, static_cast<int32_t>(st.configs.size())));
   st.workers.resize(threads);
 
   // A node larger than R is one node of all R ranks (the planner reads it the same way).
@@ -213,6 +231,7 @@ absl::StatusOr<SimResult> Simulator::Run(StepSink* sink,
   };
 
   const int64_t total_steps = o.steps > 0 ? o.steps : -1;
+  std::set<int32_t> layers_seen;
   int64_t step = 0;
   for (; o.steps == 0 || step < o.steps; ++step) {
     // Routing of this step.
@@ -222,6 +241,13 @@ absl::StatusOr<SimResult> Simulator::Run(StepSink* sink,
         MOONEP_ASSIGN_OR_RETURN(got, st.trace->Next(&st.record));
       } while (got && o.trace_layer >= 0 && st.record.layer != o.trace_layer);
       if (!got) break;
+      if (st.planners.find(st.record.layer) == st.planners.end()) {
+        std::vector<std::unique_ptr<Planner>>& set = st.planners[st.record.layer];
+        for (const PlannerConfig& c : st.configs) {
+          MOONEP_ASSIGN_OR_RETURN(std::unique_ptr<Planner> planner, Planner::Create(c));
+          set.push_back(std::move(planner));
+        }
+      }
       StepRouting& r = st.routing;
       r.num_ranks = R;
       r.num_experts = E;
@@ -266,14 +292,16 @@ absl::StatusOr<SimResult> Simulator::Run(StepSink* sink,
     if (snapshot) result.snapshot_step = step;
 
     // Policies are independent: workers take them in turn; rows are emitted in policy order.
-    const size_t P = st.planners.size();
+    layers_seen.insert(rec.layer);
+    std::vector<std::unique_ptr<Planner>>& planners = st.planners[rec.layer];
+    const size_t P = planners.size();
     std::vector<PlanMetrics> metrics(P);
     std::vector<StepTime> times(P);
     std::vector<absl::Status> status(P);
     std::atomic<size_t> next{0};
     auto work = [&](State::Worker& w) {
       for (size_t i = next++; i < P; i = next++) {
-        Planner& planner = *st.planners[i];
+        Planner& planner = *planners[i];
         PlanMetrics& m = metrics[i];
         if (st.detail == Detail::kTotals) {
           status[i] = planner.Decide(st.routing.totals, &w.plan);
@@ -315,24 +343,16 @@ absl::StatusOr<SimResult> Simulator::Run(StepSink* sink,
       m.detail = st.detail;
       for (int64_t v : st.routing.totals) m.total_tokens += v;
       m.mean_load = static_cast<double>(m.total_tokens) / R;
-      const PlannerConfig& c = st.planners[0]->config();
+      const PlannerConfig& c = planners[0]->config();
       if (st.routing.has_counts()) {
         m.max_load = planner::LoadLowerBound(c, st.routing.counts);
       } else {
         // LoadLowerBound needs counts[R][E]; with totals only, the same bound for equal speeds:
         // perfect balance, and no expert split over more than its home plus R*slots replicas.
+        // (The planner refuses slots < 1, so every rank has a slot.)
         m.max_load = (m.total_tokens + R - 1) / R;
-        if (c.slots > 0) {
-          const int64_t holders = 1 + std::min<int64_t>(R - 1, static_cast<int64_t>(R) * c.slots);
-          for (int64_t v : st.routing.totals) m.max_load = std::max(m.max_load, (v + holders - 1) / holders);
-        } else {
-          m.max_load = 0;
-          for (int32_t r = 0; r < R; ++r) {
-            int64_t home = 0;
-            for (int32_t g = 0; g < E / R; ++g) home += st.routing.totals[static_cast<size_t>(r) * (E / R) + g];
-            m.max_load = std::max(m.max_load, home);
-          }
-        }
+        const int64_t holders = 1 + std::min<int64_t>(R - 1, static_cast<int64_t>(R) * c.slots);
+        for (int64_t v : st.routing.totals) m.max_load = std::max(m.max_load, (v + holders - 1) / holders);
       }
       const StepTime t = EstimateComputeOnly(o.cost, R, E, m.max_load);
       Accumulate(m, t, o.cost, &result.policies.back());
@@ -345,8 +365,15 @@ absl::StatusOr<SimResult> Simulator::Run(StepSink* sink,
     }
     if (progress) progress(step + 1, total_steps);
   }
+  if (st.trace && step == 0) {
+    if (o.trace_layer >= 0) {
+      return InvalidArgument("trace '%s' has no record of layer %d", o.trace_path, o.trace_layer);
+    }
+    return InvalidArgument("trace '%s' has no records", o.trace_path);
+  }
   if (!o.lower_bound) result.policies.pop_back();
   result.steps = step;
+  result.layers = static_cast<int32_t>(layers_seen.size());
   result.wall_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return result;

@@ -48,6 +48,8 @@ struct SimOptions {
 constexpr int64_t kMaxAutoTokenChoices = int64_t{1} << 24;
 constexpr int64_t kMaxAutoCounts = int64_t{1} << 22;
 constexpr int32_t kMaxCountsRanks = 2048;
+// Largest R*T*K that detail=tokens holds at all (int32 ids: 8 GiB), whichever detail was asked for.
+constexpr int64_t kMaxTokenChoices = int64_t{1} << 31;
 
 // One row of --csv / --json: one step of one policy ("lower-bound" included).
 struct StepRecord {
@@ -88,7 +90,8 @@ struct PolicySummary {
 struct SimResult {
   int32_t num_ranks = 0, num_experts = 0, topk = 0, tokens_per_rank = 0;
   Detail detail = Detail::kTokens;
-  int64_t steps = 0;
+  int64_t steps = 0;                // records replayed (each layer's record of a step counts once)
+  int32_t layers = 1;               // distinct layers among them (a trace may hold several)
   int64_t snapshot_step = -1;      // -1 when the run ended before it
   std::vector<int64_t> snapshot_home_load;  // per-rank load with home placement at the snapshot
   std::vector<PolicySummary> policies;      // none first, then the others, then lower-bound
@@ -108,6 +111,8 @@ class Simulator {
 
   Detail detail() const;
   const SimOptions& options() const;
+  int32_t num_ranks() const;    // R and E: the options' or the trace's
+  int32_t num_experts() const;
 
  private:
   Simulator();

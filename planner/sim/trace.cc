@@ -143,6 +143,11 @@ bool TraceReader::ReadLine() {
   const ssize_t n = ::getline(&line_, &line_capacity_, file_);
   if (n < 0) return false;
   line_length_ = static_cast<size_t>(n);
+  if (line_number_ == 0 && line_length_ >= 3 && std::memcmp(line_, "\xEF\xBB\xBF", 3) == 0) {
+    // A UTF-8 byte order mark (spreadsheets write one) is not part of the first line.
+    std::memmove(line_, line_ + 3, line_length_ - 3);
+    line_length_ -= 3;
+  }
   while (line_length_ > 0 && (line_[line_length_ - 1] == '\n' || line_[line_length_ - 1] == '\r')) {
     --line_length_;
   }
@@ -199,6 +204,9 @@ absl::StatusOr<std::unique_ptr<TraceReader>> TraceReader::Open(const std::string
     if (K > 0 && topk > 0 && K != topk) {
       return r->LineError(absl::StrFormat("header says K=%d but --topk is %d", K, topk));
     }
+    if (r->topk_ > E) {
+      return r->LineError(absl::StrFormat("--topk (%d) is above the header's E=%d", topk, E));
+    }
     return r;
   }
   // CSV: R from the caller, E from the first data line (a non-numeric first line is a header).
@@ -206,13 +214,21 @@ absl::StatusOr<std::unique_ptr<TraceReader>> TraceReader::Open(const std::string
                    csv_ranks);
   r->num_ranks_ = csv_ranks;
   r->topk_ = topk;
-  size_t i = 0;
-  while (i < first.size() && IsSpace(first[i])) ++i;
-  const bool header = first[i] != '#' && !(first[i] >= '0' && first[i] <= '9');
-  if (header || first[i] == '#') {
-    while ((got = r->ReadLine()) && IsBlankOrComment(r->line_, r->line_length_)) {
+  // The first line that is neither blank nor a comment is data, or a header when its first field
+  // is not a number (an optional sign, then a digit: "-1,..." is data, and an error below).
+  auto skip_comments = [&r]() {
+    bool more = true;
+    while (IsBlankOrComment(r->line_, r->line_length_) && (more = r->ReadLine())) {
     }
-    if (!got) return InvalidArgument("trace '%s' has a header but no counts", path);
+    return more;
+  };
+  if (!skip_comments()) return InvalidArgument("trace '%s' has no counts", path);
+  size_t i = 0;
+  while (i < r->line_length_ && IsSpace(r->line_[i])) ++i;
+  if (i < r->line_length_ && (r->line_[i] == '-' || r->line_[i] == '+')) ++i;
+  const bool header = !(i < r->line_length_ && r->line_[i] >= '0' && r->line_[i] <= '9');
+  if (header && !(r->ReadLine() && skip_comments())) {
+    return InvalidArgument("trace '%s' has a header but no counts", path);
   }
   std::vector<int64_t> fields;
   std::string error;
@@ -220,6 +236,10 @@ absl::StatusOr<std::unique_ptr<TraceReader>> TraceReader::Open(const std::string
     return r->LineError(error);
   }
   r->num_experts_ = static_cast<int32_t>(fields.size());
+  if (topk > r->num_experts_) {
+    return r->LineError(absl::StrFormat("--topk (%d) is above the experts on this row (%d)", topk,
+                                        r->num_experts_));
+  }
   r->pending_ = true;
   return r;
 }

@@ -2,9 +2,9 @@
 // check that a change of the planner's code leaves every plan byte-identical (run it before and
 // after; the hashes must match). Not a test: a legitimate change of the plans changes the hash.
 //
-//   build-planner/bin/planner_plan_hash          # 400 small and mid configs x 6 policies (~3 s)
-//   build-planner/bin/planner_plan_hash --big    # 30 configs with R = 96..1024 (~15 s)
-//   build-planner/bin/planner_plan_hash --home   # 120 configs with a shuffled home map
+//   build/bin/planner_plan_hash          # 400 small and mid configs x 6 policies (~3 s)
+//   build/bin/planner_plan_hash --big    # 30 configs with R = 96..1024 (~15 s)
+//   build/bin/planner_plan_hash --home   # 120 configs with a shuffled home map
 //
 // Small corpus: R in {1..128}, E/R in 1..7, topologies, slot limits, pads, speeds, ragged and
 // one-expert counts, every policy (moonep with and without its cross-check), two steps each, and

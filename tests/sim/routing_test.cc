@@ -126,11 +126,15 @@ TEST(RoutingTest, ZipfExponentIsRecovered) {
 }
 
 // K > 1 is successive sampling without replacement: compare with the exact inclusion
-// probabilities, enumerated over every ordered K-tuple of a small E.
-TEST(RoutingTest, TopKIsSuccessiveSamplingWithoutReplacement) {
+// probabilities, enumerated over every ordered K-tuple of a small E. At s = 1.5 the draws are
+// accepted by rejection; at s = 8 and 10 one expert holds 99.6 % and 99.9 % of the mass, so most
+// later choices come from the prefix-sum draw after 64 rejections.
+class SuccessiveSampling : public ::testing::TestWithParam<double> {};
+
+TEST_P(SuccessiveSampling, TopKIsSuccessiveSamplingWithoutReplacement) {
   const int32_t E = 6, K = 3, T = 200000;
   RoutingParams p = Params(RoutingKind::kZipf, 1, E, K, T);
-  p.zipf_s = 1.5;
+  p.zipf_s = GetParam();
   auto m = Make(p);
   StepRouting st;
   m->NextTokens(&st);
@@ -151,6 +155,37 @@ TEST(RoutingTest, TopKIsSuccessiveSamplingWithoutReplacement) {
     const double expected = inclusion[e] * T;
     const double sigma = std::sqrt(T * inclusion[e] * (1 - inclusion[e]));
     EXPECT_NEAR(static_cast<double>(st.totals[e]), expected, 5 * sigma + 1) << "expert " << e;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Skew, SuccessiveSampling, ::testing::Values(1.5, 8.0, 10.0));
+
+// Heavy skew on many experts: later choices come from the prefix-sum draw (and, where the mass
+// left is below its resolution, the exact scan); every token still gets K distinct valid ids.
+TEST(RoutingTest, HeavySkewOnManyExpertsDrawsDistinctIds) {
+  RoutingParams p = Params(RoutingKind::kZipf, 4, 8192, 8, 256);
+  p.zipf_s = 10;
+  auto m = Make(p);
+  StepRouting st;
+  m->NextTokens(&st);
+  for (int32_t r = 0; r < 4; ++r) {
+    const int32_t* ids = st.topk_ids.data() + static_cast<size_t>(r) * 256 * 8;
+    for (int32_t t = 0; t < 256; ++t) {
+      std::set<int32_t> distinct(ids + t * 8, ids + t * 8 + 8);
+      ASSERT_EQ(distinct.size(), 8u);
+      ASSERT_GE(*distinct.begin(), 0);
+      ASSERT_LT(*distinct.rbegin(), 8192);
+    }
+  }
+  // K = E = 64: the last choices' mass (64^-10 of the first's) is below the prefix sums'
+  // resolution, so they come from the exact scan.
+  RoutingParams all = Params(RoutingKind::kZipf, 1, 64, 64, 32);
+  all.zipf_s = 10;
+  auto m2 = Make(all);
+  m2->NextTokens(&st);
+  for (int32_t t = 0; t < 32; ++t) {
+    std::set<int32_t> distinct(st.topk_ids.data() + t * 64, st.topk_ids.data() + t * 64 + 64);
+    ASSERT_EQ(distinct.size(), 64u);
   }
 }
 

@@ -169,6 +169,72 @@ TEST(SimulatorTest, TraceReplayMatchesHandComputedLoads) {
   }
 }
 
+// A trace of two layers replayed whole: each layer has its own planners (EPLB's window and
+// re-plan period are per layer, as in the runtime), so every record's row equals the row of the
+// same record replayed with only its layer; an empty selection is an error, not a zero table.
+TEST(SimulatorTest, LayersArePlannedApart) {
+  // R = 4, E = 8; layer 0 hot on expert 0, layer 1 on expert 7, for 10 steps.
+  std::string text = FormatTraceHeader(4, 8, 2);
+  for (int s = 0; s < 10; ++s) {
+    for (int layer = 0; layer < 2; ++layer) {
+      std::vector<int64_t> c(32, 2 + s % 3);
+      for (int r = 0; r < 4; ++r) c[r * 8 + (layer == 0 ? 0 : 7)] = 40 + s;
+      text += FormatTraceRecord(s, layer, c);
+    }
+  }
+  const std::string path = ::testing::TempDir() + "/layers.trace";
+  std::ofstream(path) << text;
+  SimOptions o = SmallOptions();
+  o.trace_path = path;
+  o.steps = 0;
+  o.routing.num_ranks = 0;
+  o.routing.topk = 0;
+  o.cost.ranks_per_node = 0;
+  o.eplb_period = 3;
+  auto run = [&](int32_t layer, Capture* cap, SimResult* result) {
+    o.trace_layer = layer;
+    auto sim = Simulator::Create(o);
+    ASSERT_TRUE(sim.ok()) << sim.status();
+    auto r = (*sim)->Run(cap, nullptr);
+    ASSERT_TRUE(r.ok()) << r.status();
+    *result = *r;
+  };
+  Capture all, only[2];
+  SimResult r_all, r_only[2];
+  run(-1, &all, &r_all);
+  run(0, &only[0], &r_only[0]);
+  run(1, &only[1], &r_only[1]);
+  EXPECT_EQ(r_all.steps, 20);
+  EXPECT_EQ(r_all.layers, 2);
+  EXPECT_EQ(r_only[0].layers, 1);
+  const size_t per = all.rows.size() / 20;  // rows per record: policies + lower bound
+  ASSERT_EQ(only[0].rows.size(), 10 * per);
+  for (size_t i = 0; i < all.rows.size(); ++i) {
+    const size_t record = i / per, layer = record % 2, j = (record / 2) * per + i % per;
+    const StepRecord& a = all.rows[i];
+    const StepRecord& b = only[layer].rows[j];
+    const std::string& name = all.names[i];  // (the records' policy pointers died with the runs)
+    EXPECT_EQ(a.layer, static_cast<int32_t>(layer));
+    EXPECT_EQ(name, only[layer].names[j]);
+    EXPECT_EQ(a.metrics.max_load, b.metrics.max_load) << name << " record " << record;
+    EXPECT_EQ(a.metrics.replicas, b.metrics.replicas) << name << " record " << record;
+  }
+  // No record of the layer asked for, and a trace of no records.
+  o.trace_layer = 5;
+  auto none = Simulator::Create(o);
+  ASSERT_TRUE(none.ok());
+  auto r = (*none)->Run(nullptr, nullptr);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("no record of layer 5"), std::string::npos) << r.status();
+  std::ofstream(path, std::ios::trunc) << FormatTraceHeader(4, 8, 2);
+  o.trace_layer = -1;
+  auto empty = Simulator::Create(o);
+  ASSERT_TRUE(empty.ok());
+  r = (*empty)->Run(nullptr, nullptr);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("has no records"), std::string::npos) << r.status();
+}
+
 TEST(SimulatorTest, MemoryDoesNotGrowWithSteps) {
   SimOptions o = SmallOptions();
   o.steps = 3000;

@@ -63,6 +63,19 @@ TEST(TraceTest, CsvRoundTrip) {
   auto plain = TraceReader::Open(WriteFile("plain.csv", "1,2\n3,4\n"), TraceFormat::kCsv, 1, 0);
   ASSERT_TRUE(plain.ok()) << plain.status();
   EXPECT_EQ(ReadAll(plain->get()).size(), 2u);
+  // Comments and blank lines before the header, a UTF-8 byte order mark, and a first data line
+  // with a sign ('+1' is a number, so that line is data, not a header).
+  for (const std::string& text :
+       {std::string("# exported by a spreadsheet\n\ne0,e1\n# rank 0\n1,2\n3,4\n"),
+        std::string("\xEF\xBB\xBF" "e0,e1\n1,2\n3,4\n"), std::string("\xEF\xBB\xBF" "1,2\n3,4\n"),
+        std::string("+1,2\n3,4\n")}) {
+    auto r = TraceReader::Open(WriteFile("variants.csv", text), TraceFormat::kAuto, 2, 1);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ((*r)->num_experts(), 2);
+    const std::vector<TraceRecord> got = ReadAll(r->get());
+    ASSERT_EQ(got.size(), 1u) << text;
+    EXPECT_EQ(got[0].counts, (std::vector<int64_t>{1, 2, 3, 4})) << text;
+  }
 }
 
 // Opening or reading fails, and the message holds every expected fragment.
@@ -117,6 +130,15 @@ TEST(TraceTest, MalformedFilesNameTheLine) {
   ExpectError("trailing.csv", "1,2,\n", TraceFormat::kCsv, 1, 0, {"trailing.csv:1:", "trailing comma"});
   ExpectError("csv_noranks.csv", "1,2\n", TraceFormat::kCsv, 0, 0, {"--ranks"});
   ExpectError("empty.trace", "\n\n", TraceFormat::kAuto, 1, 0, {"empty"});
+  // A first line starting with '-' is a negative count, not a header.
+  ExpectError("neg_first.csv", "-1,6\n9,7\n", TraceFormat::kCsv, 2, 0,
+              {"neg_first.csv:1:", "field 1", "negative"});
+  ExpectError("header_only.csv", "# c\ne0,e1\n\n", TraceFormat::kCsv, 2, 0, {"header but no counts"});
+  ExpectError("comments_only.csv", "# c\n# d\n", TraceFormat::kCsv, 2, 0, {"no counts"});
+  // K above E: from --topk for a CSV or a header without K.
+  ExpectError("topk.csv", "1,2\n3,4\n", TraceFormat::kCsv, 2, 3, {"topk.csv:1:", "--topk (3)", "(2)"});
+  ExpectError("topk.trace", "# moonep-trace v1 R=2 E=2\n", TraceFormat::kAuto, 0, 3,
+              {"topk.trace:1:", "--topk (3)", "E=2"});
   auto missing = TraceReader::Open(::testing::TempDir() + "/does-not-exist.trace", TraceFormat::kAuto, 1, 0);
   ASSERT_FALSE(missing.ok());
   EXPECT_NE(missing.status().message().find("does-not-exist.trace"), std::string::npos);

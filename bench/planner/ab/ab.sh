@@ -14,11 +14,11 @@
 # cg: instructions per plan of each build (callgrind, 800 plans minus 400 plans).
 # phases: NEW alone (phases_main.cc), BLOCKS blocks of ITERS plans pinned to core 1 with two
 #     fixed workloads timed between blocks; prints the blocks grouped by plan time.
-# Needs the build directory (BUILD, default build-planner) for libmoonep_core.a; scratch in OUT
+# Needs the build directory (BUILD, default build) for libmoonep_core.a; scratch in OUT
 # (default /tmp/moonep-ab).
 set -e
 root=$(git rev-parse --show-toplevel)
-build=${BUILD:-$root/build-planner}
+build=${BUILD:-$root/build}
 out=${OUT:-/tmp/moonep-ab}
 old=$1 new=$2 mode=$3 shape=$4 policy=$5 check=$6 decide=$7 blocks=${8:-100} iters=${9:-20}
 absl="-labsl_statusor -labsl_status -labsl_strings -labsl_str_format_internal -labsl_cord
