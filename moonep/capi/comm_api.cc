@@ -7,6 +7,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "absl/strings/str_cat.h"
 #include "moonep/capi/runtime_objects.h"
 #include "planner/plan.h"
 
@@ -135,7 +136,7 @@ absl::Status ReadExpertTensors(const moonepExpertTensors_t* t, const char* name,
                                std::vector<compute::ExpertParams>* out) {
   if (t == nullptr) return InvalidArgument("%s is NULL", name);
   DType dtype;
-  MOONEP_RETURN_IF_ERROR(ReadDType(t->dtype, name, &dtype));
+  MOONEP_RETURN_IF_ERROR(ReadDType(t->dtype, absl::StrCat(name, "->dtype").c_str(), &dtype));
   if (dtype != expected) {
     return InvalidArgument("%s->dtype is %s; expected %s", name, DTypeName(dtype),
                            DTypeName(expected));

@@ -2,6 +2,9 @@
 
 #include <system_error>
 
+#include "moonep/core/env.h"
+#include "moonep/core/logging.h"
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define MOONEP_PAUSE() _mm_pause()
@@ -77,12 +80,28 @@ void WorkerPool::Run(int64_t tasks, Task fn) {
     done_.fetch_add(1, std::memory_order_acq_rel);
   }
   // Every task is claimed; wait for the workers' calls to return (they are running, not asleep;
-  // on a crowded node one may be descheduled, so the wait yields after a while).
-  for (int i = 0; done_.load(std::memory_order_acquire) < tasks; ++i) {
+  // on a crowded node one may be descheduled, so the wait yields after a while). A call that does
+  // not return cannot be abandoned: it may still write the caller's buffers. So the wait has no
+  // deadline, but says so once per MOONEP_TIMEOUT_MS instead of hanging silently (a task blocked
+  // in a library call, e.g. a BLAS allocation retried under a memory limit).
+  std::chrono::steady_clock::time_point start, warn_at;
+  for (int64_t i = 0; done_.load(std::memory_order_acquire) < tasks; ++i) {
     if (i < 4096) {
       MOONEP_PAUSE();
-    } else {
-      std::this_thread::yield();
+      continue;
+    }
+    std::this_thread::yield();
+    if (i % 4096 != 0) continue;
+    const auto now = std::chrono::steady_clock::now();
+    if (i == 4096) {
+      start = now;
+      warn_at = now + std::chrono::milliseconds(param::TimeoutMs());
+    } else if (now >= warn_at) {
+      MOONEP_WARN("worker pool: %d of %d tasks of this phase still running after %d ms; a worker "
+                  "thread is blocked (in a library call?) and cannot be stopped, so the caller "
+                  "keeps waiting", tasks - done_.load(std::memory_order_acquire), tasks,
+                  std::chrono::duration_cast<std::chrono::milliseconds>(now - start).count());
+      warn_at = now + std::chrono::milliseconds(param::TimeoutMs());
     }
   }
   std::lock_guard<std::mutex> lock(mu_);

@@ -35,7 +35,9 @@ absl::Status CheckLayerConfig(const LayerConfig& c, int32_t num_ranks, bool need
                    "grad_dtype %d is not a MoonEP dtype", static_cast<int32_t>(c.grad_dtype));
   MOONEP_CHECK_ARG(c.grad_dtype == DType::kFloat32 || c.grad_dtype == c.dtype,
                    "grad_dtype must be fp32 or the layer dtype");
-  MOONEP_CHECK_ARG(c.slots >= -1, "slots is %d; must be -1 (E/R) or >= 0", c.slots);
+  MOONEP_CHECK_ARG(c.slots == -1 || c.slots >= 1,
+                   "slots is %d; must be -1 (E/R) or >= 1 (every policy needs a slot; policy none "
+                   "never fills one)", c.slots);
   MOONEP_CHECK_ARG(c.pad_multiple >= 1, "pad_multiple is %d; must be >= 1", c.pad_multiple);
   MOONEP_CHECK_ARG(c.ranks_per_node >= 0, "ranks_per_node is %d; must be >= 0", c.ranks_per_node);
   MOONEP_CHECK_ARG(c.eplb_period >= 1, "eplb_period is %d; must be >= 1", c.eplb_period);
@@ -70,6 +72,12 @@ absl::Status CheckLayerConfig(const LayerConfig& c, int32_t num_ranks, bool need
                    "hidden is %d; a row of %s is then above 1 GiB", c.hidden, DTypeName(c.dtype));
   MOONEP_CHECK_ARG(c.intermediate <= (int64_t{1} << 30), "intermediate is %d; must be <= 2^30",
                    c.intermediate);
+  // An expert's three matrices, 3 * H * I elements, are what prefetch moves (the planner bounds
+  // their bytes by 2^40); both factors are bounded above, so the product does not wrap.
+  MOONEP_CHECK_ARG(3 * c.hidden * c.intermediate * static_cast<int64_t>(DTypeSize(c.dtype)) <=
+                       (int64_t{1} << 40),
+                   "hidden x intermediate is %d x %d; an expert's three %s matrices are then above "
+                   "2^40 bytes", c.hidden, c.intermediate, DTypeName(c.dtype));
   MOONEP_CHECK_ARG(c.max_tokens <= transport::kMaxEntries / c.top_k,
                    "max_tokens x top_k = %d x %d routing entries; at most 2^31 - 1", c.max_tokens,
                    c.top_k);
@@ -180,6 +188,7 @@ struct Fingerprint {
   int32_t dtype, grad_dtype, slots, pad_multiple, policy, ranks_per_node, eplb_period, device,
       max_inflight;
   char transport[16];
+  char what[32];  // what is being created ("MoE layer creation", "EP buffer creation")
 };
 
 }  // namespace
@@ -206,6 +215,7 @@ absl::Status AgreeOnConfig(Communicator* comm, const LayerConfig& c,
   mine.max_inflight = c.max_inflight;
   const std::string backend = TransportBackend(c);
   std::strncpy(mine.transport, backend.c_str(), sizeof(mine.transport) - 1);
+  std::strncpy(mine.what, what, sizeof(mine.what) - 1);
   std::string gathered;
   MOONEP_RETURN_IF_ERROR(comm->Allgather(
       absl::Span<const char>(reinterpret_cast<const char*>(&mine), sizeof(mine)), &gathered,
@@ -241,6 +251,16 @@ absl::Status AgreeOnConfig(Communicator* comm, const LayerConfig& c,
       {"device", [](const Fingerprint& f) -> int64_t { return f.device; }},
       {"max_inflight", [](const Fingerprint& f) -> int64_t { return f.max_inflight; }},
   };
+  for (int r = 1; r < comm->size(); ++r) {
+    // A layer on one rank and an EP buffer on another would pair up their transports and fail
+    // later, or not at all, with no word of why.
+    if (std::strncmp(all[r].what, all[0].what, sizeof(all[0].what)) != 0) {
+      return InvalidArgument(
+          "%s: ranks create different objects: %s on rank 0 but %s on rank %d (every rank must "
+          "create the same layers and EP buffers of a communicator in the same order)",
+          what, all[0].what, all[r].what, r);
+    }
+  }
   for (int r = 1; r < comm->size(); ++r) {
     if (std::strncmp(all[r].transport, all[0].transport, sizeof(all[0].transport)) != 0) {
       return InvalidArgument(

@@ -586,6 +586,23 @@ TEST_F(CApiTest, BadConfigsFailOnEveryRank) {
     ASSERT_EQ(r, moonepSuccess);
     moonepLayerDestroy(layer);
   }
+  // slots 0: refused (every policy needs a slot; none never fills one), the message saying so.
+  c = Config(moonepPolicyNone);
+  c.slots = 0;
+  EXPECT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepInvalidArgument);
+  EXPECT_NE(std::string(moonepGetLastError(comm_)).find("must be -1 (E/R) or >= 1"), std::string::npos)
+      << moonepGetLastError(comm_);
+  // A layer on one rank and an EP buffer on another: refused on every rank, naming both.
+  if (size() > 1) {
+    c = Config(moonepPolicyMoonEP);
+    moonepEpBuffer_t odd_buf = nullptr;
+    const moonepResult_t mixed = rank() == 0 ? moonepLayerCreate(comm_, &c, &layer)
+                                             : moonepEpBufferCreate(comm_, &c, &odd_buf);
+    EXPECT_EQ(mixed, moonepInvalidArgument) << moonepGetLastError(comm_);
+    const std::string message = moonepGetLastError(comm_);
+    EXPECT_NE(message.find("ranks create different objects: MoE layer creation on rank 0 but EP "
+                           "buffer creation on rank 1"), std::string::npos) << message;
+  }
   // A transport backend that differs between ranks, or does not exist, fails on every rank.
   c = Config(moonepPolicyMoonEP);
   c.transport = rank() == size() - 1 ? "no-such-backend" : "mpi";
@@ -599,6 +616,11 @@ TEST_F(CApiTest, BadConfigsFailOnEveryRank) {
                                       DType::kFloat32, 4);
   RankTensors t = MakeRankTensors(g, rank(), DType::kFloat32);
   moonepExpertTensors_t w = Tensors(t, false);
+  moonepExpertTensors_t bad_w = w;
+  bad_w.dtype = static_cast<moonepDataType_t>(-1);
+  EXPECT_EQ(moonepLayerBindParams(layer, &bad_w, nullptr), moonepInvalidArgument);
+  EXPECT_NE(std::string(moonepGetLastError(comm_)).find("weights->dtype = -1"), std::string::npos)
+      << moonepGetLastError(comm_);
   ASSERT_EQ(moonepLayerBindParams(layer, &w, nullptr), moonepSuccess);
   moonepLayerHandle_t h = nullptr;
   const moonepResult_t fr = moonepLayerForward(layer, t.tokens, rank() == 0 ? nullptr : t.x.data(),
@@ -716,6 +738,9 @@ TEST_F(CApiTest, OversizedConfigsFailOnEveryRank) {
       {"intermediate", [](moonepLayerConfig_t* c) { c->intermediate = int64_t{1} << 40; }},
       {"max_recv_rows", [](moonepLayerConfig_t* c) { c->max_recv_rows = (int64_t{1} << 62) + 8; }},
       {"pad_multiple", [](moonepLayerConfig_t* c) { c->pad_multiple = INT32_MAX; }},
+      // Each below its own bound, their product is not: named by the two fields the caller set.
+      {"hidden x intermediate",
+       [](moonepLayerConfig_t* c) { c->hidden = c->intermediate = int64_t{1} << 20; }},
   };
   for (const Case& k : cases) {
     moonepLayerConfig_t c = Config(moonepPolicyMoonEP);
@@ -725,7 +750,7 @@ TEST_F(CApiTest, OversizedConfigsFailOnEveryRank) {
     EXPECT_NE(std::string(moonepGetLastError(comm_)).find(k.field), std::string::npos)
         << moonepGetLastError(comm_);
     moonepEpBuffer_t buf = nullptr;
-    if (std::string(k.field) != "intermediate") {  // an EP buffer has no intermediate size
+    if (std::string(k.field).find("intermediate") == std::string::npos) {  // (an EP buffer's may be 0)
       EXPECT_EQ(moonepEpBufferCreate(comm_, &c, &buf), moonepInvalidArgument) << k.field;
     }
   }

@@ -198,7 +198,7 @@ typedef struct {
   int64_t intermediate;    /* I; the expert FFN is (silu(x Wg) * (x Wu)) Wd */
   moonepDataType_t dtype;  /* x, y, weights */
   moonepDataType_t grad_dtype; /* weight gradients: fp32 or dtype */
-  int slots;               /* replica slots per rank; -1: E / R */
+  int slots;               /* replica slots per rank, >= 1 (policy none fills none); -1: E / R */
   int pad_multiple;        /* rows of each expert group padded to a multiple of this */
   moonepPlannerPolicy_t policy; /* moonepPolicyMoonEP by default (see moonep.h) */
   moonepDevice_t device;   /* moonepDeviceCpu, or moonepDeviceCuda (built with CUDA + NCCL):
