@@ -1,9 +1,11 @@
 // moonep-bench-dispatch: dispatch microbenchmarks, launched by mpirun. See
 // docs/benchmarks-dispatch.md for what is measured and how to read the rows.
+#include <fcntl.h>
 #include <mpi.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
@@ -48,9 +50,10 @@ ABSL_FLAG(std::string, experts, "", "experts E (a multiple of the ranks), list")
 ABSL_FLAG(std::string, dtype, "", "row and weight dtype: fp32, bf16, list");
 ABSL_FLAG(std::string, maxvio, "",
           "routing skew as a target maxvio = max_e(T_e / mean) - 1, list (0: balanced; at most "
-          "E/K - 1); routing is calibrated to hit it. Preset default 0,2");
+          "E/K - 1); routing is calibrated to hit it. Default: the preset's (small 0,2; "
+          "deepseek-v3 and qwen3-30b-a3b 0,1,2,4; mixtral-8x7b 0,1,2)");
 ABSL_FLAG(std::string, zipf, "",
-          "routing skew as Zipf exponents instead of --maxvio, list (0: balanced)");
+          "routing skew as Zipf exponents in [0, 100] instead of --maxvio, list (0: balanced)");
 ABSL_FLAG(std::string, policy, "moonep",
           "planner policies to measure, list: none, moonep, moonep-greedy, eplb, fastermoe-shadow");
 ABSL_FLAG(std::string, backend, "mpi",
@@ -83,7 +86,8 @@ ABSL_FLAG(int32_t, threads, 0,
 ABSL_FLAG(std::string, corrupt, "",
           "self-test of the checks: every rank flips bytes of this operation's result ("
           "dispatch, combine, prefetch, reduce, layer-fwd) before checking it; the run must then "
-          "report #wrong > 0 and exit 1");
+          "report #wrong > 0 and exit 1 (and fails, saying so, if that operation never ran: "
+          "prefetch and reduce need replicas, layer-fwd the layer)");
 ABSL_FLAG(std::string, json, "", "write every figure as JSON to this file (rank 0)");
 
 namespace moonep::bench {
@@ -247,12 +251,23 @@ absl::Status BuildConfigs(int32_t num_ranks, int32_t threads, const GpuPlacement
                    absl::GetFlag(FLAGS_check_iters));
   MOONEP_CHECK_ARG(corrupt.empty() || absl::GetFlag(FLAGS_check_iters) == -1,
                    "--corrupt needs every iteration checked (--check_iters=-1)");
-  MOONEP_CHECK_ARG(absl::GetFlag(FLAGS_pad_multiple) >= 1, "--pad_multiple must be >= 1");
-  MOONEP_CHECK_ARG(absl::GetFlag(FLAGS_slots) >= -1, "--slots must be >= -1");
+  const int32_t pad = absl::GetFlag(FLAGS_pad_multiple), slots = absl::GetFlag(FLAGS_slots);
+  MOONEP_CHECK_ARG(pad >= 1 && pad <= (1 << 16), "--pad_multiple must be in [1, 65536], got %d",
+                   pad);
+  MOONEP_CHECK_ARG(slots == -1 || slots >= 1, "--slots must be -1 (E/R) or >= 1, got %d", slots);
   for (int32_t e : experts) {
     MOONEP_CHECK_ARG(e >= num_ranks && e % num_ranks == 0,
                      "--experts=%d must be a positive multiple of the number of ranks (%d)", e,
                      num_ranks);
+    // Every rank keeps per-expert state (counts, plans, weights of its slots) of this size.
+    MOONEP_CHECK_ARG(e <= (1 << 20), "--experts=%d: at most 2^20", e);
+    MOONEP_CHECK_ARG(slots <= e, "--slots=%d must not exceed --experts=%d", slots, e);
+  }
+  if (!corrupt.empty()) {
+    // An operation the run never performs would leave the self-test with nothing to find.
+    MOONEP_CHECK_ARG(corrupt != "layer-fwd" ||
+                         (absl::GetFlag(FLAGS_layer) && absl::GetFlag(FLAGS_check_tokens) >= 1),
+                     "--corrupt=layer-fwd needs --layer=true and --check_tokens >= 1");
   }
   // The checks RunConfig would make, up front, so bad flags end every rank cleanly.
   for (int64_t t : tokens) MOONEP_CHECK_ARG(t >= 1, "--tokens must be >= 1, got %d", t);
@@ -271,13 +286,28 @@ absl::Status BuildConfigs(int32_t num_ranks, int32_t threads, const GpuPlacement
                        "route", t, k, kMaxEntriesPerRank);
     }
   }
-  for (int64_t i : inter) MOONEP_CHECK_ARG(i >= 1, "--intermediate must be >= 1, got %d", i);
+  for (int64_t i : inter) {
+    MOONEP_CHECK_ARG(i >= 1 && i <= (int64_t{1} << 30), "--intermediate must be in [1, 2^30], got %d",
+                     i);
+    for (int64_t h : hidden) {
+      for (DType d : dtypes) {
+        // An expert's three matrices are what prefetch and reduce move (the planner's bound on
+        // their bytes); h <= 2^30 and i <= 2^30, so the product fits in 128 bits.
+        const __int128 bytes = static_cast<__int128>(3) * h * i * static_cast<int64_t>(DTypeSize(d));
+        MOONEP_CHECK_ARG(bytes <= (__int128{1} << 40),
+                         "--hidden x --intermediate = %d x %d: an expert's three %s matrices are "
+                         "then above 2^40 bytes", h, i, DTypeName(d));
+      }
+    }
+  }
   for (int32_t e : experts) {
     for (int32_t k : topk) {
       MOONEP_CHECK_ARG(k >= 1 && k <= e, "--topk=%d must be in [1, experts=%d]", k, e);
       for (const SkewSpec& skew : skews) {
-        MOONEP_CHECK_ARG(skew.value >= 0, "--%s must be >= 0, got %g",
+        MOONEP_CHECK_ARG(std::isfinite(skew.value) && skew.value >= 0, "--%s must be >= 0, got %g",
                          skew.kind == SkewSpec::Kind::kZipf ? "zipf" : "maxvio", skew.value);
+        MOONEP_CHECK_ARG(skew.kind != SkewSpec::Kind::kZipf || skew.value <= 100,
+                         "--zipf must be in [0, 100], got %g", skew.value);
         MOONEP_CHECK_ARG(skew.kind == SkewSpec::Kind::kZipf ||
                              skew.value <= static_cast<double>(e) / k - 1.0 + 1e-9,
                          "--maxvio=%g cannot be reached with experts=%d, topk=%d (at most E/K - 1 "
@@ -371,6 +401,23 @@ int Main(int argc, char** argv, const std::string& command) {
     if (root) std::fprintf(stderr, "moonep-bench-dispatch: error: %s\n", std::string(s.message()).c_str());
     return 2;  // every rank reached the same verdict from the same flags
   }
+  {
+    // An unwritable --json fails now, not after the whole run.
+    const std::string path = absl::GetFlag(FLAGS_json);
+    int writable = 1;
+    if (root && !path.empty()) {
+      std::ofstream f(path);
+      writable = f.good() ? 1 : 0;
+    }
+    MPI_Bcast(&writable, 1, MPI_INT, 0, MPI_COMM_WORLD);
+    if (!writable) {
+      if (root) {
+        std::fprintf(stderr, "moonep-bench-dispatch: error: --json: cannot write '%s'\n",
+                     path.c_str());
+      }
+      return 2;
+    }
+  }
   bool uses_gpu = false;
   for (const BenchConfig& c : configs) uses_gpu |= c.backend == "nccl";
   if (uses_gpu) {
@@ -442,10 +489,14 @@ int Main(int argc, char** argv, const std::string& command) {
     results.push_back(std::move(r));
   }
   info.load_end = LoadAverage();
-  int64_t wrong = 0;
+  int64_t wrong = 0, corrupted = 0;
   for (const ConfigResult& r : results) {
     for (const OpResult& o : r.ops) wrong += o.wrong;
+    corrupted += r.corrupted;
   }
+  const std::string corrupt = absl::GetFlag(FLAGS_corrupt);
+  MPI_Allreduce(MPI_IN_PLACE, &corrupted, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+  const bool corrupt_unused = !corrupt.empty() && corrupted == 0;
   if (root) {
     std::printf("# load average at the end: %s\n", info.load_end.c_str());
     PrintFooter(results, stdout);
@@ -459,8 +510,15 @@ int Main(int argc, char** argv, const std::string& command) {
       }
     }
   }
+  if (corrupt_unused && root) {
+    std::fprintf(stderr,
+                 "moonep-bench-dispatch: error: --corrupt=%s: no configuration ran that operation "
+                 "(prefetch and reduce run only where the plan makes replicas: a skewed routing "
+                 "and a policy other than none), so the checks were not tested\n",
+                 corrupt.c_str());
+  }
   rt->reset();
-  return wrong == 0 ? 0 : 1;
+  return wrong == 0 && !corrupt_unused ? 0 : 1;
 }
 
 }  // namespace
@@ -483,11 +541,33 @@ int main(int argc, char** argv) {
   absl::SetFlagsUsageConfig(usage);
   std::string command;
   for (int i = 0; i < argc; ++i) command += (i ? " " : "") + std::string(argv[i]);
+  // --help and flag errors come from the flags library, before MPI is up: only the launcher's
+  // rank 0 prints them (every rank parses the same arguments and exits the same way).
+  const char* launcher_rank = std::getenv("OMPI_COMM_WORLD_RANK");
+  const bool quiet = launcher_rank != nullptr && std::string(launcher_rank) != "0";
+  int saved_out = -1, saved_err = -1;
+  if (quiet) {
+    std::fflush(stdout);
+    std::fflush(stderr);
+    saved_out = dup(1);
+    saved_err = dup(2);
+    const int null_fd = open("/dev/null", O_WRONLY);
+    if (null_fd >= 0) {
+      dup2(null_fd, 1);
+      dup2(null_fd, 2);
+      close(null_fd);
+    }
+  }
   std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  if (quiet) {
+    std::fflush(stdout);
+    std::fflush(stderr);
+    if (saved_out >= 0) dup2(saved_out, 1), close(saved_out);
+    if (saved_err >= 0) dup2(saved_err, 2), close(saved_err);
+  }
   if (rest.size() > 1) {
     // MPI is not up yet: only the launcher's rank 0 speaks.
-    const char* launcher_rank = std::getenv("OMPI_COMM_WORLD_RANK");
-    if (launcher_rank != nullptr && std::string(launcher_rank) != "0") return 2;
+    if (quiet) return 2;
     std::fprintf(stderr,
                  "moonep-bench-dispatch: error: unexpected argument '%s' (flags take the form "
                  "--name=value)\n", rest[1]);

@@ -132,13 +132,14 @@ void PrintConfig(const ConfigResult& r, int32_t index, int32_t total, std::FILE*
   const std::vector<std::string> dc = {"dispatch", "combine"};
   const double m = SumMedian(r, dc, pol), n = SumMedian(r, dc, "none"), a = SumMedian(r, dc, a2a);
   std::string line = absl::StrFormat("#   => dispatch+combine: %s %.1f us", pol, m);
-  if (m > 0 && n > 0) absl::StrAppendFormat(&line, ", none %.1f us (x%.2f)", n, m / n);
+  const bool self = pol == "none";  // policy none is its own baseline: no ratio to itself
+  if (m > 0 && n > 0 && !self) absl::StrAppendFormat(&line, ", none %.1f us (x%.2f)", n, m / n);
   if (m > 0 && a > 0) absl::StrAppendFormat(&line, ", %s %.1f us (x%.2f)", a2a, a, m / a);
   const std::vector<std::string> layer = {"layer-fwd", "layer-bwd"};
   const double lm = SumMedian(r, layer, pol), ln = SumMedian(r, layer, "none");
   if (lm > 0) {
     absl::StrAppendFormat(&line, "; layer fwd+bwd: %s %.1f us", pol, lm);
-    if (ln > 0) absl::StrAppendFormat(&line, ", none %.1f us (x%.2f)", ln, lm / ln);
+    if (ln > 0 && !self) absl::StrAppendFormat(&line, ", none %.1f us (x%.2f)", ln, lm / ln);
   }
   std::fprintf(out, "%s\n", line.c_str());
 }

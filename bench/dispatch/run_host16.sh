@@ -5,6 +5,11 @@
 # carried as .device. Prints the tables; every log and JSON goes to $OUT/host16.tgz.
 #   bench/dispatch/run_host16.sh [small|backends|dsv3|policies]...   (default: all four)
 set -uo pipefail
+for step in ${*:-small backends dsv3 policies}; do
+  case $step in small|backends|dsv3|policies) ;;
+    *) echo "run_host16.sh: unknown step '$step' (small, backends, dsv3, policies)" >&2; exit 2 ;;
+  esac
+done
 final=${OUT:-gpu-out}
 out=$(mktemp -d)
 mkdir -p "$final"

@@ -184,6 +184,7 @@ class Runner {
     if (bytes < 4 || c_.corrupt_op != op) return;
     char* at = static_cast<char*>(data) + (bytes / 2) / 4 * 4;
     for (int i = 0; i < 4; ++i) at[i] ^= 0x7f;
+    ++corrupted_;
   }
   void Count(const std::string& key, int64_t wrong, int64_t checked) {
     series_[key].wrong += wrong;
@@ -194,6 +195,7 @@ class Runner {
   }
 
   const BenchConfig c_;
+  int64_t corrupted_ = 0;  // MaybeCorrupt's flips
   MPI_Comm comm_;
   runtime::Communicator* rt_;
   int32_t R_ = 0, rank_ = 0, E_ = 0, K_ = 0, epn_ = 0, slots_ = 0;
@@ -654,6 +656,8 @@ absl::Status Runner::SetupLayers() {
   lc.max_tokens = T_;
   lc.max_recv_rows = capacity_;
   lc.num_threads = c_.threads;
+  // The layer rows measure the configuration's backend (not MOONEP_TRANSPORT or the default).
+  lc.transport = c_.backend;
   const size_t expert_elems = 3 * param_elems_[0];
   const size_t gbuf_elems = static_cast<size_t>(epn_) * expert_elems;
   if (device_) {
@@ -662,7 +666,6 @@ absl::Status Runner::SetupLayers() {
     // blocks SetupDevice uploaded (home_w_views_ point there).
     lc.device = Device::kCuda;
     lc.device_index = CurrentDevice();
-    lc.transport = "nccl";
     MOONEP_RETURN_IF_ERROR(d_gbuf_measured_.Allocate(gbuf_elems * sizeof(float)));
     if (run_none_) MOONEP_RETURN_IF_ERROR(d_gbuf_none_.Allocate(gbuf_elems * sizeof(float)));
   } else {
@@ -1367,6 +1370,7 @@ absl::Status Runner::Run(ConfigResult* out) {
     r.Finish();
     out->ops.push_back(std::move(r));
   }
+  out->corrupted = corrupted_;
   return absl::OkStatus();
 }
 

@@ -73,6 +73,7 @@ struct ConfigResult {
   int64_t recv_capacity_rows = 0;
   int32_t slots = 0;  // replica slots per rank, resolved
   std::string note;   // printed under the configuration's header (e.g. what a backend skips)
+  int64_t corrupted = 0;  // results --corrupt flipped on this rank (0 when its operation never ran)
   std::vector<OpResult> ops;
   const OpResult* Find(const std::string& op, const std::string& impl) const;
 };

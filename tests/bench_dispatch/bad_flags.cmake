@@ -1,14 +1,17 @@
 # Runs moonep-bench-dispatch with flags it must refuse (FLAGS, |-separated) and checks that it
-# exits with 2 (bad flags, every rank the same verdict) and says why (EXPECT, a regular expression
-# on stderr), instead of crashing on an overflowed size.
+# exits with EXPECT_RC (default 2: bad flags, every rank the same verdict) and says why (EXPECT, a
+# regular expression on stderr), instead of crashing on an overflowed size.
+if(NOT DEFINED EXPECT_RC)
+  set(EXPECT_RC 2)
+endif()
 string(REPLACE "|" ";" mpiexec_flags "${MPIEXEC_FLAGS}")
 string(REPLACE "|" ";" flags "${FLAGS}")
 execute_process(
   COMMAND ${MPIEXEC} ${NPFLAG} ${NP} ${mpiexec_flags} ${BENCH} ${flags}
   RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 50)
 message("${out}\n--- stderr ---\n${err}")
-if(NOT rc EQUAL 2)
-  message(FATAL_ERROR "moonep-bench-dispatch ${flags} exited with ${rc}, expected 2")
+if(NOT rc EQUAL EXPECT_RC)
+  message(FATAL_ERROR "moonep-bench-dispatch ${flags} exited with ${rc}, expected ${EXPECT_RC}")
 endif()
 if(NOT err MATCHES "${EXPECT}")
   message(FATAL_ERROR "stderr does not say '${EXPECT}'")
