@@ -245,6 +245,14 @@ class Transport {
   // The default does nothing and returns OK: right for backends that keep no host staging in the
   // handle (nccl keeps its device staging in its own per-handle state).
   virtual absl::Status PrepareHandle(DispatchHandle* handle, int64_t recv_capacity_rows);
+  // Bytes of staging this transport holds for `handle` now. The host backends: the handle's host
+  // staging (DispatchHandle::HostStagingBytes). nccl: the handle's device and pinned tables and
+  // row staging, as allocated so far (they grow to a step's sizes in its first steps, and an
+  // outgrown allocation stays held until no operation is in flight). Local; the transport must
+  // not be running an operation on the handle from another thread.
+  virtual size_t HandleStagingBytes(const DispatchHandle& handle) const {
+    return handle.HostStagingBytes();
+  }
 
   // Ends the transport. Collective, like creation: every rank closes (or destroys) the transports
   // of a communicator in the same order. The host backends agree, within the timeout, that every

@@ -107,7 +107,9 @@ size_t EpBuffer::MemoryBytes() const {
 
 size_t EpBuffer::StagingBytes() const {
   size_t bytes = 0;
-  for (const auto& c : contexts_) bytes += c->dispatch.HostStagingBytes();
+  if (transport_) {
+    for (const auto& c : contexts_) bytes += transport_->HandleStagingBytes(c->dispatch);
+  }
   return bytes;
 }
 

@@ -72,7 +72,8 @@ class EpBuffer {
   const StepStats& stats() const { return stats_; }
   // Bytes this buffer allocated, the transport staging included.
   size_t MemoryBytes() const;
-  // The host transport staging of every handle (part of MemoryBytes; 0 for nccl).
+  // The transport staging of every handle (part of MemoryBytes): host memory for mpi and ucx;
+  // for nccl the device and pinned staging allocated so far (it grows in the first steps).
   size_t StagingBytes() const;
 
  private:

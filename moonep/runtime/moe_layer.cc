@@ -195,7 +195,9 @@ size_t MoeLayer::MemoryBytes() const {
 
 size_t MoeLayer::StagingBytes() const {
   size_t bytes = 0;
-  for (const auto& ctx : contexts_) bytes += ctx->dispatch.HostStagingBytes();
+  if (transport_) {
+    for (const auto& ctx : contexts_) bytes += transport_->HandleStagingBytes(ctx->dispatch);
+  }
   return bytes;
 }
 

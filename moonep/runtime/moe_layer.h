@@ -140,7 +140,8 @@ class MoeLayer {
   // Bytes this layer allocated (not the shared replica buffer: Communicator::ReplicaBytes()),
   // the transport staging included.
   size_t MemoryBytes() const;
-  // The host transport staging of every handle (part of MemoryBytes; 0 for nccl).
+  // The transport staging of every handle (part of MemoryBytes): host memory for mpi and ucx;
+  // for nccl the device and pinned staging allocated so far (it grows in the first steps).
   size_t StagingBytes() const;
   // False once a failure left the transport unusable; every later call then fails.
   bool usable() const { return broken_.ok(); }

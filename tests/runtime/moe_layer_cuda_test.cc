@@ -156,6 +156,9 @@ class MoeLayerCudaTest : public MpiTest {
     auto view = [&](const DeviceVec& v) {
       return TensorView::Contiguous(v.get(), dtype, {T, kHidden}, Device::kCuda);
     };
+    // The NCCL staging is the transport's per handle, allocated by the first operations: the
+    // layer's memory report counts it as it grows.
+    const size_t memory_before = layer->MemoryBytes(), staging_before = layer->StagingBytes();
     // Two steps: the second checks that nothing stale from the first leaks into it (the
     // gradients are zeroed between them on the caller's stream, ordered before the layer).
     for (int step = 0; step < 2; ++step) {
@@ -171,6 +174,14 @@ class MoeLayerCudaTest : public MpiTest {
                       .ok());
     }
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const size_t staging = layer->StagingBytes();
+    if (staging_before == 0) {  // a new layer: its first steps allocated the staging
+      EXPECT_GE(staging, static_cast<size_t>(kHidden) * DTypeSize(dtype))
+          << "the handles' device staging (a row at least) is not in the memory report";
+    }
+    // Everything else the layer holds was allocated at creation.
+    EXPECT_EQ(static_cast<int64_t>(layer->MemoryBytes() - memory_before),
+              static_cast<int64_t>(staging) - static_cast<int64_t>(staging_before));
     d.y.CopyTo(&t.y);
     d.dx.CopyTo(&t.dx);
     d.dtopk.CopyTo(&t.dtopk);

@@ -138,6 +138,7 @@ class GrowingBuffer {
   absl::Status Reserve(size_t bytes, const char* what) {
     if (bytes <= bytes_) return absl::OkStatus();
     if (data_) retired_.push_back(data_);
+    retired_bytes_ += bytes_;
     data_ = nullptr;
     bytes_ = 0;
     bytes = (bytes + 255) / 256 * 256;
@@ -156,11 +157,14 @@ class GrowingBuffer {
   void FreeRetired() {
     for (void* p : retired_) Memory::Free(p);
     retired_.clear();
+    retired_bytes_ = 0;
   }
+  // Bytes held: the current allocation and the retired ones not yet freed.
+  size_t allocated() const { return bytes_ + retired_bytes_; }
 
  private:
   void* data_ = nullptr;
-  size_t bytes_ = 0;
+  size_t bytes_ = 0, retired_bytes_ = 0;
   std::vector<void*> retired_;
 };
 using DeviceBuffer = GrowingBuffer<DeviceMemory>;
@@ -203,18 +207,27 @@ struct HandleState {
   DeviceBuffer send_staging, recv_staging;
   int64_t ones_count = 0;
 
+  std::initializer_list<PinnedBuffer*> pinned() {
+    return {&header_host, &header_all_host, &counts_all_host, &ids_host,
+            &tables_host, &unique_recv_host, &staging_begin_host, &bad_host};
+  }
+  std::initializer_list<DeviceBuffer*> device() {
+    return {&header_dev, &header_all_dev, &counts_dev, &counts_all_dev,
+            &wire_dev, &tables_dev, &unique_recv_dev, &staging_begin_dev, &bad_dev,
+            &weights_dev, &ones_dev, &meta_send_dev, &meta_recv_dev, &send_staging,
+            &recv_staging};
+  }
   // Frees the allocations every buffer above outgrew (no operation may be in flight).
   void FreeRetired() {
-    for (PinnedBuffer* b : {&header_host, &header_all_host, &counts_all_host, &ids_host,
-                            &tables_host, &unique_recv_host, &staging_begin_host, &bad_host}) {
-      b->FreeRetired();
-    }
-    for (DeviceBuffer* b : {&header_dev, &header_all_dev, &counts_dev, &counts_all_dev,
-                            &wire_dev, &tables_dev, &unique_recv_dev, &staging_begin_dev, &bad_dev,
-                            &weights_dev, &ones_dev, &meta_send_dev, &meta_recv_dev, &send_staging,
-                            &recv_staging}) {
-      b->FreeRetired();
-    }
+    for (PinnedBuffer* b : pinned()) b->FreeRetired();
+    for (DeviceBuffer* b : device()) b->FreeRetired();
+  }
+  // Bytes every buffer above holds (device and pinned host memory).
+  size_t Bytes() {
+    size_t bytes = 0;
+    for (PinnedBuffer* b : pinned()) bytes += b->allocated();
+    for (DeviceBuffer* b : device()) bytes += b->allocated();
+    return bytes;
   }
 
   template <typename T>
@@ -369,6 +382,10 @@ class NcclTransportImpl : public NcclTransport {
   cudaStream_t rows_stream() const override { return rows_stream_; }
   cudaStream_t weights_stream() const override { return weights_stream_; }
   ncclComm_t comm() const override { return comms_->rows; }
+  size_t HandleStagingBytes(const DispatchHandle& handle) const override {
+    auto it = states_.find(&handle);
+    return it == states_.end() ? 0 : it->second->Bytes();
+  }
 
   absl::StatusOr<RequestPtr> StartExchangeCounts(absl::Span<const int32_t> topk_ids,
                                                  int64_t num_tokens, int32_t top_k,

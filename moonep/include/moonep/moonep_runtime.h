@@ -275,8 +275,9 @@ MOONEP_API moonepResult_t moonepLayerRelease(moonepLayer_t layer, moonepLayerHan
 
 /* Local. Statistics of the last forward and backward. stats->size must be set. */
 MOONEP_API moonepResult_t moonepLayerGetStats(moonepLayer_t layer, moonepStepStats_t* stats);
-/* Local. Bytes allocated by this layer (its rows, scratch, executor workspace and the host
- * transport staging of every handle; see docs/runtime.md, "Memory"), and by the replica buffers
+/* Local. Bytes allocated by this layer (its rows, scratch, executor workspace and the transport
+ * staging of every handle: host memory for mpi and ucx, reserved at creation; GPU and pinned memory
+ * for nccl, as allocated by the steps so far; see docs/runtime.md, "Memory"), and by the replica buffers
  * shared by the layers of the communicator (slots * 3 * H * I * (dtype + grad dtype bytes) per
  * layer shape). */
 MOONEP_API moonepResult_t moonepLayerGetMemory(moonepLayer_t layer, size_t* layer_bytes,
