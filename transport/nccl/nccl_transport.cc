@@ -207,11 +207,12 @@ struct HandleState {
   DeviceBuffer send_staging, recv_staging;
   int64_t ones_count = 0;
 
-  std::initializer_list<PinnedBuffer*> pinned() {
+  // Arrays, not initializer lists: a returned list's storage dies with the call.
+  std::array<PinnedBuffer*, 8> pinned() {
     return {&header_host, &header_all_host, &counts_all_host, &ids_host,
             &tables_host, &unique_recv_host, &staging_begin_host, &bad_host};
   }
-  std::initializer_list<DeviceBuffer*> device() {
+  std::array<DeviceBuffer*, 15> device() {
     return {&header_dev, &header_all_dev, &counts_dev, &counts_all_dev,
             &wire_dev, &tables_dev, &unique_recv_dev, &staging_begin_dev, &bad_dev,
             &weights_dev, &ones_dev, &meta_send_dev, &meta_recv_dev, &send_staging,
