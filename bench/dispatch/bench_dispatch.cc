@@ -499,7 +499,7 @@ int Main(int argc, char** argv, const std::string& command) {
   const bool corrupt_unused = !corrupt.empty() && corrupted == 0;
   if (root) {
     std::printf("# load average at the end: %s\n", info.load_end.c_str());
-    PrintFooter(results, stdout);
+    PrintFooter(results, stdout, corrupt);
     const std::string path = absl::GetFlag(FLAGS_json);
     if (!path.empty()) {
       std::ofstream f(path);

@@ -144,7 +144,8 @@ void PrintConfig(const ConfigResult& r, int32_t index, int32_t total, std::FILE*
   std::fprintf(out, "%s\n", line.c_str());
 }
 
-void PrintFooter(const std::vector<ConfigResult>& results, std::FILE* out) {
+void PrintFooter(const std::vector<ConfigResult>& results, std::FILE* out,
+                 const std::string& corrupt) {
   double bus = 0;
   int n = 0;
   int64_t wrong = 0;
@@ -159,7 +160,16 @@ void PrintFooter(const std::vector<ConfigResult>& results, std::FILE* out) {
   }
   std::fprintf(out, "#\n# Avg bus bandwidth (dispatch and combine, measured policy): %.4f GB/s\n",
                n > 0 ? bus / n : 0.0);
-  std::fprintf(out, "# #wrong total: %ld %s\n", static_cast<long>(wrong), wrong == 0 ? "OK" : "FAILED");
+  if (corrupt.empty()) {
+    std::fprintf(out, "# #wrong total: %ld %s\n", static_cast<long>(wrong),
+                 wrong == 0 ? "OK" : "FAILED");
+  } else if (wrong > 0) {
+    std::fprintf(out, "# #wrong total: %ld FAILED, as --corrupt=%s asked: the checks caught it\n",
+                 static_cast<long>(wrong), corrupt.c_str());
+  } else {
+    std::fprintf(out, "# #wrong total: 0, but --corrupt=%s: the self-test did not run (below)\n",
+                 corrupt.c_str());
+  }
 }
 
 std::string ToJson(const RunInfo& info, const std::vector<ConfigResult>& results) {

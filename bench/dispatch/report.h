@@ -21,7 +21,10 @@ struct RunInfo {
 void PrintRunHeader(const RunInfo& info, std::FILE* out);
 // One block per configuration: a header, a row per (operation, implementation), a summary line.
 void PrintConfig(const ConfigResult& r, int32_t index, int32_t total, std::FILE* out);
-void PrintFooter(const std::vector<ConfigResult>& results, std::FILE* out);
+// corrupt: the --corrupt operation ("" when none): its run's verdict says whether the checks
+// caught the corruption, instead of a plain OK or FAILED.
+void PrintFooter(const std::vector<ConfigResult>& results, std::FILE* out,
+                 const std::string& corrupt);
 
 // time(op, impl) / time(op, baseline) from medians; 0 when either is missing or wrong.
 double Ratio(const ConfigResult& r, const std::string& op, const std::string& impl,

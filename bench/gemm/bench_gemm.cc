@@ -6,18 +6,22 @@
 //           per GEMM of the FFN, one group after another.
 // Forward counts 6 * rows * H * I FLOPs; forward+backward (pre-activations kept, so backward
 // does not recompute them) counts 18 * rows * H * I. Each result row also reports the largest
-// relative difference between executor and naive outputs (#wrong-style check).
+// relative difference between executor and naive outputs; above the tests' bar (fp32 1e-5, bf16
+// 1e-2) the benchmark stops with exit 1 instead of printing a figure (--corrupt tests that).
 //
 // The three are timed in interleaved rounds; ratios are medians of per-round ratios.
 //
 //   moonep-bench-gemm [--threads N] [--dtype fp32|bf16] [--reps N] [--rows-per-group N]
 //                     [--min-rows N] [--quick] [--shapes HxI,...] [--groups G,...] [--fused] [-J]
+//                     [--corrupt]
 // --fused: each group's gate and up weights (and gradients) are the halves of one [H, 2I] tensor,
 // so the executor computes x [Wg | Wu] as one GEMM (the naive loop still runs two).
 #include <cblas.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -28,6 +32,7 @@
 #include <vector>
 
 #include "moonep/compute/cpu/cpu_executor.h"
+#include "moonep/core/env.h"
 
 extern "C" {
 #pragma weak openblas_set_num_threads
@@ -47,6 +52,7 @@ struct Options {
   int64_t min_rows = 0;
   bool json = false;
   bool fused = false;  // gate|up weights and gradients as one [H, 2I] tensor per group
+  bool corrupt = false;  // self-test: perturb one output element; the run must exit 1
   std::vector<std::pair<int64_t, int64_t>> shapes = {{1024, 512}, {2048, 1024}, {4096, 2048}};
   std::vector<int> groups = {8, 16, 64};
 };
@@ -254,40 +260,67 @@ double MaxRelDiff(const std::vector<char>& got, DType dtype, const std::vector<f
   return scale > 0 ? diff / scale : diff;
 }
 
-bool ParseList(const char* s, std::vector<int>* out) {
+// "a,b,c": each a whole number in [lo, hi].
+bool ParseList(const char* s, int64_t lo, int64_t hi, std::vector<int>* out) {
   out->clear();
-  for (const char* p = s; *p;) {
-    char* end;
-    long v = std::strtol(p, &end, 10);
-    if (end == p || v <= 0) return false;
+  std::string all(s);
+  if (all.empty() || all.back() == ',') return false;
+  for (size_t start = 0; start <= all.size();) {
+    const size_t comma = std::min(all.find(',', start), all.size());
+    int64_t v = 0;
+    if (!moonep::env::ParseBase10(all.substr(start, comma - start).c_str(), &v) || v < lo ||
+        v > hi) {
+      return false;
+    }
     out->push_back(static_cast<int>(v));
-    p = *end == ',' ? end + 1 : end;
-    if (*end != ',' && *end != '\0') return false;
+    start = comma + 1;
   }
-  return !out->empty();
+  return true;
 }
 
+// "HxI,HxI": each side a whole number in [1, kMaxDim].
+constexpr int64_t kMaxDim = 1 << 16;
 bool ParseShapes(const char* s, std::vector<std::pair<int64_t, int64_t>>* out) {
   out->clear();
-  for (const char* p = s; *p;) {
-    char* end;
-    long h = std::strtol(p, &end, 10);
-    if (end == p || *end != 'x' || h <= 0) return false;
-    p = end + 1;
-    long i = std::strtol(p, &end, 10);
-    if (end == p || i <= 0) return false;
+  std::string all(s);
+  if (all.empty() || all.back() == ',') return false;
+  for (size_t start = 0; start <= all.size();) {
+    const size_t comma = std::min(all.find(',', start), all.size());
+    const std::string one = all.substr(start, comma - start);
+    const size_t x = one.find('x');
+    int64_t h = 0, i = 0;
+    if (x == std::string::npos || !moonep::env::ParseBase10(one.substr(0, x).c_str(), &h) ||
+        !moonep::env::ParseBase10(one.substr(x + 1).c_str(), &i) || h < 1 || i < 1 ||
+        h > kMaxDim || i > kMaxDim) {
+      return false;
+    }
     out->push_back({h, i});
-    if (*end != ',' && *end != '\0') return false;
-    p = *end == ',' ? end + 1 : end;
+    start = comma + 1;
   }
-  return !out->empty();
+  return true;
+}
+
+// Bytes one configuration holds (Make's fixture, the baselines' buffers, the executor's
+// workspace at most as large as the fixture's rows again): for refusing what cannot fit up front.
+double FixtureBytes(int64_t H, int64_t I, DType dtype, const std::vector<int64_t>& rows) {
+  double total = 0;
+  for (int64_t r : rows) total += static_cast<double>(r);
+  const double G = static_cast<double>(rows.size()), hi = static_cast<double>(H) * I;
+  const double ds = static_cast<double>(moonep::DTypeSize(dtype));
+  const double weights = G * 3 * hi * (4 + ds + 4 + 4);  // fp32 copy, dtype copy, grads, naive's
+  const double rows_bytes = total * (H * (4 * ds + 2 * 4 + 4 * 4) + 2 * I * 4 + 9 * I * 4);
+  return weights + 2 * rows_bytes + 9 * hi * 4;
 }
 
 int Usage(const char* argv0) {
   std::fprintf(stderr,
                "usage: %s [--threads N] [--dtype fp32|bf16] [--reps N] [--rows-per-group N]\n"
                "          [--min-rows N] [--shapes HxI,...] [--groups G,...] [--fused] [--quick]\n"
-               "          [-J]\n"
+               "          [-J] [--corrupt]\n"
+               "  --threads 0..1024 (0: every core), --reps 1..1000, --rows-per-group 1..2^20,\n"
+               "  --min-rows 0..2^20, --shapes H and I in 1..65536, --groups G in 1..4096;\n"
+               "  --quick: one small shape, 8 groups, 3 reps, where those flags are not given;\n"
+               "  --corrupt: self-test of the check against the naive loop (must exit 1)\n"
                "       %s --device cuda [--reps N] [--out results.csv] [--shapes-out shapes.txt]\n"
                "          [--quick]     (the CUDA grouped GEMM; see docs/cuda.md)\n",
                argv0, argv0);
@@ -333,42 +366,102 @@ int main(int argc, char** argv) {
     std::copy(rest.begin(), rest.end(), argv);
   }
   Options o;
+  bool quick = false, reps_set = false, shapes_set = false, groups_set = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto next = [&]() -> const char* { return i + 1 < argc ? argv[++i] : nullptr; };
+    // A whole number in [lo, hi] after flag a, else an error naming both.
+    auto number = [&](int64_t lo, int64_t hi, int64_t* out) {
+      const char* v = next();
+      int64_t x = 0;
+      if (v != nullptr && moonep::env::ParseBase10(v, &x) && x >= lo && x <= hi) {
+        *out = x;
+        return true;
+      }
+      std::fprintf(stderr, "%s: %s %s: expected a whole number in [%ld, %ld]\n", argv[0],
+                   a.c_str(), v == nullptr ? "(missing)" : v, static_cast<long>(lo),
+                   static_cast<long>(hi));
+      return false;
+    };
     const char* v = nullptr;
+    int64_t n = 0;
     if (a == "-J") {
       o.json = true;
     } else if (a == "--fused") {
       o.fused = true;
     } else if (a == "--quick") {
-      o.shapes = {{1024, 512}};
-      o.groups = {8};
-      o.reps = 3;
-    } else if ((a == "--threads") && (v = next())) {
-      o.threads = std::atoi(v);
+      quick = true;
+    } else if (a == "--corrupt") {
+      o.corrupt = true;
+    } else if (a == "--threads") {
+      if (!number(0, 1024, &n)) return 2;
+      o.threads = static_cast<int>(n);
     } else if (a == "--dtype" && (v = next())) {
       if (std::string(v) == "fp32") o.dtype = DType::kFloat32;
       else if (std::string(v) == "bf16") o.dtype = DType::kBFloat16;
       else return Usage(argv[0]);
-    } else if (a == "--reps" && (v = next())) {
-      o.reps = std::max(1, std::atoi(v));
-    } else if (a == "--rows-per-group" && (v = next())) {
-      o.rows_per_group = std::max(1L, std::atol(v));
-    } else if (a == "--min-rows" && (v = next())) {
-      o.min_rows = std::max(0L, std::atol(v));
+    } else if (a == "--reps") {
+      if (!number(1, 1000, &n)) return 2;
+      o.reps = static_cast<int>(n);
+      reps_set = true;
+    } else if (a == "--rows-per-group") {
+      if (!number(1, 1 << 20, &o.rows_per_group)) return 2;
+    } else if (a == "--min-rows") {
+      if (!number(0, 1 << 20, &o.min_rows)) return 2;
     } else if (a == "--shapes" && (v = next())) {
-      if (!ParseShapes(v, &o.shapes)) return Usage(argv[0]);
+      if (!ParseShapes(v, &o.shapes)) {
+        std::fprintf(stderr, "%s: --shapes %s: expected HxI[,HxI...], H and I in [1, %ld]\n",
+                     argv[0], v, static_cast<long>(kMaxDim));
+        return 2;
+      }
+      shapes_set = true;
     } else if (a == "--groups" && (v = next())) {
-      if (!ParseList(v, &o.groups)) return Usage(argv[0]);
+      if (!ParseList(v, 1, 4096, &o.groups)) {
+        std::fprintf(stderr, "%s: --groups %s: expected G[,G...], each in [1, 4096]\n", argv[0], v);
+        return 2;
+      }
+      groups_set = true;
     } else {
       return Usage(argv[0]);
     }
   }
-  const int threads = o.threads > 0 ? o.threads : static_cast<int>(std::thread::hardware_concurrency());
+  // --quick shrinks what was not given explicitly, wherever it stands on the line.
+  if (quick) {
+    if (!shapes_set) o.shapes = {{1024, 512}};
+    if (!groups_set) o.groups = {8};
+    if (!reps_set) o.reps = 3;
+  }
+  // Every configuration must fit: its rows in the executor's int32 row space, its buffers in
+  // this machine's memory (half of it: the benchmark is not the only process). Checked before
+  // the first table row, so a bad size costs nothing.
+  const double memory = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
+  for (auto [H, I] : o.shapes) {
+    for (int G : o.groups) {
+      for (bool zipf : {false, true}) {
+        if (static_cast<double>(G) * (o.rows_per_group + o.min_rows) > INT32_MAX) {
+          std::fprintf(stderr, "%s: --groups %d x (--rows-per-group %ld + --min-rows %ld) rows "
+                       "exceed 2^31 - 1\n", argv[0], G, static_cast<long>(o.rows_per_group),
+                       static_cast<long>(o.min_rows));
+          return 2;
+        }
+        const double need =
+            FixtureBytes(H, I, o.dtype, GroupRows(G, o.rows_per_group, zipf, o.min_rows));
+        if (memory > 0 && need > memory / 2) {
+          std::fprintf(stderr, "%s: %d groups of H=%ld x I=%ld (%s sizes) need %.1f GiB, above "
+                       "half of this machine's %.1f GiB: lower --groups, --shapes or "
+                       "--rows-per-group\n", argv[0], G, static_cast<long>(H),
+                       static_cast<long>(I), zipf ? "Zipf" : "uniform", need / (1 << 30),
+                       memory / (1 << 30));
+          return 2;
+        }
+      }
+    }
+  }
+  const int threads = o.threads > 0 ? o.threads
+                                    : std::min<int>(1024, std::thread::hardware_concurrency());
   if (!o.json) {
-    std::printf("# moonep-bench-gemm: dtype %s, %d threads, medians of %d interleaved rounds, %ld rows/group mean, "
-                "min %ld rows, gate|up %s\n",
+    std::printf("# moonep-bench-gemm: dtype %s, %d threads, medians of %d interleaved rounds, %ld rows "
+                "per group (Zipf: the same total, each group at least %ld), gate|up %s\n",
                 moonep::DTypeName(o.dtype), threads, o.reps, static_cast<long>(o.rows_per_group),
                 static_cast<long>(o.min_rows), o.fused ? "fused [H, 2I]" : "separate [H, I]");
     std::printf("# GF/s of the executor; x1 = executor / one cblas_sgemm of the same FLOPs; "
@@ -429,7 +522,22 @@ int main(int argc, char** argv) {
         ex.Forward(f.view, x, y, fo).IgnoreError();
         ex.Backward(f.view, x, dy, dx, bo).IgnoreError();
         naive.Run(f, true);
+        if (o.corrupt) {  // one element of y off by its scale: the check below must catch it
+          const float v = moonep::LoadAsFloat(f.y.data(), o.dtype, 0);
+          moonep::StoreFromFloat(f.y.data(), o.dtype, 0, v + 1.0f + 2 * std::abs(v));
+        }
         const double err = std::max(MaxRelDiff(f.y, o.dtype, naive.y), MaxRelDiff(f.dx, o.dtype, naive.dx));
+        // The bars of the executor's tests against the fp64 reference (docs/executor.md): a
+        // figure from wrong results is no figure.
+        const double bar = o.dtype == DType::kFloat32 ? 1e-5 : 1e-2;
+        if (!(err < bar)) {
+          std::fprintf(stderr,
+                       "moonep-bench-gemm: %d groups (%s) H=%ld I=%ld: the executor's y/dx differ "
+                       "from the naive loop's by %.1e (bar %.0e): wrong results, no figure\n",
+                       G, zipf ? "zipf1.2" : "uniform", static_cast<long>(H),
+                       static_cast<long>(I), err, bar);
+          return 1;
+        }
 
         const double flops = 2.0 * f.total * H * I;
         const double fwd_gf = 3 * flops / fwd.seconds / 1e9, fb_gf = 9 * flops / fb.seconds / 1e9;

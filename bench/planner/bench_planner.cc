@@ -7,6 +7,7 @@
 //
 //   build/bin/moonep-bench-planner [--benchmark_filter=...] [--benchmark_repetitions=N]
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -157,10 +158,22 @@ int main(int argc, char** argv) {
   using namespace moonep::planner;
   // Each benchmark's own Repetitions() would override --benchmark_repetitions: take the flag here.
   int repetitions = 5;
+  bool listing = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strncmp(argv[i], "--benchmark_repetitions=", 24) == 0) {
-      repetitions = std::max(1, std::atoi(argv[i] + 24));
+      const char* v = argv[i] + 24;
+      char* end = nullptr;
+      errno = 0;
+      const long n = std::strtol(v, &end, 10);
+      if (end == v || *end != '\0' || errno != 0 || n < 1 || n > 100000) {
+        std::fprintf(stderr, "moonep-bench-planner: --benchmark_repetitions=%s: expected a whole "
+                     "number in [1, 100000]\n", v);
+        return 1;
+      }
+      repetitions = static_cast<int>(n);
     }
+    listing = listing || std::strcmp(argv[i], "--benchmark_list_tests") == 0 ||
+              std::strcmp(argv[i], "--benchmark_list_tests=true") == 0;
   }
   for (const Shape& s : kShapes) {
     for (Policy p : {Policy::kMoonEP, Policy::kMoonEPGreedy, Policy::kNone}) {
@@ -195,8 +208,13 @@ int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   RatioReporter reporter;
-  benchmark::RunSpecifiedBenchmarks(&reporter);
-  reporter.Summary();
+  const size_t ran = benchmark::RunSpecifiedBenchmarks(&reporter);
+  if (!listing && ran > 0) reporter.Summary();
   benchmark::Shutdown();
+  if (!listing && ran == 0) {  // a filter that matches nothing (or a bad one, reported above)
+    std::fprintf(stderr, "moonep-bench-planner: no benchmark ran (see --benchmark_filter; "
+                 "--benchmark_list_tests lists them)\n");
+    return 1;
+  }
   return 0;
 }

@@ -85,9 +85,13 @@ def _lib():
         except OSError:
             pass
     here = os.path.dirname(os.path.abspath(__file__))
-    candidates = [os.environ.get("MOONEP_LIBRARY"),
-                  os.path.join(here, "..", "..", "build", "lib", "libmoonep.so"),
-                  "libmoonep.so.0"]
+    explicit = os.environ.get("MOONEP_LIBRARY")
+    if explicit:
+        # The caller named a library: that one or an error, never a silent fallback to another.
+        candidates = [explicit]
+    else:
+        candidates = [os.path.join(here, "..", "..", "build", "lib", "libmoonep.so"),
+                      "libmoonep.so.0"]
     errors = []
     for path in candidates:
         if not path:
@@ -98,6 +102,8 @@ def _lib():
         except OSError as e:
             errors.append(str(e))
     else:
+        if explicit:
+            raise OSError(f"MOONEP_LIBRARY={explicit} cannot be loaded: " + "; ".join(errors))
         raise OSError("libmoonep not found (set MOONEP_LIBRARY): " + "; ".join(errors))
     lib.moonepGetErrorString.restype = ctypes.c_char_p
     lib.moonepGetLastThreadError.restype = ctypes.c_char_p
@@ -135,6 +141,19 @@ def version():
 
 def _ptr(a):
     return None if a is None else a.ctypes.data_as(ctypes.c_void_p)
+
+
+def _array(name, a, dtype, shape):
+    """a as a C-contiguous array of dtype with exactly shape, else ValueError naming it. Integer
+    arrays are not made from floats (a silent truncation), nor floats from non-numbers."""
+    a = np.asarray(a)
+    if np.dtype(dtype).kind in "iu" and a.dtype.kind not in "iu":
+        raise ValueError(f"{name} must hold integers, not {a.dtype}")
+    if np.dtype(dtype).kind == "f" and a.dtype.kind not in "iuf":
+        raise ValueError(f"{name} must hold numbers, not {a.dtype}")
+    if a.shape != tuple(shape):
+        raise ValueError(f"{name} has shape {a.shape}; expected {tuple(shape)}")
+    return np.ascontiguousarray(a, dtype=dtype)
 
 
 class Comm:
@@ -193,6 +212,8 @@ class Layer:
                  device_index=0):
         if device not in ("cpu", "cuda"):
             raise ValueError("device must be 'cpu' or 'cuda'")
+        if policy not in _POLICIES:
+            raise ValueError(f"policy {policy!r} is not one of {sorted(_POLICIES)}")
         c = _LayerConfig(size=ctypes.sizeof(_LayerConfig), magic=_CONFIG_MAGIC,
                          version=version(), num_experts=num_experts, top_k=top_k, hidden=hidden,
                          intermediate=intermediate, dtype=_FLOAT32, grad_dtype=_FLOAT32,
@@ -205,14 +226,34 @@ class Layer:
         _check("moonepLayerCreate", _lib().moonepLayerCreate(comm._h, ctypes.byref(c),
                                                              ctypes.byref(h)))
         self._h, self.comm = h, comm
-        self.top_k, self.hidden = top_k, hidden
+        self.num_experts, self.top_k = num_experts, top_k
+        self.hidden, self.intermediate = hidden, intermediate
+        self.experts_per_rank = num_experts // comm.size  # creation checked the divisibility
         self._bound = None
         self._saved = []  # (handle, num_tokens) of forwards awaiting backward, in order
 
     def bind(self, w_gate, w_up, w_down, g_gate=None, g_up=None, g_down=None):
-        for a in (w_gate, w_up, w_down, g_gate, g_up, g_down):
-            if a is not None and (a.dtype != np.float32 or not a.flags.c_contiguous):
-                raise ValueError("weights and gradients must be C-contiguous float32 arrays")
+        """This rank's experts: float32 C-contiguous [E/R][H][I] gate and up, [E/R][I][H] down;
+        the gradients alike, all three or none. Bound in place (not copied)."""
+        grads = (g_gate, g_up, g_down)
+        if any(g is None for g in grads) and any(g is not None for g in grads):
+            raise ValueError("gradients: pass g_gate, g_up and g_down together, or none of them")
+        epn, hid, inter = self.experts_per_rank, self.hidden, self.intermediate
+        shapes = {"gate": (epn, hid, inter), "up": (epn, hid, inter), "down": (epn, inter, hid)}
+        for prefix, arrays in (("w", (w_gate, w_up, w_down)), ("g", grads)):
+            for (part, shape), a in zip(shapes.items(), arrays):
+                if a is None and prefix == "g":
+                    continue
+                name = f"{prefix}_{part}"
+                if not isinstance(a, np.ndarray) or a.dtype != np.float32 or \
+                        not a.flags.c_contiguous:
+                    raise ValueError(f"{name} must be a C-contiguous float32 numpy array (bound "
+                                     "in place, so it is not converted)")
+                if a.shape != shape:
+                    raise ValueError(f"{name} has shape {a.shape}; expected {shape} "
+                                     f"(experts per rank E/R = {epn}, hidden, intermediate)")
+                if prefix == "g" and not a.flags.writeable:
+                    raise ValueError(f"{name} is read-only; gradients accumulate into it")
         w = _ExpertTensors(_ptr(w_gate), _ptr(w_up), _ptr(w_down), _FLOAT32)
         g = _ExpertTensors(_ptr(g_gate), _ptr(g_up), _ptr(g_down), _FLOAT32)
         _check("moonepLayerBindParams", _lib().moonepLayerBindParams(
@@ -236,14 +277,20 @@ class Layer:
 
     def backward_ptr(self, dy, dx, d_topk_weights, stream=None):
         """Backward of the most recent forward_ptr, on addresses; gradients += into the bound ones."""
-        h, _ = self._saved.pop()
+        h, _ = self._last("backward_ptr")
+        self._saved.pop()
         _check("moonepLayerBackward", _lib().moonepLayerBackward(self._h, h, dy, dx,
                                                                  d_topk_weights, stream))
 
     def forward(self, x, topk_ids, topk_weights):
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        ids = np.ascontiguousarray(topk_ids, dtype=np.int32)
-        w = np.ascontiguousarray(topk_weights, dtype=np.float32)
+        """x [T][H], topk_ids [T][K] (integers in [0, E)), topk_weights [T][K]; returns y [T][H]."""
+        x = np.asarray(x)
+        if x.ndim != 2:
+            raise ValueError(f"x has shape {x.shape}; expected (tokens, hidden = {self.hidden})")
+        tokens = x.shape[0]
+        x = _array("x", x, np.float32, (tokens, self.hidden))
+        ids = _array("topk_ids", topk_ids, np.int32, (tokens, self.top_k))
+        w = _array("topk_weights", topk_weights, np.float32, (tokens, self.top_k))
         y = np.empty_like(x)
         h = ctypes.c_void_p()
         _check("moonepLayerForward", _lib().moonepLayerForward(
@@ -251,10 +298,18 @@ class Layer:
         self._saved.append((h, x.shape[0]))
         return y
 
+    def _last(self, what):
+        if not self._saved:
+            raise RuntimeError(f"{what}: no forward awaits it (each forward is backwarded or "
+                               "released once, most recent first)")
+        return self._saved[-1]
+
     def backward(self, dy):
-        """Backward of the most recent forward not yet backwarded."""
-        h, tokens = self._saved.pop()
-        dy = np.ascontiguousarray(dy, dtype=np.float32)
+        """Backward of the most recent forward not yet backwarded: dy [T][H] of that forward;
+        returns dx [T][H] and d topk_weights [T][K]."""
+        h, tokens = self._last("backward")
+        dy = _array("dy", dy, np.float32, (tokens, self.hidden))
+        self._saved.pop()
         dx = np.empty_like(dy)
         dtopk = np.empty((tokens, self.top_k), dtype=np.float32)
         _check("moonepLayerBackward", _lib().moonepLayerBackward(self._h, h, _ptr(dy), _ptr(dx),
@@ -263,7 +318,8 @@ class Layer:
 
     def release(self):
         """Drops the most recent forward's saved state (inference)."""
-        h, _ = self._saved.pop()
+        h, _ = self._last("release")
+        self._saved.pop()
         _check("moonepLayerRelease", _lib().moonepLayerRelease(self._h, h))
 
     def stats(self):

@@ -15,9 +15,7 @@ static const char* Lookup(const char* suffix) {
   return (value != nullptr && value[0] != '\0') ? value : nullptr;
 }
 
-// A base-10 integer: an optional sign, then at least one digit, nothing else; false when
-// malformed or outside int64.
-static bool ParseBase10(const char* value, int64_t* out) {
+bool ParseBase10(const char* value, int64_t* out) {
   const char* p = value;
   if (*p == '+' || *p == '-') ++p;
   if (*p < '0' || *p > '9') return false;  // no leading spaces, no empty digits

@@ -1,11 +1,20 @@
 // moonep-selfcheck: checks the fp64 reference MoE layer (the oracle of every MoonEP test) against
-// central finite differences and prints a readable verdict.
+// central finite differences and prints a readable verdict. Takes no arguments.
 #include <cstdio>
+#include <cstring>
 
 #include "moonep/reference/gradient_check.h"
 
-int main() {
+int main(int argc, char** argv) {
   using namespace moonep::reference;
+  if (argc > 1) {
+    const bool help = std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0;
+    std::fprintf(help ? stdout : stderr,
+                 "%susage: moonep-selfcheck   (no arguments: checks the fp64 reference layer's "
+                 "gradients against finite differences; exit 0 when they agree)\n",
+                 help ? "" : "moonep-selfcheck takes no arguments; ");
+    return help ? 0 : 2;
+  }
   std::printf("MoonEP self-check: fp64 reference MoE layer (SwiGLU experts, top-k routing)\n");
   std::printf("Every analytic gradient is compared with a central finite difference.\n\n");
   std::printf("%-28s %-14s %8s %14s  %s\n", "shape (E K H I T)", "gradient", "entries",

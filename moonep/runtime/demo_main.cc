@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "moonep/core/dtype.h"
+#include "moonep/core/env.h"
 #include "moonep/reference/reference_moe.h"
 #include "moonep/runtime/communicator.h"
 #include "moonep/runtime/moe_layer.h"
@@ -39,39 +40,78 @@ struct Options {
   moonep::planner::Policy policy = moonep::planner::Policy::kMoonEP;
 };
 
+// A whole base-10 integer in [lo, hi], else false.
+bool ParseInt(const std::string& v, int64_t lo, int64_t hi, int64_t* out) {
+  int64_t x = 0;
+  if (!moonep::env::ParseBase10(v.c_str(), &x) || x < lo || x > hi) return false;
+  *out = x;
+  return true;
+}
+
 bool ParseArgs(int argc, char** argv, Options* o, std::string* error) {
+  constexpr const char* kUsage =
+      "usage: moonep-demo [--steps N] [--tokens T] [--experts-per-rank N] [--topk K] "
+      "[--hidden H] [--inter I] [--zipf S] [--dtype fp32|bf16] [--policy NAME]";
+  // name, target, bounds: the demo checks every step against an fp64 reference of the whole
+  // layer on every rank, so its sizes are those of a demonstration, not of a model.
+  struct IntFlag {
+    const char* name;
+    int64_t lo, hi;
+    int64_t* value;
+  };
+  int64_t steps = o->steps, epn = o->experts_per_rank, topk = o->topk;
+  const IntFlag ints[] = {{"--steps", 1, 1000000, &steps},
+                          {"--tokens", 1, 1 << 20, &o->tokens},
+                          {"--experts-per-rank", 1, 1024, &epn},
+                          {"--topk", 1, 1024, &topk},
+                          {"--hidden", 1, 1 << 16, &o->hidden},
+                          {"--inter", 1, 1 << 16, &o->inter}};
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--help" || arg == "-h") {
-      *error = "usage: moonep-demo [--steps N] [--tokens T] [--experts-per-rank N] [--topk K] "
-               "[--hidden H] [--inter I] [--zipf S] [--dtype fp32|bf16] [--policy NAME]";
+      *error = kUsage;
       return false;
     }
     if (i + 1 >= argc) {
-      *error = "missing value after " + arg;
+      *error = "missing value after " + arg + "\n" + kUsage;
       return false;
     }
     const std::string v = argv[++i];
-    if (arg == "--steps") o->steps = std::atoi(v.c_str());
-    else if (arg == "--tokens") o->tokens = std::atoll(v.c_str());
-    else if (arg == "--experts-per-rank") o->experts_per_rank = std::atoi(v.c_str());
-    else if (arg == "--topk") o->topk = std::atoi(v.c_str());
-    else if (arg == "--hidden") o->hidden = std::atoll(v.c_str());
-    else if (arg == "--inter") o->inter = std::atoll(v.c_str());
-    else if (arg == "--zipf") o->zipf = std::atof(v.c_str());
-    else if (arg == "--dtype" && (v == "fp32" || v == "bf16")) {
+    const IntFlag* flag = nullptr;
+    for (const IntFlag& f : ints) flag = arg == f.name ? &f : flag;
+    if (flag != nullptr) {
+      if (!ParseInt(v, flag->lo, flag->hi, flag->value)) {
+        *error = arg + " " + v + ": expected a whole number in [" + std::to_string(flag->lo) +
+                 ", " + std::to_string(flag->hi) + "]";
+        return false;
+      }
+    } else if (arg == "--zipf") {
+      char* end = nullptr;
+      const double z = std::strtod(v.c_str(), &end);
+      if (v.empty() || *end != '\0' || !std::isfinite(z) || z < 0 || z > 100) {
+        *error = "--zipf " + v + ": expected a number in [0, 100]";
+        return false;
+      }
+      o->zipf = z;
+    } else if (arg == "--dtype") {
+      if (v != "fp32" && v != "bf16") {
+        *error = "--dtype " + v + ": expected fp32 or bf16";
+        return false;
+      }
       o->dtype = v == "fp32" ? DType::kFloat32 : DType::kBFloat16;
-    } else if (arg == "--policy" && moonep::planner::ParsePolicy(v, &o->policy)) {
+    } else if (arg == "--policy") {
+      if (!moonep::planner::ParsePolicy(v, &o->policy)) {
+        *error = "--policy " + v + ": not a policy name (none, moonep, moonep-greedy, eplb, ...)";
+        return false;
+      }
     } else {
-      *error = "bad option " + arg + " " + v;
+      *error = "unknown option " + arg + "\n" + kUsage;
       return false;
     }
   }
-  if (o->steps < 1 || o->tokens < 1 || o->experts_per_rank < 1 || o->topk < 1 || o->hidden < 1 ||
-      o->inter < 1 || o->zipf < 0) {
-    *error = "every size must be positive";
-    return false;
-  }
+  o->steps = static_cast<int>(steps);
+  o->experts_per_rank = static_cast<int>(epn);
+  o->topk = static_cast<int>(topk);
   return true;
 }
 
@@ -105,8 +145,9 @@ int Run(int argc, char** argv) {
   int world_rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
   if (!ParseArgs(argc, argv, &o, &error)) {
-    if (world_rank == 0) std::fprintf(stderr, "%s\n", error.c_str());
-    return 2;
+    const bool help = error.rfind("usage:", 0) == 0;  // --help: the usage on stdout, exit 0
+    if (world_rank == 0) std::fprintf(help ? stdout : stderr, "%s\n", error.c_str());
+    return help ? 0 : 2;
   }
   auto comm_or = moonep::runtime::Communicator::FromMpi(MPI_COMM_WORLD);
   if (!comm_or.ok()) {
@@ -116,8 +157,29 @@ int Run(int argc, char** argv) {
   auto comm = std::move(*comm_or);
   const int R = comm->size(), rank = comm->rank();
   const bool root = rank == 0;
-  const int epn = o.experts_per_rank, E = epn * R, K = std::min(o.topk, E);
+  const int epn = o.experts_per_rank, E = epn * R, K = o.topk;
   const int64_t H = o.hidden, I = o.inter, T = o.tokens;
+  // Every rank holds the fp64 reference of all E experts (weights; the reference's gradients as
+  // much again) and about 128 bytes per element of its token rows: refuse sizes that would not
+  // fit before allocating anything, alike on every rank.
+  const double reference_gib =
+      (6.0 * E * static_cast<double>(H) * I * 8 + 128.0 * T * static_cast<double>(H)) / (1 << 30);
+  if (K > E || reference_gib > 8) {
+    if (root) {
+      if (K > E) {
+        std::fprintf(stderr, "moonep-demo: --topk %d exceeds the %d experts (%d ranks x %d)\n",
+                     K, E, R, epn);
+      } else {
+        std::fprintf(stderr,
+                     "moonep-demo: %d experts x H=%ld x I=%ld and %ld tokens need %.1f GiB on "
+                     "every rank with the fp64 reference (at most 8): lower --tokens, "
+                     "--experts-per-rank, --hidden or --inter\n",
+                     E, static_cast<long>(H), static_cast<long>(I), static_cast<long>(T),
+                     reference_gib);
+      }
+    }
+    return 2;
+  }
   const DType dt = o.dtype;
   const size_t ds = moonep::DTypeSize(dt), block = static_cast<size_t>(H * I);
 

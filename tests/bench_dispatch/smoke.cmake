@@ -39,6 +39,9 @@ else()
   if(rc EQUAL 0)
     message(FATAL_ERROR "--corrupt=combine: the run exited 0; a wrong result went unnoticed")
   endif()
+  if(NOT out MATCHES "#wrong total: [1-9][0-9]* FAILED, as --corrupt=combine asked")
+    message(FATAL_ERROR "--corrupt=combine: the footer does not say the checks caught it")
+  endif()
 endif()
 
 # Table rows: op impl size count type time p99 algbw busbw #wrong t/none t/a2av

@@ -198,6 +198,11 @@ int main(int argc, char** argv) {
   using namespace moonep::planner;
   const bool big = argc > 1 && std::strcmp(argv[1], "--big") == 0;
   const bool home = argc > 1 && std::strcmp(argv[1], "--home") == 0;
+  if (argc > 2 || (argc == 2 && !big && !home)) {
+    std::fprintf(stderr, "usage: %s [--big | --home]   (no argument: the small corpus)\n",
+                 argv[0]);
+    return 2;
+  }
   Hash hash;
   int plans = 0, invalid = 0;
   if (big) {

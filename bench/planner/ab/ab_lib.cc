@@ -2,9 +2,11 @@
 // both run in one process on the same inputs. Built by ab.sh; not part of the CMake build.
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <memory>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "bench/planner/zipf_counts.h"
@@ -32,6 +34,11 @@ struct Harness {
 // decide: Decide on totals instead of MakePlan. Four steps, cycled.
 extern "C" __attribute__((visibility("default"))) void* ab_setup(int shape, int policy, int check,
                                                                  int decide) {
+  if (shape < 0 || shape >= static_cast<int>(sizeof(kShapes) / sizeof(kShapes[0]))) {
+    std::fprintf(stderr, "ab_setup: shape %d is not one of the %zu shapes\n", shape,
+                 sizeof(kShapes) / sizeof(kShapes[0]));
+    return nullptr;
+  }
   const Shape s = kShapes[shape];
   PlannerConfig c;
   c.num_ranks = s.R;
@@ -39,8 +46,13 @@ extern "C" __attribute__((visibility("default"))) void* ab_setup(int shape, int 
   c.ranks_per_node = 8;
   c.policy = static_cast<Policy>(policy);
   c.moonep_check_greedy = check != 0;
+  auto planner = Planner::Create(c);
+  if (!planner.ok()) {
+    std::fprintf(stderr, "ab_setup: %s\n", std::string(planner.status().message()).c_str());
+    return nullptr;
+  }
   Harness* h = new Harness;
-  h->planner = Planner::Create(c).value();
+  h->planner = std::move(*planner);
   h->decide = decide != 0;
   for (int i = 0; i < 4; ++i) {
     h->steps.push_back(ZipfCounts(s, 1.2, 100 + i));

@@ -9,6 +9,8 @@
 #include <cstdlib>
 #include <vector>
 
+#include "ab_args.h"
+
 typedef void* (*Setup)(int, int, int, int);
 typedef double (*Block)(void*, int);
 
@@ -23,16 +25,24 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "dlopen: %s\n", dlerror());
     return 1;
   }
-  const int shape = atoi(argv[3]), policy = atoi(argv[4]), check = atoi(argv[5]),
-            decide = atoi(argv[6]), blocks = atoi(argv[7]), iters = atoi(argv[8]);
+  AbArgs args;
+  if (!ParseAbArgs(argv + 3, &args)) return 2;
+  const int shape = args.shape, policy = args.policy, check = args.check, decide = args.decide,
+            blocks = args.blocks, iters = args.iters;
   Setup sa = (Setup)dlsym(la, "ab_setup"), sb = (Setup)dlsym(lb, "ab_setup");
   Block ba = (Block)dlsym(la, "ab_block"), bb = (Block)dlsym(lb, "ab_block");
+  if (!sa || !sb || !ba || !bb) {
+    std::fprintf(stderr, "dlsym: ab_setup/ab_block missing: %s\n", dlerror());
+    return 1;
+  }
   void* hb = sb(shape, policy, check, decide);
+  if (hb == nullptr) return 1;  // ab_setup said why
   if (const char* n = getenv("N")) {
     bb(hb, atoi(n));
     return 0;
   }
   void* ha = sa(shape, policy, check, decide);
+  if (ha == nullptr) return 1;
   ba(ha, iters);
   bb(hb, iters);
   std::vector<double> a, b, r;

@@ -14,6 +14,8 @@
 #include <map>
 #include <vector>
 
+#include "ab_args.h"
+
 typedef void* (*Setup)(int, int, int, int);
 typedef double (*Block)(void*, int);
 
@@ -62,9 +64,16 @@ int main(int argc, char** argv) {
   }
   Setup setup = (Setup)dlsym(lib, "ab_setup");
   Block block = (Block)dlsym(lib, "ab_block");
-  const int shape = atoi(argv[2]), policy = atoi(argv[3]), check = atoi(argv[4]),
-            decide = atoi(argv[5]), blocks = atoi(argv[6]), iters = atoi(argv[7]);
+  AbArgs args;
+  if (!ParseAbArgs(argv + 2, &args)) return 2;
+  const int shape = args.shape, policy = args.policy, check = args.check, decide = args.decide,
+            blocks = args.blocks, iters = args.iters;
+  if (setup == nullptr || block == nullptr) {
+    std::fprintf(stderr, "dlsym: ab_setup/ab_block missing: %s\n", dlerror());
+    return 1;
+  }
   void* h = setup(shape, policy, check, decide);
+  if (h == nullptr) return 1;  // ab_setup said why
   block(h, iters);
   struct Group {
     int n = 0;

@@ -1,0 +1,141 @@
+"""Bad input to the Python binding (examples/python/moonep.py) gets a clear exception and nothing
+else: no out-of-bounds read or write through ctypes, no lost forward state, no silent fallback.
+
+    MOONEP_LIBRARY=build/lib/libmoonep.so mpirun -np 2 python3 tests/runtime/python_bad_input.py
+
+Every rank passes the same bad input (the binding's checks run before any collective call). After
+the refused calls, a forward and backward on good input must still match the float64 numpy
+reference, so the refusals left the layer and its bound weights intact. Exit code 0 on success.
+"""
+import os
+import sys
+
+import numpy as np
+
+here = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(here, "..", "..", "examples", "python"))
+import moonep  # noqa: E402
+from moe_layer_numpy import reference, rel  # noqa: E402
+
+failures = []
+
+
+def expect(exc_type, fragment, call):
+    """call() must raise exc_type with fragment in its message."""
+    try:
+        call()
+    except exc_type as e:
+        if fragment not in str(e):
+            failures.append(f"{fragment!r} not in {type(e).__name__}: {e}")
+        return
+    except Exception as e:  # noqa: BLE001 - any other exception is a failure
+        failures.append(f"expected {exc_type.__name__} ({fragment!r}), got "
+                        f"{type(e).__name__}: {e}")
+        return
+    failures.append(f"expected {exc_type.__name__} ({fragment!r}); the call succeeded")
+
+
+def library_check():
+    """A named library that cannot be loaded is an error, not a fallback to another one."""
+    good = os.environ.get("MOONEP_LIBRARY")
+    os.environ["MOONEP_LIBRARY"] = "/nonexistent/libmoonep.so"
+    expect(OSError, "MOONEP_LIBRARY=/nonexistent/libmoonep.so cannot be loaded", moonep.version)
+    if good is None:
+        del os.environ["MOONEP_LIBRARY"]
+    else:
+        os.environ["MOONEP_LIBRARY"] = good
+
+
+def main():
+    library_check()
+    comm = moonep.Comm.from_env()
+    R, rank = comm.size, comm.rank
+    epn, K, H, I, T = 2, 2, 16, 24, 12
+    E = epn * R
+    rng = np.random.default_rng(11)
+    wg = (rng.standard_normal((E, H, I)) / np.sqrt(H)).astype(np.float32)
+    wu = (rng.standard_normal((E, H, I)) / np.sqrt(H)).astype(np.float32)
+    wd = (rng.standard_normal((E, I, H)) / np.sqrt(I)).astype(np.float32)
+    x = rng.standard_normal((R * T, H)).astype(np.float32)
+    dy = rng.standard_normal((R * T, H)).astype(np.float32)
+    ids = np.stack([rng.choice(E, size=K, replace=False) for _ in range(R * T)]).astype(np.int32)
+    w = rng.random((R * T, K)).astype(np.float32)
+    lo, hi = rank * T, (rank + 1) * T
+    mine = slice(rank * epn, (rank + 1) * epn)
+    my = [np.ascontiguousarray(a[mine]) for a in (wg, wu, wd)]
+    grads = [np.zeros_like(a) for a in my]
+
+    expect(ValueError, "policy 'balanced' is not one of",
+           lambda: moonep.Layer(comm, E, K, H, I, T, policy="balanced"))
+    layer = moonep.Layer(comm, num_experts=E, top_k=K, hidden=H, intermediate=I, max_tokens=T,
+                         num_threads=1)
+
+    # bind: shapes, dtypes, layout, all-or-none gradients.
+    wrong_count = np.zeros((epn + 1, H, I), np.float32)
+    expect(ValueError, f"w_gate has shape {wrong_count.shape}; expected {(epn, H, I)}",
+           lambda: layer.bind(wrong_count, my[1], my[2]))
+    expect(ValueError, f"w_down has shape {(epn, H, I)}; expected {(epn, I, H)}",
+           lambda: layer.bind(my[0], my[1], my[1]))
+    expect(ValueError, "w_up must be a C-contiguous float32",
+           lambda: layer.bind(my[0], my[1].astype(np.float64), my[2]))
+    expect(ValueError, "w_gate must be a C-contiguous float32",
+           lambda: layer.bind(np.asfortranarray(my[0]), my[1], my[2]))
+    expect(ValueError, "pass g_gate, g_up and g_down together",
+           lambda: layer.bind(my[0], my[1], my[2], grads[0], grads[1]))
+    expect(ValueError, f"g_down has shape {grads[0].shape}",
+           lambda: layer.bind(my[0], my[1], my[2], grads[0], grads[1], grads[0]))
+    frozen = np.zeros_like(grads[1])
+    frozen.flags.writeable = False
+    expect(ValueError, "g_up is read-only",
+           lambda: layer.bind(my[0], my[1], my[2], grads[0], frozen, grads[2]))
+    layer.bind(*my, *grads)
+
+    # backward and release with no forward awaiting them.
+    expect(RuntimeError, "backward: no forward awaits it", lambda: layer.backward(dy[lo:hi]))
+    expect(RuntimeError, "release: no forward awaits it", layer.release)
+
+    # forward: every array's shape against the layer and against x.
+    xs, ids_s, ws = x[lo:hi], ids[lo:hi], w[lo:hi]
+    expect(ValueError, f"x has shape {(T, H + 1)}; expected {(T, H)}",
+           lambda: layer.forward(np.zeros((T, H + 1), np.float32), ids_s, ws))
+    expect(ValueError, "expected (tokens, hidden = 16)",
+           lambda: layer.forward(xs.reshape(-1), ids_s, ws))
+    expect(ValueError, f"topk_ids has shape {(T - 1, K)}; expected {(T, K)}",
+           lambda: layer.forward(xs, ids_s[:-1], ws))
+    expect(ValueError, f"topk_weights has shape {(T, K - 1)}; expected {(T, K)}",
+           lambda: layer.forward(xs, ids_s, ws[:, :-1]))
+    expect(ValueError, "topk_ids must hold integers, not float64",
+           lambda: layer.forward(xs, ids_s.astype(np.float64) + 0.5, ws))
+    # Checked by the library itself, on every rank alike.
+    bad_ids = ids_s.copy()
+    bad_ids[3, 1] = E
+    expect(moonep.MoonEPError, "moonepLayerForward failed", lambda: layer.forward(xs, bad_ids, ws))
+    too_many = np.zeros((T + 1, H), np.float32)
+    expect(moonep.MoonEPError, "moonepLayerForward failed",
+           lambda: layer.forward(too_many, np.zeros((T + 1, K), np.int32),
+                                 np.zeros((T + 1, K), np.float32)))
+
+    # Good input after all that: matches the float64 reference, and a wrong dy keeps the forward.
+    y = layer.forward(xs, ids_s, ws)
+    expect(ValueError, f"dy has shape {(T - 2, H)}; expected {(T, H)}",
+           lambda: layer.backward(dy[lo:hi - 2]))
+    dx, dtopk = layer.backward(dy[lo:hi])
+    f64 = [a.astype(np.float64) for a in (x, ids, w, dy, wg, wu, wd)]
+    f64[1] = ids
+    ry, rdx, rdw, rgg, rgu, rgd = reference(*f64)
+    errors = {"y": rel(y, ry[lo:hi]), "dx": rel(dx, rdx[lo:hi]), "dtopk": rel(dtopk, rdw[lo:hi]),
+              "dWg": rel(grads[0], rgg[mine]), "dWu": rel(grads[1], rgu[mine]),
+              "dWd": rel(grads[2], rgd[mine])}
+    for k, v in errors.items():
+        if not v < 1e-5:
+            failures.append(f"{k} rel. error {v:.2e} after the refused calls")
+    layer.destroy()
+    comm.destroy()
+    for f in failures:
+        print(f"[rank {rank}] FAIL: {f}", flush=True)
+    print(f"[rank {rank}] python bad input: {'PASS' if not failures else 'FAIL'}", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
