@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cassert>
+#include <cstdint>
 #include <cmath>
 
 #include "absl/base/attributes.h"
@@ -18,9 +19,14 @@ absl::Status ResolveConfig(const PlannerConfig& in, PlannerConfig* out) {
                    in.num_ranks);
   const int32_t epn = in.num_experts / in.num_ranks;
   if (out->slots < 0) out->slots = epn;
-  MOONEP_CHECK_ARG(in.slots >= -1, "slots must be >= 0 (or -1 for E/R), got %d", in.slots);
+  MOONEP_CHECK_ARG(in.slots >= -1, "slots must be >= 1 (or -1 for E/R), got %d", in.slots);
   MOONEP_CHECK_ARG(out->slots <= in.num_experts, "slots (%d) must not exceed num_experts (%d)",
                    out->slots, in.num_experts);
+  // A rank's groups (home experts, then slots) are counted in int32; with one rank nothing else
+  // bounds the sum. Checked before the home map of E entries is built.
+  MOONEP_CHECK_ARG(int64_t{epn} + out->slots <= INT32_MAX,
+                   "num_experts / num_ranks + slots = %d groups per rank is too large (at most "
+                   "2^31 - 1)", int64_t{epn} + out->slots);
   MOONEP_CHECK_ARG(in.pad_multiple >= 1, "pad_multiple must be >= 1, got %d", in.pad_multiple);
   MOONEP_CHECK_ARG(in.ranks_per_node >= 0, "ranks_per_node must be >= 0, got %d", in.ranks_per_node);
   // (Byte stats are rows or replicas times these, saturating at INT64_MAX.)

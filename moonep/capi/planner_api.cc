@@ -14,6 +14,7 @@ struct moonepPlanner {
   std::unique_ptr<moonep::planner::Planner> planner;
   moonep::planner::Plan plan;
   bool has_plan = false;
+  bool plan_failed = false;  // the latest moonepPlannerPlan failed (it dropped the plan)
   std::string last_error;
 };
 
@@ -76,6 +77,10 @@ moonepResult_t GuardPlanner(moonepPlanner_t handle, const char* function, Body&&
 }
 
 absl::Status NeedPlan(moonepPlanner_t p) {
+  if (!p->has_plan && p->plan_failed) {
+    return InvalidUsage("no plan: the last moonepPlannerPlan failed (it drops the plan before it "
+                        "was made); call moonepPlannerPlan again with valid counts");
+  }
   if (!p->has_plan) return InvalidUsage("no plan yet: call moonepPlannerPlan first");
   return absl::OkStatus();
 }
@@ -159,10 +164,12 @@ moonepResult_t moonepPlannerDestroy(moonepPlanner_t planner) {
 
 moonepResult_t moonepPlannerPlan(moonepPlanner_t p, const int64_t* counts, size_t num_counts) {
   return GuardPlanner(p, "moonepPlannerPlan", [&]() -> absl::Status {
-    MOONEP_CHECK_ARG(counts != nullptr, "counts is NULL");
     p->has_plan = false;
+    p->plan_failed = true;  // until this call succeeds
+    MOONEP_CHECK_ARG(counts != nullptr, "counts is NULL");
     MOONEP_RETURN_IF_ERROR(p->planner->MakePlan(absl::MakeConstSpan(counts, num_counts), &p->plan));
     p->has_plan = true;
+    p->plan_failed = false;
     return absl::OkStatus();
   });
 }

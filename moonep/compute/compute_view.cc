@@ -200,11 +200,18 @@ absl::Status CheckComputeView(const ComputeView& view, bool need_grads) {
           }
         }
       }
-      for (int p = 0; p < 3; ++p) {
-        const TensorView& w = Param(view.groups[a].weights, p);
-        if (TensorsOverlap(ta, w)) {
-          return InvalidArgument("group %d grad %s overlaps its weight %s", a, kParamNames[pa],
-                                 kParamNames[p]);
+      // Any group's weights, not only its own: every group's weights are read while this
+      // gradient is written.
+      for (int32_t b = 0; b < G; ++b) {
+        if (view.groups[b].row_count == 0) continue;
+        for (int p = 0; p < 3; ++p) {
+          if (!TensorsOverlap(ta, Param(view.groups[b].weights, p))) continue;
+          if (b == a) {
+            return InvalidArgument("group %d grad %s overlaps its weight %s", a, kParamNames[pa],
+                                   kParamNames[p]);
+          }
+          return InvalidArgument("group %d grad %s overlaps group %d weight %s", a,
+                                 kParamNames[pa], b, kParamNames[p]);
         }
       }
     }

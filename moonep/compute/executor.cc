@@ -70,8 +70,9 @@ absl::Status CheckExecutorConfig(const ExecutorConfig& config) {
   MOONEP_CHECK_ARG(config.dtype == DType::kFloat32 || config.dtype == DType::kBFloat16,
                    "config: invalid dtype %d", static_cast<int>(config.dtype));
   MOONEP_CHECK_ARG(config.max_rows >= 0, "config: max_rows %d is negative", config.max_rows);
-  MOONEP_CHECK_ARG(config.num_threads >= 0, "config: num_threads %d is negative",
-                   config.num_threads);
+  MOONEP_CHECK_ARG(config.num_threads >= 0 && config.num_threads <= kMaxExecutorThreads,
+                   "config: num_threads %d is outside [0, %d] (0: MOONEP_NUM_THREADS, else every "
+                   "core)", config.num_threads, kMaxExecutorThreads);
   return absl::OkStatus();
 }
 

@@ -32,6 +32,9 @@ struct ExecutorConfig {
   int64_t max_rows = 0;      // the largest view.total_rows a call will pass (sizes the workspace)
   int32_t num_threads = 0;   // 0: MOONEP_NUM_THREADS, and when that is 0 too, every core
 };
+// The most executor threads: an explicit num_threads above it is refused; MOONEP_NUM_THREADS or
+// a core count above it is capped to it.
+constexpr int32_t kMaxExecutorThreads = 1024;
 
 // Keeping the pre-activations trades memory for the two GEMMs backward would otherwise redo:
 // PreactivationBytes(total_rows, I) = total_rows * 2 * I * 4 bytes per micro-batch in flight.

@@ -458,6 +458,11 @@ TEST_F(ExecutorArgs, FusedGradientsAcceptedOverlapsRejected) {
   EXPECT_TRUE(CheckComputeView(bad, true).ok());
   bad.groups[2].grads.up = Strided(fw.data(), DType::kFloat32, I, H, I, 2 * I);
   ExpectBackwardError(bad, dx.view(), "group 2 grad up overlaps its weight up");
+  // ... and with another group's weights (read by that group while this gradient is written).
+  bad.groups[2].grads.up = v.groups[2].grads.up;
+  EXPECT_TRUE(CheckComputeView(bad, true).ok());
+  bad.groups[0].grads.up = Strided(fw.data(), DType::kFloat32, I, H, I, 2 * I);
+  ExpectBackwardError(bad, dx.view(), "group 0 grad up overlaps group 2 weight up");
   // Nothing was written by the rejected calls.
   for (testing::Buffer& g : p.grads)
     for (int64_t r = 0; r < g.rows(); ++r)
@@ -469,6 +474,10 @@ TEST(ExecutorConfigCheck, RejectsBadConfig) {
   EXPECT_FALSE(cpu::CpuExecutor::Create(ExecutorConfig{4, 4, DType::kFloat32, -1, 1}).ok());
   EXPECT_FALSE(cpu::CpuExecutor::Create(ExecutorConfig{4, 4, static_cast<DType>(7), 8, 1}).ok());
   EXPECT_FALSE(cpu::CpuExecutor::Create(ExecutorConfig{4, 4, DType::kFloat32, 8, -2}).ok());
+  const auto too_many = cpu::CpuExecutor::Create(ExecutorConfig{4, 4, DType::kFloat32, 8, 1025});
+  ASSERT_FALSE(too_many.ok());
+  EXPECT_NE(too_many.status().message().find("num_threads 1025 is outside [0, 1024]"),
+            std::string::npos) << too_many.status();
   auto ok = cpu::CpuExecutor::Create(ExecutorConfig{4, 4, DType::kFloat32, 0, 0});
   ASSERT_TRUE(ok.ok());
   EXPECT_GE((*ok)->num_threads(), 1);

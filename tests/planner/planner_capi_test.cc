@@ -149,8 +149,35 @@ TEST(PlannerCApi, BadInputGetsAResultCode) {
   moonepPlanStats_t stats;
   stats.size = 4;
   EXPECT_EQ(moonepPlannerGetStats(planner, &stats), moonepInvalidArgument);
+  // A failed Plan drops the previous plan, and the accessors say which call failed (they said
+  // "no plan yet: call moonepPlannerPlan first" although it had been called).
+  counts[2] = -4;
+  EXPECT_EQ(moonepPlannerPlan(planner, counts.data(), counts.size()), moonepInvalidArgument);
+  EXPECT_EQ(moonepPlannerGetAlloc(planner, alloc, 32), moonepInvalidUsage);
+  EXPECT_NE(std::string(moonepPlannerGetLastError(planner)).find("the last moonepPlannerPlan failed"),
+            std::string::npos) << moonepPlannerGetLastError(planner);
   EXPECT_EQ(moonepPlannerDestroy(planner), moonepSuccess);
   EXPECT_EQ(moonepPlannerDestroy(nullptr), moonepSuccess);
+}
+
+TEST(PlannerCApi, ShapeLimitsAreRefusedAtCreation) {
+  moonepPlannerConfig_t config = MOONEP_PLANNER_CONFIG_INITIALIZER;
+  moonepPlanner_t planner = nullptr;
+  // One rank, E = 2^30 + 2, slots = E: E/R + slots passes 2^31 - 1 (GetShape's num_groups came
+  // back negative: -2147483644).
+  config.num_ranks = 1;
+  config.num_experts = (1 << 30) + 2;
+  config.slots = -1;
+  EXPECT_EQ(moonepPlannerCreate(&config, &planner), moonepInvalidArgument);
+  EXPECT_NE(std::string(moonepGetLastThreadError()).find("groups per rank is too large"),
+            std::string::npos) << moonepGetLastThreadError();
+  EXPECT_EQ(planner, nullptr);
+  // slots below -1: the message states the rule slots 0 is also held to (>= 1, or -1).
+  config.num_experts = 8;
+  config.slots = -2;
+  EXPECT_EQ(moonepPlannerCreate(&config, &planner), moonepInvalidArgument);
+  EXPECT_NE(std::string(moonepGetLastThreadError()).find("slots must be >= 1 (or -1 for E/R)"),
+            std::string::npos) << moonepGetLastThreadError();
 }
 
 // A small planned planner: R = 4, E = 8, skewed counts (so there are replicas).

@@ -91,7 +91,7 @@ int ResolveThreads(const ExecutorConfig& c) {
   int64_t n = c.num_threads;
   if (n <= 0) n = param::NumThreads();
   if (n <= 0) n = std::thread::hardware_concurrency();
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(n, 1024)));
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(n, kMaxExecutorThreads)));
 }
 
 // A parameter matrix from row r0, column c0 on (as a GEMM operand, transposed when `trans`).

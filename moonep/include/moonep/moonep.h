@@ -65,7 +65,9 @@ MOONEP_API const char* moonepGetLastThreadError(void);
  * compute layout, and the split of each expert's canonical token order (sources in increasing
  * rank, each source's tokens by increasing index) into contiguous pieces. Identical input gives
  * identical plan bytes on every rank. A planner handle keeps the latest plan; the accessors copy
- * parts of it into caller buffers whose capacity (in elements) they check.
+ * parts of it into caller buffers whose capacity (in elements) they check. A failed
+ * moonepPlannerPlan leaves the handle without a plan (the accessors then say so) until a
+ * moonepPlannerPlan succeeds.
  *
  * Handles: every call checks its planner against the library's set of live planners. A NULL planner
  * is moonepInvalidArgument (moonepPlannerDestroy(NULL) excepted: a no-op); a destroyed,
@@ -94,9 +96,10 @@ typedef enum {
 typedef struct {
   size_t size;          /* sizeof(moonepPlannerConfig_t) as compiled by the caller */
   int version;          /* MOONEP_VERSION of the header the caller compiled against */
-  int num_ranks;        /* R > 0 */
+  int num_ranks;        /* R > 0; R * E <= 2^40 */
   int num_experts;      /* E, a multiple of R */
-  int slots;            /* replica slots per rank, >= 1; -1 means E / R */
+  int slots;            /* replica slots per rank, 1..E; -1 means E / R; R * slots and
+                           E / R + slots <= 2^31 - 1 */
   int pad_multiple;     /* each group's rows padded to a multiple of this (>= 1) */
   int ranks_per_node;   /* 0: flat; else ranks [n*rpn, (n+1)*rpn) form node n */
   moonepPlannerPolicy_t policy;
@@ -146,7 +149,9 @@ MOONEP_API moonepResult_t moonepPlannerCreate(const moonepPlannerConfig_t* confi
                                               moonepPlanner_t* planner);
 /* Destroys a planner (NULL is a no-op; a destroyed one is moonepInvalidUsage). */
 MOONEP_API moonepResult_t moonepPlannerDestroy(moonepPlanner_t planner);
-/* Plans one step from counts[num_counts], num_counts == R * E, row-major [source][expert]. */
+/* Plans one step from counts[num_counts], num_counts == R * E, row-major [source][expert]. Each
+ * entry in [0, 2^52); each expert's sum over sources and each rank's load at most 2^52 (exact in
+ * a double): otherwise moonepInvalidArgument naming the entry or expert, and no plan. */
 MOONEP_API moonepResult_t moonepPlannerPlan(moonepPlanner_t planner, const int64_t* counts,
                                             size_t num_counts);
 /* R, E, slots per rank and groups per rank (E/R + slots) of the planner. */
@@ -166,9 +171,10 @@ MOONEP_API moonepResult_t moonepPlannerGetSlots(moonepPlanner_t planner, int32_t
 MOONEP_API moonepResult_t moonepPlannerGetLayout(moonepPlanner_t planner, int rank,
                                                  int64_t* offset, int64_t* count, int64_t* padded,
                                                  size_t capacity, int64_t* rank_rows);
-/* Pieces of `expert`: *num_pieces always; then, when capacity allows, for each piece its
- * destination rank, first position in the expert's canonical order, length and destination row.
- * Any array pointer may be NULL. */
+/* Pieces of `expert`: *num_pieces always; then for each piece its destination rank, first
+ * position in the expert's canonical order, length and destination row. Any array pointer may be
+ * NULL; when one is not, capacity must be >= *num_pieces, else moonepInvalidArgument (with
+ * *num_pieces written, so a first call with NULL arrays or capacity 0 gives the size). */
 MOONEP_API moonepResult_t moonepPlannerGetPieces(moonepPlanner_t planner, int expert,
                                                  int* num_pieces, int* dest, int64_t* start,
                                                  int64_t* count, int64_t* row, size_t capacity);
@@ -177,7 +183,8 @@ MOONEP_API moonepResult_t moonepPlannerGetPieces(moonepPlanner_t planner, int ex
 MOONEP_API moonepResult_t moonepPlannerSerialize(moonepPlanner_t planner, void* buffer,
                                                  size_t capacity, size_t* size);
 /* The message of the last failing call on this planner (empty string if none); for a NULL or
- * non-live planner, a static message saying so. */
+ * non-live planner, a static message saying so. The string is the planner's: valid until the
+ * next call on that planner or its destruction (copy it to keep it). */
 MOONEP_API const char* moonepPlannerGetLastError(moonepPlanner_t planner);
 
 #ifdef __cplusplus
