@@ -272,6 +272,13 @@ class Transport {
   // peer's abort notice, an MPI error), the status of that failure. Callers use it to tell an
   // agreed, recoverable error from one that leaves the transport unusable.
   virtual absl::Status health() const { return absl::OkStatus(); }
+  // Fails operation `kind` on this rank with `status`, a local error found before the operation
+  // reached the transport (a caller's argument the runtime checks), and returns it. The host
+  // backends tell every peer, which fail their `kind` (the one in flight, or their next
+  // operation) at once with RemoteError naming this rank; the transport is unusable afterwards,
+  // as after any failure the ranks did not agree on. The default (nccl) only returns `status`:
+  // its peers time out naming this rank.
+  virtual absl::Status AbortOperation(OpKind /*kind*/, absl::Status status) { return status; }
 
   // Blocking forms.
   absl::Status ExchangeCounts(absl::Span<const int32_t> topk_ids, int64_t num_tokens,

@@ -5,6 +5,7 @@ using moonep::TensorView;
 using moonep::capi::CheckHandle;
 using moonep::capi::GuardOn;
 using moonep::capi::Kind;
+using moonep::transport::OpKind;
 
 namespace {
 
@@ -23,9 +24,31 @@ absl::Status Resolve(moonepEpBuffer_t buffer, moonepEpHandle_t handle,
   return buffer->impl->Layout(handle->handle, layout);
 }
 
+// Prefetch and reduce move experts: the buffer needs their shape (checked before the tensors, whose
+// errors would otherwise hide this cause).
+absl::Status CheckExpertShape(const moonep::runtime::LayerConfig& c) {
+  MOONEP_CHECK_ARG(c.intermediate > 0,
+                   "the EP buffer was created with intermediate = 0; prefetch and reduce need "
+                   "the expert shape");
+  return absl::OkStatus();
+}
+
 absl::Status CheckPtr(const void* p, int64_t elements, const char* name) {
   if (p == nullptr && elements > 0) return moonep::InvalidArgument("%s is NULL", name);
   return absl::OkStatus();
+}
+
+// A collective call: `checks` are this rank's own (handle, pointers, tensors); when they fail, the
+// call fails on every peer at once too (mpi, ucx: the transport's abort notice; nccl: they time
+// out naming this rank), instead of the peers waiting for this rank until the timeout and
+// blaming it again at their next call. Otherwise `op` runs the transport operation, whose own
+// failures are already shared.
+template <typename Checks, typename Op>
+absl::Status Collective(moonepEpBuffer_t buffer, OpKind kind, Checks&& checks, Op&& op) {
+  MOONEP_RETURN_IF_ERROR(CheckHandle(buffer, Kind::kEpBuffer, "buffer"));
+  absl::Status local = checks();
+  if (!local.ok()) return buffer->impl->AbortOperation(kind, std::move(local));
+  return op();
 }
 
 // [rows, H] of the buffer's dtype, on its device.
@@ -134,13 +157,20 @@ moonepResult_t moonepEpCombine(moonepEpBuffer_t buffer, moonepEpHandle_t handle,
                                const void* out_rows, void* y) {
   return GuardOn(CommOf(buffer), "moonepEpCombine", [&]() -> absl::Status {
     moonep::runtime::EpLayout l;
-    MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l));
-    const auto& c = buffer->impl->config();
-    const int64_t T = buffer->impl->TokensOf(handle->handle);
-    MOONEP_RETURN_IF_ERROR(CheckPtr(out_rows, l.num_rows, "out_rows"));
-    MOONEP_RETURN_IF_ERROR(CheckPtr(y, T, "y"));
-    return buffer->impl->Combine(handle->handle, Matrix(out_rows, c, l.num_rows),
-                                 Matrix(y, c, T));
+    int64_t T = 0;
+    return Collective(
+        buffer, OpKind::kCombine,
+        [&]() -> absl::Status {
+          MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l));
+          T = buffer->impl->TokensOf(handle->handle);
+          MOONEP_RETURN_IF_ERROR(CheckPtr(out_rows, l.num_rows, "out_rows"));
+          return CheckPtr(y, T, "y");
+        },
+        [&]() {
+          const auto& c = buffer->impl->config();
+          return buffer->impl->Combine(handle->handle, Matrix(out_rows, c, l.num_rows),
+                                       Matrix(y, c, T));
+        });
   });
 }
 
@@ -148,13 +178,20 @@ moonepResult_t moonepEpCombineBackward(moonepEpBuffer_t buffer, moonepEpHandle_t
                                        const void* dy, void* dy_rows) {
   return GuardOn(CommOf(buffer), "moonepEpCombineBackward", [&]() -> absl::Status {
     moonep::runtime::EpLayout l;
-    MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l));
-    const auto& c = buffer->impl->config();
-    const int64_t T = buffer->impl->TokensOf(handle->handle);
-    MOONEP_RETURN_IF_ERROR(CheckPtr(dy, T, "dy"));
-    MOONEP_RETURN_IF_ERROR(CheckPtr(dy_rows, l.num_rows, "dy_rows"));
-    return buffer->impl->CombineBackward(handle->handle, Matrix(dy, c, T),
-                                         Matrix(dy_rows, c, l.num_rows));
+    int64_t T = 0;
+    return Collective(
+        buffer, OpKind::kCombineBackward,
+        [&]() -> absl::Status {
+          MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l));
+          T = buffer->impl->TokensOf(handle->handle);
+          MOONEP_RETURN_IF_ERROR(CheckPtr(dy, T, "dy"));
+          return CheckPtr(dy_rows, l.num_rows, "dy_rows");
+        },
+        [&]() {
+          const auto& c = buffer->impl->config();
+          return buffer->impl->CombineBackward(handle->handle, Matrix(dy, c, T),
+                                               Matrix(dy_rows, c, l.num_rows));
+        });
   });
 }
 
@@ -163,16 +200,22 @@ moonepResult_t moonepEpTopkWeightGrad(moonepEpBuffer_t buffer, moonepEpHandle_t 
                                       float* d_topk_weights) {
   return GuardOn(CommOf(buffer), "moonepEpTopkWeightGrad", [&]() -> absl::Status {
     moonep::runtime::EpLayout l;
-    MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l));
-    const auto& c = buffer->impl->config();
-    const int64_t T = buffer->impl->TokensOf(handle->handle);
-    MOONEP_RETURN_IF_ERROR(CheckPtr(dy_rows, l.num_rows, "dy_rows"));
-    MOONEP_RETURN_IF_ERROR(CheckPtr(out_rows, l.num_rows, "out_rows"));
-    MOONEP_RETURN_IF_ERROR(CheckPtr(d_topk_weights, T * c.top_k, "d_topk_weights"));
-    return buffer->impl->TopkWeightGrad(
-        handle->handle, Matrix(dy_rows, c, l.num_rows),
-        Matrix(out_rows, c, l.num_rows),
-        absl::Span<float>(d_topk_weights, static_cast<size_t>(T * c.top_k)));
+    int64_t T = 0;
+    return Collective(
+        buffer, OpKind::kTopkWeightGrad,
+        [&]() -> absl::Status {
+          MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l));
+          T = buffer->impl->TokensOf(handle->handle);
+          MOONEP_RETURN_IF_ERROR(CheckPtr(dy_rows, l.num_rows, "dy_rows"));
+          MOONEP_RETURN_IF_ERROR(CheckPtr(out_rows, l.num_rows, "out_rows"));
+          return CheckPtr(d_topk_weights, T * buffer->impl->config().top_k, "d_topk_weights");
+        },
+        [&]() {
+          const auto& c = buffer->impl->config();
+          return buffer->impl->TopkWeightGrad(
+              handle->handle, Matrix(dy_rows, c, l.num_rows), Matrix(out_rows, c, l.num_rows),
+              absl::Span<float>(d_topk_weights, static_cast<size_t>(T * c.top_k)));
+        });
   });
 }
 
@@ -180,14 +223,20 @@ moonepResult_t moonepEpDispatchBackward(moonepEpBuffer_t buffer, moonepEpHandle_
                                         const void* dx_rows, void* dx) {
   return GuardOn(CommOf(buffer), "moonepEpDispatchBackward", [&]() -> absl::Status {
     moonep::runtime::EpLayout l;
-    MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l));
-    const auto& c = buffer->impl->config();
-    const int64_t T = buffer->impl->TokensOf(handle->handle);
-    MOONEP_RETURN_IF_ERROR(CheckPtr(dx_rows, l.num_rows, "dx_rows"));
-    MOONEP_RETURN_IF_ERROR(CheckPtr(dx, T, "dx"));
-    return buffer->impl->DispatchBackward(handle->handle,
-                                          Matrix(dx_rows, c, l.num_rows),
-                                          Matrix(dx, c, T));
+    int64_t T = 0;
+    return Collective(
+        buffer, OpKind::kDispatchBackward,
+        [&]() -> absl::Status {
+          MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l));
+          T = buffer->impl->TokensOf(handle->handle);
+          MOONEP_RETURN_IF_ERROR(CheckPtr(dx_rows, l.num_rows, "dx_rows"));
+          return CheckPtr(dx, T, "dx");
+        },
+        [&]() {
+          const auto& c = buffer->impl->config();
+          return buffer->impl->DispatchBackward(handle->handle, Matrix(dx_rows, c, l.num_rows),
+                                                Matrix(dx, c, T));
+        });
   });
 }
 
@@ -195,17 +244,22 @@ moonepResult_t moonepEpPrefetch(moonepEpBuffer_t buffer, moonepEpHandle_t handle
                                 const moonepExpertTensors_t* home_weights,
                                 const moonepExpertTensors_t* replica_weights) {
   return GuardOn(CommOf(buffer), "moonepEpPrefetch", [&]() -> absl::Status {
-    moonep::runtime::EpLayout l;
-    MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l));
-    const auto& c = buffer->impl->config();
     std::vector<moonep::compute::ExpertParams> home, slots;
-    MOONEP_RETURN_IF_ERROR(moonep::capi::ReadExpertTensors(
-        home_weights, "home_weights", buffer->impl->experts_per_rank(), c.hidden, c.intermediate,
-        c.dtype, c.device, &home));
-    MOONEP_RETURN_IF_ERROR(moonep::capi::ReadExpertTensors(
-        replica_weights, "replica_weights", buffer->impl->slots(), c.hidden, c.intermediate,
-        c.dtype, c.device, &slots));
-    return buffer->impl->Prefetch(handle->handle, home, slots);
+    return Collective(
+        buffer, OpKind::kPrefetch,
+        [&]() -> absl::Status {
+          moonep::runtime::EpLayout l;
+          MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l));
+          const auto& c = buffer->impl->config();
+          MOONEP_RETURN_IF_ERROR(CheckExpertShape(c));
+          MOONEP_RETURN_IF_ERROR(moonep::capi::ReadExpertTensors(
+              home_weights, "home_weights", buffer->impl->experts_per_rank(), c.hidden,
+              c.intermediate, c.dtype, c.device, &home));
+          return moonep::capi::ReadExpertTensors(replica_weights, "replica_weights",
+                                                 buffer->impl->slots(), c.hidden, c.intermediate,
+                                                 c.dtype, c.device, &slots);
+        },
+        [&]() { return buffer->impl->Prefetch(handle->handle, home, slots); });
   });
 }
 
@@ -213,17 +267,22 @@ moonepResult_t moonepEpReduce(moonepEpBuffer_t buffer, moonepEpHandle_t handle,
                               const moonepExpertTensors_t* home_grads,
                               const moonepExpertTensors_t* replica_grads) {
   return GuardOn(CommOf(buffer), "moonepEpReduce", [&]() -> absl::Status {
-    moonep::runtime::EpLayout l;
-    MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l));
-    const auto& c = buffer->impl->config();
     std::vector<moonep::compute::ExpertParams> home, slots;
-    MOONEP_RETURN_IF_ERROR(moonep::capi::ReadExpertTensors(
-        home_grads, "home_grads", buffer->impl->experts_per_rank(), c.hidden, c.intermediate,
-        c.grad_dtype, c.device, &home));
-    MOONEP_RETURN_IF_ERROR(moonep::capi::ReadExpertTensors(
-        replica_grads, "replica_grads", buffer->impl->slots(), c.hidden, c.intermediate,
-        c.grad_dtype, c.device, &slots));
-    return buffer->impl->Reduce(handle->handle, home, slots);
+    return Collective(
+        buffer, OpKind::kReduce,
+        [&]() -> absl::Status {
+          moonep::runtime::EpLayout l;
+          MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l));
+          const auto& c = buffer->impl->config();
+          MOONEP_RETURN_IF_ERROR(CheckExpertShape(c));
+          MOONEP_RETURN_IF_ERROR(moonep::capi::ReadExpertTensors(
+              home_grads, "home_grads", buffer->impl->experts_per_rank(), c.hidden,
+              c.intermediate, c.grad_dtype, c.device, &home));
+          return moonep::capi::ReadExpertTensors(replica_grads, "replica_grads",
+                                                 buffer->impl->slots(), c.hidden, c.intermediate,
+                                                 c.grad_dtype, c.device, &slots);
+        },
+        [&]() { return buffer->impl->Reduce(handle->handle, home, slots); });
   });
 }
 

@@ -136,8 +136,7 @@ moonepResult_t moonepLayerBackward(moonepLayer_t layer, moonepLayerHandle_t hand
     const auto& c = layer->impl->config();
     // T of this handle: the tokens the forward saw, from its dispatch handle's counts.
     const int64_t T = layer->impl->TokensOf(handle->handle);
-    MOONEP_RETURN_IF_ERROR(CheckPtr(dy, T, "dy"));
-    MOONEP_RETURN_IF_ERROR(CheckPtr(dx, T, "dx"));
+    // NULL dy / dx are the layer's to refuse: it fails the peers' backward at once too.
     const absl::Status status = layer->impl->Backward(
         handle->handle,
         TensorView::Contiguous(const_cast<void*>(dy), c.dtype, {T, c.hidden}, c.device),
@@ -146,8 +145,8 @@ moonepResult_t moonepLayerBackward(moonepLayer_t layer, moonepLayerHandle_t hand
             ? absl::Span<float>()
             : absl::Span<float>(d_topk_weights, static_cast<size_t>(T * c.top_k)),
         stream);
-    // A refused argument leaves the handle usable; a backward that ran (or failed midway)
-    // spends it.
+    // A backward that ran, failed midway or refused this rank's arguments spends the handle
+    // (and the latter two leave the layer unusable on every rank).
     handle->in_use = layer->impl->PlanOf(handle->handle).ok();
     return status;
   });

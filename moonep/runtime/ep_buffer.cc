@@ -120,6 +120,11 @@ absl::Status EpBuffer::Fail(absl::Status status) {
   return status;
 }
 
+absl::Status EpBuffer::AbortOperation(OpKind kind, absl::Status status) {
+  if (!broken_.ok()) return status;  // the peers failed with (or were told of) the first error
+  return Fail(transport_->AbortOperation(kind, std::move(status)));
+}
+
 absl::StatusOr<EpBuffer::Context*> EpBuffer::Lookup(LayerHandle handle) const {
   if (handle.index < 0 || handle.index >= static_cast<int32_t>(contexts_.size())) {
     return InvalidArgument("handle index %d is not a handle of this EP buffer", handle.index);
@@ -211,7 +216,10 @@ absl::StatusOr<LayerHandle> EpBuffer::Dispatch(int64_t num_tokens, const TensorV
   stats_.rank_rows = ctx->plan.rank_rows[rank];
   Count(OpKind::kCounts);
   Count(OpKind::kDispatch);
+  // A step's forward time is its dispatch, prefetch and combine calls; its backward time the
+  // backward calls and reduce (each adds its own; the caller's compute between them is not in).
   stats_.forward_seconds = Since(start);
+  stats_.backward_seconds = 0;
   return LayerHandle{index, ctx->generation};
 }
 
@@ -234,6 +242,7 @@ absl::Status EpBuffer::Combine(LayerHandle handle, const TensorView& out_rows,
   const auto t = Clock::now();
   MOONEP_RETURN_IF_ERROR(Fail(transport_->Combine(&ctx->dispatch, out_rows, y)));
   stats_.seconds[static_cast<int>(Phase::kCombine)] = Since(t);
+  stats_.forward_seconds += stats_.seconds[static_cast<int>(Phase::kCombine)];
   Count(OpKind::kCombine);
   return absl::OkStatus();
 }
@@ -245,6 +254,7 @@ absl::Status EpBuffer::CombineBackward(LayerHandle handle, const TensorView& dy,
   const auto t = Clock::now();
   MOONEP_RETURN_IF_ERROR(Fail(transport_->CombineBackward(&ctx->dispatch, dy, dy_rows)));
   stats_.seconds[static_cast<int>(Phase::kBackwardDispatch)] = Since(t);
+  stats_.backward_seconds += stats_.seconds[static_cast<int>(Phase::kBackwardDispatch)];
   Count(OpKind::kCombineBackward);
   return absl::OkStatus();
 }
@@ -258,6 +268,7 @@ absl::Status EpBuffer::TopkWeightGrad(LayerHandle handle, const TensorView& dy_r
   MOONEP_RETURN_IF_ERROR(
       Fail(transport_->TopkWeightGrad(&ctx->dispatch, dy_rows, out_rows, d_topk_weights)));
   stats_.seconds[static_cast<int>(Phase::kTopkGrad)] = Since(t);
+  stats_.backward_seconds += stats_.seconds[static_cast<int>(Phase::kTopkGrad)];
   Count(OpKind::kTopkWeightGrad);
   return absl::OkStatus();
 }
@@ -269,6 +280,7 @@ absl::Status EpBuffer::DispatchBackward(LayerHandle handle, const TensorView& dx
   const auto t = Clock::now();
   MOONEP_RETURN_IF_ERROR(Fail(transport_->DispatchBackward(&ctx->dispatch, dx_rows, dx)));
   stats_.seconds[static_cast<int>(Phase::kBackwardCombine)] = Since(t);
+  stats_.backward_seconds += stats_.seconds[static_cast<int>(Phase::kBackwardCombine)];
   Count(OpKind::kDispatchBackward);
   return absl::OkStatus();
 }
@@ -312,10 +324,12 @@ absl::Status EpBuffer::Prefetch(LayerHandle handle, absl::Span<const compute::Ex
   MOONEP_RETURN_IF_ERROR(broken_);
   MOONEP_ASSIGN_OR_RETURN(Context * ctx, Lookup(handle));
   transport::ExpertBlocks blocks;
-  MOONEP_RETURN_IF_ERROR(Blocks(ctx, home, slots, /*grads=*/false, &blocks));
+  absl::Status local = Blocks(ctx, home, slots, /*grads=*/false, &blocks);
+  if (!local.ok()) return AbortOperation(OpKind::kPrefetch, std::move(local));
   const auto t = Clock::now();
   MOONEP_RETURN_IF_ERROR(Fail(transport_->Prefetch(ctx->plan, blocks)));
   stats_.seconds[static_cast<int>(Phase::kPrefetchWait)] = Since(t);
+  stats_.forward_seconds += stats_.seconds[static_cast<int>(Phase::kPrefetchWait)];
   Count(OpKind::kPrefetch);
   return absl::OkStatus();
 }
@@ -325,10 +339,12 @@ absl::Status EpBuffer::Reduce(LayerHandle handle, absl::Span<const compute::Expe
   MOONEP_RETURN_IF_ERROR(broken_);
   MOONEP_ASSIGN_OR_RETURN(Context * ctx, Lookup(handle));
   transport::ExpertBlocks blocks;
-  MOONEP_RETURN_IF_ERROR(Blocks(ctx, home, slots, /*grads=*/true, &blocks));
+  absl::Status local = Blocks(ctx, home, slots, /*grads=*/true, &blocks);
+  if (!local.ok()) return AbortOperation(OpKind::kReduce, std::move(local));
   const auto t = Clock::now();
   MOONEP_RETURN_IF_ERROR(Fail(transport_->Reduce(ctx->plan, blocks)));
   stats_.seconds[static_cast<int>(Phase::kReduce)] = Since(t);
+  stats_.backward_seconds += stats_.seconds[static_cast<int>(Phase::kReduce)];
   Count(OpKind::kReduce);
   return absl::OkStatus();
 }

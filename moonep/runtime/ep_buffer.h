@@ -64,6 +64,10 @@ class EpBuffer {
   absl::Status Release(LayerHandle handle);
   // Tokens of a live handle's dispatch (0 for a stale handle).
   int64_t TokensOf(LayerHandle handle) const;
+  // A local error in collective operation `kind` (an argument the caller passed wrongly on this
+  // rank): fails `kind` on every peer at once too (Transport::AbortOperation) and leaves the
+  // buffer unusable, as any failed collective operation does. Returns `status`.
+  absl::Status AbortOperation(transport::OpKind kind, absl::Status status);
 
   const LayerConfig& config() const { return config_; }
   int32_t experts_per_rank() const { return epn_; }

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/strings/str_join.h"
+#include "moonep/compute/executor.h"
 #include "moonep/core/env.h"
 #include "moonep/core/logging.h"
 #include "moonep/core/status.h"
@@ -16,7 +17,10 @@
 namespace moonep::runtime {
 
 absl::Status CheckLayerConfig(const LayerConfig& c, int32_t num_ranks, bool need_executor) {
-  MOONEP_CHECK_ARG(c.num_experts > 0, "num_experts is %d; must be positive", c.num_experts);
+  // Per-rank state and every dispatch's count message grow with E (about 300 bytes per expert
+  // and rank): 2^20 experts is 300 MB per rank, far beyond any model's layer.
+  MOONEP_CHECK_ARG(c.num_experts > 0 && c.num_experts <= kMaxLayerExperts,
+                   "num_experts is %d; must be in [1, %d]", c.num_experts, kMaxLayerExperts);
   MOONEP_CHECK_ARG(c.num_experts % num_ranks == 0,
                    "num_experts = %d is not a multiple of the number of ranks (%d)",
                    c.num_experts, num_ranks);
@@ -59,8 +63,13 @@ absl::Status CheckLayerConfig(const LayerConfig& c, int32_t num_ranks, bool need
   MOONEP_CHECK_ARG(c.max_tokens > 0, "max_tokens is %d; must be positive (it sizes every buffer)",
                    c.max_tokens);
   MOONEP_CHECK_ARG(c.max_recv_rows >= 0, "max_recv_rows is %d; must be >= 0", c.max_recv_rows);
-  MOONEP_CHECK_ARG(c.max_inflight >= 1, "max_inflight is %d; must be >= 1", c.max_inflight);
-  MOONEP_CHECK_ARG(c.num_threads >= 0, "num_threads is %d; must be >= 0", c.num_threads);
+  // Each in-flight slot holds a handle's routing state and staging: bounded so that a wild value
+  // is an error here, not an allocation that runs the machine out of memory.
+  MOONEP_CHECK_ARG(c.max_inflight >= 1 && c.max_inflight <= kMaxInflight,
+                   "max_inflight is %d; must be in [1, %d]", c.max_inflight, kMaxInflight);
+  MOONEP_CHECK_ARG(c.num_threads >= 0 && c.num_threads <= compute::kMaxExecutorThreads,
+                   "num_threads is %d; must be in [0, %d] (0: MOONEP_NUM_THREADS or every core)",
+                   c.num_threads, compute::kMaxExecutorThreads);
   MOONEP_CHECK_ARG(c.timeout_ms >= 0, "timeout_ms is %d; must be >= 0 (0: MOONEP_TIMEOUT_MS)",
                    c.timeout_ms);
   // A malformed MOONEP_TIMEOUT_MS, MOONEP_DEBUG or (UCX) MOONEP_UCX_EAGER_BYTES on this rank:

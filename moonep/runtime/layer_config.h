@@ -16,6 +16,11 @@ namespace moonep::runtime {
 
 class Communicator;
 
+// Bounds of a layer or EP buffer config (CheckLayerConfig): experts per layer, and forwards (EP
+// dispatches) alive at once.
+constexpr int32_t kMaxLayerExperts = 1 << 20;
+constexpr int32_t kMaxInflight = 1024;
+
 struct LayerConfig {
   int32_t num_experts = 0;    // E, a multiple of the number of ranks
   int32_t top_k = 0;          // K

@@ -533,21 +533,30 @@ absl::Status MoeLayer::Backward(LayerHandle handle, const TensorView& dy, const 
   UseCallerStream(stream);
   MOONEP_ASSIGN_OR_RETURN(Context * ctx, Lookup(handle));
   const int64_t T = ctx->num_tokens;
-  if (!grads_bound_) {
+  if (!grads_bound_) {  // alike on every rank (bound at creation's shape, agreed)
     return InvalidUsage("no gradients bound: BindParameters was given none (forward-only layer)");
-  }
-  MOONEP_RETURN_IF_ERROR(CheckMatrix(dy, "dy", T, config_.hidden, config_.dtype, config_.device));
-  MOONEP_RETURN_IF_ERROR(CheckMatrix(dx, "dx", T, config_.hidden, config_.dtype, config_.device));
-  if (RangesOverlap(dy.data, dy.nbytes(), dx.data, dx.nbytes())) {
-    return InvalidArgument("dx overlaps dy");
   }
   if (d_topk_weights.data() == nullptr) {
     d_topk_weights = absl::MakeSpan(dtopk_scratch_.get<float>(),
                                     static_cast<size_t>(T * config_.top_k));
   }
-  MOONEP_CHECK_ARG(d_topk_weights.size() == static_cast<size_t>(T * config_.top_k),
-                   "d_topk_weights has %d entries; expected num_tokens * top_k = %d",
-                   d_topk_weights.size(), T * config_.top_k);
+  // This rank's arguments: when one is wrong, every peer fails its backward at once too (mpi,
+  // ucx) instead of waiting for this rank until the timeout; the layer is unusable afterwards.
+  absl::Status local = CheckMatrix(dy, "dy", T, config_.hidden, config_.dtype, config_.device);
+  if (local.ok()) {
+    local = CheckMatrix(dx, "dx", T, config_.hidden, config_.dtype, config_.device);
+  }
+  if (local.ok() && RangesOverlap(dy.data, dy.nbytes(), dx.data, dx.nbytes())) {
+    local = InvalidArgument("dx overlaps dy");
+  }
+  if (local.ok() && d_topk_weights.size() != static_cast<size_t>(T * config_.top_k)) {
+    local = InvalidArgument("d_topk_weights has %d entries; expected num_tokens * top_k = %d",
+                            d_topk_weights.size(), T * config_.top_k);
+  }
+  if (!local.ok()) {
+    ctx->busy = false;
+    return Fail(transport_->AbortOperation(transport::OpKind::kCombineBackward, std::move(local)));
+  }
   const absl::Status status = RunBackward(ctx, dy, dx, d_topk_weights);
   ctx->busy = false;  // the handle is spent either way
   return Fail(status);

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <optional>
 #include <string>
 #include <thread>
@@ -592,6 +593,12 @@ TEST_F(CApiTest, BadConfigsFailOnEveryRank) {
   EXPECT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepInvalidArgument);
   EXPECT_NE(std::string(moonepGetLastError(comm_)).find("must be -1 (E/R) or >= 1"), std::string::npos)
       << moonepGetLastError(comm_);
+  // More executor threads than the executor has: refused at creation (it was capped silently).
+  c = Config(moonepPolicyMoonEP);
+  c.num_threads = 1025;
+  EXPECT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepInvalidArgument);
+  EXPECT_NE(std::string(moonepGetLastError(comm_)).find("num_threads is 1025; must be in [0, 1024]"),
+            std::string::npos) << moonepGetLastError(comm_);
   // A layer on one rank and an EP buffer on another: refused on every rank, naming both.
   if (size() > 1) {
     c = Config(moonepPolicyMoonEP);
@@ -849,11 +856,126 @@ TEST_F(CApiTest, EpBufferMovesRowsWeightsAndGradients) {
   moonepStepStats_t stats = MOONEP_STEP_STATS_INITIALIZER;
   ASSERT_EQ(moonepEpGetStats(buf, &stats), moonepSuccess);
   EXPECT_EQ(stats.step, 1);
+  // The step's calls are timed: forward (dispatch, prefetch, combine) and backward (the backward
+  // calls and reduce; it was never set).
+  EXPECT_GT(stats.forward_ms, 0.0);
+  EXPECT_GT(stats.backward_ms, 0.0);
   ASSERT_EQ(moonepEpRelease(buf, h), moonepSuccess);
   EXPECT_EQ(moonepEpGetLayout(buf, h, &layout), moonepInvalidUsage);
   EXPECT_EQ(moonepEpBufferDestroy(buf), moonepSuccess);
   EXPECT_EQ(moonepEpBufferDestroy(buf), moonepInvalidUsage);
   EXPECT_EQ(moonepEpDispatch(buf, 0, nullptr, nullptr, nullptr, &h), moonepInvalidUsage);
+}
+
+// Local errors in collective calls (run as runtime_capi_local_error_test, with a short
+// MOONEP_TIMEOUT_MS). The rank with the bad argument refuses it naming the argument; every peer
+// fails at once too, in the same call or, where its part of that call did not need the failed
+// rank (an eager send completes alone), in its next collective call, with moonepRemoteError
+// naming that rank. Before, the peers waited for it until the timeout.
+double HalfTimeoutSeconds() {
+  const char* timeout_ms = std::getenv("MOONEP_TIMEOUT_MS");
+  return 0.5 * (timeout_ms != nullptr ? std::atof(timeout_ms) : 60000.0) / 1000.0;
+}
+
+// On a peer: `r` from the failed call, `next` a following collective call; one of them reports
+// rank 0's failure of operation `op`.
+void ExpectPeerFailed(moonepComm_t comm, moonepResult_t r, const std::function<moonepResult_t()>& next,
+                      const std::string& op) {
+  std::string message = moonepGetLastError(comm);
+  if (r == moonepSuccess) {
+    r = next();
+    message = moonepGetLastError(comm);
+  }
+  EXPECT_EQ(r, moonepRemoteError) << message;
+  EXPECT_NE(message.find("rank 0 failed in " + op), std::string::npos) << message;
+}
+
+// A NULL dy on rank 0 in the layer's backward.
+TEST_F(CApiTest, LayerBackwardWithLocalErrorFailsEveryRankAtOnce) {
+  const moonepLayerConfig_t c = Config(moonepPolicyMoonEP);
+  moonepLayer_t layer = nullptr;
+  ASSERT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepSuccess) << moonepGetLastError(comm_);
+  GlobalProblem g = MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kTokens,
+                                      DType::kFloat32, 14);
+  RankTensors t = MakeRankTensors(g, rank(), DType::kFloat32);
+  moonepExpertTensors_t w = Tensors(t, false), gr = Tensors(t, true);
+  ASSERT_EQ(moonepLayerBindParams(layer, &w, &gr), moonepSuccess) << moonepGetLastError(comm_);
+  moonepLayerHandle_t h = nullptr;
+  ASSERT_EQ(moonepLayerForward(layer, t.tokens, t.x.data(), t.ids.data(), t.weights.data(),
+                               t.y.data(), &h, nullptr), moonepSuccess) << moonepGetLastError(comm_);
+  // Every rank done with the forward first: rank 0 would otherwise run ahead into the failing
+  // backward while a peer still waits in the forward, which then fails instead.
+  MPI_Barrier(MPI_COMM_WORLD);
+  const auto start = std::chrono::steady_clock::now();
+  auto forward = [&] {
+    return moonepLayerForward(layer, t.tokens, t.x.data(), t.ids.data(), t.weights.data(),
+                              t.y.data(), &h, nullptr);
+  };
+  if (rank() == 0) {
+    EXPECT_EQ(moonepLayerBackward(layer, h, nullptr, t.dx.data(), t.dtopk.data(), nullptr),
+              moonepInvalidArgument);
+    EXPECT_NE(std::string(moonepGetLastError(comm_)).find("dy: null data pointer"),
+              std::string::npos) << moonepGetLastError(comm_);
+    EXPECT_NE(forward(), moonepSuccess);  // unusable now
+  } else {
+    ExpectPeerFailed(comm_,
+                     moonepLayerBackward(layer, h, t.dy.data(), t.dx.data(), t.dtopk.data(),
+                                         nullptr),
+                     forward, "combine-backward");
+    EXPECT_NE(forward(), moonepSuccess);  // unusable now, saying so at once
+  }
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+            HalfTimeoutSeconds()) << "the peers waited for the rank that failed";
+  moonepLayerDestroy(layer);  // freed whatever the verdict of its closing agreement
+}
+
+// A NULL out_rows in an EP combine, and home expert tensors missing in an EP prefetch, on rank 0
+// (two buffers, both made before either failure).
+TEST_F(CApiTest, EpCollectiveCallWithLocalErrorFailsEveryRankAtOnce) {
+  GlobalProblem g = MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kTokens,
+                                      DType::kFloat32, 13);
+  RankTensors t = MakeRankTensors(g, rank(), DType::kFloat32);
+  const moonepEpBufferConfig_t c = Config(moonepPolicyTestForceReplicas);
+  moonepEpBuffer_t bufs[2] = {nullptr, nullptr};
+  moonepEpHandle_t hs[2] = {nullptr, nullptr};
+  std::vector<float> outs[2];
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_EQ(moonepEpBufferCreate(comm_, &c, &bufs[i]), moonepSuccess) << moonepGetLastError(comm_);
+    ASSERT_EQ(moonepEpDispatch(bufs[i], t.tokens, t.x.data(), t.ids.data(), t.weights.data(),
+                               &hs[i]), moonepSuccess) << moonepGetLastError(comm_);
+    moonepEpLayout_t layout;
+    ASSERT_EQ(moonepEpGetLayout(bufs[i], hs[i], &layout), moonepSuccess);
+    outs[i].assign(static_cast<size_t>(layout.num_rows) * kHidden, 0.0f);
+  }
+  const size_t block = kHidden * kInter;
+  std::vector<float> rg(epn() * block), ru(epn() * block), rd(epn() * block);
+  moonepExpertTensors_t home = Tensors(t, false);
+  moonepExpertTensors_t slots{rg.data(), ru.data(), rd.data(), moonepFloat32};
+  const bool odd = rank() == 0;
+  if (odd) home.up = nullptr;
+  MPI_Barrier(MPI_COMM_WORLD);  // every dispatch done before rank 0 fails (as above)
+  for (int which = 0; which < 2; ++which) {  // combine on bufs[0], prefetch on bufs[1]
+    moonepEpBuffer_t buf = bufs[which];
+    moonepEpHandle_t h = hs[which];
+    const auto start = std::chrono::steady_clock::now();
+    const moonepResult_t r =
+        which == 0 ? moonepEpCombine(buf, h, odd ? nullptr : outs[0].data(), t.y.data())
+                   : moonepEpPrefetch(buf, h, &home, &slots);
+    auto next = [&] { return moonepEpCombine(buf, h, outs[which].data(), t.y.data()); };
+    if (odd) {
+      EXPECT_EQ(r, moonepInvalidArgument) << moonepGetLastError(comm_);
+      EXPECT_NE(std::string(moonepGetLastError(comm_))
+                    .find(which == 0 ? "out_rows is NULL" : "home_weights"),
+                std::string::npos) << moonepGetLastError(comm_);
+    } else {
+      ExpectPeerFailed(comm_, r, next, which == 0 ? "combine" : "prefetch");
+    }
+    // The buffer is unusable on every rank now, and says so at once.
+    EXPECT_NE(next(), moonepSuccess);
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+              HalfTimeoutSeconds()) << "the peers waited for the rank that failed";
+  }
+  for (moonepEpBuffer_t buf : bufs) moonepEpBufferDestroy(buf);  // freed whatever the verdict
 }
 
 }  // namespace

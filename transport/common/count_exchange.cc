@@ -55,7 +55,8 @@ absl::Status FinishCountExchange(const absl::Status& local, absl::Span<const int
   }
   if (!local.ok()) return local;
   if (!bad.empty()) {
-    return RemoteError("count exchange: rank(s) %s rejected their routing input", RankList(bad));
+    return RemoteError("count exchange: rank(s) %s refused their dispatch input (their own "
+                       "error says why)", RankList(bad));
   }
   handle->rank_ = me;
   handle->num_ranks_ = R;

@@ -208,6 +208,9 @@ class MpiTransport : public Transport {
   absl::Status Usable() const;
   // Tells every peer that this rank failed `kind` (they fail with RemoteError), then poisons.
   absl::Status AbortPeers(OpKind kind, absl::Status status);
+  absl::Status AbortOperation(OpKind kind, absl::Status status) override {
+    return AbortPeers(kind, std::move(status));
+  }
   // Checks for a peer's abort notice.
   absl::Status PollAbort();
   // Reduce staging: one buffer per reduce in flight, reused.

@@ -1233,8 +1233,8 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
       return absl::OkStatus();
     }
     if (!bad.empty()) {
-      raw->Stop(RemoteError("count exchange: rank(s) %s rejected their routing input",
-                            absl::StrJoin(bad, ",")));
+      raw->Stop(RemoteError("count exchange: rank(s) %s refused their dispatch input (their "
+                            "own error says why)", absl::StrJoin(bad, ",")));
       return absl::OkStatus();
     }
     if (W == E) {  // every rank used the wire's E: the counts came with the headers
@@ -1269,8 +1269,8 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
       return Annotate(why, absl::StrFormat("count exchange on rank %d", me));
     }
     if (!bad.empty()) {
-      return RemoteError("count exchange: rank(s) %s rejected their routing input",
-                         absl::StrJoin(bad, ","));
+      return RemoteError("count exchange: rank(s) %s refused their dispatch input (their "
+                         "own error says why)", absl::StrJoin(bad, ","));
     }
     h->rank_ = me;
     h->num_ranks_ = R;

@@ -288,6 +288,9 @@ class UcxTransport : public Transport {
   void Poison(const absl::Status& status);
   absl::Status Usable() const;
   absl::Status AbortPeers(OpKind kind, absl::Status status);
+  absl::Status AbortOperation(OpKind kind, absl::Status status) override {
+    return AbortPeers(kind, std::move(status));
+  }
   absl::Status PollAbort();
   // One ucp_worker_progress for every operation and peer, then completed sends are reaped.
   void Progress();

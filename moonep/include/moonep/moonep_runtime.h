@@ -191,8 +191,8 @@ typedef struct {
   size_t size;             /* sizeof(moonepLayerConfig_t) */
   unsigned int magic;      /* MOONEP_CONFIG_MAGIC */
   unsigned int version;    /* MOONEP_VERSION */
-  int num_experts;         /* E, a multiple of the number of ranks; rank r holds experts
-                              r*E/R .. (r+1)*E/R - 1 */
+  int num_experts;         /* E, a multiple of the number of ranks, at most 2^20; rank r holds
+                              experts r*E/R .. (r+1)*E/R - 1 */
   int top_k;               /* K */
   int64_t hidden;          /* H */
   int64_t intermediate;    /* I; the expert FFN is (silu(x Wg) * (x Wu)) Wd */
@@ -209,9 +209,10 @@ typedef struct {
                               routing can exceed, (sum of every rank's max_tokens) *
                               min(K, G) + G * (pad_multiple - 1), G = E/R + slots (see
                               docs/runtime.md) */
-  int max_inflight;        /* forwards alive at once before their backward (micro-batches) */
+  int max_inflight;        /* forwards alive at once before their backward (micro-batches),
+                              1..1024 */
   int layer_id;            /* id in routing traces; -1: creation order */
-  int num_threads;         /* executor threads; 0: MOONEP_NUM_THREADS or every core */
+  int num_threads;         /* executor threads, at most 1024; 0: MOONEP_NUM_THREADS or every core */
   int ranks_per_node;      /* 0: flat; else topology for the planner */
   int eplb_period;         /* eplb: re-plan every this many steps */
   const char* transport;   /* backend: "mpi", "ucx" where built (host memory), "nccl" (device
@@ -266,7 +267,10 @@ MOONEP_API moonepResult_t moonepLayerForward(moonepLayer_t layer, int64_t num_to
 /* [collective] dy [T][H] -> dx [T][H], d_topk_weights [T][K] (fp32; NULL to skip), and the
  * weight gradients += into the bound gradients (replica gradients reduced in a fixed order, so
  * results are bit-identical run to run). Releases the handle. `stream` as for forward: the call
- * returns once dx, d_topk_weights and the gradients are complete. */
+ * returns once dx, d_topk_weights and the gradients are complete. A wrong argument on one rank
+ * (NULL dy or dx, overlapping dy and dx) fails it there naming the argument and, over mpi and
+ * ucx, every peer's backward at once with moonepRemoteError (nccl: they time out naming it);
+ * the layer is then unusable on every rank, as after any failed collective call. */
 MOONEP_API moonepResult_t moonepLayerBackward(moonepLayer_t layer, moonepLayerHandle_t handle,
                                               const void* dy, void* dx, float* d_topk_weights,
                                               void* stream);
@@ -297,6 +301,17 @@ MOONEP_API moonepResult_t moonepLayerGetMemory(moonepLayer_t layer, size_t* laye
  *             moonepEpDispatchBackward(buf, h, dx_rows, dx)   dx[t] = sum_k dx_rows(t, k)
  *             moonepEpReduce(buf, h, &home_grads, &replica_grads)
  *   moonepEpRelease(buf, h)
+ *
+ * [collective] calls are made by every rank, on the handles of the same dispatch, in the same
+ * order (as NCCL's collectives are): a handle of another dispatch on one rank is not detected
+ * when the row counts happen to match. A local error in a collective call (a NULL pointer, a
+ * released handle, expert tensors of the wrong shape) fails the call on this rank and, over mpi
+ * and ucx, the same call on every peer at once with moonepRemoteError naming this rank (nccl: the
+ * peers time out naming it; a peer whose part of the call completed without this rank fails its
+ * next call instead); the EP buffer is unusable afterwards on every rank, as after any failed
+ * collective call. Handles are slots of the buffer: a released handle's pointer may come
+ * back from a later dispatch, and is then that dispatch's handle (do not keep handles past
+ * release).
  * ------------------------------------------------------------------------------------------- */
 
 typedef struct moonepEpBuffer* moonepEpBuffer_t;
@@ -304,7 +319,10 @@ typedef struct moonepEpHandle* moonepEpHandle_t;
 
 /* The EP buffer uses the routing fields of a layer config: num_experts, top_k, hidden,
  * intermediate (for prefetch/reduce; 0 when unused), dtype, grad_dtype, slots, pad_multiple,
- * policy, device, max_tokens, max_recv_rows, max_inflight, ranks_per_node, eplb_period. */
+ * policy, device, device_index, max_tokens, max_recv_rows, max_inflight, layer_id (its trace),
+ * ranks_per_node, eplb_period, transport. num_threads is not used (no executor), but is checked
+ * like a layer's. Tensors are host memory for moonepDeviceCpu and GPU memory of device_index for
+ * moonepDeviceCuda. */
 typedef moonepLayerConfig_t moonepEpBufferConfig_t;
 #define MOONEP_EP_BUFFER_CONFIG_INITIALIZER MOONEP_LAYER_CONFIG_INITIALIZER
 
@@ -320,8 +338,9 @@ typedef struct {
   const int64_t* group_count; /* [num_groups] rows holding tokens */
 } moonepEpLayout_t;
 
-/* [collective] Like moonepLayerCreate: every buffer, the transport staging included, is
- * allocated here. */
+/* [collective] Like moonepLayerCreate: every buffer is allocated here, the transport staging
+ * included over mpi and ucx; over nccl the staging grows over the first dispatches
+ * (docs/runtime.md, "Memory"). */
 MOONEP_API moonepResult_t moonepEpBufferCreate(moonepComm_t comm,
                                                const moonepEpBufferConfig_t* config,
                                                moonepEpBuffer_t* buffer);
@@ -364,6 +383,14 @@ MOONEP_API moonepResult_t moonepEpReduce(moonepEpBuffer_t buffer, moonepEpHandle
                                          const moonepExpertTensors_t* replica_grads);
 /* Local. */
 MOONEP_API moonepResult_t moonepEpRelease(moonepEpBuffer_t buffer, moonepEpHandle_t handle);
+/* Local. Statistics of the EP buffer's last calls, in a moonepStepStats_t (stats->size set by
+ * the caller; magic and version are written, not read): step, tokens, the plan's loads and
+ * replicas, rows and bytes per operation, and per phase the time of the call that does it
+ * (dispatch, combine, prefetch in prefetch-wait, reduce, and the backward calls); forward_ms
+ * is the time in the step's dispatch, prefetch and combine calls, backward_ms in its backward
+ * calls and reduce (the caller's compute between them is not counted). step counts the
+ * dispatches that were planned (one then refused for receive capacity included: the planner and
+ * the trace saw its counts). */
 MOONEP_API moonepResult_t moonepEpGetStats(moonepEpBuffer_t buffer, moonepStepStats_t* stats);
 
 #ifdef __cplusplus
