@@ -38,6 +38,26 @@ absl::Status CheckPtr(const void* p, int64_t elements, const char* name) {
   return absl::OkStatus();
 }
 
+// Prefetch's and reduce's checks: the handle, the expert shape, then this rank's E/R home experts
+// and its `slots` replica experts, both of `dtype`.
+absl::Status ReadExperts(moonepEpBuffer_t buffer, moonepEpHandle_t handle,
+                         const moonepExpertTensors_t* home_t, const char* home_name,
+                         const moonepExpertTensors_t* slots_t, const char* slots_name,
+                         moonep::DType dtype, std::vector<moonep::compute::ExpertParams>* home,
+                         std::vector<moonep::compute::ExpertParams>* slots) {
+  moonep::runtime::EpLayout l;
+  MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l));
+  const auto& c = buffer->impl->config();
+  MOONEP_RETURN_IF_ERROR(CheckExpertShape(c));
+  MOONEP_RETURN_IF_ERROR(moonep::capi::ReadExpertTensors(home_t, home_name,
+                                                         buffer->impl->experts_per_rank(),
+                                                         c.hidden, c.intermediate, dtype,
+                                                         c.device, home));
+  return moonep::capi::ReadExpertTensors(slots_t, slots_name, buffer->impl->slots(), c.hidden,
+                                         c.intermediate, dtype, c.device, slots);
+}
+
+
 // A collective call: `checks` are this rank's own (handle, pointers, tensors); when they fail, the
 // call fails on every peer at once too (mpi, ucx: the transport's abort notice; nccl: they time
 // out naming this rank), instead of the peers waiting for this rank until the timeout and
@@ -247,17 +267,9 @@ moonepResult_t moonepEpPrefetch(moonepEpBuffer_t buffer, moonepEpHandle_t handle
     std::vector<moonep::compute::ExpertParams> home, slots;
     return Collective(
         buffer, OpKind::kPrefetch,
-        [&]() -> absl::Status {
-          moonep::runtime::EpLayout l;
-          MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l));
-          const auto& c = buffer->impl->config();
-          MOONEP_RETURN_IF_ERROR(CheckExpertShape(c));
-          MOONEP_RETURN_IF_ERROR(moonep::capi::ReadExpertTensors(
-              home_weights, "home_weights", buffer->impl->experts_per_rank(), c.hidden,
-              c.intermediate, c.dtype, c.device, &home));
-          return moonep::capi::ReadExpertTensors(replica_weights, "replica_weights",
-                                                 buffer->impl->slots(), c.hidden, c.intermediate,
-                                                 c.dtype, c.device, &slots);
+        [&]() {
+          return ReadExperts(buffer, handle, home_weights, "home_weights", replica_weights,
+                             "replica_weights", buffer->impl->config().dtype, &home, &slots);
         },
         [&]() { return buffer->impl->Prefetch(handle->handle, home, slots); });
   });
@@ -270,17 +282,9 @@ moonepResult_t moonepEpReduce(moonepEpBuffer_t buffer, moonepEpHandle_t handle,
     std::vector<moonep::compute::ExpertParams> home, slots;
     return Collective(
         buffer, OpKind::kReduce,
-        [&]() -> absl::Status {
-          moonep::runtime::EpLayout l;
-          MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l));
-          const auto& c = buffer->impl->config();
-          MOONEP_RETURN_IF_ERROR(CheckExpertShape(c));
-          MOONEP_RETURN_IF_ERROR(moonep::capi::ReadExpertTensors(
-              home_grads, "home_grads", buffer->impl->experts_per_rank(), c.hidden,
-              c.intermediate, c.grad_dtype, c.device, &home));
-          return moonep::capi::ReadExpertTensors(replica_grads, "replica_grads",
-                                                 buffer->impl->slots(), c.hidden, c.intermediate,
-                                                 c.grad_dtype, c.device, &slots);
+        [&]() {
+          return ReadExperts(buffer, handle, home_grads, "home_grads", replica_grads,
+                             "replica_grads", buffer->impl->config().grad_dtype, &home, &slots);
         },
         [&]() { return buffer->impl->Reduce(handle->handle, home, slots); });
   });
