@@ -926,7 +926,7 @@ TEST_F(CApiTest, LayerBackwardWithLocalErrorFailsEveryRankAtOnce) {
   }
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
             HalfTimeoutSeconds()) << "the peers waited for the rank that failed";
-  moonepLayerDestroy(layer);  // freed whatever the verdict of its closing agreement
+  EXPECT_EQ(moonepLayerDestroy(layer), moonepSuccess) << moonepGetLastError(comm_);
 }
 
 // A NULL out_rows in an EP combine, and home expert tensors missing in an EP prefetch, on rank 0
@@ -975,7 +975,24 @@ TEST_F(CApiTest, EpCollectiveCallWithLocalErrorFailsEveryRankAtOnce) {
     EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
               HalfTimeoutSeconds()) << "the peers waited for the rank that failed";
   }
-  for (moonepEpBuffer_t buf : bufs) moonepEpBufferDestroy(buf);  // freed whatever the verdict
+  // Destroying the failed buffers is prompt and clean (every rank knows of the failure), and a
+  // new buffer on the same communicator works: the failure is recoverable by recreating.
+  for (moonepEpBuffer_t buf : bufs) {
+    EXPECT_EQ(moonepEpBufferDestroy(buf), moonepSuccess) << moonepGetLastError(comm_);
+  }
+  moonepEpBuffer_t fresh = nullptr;
+  ASSERT_EQ(moonepEpBufferCreate(comm_, &c, &fresh), moonepSuccess) << moonepGetLastError(comm_);
+  moonepEpHandle_t h = nullptr;
+  EXPECT_EQ(moonepEpDispatch(fresh, t.tokens, t.x.data(), t.ids.data(), t.weights.data(), &h),
+            moonepSuccess) << moonepGetLastError(comm_);
+  moonepEpLayout_t layout;
+  if (moonepEpGetLayout(fresh, h, &layout) == moonepSuccess) {
+    std::vector<float> out(static_cast<size_t>(layout.num_rows) * kHidden, 0.0f);
+    EXPECT_EQ(moonepEpCombine(fresh, h, out.data(), t.y.data()), moonepSuccess)
+        << moonepGetLastError(comm_);
+    EXPECT_EQ(moonepEpRelease(fresh, h), moonepSuccess);
+  }
+  EXPECT_EQ(moonepEpBufferDestroy(fresh), moonepSuccess) << moonepGetLastError(comm_);
 }
 
 }  // namespace
