@@ -56,6 +56,8 @@ def main():
     p.add_argument("--out", default="")
     p.add_argument("--reps", type=int, default=20)
     args = p.parse_args()
+    if args.reps < 1:
+        p.error(f"--reps {args.reps}: must be >= 1")
     dev = torch.device("cuda")
     print(f"# torch {torch.__version__}, {torch.cuda.get_device_name(0)}")
     shapes = []
@@ -63,7 +65,12 @@ def main():
         for line in f:
             parts = line.split()
             if parts:
-                shapes.append((parts[0], [int(v) for v in parts[1:]]))
+                sizes = [int(v) for v in parts[1:]]
+                if not sizes or min(sizes) < 0 or sum(sizes) == 0:
+                    p.error(f"{args.shapes}: shape '{parts[0]}' has no group sizes (or no rows)")
+                shapes.append((parts[0], sizes))
+    if not shapes:
+        p.error(f"{args.shapes}: no shapes")
     ours = {}
     with open(args.ours) as f:
         for r in csv.DictReader(f):
@@ -118,7 +125,9 @@ def main():
     misses = 0
     for name, groups, total, torch_tf, tmm, torch_x_il in results:
         o = ours.get(name)
-        if o is None:
+        if o is None:  # a shape without MoonEP's figure cannot meet its targets
+            print(f"  {name:<18s} no row in {args.ours}: MISS (not measured)")
+            misses += 1
             continue
         dense = float(o["dense_tflops"])
         pick = o["auto"]
@@ -139,7 +148,8 @@ def main():
             name, groups, total, dense, tmm, torch_tf, moon, pick, x_dense, x_il, x_torch, x_torch_il,
             ", ".join(notes) or "ok"))
     print(f"# shapes missing a target: {misses}")
+    return 1 if misses else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -18,6 +18,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -25,6 +26,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "moonep/compute/cuda/cuda_executor.h"
@@ -95,8 +97,29 @@ int RunCudaGemmBench(int argc, char** argv) {
       }
       return argv[++i];
     };
-    if (a == "--reps") {
-      opt.reps = std::max(1, std::atoi(next().c_str()));
+    if (a == "--help" || a == "-h") {
+      std::printf("usage: moonep-bench-gemm --device cuda (or moonep-bench-gemm-cuda) [--reps N] "
+                  "[--out results.csv] [--shapes-out shapes.txt] [--quick]\n"
+                  "  --reps 1..1000 (default %d); see docs/cuda.md\n", opt.reps);
+      return 0;
+    } else if (a == "--device") {
+      // moonep-bench-gemm-cuda takes moonep-bench-gemm's --device cuda too (the same flags).
+      const std::string device = next();
+      if (device != "cuda") {
+        std::fprintf(stderr, "--device %s: this is the CUDA benchmark (--device cuda)\n",
+                     device.c_str());
+        return 2;
+      }
+    } else if (a == "--reps") {
+      const std::string v = next();
+      char* end = nullptr;
+      errno = 0;
+      const long n = std::strtol(v.c_str(), &end, 10);
+      if (v.empty() || *end != '\0' || errno != 0 || n < 1 || n > 1000) {
+        std::fprintf(stderr, "--reps %s: expected a whole number in [1, 1000]\n", v.c_str());
+        return 2;
+      }
+      opt.reps = static_cast<int>(n);
     } else if (a == "--out") {
       opt.out = next();
     } else if (a == "--shapes-out") {
@@ -104,10 +127,24 @@ int RunCudaGemmBench(int argc, char** argv) {
     } else if (a == "--quick") {
       opt.quick = true;
     } else {
+      std::fprintf(stderr, "unknown flag '%s'\n", a.c_str());
       std::fprintf(stderr,
                    "usage: moonep-bench-gemm --device cuda (or moonep-bench-gemm-cuda) [--reps N] "
                    "[--out results.csv] "
                    "[--shapes-out shapes.txt] [--quick]\n");
+      return 2;
+    }
+  }
+  // The output files before anything is measured: one that cannot be written is an error now,
+  // not a run of minutes that ends without it.
+  FILE* shapes_file = nullptr;
+  FILE* csv = nullptr;
+  for (auto [path, file, flag] : {std::make_tuple(&opt.shapes_out, &shapes_file, "--shapes-out"),
+                                  std::make_tuple(&opt.out, &csv, "--out")}) {
+    if (path->empty()) continue;
+    *file = std::fopen(path->c_str(), "w");
+    if (*file == nullptr) {
+      std::fprintf(stderr, "%s: cannot write '%s': %s\n", flag, path->c_str(), std::strerror(errno));
       return 2;
     }
   }
@@ -245,7 +282,6 @@ int RunCudaGemmBench(int argc, char** argv) {
   CHECK_OK(gemm.status());
   auto staging = Staging::Create(1 << 20);
   CHECK_OK(staging.status());
-  FILE* shapes_file = opt.shapes_out.empty() ? nullptr : std::fopen(opt.shapes_out.c_str(), "w");
   std::vector<Row> rows;
   GemmBatch batch, dense;
   batch.problems.reserve(64);
@@ -321,7 +357,6 @@ int RunCudaGemmBench(int argc, char** argv) {
   std::printf("# %-20s %6s %8s %6s %6s %8s %8s %6s %8s %6s %8s %6s %5s %10s %6s %10s\n", "shape", "groups",
               "rows", "min", "max", "dense", "streams", "ratio", "grouped", "ratio", "chunked", "ratio",
               "chunk", "persistent", "ratio", "auto");
-  FILE* csv = opt.out.empty() ? nullptr : std::fopen(opt.out.c_str(), "w");
   if (csv != nullptr) {
     std::fprintf(csv, "shape,groups,rows,min_rows,max_rows,dense_tflops,streams_tflops,grouped_tflops,chunked_tflops,chunk_rows,persistent_tflops,auto,dense_il_tflops,auto_il_tflops\n");
   }

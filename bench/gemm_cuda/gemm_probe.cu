@@ -42,6 +42,7 @@
 #include <nvtx3/nvToolsExt.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -306,59 +307,107 @@ int main(int argc, char** argv) {
   bool k_major = false;         // --k-major: weights stored [I][H] (the persistent kernel's K-major B)
   int64_t weight_pad = 0;       // --weight-pad BYTES: the groups' weight matrices that much further apart
   std::vector<std::string> only_variants;  // --variants a,b: only these persistent variants (and "pers")
+  constexpr int kNumShapes = 11;  // the list below (static_assert there)
+  const int64_t max_rows = 65536, max_groups = 64;  // the buffers below
   for (int i = 1; i < argc; ++i) {
-    if (std::string(argv[i]) == "--variants" && i + 1 < argc) {
+    const std::string a = argv[i];
+    // The value after flag a as a whole number in [lo, hi], else a message naming both.
+    auto number = [&](int64_t lo, int64_t hi, int64_t* out) {
+      const char* v = i + 1 < argc ? argv[++i] : nullptr;
+      char* end = nullptr;
+      errno = 0;
+      const long long x = v != nullptr ? std::strtoll(v, &end, 10) : 0;
+      if (v != nullptr && end != v && *end == '\0' && errno == 0 && x >= lo && x <= hi) {
+        *out = x;
+        return true;
+      }
+      std::fprintf(stderr, "%s %s: expected a whole number in [%lld, %lld]\n", a.c_str(),
+                   v != nullptr ? v : "(missing)", static_cast<long long>(lo),
+                   static_cast<long long>(hi));
+      return false;
+    };
+    int64_t n = 0;
+    if (a == "--help" || a == "-h") {
+      std::printf("usage: moonep-gemm-probe [--reps N] [--only SHAPE_INDEX] [--quick] [--trace] "
+                  "[--overhead] [--flush]\n  [--variants A,B] [--sizes a,b,...] [--shared-weights] "
+                  "[--k-major] [--weight-pad BYTES]\n  [--sustain MS] [--f32] [--force-swap] "
+                  "[--sorted-waves W] [--trace-default-only] [--split-unit U]\n"
+                  "(see the comment at the top of bench/gemm_cuda/gemm_probe.cu)\n");
+      return 0;
+    } else if (a == "--variants" && i + 1 < argc) {
       std::string list = argv[++i];
       for (size_t at = 0; at <= list.size();) {
         const size_t comma = std::min(list.find(',', at), list.size());
         only_variants.push_back(list.substr(at, comma - at));
         at = comma + 1;
       }
-    }
-    if (std::string(argv[i]) == "--reps" && i + 1 < argc) reps = std::max(1, std::atoi(argv[++i]));
-    if (std::string(argv[i]) == "--only" && i + 1 < argc) only = std::atoi(argv[++i]);
-    if (std::string(argv[i]) == "--quick") quick = true;
-    if (std::string(argv[i]) == "--trace") trace = quick = true;
-    if (std::string(argv[i]) == "--overhead") overhead = quick = true;
-    if (std::string(argv[i]) == "--shared-weights") shared_weights = true;
-    if (std::string(argv[i]) == "--k-major") k_major = true;
-    if (std::string(argv[i]) == "--weight-pad" && i + 1 < argc) {
-      weight_pad = std::atoll(argv[++i]);
-      if (weight_pad < 0 || weight_pad % 256 != 0 || weight_pad > (int64_t{64} << 20)) {
-        std::fprintf(stderr, "--weight-pad wants a multiple of 256 bytes from 0 to 64 MiB, got '%s'\n", argv[i]);
+    } else if (a == "--reps") {
+      if (!number(1, 1000, &n)) return 2;
+      reps = static_cast<int>(n);
+    } else if (a == "--only") {
+      if (!number(0, kNumShapes - 1, &n)) return 2;
+      only = static_cast<int>(n);
+    } else if (a == "--quick") {
+      quick = true;
+    } else if (a == "--trace") {
+      trace = quick = true;
+    } else if (a == "--overhead") {
+      overhead = quick = true;
+    } else if (a == "--shared-weights") {
+      shared_weights = true;
+    } else if (a == "--k-major") {
+      k_major = true;
+    } else if (a == "--weight-pad") {
+      if (!number(0, int64_t{64} << 20, &weight_pad)) return 2;
+      if (weight_pad % 256 != 0) {
+        std::fprintf(stderr, "--weight-pad wants a multiple of 256 bytes from 0 to 64 MiB, got "
+                     "%lld\n", static_cast<long long>(weight_pad));
         return 2;
       }
-    }
-    if (std::string(argv[i]) == "--f32") f32 = true;
-    if (std::string(argv[i]) == "--flush") flush = true;
-    if (std::string(argv[i]) == "--force-swap") force_swap = true;
-    if (std::string(argv[i]) == "--sustain" && i + 1 < argc) {
-      sustain_ms = std::max(1, std::atoi(argv[++i]));
+    } else if (a == "--f32") {
+      f32 = true;
+    } else if (a == "--flush") {
+      flush = true;
+    } else if (a == "--force-swap") {
+      force_swap = true;
+    } else if (a == "--sustain") {
+      if (!number(1, 600000, &n)) return 2;
+      sustain_ms = static_cast<int>(n);
       quick = true;
-    }
-    if (std::string(argv[i]) == "--trace-default-only") trace_default_only = true;
-    if (std::string(argv[i]) == "--sorted-waves" && i + 1 < argc) sorted_waves = std::max(-1, std::atoi(argv[++i]));
-    if (std::string(argv[i]) == "--split-unit" && i + 1 < argc) split_unit = std::atoi(argv[++i]);
-    if (std::string(argv[i]) == "--sizes" && i + 1 < argc) {
+    } else if (a == "--trace-default-only") {
+      trace_default_only = true;
+    } else if (a == "--sorted-waves") {
+      if (!number(-1, 1 << 20, &n)) return 2;
+      sorted_waves = static_cast<int>(n);
+    } else if (a == "--split-unit") {
+      if (!number(0, 1 << 20, &n)) return 2;
+      split_unit = static_cast<int>(n);
+    } else if (a == "--sizes" && i + 1 < argc) {
       const char* c = argv[++i];
       for (;;) {
         char* end = nullptr;
+        errno = 0;
         const long long v = std::strtoll(c, &end, 10);
-        if (end == c || v < 0 || (*end != ',' && *end != '\0')) {
-          std::fprintf(stderr, "--sizes wants non-negative integers separated by commas, got '%s'\n", argv[i]);
+        // Each size bounded before any sum: a sum of huge sizes wrapped past the check below.
+        if (end == c || v < 0 || v > max_rows || errno != 0 || (*end != ',' && *end != '\0')) {
+          std::fprintf(stderr, "--sizes wants integers in [0, %lld] separated by commas, got "
+                       "'%s'\n", static_cast<long long>(max_rows), argv[i]);
           return 2;
         }
         custom.push_back(v);
         if (*end == '\0') break;
         c = end + 1;
       }
+    } else {
+      std::fprintf(stderr, "moonep-gemm-probe: unknown flag or missing value: '%s' (--help)\n",
+                   argv[i]);
+      return 2;
     }
   }
   if ((f32 || force_swap || trace_default_only || sorted_waves != -2) && !trace) {
     std::fprintf(stderr, "--f32, --force-swap, --sorted-waves and --trace-default-only go with --trace only\n");
     return 2;
   }
-  const int64_t max_rows = 65536, max_groups = 64;  // the buffers below
   const int64_t custom_rows = std::accumulate(custom.begin(), custom.end(), int64_t{0});
   if (!custom.empty() && (custom.size() > static_cast<size_t>(max_groups) || custom_rows > max_rows ||
                           custom_rows == 0)) {
@@ -489,6 +538,7 @@ int main(int argc, char** argv) {
   const Shape shapes[] = {{8, 512, false}, {8, 512, true},   {32, 512, false}, {32, 512, true},
                           {64, 512, true}, {8, 2048, true},  {64, 1024, true}, {32, 128, true},
                           {64, 128, true}, {1, 256, false},  {1, 2048, false}};
+  static_assert(sizeof(shapes) / sizeof(shapes[0]) == kNumShapes, "--only's bound");
   std::printf("# %d SMs; TFLOP/s, (x) = over the dense GEMM of the same FLOPs in the same run\n", num_sms);
   for (const Shape& sh_listed : shapes) {
     if (!custom.empty() && &sh_listed != shapes) break;

@@ -5,7 +5,8 @@
     mpirun -np 1 python3 examples/torch/moe_torch.py --device cuda   # one rank per GPU (NCCL)
 
 On CUDA, MoonEP reads and writes the tensors in GPU memory (data_ptr()) and orders its work after
-the current torch stream (torch.cuda.current_stream()); rank r uses GPU r % device_count.
+the current torch stream (torch.cuda.current_stream()); rank r uses GPU r (one GPU per rank:
+more ranks than GPUs is an error, exit 2).
 
 MoonEPMoE.apply(x, topk_weights, w_gate, w_up, w_down, layer, topk_ids) runs MoonEP's forward;
 its backward returns dx, d topk_weights and this rank's expert weight gradients, so autograd
@@ -14,6 +15,7 @@ parallelism); the pure-PyTorch layer holds every expert and every rank's tokens 
 reference. Exit code 0 when forward and every gradient match (rel. error < 1e-5); exit code 77
 (skip) when PyTorch is missing.
 """
+import argparse
 import os
 import sys
 
@@ -123,14 +125,25 @@ def rel(a, b):
 
 
 def main():
-    cuda = "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cuda"
+    parser = argparse.ArgumentParser(description="A MoonEP MoE layer under PyTorch autograd, "
+                                     "checked against a PyTorch reference.")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="tensors on the CPU, or on one GPU per rank")
     # Replicas on one rank come from the test policy only (a single rank has no peer to help).
-    policy = sys.argv[sys.argv.index("--policy") + 1] if "--policy" in sys.argv else "moonep"
+    parser.add_argument("--policy", default="moonep", choices=sorted(moonep._POLICIES),
+                        help="the planner policy (default moonep)")
+    args = parser.parse_args()
+    cuda, policy = args.device == "cuda", args.policy
     if cuda and not torch.cuda.is_available():
         print("SKIPPED: --device cuda but torch.cuda.is_available() is False")
         return 77
     comm = moonep.Comm.from_env()
     R, rank = comm.size, comm.rank
+    if cuda and R > torch.cuda.device_count():
+        # One rank per GPU: NCCL refuses two ranks on one GPU (with an error of its own, later).
+        print(f"error: {R} ranks but {torch.cuda.device_count()} GPUs: --device cuda needs one "
+              "GPU per rank", file=sys.stderr)
+        return 2
     device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)

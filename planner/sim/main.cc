@@ -1,5 +1,6 @@
 // moonep-sim: what routing skew costs, and what each balancing policy buys, at any scale.
 // See docs/simulator.md.
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -9,6 +10,7 @@
 #include <memory>
 #include <new>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -94,6 +96,26 @@ namespace {
 
 using moonep::InvalidArgument;
 using namespace moonep::sim;
+
+// The named files (empty names skipped) are pairwise distinct files: the same path, or two paths
+// of one existing file (a link, "./x" and "x"), is an InvalidArgument naming both flags.
+absl::Status CheckDistinctFiles(const std::vector<std::pair<const char*, std::string>>& files) {
+  for (size_t a = 0; a < files.size(); ++a) {
+    for (size_t b = a + 1; b < files.size(); ++b) {
+      const std::string& pa = files[a].second;
+      const std::string& pb = files[b].second;
+      if (pa.empty() || pb.empty()) continue;
+      struct stat sa, sb;
+      const bool same = pa == pb || (::stat(pa.c_str(), &sa) == 0 && ::stat(pb.c_str(), &sb) == 0 &&
+                                     sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino);
+      if (same) {
+        return InvalidArgument("%s and %s name the same file '%s': writing one would destroy the "
+                               "other", files[a].first, files[b].first, pb);
+      }
+    }
+  }
+  return absl::OkStatus();
+}
 
 absl::Status BuildOptions(SimOptions* o) {
   const std::string preset_name = absl::GetFlag(FLAGS_preset);
@@ -256,6 +278,11 @@ absl::Status RunMain() {
   std::unique_ptr<CsvSink> csv;
   std::unique_ptr<JsonSink> json;
   const std::string csv_path = absl::GetFlag(FLAGS_csv), json_path = absl::GetFlag(FLAGS_json);
+  // An output that is the trace being read, or the other output, would be truncated under it:
+  // the trace destroyed (and removed when the run then fails), or CSV and JSON interleaved.
+  MOONEP_RETURN_IF_ERROR(CheckDistinctFiles({{"--trace", options.trace_path},
+                                             {"--csv", csv_path},
+                                             {"--json", json_path}}));
   if (!csv_path.empty()) {
     csv_file = std::fopen(csv_path.c_str(), "w");
     if (!csv_file) return InvalidArgument("--csv: cannot write '%s': %s", csv_path, std::strerror(errno));

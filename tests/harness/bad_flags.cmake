@@ -1,4 +1,4 @@
-# Runs a program (BENCH: moonep-bench-dispatch, moonep-demo, moonep-bench-gemm) under mpirun
+# Runs a program (BENCH: moonep-bench-dispatch, moonep-demo, moonep-bench-gemm, ...) under mpirun
 # (MPIEXEC, NPFLAG, NP; directly when MPIEXEC is not given) with flags it
 # must refuse (FLAGS, |-separated) and checks that it exits with EXPECT_RC (default 2: bad flags,
 # every rank the same verdict) and says why (EXPECT, a regular expression on stderr), instead of
