@@ -381,7 +381,7 @@ int Main(int argc, char** argv, const std::string& command) {
   int32_t threads = absl::GetFlag(FLAGS_threads);
   if (threads <= 0) {
     const int hw = static_cast<int>(std::thread::hardware_concurrency());
-    threads = std::max(1, hw / std::max(1, local_size));
+    threads = std::max(1, std::min(1024, hw / std::max(1, local_size)));  // the executor's cap
   }
 
   GpuPlacement gpus;

@@ -16,6 +16,8 @@
 //   moonep-bench-gemm-cuda [--reps N] [--out results.csv] [--shapes-out shapes.txt] [--quick]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <fcntl.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -26,7 +28,7 @@
 #include <numeric>
 #include <random>
 #include <string>
-#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "moonep/compute/cuda/cuda_executor.h"
@@ -135,18 +137,18 @@ int RunCudaGemmBench(int argc, char** argv) {
       return 2;
     }
   }
-  // The output files before anything is measured: one that cannot be written is an error now,
-  // not a run of minutes that ends without it.
-  FILE* shapes_file = nullptr;
-  FILE* csv = nullptr;
-  for (auto [path, file, flag] : {std::make_tuple(&opt.shapes_out, &shapes_file, "--shapes-out"),
-                                  std::make_tuple(&opt.out, &csv, "--out")}) {
+  // The output files checked before anything is measured (an unwritable one is an error now, not
+  // a run of minutes that ends without it), without truncating them: a run that cannot start
+  // (no GPU) leaves an earlier results file as it was. They are written at the end.
+  for (auto [path, flag] : {std::make_pair(&opt.shapes_out, "--shapes-out"),
+                            std::make_pair(&opt.out, "--out")}) {
     if (path->empty()) continue;
-    *file = std::fopen(path->c_str(), "w");
-    if (*file == nullptr) {
+    const int fd = ::open(path->c_str(), O_WRONLY | O_CREAT, 0644);
+    if (fd < 0) {
       std::fprintf(stderr, "%s: cannot write '%s': %s\n", flag, path->c_str(), std::strerror(errno));
       return 2;
     }
+    ::close(fd);
   }
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
@@ -282,6 +284,7 @@ int RunCudaGemmBench(int argc, char** argv) {
   CHECK_OK(gemm.status());
   auto staging = Staging::Create(1 << 20);
   CHECK_OK(staging.status());
+  FILE* shapes_file = opt.shapes_out.empty() ? nullptr : std::fopen(opt.shapes_out.c_str(), "w");
   std::vector<Row> rows;
   GemmBatch batch, dense;
   batch.problems.reserve(64);
@@ -357,6 +360,7 @@ int RunCudaGemmBench(int argc, char** argv) {
   std::printf("# %-20s %6s %8s %6s %6s %8s %8s %6s %8s %6s %8s %6s %5s %10s %6s %10s\n", "shape", "groups",
               "rows", "min", "max", "dense", "streams", "ratio", "grouped", "ratio", "chunked", "ratio",
               "chunk", "persistent", "ratio", "auto");
+  FILE* csv = opt.out.empty() ? nullptr : std::fopen(opt.out.c_str(), "w");
   if (csv != nullptr) {
     std::fprintf(csv, "shape,groups,rows,min_rows,max_rows,dense_tflops,streams_tflops,grouped_tflops,chunked_tflops,chunk_rows,persistent_tflops,auto,dense_il_tflops,auto_il_tflops\n");
   }

@@ -153,6 +153,10 @@ def _array(name, a, dtype, shape):
         raise ValueError(f"{name} must hold numbers, not {a.dtype}")
     if a.shape != tuple(shape):
         raise ValueError(f"{name} has shape {a.shape}; expected {tuple(shape)}")
+    if np.dtype(dtype).kind in "iu" and a.size:
+        info = np.iinfo(dtype)
+        if a.min() < info.min or a.max() > info.max:  # the cast would wrap to another id
+            raise ValueError(f"{name} holds values outside {np.dtype(dtype).name}")
     return np.ascontiguousarray(a, dtype=dtype)
 
 
@@ -284,19 +288,29 @@ class Layer:
 
     def forward(self, x, topk_ids, topk_weights):
         """x [T][H], topk_ids [T][K] (integers in [0, E)), topk_weights [T][K]; returns y [T][H]."""
-        x = np.asarray(x)
-        if x.ndim != 2:
-            raise ValueError(f"x has shape {x.shape}; expected (tokens, hidden = {self.hidden})")
-        tokens = x.shape[0]
-        x = _array("x", x, np.float32, (tokens, self.hidden))
-        ids = _array("topk_ids", topk_ids, np.int32, (tokens, self.top_k))
-        w = _array("topk_weights", topk_weights, np.float32, (tokens, self.top_k))
+        try:
+            x = np.asarray(x)
+            if x.ndim != 2:
+                raise ValueError(f"x has shape {x.shape}; expected (tokens, hidden = {self.hidden})")
+            tokens = x.shape[0]
+            x = _array("x", x, np.float32, (tokens, self.hidden))
+            ids = _array("topk_ids", topk_ids, np.int32, (tokens, self.top_k))
+            w = _array("topk_weights", topk_weights, np.float32, (tokens, self.top_k))
+        except ValueError:
+            # The forward is collective: join it with an argument MoonEP refuses (no handle), so
+            # that every rank fails this forward at once (the peers do not wait for this one until
+            # the timeout) and the layer stays usable.
+            self._refuse_forward()
+            raise
         y = np.empty_like(x)
         h = ctypes.c_void_p()
         _check("moonepLayerForward", _lib().moonepLayerForward(
             self._h, x.shape[0], _ptr(x), _ptr(ids), _ptr(w), _ptr(y), ctypes.byref(h), None))
         self._saved.append((h, x.shape[0]))
         return y
+
+    def _refuse_forward(self):
+        _lib().moonepLayerForward(self._h, 0, None, None, None, None, None, None)
 
     def _last(self, what):
         if not self._saved:
@@ -308,7 +322,17 @@ class Layer:
         """Backward of the most recent forward not yet backwarded: dy [T][H] of that forward;
         returns dx [T][H] and d topk_weights [T][K]."""
         h, tokens = self._last("backward")
-        dy = _array("dy", dy, np.float32, (tokens, self.hidden))
+        try:
+            dy = _array("dy", dy, np.float32, (tokens, self.hidden))
+        except ValueError as e:
+            # The backward is collective: MoonEP refuses a NULL dy and tells every peer, which fail
+            # their backward at once instead of waiting for this rank until the timeout. The
+            # layer is unusable afterwards on every rank.
+            self._saved.pop()
+            if _lib().moonepLayerBackward(self._h, h, None, None, None, None) != 0:
+                raise ValueError(f"{e} (the backward failed on every rank; the layer is "
+                                 "unusable now: destroy it)") from None
+            raise  # no rows on this rank: MoonEP's backward ran without them
         self._saved.pop()
         dx = np.empty_like(dy)
         dtopk = np.empty((tokens, self.top_k), dtype=np.float32)

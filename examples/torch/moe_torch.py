@@ -5,8 +5,8 @@
     mpirun -np 1 python3 examples/torch/moe_torch.py --device cuda   # one rank per GPU (NCCL)
 
 On CUDA, MoonEP reads and writes the tensors in GPU memory (data_ptr()) and orders its work after
-the current torch stream (torch.cuda.current_stream()); rank r uses GPU r (one GPU per rank:
-more ranks than GPUs is an error, exit 2).
+the current torch stream (torch.cuda.current_stream()); each rank uses the GPU of its local rank
+on its node (one GPU per rank: more ranks on a node than GPUs is an error, exit 2).
 
 MoonEPMoE.apply(x, topk_weights, w_gate, w_up, w_down, layer, topk_ids) runs MoonEP's forward;
 its backward returns dx, d topk_weights and this rank's expert weight gradients, so autograd
@@ -139,12 +139,18 @@ def main():
         return 77
     comm = moonep.Comm.from_env()
     R, rank = comm.size, comm.rank
-    if cuda and R > torch.cuda.device_count():
+    # This node's ranks (Open MPI, torchrun, Slurm; else every rank is on this node).
+    local_size = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") or
+                     os.environ.get("LOCAL_WORLD_SIZE") or
+                     os.environ.get("SLURM_NTASKS_PER_NODE") or R)
+    local_rank = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK") or
+                     os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID") or rank)
+    if cuda and local_size > torch.cuda.device_count():
         # One rank per GPU: NCCL refuses two ranks on one GPU (with an error of its own, later).
-        print(f"error: {R} ranks but {torch.cuda.device_count()} GPUs: --device cuda needs one "
-              "GPU per rank", file=sys.stderr)
+        print(f"error: {local_size} ranks on this node but {torch.cuda.device_count()} GPUs: "
+              "--device cuda needs one GPU per rank", file=sys.stderr)
         return 2
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     epn, K, H, I = 2, 2, 16, 32

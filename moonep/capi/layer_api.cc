@@ -128,11 +128,20 @@ moonepResult_t moonepLayerBackward(moonepLayer_t layer, moonepLayerHandle_t hand
                                    void* stream) {
   return GuardOn(CommOf(layer), "moonepLayerBackward", [&]() -> absl::Status {
     MOONEP_RETURN_IF_ERROR(CheckHandle(layer, Kind::kLayer, "layer"));
-    MOONEP_RETURN_IF_ERROR(CheckHandle(handle, Kind::kLayerHandle, "handle"));
-    MOONEP_CHECK_ARG(handle->owner == layer, "handle belongs to another layer");
-    if (!handle->in_use) return moonep::InvalidUsage("handle was already released");
-    auto plan = layer->impl->PlanOf(handle->handle);
-    if (!plan.ok()) return plan.status();
+    // A bad handle on a live layer is this rank's error in a collective call: the peers fail
+    // their backward at once too (they waited for this rank until the timeout).
+    absl::Status bad_handle = CheckHandle(handle, Kind::kLayerHandle, "handle");
+    if (bad_handle.ok() && handle->owner != layer) {
+      bad_handle = moonep::InvalidArgument("handle belongs to another layer");
+    }
+    if (bad_handle.ok() && !handle->in_use) {
+      bad_handle = moonep::InvalidUsage("handle was already released");
+    }
+    if (bad_handle.ok()) bad_handle = layer->impl->PlanOf(handle->handle).status();
+    if (!bad_handle.ok()) {
+      return layer->impl->AbortOperation(moonep::transport::OpKind::kCombineBackward,
+                                         std::move(bad_handle));
+    }
     const auto& c = layer->impl->config();
     // T of this handle: the tokens the forward saw, from its dispatch handle's counts.
     const int64_t T = layer->impl->TokensOf(handle->handle);

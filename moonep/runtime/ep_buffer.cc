@@ -121,7 +121,9 @@ absl::Status EpBuffer::Fail(absl::Status status) {
 }
 
 absl::Status EpBuffer::AbortOperation(OpKind kind, absl::Status status) {
-  if (!broken_.ok()) return status;  // the peers failed with (or were told of) the first error
+  // Once unusable (or its transport failed: a count exchange that timed out or learned of a
+  // peer's abort), the peers failed or were told already: a second notice would find no receiver.
+  if (!broken_.ok() || !transport_->health().ok()) return Fail(status);
   return Fail(transport_->AbortOperation(kind, std::move(status)));
 }
 

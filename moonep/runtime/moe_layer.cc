@@ -248,6 +248,13 @@ absl::Status MoeLayer::BindParameters(absl::Span<const compute::ExpertParams> we
   return absl::OkStatus();
 }
 
+absl::Status MoeLayer::AbortOperation(transport::OpKind kind, absl::Status status) {
+  // Once unusable (or its transport failed), the peers failed or were told already: a second
+  // notice would find no receiver.
+  if (!broken_.ok() || !transport_->health().ok()) return Fail(status);
+  return Fail(transport_->AbortOperation(kind, std::move(status)));
+}
+
 absl::Status MoeLayer::Fail(absl::Status status) {
   if (!status.ok() && broken_.ok()) {
     broken_ = Annotate(status, "an earlier step failed and left the layer unusable");
@@ -531,10 +538,17 @@ absl::Status MoeLayer::Backward(LayerHandle handle, const TensorView& dy, const 
   MOONEP_RETURN_IF_ERROR(broken_);
   ScopedDevice device(config_.device, config_.device_index);
   UseCallerStream(stream);
-  MOONEP_ASSIGN_OR_RETURN(Context * ctx, Lookup(handle));
+  auto looked_up = Lookup(handle);
+  if (!looked_up.ok()) {
+    return AbortOperation(transport::OpKind::kCombineBackward, looked_up.status());
+  }
+  Context* ctx = *looked_up;
   const int64_t T = ctx->num_tokens;
-  if (!grads_bound_) {  // alike on every rank (bound at creation's shape, agreed)
-    return InvalidUsage("no gradients bound: BindParameters was given none (forward-only layer)");
+  if (!grads_bound_) {  // BindParameters is local: one rank may have bound none
+    // The handle stays live (Release still frees it); the layer is unusable on every rank.
+    return AbortOperation(
+        transport::OpKind::kCombineBackward,
+        InvalidUsage("no gradients bound: BindParameters was given none (forward-only layer)"));
   }
   if (d_topk_weights.data() == nullptr) {
     d_topk_weights = absl::MakeSpan(dtopk_scratch_.get<float>(),
@@ -555,7 +569,7 @@ absl::Status MoeLayer::Backward(LayerHandle handle, const TensorView& dy, const 
   }
   if (!local.ok()) {
     ctx->busy = false;
-    return Fail(transport_->AbortOperation(transport::OpKind::kCombineBackward, std::move(local)));
+    return AbortOperation(transport::OpKind::kCombineBackward, std::move(local));
   }
   const absl::Status status = RunBackward(ctx, dy, dx, d_topk_weights);
   ctx->busy = false;  // the handle is spent either way

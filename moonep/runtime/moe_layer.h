@@ -145,6 +145,10 @@ class MoeLayer {
   size_t StagingBytes() const;
   // False once a failure left the transport unusable; every later call then fails.
   bool usable() const { return broken_.ok(); }
+  // A local error in a collective call on this rank (an argument or handle the caller passed
+  // wrongly, no gradients bound): fails `kind` on every peer at once too
+  // (Transport::AbortOperation) and leaves the layer unusable. Returns `status`.
+  absl::Status AbortOperation(transport::OpKind kind, absl::Status status);
 
  private:
   struct Context;

@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <new>
@@ -97,17 +98,36 @@ namespace {
 using moonep::InvalidArgument;
 using namespace moonep::sim;
 
-// The named files (empty names skipped) are pairwise distinct files: the same path, or two paths
-// of one existing file (a link, "./x" and "x"), is an InvalidArgument naming both flags.
+// Where `path` points: its canonical path when it exists, else its directory's canonical path
+// and its name (so "x" and "./x" match before either is written).
+std::string WherePathPoints(const std::string& path) {
+  if (char* real = ::realpath(path.c_str(), nullptr)) {
+    std::string out(real);
+    std::free(real);
+    return out;
+  }
+  const size_t slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash + 1);
+  const std::string name = slash == std::string::npos ? path : path.substr(slash + 1);
+  char* real_dir = ::realpath(dir.c_str(), nullptr);
+  if (real_dir == nullptr) return path;
+  std::string out = std::string(real_dir) + "/" + name;
+  std::free(real_dir);
+  return out;
+}
+
+// The named files (empty names skipped) are pairwise distinct: the same regular file, or two paths
+// to where one file will be written, is an InvalidArgument naming both flags. Devices and pipes
+// (/dev/null, /dev/stdout) may be shared.
 absl::Status CheckDistinctFiles(const std::vector<std::pair<const char*, std::string>>& files) {
   for (size_t a = 0; a < files.size(); ++a) {
     for (size_t b = a + 1; b < files.size(); ++b) {
       const std::string& pa = files[a].second;
       const std::string& pb = files[b].second;
       if (pa.empty() || pb.empty()) continue;
-      struct stat sa, sb;
-      const bool same = pa == pb || (::stat(pa.c_str(), &sa) == 0 && ::stat(pb.c_str(), &sb) == 0 &&
-                                     sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino);
+      struct stat st;
+      const bool special = ::stat(pa.c_str(), &st) == 0 && !S_ISREG(st.st_mode);
+      const bool same = !special && WherePathPoints(pa) == WherePathPoints(pb);
       if (same) {
         return InvalidArgument("%s and %s name the same file '%s': writing one would destroy the "
                                "other", files[a].first, files[b].first, pb);

@@ -532,7 +532,10 @@ TEST_F(CApiTest, LayerMatchesReferenceAndReportsStats) {
   EXPECT_GT(layer_bytes, 0u);
   EXPECT_EQ(replica_bytes, static_cast<size_t>(epn()) * 3 * kHidden * kInter * (4 + 4));
 
-  // Misuse: every call returns an error code and a message.
+  // Misuse: every call returns an error code and a message. (A second backward of a spent handle
+  // fails every rank's backward and leaves the layer unusable: every rank is done with the
+  // calls above first, or the first rank to get here would fail a peer still in them.)
+  MPI_Barrier(MPI_COMM_WORLD);
   EXPECT_EQ(moonepLayerBackward(layer, h, t.dy.data(), t.dx.data(), nullptr, nullptr), moonepInvalidUsage);
   EXPECT_EQ(moonepLayerRelease(layer, h), moonepInvalidUsage);
   EXPECT_EQ(moonepLayerForward(nullptr, 1, t.x.data(), t.ids.data(), t.weights.data(), t.y.data(),
@@ -633,9 +636,11 @@ TEST_F(CApiTest, BadConfigsFailOnEveryRank) {
   const moonepResult_t fr = moonepLayerForward(layer, t.tokens, rank() == 0 ? nullptr : t.x.data(),
                                                t.ids.data(), t.weights.data(), t.y.data(), &h, nullptr);
   EXPECT_EQ(fr, rank() == 0 ? moonepInvalidArgument : moonepRemoteError) << moonepGetLastError(comm_);
-  // Forward-only layer: backward is refused, release works.
+  // Forward-only layer: backward is refused (on every rank at once: a rank without gradients
+  // would leave its peers waiting; the layer is unusable afterwards), release still works.
   ASSERT_EQ(moonepLayerForward(layer, t.tokens, t.x.data(), t.ids.data(), t.weights.data(),
                                t.y.data(), &h, nullptr), moonepSuccess) << moonepGetLastError(comm_);
+  MPI_Barrier(MPI_COMM_WORLD);  // every rank done with the forward (as in LayerMatchesReference)
   EXPECT_EQ(moonepLayerBackward(layer, h, t.dy.data(), t.dx.data(), nullptr, nullptr), moonepInvalidUsage);
   EXPECT_EQ(moonepLayerRelease(layer, h), moonepSuccess);
   EXPECT_EQ(moonepLayerDestroy(layer), moonepSuccess);

@@ -173,6 +173,9 @@ TEST_F(MoeLayerTest, TwoMicroBatchesAccumulate) {
   EXPECT_EQ(ToResult(h3.status()), moonepInvalidUsage) << h3.status();  // only 2 in flight
   ASSERT_TRUE(RunBackward(layer->get(), *h2, &t2, dtype, kHidden).ok());
   ASSERT_TRUE(RunBackward(layer->get(), *h1, &t1, dtype, kHidden).ok());
+  // A spent handle's backward fails every rank's backward (the layer is unusable afterwards):
+  // every rank is done with the backwards above first, or the first rank here fails a slower one.
+  MPI_Barrier(MPI_COMM_WORLD);
   EXPECT_EQ(ToResult(RunBackward(layer->get(), *h1, &t1, dtype, kHidden)), moonepInvalidUsage);
 
   reference::BackwardResult b1, b2;

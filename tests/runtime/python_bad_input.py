@@ -35,6 +35,22 @@ def expect(exc_type, fragment, call):
     failures.append(f"expected {exc_type.__name__} ({fragment!r}); the call succeeded")
 
 
+def barrier():
+    """MPI_Barrier on MPI_COMM_WORLD through Open MPI's library (the binding loaded it): the test
+    separates a refused collective call from the one before it, which a fast rank's abort notice
+    would otherwise fail on a slower peer still inside it."""
+    import ctypes
+    try:
+        mpi = ctypes.CDLL("libmpi.so.40")
+        world = ctypes.addressof(ctypes.c_char.in_dll(mpi, "ompi_mpi_comm_world"))
+    except (OSError, ValueError):
+        import time
+        time.sleep(1.0)  # not Open MPI: give the peers time instead
+        return
+    mpi.MPI_Barrier.argtypes = [ctypes.c_void_p]
+    mpi.MPI_Barrier(world)
+
+
 def library_check():
     """A named library that cannot be loaded is an error, not a fallback to another one."""
     good = os.environ.get("MOONEP_LIBRARY")
@@ -115,10 +131,11 @@ def main():
            lambda: layer.forward(too_many, np.zeros((T + 1, K), np.int32),
                                  np.zeros((T + 1, K), np.float32)))
 
-    # Good input after all that: matches the float64 reference, and a wrong dy keeps the forward.
+    # Good input after all that (the refused forwards were refused on every rank at once, through
+    # MoonEP, and left the layer usable): matches the float64 reference.
+    expect(ValueError, "topk_ids holds values outside int32",
+           lambda: layer.forward(xs, ids_s.astype(np.int64) + (1 << 32), ws))
     y = layer.forward(xs, ids_s, ws)
-    expect(ValueError, f"dy has shape {(T - 2, H)}; expected {(T, H)}",
-           lambda: layer.backward(dy[lo:hi - 2]))
     dx, dtopk = layer.backward(dy[lo:hi])
     f64 = [a.astype(np.float64) for a in (x, ids, w, dy, wg, wu, wd)]
     f64[1] = ids
@@ -129,6 +146,13 @@ def main():
     for k, v in errors.items():
         if not v < 1e-5:
             failures.append(f"{k} rel. error {v:.2e} after the refused calls")
+    # A wrong dy: refused, and the backward fails on every rank (MoonEP is told, so no peer waits
+    # for this one); the layer is unusable afterwards.
+    layer.forward(xs, ids_s, ws)
+    barrier()
+    expect(ValueError, f"dy has shape {(T - 2, H)}; expected {(T, H)} (the backward failed on "
+           "every rank", lambda: layer.backward(dy[lo:hi - 2]))
+    expect(moonep.MoonEPError, "unusable", lambda: layer.forward(xs, ids_s, ws))
     layer.destroy()
     comm.destroy()
     for f in failures:

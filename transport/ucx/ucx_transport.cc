@@ -1983,8 +1983,11 @@ absl::Status UcxTransport::AbortPeers(OpKind kind, absl::Status status) {
     if (r == rank_) continue;
     SendMessage(r, kMsgAbort, 0, 0, static_cast<int32_t>(kind), {}).IgnoreError();
   }
-  // Push the notices out now: the caller may not call into the transport again.
-  for (int i = 0; i < 16 && !outbox_.empty(); ++i) Progress();
+  // Push the notices out now: the caller may not call into the transport again until Close (a
+  // notice still queued then reaches the peers only after they timed out). Until the queue is
+  // empty, for at most a second.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  while (!outbox_.empty() && std::chrono::steady_clock::now() < until) Progress();
   Poison(status);
   return status;
 }

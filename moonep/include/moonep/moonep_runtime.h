@@ -268,9 +268,10 @@ MOONEP_API moonepResult_t moonepLayerForward(moonepLayer_t layer, int64_t num_to
  * weight gradients += into the bound gradients (replica gradients reduced in a fixed order, so
  * results are bit-identical run to run). Releases the handle. `stream` as for forward: the call
  * returns once dx, d_topk_weights and the gradients are complete. A wrong argument on one rank
- * (NULL dy or dx, overlapping dy and dx) fails it there naming the argument and, over mpi and
- * ucx, every peer's backward at once with moonepRemoteError (nccl: they time out naming it);
- * the layer is then unusable on every rank, as after any failed collective call. */
+ * (a NULL, released or foreign handle, NULL dy or dx, overlapping dy and dx, no gradients bound)
+ * fails it there naming the argument and, over mpi and ucx, every peer's backward at once with
+ * moonepRemoteError (nccl: they time out naming it); the layer is then unusable on every rank,
+ * as after any failed collective call (destroy it and create another). */
 MOONEP_API moonepResult_t moonepLayerBackward(moonepLayer_t layer, moonepLayerHandle_t handle,
                                               const void* dy, void* dx, float* d_topk_weights,
                                               void* stream);
@@ -304,8 +305,10 @@ MOONEP_API moonepResult_t moonepLayerGetMemory(moonepLayer_t layer, size_t* laye
  *
  * [collective] calls are made by every rank, on the handles of the same dispatch, in the same
  * order (as NCCL's collectives are): a handle of another dispatch on one rank is not detected
- * when the row counts happen to match. A local error in a collective call (a NULL pointer, a
- * released handle, expert tensors of the wrong shape) fails the call on this rank and, over mpi
+ * when the row counts happen to match. moonepEpDispatch's local errors are agreed in its count
+ * exchange (every rank fails it, the buffer stays usable). A local error in a later collective
+ * call (a NULL pointer, a released handle, expert tensors of the wrong shape) fails the call on
+ * this rank and, over mpi
  * and ucx, the same call on every peer at once with moonepRemoteError naming this rank (nccl: the
  * peers time out naming it; a peer whose part of the call completed without this rank fails its
  * next call instead); the EP buffer is unusable afterwards on every rank, as after any failed
