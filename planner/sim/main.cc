@@ -370,9 +370,10 @@ int main(int argc, char** argv) {
   try {
     status = RunMain();
   } catch (const std::bad_alloc&) {
+    const bool totals = absl::GetFlag(FLAGS_detail) == "totals";
     status = moonep::OutOfMemory(
         "out of memory: this run needs more memory than the process could get; lower --ranks, "
-        "--experts or --tokens, or use --detail=totals");
+        "--experts or --tokens%s", totals ? "" : ", or use --detail=totals");
   }
   if (!status.ok()) {
     std::fprintf(stderr, "moonep-sim: error: %s\n", std::string(status.message()).c_str());
