@@ -276,8 +276,8 @@ class Transport {
   // reached the transport (a caller's argument the runtime checks), and returns it. The host
   // backends tell every peer, which fail their `kind` (the one in flight, or their next
   // operation) at once with RemoteError naming this rank; the transport is unusable afterwards,
-  // as after any failure the ranks did not agree on. The default (nccl) only returns `status`:
-  // its peers time out naming this rank.
+  // as after any failure the ranks did not agree on. A transport already unusable sends nothing
+  // more. The default (nccl) only returns `status`: its peers time out naming this rank.
   virtual absl::Status AbortOperation(OpKind /*kind*/, absl::Status status) { return status; }
 
   // Blocking forms.

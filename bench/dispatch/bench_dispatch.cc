@@ -21,13 +21,12 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
-#include "absl/flags/usage_config.h"
-#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "moonep/core/flags_usage.h"
 #include "bench/dispatch/device.h"
 #include "bench/dispatch/report.h"
 #include "bench/dispatch/runner.h"
@@ -525,20 +524,14 @@ int Main(int argc, char** argv, const std::string& command) {
 }  // namespace moonep::bench
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  moonep::SetToolUsage(
       "dispatch microbenchmarks of MoonEP, launched by mpirun:\n"
       "  mpirun -np 4 moonep-bench-dispatch                       # small preset, maxvio 0 and 2\n"
       "  mpirun -np 16 moonep-bench-dispatch --preset=deepseek-v3 --maxvio=0,1,2,4 --layer=false\n"
       "  mpirun -np 8 moonep-bench-dispatch --tokens=256,1024,4096 --policy=moonep,eplb --json=out.json\n"
       "Every operation's result is checked in every iteration (#wrong). See "
-      "docs/benchmarks-dispatch.md.");
-  absl::FlagsUsageConfig usage;
-  usage.contains_help_flags = [](absl::string_view file) {
-    return absl::EndsWith(file, "bench/dispatch/bench_dispatch.cc");
-  };
-  usage.contains_helpshort_flags = usage.contains_help_flags;
-  usage.normalize_filename = [](absl::string_view file) { return std::string(file); };
-  absl::SetFlagsUsageConfig(usage);
+      "docs/benchmarks-dispatch.md.",
+      "bench/dispatch/bench_dispatch.cc");
   std::string command;
   for (int i = 0; i < argc; ++i) command += (i ? " " : "") + std::string(argv[i]);
   // --help and flag errors come from the flags library, before MPI is up: only the launcher's

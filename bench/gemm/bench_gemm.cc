@@ -268,8 +268,7 @@ bool ParseList(const char* s, int64_t lo, int64_t hi, std::vector<int>* out) {
   for (size_t start = 0; start <= all.size();) {
     const size_t comma = std::min(all.find(',', start), all.size());
     int64_t v = 0;
-    if (!moonep::env::ParseBase10(all.substr(start, comma - start).c_str(), &v) || v < lo ||
-        v > hi) {
+    if (!moonep::env::ParseBase10InRange(all.substr(start, comma - start).c_str(), lo, hi, &v)) {
       return false;
     }
     out->push_back(static_cast<int>(v));
@@ -289,9 +288,9 @@ bool ParseShapes(const char* s, std::vector<std::pair<int64_t, int64_t>>* out) {
     const std::string one = all.substr(start, comma - start);
     const size_t x = one.find('x');
     int64_t h = 0, i = 0;
-    if (x == std::string::npos || !moonep::env::ParseBase10(one.substr(0, x).c_str(), &h) ||
-        !moonep::env::ParseBase10(one.substr(x + 1).c_str(), &i) || h < 1 || i < 1 ||
-        h > kMaxDim || i > kMaxDim) {
+    if (x == std::string::npos ||
+        !moonep::env::ParseBase10InRange(one.substr(0, x).c_str(), 1, kMaxDim, &h) ||
+        !moonep::env::ParseBase10InRange(one.substr(x + 1).c_str(), 1, kMaxDim, &i)) {
       return false;
     }
     out->push_back({h, i});
@@ -391,11 +390,7 @@ int main(int argc, char** argv) {
     // A whole number in [lo, hi] after flag a, else an error naming both.
     auto number = [&](int64_t lo, int64_t hi, int64_t* out) {
       const char* v = next();
-      int64_t x = 0;
-      if (v != nullptr && moonep::env::ParseBase10(v, &x) && x >= lo && x <= hi) {
-        *out = x;
-        return true;
-      }
+      if (moonep::env::ParseBase10InRange(v, lo, hi, out)) return true;
       std::fprintf(stderr, "%s: %s %s: expected a whole number in [%ld, %ld]\n", argv[0],
                    a.c_str(), v == nullptr ? "(missing)" : v, static_cast<long>(lo),
                    static_cast<long>(hi));

@@ -34,6 +34,7 @@
 #include "moonep/compute/cuda/cuda_executor.h"
 #include "moonep/compute/cuda/grouped_gemm.h"
 #include "moonep/compute/cuda/kernels.h"
+#include "moonep/core/env.h"
 #include "bench/gemm_cuda/bench_util.cuh"
 
 namespace {
@@ -114,10 +115,8 @@ int RunCudaGemmBench(int argc, char** argv) {
       }
     } else if (a == "--reps") {
       const std::string v = next();
-      char* end = nullptr;
-      errno = 0;
-      const long n = std::strtol(v.c_str(), &end, 10);
-      if (v.empty() || *end != '\0' || errno != 0 || n < 1 || n > 1000) {
+      int64_t n = 0;
+      if (!moonep::env::ParseBase10InRange(v.c_str(), 1, 1000, &n)) {
         std::fprintf(stderr, "--reps %s: expected a whole number in [1, 1000]\n", v.c_str());
         return 2;
       }

@@ -59,6 +59,7 @@
 #include <vector>
 
 #include "moonep/compute/cuda/grouped_gemm.h"
+#include "moonep/core/env.h"
 #include "moonep/compute/cuda/persistent_gemm.h"
 #include "bench/gemm_cuda/bench_util.cuh"
 
@@ -314,13 +315,7 @@ int main(int argc, char** argv) {
     // The value after flag a as a whole number in [lo, hi], else a message naming both.
     auto number = [&](int64_t lo, int64_t hi, int64_t* out) {
       const char* v = i + 1 < argc ? argv[++i] : nullptr;
-      char* end = nullptr;
-      errno = 0;
-      const long long x = v != nullptr ? std::strtoll(v, &end, 10) : 0;
-      if (v != nullptr && end != v && *end == '\0' && errno == 0 && x >= lo && x <= hi) {
-        *out = x;
-        return true;
-      }
+      if (moonep::env::ParseBase10InRange(v, lo, hi, out)) return true;
       std::fprintf(stderr, "%s %s: expected a whole number in [%lld, %lld]\n", a.c_str(),
                    v != nullptr ? v : "(missing)", static_cast<long long>(lo),
                    static_cast<long long>(hi));

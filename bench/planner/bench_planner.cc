@@ -7,7 +7,6 @@
 //
 //   build/bin/moonep-bench-planner [--benchmark_filter=...] [--benchmark_repetitions=N]
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -20,6 +19,7 @@
 
 #include "benchmark/benchmark.h"
 #include "bench/planner/zipf_counts.h"
+#include "moonep/core/env.h"
 #include "planner/planner.h"
 
 namespace moonep::planner {
@@ -162,10 +162,8 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (std::strncmp(argv[i], "--benchmark_repetitions=", 24) == 0) {
       const char* v = argv[i] + 24;
-      char* end = nullptr;
-      errno = 0;
-      const long n = std::strtol(v, &end, 10);
-      if (end == v || *end != '\0' || errno != 0 || n < 1 || n > 100000) {
+      int64_t n = 0;
+      if (!moonep::env::ParseBase10InRange(v, 1, 100000, &n)) {
         std::fprintf(stderr, "moonep-bench-planner: --benchmark_repetitions=%s: expected a whole "
                      "number in [1, 100000]\n", v);
         return 1;

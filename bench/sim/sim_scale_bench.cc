@@ -16,9 +16,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
-#include "absl/flags/usage_config.h"
-#include "absl/strings/match.h"
+#include "moonep/core/flags_usage.h"
 #include "planner/sim/simulator.h"
 
 ABSL_FLAG(int64_t, steps, 1000, "steps per run");
@@ -89,19 +87,12 @@ Timing Run(bool all_policies) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  moonep::SetToolUsage(
       "the simulator at scale: the same run with policy none only (the baseline) and with every "
       "policy, wall and CPU time, steps/s and resident memory.\n"
       "  moonep-bench-sim [--steps=1000] [--ranks=4096] [--experts=8192] [--threads=0]\n"
-      "See docs/simulator.md.");
-  // --help lists this file's flags (absl matches flag files to the program name by default).
-  absl::FlagsUsageConfig usage;
-  usage.contains_help_flags = [](absl::string_view file) {
-    return absl::EndsWith(file, "bench/sim/sim_scale_bench.cc");
-  };
-  usage.contains_helpshort_flags = usage.contains_help_flags;
-  usage.normalize_filename = [](absl::string_view file) { return std::string(file); };
-  absl::SetFlagsUsageConfig(usage);
+      "See docs/simulator.md.",
+      "bench/sim/sim_scale_bench.cc");
   const std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {  // "moonep-bench-sim 20" ran the full 1000-step case
     std::fprintf(stderr, "moonep-bench-sim: error: unexpected argument '%s' (flags take the form "

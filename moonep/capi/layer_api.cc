@@ -13,6 +13,14 @@ moonepComm* CommOf(moonepLayer_t layer) {
   return layer != nullptr && moonep::capi::IsLive(layer, Kind::kLayer) ? layer->comm : nullptr;
 }
 
+// `handle` is a live handle of `layer` that no backward or release has spent.
+absl::Status CheckLiveHandle(moonepLayer_t layer, moonepLayerHandle_t handle) {
+  MOONEP_RETURN_IF_ERROR(CheckHandle(handle, Kind::kLayerHandle, "handle"));
+  MOONEP_CHECK_ARG(handle->owner == layer, "handle belongs to another layer");
+  if (!handle->in_use) return moonep::InvalidUsage("handle was already released");
+  return absl::OkStatus();
+}
+
 absl::Status CheckPtr(const void* p, int64_t elements, const char* name) {
   if (p == nullptr && elements > 0) return moonep::InvalidArgument("%s is NULL", name);
   return absl::OkStatus();
@@ -130,13 +138,7 @@ moonepResult_t moonepLayerBackward(moonepLayer_t layer, moonepLayerHandle_t hand
     MOONEP_RETURN_IF_ERROR(CheckHandle(layer, Kind::kLayer, "layer"));
     // A bad handle on a live layer is this rank's error in a collective call: the peers fail
     // their backward at once too (they waited for this rank until the timeout).
-    absl::Status bad_handle = CheckHandle(handle, Kind::kLayerHandle, "handle");
-    if (bad_handle.ok() && handle->owner != layer) {
-      bad_handle = moonep::InvalidArgument("handle belongs to another layer");
-    }
-    if (bad_handle.ok() && !handle->in_use) {
-      bad_handle = moonep::InvalidUsage("handle was already released");
-    }
+    absl::Status bad_handle = CheckLiveHandle(layer, handle);
     if (bad_handle.ok()) bad_handle = layer->impl->PlanOf(handle->handle).status();
     if (!bad_handle.ok()) {
       return layer->impl->AbortOperation(moonep::transport::OpKind::kCombineBackward,
@@ -164,9 +166,7 @@ moonepResult_t moonepLayerBackward(moonepLayer_t layer, moonepLayerHandle_t hand
 moonepResult_t moonepLayerRelease(moonepLayer_t layer, moonepLayerHandle_t handle) {
   return GuardOn(CommOf(layer), "moonepLayerRelease", [&]() -> absl::Status {
     MOONEP_RETURN_IF_ERROR(CheckHandle(layer, Kind::kLayer, "layer"));
-    MOONEP_RETURN_IF_ERROR(CheckHandle(handle, Kind::kLayerHandle, "handle"));
-    MOONEP_CHECK_ARG(handle->owner == layer, "handle belongs to another layer");
-    if (!handle->in_use) return moonep::InvalidUsage("handle was already released");
+    MOONEP_RETURN_IF_ERROR(CheckLiveHandle(layer, handle));
     handle->in_use = false;
     return layer->impl->Release(handle->handle);
   });

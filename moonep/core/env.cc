@@ -27,6 +27,13 @@ bool ParseBase10(const char* value, int64_t* out) {
   return true;
 }
 
+bool ParseBase10InRange(const char* value, int64_t lo, int64_t hi, int64_t* out) {
+  int64_t parsed = 0;
+  if (value == nullptr || !ParseBase10(value, &parsed) || parsed < lo || parsed > hi) return false;
+  *out = parsed;
+  return true;
+}
+
 absl::StatusOr<int64_t> ParseInt(const char* suffix, int64_t fallback, int64_t min, int64_t max) {
   const char* value = Lookup(suffix);
   if (value == nullptr) return fallback;

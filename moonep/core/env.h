@@ -19,6 +19,8 @@ namespace moonep::env {
 // A base-10 integer: an optional sign, then at least one digit, nothing else (no spaces, no
 // trailing text); false when malformed or outside int64. Shared with the tools' flag parsers.
 bool ParseBase10(const char* value, int64_t* out);
+// ParseBase10 and lo <= value <= hi (a NULL value is false): the tools' bounded flags.
+bool ParseBase10InRange(const char* value, int64_t lo, int64_t hi, int64_t* out);
 // MOONEP_<suffix> as a base-10 integer in [min, max]; `fallback` when unset or empty; otherwise
 // InvalidArgument: "MOONEP_<suffix>=<value>: ..." with the accepted range.
 absl::StatusOr<int64_t> ParseInt(const char* suffix, int64_t fallback, int64_t min, int64_t max);

@@ -40,14 +40,6 @@ struct Options {
   moonep::planner::Policy policy = moonep::planner::Policy::kMoonEP;
 };
 
-// A whole base-10 integer in [lo, hi], else false.
-bool ParseInt(const std::string& v, int64_t lo, int64_t hi, int64_t* out) {
-  int64_t x = 0;
-  if (!moonep::env::ParseBase10(v.c_str(), &x) || x < lo || x > hi) return false;
-  *out = x;
-  return true;
-}
-
 bool ParseArgs(int argc, char** argv, Options* o, std::string* error) {
   constexpr const char* kUsage =
       "usage: moonep-demo [--steps N] [--tokens T] [--experts-per-rank N] [--topk K] "
@@ -80,7 +72,7 @@ bool ParseArgs(int argc, char** argv, Options* o, std::string* error) {
     const IntFlag* flag = nullptr;
     for (const IntFlag& f : ints) flag = arg == f.name ? &f : flag;
     if (flag != nullptr) {
-      if (!ParseInt(v, flag->lo, flag->hi, flag->value)) {
+      if (!moonep::env::ParseBase10InRange(v.c_str(), flag->lo, flag->hi, flag->value)) {
         *error = arg + " " + v + ": expected a whole number in [" + std::to_string(flag->lo) +
                  ", " + std::to_string(flag->hi) + "]";
         return false;

@@ -121,10 +121,8 @@ absl::Status EpBuffer::Fail(absl::Status status) {
 }
 
 absl::Status EpBuffer::AbortOperation(OpKind kind, absl::Status status) {
-  // Once unusable (or its transport failed: a count exchange that timed out or learned of a
-  // peer's abort), the peers failed or were told already: a second notice would find no receiver.
-  if (!broken_.ok() || !transport_->health().ok()) return Fail(status);
-  return Fail(transport_->AbortOperation(kind, std::move(status)));
+  // Once unusable (closed, or failed: the peers failed or were told already), nothing to send.
+  return Fail(broken_.ok() ? transport_->AbortOperation(kind, std::move(status)) : status);
 }
 
 absl::StatusOr<EpBuffer::Context*> EpBuffer::Lookup(LayerHandle handle) const {
@@ -140,6 +138,12 @@ absl::StatusOr<EpBuffer::Context*> EpBuffer::Lookup(LayerHandle handle) const {
 
 void EpBuffer::Count(OpKind kind) {
   stats_.ops[static_cast<int>(kind)] = transport_->counters(kind);
+}
+
+void EpBuffer::Done(Phase phase, OpKind kind, double seconds, bool backward) {
+  stats_.seconds[static_cast<int>(phase)] = seconds;
+  (backward ? stats_.backward_seconds : stats_.forward_seconds) += seconds;
+  Count(kind);
 }
 
 absl::StatusOr<LayerHandle> EpBuffer::Dispatch(int64_t num_tokens, const TensorView& x,
@@ -243,9 +247,7 @@ absl::Status EpBuffer::Combine(LayerHandle handle, const TensorView& out_rows,
   MOONEP_ASSIGN_OR_RETURN(Context * ctx, Lookup(handle));
   const auto t = Clock::now();
   MOONEP_RETURN_IF_ERROR(Fail(transport_->Combine(&ctx->dispatch, out_rows, y)));
-  stats_.seconds[static_cast<int>(Phase::kCombine)] = Since(t);
-  stats_.forward_seconds += stats_.seconds[static_cast<int>(Phase::kCombine)];
-  Count(OpKind::kCombine);
+  Done(Phase::kCombine, OpKind::kCombine, Since(t), /*backward=*/false);
   return absl::OkStatus();
 }
 
@@ -255,9 +257,7 @@ absl::Status EpBuffer::CombineBackward(LayerHandle handle, const TensorView& dy,
   MOONEP_ASSIGN_OR_RETURN(Context * ctx, Lookup(handle));
   const auto t = Clock::now();
   MOONEP_RETURN_IF_ERROR(Fail(transport_->CombineBackward(&ctx->dispatch, dy, dy_rows)));
-  stats_.seconds[static_cast<int>(Phase::kBackwardDispatch)] = Since(t);
-  stats_.backward_seconds += stats_.seconds[static_cast<int>(Phase::kBackwardDispatch)];
-  Count(OpKind::kCombineBackward);
+  Done(Phase::kBackwardDispatch, OpKind::kCombineBackward, Since(t), /*backward=*/true);
   return absl::OkStatus();
 }
 
@@ -269,9 +269,7 @@ absl::Status EpBuffer::TopkWeightGrad(LayerHandle handle, const TensorView& dy_r
   const auto t = Clock::now();
   MOONEP_RETURN_IF_ERROR(
       Fail(transport_->TopkWeightGrad(&ctx->dispatch, dy_rows, out_rows, d_topk_weights)));
-  stats_.seconds[static_cast<int>(Phase::kTopkGrad)] = Since(t);
-  stats_.backward_seconds += stats_.seconds[static_cast<int>(Phase::kTopkGrad)];
-  Count(OpKind::kTopkWeightGrad);
+  Done(Phase::kTopkGrad, OpKind::kTopkWeightGrad, Since(t), /*backward=*/true);
   return absl::OkStatus();
 }
 
@@ -281,9 +279,7 @@ absl::Status EpBuffer::DispatchBackward(LayerHandle handle, const TensorView& dx
   MOONEP_ASSIGN_OR_RETURN(Context * ctx, Lookup(handle));
   const auto t = Clock::now();
   MOONEP_RETURN_IF_ERROR(Fail(transport_->DispatchBackward(&ctx->dispatch, dx_rows, dx)));
-  stats_.seconds[static_cast<int>(Phase::kBackwardCombine)] = Since(t);
-  stats_.backward_seconds += stats_.seconds[static_cast<int>(Phase::kBackwardCombine)];
-  Count(OpKind::kDispatchBackward);
+  Done(Phase::kBackwardCombine, OpKind::kDispatchBackward, Since(t), /*backward=*/true);
   return absl::OkStatus();
 }
 
@@ -330,9 +326,7 @@ absl::Status EpBuffer::Prefetch(LayerHandle handle, absl::Span<const compute::Ex
   if (!local.ok()) return AbortOperation(OpKind::kPrefetch, std::move(local));
   const auto t = Clock::now();
   MOONEP_RETURN_IF_ERROR(Fail(transport_->Prefetch(ctx->plan, blocks)));
-  stats_.seconds[static_cast<int>(Phase::kPrefetchWait)] = Since(t);
-  stats_.forward_seconds += stats_.seconds[static_cast<int>(Phase::kPrefetchWait)];
-  Count(OpKind::kPrefetch);
+  Done(Phase::kPrefetchWait, OpKind::kPrefetch, Since(t), /*backward=*/false);
   return absl::OkStatus();
 }
 
@@ -345,9 +339,7 @@ absl::Status EpBuffer::Reduce(LayerHandle handle, absl::Span<const compute::Expe
   if (!local.ok()) return AbortOperation(OpKind::kReduce, std::move(local));
   const auto t = Clock::now();
   MOONEP_RETURN_IF_ERROR(Fail(transport_->Reduce(ctx->plan, blocks)));
-  stats_.seconds[static_cast<int>(Phase::kReduce)] = Since(t);
-  stats_.backward_seconds += stats_.seconds[static_cast<int>(Phase::kReduce)];
-  Count(OpKind::kReduce);
+  Done(Phase::kReduce, OpKind::kReduce, Since(t), /*backward=*/true);
   return absl::OkStatus();
 }
 

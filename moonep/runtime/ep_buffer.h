@@ -89,6 +89,9 @@ class EpBuffer {
                       absl::Span<const compute::ExpertParams> slots, bool grads,
                       transport::ExpertBlocks* blocks);
   void Count(transport::OpKind kind);
+  // A collective call's end: its phase time, added to the step's forward or backward time (the
+  // step's dispatch, prefetch and combine; its backward calls and reduce), and its counters.
+  void Done(Phase phase, transport::OpKind kind, double seconds, bool backward);
 
   Communicator* comm_ = nullptr;
   LayerConfig config_;

@@ -249,10 +249,8 @@ absl::Status MoeLayer::BindParameters(absl::Span<const compute::ExpertParams> we
 }
 
 absl::Status MoeLayer::AbortOperation(transport::OpKind kind, absl::Status status) {
-  // Once unusable (or its transport failed), the peers failed or were told already: a second
-  // notice would find no receiver.
-  if (!broken_.ok() || !transport_->health().ok()) return Fail(status);
-  return Fail(transport_->AbortOperation(kind, std::move(status)));
+  // Once unusable (closed, or failed: the peers failed or were told already), nothing to send.
+  return Fail(broken_.ok() ? transport_->AbortOperation(kind, std::move(status)) : status);
 }
 
 absl::Status MoeLayer::Fail(absl::Status status) {

@@ -17,12 +17,11 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
-#include "absl/flags/usage_config.h"
-#include "absl/strings/match.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "moonep/core/flags_usage.h"
 #include "moonep/core/status.h"
 #include "planner/plan.h"
 #include "planner/sim/report.h"
@@ -345,21 +344,14 @@ absl::Status RunMain() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  moonep::SetToolUsage(
       "simulates MoE routing skew and the expert-balancing policies of MoonEP's planner.\n"
       "  moonep-sim --preset=deepseek-v3-ep64 --routing=zipf --zipf_s=0.5 --steps=200 --svg=out\n"
       "  moonep-sim --preset=mixtral-ep8 --trace=run.trace --csv=steps.csv\n"
       "  moonep-sim --ranks=4096 --experts=8192 --topk=8 --tokens=4096 --hidden=7168 "
       "--intermediate=2048 --steps=1000\n"
-      "See docs/simulator.md.");
-  // --help lists this file's flags (absl matches flag files to the program name by default).
-  absl::FlagsUsageConfig usage;
-  usage.contains_help_flags = [](absl::string_view file) {
-    return absl::EndsWith(file, "planner/sim/main.cc");
-  };
-  usage.contains_helpshort_flags = usage.contains_help_flags;
-  usage.normalize_filename = [](absl::string_view file) { return std::string(file); };
-  absl::SetFlagsUsageConfig(usage);
+      "See docs/simulator.md.",
+      "planner/sim/main.cc");
   std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {
     std::fprintf(stderr, "moonep-sim: error: unexpected argument '%s' (flags take the form --name=value)\n",

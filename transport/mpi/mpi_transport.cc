@@ -208,8 +208,10 @@ class MpiTransport : public Transport {
   absl::Status Usable() const;
   // Tells every peer that this rank failed `kind` (they fail with RemoteError), then poisons.
   absl::Status AbortPeers(OpKind kind, absl::Status status);
+  // Once poisoned, the peers failed or were told already: a second notice would find no
+  // receiver (each peer posts one).
   absl::Status AbortOperation(OpKind kind, absl::Status status) override {
-    return AbortPeers(kind, std::move(status));
+    return poisoned_.ok() ? AbortPeers(kind, std::move(status)) : status;
   }
   // Checks for a peer's abort notice.
   absl::Status PollAbort();

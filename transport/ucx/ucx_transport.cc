@@ -288,8 +288,10 @@ class UcxTransport : public Transport {
   void Poison(const absl::Status& status);
   absl::Status Usable() const;
   absl::Status AbortPeers(OpKind kind, absl::Status status);
+  // Once poisoned, the peers failed or were told already: a second notice would find no
+  // receiver (each peer posts one).
   absl::Status AbortOperation(OpKind kind, absl::Status status) override {
-    return AbortPeers(kind, std::move(status));
+    return poisoned_.ok() ? AbortPeers(kind, std::move(status)) : status;
   }
   absl::Status PollAbort();
   // One ucp_worker_progress for every operation and peer, then completed sends are reaped.
