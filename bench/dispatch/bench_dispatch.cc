@@ -524,14 +524,6 @@ int Main(int argc, char** argv, const std::string& command) {
 }  // namespace moonep::bench
 
 int main(int argc, char** argv) {
-  moonep::SetToolUsage(
-      "dispatch microbenchmarks of MoonEP, launched by mpirun:\n"
-      "  mpirun -np 4 moonep-bench-dispatch                       # small preset, maxvio 0 and 2\n"
-      "  mpirun -np 16 moonep-bench-dispatch --preset=deepseek-v3 --maxvio=0,1,2,4 --layer=false\n"
-      "  mpirun -np 8 moonep-bench-dispatch --tokens=256,1024,4096 --policy=moonep,eplb --json=out.json\n"
-      "Every operation's result is checked in every iteration (#wrong). See "
-      "docs/benchmarks-dispatch.md.",
-      "bench/dispatch/bench_dispatch.cc");
   std::string command;
   for (int i = 0; i < argc; ++i) command += (i ? " " : "") + std::string(argv[i]);
   // --help and flag errors come from the flags library, before MPI is up: only the launcher's
@@ -551,6 +543,14 @@ int main(int argc, char** argv) {
       close(null_fd);
     }
   }
+  moonep::SetToolUsage(
+      "dispatch microbenchmarks of MoonEP, launched by mpirun:\n"
+      "  mpirun -np 4 moonep-bench-dispatch                       # small preset, maxvio 0 and 2\n"
+      "  mpirun -np 16 moonep-bench-dispatch --preset=deepseek-v3 --maxvio=0,1,2,4 --layer=false\n"
+      "  mpirun -np 8 moonep-bench-dispatch --tokens=256,1024,4096 --policy=moonep,eplb --json=out.json\n"
+      "Every operation's result is checked in every iteration (#wrong). See "
+      "docs/benchmarks-dispatch.md.",
+      "bench/dispatch/bench_dispatch.cc", argc, argv);
   std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
   if (quiet) {
     std::fflush(stdout);

@@ -92,7 +92,7 @@ int main(int argc, char** argv) {
       "policy, wall and CPU time, steps/s and resident memory.\n"
       "  moonep-bench-sim [--steps=1000] [--ranks=4096] [--experts=8192] [--threads=0]\n"
       "See docs/simulator.md.",
-      "bench/sim/sim_scale_bench.cc");
+      "bench/sim/sim_scale_bench.cc", argc, argv);
   const std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {  // "moonep-bench-sim 20" ran the full 1000-step case
     std::fprintf(stderr, "moonep-bench-sim: error: unexpected argument '%s' (flags take the form "

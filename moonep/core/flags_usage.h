@@ -4,8 +4,12 @@
 // absl::flags_usage themselves.
 #pragma once
 
+#include <cstdlib>
+#include <iostream>
 #include <string>
 
+#include "absl/flags/internal/program_name.h"
+#include "absl/flags/internal/usage.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
@@ -14,8 +18,12 @@
 namespace moonep {
 
 // Call before absl::ParseCommandLine; `source_suffix`: the end of the path of the file that
-// defines the program's flags (e.g. "planner/sim/main.cc").
-inline void SetToolUsage(absl::string_view message, const std::string& source_suffix) {
+// defines the program's flags (e.g. "planner/sim/main.cc"). A --help or --helpshort (those flags)
+// or --helpfull (every flag, Abseil's own included) before any "--" prints the usage message and
+// the flags to stdout and exits 0 here: Abseil 20220623's ParseCommandLine exits 1 after help,
+// which reads as a failure to scripts (and `set -e`). --help=substring is left to Abseil.
+inline void SetToolUsage(absl::string_view message, const std::string& source_suffix, int argc,
+                         char** argv) {
   absl::SetProgramUsageMessage(message);
   absl::FlagsUsageConfig usage;
   usage.contains_help_flags = [source_suffix](absl::string_view file) {
@@ -24,6 +32,18 @@ inline void SetToolUsage(absl::string_view message, const std::string& source_su
   usage.contains_helpshort_flags = usage.contains_help_flags;
   usage.normalize_filename = [](absl::string_view file) { return std::string(file); };
   absl::SetFlagsUsageConfig(usage);
+  for (int i = 1; i < argc; ++i) {
+    const absl::string_view arg = argv[i];
+    if (arg == "--") break;
+    const bool full = arg == "--helpfull" || arg == "-helpfull";
+    if (full || arg == "--help" || arg == "-help" || arg == "--helpshort" || arg == "-helpshort") {
+      if (argc > 0) absl::flags_internal::SetProgramInvocationName(argv[0]);
+      absl::flags_internal::FlagsHelp(std::cout, full ? "" : source_suffix,
+                                      absl::flags_internal::HelpFormat::kHumanReadable, message);
+      std::cout.flush();
+      std::exit(std::cout ? 0 : 1);
+    }
+  }
 }
 
 }  // namespace moonep

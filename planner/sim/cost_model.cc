@@ -31,7 +31,7 @@ absl::Status ValidateCostConfig(const CostConfig& c) {
 }
 
 void RankTraffic::Reset(int32_t num_ranks) {
-  for (std::vector<int64_t>* v : {&load, &send_intra, &send_inter, &recv_intra, &recv_inter}) {
+  for (std::vector<int64_t>* v : {&load, &padded, &send_intra, &send_inter, &recv_intra, &recv_inter}) {
     v->assign(num_ranks, 0);
   }
   for (std::vector<int32_t>* v :
@@ -75,9 +75,9 @@ StepTime EstimateStepTime(const CostConfig& c, int32_t E, const RankTraffic& tr)
   const double wbytes = static_cast<double>(c.expert_weight_bytes());
   const double gbytes = static_cast<double>(c.expert_grad_bytes());
   double rows_time = 0, prefetch_time = 0, reduce_time = 0;
-  int64_t max_load = 0;
+  int64_t max_rows = 0;  // the GEMMs run over the padded rows
   for (int32_t r = 0; r < R; ++r) {
-    max_load = std::max(max_load, tr.load[r]);
+    max_rows = std::max({max_rows, tr.load[r], tr.padded[r]});
     const double a = std::max(tr.send_intra[r], tr.recv_intra[r]) * row / intra;
     const double b = std::max(tr.send_inter[r], tr.recv_inter[r]) * row / inter;
     rows_time = std::max(rows_time, std::max(a, b));
@@ -91,7 +91,7 @@ StepTime EstimateStepTime(const CostConfig& c, int32_t E, const RankTraffic& tr)
   t.counts = CountsTime(c, R, E);
   t.prefetch = c.overlap_prefetch ? std::max(0.0, prefetch_time - rows_time) : prefetch_time;
   t.dispatch = passes * rows_time;
-  t.compute = max_load * c.flops_per_token() / (c.tflops * 1e12);
+  t.compute = max_rows * c.flops_per_token() / (c.tflops * 1e12);
   t.combine = passes * rows_time;
   t.reduce = c.training ? reduce_time : 0.0;
   t.total = t.counts + t.prefetch + t.dispatch + t.compute + t.combine + t.reduce;

@@ -5,7 +5,8 @@
 //             slowest link the ranks span (inter-node when R > ranks_per_node).
 //   prefetch  replica weights home -> replica rank: 3*H*I*weight_bytes per replica.
 //   dispatch  token rows after dedup (one row per token and destination rank), H*act_bytes each.
-//   compute   the slowest rank: its rows * flops_per_token / rate; flops_per_token = 6*H*I
+//   compute   the slowest rank: its rows, each expert group padded to the plan's pad_multiple,
+//             * flops_per_token / rate; flops_per_token = 6*H*I
 //             forward (three H x I matmuls, 2 flops per multiply-add), x3 for forward+backward.
 //   combine   the same rows back (a destination sums a token's experts it computed before
 //             sending, so combine moves as many rows as dispatch).
@@ -52,6 +53,8 @@ absl::Status ValidateCostConfig(const CostConfig& config);
 // Per-rank work and traffic of one plan on one step's routing.
 struct RankTraffic {
   std::vector<int64_t> load;                     // tokens computed (rows, before padding)
+  std::vector<int64_t> padded;                   // rows computed with the plan's group padding
+                                                 // (>= load; 0 where not known: load is used)
   std::vector<int64_t> send_intra, send_inter;   // dispatched token rows after dedup, as source
   std::vector<int64_t> recv_intra, recv_inter;   // ... as destination
   std::vector<int32_t> prefetch_out_intra, prefetch_out_inter;  // replicas sent, as home

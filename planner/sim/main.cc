@@ -73,7 +73,7 @@ ABSL_FLAG(std::string, policies, "all",
           "(none always runs: it is the baseline)");
 ABSL_FLAG(bool, lower_bound, true, "also report the planner's load lower bound");
 ABSL_FLAG(int32_t, slots, -1, "replica slots per rank (-1: E/R)");
-ABSL_FLAG(int32_t, pad_multiple, 1, "group row padding multiple (GEMM alignment)");
+ABSL_FLAG(int32_t, pad_multiple, 1, "each expert group's rows are padded to a multiple of this (GEMM alignment); the padding rows count in the compute time, not in the loads");
 ABSL_FLAG(bool, shadow_from_cost_model, false,
           "fastermoe-shadow decides with this machine's compute rate and inter-node bandwidth "
           "instead of the planner's defaults (which the runtime uses, so counts match it)");
@@ -351,7 +351,7 @@ int main(int argc, char** argv) {
       "  moonep-sim --ranks=4096 --experts=8192 --topk=8 --tokens=4096 --hidden=7168 "
       "--intermediate=2048 --steps=1000\n"
       "See docs/simulator.md.",
-      "planner/sim/main.cc");
+      "planner/sim/main.cc", argc, argv);
   std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {
     std::fprintf(stderr, "moonep-sim: error: unexpected argument '%s' (flags take the form --name=value)\n",

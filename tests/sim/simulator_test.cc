@@ -1,9 +1,11 @@
 // The simulation loop end to end: determinism, trace replay against hand-computed loads,
 // invariants across policies, reports, and option errors.
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -119,6 +121,47 @@ TEST(SimulatorTest, InvariantsAcrossPolicies) {
     int64_t sum = 0;
     for (int64_t v : r.snapshot_home_load) sum += v;
     EXPECT_EQ(sum, 8 * 256 * 4);
+  }
+}
+
+// --pad_multiple: the compute time runs over each rank's rows with every expert group rounded up to
+// the multiple; the loads count tokens only and do not change.
+TEST(SimulatorTest, PaddingCountsInComputeNotInLoads) {
+  for (DetailChoice d : {DetailChoice::kTokens, DetailChoice::kTotals}) {
+    SimOptions o = SmallOptions();
+    o.detail = d;
+    Capture plain, padded;
+    for (auto [pad, cap] : {std::pair{1, &plain}, std::pair{64, &padded}}) {
+      o.pad_multiple = pad;
+      auto sim = Simulator::Create(o);
+      ASSERT_TRUE(sim.ok()) << sim.status();
+      auto result = (*sim)->Run(cap, nullptr);
+      ASSERT_TRUE(result.ok()) << result.status();
+    }
+    ASSERT_EQ(plain.rows.size(), padded.rows.size());
+    const double per_row = o.cost.flops_per_token() / (o.cost.tflops * 1e12);
+    // Groups per rank: E/R home experts + E/R replica slots (the default), each padded by < 64.
+    const int64_t groups = 2 * 32 / 8;
+    int64_t grew = 0;
+    for (size_t j = 0; j < plain.rows.size(); ++j) {
+      if (plain.names[j] == "lower-bound") continue;
+      const PlanMetrics& m = plain.rows[j].metrics;
+      EXPECT_EQ(padded.rows[j].metrics.max_load, m.max_load) << plain.names[j];
+      EXPECT_EQ(padded.rows[j].metrics.total_tokens, m.total_tokens) << plain.names[j];
+      const double rows1 = plain.rows[j].time.compute / per_row;
+      const double rows64 = padded.rows[j].time.compute / per_row;
+      EXPECT_NEAR(rows1, static_cast<double>(m.max_load), 1e-6) << plain.names[j];
+      const int64_t r64 = std::llround(rows64);
+      EXPECT_NEAR(rows64, static_cast<double>(r64), 1e-6) << plain.names[j];
+      EXPECT_EQ(r64 % 64, 0) << plain.names[j] << " " << r64;
+      EXPECT_GE(r64, m.max_load) << plain.names[j];
+      EXPECT_LE(r64, m.max_load + groups * 63) << plain.names[j];
+      EXPECT_NEAR(padded.rows[j].time.total - padded.rows[j].time.compute,
+                  plain.rows[j].time.total - plain.rows[j].time.compute, 1e-12)
+          << plain.names[j];
+      grew += r64 > m.max_load;
+    }
+    EXPECT_GT(grew, 0);
   }
 }
 

@@ -1,0 +1,20 @@
+# Runs a program's --help (BENCH, under mpirun when MPIEXEC is given: NPFLAG, NP, MPIEXEC_FLAGS)
+# and checks that it exits 0 and prints, once, the usage message (EXPECT, a regular expression
+# that must match stdout exactly once: under mpirun only rank 0 prints).
+string(REPLACE "|" ";" mpiexec_flags "${MPIEXEC_FLAGS}")
+set(launcher)
+if(MPIEXEC)
+  set(launcher ${MPIEXEC} ${NPFLAG} ${NP} ${mpiexec_flags})
+endif()
+execute_process(COMMAND ${launcher} ${BENCH} --help
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 50)
+message("${out}\n--- stderr ---\n${err}")
+get_filename_component(program "${BENCH}" NAME)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "${program} --help exited with ${rc}, expected 0")
+endif()
+string(REGEX MATCHALL "${EXPECT}" found "${out}")
+list(LENGTH found times)
+if(NOT times EQUAL 1)
+  message(FATAL_ERROR "${program} --help: '${EXPECT}' appears ${times} times on stdout, expected once")
+endif()
