@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "absl/strings/str_cat.h"
+#include "moonep/core/host_memory.h"
 #include "moonep/core/status.h"
 #include "transport/common/host_checks.h"
 #include "transport/mpi/mpi_transport.h"
@@ -89,6 +90,11 @@ absl::Status DispatchHandle::ReserveHostStaging(int64_t max_entries, int64_t max
     return OutOfMemory("transport staging of %d rows of %d bytes does not fit", max_entries,
                        max_row_bytes);
   }
+  // Zero-filled at once (resize): refused when the node has not the memory, rather than let the
+  // fill run the process into the out-of-memory killer.
+  MOONEP_RETURN_IF_ERROR(CheckHostAllocation(
+      rows_bytes > rows_staging_.size() ? rows_bytes - rows_staging_.size() : 0,
+      "the transport's row staging"));
   try {
     // The rows are used at their full size (resize); the others grow within what is reserved.
     if (rows_staging_.size() < rows_bytes) rows_staging_.resize(rows_bytes);

@@ -33,6 +33,7 @@
 
 #include "moonep/compute/cpu/cpu_executor.h"
 #include "moonep/core/env.h"
+#include "moonep/core/host_memory.h"
 
 extern "C" {
 #pragma weak openblas_set_num_threads
@@ -301,15 +302,8 @@ bool ParseShapes(const char* s, std::vector<std::pair<int64_t, int64_t>>* out) {
 
 // Memory available for the run: MemAvailable of /proc/meminfo, else half the physical memory.
 double AvailableBytes() {
-  if (std::FILE* f = std::fopen("/proc/meminfo", "r")) {
-    char line[256];
-    long long kib = -1;
-    while (std::fgets(line, sizeof(line), f) != nullptr) {
-      if (std::sscanf(line, "MemAvailable: %lld kB", &kib) == 1) break;
-    }
-    std::fclose(f);
-    if (kib > 0) return static_cast<double>(kib) * 1024;
-  }
+  const int64_t available = moonep::HostMemoryAvailableBytes();
+  if (available > 0) return static_cast<double>(available);
   return 0.5 * static_cast<double>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
 }
 

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "moonep/compute/cpu/cpu_executor.h"
+#include "moonep/core/host_memory.h"
 #include "moonep/core/status.h"
 
 #ifdef MOONEP_HAVE_CUDA
@@ -165,6 +166,9 @@ absl::StatusOr<DeviceMemory> DeviceMemory::Allocate(Device device, size_t bytes,
   if (bytes == 0) return m;
   if (bytes > SIZE_MAX / 2) return OutOfMemory("cannot allocate %d bytes for %s", bytes, what);
   if (device == Device::kCpu) {
+    // Refused up front: with overcommit the allocation succeeds and the zero-fill below is what
+    // runs out of memory, and the kernel kills the process instead of returning an error.
+    MOONEP_RETURN_IF_ERROR(CheckHostAllocation(bytes, what));
     const size_t rounded = (bytes + kHostAlign - 1) / kHostAlign * kHostAlign;
     m.data_ = std::aligned_alloc(kHostAlign, rounded);
     if (m.data_ == nullptr) return OutOfMemory("cannot allocate %d host bytes for %s", bytes, what);

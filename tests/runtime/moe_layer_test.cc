@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "moonep/core/host_memory.h"
 #include "moonep/core/status.h"
 #include "moonep/runtime/communicator.h"
 #include "moonep/runtime/moe_layer.h"
@@ -448,6 +449,25 @@ TEST_F(MoeLayerTest, MemoryIncludesTransportStagingMadeAtCreation) {
   }
   EXPECT_EQ((*layer)->StagingBytes(), 2 * staging);
   EXPECT_EQ((*layer)->MemoryBytes(), before);
+}
+
+// A receive capacity whose buffers the node cannot hold is refused at creation on every rank, with
+// an error naming host memory, rather than allocated (the zero-fill would run the process into
+// the out-of-memory killer, and its peers would wait out their timeouts).
+TEST_F(MoeLayerTest, BuffersAboveTheNodesMemoryAreRefusedAtCreation) {
+  const int64_t available = HostMemoryAvailableBytes();
+  if (available < 0) GTEST_SKIP() << "MemAvailable cannot be read here";
+  LayerConfig config = Config(DType::kFloat32, planner::Policy::kMoonEP);
+  // Each receive row holds at least one x row (kHidden fp32): twice the node's memory in rows.
+  config.max_recv_rows = 2 * available / (kHidden * 4) + 1;
+  auto layer = MoeLayer::Create(comm_.get(), config);
+  ASSERT_FALSE(layer.ok());
+  EXPECT_EQ(layer.status().code(), absl::StatusCode::kResourceExhausted) << layer.status();
+  EXPECT_NE(layer.status().message().find("host bytes"), std::string::npos) << layer.status();
+  EXPECT_NE(layer.status().message().find("MemAvailable"), std::string::npos) << layer.status();
+  // Nothing is left half made: a layer of the usual size is created on the same communicator.
+  auto next = MoeLayer::Create(comm_.get(), Config(DType::kFloat32, planner::Policy::kMoonEP));
+  EXPECT_TRUE(next.ok()) << next.status();
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "moonep/core/env.h"
+#include "moonep/core/host_memory.h"
 #include "moonep/core/logging.h"
 #include "moonep/core/status.h"
 #include "transport/common/count_exchange.h"
@@ -366,6 +367,9 @@ absl::Status EnsureRowStaging(const TransportOptions& options, DispatchHandle* h
                               bool scalars) {
   const size_t entries = static_cast<size_t>(options.max_tokens) * options.max_top_k;
   const size_t need = entries * static_cast<size_t>(options.max_row_bytes);
+  MOONEP_RETURN_IF_ERROR(CheckHostAllocation(
+      need > handle->rows_staging_.size() ? need - handle->rows_staging_.size() : 0,
+      "the transport's row staging (max_tokens x max_top_k x max_row_bytes)"));
   try {
     if (handle->rows_staging_.size() < need) handle->rows_staging_.resize(need);
     if (scalars && handle->scalar_staging_.size() < entries) handle->scalar_staging_.resize(entries);

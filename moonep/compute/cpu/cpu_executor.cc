@@ -11,6 +11,7 @@
 #include "moonep/compute/cpu/activation.h"
 #include "moonep/compute/cpu/gemm.h"
 #include "moonep/core/env.h"
+#include "moonep/core/host_memory.h"
 #include "moonep/core/status.h"
 
 namespace moonep::compute::cpu {
@@ -181,6 +182,7 @@ absl::StatusOr<std::unique_ptr<CpuExecutor>> CpuExecutor::Create(const ExecutorC
                    "config: the workspace for hidden %d, intermediate %d, max_rows %d and %d "
                    "threads does not fit in size_t", config.hidden, config.intermediate,
                    config.max_rows, threads);
+  MOONEP_RETURN_IF_ERROR(CheckHostAllocation(bytes, "the CPU executor's workspace"));
   std::unique_ptr<CpuExecutor> ex(new CpuExecutor(config, threads));
   ex->workspace_bytes_ = bytes;
   ex->per_thread_floats_ = per_thread;
