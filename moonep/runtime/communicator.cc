@@ -356,6 +356,18 @@ absl::StatusOr<std::unique_ptr<Communicator>> Communicator::AdoptGroup(
 absl::StatusOr<std::unique_ptr<Communicator>> Communicator::FromMpi(MPI_Comm comm) {
   MOONEP_RETURN_IF_ERROR(EnsureMpi());
   if (comm == MPI_COMM_NULL) return InvalidArgument("comm is MPI_COMM_NULL");
+  // An intercommunicator's ranks name the other group's processes: the agreement below would
+  // pair each rank with a process of the other group, and the transports' node split crashed in
+  // MPI_Comm_split_type. Every member gets the same answer, so no agreement is needed first.
+  int inter = 0;
+  if (const int rc = MPI_Comm_test_inter(comm, &inter); rc != MPI_SUCCESS) {
+    return InvalidArgument("comm is not a valid MPI communicator (MPI_Comm_test_inter: error %d)",
+                           rc);
+  }
+  if (inter) {
+    return InvalidArgument("comm is an MPI intercommunicator; MoonEP needs an intracommunicator "
+                           "(merge the two groups with MPI_Intercomm_merge)");
+  }
   const CreationTimeout timeout = ReadCreationTimeout();
   constexpr const char* kPhase = "communicator creation (moonepCommInitMpi)";
   // Every rank of `comm` calls the duplication; the agreement on the duplicate (which MoonEP owns,

@@ -86,6 +86,30 @@ TEST_F(CApiTest, CommunicatorBasics) {
   EXPECT_EQ(moonepCommSetNcclComm(nullptr, nullptr), moonepInvalidArgument);
 }
 
+// An intercommunicator is refused on every member at once (it was accepted, and the first layer
+// on it crashed in the transport's node split); the same processes merged into one group work.
+TEST_F(CApiTest, IntercommunicatorIsRefused) {
+  if (size() < 2) GTEST_SKIP() << "needs two groups";
+  MPI_Comm half = MPI_COMM_NULL, inter = MPI_COMM_NULL, merged = MPI_COMM_NULL;
+  const int color = rank() < size() / 2 ? 0 : 1;
+  ASSERT_EQ(MPI_Comm_split(MPI_COMM_WORLD, color, rank(), &half), MPI_SUCCESS);
+  const int remote_leader = color == 0 ? size() / 2 : 0;
+  ASSERT_EQ(MPI_Intercomm_create(half, 0, MPI_COMM_WORLD, remote_leader, 77, &inter), MPI_SUCCESS);
+  moonepComm_t c = nullptr;
+  EXPECT_EQ(moonepCommInitMpi(&c, &inter), moonepInvalidArgument);
+  EXPECT_NE(std::string(moonepGetLastThreadError()).find("intercommunicator"), std::string::npos)
+      << moonepGetLastThreadError();
+  ASSERT_EQ(MPI_Intercomm_merge(inter, color, &merged), MPI_SUCCESS);
+  ASSERT_EQ(moonepCommInitMpi(&c, &merged), moonepSuccess) << moonepGetLastThreadError();
+  int n = 0;
+  EXPECT_EQ(moonepCommSize(c, &n), moonepSuccess);
+  EXPECT_EQ(n, size());
+  EXPECT_EQ(moonepCommDestroy(c), moonepSuccess);
+  MPI_Comm_free(&merged);
+  MPI_Comm_free(&inter);
+  MPI_Comm_free(&half);
+}
+
 TEST_F(CApiTest, UniqueIdOrdersRanksAsGiven) {
   moonepUniqueId id;
   if (rank() == 0) {

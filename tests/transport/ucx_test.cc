@@ -8,8 +8,10 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <vector>
 
+#include "moonep/core/status.h"
 #include "tests/harness/mpi_test.h"
 #include "tests/transport/transport_test_util.h"
 #include "transport/transport.h"
@@ -146,6 +148,44 @@ TEST_F(UcxRegistrationTest, CacheStaysBoundedAndEvictedBuffersWorkAgain) {
     EXPECT_GT(s.regions_evicted, 0);
   }
   Step(&buffers[0]);
+}
+
+// Signal slots are reused every 32 operations of a channel: a row operation that would reuse the
+// slot of one still in flight (31 operations back) is refused, on every rank alike, and the
+// transport stays usable: once the old one completes (with the right rows) the refused one runs.
+// Before, it started, overwrote the old operation's slot, and the old one timed out.
+TEST_F(UcxRegistrationTest, OperationReusingTheSlotOfOneInFlightIsRefused) {
+  const int32_t me = rank();
+  const int64_t T = p_.T[me], H = p_.H;
+  std::vector<float> rows0(cap_ * H, -1.0f), w0(cap_), rows1(cap_ * H), w1(cap_);
+  const TensorView x = TensorView::Contiguous(p_.x[me].data(), DType::kFloat32, {T, H});
+  const TensorView rows0_v = TensorView::Contiguous(rows0.data(), DType::kFloat32, {cap_, H});
+  const TensorView rows1_v = TensorView::Contiguous(rows1.data(), DType::kFloat32, {cap_, H});
+  DispatchHandle h0, h1;
+  ASSERT_TRUE(t_->ExchangeCounts(p_.ids[me], T, p_.K, p_.E, cap_, &h0).ok());  // sequence 0
+  auto d0 = t_->StartDispatch(plan_, x, p_.weights[me], &h0, rows0_v, absl::MakeSpan(w0));  // 1
+  ASSERT_TRUE(d0.ok()) << d0.status();
+  // Sequences 2..31 run to completion while the dispatch of sequence 1 stays in flight.
+  for (int i = 0; i < 15; ++i) {
+    ASSERT_TRUE(t_->ExchangeCounts(p_.ids[me], T, p_.K, p_.E, cap_, &h1).ok()) << i;
+    ASSERT_TRUE(t_->Dispatch(plan_, x, p_.weights[me], &h1, rows1_v, absl::MakeSpan(w1)).ok()) << i;
+  }
+  // Sequence 32 would share sequence 1's slot.
+  const absl::Status refused = t_->ExchangeCounts(p_.ids[me], T, p_.K, p_.E, cap_, &h1);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(ToResult(refused), moonepInvalidUsage) << refused;
+  EXPECT_NE(refused.message().find("31 operations earlier is still in flight"), std::string::npos)
+      << refused;
+  ASSERT_TRUE((*d0)->Wait().ok());
+  for (int32_t s = 0; s < p_.R; ++s) {
+    for (size_t i = 0; i < truth_[s].size(); ++i) {
+      if (truth_[s][i].rank != me) continue;
+      ASSERT_EQ(0, std::memcmp(&rows0[truth_[s][i].row * H], &p_.x[s][(i / p_.K) * H], H * 4))
+          << "row " << truth_[s][i].row << " from rank " << s;
+    }
+  }
+  ASSERT_TRUE(t_->ExchangeCounts(p_.ids[me], T, p_.K, p_.E, cap_, &h1).ok());
+  ASSERT_TRUE(t_->Dispatch(plan_, x, p_.weights[me], &h1, rows1_v, absl::MakeSpan(w1)).ok());
 }
 
 TEST(UcxStats, OtherBackendsAreRejected) {

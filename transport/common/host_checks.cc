@@ -101,6 +101,14 @@ std::shared_ptr<WorkerPool> MakeHostPool(int32_t options_threads, int local_rank
   return pool;
 }
 
+absl::Status CheckMpiNotFinalized(const char* what) {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) return absl::OkStatus();
+  return InvalidUsage("%s: MPI was finalized; destroy MoonEP's layers, EP buffers and communicators "
+                      "before MPI_Finalize (their MPI resources are left as they are)", what);
+}
+
 absl::Status AgreeOnCreationChecks(MPI_Comm comm, const absl::Status& local, const char* refused) {
   int ok = local.ok() ? 1 : 0, all_ok = 0;
   const int rc = MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, comm);

@@ -56,6 +56,10 @@ std::shared_ptr<WorkerPool> MakeHostPool(int32_t options_threads, int local_rank
 // value wrong on one rank fails every rank instead of leaving the others in a later collective:
 // this rank's own error; else RemoteError(`refused`) when another rank failed; else OK.
 absl::Status AgreeOnCreationChecks(MPI_Comm comm, const absl::Status& local, const char* refused);
+// InvalidUsage when MPI was finalized (the caller's MPI_Finalize came before MoonEP's objects were
+// destroyed): no MPI call may be made then, and Open MPI aborts the whole job on one. `what`
+// names the call ("transport mpi destruction", "dispatch").
+absl::Status CheckMpiNotFinalized(const char* what);
 
 // A 2-D contiguous matrix of fp32 or bf16 in memory of `device` (as its TensorView says; a device
 // backend also checks the pointer itself) with at least max(min_rows, 0) rows and `cols` columns

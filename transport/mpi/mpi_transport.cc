@@ -1079,6 +1079,8 @@ MpiTransport::~MpiTransport() {
 absl::Status MpiTransport::Close() {
   if (closed_) return close_status_;
   closed_ = true;
+  close_status_ = common::CheckMpiNotFinalized("transport mpi destruction");
+  if (!close_status_.ok()) return close_status_;  // no MPI call may be made: leave it all
   if (abort_request_ != MPI_REQUEST_NULL) {
     MPI_Cancel(&abort_request_);
     MPI_Wait(&abort_request_, MPI_STATUS_IGNORE);
@@ -1193,6 +1195,7 @@ void MpiTransport::Poison(const absl::Status& status) {
 
 absl::Status MpiTransport::Usable() const {
   if (closed_) return InvalidUsage("transport was closed (Close); destroy it");
+  MOONEP_RETURN_IF_ERROR(common::CheckMpiNotFinalized("transport mpi"));
   if (poisoned_.ok()) return absl::OkStatus();
   return InvalidUsage("transport is unusable after an earlier failure (%s); destroy it",
                       std::string(poisoned_.message()));

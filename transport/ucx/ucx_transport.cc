@@ -11,6 +11,7 @@
 #include <map>
 #include <new>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -39,8 +40,9 @@ using Clock = std::chrono::steady_clock;
 // slots), so a prefetch may overlap a dispatch.
 constexpr int kRowsChannel = 0, kWeightsChannel = 1, kChannels = 2;
 // Signal slots per (channel, peer): operation `seq` uses slot seq % kSignalDepth. A slot is reused
-// only when the operation kSignalDepth earlier completed, so at most this many operations of one
-// channel may be in flight on a rank.
+// only when the operation kSignalDepth earlier completed: an operation starts only while the
+// oldest one of its channel still in flight is less than kSignalDepth sequence numbers back
+// (CheckChannel), so fewer than kSignalDepth of a channel are in flight on a rank.
 constexpr int64_t kSignalDepth = 32;
 // Registered regions kept per transport; the least recently used unpinned one goes first.
 constexpr size_t kMaxRegions = 256;
@@ -331,10 +333,11 @@ class UcxTransport : public Transport {
     auto it = remote_keys_.find({peer, id});
     return it == remote_keys_.end() ? nullptr : it->second;
   }
+  bool closed() const { return closed_; }
   void OpStarted() { ++ops_in_flight_[0]; }
   void OpEnded() { --ops_in_flight_[0]; }
-  int64_t InFlight(int channel) const { return channel_in_flight_[channel]; }
-  void ChannelDelta(int channel, int delta) { channel_in_flight_[channel] += delta; }
+  void ChannelEnter(int channel, int64_t seq) { channel_seqs_[channel].insert(seq); }
+  void ChannelLeave(int channel, int64_t seq) { channel_seqs_[channel].erase(seq); }
 
   // Reduce staging: one buffer per reduce in flight, reused (and its registration with it).
   common::BufferPool<std::vector<char>> reduce_staging;
@@ -404,7 +407,7 @@ class UcxTransport : public Transport {
   std::map<std::pair<int, uint64_t>, ucp_rkey_h> remote_keys_;
   std::vector<ucp_rkey_h> dropped_keys_;  // destroyed once no op is in flight
   std::array<int64_t, 1> ops_in_flight_{};
-  std::array<int64_t, kChannels> channel_in_flight_{};
+  std::array<std::set<int64_t>, kChannels> channel_seqs_;  // sequence numbers in flight
   int64_t seq_[kChannels] = {0, 0};
   bool closed_ = false;
   absl::Status close_status_;  // Close's result
@@ -431,7 +434,7 @@ UcxOp::UcxOp(UcxTransport* transport, OpKind kind, int channel, int64_t seq)
   counters_.calls = 1;
   signal_value_ = static_cast<uint64_t>(seq + 1);
   transport_->OpStarted();
-  transport_->ChannelDelta(channel_, 1);
+  transport_->ChannelEnter(channel_, seq_);
 }
 
 UcxOp::~UcxOp() {
@@ -711,12 +714,15 @@ void UcxOp::Cleanup() {
   if (on_end_) std::exchange(on_end_, nullptr)();
   // Flushes still pending complete in the background; their requests are released now. Puts
   // already issued cannot be recalled: a failed transport is destroyed, not reused.
-  for (const PendingFlush& f : flushes_) ucp_request_free(f.request);
+  // After Close the worker that owned them is gone (the caller broke Close's contract): leave them.
+  if (!transport_->closed()) {
+    for (const PendingFlush& f : flushes_) ucp_request_free(f.request);
+  }
   flushes_.clear();
   for (uint64_t id : pinned_) transport_->Pin(id, -1);
   pinned_.clear();
   transport_->DropMessages(channel_, seq_);
-  transport_->ChannelDelta(channel_, -1);
+  transport_->ChannelLeave(channel_, seq_);
   transport_->OpEnded();
 }
 
@@ -1677,6 +1683,11 @@ bool UcxTransport::CloseExchange(int tag, std::vector<int>* silent, std::vector<
 absl::Status UcxTransport::Close() {
   if (closed_) return close_status_;
   closed_ = true;
+  // MPI finalized first: no MPI call may be made. The UCX resources go (endpoints closed by force:
+  // the peers may be gone), the communicator is left as it is.
+  close_status_ = common::CheckMpiNotFinalized("transport ucx destruction");
+  const bool mpi_finalized = !close_status_.ok();
+  if (mpi_finalized) comm_ = MPI_COMM_NULL;
   // Peers may still be finishing (or timing out) an operation and need this worker's progress to
   // complete their puts: progress until every rank got here (every peer's word, so the ones that
   // do not come can be named), then close. A peer that never comes (it died, hangs, or closes its
@@ -1722,7 +1733,7 @@ absl::Status UcxTransport::Close() {
       peer_gave_up = flag != 0;
     }
   }
-  bool barrier_done = arrived && !peer_gave_up;
+  bool barrier_done = arrived && !peer_gave_up && !mpi_finalized;
   // Arrived, but a peer gave up: this rank skips the second exchange too, and says so to the
   // peers that did arrive (they may have missed the word that this rank saw).
   if (arrived && peer_gave_up) tell_gave_up();
@@ -1809,6 +1820,7 @@ absl::Status UcxTransport::PrepareHandle(DispatchHandle* handle, int64_t recv_ca
 }
 
 void UcxTransport::Progress() {
+  if (worker_ == nullptr) return;  // closed: requests still used after Close fail in Usable()
   while (ucp_worker_progress(worker_) != 0) {
   }
   for (size_t i = 0; i < outbox_.size();) {
@@ -1975,12 +1987,14 @@ void UcxTransport::Poison(const absl::Status& status) {
 
 absl::Status UcxTransport::Usable() const {
   if (closed_) return InvalidUsage("transport was closed (Close); destroy it");
+  MOONEP_RETURN_IF_ERROR(common::CheckMpiNotFinalized("transport ucx"));
   if (poisoned_.ok()) return absl::OkStatus();
   return InvalidUsage("transport is unusable after an earlier failure (%s); destroy it",
                       std::string(poisoned_.message()));
 }
 
 absl::Status UcxTransport::AbortPeers(OpKind kind, absl::Status status) {
+  if (closed_) return status;  // no endpoints left to tell the peers through
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
     SendMessage(r, kMsgAbort, 0, 0, static_cast<int32_t>(kind), {}).IgnoreError();
@@ -2008,9 +2022,14 @@ absl::StatusOr<RequestPtr> UcxTransport::Skipped() {
 }
 
 absl::Status UcxTransport::CheckChannel(OpKind kind, int channel) {
-  if (channel_in_flight_[channel] + 1 >= kSignalDepth) {
-    return InvalidUsage("%s: %d operations of this class are already in flight (at most %d)",
-                        OpName(kind), channel_in_flight_[channel], kSignalDepth - 1);
+  const std::set<int64_t>& seqs = channel_seqs_[channel];
+  if (!seqs.empty() && seq_[channel] - *seqs.begin() >= kSignalDepth - 1) {
+    // Operation seq_ would share its signal slot with one still in flight (a slot holds one
+    // operation's signal): the older one would never see its peers' signals and time out.
+    return InvalidUsage("%s: an operation of this class started %d operations earlier is still "
+                        "in flight (%d in flight); complete it first: operations more than %d "
+                        "apart cannot be in flight together", OpName(kind),
+                        seq_[channel] - *seqs.begin(), seqs.size(), kSignalDepth - 2);
   }
   return absl::OkStatus();
 }

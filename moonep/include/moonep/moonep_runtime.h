@@ -67,8 +67,10 @@ MOONEP_API moonepResult_t moonepGetUniqueId(moonepUniqueId* unique_id);
 MOONEP_API moonepResult_t moonepCommInitRank(moonepComm_t* comm, int nranks,
                                              moonepUniqueId unique_id, int rank);
 
-/* [collective over mpi_comm] From an existing MPI communicator, which MoonEP duplicates.
- * `mpi_comm` points to an MPI_Comm (so this header needs no mpi.h): pass &comm. */
+/* [collective over mpi_comm] From an existing MPI intracommunicator, which MoonEP duplicates.
+ * `mpi_comm` points to an MPI_Comm (so this header needs no mpi.h): pass &comm. MPI_COMM_NULL and
+ * intercommunicators are refused (moonepInvalidArgument; merge an intercommunicator's groups with
+ * MPI_Intercomm_merge first). */
 MOONEP_API moonepResult_t moonepCommInitMpi(moonepComm_t* comm, const void* mpi_comm);
 
 /* [collective over MPI_COMM_WORLD] Finds this process's place from the launcher's environment:
