@@ -1,5 +1,6 @@
 // moonep-sim: what routing skew costs, and what each balancing policy buys, at any scale.
 // See docs/simulator.md.
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -10,6 +11,7 @@
 #include <cstring>
 #include <memory>
 #include <new>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -17,6 +19,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -80,7 +83,9 @@ ABSL_FLAG(bool, shadow_from_cost_model, false,
 ABSL_FLAG(int32_t, eplb_period, 10, "eplb: re-plan every this many steps on the average of past counts");
 
 // Run and output.
-ABSL_FLAG(int64_t, steps, 100, "steps to simulate (with --trace: at most this many; 0: the whole trace)");
+ABSL_FLAG(std::optional<int64_t>, steps, std::nullopt,
+          "steps to simulate (default 100); with --trace: at most this many records (default and "
+          "0: the whole trace)");
 ABSL_FLAG(std::string, detail, "auto",
           "tokens (every token sampled: exact bytes), counts (counts[R][E]: exact rows, dedup "
           "estimated), totals (per-expert totals: scales to R=4096), or auto");
@@ -232,7 +237,8 @@ absl::Status BuildOptions(SimOptions* o) {
   c.training = absl::GetFlag(FLAGS_training);
   c.overlap_prefetch = absl::GetFlag(FLAGS_overlap_prefetch);
 
-  o->steps = absl::GetFlag(FLAGS_steps);
+  // A replay runs to the end of the trace unless told otherwise; a model runs 100 steps.
+  o->steps = absl::GetFlag(FLAGS_steps).value_or(has_trace ? 0 : 100);
   const std::string detail = absl::GetFlag(FLAGS_detail);
   if (!ParseDetailChoice(detail, &o->detail)) {
     return InvalidArgument("--detail: unknown level '%s' (known: auto, tokens, counts, totals)", detail);
@@ -275,10 +281,94 @@ class Progress {
   std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
 };
 
-absl::Status RunMain() {
-  SimOptions options;
-  MOONEP_RETURN_IF_ERROR(BuildOptions(&options));
+// An output of --csv or --json. A new file, or a regular one (not a symlink), is written under a
+// temporary name in its directory and renamed over the path once the run has succeeded, so a
+// failed run leaves the path as it was: absent, or an earlier run's results. Anything else (a
+// symlink, a device, a pipe: /dev/stdout, /dev/null) is written in place and never removed:
+// renaming over it or unlinking it would replace what the path stands for (a failed run once
+// deleted /dev/full).
+class OutputFile {
+ public:
+  OutputFile(const char* flag, std::string path) : flag_(flag), path_(std::move(path)) {}
+  ~OutputFile() {
+    if (file_) std::fclose(file_);
+    if (!temp_.empty()) ::unlink(temp_.c_str());  // not committed: the run failed
+  }
+  OutputFile(const OutputFile&) = delete;
+  OutputFile& operator=(const OutputFile&) = delete;
+
+  // InvalidArgument when the path cannot be written (bad usage, like a missing directory).
+  absl::Status Open();
+  std::FILE* file() const { return file_; }
+  // Closes the file: SystemError when what was written did not reach it.
+  absl::Status Finish();
+  // Puts a finished temporary in place of the path.
+  absl::Status Commit();
+
+ private:
+  const char* flag_;
+  std::string path_;
+  std::string temp_;  // the temporary until committed; empty when writing in place
+  std::FILE* file_ = nullptr;
+};
+
+absl::Status OutputFile::Open() {
+  struct stat st;
+  const bool exists = ::lstat(path_.c_str(), &st) == 0;
+  if (exists && !S_ISREG(st.st_mode)) {
+    file_ = std::fopen(path_.c_str(), "w");
+    if (!file_) return InvalidArgument("%s: cannot write '%s': %s", flag_, path_, std::strerror(errno));
+    return absl::OkStatus();
+  }
+  // In the path's directory, so that the rename replaces the file in one step.
+  const size_t slash = path_.rfind('/');
+  temp_ = slash == std::string::npos ? "." + path_ + ".XXXXXX"
+                                     : absl::StrCat(path_.substr(0, slash + 1), ".",
+                                                    path_.substr(slash + 1), ".XXXXXX");
+  const int fd = ::mkostemp(temp_.data(), O_CLOEXEC);
+  if (fd < 0) {
+    const int error = errno;
+    temp_.clear();
+    return InvalidArgument("%s: cannot write '%s' (a temporary file in its directory): %s", flag_,
+                           path_, std::strerror(error));
+  }
+  // mkostemp makes the file 0600: give it the mode of the file it replaces, or of a new file.
+  const mode_t mask = ::umask(0);  // read it back: there is no call that only reads it
+  ::umask(mask);
+  file_ = ::fchmod(fd, exists ? st.st_mode & 07777 : 0666 & ~mask) == 0 ? ::fdopen(fd, "w") : nullptr;
+  if (!file_) {
+    const int error = errno;
+    ::close(fd);
+    return InvalidArgument("%s: cannot write '%s': %s", flag_, temp_, std::strerror(error));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status OutputFile::Finish() {
+  if (!file_) return absl::OkStatus();
+  const bool closed = std::fclose(file_) == 0;
+  file_ = nullptr;
+  if (!closed) {
+    return moonep::SystemError("writing %s file '%s' failed: %s", flag_, path_, std::strerror(errno));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status OutputFile::Commit() {
+  if (temp_.empty()) return absl::OkStatus();
+  if (::rename(temp_.c_str(), path_.c_str()) != 0) {
+    return moonep::SystemError("%s: cannot move '%s' to '%s': %s", flag_, temp_, path_,
+                               std::strerror(errno));
+  }
+  temp_.clear();
+  return absl::OkStatus();
+}
+
+// The run once its options are built; `totals` is set to whether it runs at totals detail, once
+// the simulator has resolved auto.
+absl::Status Simulate(const SimOptions& options, bool* totals) {
   MOONEP_ASSIGN_OR_RETURN(std::unique_ptr<Simulator> sim, Simulator::Create(options));
+  *totals = sim->detail() == Detail::kTotals;
   if (!options.trace_path.empty()) {
     // Sizes given with a trace must be the trace's (a CSV's R is --ranks itself).
     const int32_t ranks = absl::GetFlag(FLAGS_ranks), experts = absl::GetFlag(FLAGS_experts);
@@ -291,48 +381,41 @@ absl::Status RunMain() {
   const std::string svg_dir = absl::GetFlag(FLAGS_svg);
   if (!svg_dir.empty()) MOONEP_RETURN_IF_ERROR(moonep::Annotate(PrepareSvgDir(svg_dir), "--svg"));
 
-  TeeSink tee;
-  std::FILE* csv_file = nullptr;
-  std::FILE* json_file = nullptr;
-  std::unique_ptr<CsvSink> csv;
-  std::unique_ptr<JsonSink> json;
   const std::string csv_path = absl::GetFlag(FLAGS_csv), json_path = absl::GetFlag(FLAGS_json);
   // An output that is the trace being read, or the other output, would be truncated under it:
-  // the trace destroyed (and removed when the run then fails), or CSV and JSON interleaved.
+  // the trace destroyed, or CSV and JSON interleaved.
   MOONEP_RETURN_IF_ERROR(CheckDistinctFiles({{"--trace", options.trace_path},
                                              {"--csv", csv_path},
                                              {"--json", json_path}}));
+  TeeSink tee;
+  OutputFile csv_file("--csv", csv_path), json_file("--json", json_path);
+  std::unique_ptr<CsvSink> csv;
+  std::unique_ptr<JsonSink> json;
   if (!csv_path.empty()) {
-    csv_file = std::fopen(csv_path.c_str(), "w");
-    if (!csv_file) return InvalidArgument("--csv: cannot write '%s': %s", csv_path, std::strerror(errno));
-    csv = std::make_unique<CsvSink>(csv_file);
+    MOONEP_RETURN_IF_ERROR(csv_file.Open());
+    csv = std::make_unique<CsvSink>(csv_file.file());
     tee.Add(csv.get());
   }
   if (!json_path.empty()) {
-    json_file = std::fopen(json_path.c_str(), "w");
-    if (!json_file) return InvalidArgument("--json: cannot write '%s': %s", json_path, std::strerror(errno));
-    json = std::make_unique<JsonSink>(json_file);
+    MOONEP_RETURN_IF_ERROR(json_file.Open());
+    json = std::make_unique<JsonSink>(json_file.file());
     tee.Add(json.get());
   }
   Progress progress(absl::GetFlag(FLAGS_progress));
   absl::StatusOr<SimResult> result =
       sim->Run(&tee, [&progress](int64_t done, int64_t total) { progress.Update(done, total); });
   progress.Done();
-  absl::Status io = absl::OkStatus();
-  if (json && result.ok()) io.Update(json->Finish());
-  if (csv_file && std::fclose(csv_file) != 0) {
-    io.Update(moonep::SystemError("writing --csv file '%s' failed: %s", csv_path, std::strerror(errno)));
+  // On any error the outputs' temporaries are removed: no half-written files that look like
+  // results.
+  MOONEP_RETURN_IF_ERROR(result.status());
+  if (json) MOONEP_RETURN_IF_ERROR(json->Finish());
+  MOONEP_RETURN_IF_ERROR(csv_file.Finish());
+  MOONEP_RETURN_IF_ERROR(json_file.Finish());
+  MOONEP_RETURN_IF_ERROR(csv_file.Commit());
+  MOONEP_RETURN_IF_ERROR(json_file.Commit());
+  for (const std::string& warning : result->warnings) {
+    std::fprintf(stderr, "moonep-sim: warning: %s\n", warning.c_str());
   }
-  if (json_file && std::fclose(json_file) != 0) {
-    io.Update(moonep::SystemError("writing --json file '%s' failed: %s", json_path, std::strerror(errno)));
-  }
-  if (!result.ok()) {
-    // A failed run leaves no half-written files that look like results.
-    if (csv_file) std::remove(csv_path.c_str());
-    if (json_file) std::remove(json_path.c_str());
-    return result.status();
-  }
-  MOONEP_RETURN_IF_ERROR(io);
   std::printf("%s", FormatSummary(*result, sim->options()).c_str());
   if (!svg_dir.empty()) {
     MOONEP_RETURN_IF_ERROR(moonep::Annotate(WriteSvgs(*result, svg_dir), "--svg"));
@@ -341,7 +424,26 @@ absl::Status RunMain() {
   return absl::OkStatus();
 }
 
+absl::Status RunMain() {
+  SimOptions options;
+  MOONEP_RETURN_IF_ERROR(BuildOptions(&options));
+  bool totals = options.detail == DetailChoice::kTotals;
+  // Out of memory on this thread; the simulator's worker threads report theirs as a status.
+  try {
+    return Simulate(options, &totals);
+  } catch (const std::bad_alloc&) {
+    return OutOfMemoryError(options, totals);
+  }
+}
+
 }  // namespace
+
+// Abseil 20220623's ParseCommandLine ends the program on a flag it cannot parse (unknown, a
+// malformed value, a missing --flagfile) with std::exit(1), right after calling this hook, which
+// a program may define: exiting here gives those errors the code of every other usage error.
+extern "C" void ABSL_INTERNAL_C_SYMBOL(AbslInternalReportFatalUsageError)(absl::string_view) {
+  std::exit(2);
+}
 
 int main(int argc, char** argv) {
   moonep::SetToolUsage(
@@ -358,17 +460,10 @@ int main(int argc, char** argv) {
                  rest[1]);
     return 2;
   }
-  absl::Status status;
-  try {
-    status = RunMain();
-  } catch (const std::bad_alloc&) {
-    const bool totals = absl::GetFlag(FLAGS_detail) == "totals";
-    status = moonep::OutOfMemory(
-        "out of memory: this run needs more memory than the process could get; lower --ranks, "
-        "--experts or --tokens%s", totals ? "" : ", or use --detail=totals");
-  }
+  const absl::Status status = RunMain();
   if (!status.ok()) {
     std::fprintf(stderr, "moonep-sim: error: %s\n", std::string(status.message()).c_str());
+    // Exit codes (docs/simulator.md): 2 bad usage or input, 1 a failure while running.
     return status.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
   }
   return 0;

@@ -48,10 +48,13 @@ const char* DetailNote(Detail d) {
 
 std::string FormatSummary(const SimResult& r, const SimOptions& o) {
   const CostConfig& c = o.cost;
-  const std::string steps =
+  std::string steps =
       r.layers > 1 ? absl::StrFormat("%d records of %d layers (each layer planned on its own)",
                                      r.steps, r.layers)
                    : absl::StrFormat("%d steps", r.steps);
+  if (r.stopped_by_steps) {
+    absl::StrAppendFormat(&steps, " (stopped by --steps=%d before the end of the trace)", o.steps);
+  }
   std::string out = absl::StrFormat(
       "moonep-sim: R=%d E=%d K=%d T=%d, routing %s, %s, detail %s (%s), %.2f s\n", r.num_ranks,
       r.num_experts, r.topk, r.tokens_per_rank, RoutingDescription(o), steps, DetailName(r.detail),

@@ -4,7 +4,9 @@
 #include <atomic>
 #include <chrono>
 #include <map>
+#include <new>
 #include <set>
+#include <system_error>
 #include <thread>
 
 #include "moonep/core/status.h"
@@ -24,6 +26,17 @@ bool ParseDetailChoice(const std::string& name, DetailChoice* detail) {
   else if (name == "totals") *detail = DetailChoice::kTotals;
   else return false;
   return true;
+}
+
+absl::Status OutOfMemoryError(const SimOptions& o, bool totals) {
+  if (!o.trace_path.empty()) {
+    return OutOfMemory("out of memory: this replay needs more memory than the process could get; "
+                       "its size is the trace's R*E ('%s': its header, or --ranks times a CSV "
+                       "row's counts): lower --threads%s, or replay a smaller trace", o.trace_path,
+                       totals ? "" : ", use --detail=totals");
+  }
+  return OutOfMemory("out of memory: this run needs more memory than the process could get; lower "
+                     "--ranks, --experts, --tokens or --threads%s", totals ? "" : ", or use --detail=totals");
 }
 
 struct Simulator::State {
@@ -230,6 +243,8 @@ absl::StatusOr<SimResult> Simulator::Run(StepSink* sink,
     *node = static_cast<double>(st.node_counts[static_cast<size_t>(rank / st.rpn) * st.E + e]);
   };
 
+  // Made ahead: a worker that ran out of memory takes a copy, which allocates nothing.
+  const absl::Status out_of_memory = OutOfMemoryError(o, st.detail == Detail::kTotals);
   const int64_t total_steps = o.steps > 0 ? o.steps : -1;
   std::set<int32_t> layers_seen;
   int64_t step = 0;
@@ -299,30 +314,49 @@ absl::StatusOr<SimResult> Simulator::Run(StepSink* sink,
     std::vector<StepTime> times(P);
     std::vector<absl::Status> status(P);
     std::atomic<size_t> next{0};
+    auto plan_one = [&](size_t i, State::Worker& w) -> absl::Status {
+      Planner& planner = *planners[i];
+      PlanMetrics& m = metrics[i];
+      if (st.detail == Detail::kTotals) {
+        MOONEP_RETURN_IF_ERROR(planner.Decide(st.routing.totals, &w.plan));
+        w.counter.FromTotals(w.plan, st.routing, st.trace ? trace_locality : model_locality,
+                             &w.traffic, &m);
+      } else {
+        MOONEP_RETURN_IF_ERROR(planner.MakePlan(st.routing.counts, &w.plan));
+        if (st.detail == Detail::kTokens) {
+          w.counter.FromTokens(w.plan, st.routing, &w.traffic, &m);
+        } else {
+          w.counter.FromCounts(w.plan, st.routing, &w.traffic, &m);
+        }
+      }
+      times[i] = EstimateStepTime(o.cost, E, w.traffic);
+      if (snapshot) result.policies[i].snapshot_load = w.traffic.load;
+      return absl::OkStatus();
+    };
     auto work = [&](State::Worker& w) {
       for (size_t i = next++; i < P; i = next++) {
-        Planner& planner = *planners[i];
-        PlanMetrics& m = metrics[i];
-        if (st.detail == Detail::kTotals) {
-          status[i] = planner.Decide(st.routing.totals, &w.plan);
-          if (!status[i].ok()) continue;
-          w.counter.FromTotals(w.plan, st.routing, st.trace ? trace_locality : model_locality,
-                               &w.traffic, &m);
-        } else {
-          status[i] = planner.MakePlan(st.routing.counts, &w.plan);
-          if (!status[i].ok()) continue;
-          if (st.detail == Detail::kTokens) {
-            w.counter.FromTokens(w.plan, st.routing, &w.traffic, &m);
-          } else {
-            w.counter.FromCounts(w.plan, st.routing, &w.traffic, &m);
-          }
+        // An exception leaving a thread is std::terminate: running out of memory on a worker is
+        // this policy's error instead, the one the main thread reports.
+        try {
+          status[i] = plan_one(i, w);
+        } catch (const std::bad_alloc&) {
+          status[i] = out_of_memory;
         }
-        times[i] = EstimateStepTime(o.cost, E, w.traffic);
-        if (snapshot) result.policies[i].snapshot_load = w.traffic.load;
       }
     };
     std::vector<std::thread> threads;
-    for (size_t k = 1; k < st.workers.size(); ++k) threads.emplace_back(work, std::ref(st.workers[k]));
+    threads.reserve(st.workers.size());
+    for (size_t k = 1; k < st.workers.size(); ++k) {
+      // A thread that cannot be started leaves its policies to the others (results do not depend
+      // on the number of threads); nothing may throw past threads already running.
+      try {
+        threads.emplace_back(work, std::ref(st.workers[k]));
+      } catch (const std::system_error&) {
+        break;
+      } catch (const std::bad_alloc&) {
+        break;
+      }
+    }
     work(st.workers[0]);
     for (std::thread& t : threads) t.join();
     for (size_t i = 0; i < P; ++i) {
@@ -370,6 +404,13 @@ absl::StatusOr<SimResult> Simulator::Run(StepSink* sink,
       return InvalidArgument("trace '%s' has no record of layer %d", o.trace_path, o.trace_layer);
     }
     return InvalidArgument("trace '%s' has no records", o.trace_path);
+  }
+  if (st.trace) {
+    if (o.steps > 0 && step == o.steps) {
+      MOONEP_ASSIGN_OR_RETURN(const bool at_end, st.trace->AtEnd());
+      result.stopped_by_steps = !at_end;
+    }
+    if (!st.trace->warning().empty()) result.warnings.push_back(st.trace->warning());
   }
   if (!o.lower_bound) result.policies.pop_back();
   result.steps = step;

@@ -92,11 +92,18 @@ struct SimResult {
   Detail detail = Detail::kTokens;
   int64_t steps = 0;                // records replayed (each layer's record of a step counts once)
   int32_t layers = 1;               // distinct layers among them (a trace may hold several)
+  bool stopped_by_steps = false;    // a replay ended by SimOptions::steps with records left
+  std::vector<std::string> warnings;  // what a run skipped (a trace's cut last record)
   int64_t snapshot_step = -1;      // -1 when the run ended before it
   std::vector<int64_t> snapshot_home_load;  // per-rank load with home placement at the snapshot
   std::vector<PolicySummary> policies;      // none first, then the others, then lower-bound
   double wall_seconds = 0;
 };
+
+// The error of a run that ran out of memory (std::bad_alloc on any thread, or the host's free
+// memory checked ahead): what to lower, which for a trace is the trace itself (its R and E), and
+// --detail=totals unless the run used it already (`totals`: the detail it ran at, auto resolved).
+absl::Status OutOfMemoryError(const SimOptions& options, bool totals);
 
 class Simulator {
  public:

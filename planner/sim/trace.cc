@@ -1,5 +1,6 @@
 #include "planner/sim/trace.h"
 
+#include <sys/stat.h>
 #include <sys/types.h>
 
 #include <cerrno>
@@ -8,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "moonep/core/host_memory.h"
 #include "moonep/core/status.h"
 
 namespace moonep::sim {
@@ -139,10 +141,20 @@ TraceReader::~TraceReader() {
   std::free(line_);
 }
 
-bool TraceReader::ReadLine() {
+absl::StatusOr<bool> TraceReader::ReadLine() {
+  errno = 0;
   const ssize_t n = ::getline(&line_, &line_capacity_, file_);
-  if (n < 0) return false;
+  if (n < 0) {
+    // getline fails at the end of the file and on a read error alike: only the latter sets the
+    // error indicator (a directory, EISDIR, or EIO), which must not pass for a shorter trace.
+    if (std::ferror(file_)) {
+      return InvalidArgument("cannot read trace '%s' after line %d: %s", path_, line_number_,
+                             std::strerror(errno != 0 ? errno : EIO));
+    }
+    return false;
+  }
   line_length_ = static_cast<size_t>(n);
+  terminated_ = line_length_ > 0 && line_[line_length_ - 1] == '\n';
   if (line_number_ == 0 && line_length_ >= 3 && std::memcmp(line_, "\xEF\xBB\xBF", 3) == 0) {
     // A UTF-8 byte order mark (spreadsheets write one) is not part of the first line.
     std::memmove(line_, line_ + 3, line_length_ - 3);
@@ -155,8 +167,26 @@ bool TraceReader::ReadLine() {
   return true;
 }
 
+absl::StatusOr<bool> TraceReader::NextDataLine() {
+  if (pending_) {
+    pending_ = false;
+    return true;
+  }
+  while (true) {
+    MOONEP_ASSIGN_OR_RETURN(const bool got, ReadLine());
+    if (!got) return false;
+    if (!IsBlankOrComment(line_, line_length_)) return true;
+  }
+}
+
 absl::Status TraceReader::LineError(const std::string& what) const {
   return InvalidArgument("%s:%d: %s", path_, line_number_, what);
+}
+
+absl::Status TraceReader::CheckRecordMemory(const std::string& sizes) const {
+  // The record's counts, and its line's integers parsed before them.
+  return CheckHostAllocation(static_cast<uint64_t>(num_ranks_) * num_experts_ * 2 * sizeof(int64_t),
+                             absl::StrFormat("one record of trace '%s' (%s)", path_, sizes));
 }
 
 absl::StatusOr<std::unique_ptr<TraceReader>> TraceReader::Open(const std::string& path,
@@ -170,9 +200,16 @@ absl::StatusOr<std::unique_ptr<TraceReader>> TraceReader::Open(const std::string
   if (!r->file_) {
     return InvalidArgument("cannot open trace '%s': %s", path, std::strerror(errno));
   }
+  struct stat st;
+  if (::fstat(::fileno(r->file_), &st) != 0) {
+    return InvalidArgument("cannot read trace '%s': %s", path, std::strerror(errno));
+  }
+  if (S_ISDIR(st.st_mode)) return InvalidArgument("cannot read trace '%s': %s", path, std::strerror(EISDIR));
   // First non-blank line decides the format (and holds the moonep header).
   bool got = false;
-  while ((got = r->ReadLine())) {
+  while (true) {
+    MOONEP_ASSIGN_OR_RETURN(got, r->ReadLine());
+    if (!got) break;
     size_t i = 0;
     while (i < r->line_length_ && IsSpace(r->line_[i])) ++i;
     if (i < r->line_length_) break;
@@ -195,8 +232,9 @@ absl::StatusOr<std::unique_ptr<TraceReader>> TraceReader::Open(const std::string
     if (R <= 0) return r->LineError("header needs R=<ranks> with ranks > 0");
     if (E <= 0) return r->LineError("header needs E=<experts> with experts > 0");
     if (K == -2 || K == 0 || K > E) return r->LineError("header K=<topk> must be in [1, E]");
-    if (static_cast<int64_t>(R) * E > (int64_t{1} << 31)) {
-      return r->LineError("R*E is too large for one record");
+    if (R * E > kMaxTraceCounts) {
+      return r->LineError(absl::StrFormat("header R=%d E=%d: R*E = %d counts a record is above %d",
+                                          R, E, R * E, kMaxTraceCounts));
     }
     r->num_ranks_ = static_cast<int32_t>(R);
     r->num_experts_ = static_cast<int32_t>(E);
@@ -207,6 +245,17 @@ absl::StatusOr<std::unique_ptr<TraceReader>> TraceReader::Open(const std::string
     if (r->topk_ > E) {
       return r->LineError(absl::StrFormat("--topk (%d) is above the header's E=%d", topk, E));
     }
+    // A header and nothing else is a trace of no records (the simulator says so). Anything after
+    // it must hold a record: R*E + 2 integers of a digit or more, a space between two, a newline.
+    // A header that no record in the file can match is the error, named before any reading.
+    const std::string sizes = absl::StrFormat("the header's R=%d E=%d", R, E);
+    const int64_t left = st.st_size - std::ftell(r->file_), min_bytes = 2 * (R * E + 2);
+    if (S_ISREG(st.st_mode) && left > 0 && left < min_bytes) {
+      return r->LineError(absl::StrFormat("%s make records of at least %d bytes, but the file has "
+                                          "%d bytes after the header: no record fits", sizes,
+                                          min_bytes, left));
+    }
+    MOONEP_RETURN_IF_ERROR(r->CheckRecordMemory(sizes));
     return r;
   }
   // CSV: R from the caller, E from the first data line (a non-numeric first line is a header).
@@ -216,30 +265,35 @@ absl::StatusOr<std::unique_ptr<TraceReader>> TraceReader::Open(const std::string
   r->topk_ = topk;
   // The first line that is neither blank nor a comment is data, or a header when its first field
   // is not a number (an optional sign, then a digit: "-1,..." is data, and an error below).
-  auto skip_comments = [&r]() {
-    bool more = true;
-    while (IsBlankOrComment(r->line_, r->line_length_) && (more = r->ReadLine())) {
-    }
-    return more;
-  };
-  if (!skip_comments()) return InvalidArgument("trace '%s' has no counts", path);
+  if (IsBlankOrComment(r->line_, r->line_length_)) {
+    MOONEP_ASSIGN_OR_RETURN(got, r->NextDataLine());
+    if (!got) return InvalidArgument("trace '%s' has no counts", path);
+  }
   size_t i = 0;
   while (i < r->line_length_ && IsSpace(r->line_[i])) ++i;
   if (i < r->line_length_ && (r->line_[i] == '-' || r->line_[i] == '+')) ++i;
   const bool header = !(i < r->line_length_ && r->line_[i] >= '0' && r->line_[i] <= '9');
-  if (header && !(r->ReadLine() && skip_comments())) {
-    return InvalidArgument("trace '%s' has a header but no counts", path);
+  if (header) {
+    MOONEP_ASSIGN_OR_RETURN(got, r->NextDataLine());
+    if (!got) return InvalidArgument("trace '%s' has a header but no counts", path);
   }
-  std::vector<int64_t> fields;
   std::string error;
-  if (!ParseFields(r->line_, r->line_ + r->line_length_, /*comma=*/true, &fields, &error)) {
+  if (!ParseFields(r->line_, r->line_ + r->line_length_, /*comma=*/true, &r->fields_, &error)) {
     return r->LineError(error);
   }
-  r->num_experts_ = static_cast<int32_t>(fields.size());
+  const int64_t R = csv_ranks, E = static_cast<int64_t>(r->fields_.size());
+  r->num_experts_ = static_cast<int32_t>(E);
+  if (R * E > kMaxTraceCounts) {
+    return r->LineError(absl::StrFormat("--ranks=%d rows of %d counts: R*E = %d counts a step is "
+                                        "above %d", R, E, R * E, kMaxTraceCounts));
+  }
   if (topk > r->num_experts_) {
     return r->LineError(absl::StrFormat("--topk (%d) is above the experts on this row (%d)", topk,
                                         r->num_experts_));
   }
+  // A step's rows are read one by one (a --ranks above the file's rows costs what they hold),
+  // which errors name better than a check of sizes ahead.
+  MOONEP_RETURN_IF_ERROR(r->CheckRecordMemory(absl::StrFormat("--ranks=%d rows of E=%d counts", R, E)));
   r->pending_ = true;
   return r;
 }
@@ -247,57 +301,65 @@ absl::StatusOr<std::unique_ptr<TraceReader>> TraceReader::Open(const std::string
 absl::StatusOr<bool> TraceReader::Next(TraceRecord* record) {
   const int32_t R = num_ranks_, E = num_experts_;
   std::string error;
-  std::vector<int64_t> fields;
+  // Counts are stored once a line has proved to hold them, never sized from the header or
+  // --ranks ahead of it: a bad size then costs what the file holds, not R*E.
   if (format_ == TraceFormat::kMoonEP) {
-    do {
-      if (!ReadLine()) return false;
-    } while (IsBlankOrComment(line_, line_length_));
-    record->counts.resize(static_cast<size_t>(R) * E);
-    if (!ParseFields(line_, line_ + line_length_, /*comma=*/false, &fields, &error)) {
+    MOONEP_ASSIGN_OR_RETURN(const bool got, NextDataLine());
+    if (!got) return false;
+    if (!terminated_) {
+      // The writer ends every record with a newline, so this is a record cut short by a crash or
+      // a full disk. It may even parse (a count cut in its middle): it is not replayed.
+      warning_ = absl::StrFormat("%s:%d: the last line has no newline: a record cut short "
+                                 "(a crash or a full disk), skipped", path_, line_number_);
+      return false;
+    }
+    if (!ParseFields(line_, line_ + line_length_, /*comma=*/false, &fields_, &error)) {
       return LineError(error);
     }
     const size_t need = static_cast<size_t>(R) * E + 2;
-    if (fields.size() != need) {
+    if (fields_.size() != need) {
       return LineError(absl::StrFormat(
           "expected %d integers (step, layer, then R*E = %d*%d counts), got %d", need, R, E,
-          fields.size()));
+          fields_.size()));
     }
-    if (fields[1] > INT32_MAX) return LineError("layer is too large");
+    if (fields_[1] > INT32_MAX) return LineError("layer is too large");
     int64_t sum = 0;
-    if (!CheckCounts(fields.data() + 2, fields.size() - 2, 3, &sum, &error)) return LineError(error);
-    record->step = fields[0];
-    record->layer = static_cast<int32_t>(fields[1]);
-    std::copy(fields.begin() + 2, fields.end(), record->counts.begin());
+    if (!CheckCounts(fields_.data() + 2, fields_.size() - 2, 3, &sum, &error)) return LineError(error);
+    record->step = fields_[0];
+    record->layer = static_cast<int32_t>(fields_[1]);
+    record->counts.assign(fields_.begin() + 2, fields_.end());
     return true;
   }
   // CSV: R consecutive data lines form one step.
-  record->counts.resize(static_cast<size_t>(R) * E);
+  record->counts.clear();
   int64_t sum = 0;
   for (int32_t row = 0; row < R; ++row) {
-    if (!pending_) {
-      bool got;
-      while ((got = ReadLine()) && IsBlankOrComment(line_, line_length_)) {
-      }
-      if (!got) {
-        if (row == 0) return false;
-        return InvalidArgument("%s:%d: file ends after %d of the %d rows of step %d", path_,
-                               line_number_, row, R, csv_records_);
-      }
+    MOONEP_ASSIGN_OR_RETURN(const bool got, NextDataLine());
+    if (!got) {
+      if (row == 0) return false;
+      return InvalidArgument("%s:%d: file ends after %d of the %d rows of step %d", path_,
+                             line_number_, row, R, csv_records_);
     }
-    pending_ = false;
-    if (!ParseFields(line_, line_ + line_length_, /*comma=*/true, &fields, &error)) {
+    if (!ParseFields(line_, line_ + line_length_, /*comma=*/true, &fields_, &error)) {
       return LineError(error);
     }
-    if (static_cast<int32_t>(fields.size()) != E) {
+    if (static_cast<int32_t>(fields_.size()) != E) {
       return LineError(absl::StrFormat("expected %d counts (one per expert, as on the first row), got %d",
-                                       E, fields.size()));
+                                       E, fields_.size()));
     }
-    if (!CheckCounts(fields.data(), fields.size(), 1, &sum, &error)) return LineError(error);
-    std::copy(fields.begin(), fields.end(), record->counts.begin() + static_cast<size_t>(row) * E);
+    if (!CheckCounts(fields_.data(), fields_.size(), 1, &sum, &error)) return LineError(error);
+    record->counts.insert(record->counts.end(), fields_.begin(), fields_.end());
   }
   record->step = csv_records_++;
   record->layer = 0;
   return true;
+}
+
+absl::StatusOr<bool> TraceReader::AtEnd() {
+  MOONEP_ASSIGN_OR_RETURN(const bool got, NextDataLine());
+  pending_ = got;
+  // A moonep trace's cut last line is no record (Next skips it).
+  return !got || (format_ == TraceFormat::kMoonEP && !terminated_);
 }
 
 std::string FormatTraceHeader(int32_t num_ranks, int32_t num_experts, int32_t topk) {

@@ -1,6 +1,6 @@
 // Routing traces: counts[R][E] per (step, layer), as the runtime writes them when MOONEP_TRACE is
 // set, or a plain CSV of counts. The format is defined in docs/trace-format.md. Readers stream one
-// record at a time, so a trace of any length is replayed in constant memory.
+// record at a time, so reading takes one record's memory whatever the trace's length.
 #pragma once
 
 #include <cstdint>
@@ -23,6 +23,9 @@ enum class TraceFormat : int32_t {
 
 bool ParseTraceFormat(const std::string& name, TraceFormat* format);
 
+// Largest R*E of a trace (either format): 16 GiB of counts in one record.
+constexpr int64_t kMaxTraceCounts = int64_t{1} << 31;
+
 struct TraceRecord {
   int64_t step = 0;
   int32_t layer = 0;
@@ -33,7 +36,9 @@ class TraceReader {
  public:
   // Opens `path`. For CSV (which has no header of sizes) `csv_ranks` gives R, and `topk` gives K
   // (0: unknown); a moonep trace takes R, E and K from its header, and `topk`, when positive,
-  // must agree with a K given there.
+  // must agree with a K given there. R*E must be at most kMaxTraceCounts and one record must fit
+  // in the host's free memory; a moonep trace file must be long enough for one record of its
+  // header's size (a header no record can match is an error before anything is read).
   static absl::StatusOr<std::unique_ptr<TraceReader>> Open(const std::string& path,
                                                            TraceFormat format, int32_t csv_ranks,
                                                            int32_t topk);
@@ -45,14 +50,27 @@ class TraceReader {
   TraceFormat format() const { return format_; }
 
   // Reads the next record into `record`; returns false at the end of the file. Errors name the
-  // file and line. Counts must be below 2^52 and one record's sum at most 2^52 (the planner's
-  // bounds).
+  // file and line; a read error names the file and errno's text. Counts must be below 2^52 and one
+  // record's sum at most 2^52 (the planner's bounds). In a moonep trace, a last line without a
+  // newline is a record cut short (the writer ends every record with one): it is skipped, as the
+  // end of the file, and warning() says so.
   absl::StatusOr<bool> Next(TraceRecord* record);
+
+  // Whether no record follows (Next would return false), without consuming one.
+  absl::StatusOr<bool> AtEnd();
+
+  // "path:line: ..." when Next skipped a cut last line; empty otherwise.
+  const std::string& warning() const { return warning_; }
 
  private:
   TraceReader() = default;
-  bool ReadLine();
+  // Reads a line into line_ (without its line end); false at the end of the file.
+  absl::StatusOr<bool> ReadLine();
+  // The next line that is neither blank nor a comment (the pending one first); false at the end.
+  absl::StatusOr<bool> NextDataLine();
   absl::Status LineError(const std::string& what) const;
+  // The host has the free memory to read one record of `sizes` (e.g. "the header's R=2 E=4").
+  absl::Status CheckRecordMemory(const std::string& sizes) const;
 
   std::string path_;
   std::FILE* file_ = nullptr;
@@ -63,7 +81,10 @@ class TraceReader {
   char* line_ = nullptr;  // getline buffer, reused for every line
   size_t line_capacity_ = 0;
   size_t line_length_ = 0;
-  bool pending_ = false;  // line_ holds a data line not yet consumed (CSV sizes came from it)
+  bool terminated_ = false;  // the last line read ended with a newline
+  bool pending_ = false;     // line_ holds a data line not yet consumed (CSV sizes or AtEnd read it)
+  std::vector<int64_t> fields_;  // one line's integers, reused for every line
+  std::string warning_;
 };
 
 // The header line of a moonep trace (with its newline). K may be 0 to leave it out.

@@ -278,6 +278,51 @@ TEST(SimulatorTest, LayersArePlannedApart) {
   EXPECT_NE(r.status().message().find("has no records"), std::string::npos) << r.status();
 }
 
+// A replay runs to the end of the trace (steps = 0, moonep-sim's default with --trace), or stops
+// at `steps` and says so when records are left; a cut last record is skipped with a warning.
+TEST(SimulatorTest, ReplaySaysWhenStepsStopsItAndWhatItSkipped) {
+  std::string text = FormatTraceHeader(2, 4, 2);
+  for (int64_t s = 0; s < 5; ++s) text += FormatTraceRecord(s, 0, {1, 2, 3, 4, 5, 6, 7, 8});
+  const std::string path = ::testing::TempDir() + "/stops.trace";
+  SimOptions o = SmallOptions();
+  o.trace_path = path;
+  o.routing.num_ranks = 0;
+  o.routing.topk = 0;
+  o.policies = {Policy::kMoonEP};
+  auto run = [&o](int64_t steps) {
+    o.steps = steps;
+    auto sim = Simulator::Create(o);
+    EXPECT_TRUE(sim.ok()) << sim.status();
+    auto result = (*sim)->Run(nullptr, nullptr);
+    EXPECT_TRUE(result.ok()) << result.status();
+    return *result;
+  };
+  std::ofstream(path) << text + "# the end\n";
+  for (int64_t steps : {0, 5, 9}) {
+    const SimResult r = run(steps);
+    EXPECT_EQ(r.steps, 5) << steps;
+    EXPECT_FALSE(r.stopped_by_steps) << steps;
+    EXPECT_TRUE(r.warnings.empty()) << steps;
+    EXPECT_EQ(FormatSummary(r, o).find("stopped"), std::string::npos);
+  }
+  const SimResult stopped = run(3);
+  EXPECT_EQ(stopped.steps, 3);
+  EXPECT_TRUE(stopped.stopped_by_steps);
+  EXPECT_NE(FormatSummary(stopped, o).find("3 steps (stopped by --steps=3 before the end of the trace)"),
+            std::string::npos) << FormatSummary(stopped, o);
+  // The sixth record cut in its last count: five replayed, the cut one named.
+  std::ofstream(path, std::ios::trunc) << text + "5 0 1 2 3 4 5 6 7 8";
+  const SimResult cut = run(0);
+  EXPECT_EQ(cut.steps, 5);
+  ASSERT_EQ(cut.warnings.size(), 1u);
+  EXPECT_NE(cut.warnings[0].find("stops.trace:7: the last line has no newline"), std::string::npos)
+      << cut.warnings[0];
+  // Stopped before it, the cut record is neither replayed nor "more of the trace".
+  const SimResult before = run(5);
+  EXPECT_FALSE(before.stopped_by_steps);
+  EXPECT_TRUE(before.warnings.empty());
+}
+
 TEST(SimulatorTest, MemoryDoesNotGrowWithSteps) {
   SimOptions o = SmallOptions();
   o.steps = 3000;

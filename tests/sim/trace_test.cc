@@ -1,4 +1,5 @@
-// Trace reading: round trips of both formats, and malformed files rejected naming the line.
+// Trace reading: round trips of both formats, malformed files rejected naming the line, a cut
+// last record skipped, and sizes no record can match refused before anything is allocated.
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -164,6 +165,98 @@ TEST(TraceTest, CountsPast2To52NameTheLine) {
   const std::vector<TraceRecord> recs = ReadAll(ok->get());
   ASSERT_EQ(recs.size(), 1u);
   EXPECT_EQ(recs[0].counts[0], (int64_t{1} << 52) - 1);
+}
+
+// A moonep trace's last line without a newline is a record cut short (a crash, a full disk): the
+// records before it replay, it is not replayed even when it parses (a count cut in its middle),
+// and the warning names its line.
+TEST(TraceTest, CutLastRecordIsSkippedWithAWarning) {
+  const std::string h = "# moonep-trace v1 R=2 E=4 K=2\n", rec = "0 0 10 6 2 2 9 7 2 2\n";
+  for (const std::string& cut : {std::string("0 1 1 1 5 5 1 1 6 1"), std::string("0 1 1 1 5"),
+                                 std::string("\0\0\0\0", 4)}) {
+    auto reader = TraceReader::Open(WriteFile("cut.trace", h + rec + cut), TraceFormat::kAuto, 0, 0);
+    ASSERT_TRUE(reader.ok()) << reader.status();
+    const std::vector<TraceRecord> recs = ReadAll(reader->get());
+    ASSERT_EQ(recs.size(), 1u) << cut;
+    EXPECT_EQ(recs[0].counts, (std::vector<int64_t>{10, 6, 2, 2, 9, 7, 2, 2}));
+    EXPECT_NE((*reader)->warning().find("cut.trace:3: the last line has no newline"), std::string::npos)
+        << (*reader)->warning();
+  }
+  // Every record whole, or a last line that is only a comment: nothing skipped, no warning.
+  for (const std::string& tail : {std::string(), std::string("# end")}) {
+    auto reader = TraceReader::Open(WriteFile("whole.trace", h + rec + rec + tail), TraceFormat::kAuto, 0, 0);
+    ASSERT_TRUE(reader.ok()) << reader.status();
+    EXPECT_EQ(ReadAll(reader->get()).size(), 2u);
+    EXPECT_EQ((*reader)->warning(), "");
+  }
+  // A CSV comes from other tools, which often end it without a newline: its last row counts.
+  auto csv = TraceReader::Open(WriteFile("nonl.csv", "1,2\n3,4"), TraceFormat::kAuto, 2, 0);
+  ASSERT_TRUE(csv.ok()) << csv.status();
+  const std::vector<TraceRecord> rows = ReadAll(csv->get());
+  ASSERT_EQ(rows.size(), 1u);
+  EXPECT_EQ(rows[0].counts, (std::vector<int64_t>{1, 2, 3, 4}));
+  EXPECT_EQ((*csv)->warning(), "");
+}
+
+TEST(TraceTest, AtEndLooksAheadWithoutConsuming) {
+  const std::string h = "# moonep-trace v1 R=1 E=2\n";
+  auto reader = TraceReader::Open(WriteFile("ahead.trace", h + "0 0 1 2\n# c\n\n1 0 3 4\n# end\n"),
+                                  TraceFormat::kAuto, 0, 0);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  TraceRecord r;
+  for (int64_t step = 0; step < 2; ++step) {
+    auto at_end = (*reader)->AtEnd();
+    ASSERT_TRUE(at_end.ok()) << at_end.status();
+    EXPECT_FALSE(*at_end);
+    auto got = (*reader)->Next(&r);
+    ASSERT_TRUE(got.ok() && *got);
+    EXPECT_EQ(r.step, step);
+  }
+  auto at_end = (*reader)->AtEnd();
+  ASSERT_TRUE(at_end.ok()) << at_end.status();
+  EXPECT_TRUE(*at_end);
+  // A cut last record is no record.
+  auto cut = TraceReader::Open(WriteFile("ahead_cut.trace", h + "0 0 1 2\n1 0 3"), TraceFormat::kAuto, 0, 0);
+  ASSERT_TRUE(cut.ok()) << cut.status();
+  ASSERT_TRUE((*cut)->Next(&r).ok());
+  at_end = (*cut)->AtEnd();
+  ASSERT_TRUE(at_end.ok()) << at_end.status();
+  EXPECT_TRUE(*at_end);
+}
+
+// A directory (or a read error) is not an empty trace: the error names the path and errno's text.
+TEST(TraceTest, UnreadableTraceIsAnError) {
+  const std::string dir = ::testing::TempDir();
+  auto reader = TraceReader::Open(dir, TraceFormat::kAuto, 1, 0);
+  ASSERT_FALSE(reader.ok());
+  EXPECT_EQ(reader.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(reader.status().message().find("cannot read trace '" + dir + "'"), std::string::npos)
+      << reader.status();
+  EXPECT_NE(reader.status().message().find("Is a directory"), std::string::npos) << reader.status();
+}
+
+// A header whose records cannot fit in the file is refused at its line before a record is read:
+// a 45-byte file once made the reader allocate R*E counts (16 GiB) first.
+TEST(TraceTest, SizesNoRecordCanMatchAreRefused) {
+  ExpectError("hugehdr.trace", "# moonep-trace v1 R=32768 E=65536 K=8\n0 0 1\n", TraceFormat::kAuto, 0, 0,
+              {"hugehdr.trace:1:", "the header's R=32768 E=65536", "at least 4294967300 bytes",
+               "the file has 6 bytes after the header", "no record fits"});
+  // One byte short of the smallest record (single digits, single spaces, a newline): refused;
+  // that record itself is read.
+  const std::string h = "# moonep-trace v1 R=1 E=2\n";
+  ExpectError("short_rec.trace", h + "0 0 1 \n", TraceFormat::kAuto, 0, 0,
+              {"short_rec.trace:1:", "at least 8 bytes", "has 7 bytes"});
+  auto ok = TraceReader::Open(WriteFile("min_rec.trace", h + "0 0 1 2\n"), TraceFormat::kAuto, 0, 0);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ReadAll(ok->get()).size(), 1u);
+  // R*E above 2^31, from a header or from --ranks times a CSV row.
+  ExpectError("above.trace", "# moonep-trace v1 R=65536 E=65536\n0 0\n", TraceFormat::kAuto, 0, 0,
+              {"above.trace:1:", "R*E = 4294967296", "above 2147483648"});
+  ExpectError("above.csv", "1,2\n", TraceFormat::kCsv, 2000000000, 0,
+              {"above.csv:1:", "--ranks=2000000000 rows of 2 counts", "above 2147483648"});
+  // A CSV's rows are read one at a time: a --ranks far above them is an error naming the rows.
+  ExpectError("ranks.csv", "1,2\n3,4\n", TraceFormat::kCsv, 1000000, 0,
+              {"ranks.csv:2:", "file ends after 2 of the 1000000 rows of step 0"});
 }
 
 }  // namespace
