@@ -77,6 +77,10 @@ struct OpCounters {
 // max_tokens * max_top_k <= kMaxEntries (layout.h: entries are indexed with int32), and for the
 // host backends max_row_bytes <= kMaxRowBytes (MPI counts a row's bytes with an int).
 constexpr int64_t kMaxRowBytes = int64_t{1} << 30;
+// The most experts an ExchangeCounts describes (a count message holds one int64 per expert): the
+// runtime's own bound (moonep/runtime/layer_config.h, kMaxLayerExperts). Above it the call fails
+// like a bad num_experts; a count message of INT32_MAX experts overflowed its width and aborted.
+constexpr int32_t kMaxExperts = int32_t{1} << 20;
 // A longer timeout (options or MOONEP_TIMEOUT_MS) is taken as this one (about 31.7 years): a
 // deadline of now() + timeout must stay within the clock's range.
 constexpr int64_t kMaxTimeoutMs = param::kMaxTimeoutMs;

@@ -265,7 +265,9 @@ moonepResult_t moonepCommInitFromEnv(moonepComm_t* comm) {
 }
 
 moonepResult_t moonepCommDestroy(moonepComm_t comm) {
-  return Guard("moonepCommDestroy", [&]() -> absl::Status {
+  // GuardOn: a refusal (live children) is also the communicator's last error; after a successful
+  // destroy the communicator is no longer live and nothing is recorded on it.
+  return moonep::capi::GuardOn(comm, "moonepCommDestroy", [&]() -> absl::Status {
     MOONEP_RETURN_IF_ERROR(CheckHandle(comm, Kind::kComm, "comm"));
     if (comm->children > 0) {
       return moonep::InvalidUsage("comm still has %d layers / EP buffers; destroy them first",

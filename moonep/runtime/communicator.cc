@@ -202,6 +202,17 @@ absl::StatusOr<MPI_Comm> CreateGroup(MPI_Comm world, const std::vector<int>& mem
 
 }  // namespace
 
+namespace {
+
+void FinalizeAtExit() {
+  std::lock_guard<std::mutex> lock(g_mpi_mutex);
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized && g_live_comms == 0) MPI_Finalize();
+}
+
+}  // namespace
+
 absl::Status EnsureMpi() {
   std::lock_guard<std::mutex> lock(g_mpi_mutex);
   int initialized = 0, finalized = 0;
@@ -219,6 +230,10 @@ absl::Status EnsureMpi() {
     const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
     if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Init_thread");
     g_we_initialized_mpi = true;
+    // A creation that fails leaves no communicator to destroy, so ReleaseMpi never runs; a process
+    // that exits without MPI_Finalize is reported by mpirun as an abnormal termination (exit 1,
+    // its peers killed). Finalize at exit then, when no communicator is live.
+    std::atexit(FinalizeAtExit);
   }
   return absl::OkStatus();
 }
@@ -459,7 +474,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> Communicator::FromUniqueId(const U
 absl::StatusOr<std::unique_ptr<Communicator>> Communicator::FromEnvironment() {
   absl::StatusOr<LaunchInfo> info = ReadLaunchInfo();
   // No launcher variable at all: not started by a launcher, so no peer waits for this process.
-  if (absl::IsNotFound(info.status())) return info.status();
+  // It is a misuse (no launcher) like a size that is not MPI_COMM_WORLD's: InvalidUsage for both.
+  if (absl::IsNotFound(info.status())) return InvalidUsage("%s", info.status().message());
   MOONEP_RETURN_IF_ERROR(EnsureMpi());
   constexpr const char* kPhase = "communicator creation (moonepCommInitFromEnv)";
   const CreationTimeout timeout = ReadCreationTimeout();

@@ -187,8 +187,13 @@ absl::StatusOr<LayerHandle> EpBuffer::Dispatch(int64_t num_tokens, const TensorV
   stats_.seconds[static_cast<int>(Phase::kCounts)] = Since(t);
   ++stats_.step;
   if (TraceWriter* trace = comm_->trace()) {
-    if (!trace->Append(stats_.step - 1, layer_id_, comm_->size(), config_.num_experts,
-                       config_.top_k, ctx->dispatch.counts()).ok()) {
+    const absl::Status traced = trace->Append(stats_.step - 1, layer_id_, comm_->size(),
+                                              config_.num_experts, config_.top_k,
+                                              ctx->dispatch.counts());
+    if (!traced.ok()) {
+      // As the layer does: only rank 0 writes, so a write error must not fail the collective
+      // dispatch, but it is said (it was silent here).
+      MOONEP_WARN("routing trace disabled: %s", traced.message());
       (void)comm_->SetTracePath("");
     }
   }

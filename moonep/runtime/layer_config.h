@@ -18,7 +18,7 @@ class Communicator;
 
 // Bounds of a layer or EP buffer config (CheckLayerConfig): experts per layer, and forwards (EP
 // dispatches) alive at once.
-constexpr int32_t kMaxLayerExperts = 1 << 20;
+constexpr int32_t kMaxLayerExperts = transport::kMaxExperts;
 constexpr int32_t kMaxInflight = 1024;
 
 struct LayerConfig {

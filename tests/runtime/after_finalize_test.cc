@@ -34,6 +34,15 @@ void ExpectFinalizedError(moonepResult_t r, int rank, const char* call) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc > 1 && std::strcmp(argv[1], "failed-creation") == 0) {
+    moonepUniqueId id;
+    std::memset(&id, 0, sizeof(id));  // not made by moonepGetUniqueId: refused on every rank
+    moonepComm_t comm = nullptr;
+    const moonepResult_t r = moonepCommInitRank(&comm, 2, id, 0);
+    Expect(r == moonepInvalidArgument, -1, "moonepCommInitRank with a zeroed id",
+           std::string(moonepGetErrorString(r)) + ": " + moonepGetLastThreadError());
+    return failures == 0 ? 0 : 1;
+  }
   MPI_Init(&argc, &argv);
   int rank = 0, size = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);

@@ -241,6 +241,13 @@ TEST_F(CApiTest, FromEnvironmentRefusesMalformedVariables) {
     EXPECT_EQ(m.result, moonepInvalidArgument) << c.var << "=" << c.value << ": " << m.message;
     EXPECT_TRUE(Has(m.message, c.expect)) << m.message;
   }
+  {  // No launcher variable at all: a misuse, like a size that is not MPI_COMM_WORLD's.
+    ScopedEnv env;
+    env.ClearLauncher();
+    const Made m = InitFromEnv();
+    EXPECT_EQ(m.result, moonepInvalidUsage) << m.message;
+    EXPECT_TRUE(Has(m.message, "no launcher environment found")) << m.message;
+  }
   {  // Half a pair: named, not "no launcher environment found".
     ScopedEnv env;
     env.ClearLauncher();
@@ -573,6 +580,8 @@ TEST_F(CApiTest, LayerMatchesReferenceAndReportsStats) {
   tiny.size = 4;
   EXPECT_EQ(moonepLayerGetStats(layer, &tiny), moonepInvalidArgument);
   EXPECT_EQ(moonepCommDestroy(comm_), moonepInvalidUsage);  // the layer is still alive
+  EXPECT_NE(std::string(moonepGetLastError(comm_)).find("destroy them first"), std::string::npos)
+      << moonepGetLastError(comm_);
   EXPECT_EQ(moonepLayerDestroy(layer), moonepSuccess);
   // After destroy: refused, not dereferenced.
   EXPECT_EQ(moonepLayerForward(layer, t.tokens, t.x.data(), t.ids.data(), t.weights.data(),
@@ -809,6 +818,27 @@ TEST_F(CApiTest, OversizedConfigsFailOnEveryRank) {
   c = Config(moonepPolicyMoonEP);
   ASSERT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepSuccess) << moonepGetLastError(comm_);
   EXPECT_EQ(moonepLayerDestroy(layer), moonepSuccess);
+}
+
+// A routing trace that cannot be written: the EP buffer's dispatches go on (only rank 0 writes, so a
+// write error must not fail the collective call), tracing is turned off with a warning (it was
+// silent in the EP buffer; the registration runtime_capi_trace_warning_test checks the log).
+TEST_F(CApiTest, EpBufferTraceWriteErrorWarnsAndDispatchGoesOn) {
+  const DType dt = DType::kFloat32;
+  GlobalProblem g = MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kTokens, dt, 9);
+  RankTensors t = MakeRankTensors(g, rank(), dt);
+  ASSERT_EQ(moonepCommSetTrace(comm_, "/nonexistent-moonep-dir/trace.txt"), moonepSuccess);
+  moonepEpBufferConfig_t c = Config(moonepPolicyMoonEP);
+  moonepEpBuffer_t buf = nullptr;
+  ASSERT_EQ(moonepEpBufferCreate(comm_, &c, &buf), moonepSuccess) << moonepGetLastError(comm_);
+  for (int step = 0; step < 2; ++step) {
+    moonepEpHandle_t h = nullptr;
+    ASSERT_EQ(moonepEpDispatch(buf, t.tokens, t.x.data(), t.ids.data(), t.weights.data(), &h),
+              moonepSuccess) << moonepGetLastError(comm_);
+    ASSERT_EQ(moonepEpRelease(buf, h), moonepSuccess) << moonepGetLastError(comm_);
+  }
+  EXPECT_EQ(moonepEpBufferDestroy(buf), moonepSuccess) << moonepGetLastError(comm_);
+  ASSERT_EQ(moonepCommSetTrace(comm_, nullptr), moonepSuccess);
 }
 
 TEST_F(CApiTest, EpBufferMovesRowsWeightsAndGradients) {

@@ -109,6 +109,25 @@ absl::Status CheckMpiNotFinalized(const char* what) {
                       "before MPI_Finalize (their MPI resources are left as they are)", what);
 }
 
+namespace {
+constexpr int64_t kGaveUpBit = 1 << 8;  // above every OpKind
+}  // namespace
+
+int64_t AbortCode(OpKind kind, const absl::Status& status) {
+  return static_cast<int64_t>(kind) | (absl::IsDeadlineExceeded(status) ? kGaveUpBit : 0);
+}
+
+bool IsGaveUpNotice(int64_t code) { return (code & kGaveUpBit) != 0; }
+
+absl::Status AbortNoticeError(int rank, int64_t code) {
+  const OpKind kind = static_cast<OpKind>(code & (kGaveUpBit - 1));
+  if (code & kGaveUpBit) {
+    return RemoteError("rank %d gave up waiting in %s (MOONEP_TIMEOUT_MS: it heard nothing from a "
+                       "peer); the transport is unusable", rank, OpName(kind));
+  }
+  return RemoteError("rank %d failed in %s; the transport is unusable", rank, OpName(kind));
+}
+
 absl::Status AgreeOnCreationChecks(MPI_Comm comm, const absl::Status& local, const char* refused) {
   int ok = local.ok() ? 1 : 0, all_ok = 0;
   const int rc = MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, comm);

@@ -60,6 +60,14 @@ absl::Status AgreeOnCreationChecks(MPI_Comm comm, const absl::Status& local, con
 // destroyed): no MPI call may be made then, and Open MPI aborts the whole job on one. `what`
 // names the call ("transport mpi destruction", "dispatch").
 absl::Status CheckMpiNotFinalized(const char* what);
+// The abort notice a host backend sends its peers when an operation fails on this rank: the
+// operation's kind, and whether this rank gave up waiting (a timeout) rather than failed.
+int64_t AbortCode(OpKind kind, const absl::Status& status);
+// What a peer's notice makes of the operation in flight: RemoteError naming the rank, the
+// operation and (for a timeout) that it gave up waiting.
+absl::Status AbortNoticeError(int rank, int64_t code);
+// Whether the notice says the peer gave up waiting (a timeout) rather than failed.
+bool IsGaveUpNotice(int64_t code);
 
 // A 2-D contiguous matrix of fp32 or bf16 in memory of `device` (as its TensorView says; a device
 // backend also checks the pointer itself) with at least max(min_rows, 0) rows and `cols` columns

@@ -213,8 +213,13 @@ class MpiTransport : public Transport {
   absl::Status AbortOperation(OpKind kind, absl::Status status) override {
     return poisoned_.ok() ? AbortPeers(kind, std::move(status)) : status;
   }
-  // Checks for a peer's abort notice.
-  absl::Status PollAbort();
+  // Checks for a peer's abort notice: a failure notice fails at once. A notice that the peer gave up
+  // waiting (timed out) is kept and fails only an operation that starts or completes after it
+  // (`gave_up_too`): one still waiting keeps waiting, so that its own timeout names the rank it
+  // waits for rather than the peer that gave up first.
+  absl::Status PollAbort(bool gave_up_too = false);
+  // Receives a peer's notice, if one came, and keeps it for PollAbort; whether a peer gave up.
+  bool PeerGaveUp();
   // Reduce staging: one buffer per reduce in flight, reused.
   common::BufferPool<std::vector<char>> reduce_staging;
   MetaType meta_type;  // dispatch metadata, counted in rows
@@ -241,6 +246,8 @@ class MpiTransport : public Transport {
   std::array<int64_t, 2> abort_in_{};
   std::array<int64_t, 2> abort_out_{};
   absl::Status poisoned_;
+  absl::Status notice_;   // a peer's failure notice, not yet acted on
+  absl::Status gave_up_;  // a peer's notice that it gave up waiting, not yet acted on
   bool dirty_ = false;  // this rank failed, was told of a failure, or skipped an operation
   std::array<OpCounters, static_cast<int>(OpKind::kNumKinds)> counters_{};
 };
@@ -271,6 +278,11 @@ void MpiOp::Release() {
 
 absl::Status MpiOp::Begin(absl::Status started) {
   if (!started.ok()) return Fail(started);
+  // A peer gave up before this operation began (this rank is late): fail now, with its reason. (A
+  // failure notice shows at the first Test, as before.)
+  if (transport_->PeerGaveUp()) {
+    return Fail(transport_->PollAbort(/*gave_up_too=*/true), /*notify_peers=*/false);
+  }
   return absl::OkStatus();
 }
 
@@ -390,7 +402,11 @@ absl::StatusOr<bool> MpiOp::Test() {
     }
   }
   if (active_ == 0) {
-    absl::Status s = Finish();
+    // A peer that gave up (timed out) may have sent its part before it did: its notice fails the
+    // operation, which must not pass on data the peer abandoned.
+    absl::Status s = transport_->PollAbort(/*gave_up_too=*/true);
+    if (!s.ok()) return Fail(s, /*notify_peers=*/false);
+    s = Finish();
     if (!s.ok()) return Fail(s);
     done_ = true;
     Ended();
@@ -451,10 +467,10 @@ absl::Status MpiOp::Fail(absl::Status status, bool notify_peers) {
   const bool remote = ToResult(status) == moonepRemoteError;
   if (active_ != 0 ||
       !(absl::IsInvalidArgument(status) || absl::IsResourceExhausted(status) || remote)) {
-    // Peers blocked on this rank learn at once, except on a timeout: each rank reports its own.
-    if (notify_peers && !remote && !absl::IsDeadlineExceeded(status)) {
-      transport_->AbortPeers(kind_, status).IgnoreError();
-    }
+    // Peers learn at once, also of a timeout: a late peer then fails its call with the reason
+    // instead of completing it on what this rank sent before it gave up (or waiting a second
+    // timeout and blaming this rank).
+    if (notify_peers && !remote) transport_->AbortPeers(kind_, status).IgnoreError();
     transport_->Poison(status);
   }
   return status;
@@ -1202,7 +1218,7 @@ absl::Status MpiTransport::Usable() const {
 }
 
 absl::Status MpiTransport::AbortPeers(OpKind kind, absl::Status status) {
-  abort_out_ = {rank_, static_cast<int64_t>(kind)};
+  abort_out_ = {rank_, common::AbortCode(kind, status)};
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
     MPI_Request request;
@@ -1215,16 +1231,23 @@ absl::Status MpiTransport::AbortPeers(OpKind kind, absl::Status status) {
   return status;
 }
 
-absl::Status MpiTransport::PollAbort() {
-  if (abort_request_ == MPI_REQUEST_NULL) return absl::OkStatus();
-  int done = 0;
-  MPI_Test(&abort_request_, &done, MPI_STATUS_IGNORE);
-  if (!done) return absl::OkStatus();
-  abort_request_ = MPI_REQUEST_NULL;
-  absl::Status s = RemoteError("rank %d failed in %s; the transport is unusable",
-                               static_cast<int>(abort_in_[0]),
-                               OpName(static_cast<OpKind>(abort_in_[1])));
-  Poison(s);
+bool MpiTransport::PeerGaveUp() {
+  if (abort_request_ != MPI_REQUEST_NULL) {
+    int done = 0;
+    MPI_Test(&abort_request_, &done, MPI_STATUS_IGNORE);
+    if (done) {
+      abort_request_ = MPI_REQUEST_NULL;
+      absl::Status s = common::AbortNoticeError(static_cast<int>(abort_in_[0]), abort_in_[1]);
+      (common::IsGaveUpNotice(abort_in_[1]) ? gave_up_ : notice_) = s;
+    }
+  }
+  return !gave_up_.ok();
+}
+
+absl::Status MpiTransport::PollAbort(bool gave_up_too) {
+  const bool gave_up = PeerGaveUp();
+  absl::Status s = !notice_.ok() ? notice_ : (gave_up && gave_up_too ? gave_up_ : absl::OkStatus());
+  if (!s.ok()) Poison(s);
   return s;
 }
 
@@ -1245,9 +1268,9 @@ absl::StatusOr<RequestPtr> MpiTransport::StartExchangeCounts(absl::Span<const in
   // A handle or E this rank cannot even describe to peers: nothing can be sent, so this is a
   // local error that the peers learn about through the abort channel.
   if (handle == nullptr) return AbortPeers(OpKind::kCounts, InvalidArgument("handle is null"));
-  if (num_experts < 1) {
-    return AbortPeers(OpKind::kCounts,
-                      InvalidArgument("num_experts must be >= 1, got %d", num_experts));
+  if (num_experts < 1 || num_experts > kMaxExperts) {
+    return AbortPeers(OpKind::kCounts, InvalidArgument("num_experts must be in [1, %d], got %d",
+                                                       kMaxExperts, num_experts));
   }
   // Refused before anything reaches the peers; the transport stays usable.
   if (handle->counts_in_flight_.value) return common::CountsInFlightError();

@@ -1091,8 +1091,10 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
   }
   // Nothing can be described to the peers without a handle and E: they time out on this rank.
   if (h == nullptr) return Fatal(InvalidArgument("handle is null"));
-  if (num_experts < 1)
-    return Fatal(InvalidArgument("num_experts must be >= 1, got %d", num_experts));
+  if (num_experts < 1 || num_experts > kMaxExperts) {
+    return Fatal(InvalidArgument("num_experts must be in [1, %d], got %d", kMaxExperts,
+                                 num_experts));
+  }
   absl::Status local;
   // The maxima first: within them num_tokens * top_k <= kMaxEntries cannot overflow.
   if (num_tokens < 0 || top_k < 0) {

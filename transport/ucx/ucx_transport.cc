@@ -295,7 +295,10 @@ class UcxTransport : public Transport {
   absl::Status AbortOperation(OpKind kind, absl::Status status) override {
     return poisoned_.ok() ? AbortPeers(kind, std::move(status)) : status;
   }
-  absl::Status PollAbort();
+  // A peer's abort notice; one that says the peer gave up waiting fails only an operation that
+  // starts or completes after it (`gave_up_too`), as in the mpi backend.
+  absl::Status PollAbort(bool gave_up_too = false);
+  bool PeerGaveUp() const { return abort_seen_ && common::IsGaveUpNotice(abort_kind_); }
   // One ucp_worker_progress for every operation and peer, then completed sends are reaped.
   void Progress();
   // Sends a control message; *id (if given) names it for MessagePending (0: already complete).
@@ -445,6 +448,10 @@ UcxOp::~UcxOp() {
 
 absl::Status UcxOp::Begin(absl::Status started) {
   if (!started.ok()) return Fail(started);
+  // A peer gave up before this operation began (this rank is late): fail now, with its reason. (A
+  // failure notice shows at the first Test, as before.)
+  transport_->Progress();  // notices arrive through the worker's progress
+  if (transport_->PeerGaveUp()) return Fail(transport_->PollAbort(/*gave_up_too=*/true));
   return absl::OkStatus();
 }
 
@@ -668,7 +675,10 @@ absl::StatusOr<bool> UcxOp::Test() {
     }
   }
   if (awaiting_message_.empty() && awaiting_signal_.empty() && flushes_.empty() && sent_.empty()) {
-    absl::Status s = Finish();
+    // A peer that gave up (timed out) may have sent its part before it did: see the mpi backend.
+    absl::Status s = transport_->PollAbort(/*gave_up_too=*/true);
+    if (!s.ok()) return Fail(s);
+    s = Finish();
     if (!s.ok()) return Fail(s);
     done_ = true;
     Cleanup();
@@ -702,9 +712,8 @@ absl::Status UcxOp::Fail(absl::Status status) {
   Cleanup();
   const bool remote = ToResult(status) == moonepRemoteError;
   if (pending || !Agreed(status)) {
-    if (!remote && !absl::IsDeadlineExceeded(status)) {
-      transport_->AbortPeers(kind_, status).IgnoreError();
-    }
+    // Also on a timeout: a late peer fails its call with the reason (see the mpi backend).
+    if (!remote) transport_->AbortPeers(kind_, status).IgnoreError();
     transport_->Poison(status);
   }
   return status;
@@ -1997,7 +2006,8 @@ absl::Status UcxTransport::AbortPeers(OpKind kind, absl::Status status) {
   if (closed_) return status;  // no endpoints left to tell the peers through
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
-    SendMessage(r, kMsgAbort, 0, 0, static_cast<int32_t>(kind), {}).IgnoreError();
+    SendMessage(r, kMsgAbort, 0, 0, static_cast<int32_t>(common::AbortCode(kind, status)), {})
+        .IgnoreError();
   }
   // Push the notices out now: the caller may not call into the transport again until Close (a
   // notice still queued then reaches the peers only after they timed out). Until the queue is
@@ -2008,10 +2018,10 @@ absl::Status UcxTransport::AbortPeers(OpKind kind, absl::Status status) {
   return status;
 }
 
-absl::Status UcxTransport::PollAbort() {
+absl::Status UcxTransport::PollAbort(bool gave_up_too) {
   if (!abort_seen_) return absl::OkStatus();
-  absl::Status s = RemoteError("rank %d failed in %s; the transport is unusable", abort_rank_,
-                               OpName(static_cast<OpKind>(abort_kind_)));
+  if (common::IsGaveUpNotice(abort_kind_) && !gave_up_too) return absl::OkStatus();
+  absl::Status s = common::AbortNoticeError(abort_rank_, abort_kind_);
   Poison(s);
   return s;
 }
@@ -2046,9 +2056,9 @@ absl::StatusOr<RequestPtr> UcxTransport::StartExchangeCounts(absl::Span<const in
   // A handle or E this rank cannot even describe to peers: nothing can be sent, so this is a
   // local error that the peers learn about through the abort channel.
   if (handle == nullptr) return AbortPeers(OpKind::kCounts, InvalidArgument("handle is null"));
-  if (num_experts < 1) {
-    return AbortPeers(OpKind::kCounts,
-                      InvalidArgument("num_experts must be >= 1, got %d", num_experts));
+  if (num_experts < 1 || num_experts > kMaxExperts) {
+    return AbortPeers(OpKind::kCounts, InvalidArgument("num_experts must be in [1, %d], got %d",
+                                                       kMaxExperts, num_experts));
   }
   // Refused before anything reaches the peers; the transport stays usable.
   if (handle->counts_in_flight_.value) return common::CountsInFlightError();

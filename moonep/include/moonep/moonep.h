@@ -5,8 +5,9 @@
  * C API (C99). Every call returns a moonepResult_t. Objects are opaque handles.
  *
  * Thread safety: MoonEP objects are not thread-safe, but the library is reentrant: distinct
- * handles may be used concurrently from distinct threads; one handle must not be used by two
- * threads at once. moonepGetVersion and moonepGetErrorString may be called from any thread.
+ * planners may be used concurrently from distinct threads; one planner must not be used by two
+ * threads at once. moonepGetVersion and moonepGetErrorString may be called from any thread. For
+ * communicators and the objects made on them (moonep_runtime.h) the unit is the communicator.
  */
 #ifndef MOONEP_H_
 #define MOONEP_H_

@@ -7,7 +7,10 @@
  *   - Every call returns a moonepResult_t. On failure, moonepGetLastThreadError() and
  *     moonepGetLastError(comm) give a message that names the argument or the phase and peer.
  *   - Objects are opaque handles. A handle that was destroyed (or never created) is refused with
- *     moonepInvalidUsage, never dereferenced.
+ *     moonepInvalidUsage, never dereferenced, as long as its address was not reused: a later
+ *     object may get the address of a destroyed one, and a stale handle then names that object
+ *     (layer and EP handles are slots that later forwards / dispatches reuse the same way). Do not
+ *     keep handles past destroy or release.
  *   - Config structs carry their own size and version. Initialise them with their
  *     ..._INITIALIZER macro, then set fields: a library newer than the header reads only `size`
  *     bytes and uses defaults for the rest.
@@ -16,21 +19,35 @@
  *     moonepDeviceCuda (MoE layer and EP buffer; the EP buffer's calls order themselves after the
  *     legacy default stream). Top-k ids are int32 (-1: no expert), top-k weights fp32.
  *   - Collective calls (marked [collective]) must be called by every rank of the communicator, in
- *     the same order. A bad argument on one rank fails that call on every rank (the others get
- *     moonepRemoteError naming it) where the call begins with an exchange (creation, forward,
- *     dispatch); elsewhere the other ranks fail with moonepTimeout after MOONEP_TIMEOUT_MS.
+ *     the same order, on the handles of the same forward / dispatch: the calls are matched by
+ *     their order, so a rank that runs two backwards (or a combine and a dispatch-backward) in
+ *     another order than its peers is not detected where the row counts agree, and computes on
+ *     the wrong rows. A bad argument on one rank fails that call on every rank: the others get
+ *     moonepRemoteError naming it, at once (over nccl, after a call that begins with an exchange
+ *     - creation, forward, dispatch - only; its other calls' peers fail with moonepTimeout after
+ *     MOONEP_TIMEOUT_MS). A rank that times out tells its peers too (mpi, ucx): a late rank's
+ *     next call fails at once with moonepRemoteError ("rank 0 gave up waiting in ...").
  *
  * Thread safety: MoonEP objects are not thread-safe, but the library is reentrant: distinct
  * communicators (and the layers and buffers made on them) may be used concurrently from distinct
  * threads when MPI provides MPI_THREAD_MULTIPLE (initialise MPI with it before the first MoonEP
  * call; MoonEP itself initialises MPI_THREAD_SERIALIZED: then use MoonEP from one thread at a time);
- * one communicator and its objects must not be used by two threads at once. The
- * moonepGetUniqueId, moonepGetVersion and moonepGetErrorString calls may be made from any thread.
+ * one communicator and its objects (two layers of it included: they share its replica buffers)
+ * must not be used by two threads at once. Creation calls over the same parent communicator
+ * (MPI_COMM_WORLD for moonepCommInitRank and moonepCommInitFromEnv) are collectives over it: make
+ * them from one thread at a time, in the same order on every process. The moonepGetUniqueId,
+ * moonepGetVersion and moonepGetErrorString calls may be made from any thread.
  *
  * Backends: transports mpi, ucx (host memory) and nccl (GPU memory). Every communicator is built
  * on MPI (mpirun, srun): moonepCommInitRank and moonepCommInitFromEnv build it out of
  * MPI_COMM_WORLD, and the UCX and NCCL transports bootstrap over it. When MoonEP initialises MPI
- * itself it finalizes it when its last communicator is destroyed.
+ * itself it finalizes it when its last communicator is destroyed (that moonepCommDestroy then
+ * waits in MPI_Finalize for every process of the job, and no communicator can be made after it:
+ * MPI cannot be initialised twice), or at process exit when no communicator is live (a creation
+ * that failed). A caller
+ * that initialises MPI itself destroys MoonEP's objects before its MPI_Finalize: calls after it
+ * return moonepInvalidUsage ("MPI was finalized") and leave the objects' MPI resources as they
+ * are.
  */
 #ifndef MOONEP_RUNTIME_H_
 #define MOONEP_RUNTIME_H_
@@ -77,8 +94,8 @@ MOONEP_API moonepResult_t moonepCommInitMpi(moonepComm_t* comm, const void* mpi_
  * OMPI_COMM_WORLD_RANK/SIZE (mpirun), PMI_RANK/SIZE, SLURM_PROCID/NTASKS (srun), or torchrun's
  * RANK/WORLD_SIZE (the first pair set; local ranks are not read), and orders MPI_COMM_WORLD by
  * that rank. A malformed variable: moonepInvalidArgument naming it (the other ranks:
- * moonepRemoteError); a rank given twice: moonepInvalidArgument; a size that is not
- * MPI_COMM_WORLD's (no MPI launcher): moonepInvalidUsage.
+ * moonepRemoteError); a rank given twice: moonepInvalidArgument; no launcher variable at all, or
+ * a size that is not MPI_COMM_WORLD's (no MPI launcher): moonepInvalidUsage.
  *
  * Every communicator creation waits at most MOONEP_TIMEOUT_MS for the other ranks, then fails
  * with moonepTimeout naming the phase; a rank that calls it after the others gave up fails too.
