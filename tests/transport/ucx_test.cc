@@ -4,8 +4,10 @@
 // registered on first use, and the bounded registration cache evicts old regions (peers drop their
 // keys) while results stay correct, also for a buffer used again after its eviction.
 #include <gtest/gtest.h>
+#include <mpi.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -186,6 +188,49 @@ TEST_F(UcxRegistrationTest, OperationReusingTheSlotOfOneInFlightIsRefused) {
   }
   ASSERT_TRUE(t_->ExchangeCounts(p_.ids[me], T, p_.K, p_.E, cap_, &h1).ok());
   ASSERT_TRUE(t_->Dispatch(plan_, x, p_.weights[me], &h1, rows1_v, absl::MakeSpan(w1)).ok());
+}
+
+// MOONEP_UCX_EAGER_BYTES set on one rank only (tests/runtime/bad_env_on_one_rank.sh, registered
+// as transport_ucx_eager_bytes_differ_np2): creation fails on every rank naming the variable.
+// Before, each rank picked eager or put on its own and a reduce timed out on both sides.
+TEST(UcxEnvironment, EagerBytesDifferingBetweenRanksFailsCreation) {
+  if (std::getenv("MOONEP_TEST_BAD_RANK") == nullptr) {
+    GTEST_SKIP() << "run through bad_env_on_one_rank.sh (transport_ucx_eager_bytes_differ_np2)";
+  }
+  TransportOptions o;
+  o.max_tokens = 4;
+  o.max_top_k = 2;
+  o.max_row_bytes = 16;
+  auto t = CreateTransport("ucx", o);
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(ToResult(t.status()), moonepInvalidArgument) << t.status();
+  EXPECT_NE(t.status().message().find("MOONEP_UCX_EAGER_BYTES differs between ranks"),
+            std::string::npos) << t.status();
+}
+
+// Ranks that cannot all reach each other (tests/transport/ucx_tls_per_rank.sh: UCX_TLS by rank,
+// registered as transport_ucx_unreachable_np3): creation fails on every rank within the test's
+// time, rank 1 (which reached both peers) names the peer whose set-up failed. Before, the
+// ranks whose endpoint failed returned while rank 1 waited in MPI_Allgather forever.
+TEST(UcxEnvironment, RanksThatCannotConnectFailCreationEverywhere) {
+  if (std::getenv("MOONEP_TEST_UCX_TLS_PER_RANK") == nullptr) {
+    GTEST_SKIP() << "run through ucx_tls_per_rank.sh (transport_ucx_unreachable_np3)";
+  }
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  TransportOptions o;
+  o.max_tokens = 4;
+  o.max_top_k = 2;
+  o.max_row_bytes = 16;
+  auto t = CreateTransport("ucx", o);
+  ASSERT_FALSE(t.ok());
+  if (rank == 1) {  // its own endpoints were made: it names a peer whose set-up failed
+    const std::string m(t.status().message());
+    EXPECT_TRUE(m.find("its UCX set-up failed") != std::string::npos ||
+                m.find("another rank could not connect") != std::string::npos) << m;
+  } else {
+    EXPECT_NE(t.status().message().find("endpoint to rank"), std::string::npos) << t.status();
+  }
 }
 
 TEST(UcxStats, OtherBackendsAreRejected) {

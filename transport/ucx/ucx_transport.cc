@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <map>
 #include <new>
 #include <mutex>
@@ -1526,6 +1527,21 @@ absl::StatusOr<std::unique_ptr<Transport>> UcxTransport::Create(const TransportO
     const int local_size = common::LocalRanks(t->comm_);  // collective: every rank, here
     if (checked.ok()) t->host_pool_ = common::MakeHostPool(options.host_threads, local_size);
   }
+  {
+    // Sender and receiver of a reduce contribution pick eager or put by the same threshold: a
+    // MOONEP_UCX_EAGER_BYTES set differently on one rank left both waiting for the other kind of
+    // message until the timeout. The largest and smallest value over the ranks that read one.
+    const int64_t none = std::numeric_limits<int64_t>::min();
+    const int64_t mine[2] = {checked.ok() ? t->eager_bytes_ : none,
+                             checked.ok() ? -t->eager_bytes_ : none};
+    int64_t agreed[2] = {none, none};
+    MOONEP_RETURN_IF_ERROR(mpi(MPI_Allreduce(mine, agreed, 2, MPI_INT64_T, MPI_MAX, t->comm_),
+                               "MPI_Allreduce"));
+    if (checked.ok() && agreed[0] != -agreed[1]) {
+      checked = InvalidArgument("MOONEP_UCX_EAGER_BYTES differs between ranks (%d to %d bytes); "
+                                "set it alike on every rank", -agreed[1], agreed[0]);
+    }
+  }
 
   // Every rank sets up locally, then all agree that every rank succeeded before exchanging.
   absl::Status local = [&]() -> absl::Status {
@@ -1580,45 +1596,68 @@ absl::StatusOr<std::unique_ptr<Transport>> UcxTransport::Create(const TransportO
                               MPI_BYTE, t->comm_),
                "MPI_Allgatherv");
   };
+  // Every rank makes both exchanges and the agreement after them whatever fails on it (a rank
+  // that returned early left its peers in MPI_Allgather with no deadline: different UCX_TLS on
+  // one rank made ucp_ep_create fail there and hung the others). A rank that has nothing to send
+  // sends zero bytes; its peers see that and fail too.
+  absl::Status setup;
   ucp_address_t* address = nullptr;
   size_t address_length = 0;
-  MOONEP_RETURN_IF_ERROR(UcsCheck(ucp_worker_get_address(t->worker_, &address, &address_length),
-                                  "ucp_worker_get_address"));
+  setup = UcsCheck(ucp_worker_get_address(t->worker_, &address, &address_length),
+                   "ucp_worker_get_address");
   std::vector<char> addresses;
   std::vector<int> address_at;
-  absl::Status s = allgather_bytes(address, static_cast<int>(address_length), &addresses, &address_at);
-  ucp_worker_release_address(t->worker_, address);
-  MOONEP_RETURN_IF_ERROR(s);
+  MOONEP_RETURN_IF_ERROR(allgather_bytes(address, setup.ok() ? static_cast<int>(address_length) : 0,
+                                         &addresses, &address_at));
+  if (setup.ok()) ucp_worker_release_address(t->worker_, address);
   t->eps_.assign(R, nullptr);
-  for (int r = 0; r < R; ++r) {
+  for (int r = 0; r < R && setup.ok(); ++r) {
     if (r == t->rank_) continue;
+    if (address_at[r + 1] == address_at[r]) {
+      setup = SystemError("rank %d has no UCX worker address (its UCX set-up failed)", r);
+      break;
+    }
     ucp_ep_params_t ep;
     std::memset(&ep, 0, sizeof(ep));
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
     ep.address = reinterpret_cast<const ucp_address_t*>(addresses.data() + address_at[r]);
-    MOONEP_RETURN_IF_ERROR(UcsCheck(ucp_ep_create(t->worker_, &ep, &t->eps_[r]), "ucp_ep_create"));
+    setup = Annotate(UcsCheck(ucp_ep_create(t->worker_, &ep, &t->eps_[r]), "ucp_ep_create"),
+                     absl::StrCat("endpoint to rank ", r));
   }
   void* packed = nullptr;
   size_t packed_size = 0;
-  MOONEP_RETURN_IF_ERROR(UcsCheck(ucp_rkey_pack(t->context_, t->signal_memh_, &packed, &packed_size),
-                                  "ucp_rkey_pack"));
-  std::vector<char> mine(sizeof(uint64_t) + packed_size);
-  const uint64_t signal_address = reinterpret_cast<uintptr_t>(t->signals_);
-  std::memcpy(mine.data(), &signal_address, sizeof(signal_address));
-  std::memcpy(mine.data() + sizeof(signal_address), packed, packed_size);
-  ucp_rkey_buffer_release(packed);
+  std::vector<char> mine;
+  if (setup.ok()) {
+    setup = UcsCheck(ucp_rkey_pack(t->context_, t->signal_memh_, &packed, &packed_size),
+                     "ucp_rkey_pack");
+  }
+  if (setup.ok()) {
+    mine.resize(sizeof(uint64_t) + packed_size);
+    const uint64_t signal_address = reinterpret_cast<uintptr_t>(t->signals_);
+    std::memcpy(mine.data(), &signal_address, sizeof(signal_address));
+    std::memcpy(mine.data() + sizeof(signal_address), packed, packed_size);
+    ucp_rkey_buffer_release(packed);
+  }
   std::vector<char> keys;
   std::vector<int> key_at;
   MOONEP_RETURN_IF_ERROR(allgather_bytes(mine.data(), static_cast<int>(mine.size()), &keys, &key_at));
   t->signal_remote_address_.assign(R, 0);
   t->signal_rkeys_.assign(R, nullptr);
-  for (int r = 0; r < R; ++r) {
+  for (int r = 0; r < R && setup.ok(); ++r) {
     if (r == t->rank_) continue;
+    if (key_at[r + 1] - key_at[r] <= static_cast<int>(sizeof(uint64_t))) {
+      setup = SystemError("rank %d sent no signal key (its UCX set-up failed)", r);
+      break;
+    }
     std::memcpy(&t->signal_remote_address_[r], keys.data() + key_at[r], sizeof(uint64_t));
-    MOONEP_RETURN_IF_ERROR(UcsCheck(
-        ucp_ep_rkey_unpack(t->eps_[r], keys.data() + key_at[r] + sizeof(uint64_t), &t->signal_rkeys_[r]),
-        "ucp_ep_rkey_unpack"));
+    setup = UcsCheck(ucp_ep_rkey_unpack(t->eps_[r], keys.data() + key_at[r] + sizeof(uint64_t),
+                                        &t->signal_rkeys_[r]),
+                     "ucp_ep_rkey_unpack");
   }
+  MOONEP_RETURN_IF_ERROR(common::AgreeOnCreationChecks(
+      t->comm_, Annotate(setup, "UCX transport: connecting the ranks"),
+      "UCX transport: another rank could not connect to its peers (see its error; ranks with "
+      "different UCX_TLS or networks?)"));
   log::SetRank(t->rank_);
   MOONEP_INFO("transport ucx: %d ranks, timeout %d ms", t->size_, t->timeout_ms_);
   return std::unique_ptr<Transport>(std::move(t));
