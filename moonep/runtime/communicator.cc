@@ -759,6 +759,25 @@ absl::Status Communicator::SetNcclComm(void* nccl_comm) {
 #endif
 }
 
+absl::Status Communicator::CheckTransportDevice(const std::string& backend) const {
+#ifdef MOONEP_HAVE_NCCL
+  if (backend != "nccl" || nccl_comms_ == nullptr) return absl::OkStatus();
+  int device = -1;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return SystemError("cudaGetDevice failed");
+  }
+  const int pair_device = transport::nccl::DeviceOf(*nccl_comms_);
+  if (device != pair_device) {
+    return InvalidArgument("a layer on GPU %d, but this communicator's NCCL communicators are on "
+                           "GPU %d (one GPU per rank)", device, pair_device);
+  }
+#else
+  (void)backend;
+#endif
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<transport::Transport>> Communicator::MakeTransport(
     const std::string& backend, const transport::TransportOptions& options) {
 #ifdef MOONEP_HAVE_NCCL
@@ -771,16 +790,7 @@ absl::StatusOr<std::unique_ptr<transport::Transport>> Communicator::MakeTranspor
       }
       MOONEP_ASSIGN_OR_RETURN(nccl_comms_, transport::nccl::CreateNcclComms(options, b));
     }
-    int device = -1;
-    if (cudaGetDevice(&device) != cudaSuccess) {
-      cudaGetLastError();
-      return SystemError("cudaGetDevice failed");
-    }
-    const int pair_device = transport::nccl::DeviceOf(*nccl_comms_);
-    if (device != pair_device) {
-      return InvalidArgument("a layer on GPU %d, but this communicator's NCCL communicators are on "
-                             "GPU %d (one GPU per rank)", device, pair_device);
-    }
+    MOONEP_RETURN_IF_ERROR(CheckTransportDevice(backend));
     return transport::nccl::CreateNcclTransport(options, nccl_comms_);
   }
 #endif

@@ -135,6 +135,14 @@ class Communicator {
   absl::Status SetNcclComm(void* nccl_comm);
   // True once the shared NCCL pair exists (tests).
   bool has_nccl_comms() const { return nccl_comms_ != nullptr; }
+  // Whether SetNcclComm was called here (every rank must agree: the NCCL pair is made from the
+  // caller's communicator on the ranks that did and by MoonEP on the others, which then wait in
+  // different collectives forever).
+  bool has_caller_nccl_comm() const { return caller_nccl_comm_ != nullptr; }
+  // Local: OK unless a `backend` transport here would be on another GPU than the current one
+  // (the NCCL pair exists already, on another device). For creation to report before its
+  // agreement, so that every rank fails, not one after the others went on.
+  absl::Status CheckTransportDevice(const std::string& backend) const;
 
   // Agreement helper: allgathers `bytes` from every rank with a deadline of MOONEP_TIMEOUT_MS
   // (per round: the data, then every peer's confirmation). out gets size() * bytes.size() bytes.

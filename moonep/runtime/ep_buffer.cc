@@ -34,6 +34,7 @@ absl::StatusOr<std::unique_ptr<EpBuffer>> EpBuffer::Create(Communicator* comm,
   if (comm == nullptr) return InvalidArgument("comm is null");
   absl::Status local = CheckLayerConfig(config, comm->size(), /*need_executor=*/false);
   if (local.ok()) local = UseDevice(config.device, config.device_index);
+  if (local.ok()) local = comm->CheckTransportDevice(TransportBackend(config));
   // Round 1: the config, and every rank's max_tokens (for the default receive capacity).
   int64_t sum_max_tokens = 0;
   MOONEP_RETURN_IF_ERROR(

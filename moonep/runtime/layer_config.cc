@@ -196,8 +196,10 @@ struct Fingerprint {
   int64_t hidden, intermediate;
   int32_t dtype, grad_dtype, slots, pad_multiple, policy, ranks_per_node, eplb_period, device,
       max_inflight;
+  int32_t caller_nccl;  // moonepCommSetNcclComm was called (nccl transport only)
   char transport[16];
   char what[32];  // what is being created ("MoE layer creation", "EP buffer creation")
+  char reason[128];  // why this rank's config is invalid (the start of its message)
 };
 
 }  // namespace
@@ -223,8 +225,13 @@ absl::Status AgreeOnConfig(Communicator* comm, const LayerConfig& c,
   mine.device = static_cast<int32_t>(c.device);
   mine.max_inflight = c.max_inflight;
   const std::string backend = TransportBackend(c);
+  mine.caller_nccl = backend == "nccl" && comm->has_caller_nccl_comm() ? 1 : 0;
   std::strncpy(mine.transport, backend.c_str(), sizeof(mine.transport) - 1);
   std::strncpy(mine.what, what, sizeof(mine.what) - 1);
+  if (!local_verdict.ok()) {
+    const absl::string_view reason = local_verdict.message();
+    std::memcpy(mine.reason, reason.data(), std::min(reason.size(), sizeof(mine.reason) - 1));
+  }
   std::string gathered;
   MOONEP_RETURN_IF_ERROR(comm->Allgather(
       absl::Span<const char>(reinterpret_cast<const char*>(&mine), sizeof(mine)), &gathered,
@@ -238,8 +245,12 @@ absl::Status AgreeOnConfig(Communicator* comm, const LayerConfig& c,
   }
   if (!bad.empty()) {
     if (!local_verdict.ok()) return local_verdict;
-    return RemoteError("%s: the config is invalid on rank(s) %s (see their error)", what,
-                       absl::StrJoin(bad, ","));
+    // The first one's reason (a peer's log may sit on another node), as far as it fits.
+    const Fingerprint& first = all[bad[0]];
+    const std::string reason(first.reason, strnlen(first.reason, sizeof(first.reason)));
+    return RemoteError("%s: the config is invalid on rank(s) %s (rank %d: %s%s)", what,
+                       absl::StrJoin(bad, ","), bad[0], reason,
+                       reason.size() == sizeof(first.reason) - 1 ? "..." : "");
   }
   struct Field {
     const char* name;
@@ -275,6 +286,14 @@ absl::Status AgreeOnConfig(Communicator* comm, const LayerConfig& c,
       return InvalidArgument(
           "%s: config differs between ranks: transport is '%s' on rank 0 but '%s' on rank %d "
           "(set MOONEP_TRANSPORT alike everywhere)", what, all[0].transport, all[r].transport, r);
+    }
+  }
+  for (int r = 1; r < comm->size(); ++r) {
+    if (all[r].caller_nccl != all[0].caller_nccl) {
+      return InvalidArgument(
+          "%s: moonepCommSetNcclComm was called on rank %d but not on rank %d (call it on every "
+          "rank of the communicator, or on none)", what, all[0].caller_nccl ? 0 : r,
+          all[0].caller_nccl ? r : 0);
     }
   }
   for (const Field& field : kFields) {

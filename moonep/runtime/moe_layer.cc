@@ -98,6 +98,7 @@ absl::StatusOr<std::unique_ptr<MoeLayer>> MoeLayer::Create(Communicator* comm,
   absl::Status local = CheckLayerConfig(config, comm->size(), /*need_executor=*/true);
   // A rank without its GPU fails creation on every rank (not a hang in the transport's setup).
   if (local.ok()) local = UseDevice(config.device, config.device_index);
+  if (local.ok()) local = comm->CheckTransportDevice(TransportBackend(config));
   // Round 1: the config, and every rank's max_tokens (the default receive capacity is the worst
   // case over every rank's tokens).
   int64_t sum_max_tokens = 0;

@@ -629,6 +629,19 @@ TEST_F(CApiTest, BadConfigsFailOnEveryRank) {
   EXPECT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepInvalidArgument);
   EXPECT_NE(std::string(moonepGetLastError(comm_)).find("must be -1 (E/R) or >= 1"), std::string::npos)
       << moonepGetLastError(comm_);
+  // An invalid config on one rank only: its peers' error carries that rank's reason (their logs
+  // may sit on other nodes), not only "see their error".
+  if (size() > 1) {
+    c = Config(moonepPolicyMoonEP);
+    if (rank() == size() - 1) c.top_k = 0;
+    EXPECT_EQ(moonepLayerCreate(comm_, &c, &layer),
+              rank() == size() - 1 ? moonepInvalidArgument : moonepRemoteError);
+    const std::string m = moonepGetLastError(comm_);
+    EXPECT_NE(m.find("top_k is 0"), std::string::npos) << m;
+    if (rank() != size() - 1) {
+      EXPECT_NE(m.find("rank " + std::to_string(size() - 1) + ": "), std::string::npos) << m;
+    }
+  }
   // More executor threads than the executor has: refused at creation (it was capped silently).
   c = Config(moonepPolicyMoonEP);
   c.num_threads = 1025;

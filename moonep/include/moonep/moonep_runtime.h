@@ -112,7 +112,9 @@ MOONEP_API moonepResult_t moonepCommInitFromEnv(moonepComm_t* comm);
  * Call before the first device layer or buffer (moonepInvalidUsage afterwards);
  * moonepInvalidArgument for NULL or a mismatched communicator; moonepUnavailable when MoonEP was
  * built without NCCL. Without this call, device layers share one
- * NCCL communicator pair that MoonEP makes over `comm` at the first device layer. */
+ * NCCL communicator pair that MoonEP makes over `comm` at the first device layer. Call it on every
+ * rank of `comm` or on none: the first device layer or buffer checks, and fails on every rank
+ * naming the ranks that differ (moonepInvalidArgument). */
 MOONEP_API moonepResult_t moonepCommSetNcclComm(moonepComm_t comm, void* nccl_comm);
 
 /* Local. Layers and buffers made on the communicator must be destroyed first (refused
