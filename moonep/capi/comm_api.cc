@@ -195,10 +195,17 @@ namespace {
 moonepResult_t Adopt(absl::StatusOr<std::unique_ptr<runtime::Communicator>> made,
                      moonepComm_t* comm) {
   if (!made.ok()) return Report(made.status());
-  auto* object = new moonepComm();
-  object->impl = std::move(*made);
-  Register(object, Kind::kComm);
-  *comm = object;
+  // No exception may leave the C API: an allocation failure here (the handle, the registry's
+  // entry) is moonepOutOfMemory, and the communicator made is destroyed again.
+  std::unique_ptr<moonepComm> object;
+  try {
+    object = std::make_unique<moonepComm>();
+    object->impl = std::move(*made);
+    Register(object.get(), Kind::kComm);
+  } catch (const std::bad_alloc&) {
+    return Report(OutOfMemory("communicator creation: out of host memory for its handle"));
+  }
+  *comm = object.release();
   return moonepSuccess;
 }
 

@@ -98,12 +98,12 @@ moonepResult_t moonepEpBufferCreate(moonepComm_t comm, const moonepEpBufferConfi
     object->comm = comm;
     object->impl = std::move(impl);
     for (int i = 0; i < c.max_inflight; ++i) {
-      auto h = std::make_unique<moonepEpHandle>();
-      h->owner = object.get();
-      moonep::capi::Register(h.get(), Kind::kEpHandle);
-      object->handles.push_back(std::move(h));
+      object->handles.push_back(std::make_unique<moonepEpHandle>());
+      object->handles.back()->owner = object.get();
     }
-    moonep::capi::Register(object.get(), Kind::kEpBuffer);
+    // Registered only once every handle is owned, and unregistered again if the registry cannot
+    // take them all (out of memory): no freed handle stays in the registry.
+    moonep::capi::RegisterAll(object.get(), Kind::kEpBuffer, object->handles, Kind::kEpHandle);
     ++comm->children;
     *buffer = object.release();
     return absl::OkStatus();

@@ -49,12 +49,12 @@ moonepResult_t moonepLayerCreate(moonepComm_t comm, const moonepLayerConfig_t* c
     object->comm = comm;
     object->impl = std::move(impl);
     for (int i = 0; i < c.max_inflight; ++i) {
-      auto h = std::make_unique<moonepLayerHandle>();
-      h->owner = object.get();
-      moonep::capi::Register(h.get(), Kind::kLayerHandle);
-      object->handles.push_back(std::move(h));
+      object->handles.push_back(std::make_unique<moonepLayerHandle>());
+      object->handles.back()->owner = object.get();
     }
-    moonep::capi::Register(object.get(), Kind::kLayer);
+    // Registered only once every handle is owned, and unregistered again if the registry cannot
+    // take them all (out of memory): no freed handle stays in the registry.
+    moonep::capi::RegisterAll(object.get(), Kind::kLayer, object->handles, Kind::kLayerHandle);
     ++comm->children;
     *layer = object.release();
     return absl::OkStatus();

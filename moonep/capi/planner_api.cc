@@ -72,7 +72,13 @@ moonepResult_t GuardPlanner(moonepPlanner_t handle, const char* function, Body&&
     live = true;
     return body();
   });
-  if (live) handle->last_error = result == moonepSuccess ? "" : moonepGetLastThreadError();
+  if (live) {
+    try {
+      handle->last_error = result == moonepSuccess ? "" : moonepGetLastThreadError();
+    } catch (const std::bad_alloc&) {  // no exception leaves the C API
+      handle->last_error.clear();
+    }
+  }
   return result;
 }
 

@@ -55,6 +55,20 @@ void Register(const void* object, Kind kind);
 void Unregister(const void* object);
 bool IsLive(const void* object, Kind kind);
 
+// Registers `handles` (kind `handle_kind`) and then `object`; if one cannot be (out of memory),
+// unregisters the ones that were and rethrows.
+template <typename Handles>
+void RegisterAll(const void* object, Kind kind, const Handles& handles, Kind handle_kind) {
+  try {
+    for (const auto& h : handles) Register(h.get(), handle_kind);
+    Register(object, kind);
+  } catch (...) {
+    for (const auto& h : handles) Unregister(h.get());
+    Unregister(object);
+    throw;
+  }
+}
+
 // Checks a handle argument: null -> InvalidArgument, not live -> InvalidUsage.
 absl::Status CheckHandle(const void* object, Kind kind, const char* name);
 
@@ -63,7 +77,11 @@ template <typename Body>
 moonepResult_t GuardOn(moonepComm* comm, const char* function, Body&& body) {
   const moonepResult_t result = Guard(function, std::forward<Body>(body));
   if (result != moonepSuccess && comm != nullptr && IsLive(comm, Kind::kComm)) {
-    comm->last_error = moonepGetLastThreadError();
+    try {
+      comm->last_error = moonepGetLastThreadError();
+    } catch (const std::bad_alloc&) {
+      comm->last_error.clear();  // the thread's message still says why
+    }
   }
   return result;
 }

@@ -20,6 +20,7 @@ void ClearLastError() { t_last_error.clear(); }
 extern "C" {
 
 moonepResult_t moonepGetVersion(int* version) {
+  moonep::capi::ClearLastError();  // like every call that reports errors: empty after success
   if (version == nullptr) {
     return moonep::capi::Report(moonep::InvalidArgument("moonepGetVersion: version is NULL"));
   }
@@ -38,7 +39,7 @@ const char* moonepGetErrorString(moonepResult_t result) {
     case moonepTimeout: return "timeout (a peer did not answer within MOONEP_TIMEOUT_MS)";
     case moonepInProgress: return "operation in progress";
     case moonepOutOfMemory: return "out of memory or capacity";
-    case moonepUnavailable: return "feature not built into this library";
+    case moonepUnavailable: return "feature not built into this library, or not usable here (no GPU)";
     case moonepCudaError: return "CUDA, cuBLAS or NCCL error";
     default: return "unknown result code";
   }

@@ -55,6 +55,9 @@ TEST(CApiTest, VersionAndErrorStrings) {
   EXPECT_EQ(version, MOONEP_VERSION);
   EXPECT_EQ(moonepGetVersion(nullptr), moonepInvalidArgument);
   EXPECT_NE(std::strstr(moonepGetLastThreadError(), "version is NULL"), nullptr);
+  // The thread's message is that of its latest call: empty again after a success.
+  ASSERT_EQ(moonepGetVersion(&version), moonepSuccess);
+  EXPECT_STREQ(moonepGetLastThreadError(), "");
   for (int r = 0; r <= moonepNumResults; ++r) {
     const char* s = moonepGetErrorString(static_cast<moonepResult_t>(r));
     ASSERT_NE(s, nullptr);

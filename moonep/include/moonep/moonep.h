@@ -42,7 +42,8 @@ typedef enum {
   moonepTimeout = 6,         /* a wait exceeded MOONEP_TIMEOUT_MS; the message names phase + peers */
   moonepInProgress = 7,      /* an asynchronous operation has not completed yet */
   moonepOutOfMemory = 8,     /* an allocation or a declared capacity was too small */
-  moonepUnavailable = 9,     /* the feature was not built (e.g. CUDA, NCCL, UCX) */
+  moonepUnavailable = 9,     /* the feature was not built (e.g. CUDA, NCCL, UCX), or its device is
+                                not usable on this machine (no GPU, or no driver) */
   moonepCudaError = 10,      /* a CUDA, cuBLAS or NCCL call failed */
   moonepNumResults = 11
 } moonepResult_t;
@@ -53,8 +54,9 @@ MOONEP_API moonepResult_t moonepGetVersion(int* version);
 /* A static string describing a result code; never NULL. */
 MOONEP_API const char* moonepGetErrorString(moonepResult_t result);
 
-/* The message of the last failing call made by this thread (empty string if none). The pointer is
- * valid until this thread's next MoonEP call. */
+/* The message of this thread's latest MoonEP call (every call but this one, the per-object
+ * ...GetLastError calls and moonepGetErrorString): the error it returned, or an empty string after
+ * a success. The pointer is valid until this thread's next MoonEP call. */
 MOONEP_API const char* moonepGetLastThreadError(void);
 
 
@@ -183,8 +185,8 @@ MOONEP_API moonepResult_t moonepPlannerGetPieces(moonepPlanner_t planner, int ex
  * buffer NULL only *size is written; otherwise capacity must be >= the size. */
 MOONEP_API moonepResult_t moonepPlannerSerialize(moonepPlanner_t planner, void* buffer,
                                                  size_t capacity, size_t* size);
-/* The message of the last failing call on this planner (empty string if none); for a NULL or
- * non-live planner, a static message saying so. The string is the planner's: valid until the
+/* The message of the latest call on this planner: its error, or an empty string after a success
+ * (as moonepGetLastThreadError); for a NULL or non-live planner, a static message saying so. The string is the planner's: valid until the
  * next call on that planner or its destruction (copy it to keep it). */
 MOONEP_API const char* moonepPlannerGetLastError(moonepPlanner_t planner);
 

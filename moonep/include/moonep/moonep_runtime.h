@@ -124,7 +124,8 @@ MOONEP_API moonepResult_t moonepCommRank(moonepComm_t comm, int* rank);
 MOONEP_API moonepResult_t moonepCommSize(moonepComm_t comm, int* size);
 
 /* The message of the last failing call on this communicator or an object made on it (empty when
- * none). Valid until the next MoonEP call on them. Returns a static message for an invalid
+ * none): unlike moonepGetLastThreadError it stays after later successful calls, until the next
+ * failure replaces it. Valid until the next MoonEP call on them. Returns a static message for an invalid
  * handle; never NULL. */
 MOONEP_API const char* moonepGetLastError(moonepComm_t comm);
 
