@@ -152,6 +152,39 @@ TEST_F(UcxRegistrationTest, CacheStaysBoundedAndEvictedBuffersWorkAgain) {
   Step(&buffers[0]);
 }
 
+// A transport-owned staging buffer that grows moves: its old registration is dropped then (peers
+// told), so no later buffer at the recycled addresses can reuse a registration of freed pages.
+// Two reductions through the put path (contributions above MOONEP_UCX_EAGER_BYTES), the second
+// with blocks twice as large: every home rank that received into its staging drops the old
+// region, and both sums are exact.
+TEST_F(UcxRegistrationTest, ReduceStagingThatGrowsDropsItsOldRegistration) {
+  const int32_t S = plan_.slots, epn = plan_.experts_per_rank;
+  int replicas = 0;
+  for (int32_t e : plan_.slot_expert) replicas += e >= 0;
+  if (replicas == 0) GTEST_SKIP() << "the plan has no replica";
+  int64_t evicted_before = Stats().regions_evicted;
+  for (const int64_t n : {int64_t{4096}, int64_t{8192}}) {  // 16 and 32 KiB a block (> 8192 bytes)
+    std::vector<std::vector<float>> home(epn, std::vector<float>(n, 0.0f));
+    std::vector<std::vector<float>> slot(S, std::vector<float>(n, 0.0f));
+    std::vector<TensorView> hv, sv;
+    for (auto& v : home) hv.push_back(TensorView::Contiguous(v.data(), DType::kFloat32, {n}));
+    for (int32_t i = 0; i < S; ++i) {
+      if (plan_.slot_expert[rank() * S + i] >= 0) std::fill(slot[i].begin(), slot[i].end(), 1.0f);
+      sv.push_back(TensorView::Contiguous(slot[i].data(), DType::kFloat32, {n}));
+    }
+    ASSERT_TRUE(t_->Reduce(plan_, ExpertBlocks{1, hv, sv}).ok());
+    for (int32_t g = 0; g < epn; ++g) {
+      const int32_t e = plan_.local_experts[rank() * epn + g];
+      float want = 0.0f;
+      for (int32_t x : plan_.slot_expert) want += x == e ? 1.0f : 0.0f;
+      for (int64_t j = 0; j < n; ++j) ASSERT_EQ(home[g][j], want) << "expert " << e << " j " << j;
+    }
+  }
+  int64_t evicted = Stats().regions_evicted - evicted_before, total = 0;
+  MPI_Allreduce(&evicted, &total, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+  EXPECT_GE(total, 1) << "no rank dropped the registration of its moved staging";
+}
+
 // Signal slots are reused every 32 operations of a channel: a row operation that would reuse the
 // slot of one still in flight (31 operations back) is refused, on every rank alike, and the
 // transport stays usable: once the old one completes (with the right rows) the refused one runs.

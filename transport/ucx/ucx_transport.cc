@@ -338,6 +338,20 @@ class UcxTransport : public Transport {
     return it == remote_keys_.end() ? nullptr : it->second;
   }
   bool closed() const { return closed_; }
+  // Drops the registration of every region that overlaps [data, data + bytes) and no op pins,
+  // telling the peers that hold its key: for a transport-owned buffer about to move, whose old
+  // pages may be reused by anything (a registration kept for them would let a later buffer at
+  // the same addresses reuse it, and RDMA would write into the freed pages).
+  void ForgetRange(const void* data, uint64_t bytes);
+  // Resizes a transport-owned staging buffer to `size` elements; when that moves it, its old
+  // registration goes first (ForgetRange).
+  template <typename T>
+  void GrowOwnBuffer(std::vector<T>* buffer, size_t size) {
+    if (size > buffer->capacity() && buffer->capacity() > 0) {
+      ForgetRange(buffer->data(), buffer->capacity() * sizeof(T));
+    }
+    buffer->resize(size);
+  }
   void OpStarted() { ++ops_in_flight_[0]; }
   void OpEnded() { --ops_in_flight_[0]; }
   void ChannelEnter(int channel, int64_t seq) { channel_seqs_[channel].insert(seq); }
@@ -1099,7 +1113,9 @@ class TopkWeightGradOp : public UcxOp {
       if (send.dest_rank[i] < 0) dw[i] = 0.0f;
     }
     std::vector<float>& incoming = h_->scalar_staging_;
-    if (incoming.size() < send.entries.size()) incoming.resize(send.entries.size());
+    if (incoming.size() < send.entries.size()) {
+      transport_->GrowOwnBuffer(&incoming, send.entries.size());
+    }
     if (send.entries.size() > static_cast<size_t>(send.rows_to(me_))) {
       MOONEP_RETURN_IF_ERROR(PinBuffer(incoming.data(), incoming.size() * sizeof(float)));
     }
@@ -1292,7 +1308,9 @@ class ReduceOp : public UcxOp {
     }
     staging_ = transport_->reduce_staging.Acquire();
     std::vector<char>& staging = *staging_;
-    if (static_cast<int64_t>(staging.size()) < need) staging.resize(static_cast<size_t>(need));
+    if (static_cast<int64_t>(staging.size()) < need) {
+      transport_->GrowOwnBuffer(&staging, static_cast<size_t>(need));
+    }
     if (need > 0) MOONEP_RETURN_IF_ERROR(PinBuffer(staging.data(), staging.size()));
     int64_t offset = 0;
     offset_from_.assign(R, 0);
@@ -1967,6 +1985,25 @@ absl::StatusOr<uint64_t> UcxTransport::Register(const void* data, uint64_t bytes
   ++stats_.regions_registered;
   regions_.push_back(std::move(r));
   return regions_.back().id;
+}
+
+void UcxTransport::ForgetRange(const void* data, uint64_t bytes) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(data);
+  for (size_t i = 0; i < regions_.size();) {
+    Region& r = regions_[i];
+    if (r.pins != 0 || r.base >= a + bytes || a >= r.base + r.length) {
+      ++i;
+      continue;
+    }
+    for (int p = 0; p < size_; ++p) {
+      if (r.peer_has_key[p]) {
+        SendMessage(p, kMsgDropKey, 0, static_cast<int64_t>(r.id), 0, {}).IgnoreError();
+      }
+    }
+    ucp_mem_unmap(context_, r.memh);
+    regions_.erase(regions_.begin() + static_cast<ptrdiff_t>(i));
+    ++stats_.regions_evicted;
+  }
 }
 
 void UcxTransport::EvictRegions() {
