@@ -1831,6 +1831,10 @@ absl::Status UcxTransport::Close() {
       while (ucp_request_check_status(r) == UCS_INPROGRESS && Clock::now() < until) {
         ucp_worker_progress(worker_);
       }
+      if (ucp_request_check_status(r) == UCS_INPROGRESS) {
+        MOONEP_WARN("transport ucx destruction on rank %d: the worker's flush did not complete "
+                    "within 2 s; closing the endpoints anyway", rank_);
+      }
       ucp_request_free(r);
     }
   }
@@ -1845,11 +1849,17 @@ absl::Status UcxTransport::Close() {
     if (r != nullptr && !UCS_PTR_IS_ERR(r)) closing.push_back(r);
     ep = nullptr;
   }
+  int unclosed = 0;
   for (void* r : closing) {
     while (ucp_request_check_status(r) == UCS_INPROGRESS && Clock::now() < until) {
       ucp_worker_progress(worker_);
     }
+    unclosed += ucp_request_check_status(r) == UCS_INPROGRESS;
     ucp_request_free(r);
+  }
+  if (unclosed > 0) {
+    MOONEP_WARN("transport ucx destruction on rank %d: %d endpoint(s) did not close within 2 s; "
+                "the worker goes anyway", rank_, unclosed);
   }
   // Every rank closed its endpoints before any worker goes away; a peer that gave up on the first
   // exchange ends this one too.
@@ -2090,6 +2100,11 @@ absl::Status UcxTransport::AbortPeers(OpKind kind, absl::Status status) {
   // empty, for at most a second.
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
   while (!outbox_.empty() && std::chrono::steady_clock::now() < until) Progress();
+  if (!outbox_.empty()) {
+    MOONEP_WARN("transport ucx: rank %d still had %d message(s) queued, its abort notices among "
+                "them, after 1 s; the peers they miss learn of the failure at their timeout",
+                rank_, outbox_.size());
+  }
   Poison(status);
   return status;
 }
