@@ -223,6 +223,15 @@ TEST_F(UcxRegistrationTest, OperationReusingTheSlotOfOneInFlightIsRefused) {
   ASSERT_TRUE(t_->Dispatch(plan_, x, p_.weights[me], &h1, rows1_v, absl::MakeSpan(w1)).ok());
 }
 
+// Options of a transport that is only created (the creation tests below).
+TransportOptions SmallOptions() {
+  TransportOptions o;
+  o.max_tokens = 4;
+  o.max_top_k = 2;
+  o.max_row_bytes = 16;
+  return o;
+}
+
 // MOONEP_UCX_EAGER_BYTES set on one rank only (tests/runtime/bad_env_on_one_rank.sh, registered
 // as transport_ucx_eager_bytes_differ_np2): creation fails on every rank naming the variable.
 // Before, each rank picked eager or put on its own and a reduce timed out on both sides.
@@ -230,11 +239,7 @@ TEST(UcxEnvironment, EagerBytesDifferingBetweenRanksFailsCreation) {
   if (std::getenv("MOONEP_TEST_BAD_RANK") == nullptr) {
     GTEST_SKIP() << "run through bad_env_on_one_rank.sh (transport_ucx_eager_bytes_differ_np2)";
   }
-  TransportOptions o;
-  o.max_tokens = 4;
-  o.max_top_k = 2;
-  o.max_row_bytes = 16;
-  auto t = CreateTransport("ucx", o);
+  auto t = CreateTransport("ucx", SmallOptions());
   ASSERT_FALSE(t.ok());
   EXPECT_EQ(ToResult(t.status()), moonepInvalidArgument) << t.status();
   EXPECT_NE(t.status().message().find("MOONEP_UCX_EAGER_BYTES differs between ranks"),
@@ -251,11 +256,7 @@ TEST(UcxEnvironment, RanksThatCannotConnectFailCreationEverywhere) {
   }
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  TransportOptions o;
-  o.max_tokens = 4;
-  o.max_top_k = 2;
-  o.max_row_bytes = 16;
-  auto t = CreateTransport("ucx", o);
+  auto t = CreateTransport("ucx", SmallOptions());
   ASSERT_FALSE(t.ok());
   if (rank == 1) {  // its own endpoints were made: it names a peer whose set-up failed
     const std::string m(t.status().message());

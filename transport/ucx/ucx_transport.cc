@@ -384,6 +384,8 @@ class UcxTransport : public Transport {
   // (it is added there).
   bool CloseExchange(int tag, std::vector<int>* silent, std::vector<int>* gave_up);
   void EvictRegions();
+  // Unregisters regions_[i] and tells the peers holding its key to destroy theirs.
+  void DropRegion(size_t i);
   void DestroyDroppedKeys();
 
   struct Region {
@@ -2000,20 +2002,25 @@ absl::StatusOr<uint64_t> UcxTransport::Register(const void* data, uint64_t bytes
 void UcxTransport::ForgetRange(const void* data, uint64_t bytes) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(data);
   for (size_t i = 0; i < regions_.size();) {
-    Region& r = regions_[i];
+    const Region& r = regions_[i];
     if (r.pins != 0 || r.base >= a + bytes || a >= r.base + r.length) {
       ++i;
       continue;
     }
-    for (int p = 0; p < size_; ++p) {
-      if (r.peer_has_key[p]) {
-        SendMessage(p, kMsgDropKey, 0, static_cast<int64_t>(r.id), 0, {}).IgnoreError();
-      }
-    }
-    ucp_mem_unmap(context_, r.memh);
-    regions_.erase(regions_.begin() + static_cast<ptrdiff_t>(i));
-    ++stats_.regions_evicted;
+    DropRegion(i);
   }
+}
+
+void UcxTransport::DropRegion(size_t i) {
+  Region& r = regions_[i];
+  for (int p = 0; p < size_; ++p) {
+    if (r.peer_has_key[p]) {
+      SendMessage(p, kMsgDropKey, 0, static_cast<int64_t>(r.id), 0, {}).IgnoreError();
+    }
+  }
+  ucp_mem_unmap(context_, r.memh);
+  regions_.erase(regions_.begin() + static_cast<ptrdiff_t>(i));
+  ++stats_.regions_evicted;
 }
 
 void UcxTransport::EvictRegions() {
@@ -2028,15 +2035,7 @@ void UcxTransport::EvictRegions() {
       }
     }
     if (victim == regions_.size()) return;  // all pinned: grow past the bound
-    Region& r = regions_[victim];
-    for (int p = 0; p < size_; ++p) {
-      if (r.peer_has_key[p]) {
-        SendMessage(p, kMsgDropKey, 0, static_cast<int64_t>(r.id), 0, {}).IgnoreError();
-      }
-    }
-    ucp_mem_unmap(context_, r.memh);
-    regions_.erase(regions_.begin() + static_cast<ptrdiff_t>(victim));
-    ++stats_.regions_evicted;
+    DropRegion(victim);
   }
 }
 
