@@ -1,6 +1,6 @@
 // The transport interface: moving rows and expert parameters between ranks as a Plan says.
-// Backends (mpi/ always; nccl/, ucx/ later) implement Transport; tests and the runtime pick one by
-// name with CreateTransport, so one test suite covers every backend.
+// Backends (mpi/ always; ucx/, nccl/ where built) implement Transport; tests and the runtime pick
+// one by name with CreateTransport, so one test suite covers every backend.
 //
 // One MoE layer step (every rank calls the same operations in the same order):
 //
@@ -10,9 +10,9 @@
 //   t->Prefetch(plan, weights);                                 // home -> replica slots
 //   t->Dispatch(plan, x, topk_weights, &h, rows, row_weights);  // rows in the compute layout
 //   ... experts compute out_rows from rows ...
-//   t->Combine(h, out_rows, y);                                 // y[t] = sum_k w[t,k] out(t,k)
-//   backward: CombineBackward(h, dy, dy_rows); TopkWeightGrad(h, dy_rows, out_rows, dw);
-//             DispatchBackward(h, dx_rows, dx); Reduce(plan, grads);
+//   t->Combine(&h, out_rows, y);                                // y[t] = sum_k w[t,k] out(t,k)
+//   backward: CombineBackward(&h, dy, dy_rows); TopkWeightGrad(&h, dy_rows, out_rows, dw);
+//             DispatchBackward(&h, dx_rows, dx); Reduce(plan, grads);
 //
 // Every operation has a blocking form and a Start* form that returns a Request (test / wait).
 // Ops of the row class (counts, dispatch, combine, backward forms) and of the weight class
@@ -305,10 +305,11 @@ class Transport {
 // Backends built into this library ("mpi" always).
 std::vector<std::string> AvailableBackends();
 
-// The MOONEP_* variables `backend` reads (MOONEP_TIMEOUT_MS, MOONEP_DEBUG; for "ucx" also
-// MOONEP_UCX_EAGER_BYTES), parsed strictly: InvalidArgument naming a malformed one. Local: a caller
-// that creates transports on several ranks checks it before anything collective, so that a value
-// wrong on one rank only fails every rank (the runtime folds it into its creation agreement).
+// The MOONEP_* variables `backend` reads (MOONEP_TIMEOUT_MS, MOONEP_DEBUG, MOONEP_HOST_THREADS; for
+// "ucx" also MOONEP_UCX_EAGER_BYTES), parsed strictly: InvalidArgument naming a malformed one.
+// Local: a caller that creates transports on several ranks checks it before anything collective, so
+// that a value wrong on one rank only fails every rank (the runtime folds it into its creation
+// agreement).
 absl::Status CheckTransportEnvironment(absl::string_view backend);
 
 // Creates a transport of the named backend; collective over options.comm.

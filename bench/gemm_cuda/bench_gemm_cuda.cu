@@ -149,6 +149,13 @@ int RunCudaGemmBench(int argc, char** argv) {
     }
     ::close(fd);
   }
+  // The executor's MOONEP_CUDA_GEMM_* variables, checked as CudaExecutor::Create checks them: the
+  // grouped GEMMs below size their cuBLAS workspaces from MOONEP_CUDA_GEMM_STREAMS (0 or a
+  // negative value gave an empty or negative size). A bad one is an input error, like a bad flag.
+  if (const absl::Status env = CheckCudaGemmEnvironment(); !env.ok()) {
+    std::fprintf(stderr, "moonep-bench-gemm-cuda: %s\n", std::string(env.message()).c_str());
+    return 2;
+  }
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
     std::fprintf(stderr, "moonep-bench-gemm-cuda: no CUDA device\n");
@@ -277,7 +284,7 @@ int RunCudaGemmBench(int argc, char** argv) {
   void* flush = Alloc(flush_bytes);
   Fill(X, max_total * kH, 11);
   Fill(W, static_cast<size_t>(max_groups) * kH * kI, 12, 0.02f);
-  const int streams = static_cast<int>(moonep::param::CudaGemmStreams());
+  const int streams = static_cast<int>(*moonep::param::CheckedCudaGemmStreams());  // 1..16
   void* cublas_ws = Alloc(streams * GroupedGemm::kCublasWorkspaceBytes);
   auto gemm = GroupedGemm::Create(stream, streams, cublas_ws);
   CHECK_OK(gemm.status());

@@ -15,14 +15,31 @@ static const char* Lookup(const char* suffix) {
   return (value != nullptr && value[0] != '\0') ? value : nullptr;
 }
 
-bool ParseBase10(const char* value, int64_t* out) {
+namespace {
+
+enum class Parsed { kOk, kMalformed, kBeyondInt64 };
+
+// A base-10 integer: an optional sign, then at least one digit, nothing else. kBeyondInt64: well
+// formed but outside int64, *out is INT64_MAX or INT64_MIN (strtoll's saturated value), the side
+// it lies on.
+Parsed ParseSaturating(const char* value, int64_t* out) {
   const char* p = value;
   if (*p == '+' || *p == '-') ++p;
-  if (*p < '0' || *p > '9') return false;  // no leading spaces, no empty digits
+  if (*p < '0' || *p > '9') return Parsed::kMalformed;  // no leading spaces, no empty digits
   errno = 0;
   char* end = nullptr;
   const long long parsed = std::strtoll(value, &end, 10);
-  if (errno != 0 || end == value || *end != '\0') return false;
+  if (end == value || *end != '\0') return Parsed::kMalformed;
+  *out = parsed;
+  if (errno == ERANGE) return Parsed::kBeyondInt64;
+  return errno == 0 ? Parsed::kOk : Parsed::kMalformed;
+}
+
+}  // namespace
+
+bool ParseBase10(const char* value, int64_t* out) {
+  int64_t parsed = 0;
+  if (ParseSaturating(value, &parsed) != Parsed::kOk) return false;
   *out = parsed;
   return true;
 }
@@ -38,7 +55,11 @@ absl::StatusOr<int64_t> ParseInt(const char* suffix, int64_t fallback, int64_t m
   const char* value = Lookup(suffix);
   if (value == nullptr) return fallback;
   int64_t parsed = 0;
-  if (!ParseBase10(value, &parsed)) {
+  // Digits beyond int64 are a number too large (or too small), not garbage: saturated, they are
+  // checked like any other value, so a knob without an upper bound (MOONEP_TIMEOUT_MS) caps them
+  // as it caps every large value, and any other says "out of range" (they were refused as "not a
+  // base-10 integer").
+  if (ParseSaturating(value, &parsed) == Parsed::kMalformed) {
     return InvalidArgument("MOONEP_%s=%s: not a base-10 integer (expected one in [%d, %d])",
                            suffix, value, min, max);
   }
@@ -52,7 +73,7 @@ int64_t ReadInt(const char* suffix, int64_t fallback) {
   const char* value = Lookup(suffix);
   if (value == nullptr) return fallback;
   int64_t parsed = 0;
-  if (!ParseBase10(value, &parsed)) {
+  if (ParseSaturating(value, &parsed) == Parsed::kMalformed) {
     std::fprintf(stderr, "MoonEP WARN ignoring MOONEP_%s=%s: not a base-10 integer; using %lld\n",
                  suffix, value, static_cast<long long>(fallback));
     return fallback;

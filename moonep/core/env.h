@@ -1,12 +1,17 @@
 // Configuration through the environment: one declaration per knob, read once and cached.
 //
-//   MOONEP_INT_PARAM(NumThreads, "NUM_THREADS", 0)   // defines int64_t moonep::param::NumThreads()
-//   MOONEP_CHECKED_INT_PARAM(Knob, "KNOB", 8, 0, 64)  // defines const absl::StatusOr<int64_t>& Knob()
+//   MOONEP_INT_PARAM(Knob, "KNOB", 0)                 // defines int64_t moonep::param::Knob()
+//   MOONEP_CHECKED_INT_PARAM(CheckedKnob, "KNOB", 8, 0, 64)
+//       // defines const absl::StatusOr<int64_t>& moonep::param::CheckedKnob()
 //
-// read MOONEP_<suffix> the first time they are called. Values are base-10 integers (an optional
-// sign, then digits: no spaces, no hex, "010" is ten). A checked knob is an InvalidArgument naming
-// the variable when the value is malformed or outside [min, max], for its reader to return; an
-// unchecked one warns and uses its fallback. Every knob is listed in docs/environment.md.
+// read MOONEP_<suffix> the first time they are called; an empty value counts as unset. Values are
+// base-10 integers (an optional sign, then digits: no spaces, no hex, "010" is ten). Digits beyond
+// int64 are well formed: they count as INT64_MAX (or INT64_MIN with '-'), so a knob whose range
+// ends at INT64_MAX takes them as its largest value (MOONEP_TIMEOUT_MS: then capped at
+// kMaxTimeoutMs, like any value above it) and any other reports them out of range. A checked knob
+// is an InvalidArgument naming the variable when the value is malformed or outside [min, max],
+// for its reader to return; an unchecked one warns and uses its fallback when the value is
+// malformed. Every knob is listed in docs/environment.md.
 #pragma once
 
 #include <cstdint>
@@ -22,10 +27,12 @@ bool ParseBase10(const char* value, int64_t* out);
 // ParseBase10 and lo <= value <= hi (a NULL value is false): the tools' bounded flags.
 bool ParseBase10InRange(const char* value, int64_t lo, int64_t hi, int64_t* out);
 // MOONEP_<suffix> as a base-10 integer in [min, max]; `fallback` when unset or empty; otherwise
-// InvalidArgument: "MOONEP_<suffix>=<value>: ..." with the accepted range.
+// InvalidArgument: "MOONEP_<suffix>=<value>: ..." with the accepted range. Digits beyond int64 are
+// taken as INT64_MAX / INT64_MIN, then checked against [min, max] like any other value.
 absl::StatusOr<int64_t> ParseInt(const char* suffix, int64_t fallback, int64_t min, int64_t max);
-// MOONEP_<suffix> as a base-10 integer, or `fallback` when unset or empty; a malformed value warns
-// on stderr and gives `fallback` (for readers that cannot return an error).
+// MOONEP_<suffix> as a base-10 integer (digits beyond int64: INT64_MAX / INT64_MIN), or `fallback`
+// when unset or empty; a malformed value warns on stderr and gives `fallback` (for readers that
+// cannot return an error).
 int64_t ReadInt(const char* suffix, int64_t fallback);
 std::string ReadString(const char* suffix, const std::string& fallback);
 
@@ -55,6 +62,7 @@ namespace moonep::param {
 // now() + timeout stays within the clock's range (it overflowed above ~9.2e12 ms).
 constexpr int64_t kMaxTimeoutMs = int64_t{1000000000000};
 // MOONEP_TIMEOUT_MS as given: >= 1, else an InvalidArgument naming it (transports refuse it).
+// No upper bound here: TimeoutMs() caps it, digits beyond int64 included (they are INT64_MAX).
 MOONEP_CHECKED_INT_PARAM(CheckedTimeoutMs, "TIMEOUT_MS", 60000, 1, INT64_MAX)
 // Every wait in MoonEP ends after this many milliseconds with moonepTimeout: MOONEP_TIMEOUT_MS, at
 // most kMaxTimeoutMs; 60000 where it is malformed (CheckedTimeoutMs says why).
@@ -65,8 +73,10 @@ inline int64_t TimeoutMs() {
 // Host threads a transport uses for its per-dispatch layouts and tables (0: automatic;
 // docs/environment.md). Checked: a malformed value fails transport creation naming it.
 MOONEP_CHECKED_INT_PARAM(CheckedHostThreads, "HOST_THREADS", 0, 0, 64)
-// Threads for the CPU executor (0: all cores).
-MOONEP_INT_PARAM(NumThreads, "NUM_THREADS", 0)
+// Threads for the CPU executor (0: all cores; above compute::kMaxExecutorThreads, that many).
+// Checked: a negative or malformed value fails CPU executor creation naming it (a negative value
+// used to mean every core, silently).
+MOONEP_CHECKED_INT_PARAM(CheckedNumThreads, "NUM_THREADS", 0, 0, INT64_MAX)
 // WARN (default), INFO or TRACE; also NONE.
 MOONEP_STRING_PARAM(DebugLevel, "DEBUG", "WARN")
 // Log to this file instead of stderr; %h is replaced by the host name, %p by the pid.

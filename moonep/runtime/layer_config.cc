@@ -54,6 +54,16 @@ absl::Status CheckLayerConfig(const LayerConfig& c, int32_t num_ranks, bool need
   MOONEP_CHECK_ARG(c.device_index >= 0, "device_index is %d; must be >= 0", c.device_index);
   {
     const std::string backend = TransportBackend(c);
+    // A name no backend has: said here, naming where it came from (it was "transport backend
+    // 'UCX' is not built" at the transport's creation, with no word of MOONEP_TRANSPORT).
+    std::vector<std::string> built = transport::AvailableBackends();
+#ifdef MOONEP_HAVE_NCCL
+    built.push_back("nccl");
+#endif
+    MOONEP_CHECK_ARG(std::find(built.begin(), built.end(), backend) != built.end(),
+                     "transport '%s' (from %s) is not a backend of this build (built: %s)", backend,
+                     c.transport.empty() ? "MOONEP_TRANSPORT" : "config transport",
+                     absl::StrJoin(built, ", "));
     const bool device_backend = backend == "nccl";
     MOONEP_CHECK_ARG(device_backend == (c.device == Device::kCuda),
                      "transport '%s' does not move %s memory: device cuda needs transport 'nccl', "

@@ -56,7 +56,8 @@ struct LayerConfig {
   int64_t timeout_ms = 0;
 };
 
-// The backend a config selects (its transport field, else MOONEP_TRANSPORT, else "mpi").
+// The backend a config selects: its transport field, else MOONEP_TRANSPORT, else "nccl" for a CUDA
+// device and "mpi" for the CPU.
 std::string TransportBackend(const LayerConfig& config);
 
 // Local checks; `need_executor` requires I > 0. Errors name the field.

@@ -1,10 +1,12 @@
-// The verdict of a collective creation when one rank's MOONEP_DEBUG is malformed
-// (tests/runtime/bad_env_on_one_rank.sh sets it on rank MOONEP_TEST_BAD_RANK only).
+// The verdict of a collective creation when one rank's variable is malformed
+// (tests/runtime/bad_env_on_one_rank.sh sets MOONEP_TEST_BAD_VAR, default MOONEP_DEBUG, on rank
+// MOONEP_TEST_BAD_RANK only).
 #pragma once
 
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <string>
 
 #include "absl/status/status.h"
@@ -13,7 +15,7 @@
 namespace moonep::testing {
 
 // Times create() (a creation returning its status) and checks the verdict: InvalidArgument naming
-// MOONEP_DEBUG on `bad_rank`, RemoteError on every other rank, and within 1.5 s on each (no rank is
+// the variable (MOONEP_TEST_BAD_VAR, default MOONEP_DEBUG) on `bad_rank`, RemoteError on every other rank, and within 1.5 s on each (no rank is
 // left to wait for a timeout).
 template <typename Create>
 void ExpectBadEnvironmentFailsEverywhere(int rank, int bad_rank, Create&& create) {
@@ -24,7 +26,9 @@ void ExpectBadEnvironmentFailsEverywhere(int rank, int bad_rank, Create&& create
   ASSERT_FALSE(status.ok());
   if (rank == bad_rank) {
     EXPECT_EQ(ToResult(status), moonepInvalidArgument) << status;
-    EXPECT_NE(std::string(status.message()).find("MOONEP_DEBUG"), std::string::npos) << status;
+    const char* var = std::getenv("MOONEP_TEST_BAD_VAR");
+    EXPECT_NE(std::string(status.message()).find(var != nullptr ? var : "MOONEP_DEBUG"),
+              std::string::npos) << status;
   } else {
     EXPECT_EQ(ToResult(status), moonepRemoteError) << status;
   }

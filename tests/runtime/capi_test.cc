@@ -659,12 +659,23 @@ TEST_F(CApiTest, BadConfigsFailOnEveryRank) {
     EXPECT_NE(message.find("ranks create different objects: MoE layer creation on rank 0 but EP "
                            "buffer creation on rank 1"), std::string::npos) << message;
   }
-  // A transport backend that differs between ranks, or does not exist, fails on every rank.
+  // A transport backend that does not exist on one rank fails on every rank, naming it and where it
+  // came from (the others: RemoteError carrying that rank's reason).
   c = Config(moonepPolicyMoonEP);
   c.transport = rank() == size() - 1 ? "no-such-backend" : "mpi";
-  EXPECT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepInvalidArgument);
-  EXPECT_NE(std::string(moonepGetLastError(comm_)).find(size() > 1 ? "transport" : "no-such-backend"),
+  EXPECT_EQ(moonepLayerCreate(comm_, &c, &layer),
+            rank() == size() - 1 ? moonepInvalidArgument : moonepRemoteError);
+  EXPECT_NE(std::string(moonepGetLastError(comm_))
+                .find("transport 'no-such-backend' (from config transport) is not a backend"),
             std::string::npos) << moonepGetLastError(comm_);
+  // Backends that differ between ranks fail on every rank, naming the one that differs (where ucx
+  // is built the agreement compares them; where not, that rank refuses the name).
+  if (size() > 1) {
+    c.transport = rank() == size() - 1 ? "ucx" : "mpi";
+    EXPECT_NE(moonepLayerCreate(comm_, &c, &layer), moonepSuccess);
+    EXPECT_NE(std::string(moonepGetLastError(comm_)).find("'ucx'"), std::string::npos)
+        << moonepGetLastError(comm_);
+  }
   // Forward with a NULL x on one rank fails on every rank.
   c = Config(moonepPolicyMoonEP);
   ASSERT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepSuccess) << moonepGetLastError(comm_);

@@ -246,8 +246,8 @@ TEST_F(LayerFaultTest, LayersDestroyedInAnotherOrderReportItAndTheRanksGoOn) {
   EXPECT_TRUE(fresh->Close().ok());  // in the same order everywhere: no wait, no report
 }
 
-// Run by runtime_env_one_rank_np2 (skipped elsewhere): MOONEP_DEBUG is malformed on rank
-// MOONEP_TEST_BAD_RANK only. That rank's creation fails naming the variable, and the others fail at
+// Run by runtime_env_one_rank_np2 and runtime_env_num_threads_one_rank_np2 (skipped elsewhere):
+// MOONEP_DEBUG, or MOONEP_NUM_THREADS, is malformed on rank MOONEP_TEST_BAD_RANK only. That rank's creation fails naming the variable, and the others fail at
 // once with RemoteError, instead of waiting in the transport's collective setup for it.
 TEST_F(LayerFaultTest, BadEnvironmentOnOneRankFailsCreationEverywhere) {
   const char* bad = std::getenv("MOONEP_TEST_BAD_RANK");

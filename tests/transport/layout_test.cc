@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <memory>
 #include <set>
+#include <string>
 
 #include "moonep/core/status.h"
 #include "moonep/core/worker_pool.h"
@@ -38,6 +39,36 @@ TEST(SpinWaitsTest, OnlyWithACorePerLocalRank) {
   EXPECT_FALSE(common::SpinWaits(0, 4));
   // The one-argument form asks the node: one rank always has a core.
   EXPECT_TRUE(common::SpinWaits(1));
+}
+
+// The launcher's ranks-per-node variables, first one set wins: digits only, in [1, 2^20]; anything
+// else is skipped (strtol took " 4" and "+4"), and none set is 0.
+TEST(LauncherLocalRanksTest, DigitsOnlyFirstSetWins) {
+  const char* kNames[] = {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"};
+  std::string saved[3];
+  bool had[3];
+  for (int i = 0; i < 3; ++i) {
+    const char* v = std::getenv(kNames[i]);
+    had[i] = v != nullptr;
+    if (had[i]) saved[i] = v;
+    unsetenv(kNames[i]);
+  }
+  EXPECT_EQ(common::LauncherLocalRanks(), 0);
+  setenv("MPI_LOCALNRANKS", "6", 1);
+  EXPECT_EQ(common::LauncherLocalRanks(), 6);
+  setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "3", 1);
+  EXPECT_EQ(common::LauncherLocalRanks(), 3);  // Open MPI's first
+  for (const char* bad : {" 4", "+4", "4x", "0", "-2", "", "2000000"}) {
+    setenv("OMPI_COMM_WORLD_LOCAL_SIZE", bad, 1);
+    EXPECT_EQ(common::LauncherLocalRanks(), 6) << "'" << bad << "' skipped for the next one";
+  }
+  for (int i = 0; i < 3; ++i) {
+    if (had[i]) {
+      setenv(kNames[i], saved[i].c_str(), 1);
+    } else {
+      unsetenv(kNames[i]);
+    }
+  }
 }
 
 // A transport's host threads: the option, else MOONEP_HOST_THREADS, else the node's CPUs shared by

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <new>
@@ -69,10 +70,14 @@ int LocalRanks(MPI_Comm comm) {
 int LauncherLocalRanks() {
   for (const char* name : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"}) {
     const char* v = std::getenv(name);
-    if (v == nullptr) continue;
-    char* end = nullptr;
-    const long n = std::strtol(v, &end, 10);
-    if (end != v && *end == '\0' && n >= 1 && n <= 1 << 20) return static_cast<int>(n);
+    if (v == nullptr || *v == '\0') continue;
+    // Digits only, as the other launcher variables are read (strtol took " 4" and "+4"); a value
+    // that is not one is said and skipped (the launcher's, not the user's: no error).
+    int64_t n = 0;
+    const bool digits =
+        std::all_of(v, v + std::strlen(v), [](char ch) { return ch >= '0' && ch <= '9'; });
+    if (digits && env::ParseBase10InRange(v, 1, int64_t{1} << 20, &n)) return static_cast<int>(n);
+    MOONEP_WARN("%s=%s is not a count of ranks in [1, 2^20]; ignored", name, v);
   }
   return 0;
 }

@@ -88,9 +88,15 @@ bool CheckedWorkspaceBytes(const ExecutorConfig& c, int threads, size_t* per_thr
   return !overflow && *bytes <= SIZE_MAX - 64;
 }
 
-int ResolveThreads(const ExecutorConfig& c) {
+// config.num_threads, else MOONEP_NUM_THREADS, else every core; at most kMaxExecutorThreads.
+// MOONEP_NUM_THREADS is checked even when the config sets num_threads, as MOONEP_HOST_THREADS is
+// by every transport: a negative or malformed value fails creation naming it (a negative value
+// meant every core, and garbage the default, without a word).
+absl::StatusOr<int> ResolveThreads(const ExecutorConfig& c) {
+  const absl::StatusOr<int64_t>& env = param::CheckedNumThreads();
+  MOONEP_RETURN_IF_ERROR(env.status());
   int64_t n = c.num_threads;
-  if (n <= 0) n = param::NumThreads();
+  if (n <= 0) n = *env;
   if (n <= 0) n = std::thread::hardware_concurrency();
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(n, kMaxExecutorThreads)));
 }
@@ -176,7 +182,7 @@ size_t CpuWorkspaceBytes(const ExecutorConfig& config, int threads) {
 
 absl::StatusOr<std::unique_ptr<CpuExecutor>> CpuExecutor::Create(const ExecutorConfig& config) {
   MOONEP_RETURN_IF_ERROR(CheckExecutorConfig(config));
-  const int threads = ResolveThreads(config);
+  MOONEP_ASSIGN_OR_RETURN(const int threads, ResolveThreads(config));
   size_t per_thread = 0, bytes = 0;
   MOONEP_CHECK_ARG(CheckedWorkspaceBytes(config, threads, &per_thread, &bytes),
                    "config: the workspace for hidden %d, intermediate %d, max_rows %d and %d "

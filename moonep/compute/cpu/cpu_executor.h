@@ -71,6 +71,9 @@ size_t CpuWorkspaceBytes(const ExecutorConfig& config, int threads);
 
 class CpuExecutor final : public Executor {
  public:
+  // InvalidArgument for a config CheckExecutorConfig refuses, or a MOONEP_NUM_THREADS that is
+  // negative or malformed (naming it; checked even when config.num_threads is set); OutOfMemory
+  // when the workspace cannot be allocated.
   static absl::StatusOr<std::unique_ptr<CpuExecutor>> Create(const ExecutorConfig& config);
   ~CpuExecutor() override;
 

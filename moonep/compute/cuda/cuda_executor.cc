@@ -36,9 +36,9 @@ DeviceParts Parts(const ExecutorConfig& c, int streams) {
   return p;
 }
 
+// options.num_streams, else MOONEP_CUDA_GEMM_STREAMS (both checked by Create: in 1..16).
 int ResolveStreams(const CudaExecutorOptions& o) {
-  const int64_t n = o.num_streams > 0 ? o.num_streams : param::CudaGemmStreams();
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(n, 16)));
+  return static_cast<int>(o.num_streams > 0 ? o.num_streams : *param::CheckedCudaGemmStreams());
 }
 
 // Makes `device` current for the scope of a call and restores the caller's device after it.
@@ -72,6 +72,15 @@ bool Fused(const TensorView& gate, const TensorView& up, int64_t intermediate) {
 
 }  // namespace
 
+absl::Status CheckCudaGemmEnvironment() {
+  MOONEP_RETURN_IF_ERROR(param::CheckedCudaGemmStreams().status());
+  MOONEP_RETURN_IF_ERROR(param::CheckedCudaGemmStreamsMinRows().status());
+  MOONEP_RETURN_IF_ERROR(param::CheckedCudaGemmPersistentMaxRows().status());
+  const absl::StatusOr<GemmStrategy> strategy = ParseGemmStrategy(param::CudaGemmStrategy());
+  return strategy.ok() ? absl::OkStatus()
+                       : Annotate(strategy.status(), "MOONEP_CUDA_GEMM_STRATEGY");
+}
+
 size_t CudaDeviceWorkspaceBytes(const ExecutorConfig& config, int num_streams) {
   return Parts(config, num_streams).total;
 }
@@ -79,6 +88,11 @@ size_t CudaDeviceWorkspaceBytes(const ExecutorConfig& config, int num_streams) {
 absl::StatusOr<std::unique_ptr<CudaExecutor>> CudaExecutor::Create(const ExecutorConfig& config,
                                                                    const CudaExecutorOptions& options) {
   MOONEP_RETURN_IF_ERROR(CheckExecutorConfig(config));
+  MOONEP_CHECK_ARG(options.num_streams >= 0 && options.num_streams <= 16,
+                   "options.num_streams %d is outside [0, 16] (0: MOONEP_CUDA_GEMM_STREAMS)",
+                   options.num_streams);
+  // Before any CUDA call: a bad variable is the same InvalidArgument with or without a GPU.
+  MOONEP_RETURN_IF_ERROR(CheckCudaGemmEnvironment());
   int count = 0;
   MOONEP_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&count));
   int device = options.device;

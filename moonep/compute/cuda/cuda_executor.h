@@ -42,9 +42,15 @@
 
 namespace moonep::compute::cuda {
 
+// MOONEP_CUDA_GEMM_STREAMS (1..16), MOONEP_CUDA_GEMM_STREAMS_MIN_ROWS and
+// MOONEP_CUDA_GEMM_PERSISTENT_MAX_ROWS (>= 0) and MOONEP_CUDA_GEMM_STRATEGY (a strategy name):
+// InvalidArgument naming the first one that is malformed or out of range. Reads the environment
+// only (no device needed).
+absl::Status CheckCudaGemmEnvironment();
+
 struct CudaExecutorOptions {
   int device = -1;       // -1: the current device
-  int num_streams = 0;   // 0: MOONEP_CUDA_GEMM_STREAMS (4)
+  int num_streams = 0;   // 0: MOONEP_CUDA_GEMM_STREAMS (4); at most 16
   bool synchronous = true;
 };
 
@@ -53,6 +59,9 @@ size_t CudaDeviceWorkspaceBytes(const ExecutorConfig& config, int num_streams);
 
 class CudaExecutor final : public Executor {
  public:
+  // InvalidArgument for a config CheckExecutorConfig refuses, options.num_streams outside [0, 16],
+  // or a bad MOONEP_CUDA_GEMM_* variable (CheckCudaGemmEnvironment; all before any CUDA call);
+  // then CUDA errors, OutOfMemory for the workspace.
   static absl::StatusOr<std::unique_ptr<CudaExecutor>> Create(const ExecutorConfig& config,
                                                               const CudaExecutorOptions& options = {});
   ~CudaExecutor() override;

@@ -41,12 +41,25 @@
 #include "moonep/core/env.h"
 
 namespace moonep::param {
+// The grouped-GEMM knobs (docs/environment.md), checked: a malformed or out-of-range value is an
+// InvalidArgument naming it, which CudaExecutor::Create and moonep-bench-gemm-cuda return through
+// CheckCudaGemmEnvironment (cuda_executor.h) before anything reads them. Before, a stream count
+// outside 1..16 was clamped without a word (0 gave 1 stream, not the default 4) and negative
+// thresholds were taken as they were.
+// Streams of a CUDA executor.
+MOONEP_CHECKED_INT_PARAM(CheckedCudaGemmStreams, "CUDA_GEMM_STREAMS", 4, 1, 16)
 // kAuto: mean rows per GEMM from which skewed batches run per group over streams.
-MOONEP_INT_PARAM(CudaGemmStreamsMinRows, "CUDA_GEMM_STREAMS_MIN_ROWS", 512)
-// Streams of a CUDA executor (1..16).
-MOONEP_INT_PARAM(CudaGemmStreams, "CUDA_GEMM_STREAMS", 4)
+MOONEP_CHECKED_INT_PARAM(CheckedCudaGemmStreamsMinRows, "CUDA_GEMM_STREAMS_MIN_ROWS", 512, 0,
+                         INT64_MAX)
 // kAuto: mean rows per GEMM below which skewed batches run on the persistent kernel (sm_90).
-MOONEP_INT_PARAM(CudaGemmPersistentMaxRows, "CUDA_GEMM_PERSISTENT_MAX_ROWS", 2048)
+MOONEP_CHECKED_INT_PARAM(CheckedCudaGemmPersistentMaxRows, "CUDA_GEMM_PERSISTENT_MAX_ROWS", 2048, 0,
+                         INT64_MAX)
+// The thresholds as GroupedGemm reads them: the value, or the default where it is bad (for the
+// tools that drive GroupedGemm without CheckCudaGemmEnvironment; the executor refused it first).
+inline int64_t CudaGemmStreamsMinRows() { return CheckedCudaGemmStreamsMinRows().value_or(512); }
+inline int64_t CudaGemmPersistentMaxRows() {
+  return CheckedCudaGemmPersistentMaxRows().value_or(2048);
+}
 // auto, grouped, streams, chunked or persistent.
 MOONEP_STRING_PARAM(CudaGemmStrategy, "CUDA_GEMM_STRATEGY", "auto")
 }  // namespace moonep::param
