@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <fstream>
 #include <string>
@@ -29,8 +30,10 @@ TEST(HostMemoryTest, AvailableIsMemAvailableOfProcMeminfo) {
   const int64_t total = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
   EXPECT_GT(bytes, 0);
   EXPECT_LE(bytes, total);
-  // Read again a moment later: within 25 % of the file's figure (other processes move it).
-  EXPECT_NEAR(static_cast<double>(bytes), static_cast<double>(kib) * 1024, 0.25 * kib * 1024);
+  // Read again a moment later: near the file's figure (other processes move it: within a quarter
+  // of it, or 512 MiB where little is free).
+  const double slack = std::max(0.25 * kib * 1024, 512.0 * (1 << 20));
+  EXPECT_NEAR(static_cast<double>(bytes), static_cast<double>(kib) * 1024, slack);
 }
 
 TEST(HostMemoryTest, AllocationsAboveAvailableAreRefusedNamingWhat) {
