@@ -333,7 +333,9 @@ MOONEP_API moonepResult_t moonepLayerGetMemory(moonepLayer_t layer, size_t* laye
  * this rank and, over mpi
  * and ucx, the same call on every peer at once with moonepRemoteError naming this rank (nccl: the
  * peers time out naming it; a peer whose part of the call completed without this rank fails its
- * next call instead); the EP buffer is unusable afterwards on every rank, as after any failed
+ * next call instead); a peer may still write into the tensors given to a failed call until the
+ * EP buffer is destroyed on every rank, so destroy it before freeing them; the EP buffer is
+ * unusable afterwards on every rank, as after any failed
  * collective call. Handles are slots of the buffer: a released handle's pointer may come
  * back from a later dispatch, and is then that dispatch's handle (do not keep handles past
  * release).
