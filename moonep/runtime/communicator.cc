@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -317,7 +318,12 @@ absl::StatusOr<std::unique_ptr<Communicator>> Communicator::Adopt(MPI_Comm owned
   comm->size_ = size;
   log::SetRank(rank);
   const std::string& trace = param::TracePath();
-  if (!trace.empty()) MOONEP_RETURN_IF_ERROR(comm->SetTracePath(trace));
+  if (!trace.empty()) {
+    // Rank 0 alone checks the path: a failure here is a warning, since the others made their
+    // communicator already.
+    const absl::Status traced = comm->SetTracePath(trace);
+    if (!traced.ok()) MOONEP_WARN("MOONEP_TRACE: %s", traced.message());
+  }
   MOONEP_INFO("communicator: rank %d of %d", rank, size);
   return comm;
 }
@@ -578,7 +584,18 @@ size_t Communicator::ReplicaBytes() const {
 
 absl::Status Communicator::SetTracePath(const std::string& path) {
   trace_.reset();
-  if (!path.empty() && rank_ == 0) trace_ = std::make_unique<TraceWriter>(path);
+  if (path.empty() || rank_ != 0) return absl::OkStatus();
+  // The file opens at the first forward; a path that cannot be written at all (no such directory,
+  // no permission) is said now, to the caller that gave it, rather than as a warning later.
+  const size_t slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+  const bool writable = ::access(path.c_str(), F_OK) == 0 ? ::access(path.c_str(), W_OK) == 0
+                                                          : ::access(dir.c_str(), W_OK | X_OK) == 0;
+  if (!writable) {
+    return SystemError("routing trace: cannot write %s: %s (tracing stays off)", path,
+                       std::strerror(errno));
+  }
+  trace_ = std::make_unique<TraceWriter>(path);
   return absl::OkStatus();
 }
 

@@ -3,6 +3,7 @@
 // reference, stats, and misuse (null / destroyed / foreign handles, bad configs, wrong order):
 // every misuse returns an error code and a message, nothing crashes.
 #include <mpi.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -851,7 +852,22 @@ TEST_F(CApiTest, EpBufferTraceWriteErrorWarnsAndDispatchGoesOn) {
   const DType dt = DType::kFloat32;
   GlobalProblem g = MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kTokens, dt, 9);
   RankTensors t = MakeRankTensors(g, rank(), dt);
-  ASSERT_EQ(moonepCommSetTrace(comm_, "/nonexistent-moonep-dir/trace.txt"), moonepSuccess);
+  // A path rank 0 cannot write at all is refused there at once, and tracing stays off.
+  const moonepResult_t refused = moonepCommSetTrace(comm_, "/nonexistent-moonep-dir/trace.txt");
+  EXPECT_EQ(refused, rank() == 0 ? moonepSystemError : moonepSuccess);
+  if (rank() == 0) {
+    EXPECT_NE(std::string(moonepGetLastError(comm_)).find("cannot write /nonexistent-moonep-dir"),
+              std::string::npos) << moonepGetLastError(comm_);
+  }
+  // A directory passes that check and fails when it is opened at the first dispatch.
+  char dir[] = "/tmp/moonep-trace-dir-XXXXXX";
+  std::string trace_dir;
+  if (rank() == 0) {
+    ASSERT_NE(mkdtemp(dir), nullptr);
+    trace_dir = dir;
+  }
+  ASSERT_EQ(moonepCommSetTrace(comm_, rank() == 0 ? trace_dir.c_str() : "unused"), moonepSuccess)
+      << moonepGetLastError(comm_);
   moonepEpBufferConfig_t c = Config(moonepPolicyMoonEP);
   moonepEpBuffer_t buf = nullptr;
   ASSERT_EQ(moonepEpBufferCreate(comm_, &c, &buf), moonepSuccess) << moonepGetLastError(comm_);
@@ -863,6 +879,7 @@ TEST_F(CApiTest, EpBufferTraceWriteErrorWarnsAndDispatchGoesOn) {
   }
   EXPECT_EQ(moonepEpBufferDestroy(buf), moonepSuccess) << moonepGetLastError(comm_);
   ASSERT_EQ(moonepCommSetTrace(comm_, nullptr), moonepSuccess);
+  if (rank() == 0) rmdir(trace_dir.c_str());
 }
 
 TEST_F(CApiTest, EpBufferMovesRowsWeightsAndGradients) {

@@ -131,7 +131,10 @@ MOONEP_API const char* moonepGetLastError(moonepComm_t comm);
 
 /* Routing traces: rank 0 appends each forward's counts[R][E] per layer to `path` in the format
  * of docs/trace-format.md (which `moonep-sim --trace` replays). NULL or "" turns tracing off.
- * MOONEP_TRACE=path does the same for every communicator at creation. Local. */
+ * MOONEP_TRACE=path does the same for every communicator at creation. Local. On rank 0, a path
+ * that cannot be written (no such directory, no permission) is moonepSystemError and tracing stays
+ * off (MOONEP_TRACE: a warning); an error when the file is opened or written later turns tracing
+ * off with a warning, and the steps go on. */
 MOONEP_API moonepResult_t moonepCommSetTrace(moonepComm_t comm, const char* path);
 
 /* ---------------------------------------------------------------------------------------------
