@@ -353,7 +353,7 @@ absl::Status FinalizePlan(const PlannerConfig& c, absl::Span<const int64_t> coun
       const size_t i = static_cast<size_t>(d) * G + g;
       const int64_t n = plan->group_count[i];
       plan->group_offset[i] = row;
-      plan->group_padded[i] = (n + c.pad_multiple - 1) / c.pad_multiple * c.pad_multiple;
+      plan->group_padded[i] = PaddedRows(n, c.pad_multiple);
       row += plan->group_padded[i];
     }
     plan->rank_rows[d] = row;
@@ -630,7 +630,7 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
     } else {
       for (int32_t g = 0; g < G; ++g) {
         go[g] = row;
-        gp[g] = (gc[g] + pad - 1) / pad * pad;
+        gp[g] = PaddedRows(gc[g], pad);
         row += gp[g];
       }
     }

@@ -141,6 +141,12 @@ absl::Status FinalizeHolders(const PlannerConfig& resolved, absl::Span<const int
                              const int64_t* home_keep = nullptr, const int64_t* home_load = nullptr,
                              const ReplicaPlacement* placed = nullptr);
 
+// A group's rows in a compute layout: its `rows` rounded up to the padding multiple (the plan's
+// group_padded).
+inline int64_t PaddedRows(int64_t rows, int64_t multiple) {
+  return multiple > 1 ? (rows + multiple - 1) / multiple * multiple : rows;
+}
+
 // Node of a rank for stats and topology rules (each rank its own node when ranks_per_node == 0).
 inline int32_t NodeOf(const Plan& plan, int32_t rank) {
   return plan.ranks_per_node > 0 ? rank / plan.ranks_per_node : rank;

@@ -31,16 +31,6 @@ double DedupRows(double rows, double tokens, int32_t topk, int32_t experts) {
   return tokens * (1.0 - none);
 }
 
-namespace {
-
-// A group's rows in the compute layout: its tokens rounded up to the padding multiple (the
-// plan's group_padded, which Decide does not fill).
-int64_t Padded(int64_t rows, int32_t multiple) {
-  return multiple > 1 ? (rows + multiple - 1) / multiple * multiple : rows;
-}
-
-}  // namespace
-
 void TrafficCounter::Placement(const Plan& plan, RankTraffic* tr, PlanMetrics* m) {
   const int32_t R = plan.num_ranks, E = plan.num_experts, S = plan.slots;
   tr->Reset(R);
@@ -49,7 +39,8 @@ void TrafficCounter::Placement(const Plan& plan, RankTraffic* tr, PlanMetrics* m
     const int32_t h = plan.home[e];
     const int64_t a = plan.alloc[static_cast<size_t>(e) * R + h];
     tr->load[h] += a;
-    tr->padded[h] += Padded(a, plan.pad_multiple);
+    // The plan's group_padded, which Decide does not fill.
+    tr->padded[h] += planner::PaddedRows(a, plan.pad_multiple);
     m->total_tokens += a;
   }
   for (int32_t d = 0; d < R; ++d) {
@@ -58,7 +49,7 @@ void TrafficCounter::Placement(const Plan& plan, RankTraffic* tr, PlanMetrics* m
       if (e < 0) continue;
       const int64_t a = plan.alloc[static_cast<size_t>(e) * R + d];
       tr->load[d] += a;
-      tr->padded[d] += Padded(a, plan.pad_multiple);
+      tr->padded[d] += planner::PaddedRows(a, plan.pad_multiple);
       m->total_tokens += a;
       ++m->replicas;
       const int32_t h = plan.home[e];
