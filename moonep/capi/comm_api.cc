@@ -2,6 +2,7 @@
 // conversions shared by the layer and EP buffer APIs.
 #include <mpi.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstring>
 #include <mutex>
@@ -27,9 +28,7 @@ const char* KindName(Kind kind) {
   switch (kind) {
     case Kind::kComm: return "communicator";
     case Kind::kLayer: return "layer";
-    case Kind::kLayerHandle: return "layer handle";
     case Kind::kEpBuffer: return "EP buffer";
-    case Kind::kEpHandle: return "EP handle";
   }
   return "object";
 }
@@ -44,6 +43,11 @@ void Register(const void* object, Kind kind) {
 void Unregister(const void* object) {
   std::lock_guard<std::mutex> lock(RegistryMutex());
   Registry().erase(object);
+}
+
+uintptr_t NextHandleValue() {
+  static std::atomic<uintptr_t> next{0};
+  return (next.fetch_add(1, std::memory_order_relaxed) << 1) | 1;
 }
 
 bool IsLive(const void* object, Kind kind) {

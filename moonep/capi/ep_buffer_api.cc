@@ -14,14 +14,18 @@ moonepComm* CommOf(moonepEpBuffer_t buffer) {
                                                                             : nullptr;
 }
 
+// The slot of a live handle of a live buffer (its state: only after Resolve succeeded).
+moonepEpHandle* SlotOf(moonepEpBuffer_t buffer, moonepEpHandle_t handle) {
+  return moonep::capi::FindSlot(buffer->handles, handle);
+}
+
 // Checks buffer and handle, and returns the handle's layout (for row counts).
 absl::Status Resolve(moonepEpBuffer_t buffer, moonepEpHandle_t handle,
                      moonep::runtime::EpLayout* layout) {
   MOONEP_RETURN_IF_ERROR(CheckHandle(buffer, Kind::kEpBuffer, "buffer"));
-  MOONEP_RETURN_IF_ERROR(CheckHandle(handle, Kind::kEpHandle, "handle"));
-  MOONEP_CHECK_ARG(handle->owner == buffer, "handle belongs to another EP buffer");
-  if (!handle->in_use) return moonep::InvalidUsage("handle was already released");
-  return buffer->impl->Layout(handle->handle, layout);
+  MOONEP_ASSIGN_OR_RETURN(moonepEpHandle * slot,
+                          moonep::capi::LiveSlot(buffer->handles, handle, "EP buffer"));
+  return buffer->impl->Layout(slot->handle, layout);
 }
 
 // Prefetch and reduce move experts: the buffer needs their shape (checked before the tensors, whose
@@ -101,9 +105,8 @@ moonepResult_t moonepEpBufferCreate(moonepComm_t comm, const moonepEpBufferConfi
       object->handles.push_back(std::make_unique<moonepEpHandle>());
       object->handles.back()->owner = object.get();
     }
-    // Registered only once every handle is owned, and unregistered again if the registry cannot
-    // take them all (out of memory): no freed handle stays in the registry.
-    moonep::capi::RegisterAll(object.get(), Kind::kEpBuffer, object->handles, Kind::kEpHandle);
+    // Registered once its slots are made (handles are values in the slots, not registered).
+    moonep::capi::Register(object.get(), Kind::kEpBuffer);
     ++comm->children;
     *buffer = object.release();
     return absl::OkStatus();
@@ -116,7 +119,6 @@ moonepResult_t moonepEpBufferDestroy(moonepEpBuffer_t buffer) {
     // Collective: a peer that does not destroy it in the same order makes this a Timeout naming
     // it; the handle is freed either way.
     const absl::Status closed = buffer->impl->Close();
-    for (auto& h : buffer->handles) moonep::capi::Unregister(h.get());
     moonep::capi::Unregister(buffer);
     --buffer->comm->children;
     delete buffer;
@@ -151,7 +153,8 @@ moonepResult_t moonepEpDispatch(moonepEpBuffer_t buffer, int64_t num_tokens, con
     moonepEpHandle* slot = buffer->handles[static_cast<size_t>(h->index)].get();
     slot->in_use = true;
     slot->handle = *h;
-    *handle = slot;
+    slot->value = moonep::capi::NextHandleValue();
+    *handle = reinterpret_cast<moonepEpHandle_t>(slot->value);
     return absl::OkStatus();
   });
 }
@@ -182,13 +185,13 @@ moonepResult_t moonepEpCombine(moonepEpBuffer_t buffer, moonepEpHandle_t handle,
         buffer, OpKind::kCombine,
         [&]() -> absl::Status {
           MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l));
-          T = buffer->impl->TokensOf(handle->handle);
+          T = buffer->impl->TokensOf(SlotOf(buffer, handle)->handle);
           MOONEP_RETURN_IF_ERROR(CheckPtr(out_rows, l.num_rows, "out_rows"));
           return CheckPtr(y, T, "y");
         },
         [&]() {
           const auto& c = buffer->impl->config();
-          return buffer->impl->Combine(handle->handle, Matrix(out_rows, c, l.num_rows),
+          return buffer->impl->Combine(SlotOf(buffer, handle)->handle, Matrix(out_rows, c, l.num_rows),
                                        Matrix(y, c, T));
         });
   });
@@ -203,13 +206,13 @@ moonepResult_t moonepEpCombineBackward(moonepEpBuffer_t buffer, moonepEpHandle_t
         buffer, OpKind::kCombineBackward,
         [&]() -> absl::Status {
           MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l));
-          T = buffer->impl->TokensOf(handle->handle);
+          T = buffer->impl->TokensOf(SlotOf(buffer, handle)->handle);
           MOONEP_RETURN_IF_ERROR(CheckPtr(dy, T, "dy"));
           return CheckPtr(dy_rows, l.num_rows, "dy_rows");
         },
         [&]() {
           const auto& c = buffer->impl->config();
-          return buffer->impl->CombineBackward(handle->handle, Matrix(dy, c, T),
+          return buffer->impl->CombineBackward(SlotOf(buffer, handle)->handle, Matrix(dy, c, T),
                                                Matrix(dy_rows, c, l.num_rows));
         });
   });
@@ -225,7 +228,7 @@ moonepResult_t moonepEpTopkWeightGrad(moonepEpBuffer_t buffer, moonepEpHandle_t 
         buffer, OpKind::kTopkWeightGrad,
         [&]() -> absl::Status {
           MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l));
-          T = buffer->impl->TokensOf(handle->handle);
+          T = buffer->impl->TokensOf(SlotOf(buffer, handle)->handle);
           MOONEP_RETURN_IF_ERROR(CheckPtr(dy_rows, l.num_rows, "dy_rows"));
           MOONEP_RETURN_IF_ERROR(CheckPtr(out_rows, l.num_rows, "out_rows"));
           return CheckPtr(d_topk_weights, T * buffer->impl->config().top_k, "d_topk_weights");
@@ -233,7 +236,7 @@ moonepResult_t moonepEpTopkWeightGrad(moonepEpBuffer_t buffer, moonepEpHandle_t 
         [&]() {
           const auto& c = buffer->impl->config();
           return buffer->impl->TopkWeightGrad(
-              handle->handle, Matrix(dy_rows, c, l.num_rows), Matrix(out_rows, c, l.num_rows),
+              SlotOf(buffer, handle)->handle, Matrix(dy_rows, c, l.num_rows), Matrix(out_rows, c, l.num_rows),
               absl::Span<float>(d_topk_weights, static_cast<size_t>(T * c.top_k)));
         });
   });
@@ -248,13 +251,13 @@ moonepResult_t moonepEpDispatchBackward(moonepEpBuffer_t buffer, moonepEpHandle_
         buffer, OpKind::kDispatchBackward,
         [&]() -> absl::Status {
           MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l));
-          T = buffer->impl->TokensOf(handle->handle);
+          T = buffer->impl->TokensOf(SlotOf(buffer, handle)->handle);
           MOONEP_RETURN_IF_ERROR(CheckPtr(dx_rows, l.num_rows, "dx_rows"));
           return CheckPtr(dx, T, "dx");
         },
         [&]() {
           const auto& c = buffer->impl->config();
-          return buffer->impl->DispatchBackward(handle->handle, Matrix(dx_rows, c, l.num_rows),
+          return buffer->impl->DispatchBackward(SlotOf(buffer, handle)->handle, Matrix(dx_rows, c, l.num_rows),
                                                 Matrix(dx, c, T));
         });
   });
@@ -271,7 +274,7 @@ moonepResult_t moonepEpPrefetch(moonepEpBuffer_t buffer, moonepEpHandle_t handle
           return ReadExperts(buffer, handle, home_weights, "home_weights", replica_weights,
                              "replica_weights", buffer->impl->config().dtype, &home, &slots);
         },
-        [&]() { return buffer->impl->Prefetch(handle->handle, home, slots); });
+        [&]() { return buffer->impl->Prefetch(SlotOf(buffer, handle)->handle, home, slots); });
   });
 }
 
@@ -286,7 +289,7 @@ moonepResult_t moonepEpReduce(moonepEpBuffer_t buffer, moonepEpHandle_t handle,
           return ReadExperts(buffer, handle, home_grads, "home_grads", replica_grads,
                              "replica_grads", buffer->impl->config().grad_dtype, &home, &slots);
         },
-        [&]() { return buffer->impl->Reduce(handle->handle, home, slots); });
+        [&]() { return buffer->impl->Reduce(SlotOf(buffer, handle)->handle, home, slots); });
   });
 }
 
@@ -294,8 +297,9 @@ moonepResult_t moonepEpRelease(moonepEpBuffer_t buffer, moonepEpHandle_t handle)
   return GuardOn(CommOf(buffer), "moonepEpRelease", [&]() -> absl::Status {
     moonep::runtime::EpLayout l;
     MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l));
-    handle->in_use = false;
-    return buffer->impl->Release(handle->handle);
+    moonepEpHandle* slot = SlotOf(buffer, handle);
+    slot->in_use = false;
+    return buffer->impl->Release(slot->handle);
   });
 }
 

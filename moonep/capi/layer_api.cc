@@ -13,12 +13,9 @@ moonepComm* CommOf(moonepLayer_t layer) {
   return layer != nullptr && moonep::capi::IsLive(layer, Kind::kLayer) ? layer->comm : nullptr;
 }
 
-// `handle` is a live handle of `layer` that no backward or release has spent.
-absl::Status CheckLiveHandle(moonepLayer_t layer, moonepLayerHandle_t handle) {
-  MOONEP_RETURN_IF_ERROR(CheckHandle(handle, Kind::kLayerHandle, "handle"));
-  MOONEP_CHECK_ARG(handle->owner == layer, "handle belongs to another layer");
-  if (!handle->in_use) return moonep::InvalidUsage("handle was already released");
-  return absl::OkStatus();
+// The slot of `handle`, a live handle of `layer` that no backward or release has spent.
+absl::StatusOr<moonepLayerHandle*> LiveSlot(moonepLayer_t layer, moonepLayerHandle_t handle) {
+  return moonep::capi::LiveSlot(layer->handles, handle, "layer");
 }
 
 absl::Status CheckPtr(const void* p, int64_t elements, const char* name) {
@@ -52,9 +49,8 @@ moonepResult_t moonepLayerCreate(moonepComm_t comm, const moonepLayerConfig_t* c
       object->handles.push_back(std::make_unique<moonepLayerHandle>());
       object->handles.back()->owner = object.get();
     }
-    // Registered only once every handle is owned, and unregistered again if the registry cannot
-    // take them all (out of memory): no freed handle stays in the registry.
-    moonep::capi::RegisterAll(object.get(), Kind::kLayer, object->handles, Kind::kLayerHandle);
+    // Registered once its slots are made (handles are values in the slots, not registered).
+    moonep::capi::Register(object.get(), Kind::kLayer);
     ++comm->children;
     *layer = object.release();
     return absl::OkStatus();
@@ -67,7 +63,6 @@ moonepResult_t moonepLayerDestroy(moonepLayer_t layer) {
     // Collective: a peer that does not destroy it in the same order makes this a Timeout naming
     // it; the handle is freed either way.
     const absl::Status closed = layer->impl->Close();
-    for (auto& h : layer->handles) moonep::capi::Unregister(h.get());
     moonep::capi::Unregister(layer);
     --layer->comm->children;
     delete layer;
@@ -126,7 +121,8 @@ moonepResult_t moonepLayerForward(moonepLayer_t layer, int64_t num_tokens, const
     moonepLayerHandle* slot = layer->handles[static_cast<size_t>(h->index)].get();
     slot->in_use = true;
     slot->handle = *h;
-    *handle = slot;
+    slot->value = moonep::capi::NextHandleValue();
+    *handle = reinterpret_cast<moonepLayerHandle_t>(slot->value);
     return absl::OkStatus();
   });
 }
@@ -138,18 +134,19 @@ moonepResult_t moonepLayerBackward(moonepLayer_t layer, moonepLayerHandle_t hand
     MOONEP_RETURN_IF_ERROR(CheckHandle(layer, Kind::kLayer, "layer"));
     // A bad handle on a live layer is this rank's error in a collective call: the peers fail
     // their backward at once too (they waited for this rank until the timeout).
-    absl::Status bad_handle = CheckLiveHandle(layer, handle);
-    if (bad_handle.ok()) bad_handle = layer->impl->PlanOf(handle->handle).status();
+    absl::StatusOr<moonepLayerHandle*> slot = LiveSlot(layer, handle);
+    absl::Status bad_handle = slot.status();
+    if (bad_handle.ok()) bad_handle = layer->impl->PlanOf((*slot)->handle).status();
     if (!bad_handle.ok()) {
       return layer->impl->AbortOperation(moonep::transport::OpKind::kCombineBackward,
                                          std::move(bad_handle));
     }
     const auto& c = layer->impl->config();
     // T of this handle: the tokens the forward saw, from its dispatch handle's counts.
-    const int64_t T = layer->impl->TokensOf(handle->handle);
+    const int64_t T = layer->impl->TokensOf((*slot)->handle);
     // NULL dy / dx are the layer's to refuse: it fails the peers' backward at once too.
     const absl::Status status = layer->impl->Backward(
-        handle->handle,
+        (*slot)->handle,
         TensorView::Contiguous(const_cast<void*>(dy), c.dtype, {T, c.hidden}, c.device),
         TensorView::Contiguous(dx, c.dtype, {T, c.hidden}, c.device),
         d_topk_weights == nullptr
@@ -158,7 +155,7 @@ moonepResult_t moonepLayerBackward(moonepLayer_t layer, moonepLayerHandle_t hand
         stream);
     // A backward that ran, failed midway or refused this rank's arguments spends the handle
     // (and the latter two leave the layer unusable on every rank).
-    handle->in_use = layer->impl->PlanOf(handle->handle).ok();
+    (*slot)->in_use = layer->impl->PlanOf((*slot)->handle).ok();
     return status;
   });
 }
@@ -166,9 +163,9 @@ moonepResult_t moonepLayerBackward(moonepLayer_t layer, moonepLayerHandle_t hand
 moonepResult_t moonepLayerRelease(moonepLayer_t layer, moonepLayerHandle_t handle) {
   return GuardOn(CommOf(layer), "moonepLayerRelease", [&]() -> absl::Status {
     MOONEP_RETURN_IF_ERROR(CheckHandle(layer, Kind::kLayer, "layer"));
-    MOONEP_RETURN_IF_ERROR(CheckLiveHandle(layer, handle));
-    handle->in_use = false;
-    return layer->impl->Release(handle->handle);
+    MOONEP_ASSIGN_OR_RETURN(moonepLayerHandle * slot, LiveSlot(layer, handle));
+    slot->in_use = false;
+    return layer->impl->Release(slot->handle);
   });
 }
 

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "moonep/capi/capi_common.h"
@@ -23,9 +24,14 @@ struct moonepComm {
   int children = 0;  // layers and EP buffers alive on it
 };
 
+// A forward's or dispatch's handle, as the caller sees it, is an opaque value new for every call
+// (moonep::capi::NextHandleValue, never an address), kept by the slot of the layer or EP buffer
+// that holds the call's state (max_inflight slots, made at creation): a released handle stays
+// refused after a later call took its slot, where a slot's address would have come back.
 struct moonepLayerHandle {
   moonepLayer* owner = nullptr;
   bool in_use = false;
+  uintptr_t value = 0;  // the handle given to the caller (0: none yet)
   moonep::runtime::LayerHandle handle;
 };
 
@@ -38,6 +44,7 @@ struct moonepLayer {
 struct moonepEpHandle {
   moonepEpBuffer* owner = nullptr;
   bool in_use = false;
+  uintptr_t value = 0;  // the handle given to the caller (0: none yet)
   moonep::runtime::LayerHandle handle;
 };
 
@@ -50,23 +57,38 @@ struct moonepEpBuffer {
 namespace moonep::capi {
 
 // Registry of live objects, by address and kind.
-enum class Kind { kComm, kLayer, kLayerHandle, kEpBuffer, kEpHandle };
+enum class Kind { kComm, kLayer, kEpBuffer };
 void Register(const void* object, Kind kind);
 void Unregister(const void* object);
 bool IsLive(const void* object, Kind kind);
 
-// Registers `handles` (kind `handle_kind`) and then `object`; if one cannot be (out of memory),
-// unregisters the ones that were and rethrows.
-template <typename Handles>
-void RegisterAll(const void* object, Kind kind, const Handles& handles, Kind handle_kind) {
-  try {
-    for (const auto& h : handles) Register(h.get(), handle_kind);
-    Register(object, kind);
-  } catch (...) {
-    for (const auto& h : handles) Unregister(h.get());
-    Unregister(object);
-    throw;
+// The next handle value (process-wide, odd, never 0 and never reused).
+uintptr_t NextHandleValue();
+// The slot among `slots` whose current handle is `handle`, or nullptr.
+template <typename Slots>
+auto FindSlot(const Slots& slots, const void* handle) -> decltype(slots.front().get()) {
+  const uintptr_t value = reinterpret_cast<uintptr_t>(handle);
+  for (const auto& s : slots) {
+    if (value != 0 && s->value == value) return s.get();
   }
+  return nullptr;
+}
+// `handle` is a handle that `owner_name`'s forward / dispatch returned and no release spent:
+// InvalidArgument when NULL, InvalidUsage when not one of its slots' current handles (released
+// and its slot taken by a later call, of another object, or made up) or released.
+template <typename Slots>
+absl::StatusOr<decltype(std::declval<Slots>().front().get())> LiveSlot(const Slots& slots,
+                                                                      const void* handle,
+                                                                      const char* owner_name) {
+  if (handle == nullptr) return InvalidArgument("handle is NULL");
+  auto* slot = FindSlot(slots, handle);
+  if (slot == nullptr) {
+    return InvalidUsage("handle is not a live handle of this %s (released, and its slot taken by "
+                        "a later call; of another %s; or never returned by it)",
+                        owner_name, owner_name);
+  }
+  if (!slot->in_use) return InvalidUsage("handle was already released");
+  return slot;
 }
 
 // Checks a handle argument: null -> InvalidArgument, not live -> InvalidUsage.

@@ -51,6 +51,15 @@ class CApiTest : public MpiTest {
     c.num_threads = 1;
     return c;
   }
+  // An EP buffer of `c` on comm_ with one dispatch of t's tokens made: *buf, *h and its *layout
+  // (a fatal failure inside ends the calling test's checks; test HasFatalFailure()).
+  void CreateAndDispatch(const moonepEpBufferConfig_t& c, RankTensors& t, moonepEpBuffer_t* buf,
+                         moonepEpHandle_t* h, moonepEpLayout_t* layout) {
+    ASSERT_EQ(moonepEpBufferCreate(comm_, &c, buf), moonepSuccess) << moonepGetLastError(comm_);
+    ASSERT_EQ(moonepEpDispatch(*buf, t.tokens, t.x.data(), t.ids.data(), t.weights.data(), h),
+              moonepSuccess) << moonepGetLastError(comm_);
+    ASSERT_EQ(moonepEpGetLayout(*buf, *h, layout), moonepSuccess) << moonepGetLastError(comm_);
+  }
   moonepComm_t comm_ = nullptr;
 };
 
@@ -882,18 +891,80 @@ TEST_F(CApiTest, EpBufferTraceWriteErrorWarnsAndDispatchGoesOn) {
   if (rank() == 0) rmdir(trace_dir.c_str());
 }
 
+// A released handle is refused (moonepInvalidUsage, local calls here) also after a later forward
+// or dispatch took its slot: handles are values new for every call. Until the twenty-ninth
+// session a handle was its slot's address, so the old handle came back from the next dispatch
+// and named it. The new handle works; values are never 0 and never repeat.
+TEST_F(CApiTest, ReleasedHandlesStayRefusedAfterTheirSlotIsReused) {
+  const DType dt = DType::kFloat32;
+  GlobalProblem g = MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kTokens, dt, 19);
+  RankTensors t = MakeRankTensors(g, rank(), dt);
+  moonepEpBufferConfig_t c = Config(moonepPolicyTestForceReplicas);
+  c.max_inflight = 1;  // every dispatch takes the one slot
+  moonepEpBuffer_t buf = nullptr;
+  ASSERT_EQ(moonepEpBufferCreate(comm_, &c, &buf), moonepSuccess) << moonepGetLastError(comm_);
+  std::vector<moonepEpHandle_t> seen;
+  moonepEpLayout_t layout;
+  for (int i = 0; i < 3; ++i) {
+    moonepEpHandle_t h = nullptr;
+    ASSERT_EQ(moonepEpDispatch(buf, t.tokens, t.x.data(), t.ids.data(), t.weights.data(), &h),
+              moonepSuccess) << moonepGetLastError(comm_);
+    ASSERT_NE(h, nullptr);
+    for (moonepEpHandle_t old : seen) {
+      EXPECT_NE(old, h);
+      EXPECT_EQ(moonepEpGetLayout(buf, old, &layout), moonepInvalidUsage);
+      EXPECT_NE(std::string(moonepGetLastError(comm_)).find("not a live handle of this EP buffer"),
+                std::string::npos) << moonepGetLastError(comm_);
+      EXPECT_EQ(moonepEpRelease(buf, old), moonepInvalidUsage);
+    }
+    ASSERT_EQ(moonepEpGetLayout(buf, h, &layout), moonepSuccess) << moonepGetLastError(comm_);
+    ASSERT_EQ(moonepEpRelease(buf, h), moonepSuccess) << moonepGetLastError(comm_);
+    // Released, its slot not yet reused.
+    EXPECT_EQ(moonepEpRelease(buf, h), moonepInvalidUsage);
+    EXPECT_NE(std::string(moonepGetLastError(comm_)).find("already released"), std::string::npos)
+        << moonepGetLastError(comm_);
+    seen.push_back(h);
+  }
+  // A made-up value and another buffer's handle are refused alike, never dereferenced.
+  EXPECT_EQ(moonepEpGetLayout(buf, reinterpret_cast<moonepEpHandle_t>(uintptr_t{0x1000}), &layout),
+            moonepInvalidUsage);
+  EXPECT_EQ(moonepEpGetLayout(buf, nullptr, &layout), moonepInvalidArgument);
+  EXPECT_EQ(moonepEpBufferDestroy(buf), moonepSuccess) << moonepGetLastError(comm_);
+
+  // The layer's handles alike (forward, release, forward: the first handle stays refused).
+  moonepLayerConfig_t lc = Config(moonepPolicyMoonEP);
+  lc.max_inflight = 1;
+  moonepLayer_t layer = nullptr;
+  ASSERT_EQ(moonepLayerCreate(comm_, &lc, &layer), moonepSuccess) << moonepGetLastError(comm_);
+  moonepExpertTensors_t w = Tensors(t, false), gr = Tensors(t, true);
+  ASSERT_EQ(moonepLayerBindParams(layer, &w, &gr), moonepSuccess) << moonepGetLastError(comm_);
+  moonepLayerHandle_t first = nullptr, second = nullptr;
+  ASSERT_EQ(moonepLayerForward(layer, t.tokens, t.x.data(), t.ids.data(), t.weights.data(),
+                               t.y.data(), &first, nullptr), moonepSuccess)
+      << moonepGetLastError(comm_);
+  ASSERT_EQ(moonepLayerRelease(layer, first), moonepSuccess) << moonepGetLastError(comm_);
+  ASSERT_EQ(moonepLayerForward(layer, t.tokens, t.x.data(), t.ids.data(), t.weights.data(),
+                               t.y.data(), &second, nullptr), moonepSuccess)
+      << moonepGetLastError(comm_);
+  EXPECT_NE(first, second);
+  EXPECT_EQ(moonepLayerRelease(layer, first), moonepInvalidUsage);
+  EXPECT_NE(std::string(moonepGetLastError(comm_)).find("not a live handle of this layer"),
+            std::string::npos) << moonepGetLastError(comm_);
+  // The second handle is untouched by that: its backward runs on every rank.
+  EXPECT_EQ(moonepLayerBackward(layer, second, t.dy.data(), t.dx.data(), t.dtopk.data(), nullptr),
+            moonepSuccess) << moonepGetLastError(comm_);
+  EXPECT_EQ(moonepLayerDestroy(layer), moonepSuccess) << moonepGetLastError(comm_);
+}
+
 TEST_F(CApiTest, EpBufferMovesRowsWeightsAndGradients) {
   const DType dt = DType::kFloat32;
   GlobalProblem g = MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kTokens, dt, 9);
   RankTensors t = MakeRankTensors(g, rank(), dt);
-  moonepEpBufferConfig_t c = Config(moonepPolicyTestForceReplicas);
   moonepEpBuffer_t buf = nullptr;
-  ASSERT_EQ(moonepEpBufferCreate(comm_, &c, &buf), moonepSuccess) << moonepGetLastError(comm_);
   moonepEpHandle_t h = nullptr;
-  ASSERT_EQ(moonepEpDispatch(buf, t.tokens, t.x.data(), t.ids.data(), t.weights.data(), &h),
-            moonepSuccess) << moonepGetLastError(comm_);
   moonepEpLayout_t layout;
-  ASSERT_EQ(moonepEpGetLayout(buf, h, &layout), moonepSuccess);
+  CreateAndDispatch(Config(moonepPolicyTestForceReplicas), t, &buf, &h, &layout);
+  ASSERT_FALSE(HasFatalFailure());
   ASSERT_EQ(layout.num_groups, epn() + epn());
 
   // Prefetch into caller-owned replica slots; each used slot must equal its expert's weights.
@@ -1093,6 +1164,47 @@ TEST_F(CApiTest, EpCollectiveCallWithLocalErrorFailsEveryRankAtOnce) {
     EXPECT_EQ(moonepEpRelease(fresh, h), moonepSuccess);
   }
   EXPECT_EQ(moonepEpBufferDestroy(fresh), moonepSuccess) << moonepGetLastError(comm_);
+}
+
+// The last rank makes a dispatch-backward where its peers combine (both move rows from the
+// expert side back to the tokens' ranks, so before the twenty-ninth session both "completed" with
+// the other call's rows). Over mpi and ucx: every rank fails that call or, where it needed
+// nothing from the last rank, its next dispatch, within milliseconds; a rank names both calls
+// with moonepInvalidUsage, the others get moonepRemoteError. Nccl does not detect it (documented).
+TEST_F(CApiTest, EpCallInAnotherOrderLocalErrorFailsEveryRankNamingBoth) {
+  if (size() < 2) GTEST_SKIP() << "needs peers";
+  const char* transport = std::getenv("MOONEP_TRANSPORT");
+  if (transport != nullptr && std::string(transport) == "nccl") GTEST_SKIP() << "not over nccl";
+  GlobalProblem g = MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kTokens,
+                                      DType::kFloat32, 17);
+  RankTensors t = MakeRankTensors(g, rank(), DType::kFloat32);
+  moonepEpBuffer_t buf = nullptr;
+  moonepEpHandle_t h = nullptr;
+  moonepEpLayout_t layout;
+  CreateAndDispatch(Config(moonepPolicyTestForceReplicas), t, &buf, &h, &layout);
+  ASSERT_FALSE(HasFatalFailure());
+  std::vector<float> rows(static_cast<size_t>(layout.num_rows) * kHidden, 0.5f);
+  MPI_Barrier(MPI_COMM_WORLD);
+  const auto start = std::chrono::steady_clock::now();
+  moonepResult_t r = rank() == size() - 1
+                         ? moonepEpDispatchBackward(buf, h, rows.data(), t.dx.data())
+                         : moonepEpCombine(buf, h, rows.data(), t.y.data());
+  moonepEpHandle_t next[3] = {nullptr, nullptr, nullptr};
+  for (int i = 0; r == moonepSuccess && i < 3; ++i) {
+    r = moonepEpDispatch(buf, t.tokens, t.x.data(), t.ids.data(), t.weights.data(), &next[i]);
+  }
+  const std::string message = moonepGetLastError(comm_);
+  EXPECT_TRUE(r == moonepInvalidUsage || r == moonepRemoteError) << r << ": " << message;
+  EXPECT_NE(message.find("same calls in the same order"), std::string::npos) << message;
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+            HalfTimeoutSeconds()) << message;
+  int named = r == moonepInvalidUsage && message.find("combine") != std::string::npos &&
+              message.find("dispatch-backward") != std::string::npos;
+  int any_named = 0;
+  MPI_Allreduce(&named, &any_named, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  EXPECT_EQ(any_named, 1) << message;
+  // The buffer goes before the rows given to the failed calls; destroying it is prompt and clean.
+  EXPECT_EQ(moonepEpBufferDestroy(buf), moonepSuccess) << moonepGetLastError(comm_);
 }
 
 }  // namespace

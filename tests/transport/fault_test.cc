@@ -262,6 +262,87 @@ TEST_P(FaultTest, LocalArgumentErrorInPrefetchReachesPeersWaitingOnIt) {
   t_.reset();
 }
 
+// Ranks that call different operations at one point (the last rank a combine-backward where the
+// others combine, ...). Before the operation's kind was part of what the ranks match, a combine
+// and a dispatch-backward exchanged rows and both "completed" with the other call's data. Now
+// (mpi and ucx) every rank fails that call or, where it needed nothing from the rank that
+// differs, a later one, within milliseconds and never by a timeout: a rank that finds a peer's
+// message of another kind fails with InvalidUsage naming both calls, and its abort notice fails
+// the others.
+TEST_P(FaultTest, RanksCallingDifferentOperationsFailAtOnceNamingBoth) {
+  const int32_t odd = size() - 1;
+  const int64_t T = p_.T[rank()];
+  const int32_t epn = plan_.experts_per_rank, S = plan_.slots;
+  enum Swap { kCombineVsDispatchBackward, kCombineVsCombineBackward, kCombineVsCounts,
+              kPrefetchVsReduce };
+  const char* expected_names[][2] = {{"combine", "dispatch-backward"},
+                                     {"combine", "combine-backward"},
+                                     {"combine", "count exchange"},
+                                     {"prefetch", "reduce"}};
+  for (int swap = kCombineVsDispatchBackward; swap <= kPrefetchVsReduce; ++swap) {
+    SCOPED_TRACE(expected_names[swap][1]);
+    if (!t_) {
+      auto t = CreateTransport(GetParam(), options_);
+      ASSERT_TRUE(t.ok()) << t.status();
+      t_ = std::move(*t);
+    }
+    DispatchHandle h, h2;
+    std::vector<float> rows;
+    ASSERT_TRUE(DispatchOnce(&h, &rows).ok());
+    std::vector<float> y(T * p_.H, -7.0f), rows2(cap_ * p_.H, -7.0f);
+    std::vector<std::vector<float>> home(epn, std::vector<float>(8, 1.0f)),
+        slot(S, std::vector<float>(8, 2.0f));
+    std::vector<TensorView> hv, sv;
+    for (auto& v : home) hv.push_back(TensorView::Contiguous(v.data(), DType::kFloat32, {8}));
+    for (auto& v : slot) sv.push_back(TensorView::Contiguous(v.data(), DType::kFloat32, {8}));
+    const ExpertBlocks blocks{1, hv, sv};
+    const TensorView rows_v = TensorView::Contiguous(rows.data(), DType::kFloat32, {cap_, p_.H});
+    const TensorView rows2_v = TensorView::Contiguous(rows2.data(), DType::kFloat32, {cap_, p_.H});
+    const TensorView y_v = TensorView::Contiguous(y.data(), DType::kFloat32, {T, p_.H});
+    MPI_Barrier(MPI_COMM_WORLD);
+    const auto start = Clock::now();
+    absl::Status st;
+    const bool differs = rank() == odd;
+    switch (swap) {
+      case kCombineVsDispatchBackward:
+        st = differs ? t_->DispatchBackward(&h, rows_v, y_v) : t_->Combine(&h, rows_v, y_v);
+        break;
+      case kCombineVsCombineBackward:
+        st = differs ? t_->CombineBackward(&h, y_v, rows2_v) : t_->Combine(&h, rows_v, y_v);
+        break;
+      case kCombineVsCounts:
+        st = differs ? t_->ExchangeCounts(p_.ids[rank()], T, p_.K, p_.E, cap_, &h2)
+                     : t_->Combine(&h, rows_v, y_v);
+        break;
+      case kPrefetchVsReduce:
+        st = differs ? t_->Reduce(plan_, blocks) : t_->Prefetch(plan_, blocks);
+        break;
+    }
+    // A rank that needed nothing from the one that differs may complete its call (its results
+    // are right: nothing of the other call reached it). A count exchange hears from every peer:
+    // it fails at the latest on the rank that differs, whose notice then fails the others' next.
+    DispatchHandle next[3];
+    for (int i = 0; st.ok() && i < 3; ++i) {
+      st = t_->ExchangeCounts(p_.ids[rank()], T, p_.K, p_.E, cap_, &next[i]);
+    }
+    const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+    EXPECT_FALSE(st.ok());
+    EXPECT_NE(ToResult(st), moonepTimeout) << st;
+    EXPECT_LT(ms, t_->timeout_ms()) << st;
+    EXPECT_NE(st.message().find("same calls in the same order"), std::string::npos) << st;
+    // Some rank saw both calls and named them.
+    int named = ToResult(st) == moonepInvalidUsage &&
+                st.message().find(expected_names[swap][0]) != std::string::npos &&
+                st.message().find(expected_names[swap][1]) != std::string::npos;
+    int any_named = 0;
+    MPI_Allreduce(&named, &any_named, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    EXPECT_EQ(any_named, 1) << st;
+    // The transport goes before the buffers it was given (a peer's late put may land in them).
+    t_.reset();
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+}
+
 TEST_P(FaultTest, RankThatNeverJoinsCountExchangeTimesOutEveryOther) {
   ASSERT_EQ(t_->timeout_ms(), 2000) << "run with MOONEP_TIMEOUT_MS=2000";
   const int32_t silent = size() - 1;

@@ -10,6 +10,7 @@
 
 #include <unistd.h>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "moonep/core/env.h"
@@ -116,9 +117,22 @@ absl::Status CheckMpiNotFinalized(const char* what) {
 
 namespace {
 constexpr int64_t kGaveUpBit = 1 << 8;  // above every OpKind
+constexpr int64_t kCallOrderBit = 1 << 9;
+constexpr char kCallOrderPayload[] = "moonep/call-order";
 }  // namespace
 
+absl::Status CallOrderError(const char* channel, int64_t seq, int me, OpKind mine, int peer,
+                            OpKind theirs) {
+  absl::Status s = InvalidUsage(
+      "%s: rank %d called %s where rank %d called %s (%s operation %d of this transport): every "
+      "rank must make the same calls in the same order; the transport is unusable",
+      OpName(mine), peer, OpName(theirs), me, OpName(mine), channel, seq);
+  s.SetPayload(kCallOrderPayload, absl::Cord("1"));
+  return s;
+}
+
 int64_t AbortCode(OpKind kind, const absl::Status& status) {
+  if (status.GetPayload(kCallOrderPayload).has_value()) return static_cast<int64_t>(kind) | kCallOrderBit;
   return static_cast<int64_t>(kind) | (absl::IsDeadlineExceeded(status) ? kGaveUpBit : 0);
 }
 
@@ -126,6 +140,11 @@ bool IsGaveUpNotice(int64_t code) { return (code & kGaveUpBit) != 0; }
 
 absl::Status AbortNoticeError(int rank, int64_t code) {
   const OpKind kind = static_cast<OpKind>(code & (kGaveUpBit - 1));
+  if (code & kCallOrderBit) {
+    return RemoteError("rank %d found that the ranks called different operations (it was in %s): "
+                       "every rank must make the same calls in the same order; the transport is "
+                       "unusable", rank, OpName(kind));
+  }
   if (code & kGaveUpBit) {
     return RemoteError("rank %d gave up waiting in %s (MOONEP_TIMEOUT_MS: it heard nothing from a "
                        "peer); the transport is unusable", rank, OpName(kind));

@@ -68,6 +68,11 @@ int64_t AbortCode(OpKind kind, const absl::Status& status);
 absl::Status AbortNoticeError(int rank, int64_t code);
 // Whether the notice says the peer gave up waiting (a timeout) rather than failed.
 bool IsGaveUpNotice(int64_t code);
+// Ranks that called different operations at one point of a channel ("row" or "weight"): rank
+// `peer` made operation `seq` a `theirs` where this rank `me` made it a `mine`. InvalidUsage,
+// marked so that the abort notice tells the peers it was the call order (AbortCode).
+absl::Status CallOrderError(const char* channel, int64_t seq, int me, OpKind mine, int peer,
+                            OpKind theirs);
 
 // A 2-D contiguous matrix of fp32 or bf16 in memory of `device` (as its TensorView says; a device
 // backend also checks the pointer itself) with at least max(min_rows, 0) rows and `cols` columns

@@ -30,9 +30,18 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Message kinds inside one operation; the tag is (sequence mod N) * kSubTags + kind.
+// Message kinds inside one operation (sub-tags). The tag is
+// ((slot of the sequence number) * kKinds + operation kind) * kSubTags + sub-tag: the operation's
+// kind is part of it, so that a message of one kind is never taken by an operation of another when
+// ranks call different operations (MpiOp::CheckCallOrder finds that case).
 constexpr int kSubTags = 4;
+constexpr int kKinds = static_cast<int>(OpKind::kNumKinds);
 constexpr int kSubMeta = 0, kSubData = 1, kSubScalar = 2;
+// An empty message that an operation waiting on a peer sends it once (after kNudgeAfter), carrying
+// this rank's operation kind in its tag: no operation receives it; the peer's CheckCallOrder reads
+// it off its queue. Where two ranks called different operations that each only wait on the
+// other, no other message would show it.
+constexpr int kSubNudge = 3;
 // Expert tensors travel in chunks below MPI's int count limit.
 constexpr int64_t kMaxChunkBytes = int64_t{1} << 30;
 
@@ -68,6 +77,17 @@ absl::Status MetaType::Make() {
       MpiCheck(MPI_Type_contiguous(sizeof(RowMeta), MPI_BYTE, &type), "MPI_Type_contiguous"));
   return MpiCheck(MPI_Type_commit(&type), "MPI_Type_commit");
 }
+
+// When an operation that waits first looks at its peers' unmatched messages (CheckCallOrder), the
+// longest interval between looks (the interval doubles from the first), when it nudges the peers
+// it waits on, and how many peers' queues a count exchange looks at when it completes. The checks
+// cost nothing to an operation that completes within a millisecond; at scale an operation that
+// waits looks at its peers about log2(its time / 1 ms) + its time / 64 ms times, and nudges them
+// only past 20 ms (a straggler, or two calls that wait on each other).
+constexpr auto kOrderCheckFirst = std::chrono::milliseconds(1);
+constexpr auto kOrderCheckMax = std::chrono::milliseconds(64);
+constexpr auto kNudgeAfter = std::chrono::milliseconds(20);
+constexpr int kOrderProbePeers = 16;
 
 // Names this backend in argument errors ("the MPI transport needs host memory").
 constexpr char kBackendName[] = "MPI";
@@ -124,6 +144,8 @@ class MpiOp : public Request {
   MpiTransport* transport_;
   OpKind kind_;
   MPI_Comm comm_;
+  int channel_;  // 0: row operations, 1: weight operations (their own communicators)
+  int64_t seq_;
   int tag_base_;
   int me_;
   OpCounters counters_;
@@ -133,6 +155,11 @@ class MpiOp : public Request {
   absl::Status Fail(absl::Status status, bool notify_peers = true);
   void Cleanup();
   absl::Status TimeoutStatus() const;
+  // Whether a peer this op waits on called another operation at this point (or left a message of
+  // another kind behind): probes each peer's first unmatched messages on this op's communicator
+  // (MpiTransport::CheckPeerOrder). `all_peers`: every peer, else the peers of requests still
+  // pending; those of pending receives are sent a nudge (kSubNudge) the first time.
+  absl::Status CheckCallOrder(bool all_peers);
   void Ended() {
     if (on_end_) std::exchange(on_end_, nullptr)();
   }
@@ -145,6 +172,10 @@ class MpiOp : public Request {
   bool done_ = false, sends_released_ = false, receives_released_ = false;
   absl::Status status_;
   Clock::time_point deadline_;
+  Clock::time_point start_;
+  Clock::time_point next_order_check_;
+  Clock::duration order_check_interval_ = kOrderCheckFirst;
+  bool nudged_ = false;
   int64_t timeout_ms_;
 };
 
@@ -198,10 +229,23 @@ class MpiTransport : public Transport {
   // for every transport, keeps messages left over from a failed transport out of a later one:
   // MPI reuses a freed communicator's context id, and early-arriving messages for it would be
   // matched by the next communicator that gets the id.
-  int TagBase(int64_t seq) const {
+  int TagBase(int64_t seq, OpKind kind) const {
     const int64_t slot = (epoch_ * seqs_per_epoch_ + seq % seqs_per_epoch_) % tag_slots_;
-    return static_cast<int>(slot) * kSubTags;
+    return static_cast<int>((slot * kKinds + static_cast<int>(kind)) * kSubTags);
   }
+  int Channel(MPI_Comm comm) const { return comm == rows_comm_ ? 0 : 1; }
+  // Records the kind of this rank's operation `seq` of `channel`, for CheckCallOrder.
+  void NoteStarted(int channel, int64_t seq, OpKind kind) {
+    started_kinds_[channel][static_cast<size_t>(seq % seqs_per_epoch_)] = static_cast<int8_t>(kind);
+  }
+  // Reads `peer`'s first unmatched messages on `channel`'s communicator (MPI_Iprobe): the error
+  // naming both calls when one belongs to an operation this rank started as another kind; nudges
+  // of operations of the same kind are received (they would stay queued for good) and the next
+  // message is looked at; a message of an operation not started here yet ends the look.
+  absl::Status CheckPeerOrder(int channel, int peer);
+  // The first of the next `n` peers (counted from this rank + 1) whose queues a count exchange
+  // looks at.
+  int64_t TakeOrderProbeTurn(int n) { return std::exchange(order_probe_next_, order_probe_next_ + n); }
   void AddCounters(OpKind kind, const OpCounters& c);
   // The transport is unusable after a failure that ranks did not agree on.
   void Poison(const absl::Status& status);
@@ -242,6 +286,10 @@ class MpiTransport : public Transport {
   absl::Status close_status_;  // Close's result
   MPI_Comm rows_comm_ = MPI_COMM_NULL, weights_comm_ = MPI_COMM_NULL, abort_comm_ = MPI_COMM_NULL;
   int64_t rows_seq_ = 0, weights_seq_ = 0;
+  // Per channel, the kind of this rank's operation of each sequence number mod seqs_per_epoch_
+  // (-1: none yet).
+  std::array<std::vector<int8_t>, 2> started_kinds_;
+  int64_t order_probe_next_ = 0;
   MPI_Request abort_request_ = MPI_REQUEST_NULL;
   std::array<int64_t, 2> abort_in_{};
   std::array<int64_t, 2> abort_out_{};
@@ -259,16 +307,68 @@ MpiOp::MpiOp(MpiTransport* transport, OpKind kind, MPI_Comm comm, int64_t seq)
     : transport_(transport),
       kind_(kind),
       comm_(comm),
-      tag_base_(transport->TagBase(seq)),
+      channel_(transport->Channel(comm)),
+      seq_(seq),
+      tag_base_(transport->TagBase(seq, kind)),
       me_(transport->rank()),
       deadline_(Clock::now() + std::chrono::milliseconds(transport->timeout_ms())),
+      start_(Clock::now()),
+      next_order_check_(start_ + kOrderCheckFirst),
       timeout_ms_(transport->timeout_ms()) {
   counters_.calls = 1;
+  transport->NoteStarted(channel_, seq, kind);
   MOONEP_TRACE("transport mpi: %s starts, sequence %d, tags %d..%d", OpName(kind), seq, tag_base_,
                tag_base_ + kSubTags - 1);
 }
 
 MpiOp::~MpiOp() { Release(); }
+
+absl::Status MpiOp::CheckCallOrder(bool all_peers) {
+  std::vector<int> peers;
+  if (all_peers) {
+    // Up to kOrderProbePeers peers a call, in turn (an MPI_Iprobe each: a count exchange among
+    // hundreds of ranks should not pay for hundreds), so each peer's queue is looked at every
+    // (R - 1) / kOrderProbePeers steps, long before a tag slot comes round again.
+    const int others = transport_->size() - 1;
+    const int n = std::min(others, kOrderProbePeers);
+    const int64_t first = transport_->TakeOrderProbeTurn(n);
+    for (int i = 0; i < n; ++i) {
+      peers.push_back(static_cast<int>((me_ + 1 + (first + i) % others) % transport_->size()));
+    }
+  } else {
+    // Receives and sends: two ranks whose different calls only send to each other (rendezvous)
+    // find each other's messages in their own queues.
+    for (size_t i = 0; i < requests_.size(); ++i) {
+      if (requests_[i] != MPI_REQUEST_NULL &&
+          std::find(peers.begin(), peers.end(), pending_[i].peer) == peers.end()) {
+        peers.push_back(pending_[i].peer);
+      }
+    }
+  }
+  for (int peer : peers) {
+    MOONEP_RETURN_IF_ERROR(transport_->CheckPeerOrder(channel_, peer));
+    // The count exchange also reads the weight channel's nudges (and finds what weight operations
+    // left behind), which weight operations that do not wait would leave queued.
+    if (all_peers) MOONEP_RETURN_IF_ERROR(transport_->CheckPeerOrder(1, peer));
+  }
+  if (!all_peers && !nudged_ && Clock::now() - start_ >= kNudgeAfter) {
+    nudged_ = true;
+    std::vector<int> waited;
+    for (size_t i = 0; i < requests_.size(); ++i) {
+      const int peer = pending_[i].peer;
+      if (requests_[i] != MPI_REQUEST_NULL && pending_[i].recv &&
+          std::find(waited.begin(), waited.end(), peer) == waited.end()) {
+        waited.push_back(peer);
+        MPI_Request request;
+        if (MPI_Isend(nullptr, 0, MPI_BYTE, peer, tag_base_ + kSubNudge, comm_, &request) ==
+            MPI_SUCCESS) {
+          MPI_Request_free(&request);  // empty: completes in the background
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
 
 void MpiOp::Release() {
   if (!done_) {
@@ -406,6 +506,14 @@ absl::StatusOr<bool> MpiOp::Test() {
     // operation, which must not pass on data the peer abandoned.
     absl::Status s = transport_->PollAbort(/*gave_up_too=*/true);
     if (!s.ok()) return Fail(s, /*notify_peers=*/false);
+    // Every step's count exchange hears from every peer: it also looks (at up to kOrderProbePeers
+    // peers in turn) for a message that a peer left behind in an earlier operation of another
+    // kind (where neither rank waited on the other, both calls completed; the message would be
+    // taken by a later operation of its kind).
+    if (kind_ == OpKind::kCounts) {
+      s = CheckCallOrder(/*all_peers=*/true);
+      if (!s.ok()) return Fail(s);
+    }
     s = Finish();
     if (!s.ok()) return Fail(s);
     done_ = true;
@@ -413,7 +521,14 @@ absl::StatusOr<bool> MpiOp::Test() {
     transport_->AddCounters(kind_, counters_);
     return true;
   }
-  if (Clock::now() >= deadline_) return Fail(TimeoutStatus());
+  const Clock::time_point now = Clock::now();
+  if (now >= next_order_check_) {
+    next_order_check_ = now + order_check_interval_;
+    order_check_interval_ = std::min<Clock::duration>(2 * order_check_interval_, kOrderCheckMax);
+    absl::Status s = CheckCallOrder(/*all_peers=*/false);
+    if (!s.ok()) return Fail(s);
+  }
+  if (now >= deadline_) return Fail(TimeoutStatus());
   return false;
 }
 
@@ -1065,8 +1180,9 @@ absl::StatusOr<std::unique_ptr<Transport>> MpiTransport::Create(const TransportO
   int flag = 0;
   MPI_Comm_get_attr(t->rows_comm_, MPI_TAG_UB, &attr, &flag);
   const int64_t tag_ub = flag ? *static_cast<int*>(attr) : 32767;
-  t->tag_slots_ = std::max<int64_t>(1, (tag_ub + 1) / kSubTags);
+  t->tag_slots_ = std::max<int64_t>(1, (tag_ub + 1) / (kSubTags * kKinds));
   t->seqs_per_epoch_ = std::max<int64_t>(1, std::min<int64_t>(4096, t->tag_slots_ / 2));
+  for (auto& kinds : t->started_kinds_) kinds.assign(static_cast<size_t>(t->seqs_per_epoch_), -1);
   // Every rank proposes its next epoch; all take the largest, so epochs only grow per process.
   static std::atomic<int64_t> next_epoch{0};
   int64_t proposed = next_epoch.load();
@@ -1249,6 +1365,35 @@ absl::Status MpiTransport::PollAbort(bool gave_up_too) {
   absl::Status s = !notice_.ok() ? notice_ : (gave_up && gave_up_too ? gave_up_ : absl::OkStatus());
   if (!s.ok()) Poison(s);
   return s;
+}
+
+absl::Status MpiTransport::CheckPeerOrder(int channel, int peer) {
+  const MPI_Comm comm = channel == 0 ? rows_comm_ : weights_comm_;
+  const int64_t spe = seqs_per_epoch_;
+  const int64_t next = channel == 0 ? rows_seq_ : weights_seq_;
+  while (true) {
+    int flag = 0;
+    MPI_Status status;
+    if (MPI_Iprobe(peer, MPI_ANY_TAG, comm, &flag, &status) != MPI_SUCCESS || !flag) break;
+    const int tag = status.MPI_TAG;
+    const int64_t slot = tag / (int64_t{kKinds} * kSubTags);
+    const int theirs = (tag / kSubTags) % kKinds;
+    // slot = (epoch_ * spe + seq mod spe) mod tag_slots_, with spe <= tag_slots_ / 2.
+    const int64_t seq_mod =
+        ((slot - (epoch_ * spe) % tag_slots_) % tag_slots_ + tag_slots_) % tag_slots_;
+    if (seq_mod >= spe) break;  // not of this transport's epoch
+    const int64_t ahead = ((seq_mod - next % spe) % spe + spe) % spe;
+    if (ahead < spe / 2) break;  // an operation this rank has not started yet
+    const int mine = started_kinds_[channel][static_cast<size_t>(seq_mod)];
+    if (mine >= 0 && mine != theirs) {
+      return common::CallOrderError(channel == 0 ? "row" : "weight", next - (spe - ahead), rank_,
+                                    static_cast<OpKind>(mine), peer,
+                                    static_cast<OpKind>(theirs));
+    }
+    if (tag % kSubTags != kSubNudge) break;  // data for an operation in flight here
+    if (MPI_Recv(nullptr, 0, MPI_BYTE, peer, tag, comm, MPI_STATUS_IGNORE) != MPI_SUCCESS) break;
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<RequestPtr> MpiTransport::Skipped() {

@@ -55,7 +55,12 @@ enum MsgType : int32_t {
   kMsgAbort = 3,
   kMsgDropKey = 4,
   kMsgEagerBlocks = 5,  // small reduce contributions carried inside the control message
+  // Sent once by an operation that has waited kNudgeAfter for a peer's control message: its kind
+  // (aux) lets the peer find that the two ranks called different operations where both only
+  // wait on each other (no other message would show it). Read on arrival, never taken.
+  kMsgWaiting = 6,
 };
+constexpr auto kNudgeAfter = std::chrono::milliseconds(20);
 // A replica rank's reduce contribution to one home rank up to this size travels eagerly inside a
 // control message (UCX buffers it at the home rank): no round trip for the home rank's ready, and
 // the replica rank does not wait for the home rank. Larger ones are puts into the home rank's
@@ -68,7 +73,7 @@ struct MsgHeader {
   int32_t type;
   int32_t channel;
   int32_t from;
-  int32_t aux;  // abort: the failed op kind
+  int32_t aux;  // abort: AbortCode; an operation's message: its OpKind + 1 (call-order check)
   int64_t seq;  // op sequence; drop-key: the region id
 };
 
@@ -240,6 +245,8 @@ class UcxOp : public Request {
   bool done_ = false;
   absl::Status status_;
   Clock::time_point deadline_;
+  Clock::time_point nudge_at_;  // when to send kMsgWaiting to the peers still awaited
+  bool nudged_ = false;
   int64_t timeout_ms_;
 };
 
@@ -355,6 +362,16 @@ class UcxTransport : public Transport {
   void OpStarted() { ++ops_in_flight_[0]; }
   void OpEnded() { --ops_in_flight_[0]; }
   void ChannelEnter(int channel, int64_t seq) { channel_seqs_[channel].insert(seq); }
+  // Records this rank's operation `seq` of `channel` as a `kind`, and checks the messages of that
+  // operation that arrived before it started (CheckCallOrder).
+  void NoteStarted(int channel, int64_t seq, OpKind kind);
+  // A peer's message of operation `seq` whose kind differs from this rank's operation `seq`:
+  // the ranks called different operations. Kept until an operation fails with it.
+  absl::Status call_order_error() const { return call_order_error_; }
+  // Whether this rank started operation `seq` of `channel` (recently: kKindHistory back).
+  bool Started(int channel, int64_t seq) const {
+    return seq >= 0 && started_[channel][static_cast<size_t>(seq % kKindHistory)].seq == seq;
+  }
   void ChannelLeave(int channel, int64_t seq) { channel_seqs_[channel].erase(seq); }
 
   // Reduce staging: one buffer per reduce in flight, reused (and its registration with it).
@@ -420,6 +437,20 @@ class UcxTransport : public Transport {
   std::vector<ucp_rkey_h> signal_rkeys_;
   // Control messages that arrived, by (channel, seq, from, type).
   std::map<std::tuple<int, int64_t, int, int32_t>, std::vector<char>> inbox_;
+  // The kind (OpKind + 1) each of those messages came with.
+  std::map<std::tuple<int, int64_t, int, int32_t>, int32_t> inbox_kinds_;
+  // The kind of this rank's recent operations per channel, by sequence number mod
+  // kKindHistory: {seq, kind}. Operations in flight together are fewer than kSignalDepth apart.
+  static constexpr int64_t kKindHistory = 2 * kSignalDepth;
+  struct StartedOp {
+    int64_t seq = -1;
+    int32_t kind = -1;
+  };
+  std::array<std::array<StartedOp, kKindHistory>, kChannels> started_{};
+  absl::Status call_order_error_;
+  // Sets call_order_error_ (the first one) when a message of `theirs` (OpKind + 1) from `from`
+  // belongs to this rank's operation `seq` of another kind.
+  void CheckCallOrder(int channel, int64_t seq, int from, int32_t theirs);
   std::vector<Outgoing> outbox_;
   uint64_t next_message_id_ = 1;
   std::vector<Region> regions_;
@@ -450,11 +481,13 @@ UcxOp::UcxOp(UcxTransport* transport, OpKind kind, int channel, int64_t seq)
       seq_(seq),
       me_(transport->rank()),
       deadline_(Clock::now() + std::chrono::milliseconds(transport->timeout_ms())),
+      nudge_at_(Clock::now() + kNudgeAfter),
       timeout_ms_(transport->timeout_ms()) {
   counters_.calls = 1;
   signal_value_ = static_cast<uint64_t>(seq + 1);
   transport_->OpStarted();
   transport_->ChannelEnter(channel_, seq_);
+  transport_->NoteStarted(channel_, seq_, kind_);
 }
 
 UcxOp::~UcxOp() {
@@ -469,6 +502,7 @@ absl::Status UcxOp::Begin(absl::Status started) {
   // failure notice shows at the first Test, as before.)
   transport_->Progress();  // notices arrive through the worker's progress
   if (transport_->PeerGaveUp()) return Fail(transport_->PollAbort(/*gave_up_too=*/true));
+  if (!transport_->call_order_error().ok()) return Fail(transport_->call_order_error());
   return absl::OkStatus();
 }
 
@@ -517,7 +551,8 @@ absl::Status UcxOp::SendReady(int peer, int64_t row_bytes, int64_t count, int32_
 absl::Status UcxOp::SendTracked(int peer, int32_t type, std::vector<char> payload) {
   uint64_t id = 0;
   MOONEP_RETURN_IF_ERROR(
-      transport_->SendMessage(peer, type, channel_, seq_, 0, std::move(payload), &id));
+      transport_->SendMessage(peer, type, channel_, seq_, static_cast<int32_t>(kind_) + 1,
+                              std::move(payload), &id));
   if (id != 0) sent_.push_back(Sent{peer, id});
   return absl::OkStatus();
 }
@@ -642,6 +677,7 @@ absl::StatusOr<bool> UcxOp::Test() {
   {
     absl::Status usable = transport_->Usable();
     if (usable.ok()) usable = transport_->PollAbort();
+    if (usable.ok()) usable = transport_->call_order_error();
     if (!usable.ok()) return Fail(usable);
   }
   // Control messages (counts, ready): each may start puts.
@@ -702,7 +738,19 @@ absl::StatusOr<bool> UcxOp::Test() {
     transport_->AddCounters(kind_, counters_);
     return true;
   }
-  if (Clock::now() >= deadline_) return Fail(TimeoutStatus());
+  const Clock::time_point now = Clock::now();
+  if (!nudged_ && now >= nudge_at_) {
+    nudged_ = true;
+    std::vector<int> told;
+    for (const Awaited& a : awaiting_message_) {
+      if (std::find(told.begin(), told.end(), a.peer) != told.end()) continue;
+      told.push_back(a.peer);
+      absl::Status s = transport_->SendMessage(a.peer, kMsgWaiting, channel_, seq_,
+                                               static_cast<int32_t>(kind_) + 1, {});
+      if (!s.ok()) return Fail(s);
+    }
+  }
+  if (now >= deadline_) return Fail(TimeoutStatus());
   return false;
 }
 
@@ -1515,8 +1563,16 @@ ucs_status_t UcxTransport::OnActiveMessage(void* arg, const void* header, size_t
     default:
       break;
   }
-  t->inbox_[std::make_tuple(static_cast<int>(h.channel), h.seq, static_cast<int>(h.from), h.type)] =
-      std::vector<char>(bytes, bytes + length);
+  if (h.channel < 0 || h.channel >= kChannels) return UCS_OK;
+  if (h.type == kMsgWaiting && t->Started(h.channel, h.seq)) {
+    t->CheckCallOrder(h.channel, h.seq, h.from, h.aux);
+    return UCS_OK;  // kept (below) only for an operation not started here yet
+  }
+  const auto key =
+      std::make_tuple(static_cast<int>(h.channel), h.seq, static_cast<int>(h.from), h.type);
+  t->inbox_[key] = std::vector<char>(bytes, bytes + length);
+  t->inbox_kinds_[key] = h.aux;
+  t->CheckCallOrder(h.channel, h.seq, h.from, h.aux);
   return UCS_OK;
 }
 
@@ -1950,16 +2006,42 @@ absl::Status UcxTransport::SendMessage(int peer, int32_t type, int channel, int6
 
 bool UcxTransport::TakeMessage(int channel, int64_t seq, int from, int32_t type,
                                std::vector<char>* out) {
-  auto it = inbox_.find(std::make_tuple(channel, seq, from, type));
+  const auto key = std::make_tuple(channel, seq, from, type);
+  auto it = inbox_.find(key);
   if (it == inbox_.end()) return false;
   *out = std::move(it->second);
   inbox_.erase(it);
+  inbox_kinds_.erase(key);
   return true;
+}
+
+void UcxTransport::NoteStarted(int channel, int64_t seq, OpKind kind) {
+  started_[channel][static_cast<size_t>(seq % kKindHistory)] =
+      StartedOp{seq, static_cast<int32_t>(kind) + 1};
+  for (auto it = inbox_kinds_.lower_bound(std::make_tuple(channel, seq, -1, 0));
+       it != inbox_kinds_.end() && std::get<0>(it->first) == channel &&
+       std::get<1>(it->first) == seq;
+       ++it) {
+    CheckCallOrder(channel, seq, std::get<2>(it->first), it->second);
+  }
+}
+
+void UcxTransport::CheckCallOrder(int channel, int64_t seq, int from, int32_t theirs) {
+  if (!call_order_error_.ok() || theirs <= 0 || theirs > static_cast<int32_t>(OpKind::kNumKinds) ||
+      seq < 0) {
+    return;
+  }
+  const StartedOp& mine = started_[channel][static_cast<size_t>(seq % kKindHistory)];
+  if (mine.seq != seq || mine.kind == theirs) return;  // not started here yet, or the same call
+  call_order_error_ = common::CallOrderError(
+      channel == kRowsChannel ? "row" : "weight", seq, rank_, static_cast<OpKind>(mine.kind - 1),
+      from, static_cast<OpKind>(theirs - 1));
 }
 
 void UcxTransport::DropMessages(int channel, int64_t seq) {
   auto it = inbox_.lower_bound(std::make_tuple(channel, seq, -1, 0));
   while (it != inbox_.end() && std::get<0>(it->first) == channel && std::get<1>(it->first) == seq) {
+    inbox_kinds_.erase(it->first);
     it = inbox_.erase(it);
   }
 }

@@ -8,9 +8,10 @@
  *     moonepGetLastError(comm) give a message that names the argument or the phase and peer.
  *   - Objects are opaque handles. A handle that was destroyed (or never created) is refused with
  *     moonepInvalidUsage, never dereferenced, as long as its address was not reused: a later
- *     object may get the address of a destroyed one, and a stale handle then names that object
- *     (layer and EP handles are slots that later forwards / dispatches reuse the same way). Do not
- *     keep handles past destroy or release.
+ *     object may get the address of a destroyed one, and a stale handle then names that object.
+ *     Layer and EP handles (of a forward / dispatch) are values new for every call, never reused
+ *     in the process: a released one is always refused with moonepInvalidUsage. Do not keep
+ *     handles past destroy or release.
  *   - Config structs carry their own size and version. Initialise them with their
  *     ..._INITIALIZER macro, then set fields: a library newer than the header reads only `size`
  *     bytes and uses defaults for the rest.
@@ -19,10 +20,12 @@
  *     moonepDeviceCuda (MoE layer and EP buffer; the EP buffer's calls order themselves after the
  *     legacy default stream). Top-k ids are int32 (-1: no expert), top-k weights fp32.
  *   - Collective calls (marked [collective]) must be called by every rank of the communicator, in
- *     the same order, on the handles of the same forward / dispatch: the calls are matched by
- *     their order, so a rank that runs two backwards (or a combine and a dispatch-backward) in
- *     another order than its peers is not detected where the row counts agree, and computes on
- *     the wrong rows. A bad argument on one rank fails that call on every rank: the others get
+ *     the same order, on the handles of the same forward / dispatch. Over mpi and ucx, a rank
+ *     that makes another call than its peers at one point (two backwards in another order, a
+ *     combine where they dispatch-backward) fails with moonepInvalidUsage naming both calls, its
+ *     peers with moonepRemoteError; over nccl that is not detected, and on no backend are handles
+ *     of different dispatches where the row counts agree: those compute on the wrong rows. A bad
+ *     argument on one rank fails that call on every rank: the others get
  *     moonepRemoteError naming it, at once (over nccl, after a call that begins with an exchange
  *     - creation, forward, dispatch - only; its other calls' peers fail with moonepTimeout after
  *     MOONEP_TIMEOUT_MS). A rank that times out tells its peers too (mpi, ucx): a late rank's
@@ -330,7 +333,8 @@ MOONEP_API moonepResult_t moonepLayerGetMemory(moonepLayer_t layer, size_t* laye
  *
  * [collective] calls are made by every rank, on the handles of the same dispatch, in the same
  * order (as NCCL's collectives are): a handle of another dispatch on one rank is not detected
- * when the row counts happen to match. moonepEpDispatch's local errors are agreed in its count
+ * when the row counts happen to match; another call is, over mpi and ucx (moonepInvalidUsage
+ * naming both calls, moonepRemoteError on the peers). moonepEpDispatch's local errors are agreed in its count
  * exchange (every rank fails it, the buffer stays usable). A local error in a later collective
  * call (a NULL pointer, a released handle, expert tensors of the wrong shape) fails the call on
  * this rank and, over mpi
@@ -339,9 +343,8 @@ MOONEP_API moonepResult_t moonepLayerGetMemory(moonepLayer_t layer, size_t* laye
  * next call instead); a peer may still write into the tensors given to a failed call until the
  * EP buffer is destroyed on every rank, so destroy it before freeing them; the EP buffer is
  * unusable afterwards on every rank, as after any failed
- * collective call. Handles are slots of the buffer: a released handle's pointer may come
- * back from a later dispatch, and is then that dispatch's handle (do not keep handles past
- * release).
+ * collective call. Every dispatch returns a new handle value: a released handle is refused
+ * with moonepInvalidUsage (which, in a collective call, fails the peers' call too).
  * ------------------------------------------------------------------------------------------- */
 
 typedef struct moonepEpBuffer* moonepEpBuffer_t;
