@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -42,6 +43,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "moonep/core/env.h"
+#include "moonep/core/status.h"
 #include "moonep/core/tensor.h"
 #include "planner/plan.h"
 #include "transport/layout.h"
@@ -122,6 +124,17 @@ class DispatchHandle {
   const ReceiveLayout& receive_layout() const { return recv_; }
   absl::Span<const float> topk_weights() const { return topk_weights_; }
   int64_t tokens_of_rank(int32_t r) const { return rank_tokens_[r]; }
+  // Makes this handle's next count exchange refuse on this rank with `reason` (its arguments are
+  // then not looked at): for a caller that found its own arguments wrong and still joins the
+  // exchange, so that every rank fails it at once. The peers' RemoteError carries the reason
+  // over mpi and ucx. Whatever the reason's code, the exchange refuses with InvalidArgument and
+  // that message, an agreed error (every rank fails it, the transport stays usable): the caller
+  // returns its own status.
+  void RefuseNextCountExchange(const absl::Status& reason) {
+    refusal_ = reason.ok() ? absl::OkStatus() : InvalidArgument("%s", reason.message());
+  }
+  // The refusal set above (OK if none), cleared: the transports' count exchange takes it.
+  absl::Status TakeRefusal() { return std::exchange(refusal_, absl::OkStatus()); }
 
   // Fields below are written by backends.
   int32_t rank_ = 0, num_ranks_ = 0;
@@ -138,6 +151,7 @@ class DispatchHandle {
     InFlight& operator=(const InFlight&) { return *this; }
   } counts_in_flight_;
   int64_t seq_ = -1;  // counts operation this handle belongs to
+  absl::Status refusal_;  // RefuseNextCountExchange
   std::vector<int32_t> topk_ids_;
   std::vector<float> topk_weights_;
   std::vector<int64_t> counts_, offsets_, rank_tokens_, rank_capacity_;

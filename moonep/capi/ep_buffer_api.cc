@@ -147,8 +147,9 @@ moonepResult_t moonepEpDispatch(moonepEpBuffer_t buffer, int64_t num_tokens, con
     auto h = buffer->impl->Dispatch(
         local.ok() ? num_tokens : -1, Matrix(x, c, T),
         absl::Span<const int32_t>(topk_ids, static_cast<size_t>(local.ok() ? entries : 0)),
-        absl::Span<const float>(topk_weights, static_cast<size_t>(local.ok() ? entries : 0)));
-    if (!local.ok()) return local;
+        absl::Span<const float>(topk_weights, static_cast<size_t>(local.ok() ? entries : 0)),
+        local);
+    if (!local.ok()) return local;  // every rank failed, the peers giving this reason
     if (!h.ok()) return h.status();
     moonepEpHandle* slot = buffer->handles[static_cast<size_t>(h->index)].get();
     slot->in_use = true;

@@ -115,8 +115,8 @@ moonepResult_t moonepLayerForward(moonepLayer_t layer, int64_t num_tokens, const
         TensorView::Contiguous(const_cast<void*>(x), c.dtype, {T, c.hidden}, c.device),
         absl::Span<const int32_t>(topk_ids, static_cast<size_t>(local.ok() ? entries : 0)),
         absl::Span<const float>(topk_weights, static_cast<size_t>(local.ok() ? entries : 0)),
-        TensorView::Contiguous(y, c.dtype, {T, c.hidden}, c.device), stream);
-    if (!local.ok()) return local;  // Forward failed everywhere; report the C-level reason
+        TensorView::Contiguous(y, c.dtype, {T, c.hidden}, c.device), stream, local);
+    if (!local.ok()) return local;  // Forward failed everywhere, the peers giving this reason
     if (!h.ok()) return h.status();
     moonepLayerHandle* slot = layer->handles[static_cast<size_t>(h->index)].get();
     slot->in_use = true;

@@ -149,7 +149,8 @@ void EpBuffer::Done(Phase phase, OpKind kind, double seconds, bool backward) {
 
 absl::StatusOr<LayerHandle> EpBuffer::Dispatch(int64_t num_tokens, const TensorView& x,
                                                absl::Span<const int32_t> topk_ids,
-                                               absl::Span<const float> topk_weights) {
+                                               absl::Span<const float> topk_weights,
+                                               const absl::Status& caller_error) {
   MOONEP_RETURN_IF_ERROR(broken_);
   int32_t index = -1;
   for (size_t i = 0; i < contexts_.size() && index < 0; ++i) {
@@ -157,7 +158,9 @@ absl::StatusOr<LayerHandle> EpBuffer::Dispatch(int64_t num_tokens, const TensorV
   }
   const int64_t K = config_.top_k;
   absl::Status local = absl::OkStatus();
-  if (index < 0) {
+  if (!caller_error.ok()) {
+    local = caller_error;
+  } else if (index < 0) {
     local = InvalidUsage("all %d handles (max_inflight) are in use; release one first",
                          config_.max_inflight);
   } else if (num_tokens < 0 || num_tokens > config_.max_tokens) {
@@ -171,9 +174,10 @@ absl::StatusOr<LayerHandle> EpBuffer::Dispatch(int64_t num_tokens, const TensorV
     local = CheckMatrix(x, "x", num_tokens, config_.hidden, config_.dtype, config_.device);
   }
   if (!local.ok()) {
-    // Join the count exchange with routing the transport rejects, so every rank fails now.
+    // Join the count exchange refusing with this reason, so every rank fails now.
     transport::DispatchHandle scratch;
-    (void)transport_->ExchangeCounts(absl::Span<const int32_t>(), 1, config_.top_k,
+    scratch.RefuseNextCountExchange(local);
+    (void)transport_->ExchangeCounts(absl::Span<const int32_t>(), 0, config_.top_k,
                                      config_.num_experts, capacity_, &scratch);
     return local;
   }

@@ -46,9 +46,11 @@ class EpBuffer {
   // heard from when a peer does not get there in time (logged as a WARN too).
   absl::Status Close();
 
+  // `caller_error` as for MoeLayer::Forward.
   absl::StatusOr<LayerHandle> Dispatch(int64_t num_tokens, const TensorView& x,
                                        absl::Span<const int32_t> topk_ids,
-                                       absl::Span<const float> topk_weights);
+                                       absl::Span<const float> topk_weights,
+                                       const absl::Status& caller_error = absl::OkStatus());
   absl::Status Layout(LayerHandle handle, EpLayout* layout) const;
   absl::Status Combine(LayerHandle handle, const TensorView& out_rows, const TensorView& y);
   absl::Status CombineBackward(LayerHandle handle, const TensorView& dy, const TensorView& dy_rows);

@@ -301,7 +301,8 @@ void MoeLayer::UseCallerStream(void* stream) {
 absl::StatusOr<LayerHandle> MoeLayer::Forward(int64_t num_tokens, const TensorView& x,
                                               absl::Span<const int32_t> topk_ids,
                                               absl::Span<const float> topk_weights,
-                                              const TensorView& y, void* stream) {
+                                              const TensorView& y, void* stream,
+                                              const absl::Status& caller_error) {
   MOONEP_RETURN_IF_ERROR(broken_);
   ScopedDevice device(config_.device, config_.device_index);
   UseCallerStream(stream);
@@ -317,7 +318,9 @@ absl::StatusOr<LayerHandle> MoeLayer::Forward(int64_t num_tokens, const TensorVi
     }
   }
   const int64_t K = config_.top_k;
-  if (!bound_) {
+  if (!caller_error.ok()) {
+    local = caller_error;
+  } else if (!bound_) {
     local = InvalidUsage("BindParameters was not called before Forward");
   } else if (ctx == nullptr) {
     local = InvalidUsage("all %d handles (max_inflight) are in use; call Backward or Release",
@@ -342,8 +345,10 @@ absl::StatusOr<LayerHandle> MoeLayer::Forward(int64_t num_tokens, const TensorVi
   }
   if (!local.ok()) {
     transport::DispatchHandle scratch;
-    // ids of the wrong length for one token: the transport's agreed validation fails everywhere.
-    (void)transport_->ExchangeCounts(absl::Span<const int32_t>(), 1, config_.top_k,
+    // Refused with this reason in the count exchange: the transport's agreed validation fails
+    // every rank at once, the peers giving the reason.
+    scratch.RefuseNextCountExchange(local);
+    (void)transport_->ExchangeCounts(absl::Span<const int32_t>(), 0, config_.top_k,
                                      config_.num_experts, capacity_, &scratch);
     return local;
   }

@@ -116,10 +116,15 @@ class MoeLayer {
   // caller's cudaStream_t (null: the legacy default stream): the layer's work starts after the
   // work queued on it, and the call returns once y is complete in GPU memory, so work queued on
   // any stream afterwards may read it. The CPU ignores `stream`.
+  //
+  // `caller_error`: an error the caller found in its own arguments (the C API's NULL pointers):
+  // Forward then refuses with it on this rank, still joining the count exchange, so that the
+  // peers fail at once with RemoteError giving it (mpi, ucx).
   absl::StatusOr<LayerHandle> Forward(int64_t num_tokens, const TensorView& x,
                                       absl::Span<const int32_t> topk_ids,
                                       absl::Span<const float> topk_weights, const TensorView& y,
-                                      void* stream = nullptr);
+                                      void* stream = nullptr,
+                                      const absl::Status& caller_error = absl::OkStatus());
   // Accumulates weight gradients into the bound gradients, writes dx [T, H] and
   // d_topk_weights [T * K] (0 where the id is -1), and releases the handle. `stream` as for
   // Forward: the call returns once dx, d_topk_weights and the gradients are complete.

@@ -779,13 +779,26 @@ TEST_F(CApiTest, NullOutputPointerOnOneRankFailsEveryRankAtOnce) {
   moonepExpertTensors_t w = Tensors(t, false);
   ASSERT_EQ(moonepLayerBindParams(layer, &w, nullptr), moonepSuccess);
   moonepLayerHandle_t h = nullptr;
+  // The peers' error gives rank 0's reason (it travels in rank 0's count message).
+  auto expect_reason = [&](const char* why) {
+    if (odd) return;
+    const std::string message = moonepGetLastError(comm_);
+    EXPECT_NE(message.find("rank 0: "), std::string::npos) << message;
+    EXPECT_NE(message.find(why), std::string::npos) << message;
+  };
   EXPECT_EQ(moonepLayerForward(layer, t.tokens, t.x.data(), t.ids.data(), t.weights.data(),
                                t.y.data(), odd ? nullptr : &h, nullptr),
             odd ? moonepInvalidArgument : moonepRemoteError) << moonepGetLastError(comm_);
+  expect_reason("handle is NULL");
   moonepEpHandle_t eh = nullptr;
   EXPECT_EQ(moonepEpDispatch(buf, t.tokens, t.x.data(), t.ids.data(), t.weights.data(),
                              odd ? nullptr : &eh),
             odd ? moonepInvalidArgument : moonepRemoteError) << moonepGetLastError(comm_);
+  expect_reason("handle is NULL");
+  EXPECT_EQ(moonepEpDispatch(buf, t.tokens, odd ? nullptr : t.x.data(), t.ids.data(),
+                             t.weights.data(), &eh),
+            odd ? moonepInvalidArgument : moonepRemoteError) << moonepGetLastError(comm_);
+  expect_reason("x is NULL");
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const char* timeout_ms = std::getenv("MOONEP_TIMEOUT_MS");

@@ -1,7 +1,10 @@
 #include "transport/common/count_exchange.h"
 
 #include <algorithm>
+#include <cstring>
+#include <string>
 
+#include "absl/strings/strip.h"
 #include "moonep/core/status.h"
 #include "planner/plan_builder.h"
 #include "transport/common/host_checks.h"
@@ -28,8 +31,29 @@ void PackCountMessage(const absl::Status& local, absl::Span<const int32_t> ids, 
   mine[2] = K;
   mine[3] = E;
   mine[4] = capacity;
-  if (local.ok()) CountRouting(ids, E, mine.data() + kCountHeader);
+  if (local.ok()) {
+    CountRouting(ids, E, mine.data() + kCountHeader);
+  } else {
+    const size_t room = static_cast<size_t>(E) * sizeof(int64_t) - 1;
+    absl::string_view why = local.message();
+    // The peers name the rank already: its "count exchange on rank N: " prefix would only take
+    // room (8 E - 1 bytes) from the reason.
+    if (absl::ConsumePrefix(&why, "count exchange on rank ")) {
+      const size_t colon = why.find(": ");
+      if (colon != absl::string_view::npos) why.remove_prefix(colon + 2);
+    }
+    std::memcpy(mine.data() + kCountHeader, why.data(), std::min(room, why.size()));
+  }
 }
+
+namespace {
+// The reason a refusing rank put into its count message (PackCountMessage).
+std::string RefusalReason(const int64_t* values, int32_t E) {
+  const char* text = reinterpret_cast<const char*>(values);
+  const size_t room = static_cast<size_t>(E) * sizeof(int64_t) - 1;
+  return std::string(text, strnlen(text, room));
+}
+}  // namespace
 
 void KeepRouting(const absl::Status& local, absl::Span<const int32_t> ids, int64_t T, int32_t K,
                  DispatchHandle* handle) {
@@ -55,8 +79,9 @@ absl::Status FinishCountExchange(const absl::Status& local, absl::Span<const int
   }
   if (!local.ok()) return local;
   if (!bad.empty()) {
-    return RemoteError("count exchange: rank(s) %s refused their dispatch input (their own "
-                       "error says why)", RankList(bad));
+    const std::string why = RefusalReason(all.data() + bad[0] * width + kCountHeader, E);
+    return RemoteError("count exchange: rank(s) %s refused their dispatch input; rank %d: %s",
+                       RankList(bad), bad[0], why.empty() ? "(no reason given)" : why);
   }
   handle->rank_ = me;
   handle->num_ranks_ = R;

@@ -20,7 +20,8 @@ absl::Status CountsInFlightError();
 // The refusal of another operation on such a handle (a local misuse, like a handle never counted).
 absl::Status CountsNotEndedError(OpKind kind);
 
-// This rank's message (kCountHeader + E values); counts are left zero when `local` failed.
+// This rank's message (kCountHeader + E values). When `local` failed, the count values carry its
+// message instead (up to 8 E - 1 bytes, NUL-terminated), so the peers can say why.
 void PackCountMessage(const absl::Status& local, absl::Span<const int32_t> topk_ids,
                       int64_t num_tokens, int32_t top_k, int32_t num_experts,
                       int64_t recv_capacity_rows, std::vector<int64_t>* message);

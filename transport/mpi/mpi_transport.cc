@@ -7,6 +7,7 @@
 #include <climits>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <string>
 #include <thread>
 #include <utility>
@@ -37,11 +38,13 @@ using Clock = std::chrono::steady_clock;
 constexpr int kSubTags = 4;
 constexpr int kKinds = static_cast<int>(OpKind::kNumKinds);
 constexpr int kSubMeta = 0, kSubData = 1, kSubScalar = 2;
-// An empty message that an operation waiting on a peer sends it once (after kNudgeAfter), carrying
-// this rank's operation kind in its tag: no operation receives it; the peer's CheckCallOrder reads
-// it off its queue. Where two ranks called different operations that each only wait on the
-// other, no other message would show it.
-constexpr int kSubNudge = 3;
+// A nudge: what an operation waiting on a peer sends it once (after kNudgeAfter), on abort_comm_
+// with the transport's nudge tag: {channel, sequence number, kind}. Where two ranks called
+// different operations that each only wait on the other, no other message would show it. Every
+// rank reads all the nudges that came (one wildcard probe) whenever it checks the call order.
+struct Nudge {
+  int64_t channel = 0, seq = 0, kind = 0;
+};
 // Expert tensors travel in chunks below MPI's int count limit.
 constexpr int64_t kMaxChunkBytes = int64_t{1} << 30;
 
@@ -157,8 +160,9 @@ class MpiOp : public Request {
   absl::Status TimeoutStatus() const;
   // Whether a peer this op waits on called another operation at this point (or left a message of
   // another kind behind): probes each peer's first unmatched messages on this op's communicator
-  // (MpiTransport::CheckPeerOrder). `all_peers`: every peer, else the peers of requests still
-  // pending; those of pending receives are sent a nudge (kSubNudge) the first time.
+  // (MpiTransport::CheckPeerOrder), after reading the nudges that came (ReadNudges). `all_peers`:
+  // up to kOrderProbePeers peers in turn, else the peers of requests still pending; those of
+  // pending receives are sent a nudge once this op has waited kNudgeAfter.
   absl::Status CheckCallOrder(bool all_peers);
   void Ended() {
     if (on_end_) std::exchange(on_end_, nullptr)();
@@ -235,9 +239,14 @@ class MpiTransport : public Transport {
   }
   int Channel(MPI_Comm comm) const { return comm == rows_comm_ ? 0 : 1; }
   // Records the kind of this rank's operation `seq` of `channel`, for CheckCallOrder.
-  void NoteStarted(int channel, int64_t seq, OpKind kind) {
-    started_kinds_[channel][static_cast<size_t>(seq % seqs_per_epoch_)] = static_cast<int8_t>(kind);
-  }
+  // Records the kind of this rank's operation `seq` of `channel` and checks the nudges that
+  // came for it before it started.
+  void NoteStarted(int channel, int64_t seq, OpKind kind);
+  // Sends `peer` a nudge for this rank's operation `seq` of `channel`, of `kind`.
+  void SendNudge(int peer, int channel, int64_t seq, OpKind kind);
+  // Reads every nudge that came; the call-order error found by them or at NoteStarted, if any.
+  absl::Status ReadNudges();
+  absl::Status call_order_error() const { return call_order_error_; }
   // Reads `peer`'s first unmatched messages on `channel`'s communicator (MPI_Iprobe): the error
   // naming both calls when one belongs to an operation this rank started as another kind; nudges
   // of operations of the same kind are received (they would stay queued for good) and the next
@@ -288,8 +297,23 @@ class MpiTransport : public Transport {
   int64_t rows_seq_ = 0, weights_seq_ = 0;
   // Per channel, the kind of this rank's operation of each sequence number mod seqs_per_epoch_
   // (-1: none yet).
-  std::array<std::vector<int8_t>, 2> started_kinds_;
+  // seqs_per_epoch_ entries per channel: {sequence number, kind} of this rank's operation with
+  // that number mod seqs_per_epoch_ (seq -1: none yet).
+  struct Started {
+    int64_t seq = -1;
+    int kind = -1;
+  };
+  std::array<std::vector<Started>, 2> started_;
   int64_t order_probe_next_ = 0;
+  int nudge_tag_ = 0;  // abort_comm_
+  // Nudges for operations this rank has not started yet: (from, nudge).
+  std::vector<std::pair<int, Nudge>> early_nudges_;
+  // Nudges sent and not yet known complete: {message, request}.
+  std::vector<std::pair<std::unique_ptr<Nudge>, MPI_Request>> nudges_out_;
+  absl::Status call_order_error_;
+  // Sets call_order_error_ (the first one) when `from` made operation n.seq of n.channel a
+  // n.kind where this rank made it another.
+  void CheckNudge(int from, const Nudge& n);
   MPI_Request abort_request_ = MPI_REQUEST_NULL;
   std::array<int64_t, 2> abort_in_{};
   std::array<int64_t, 2> abort_out_{};
@@ -345,10 +369,10 @@ absl::Status MpiOp::CheckCallOrder(bool all_peers) {
       }
     }
   }
+  MOONEP_RETURN_IF_ERROR(transport_->ReadNudges());
   for (int peer : peers) {
     MOONEP_RETURN_IF_ERROR(transport_->CheckPeerOrder(channel_, peer));
-    // The count exchange also reads the weight channel's nudges (and finds what weight operations
-    // left behind), which weight operations that do not wait would leave queued.
+    // The count exchange also finds what weight operations left behind.
     if (all_peers) MOONEP_RETURN_IF_ERROR(transport_->CheckPeerOrder(1, peer));
   }
   if (!all_peers && !nudged_ && Clock::now() - start_ >= kNudgeAfter) {
@@ -359,11 +383,7 @@ absl::Status MpiOp::CheckCallOrder(bool all_peers) {
       if (requests_[i] != MPI_REQUEST_NULL && pending_[i].recv &&
           std::find(waited.begin(), waited.end(), peer) == waited.end()) {
         waited.push_back(peer);
-        MPI_Request request;
-        if (MPI_Isend(nullptr, 0, MPI_BYTE, peer, tag_base_ + kSubNudge, comm_, &request) ==
-            MPI_SUCCESS) {
-          MPI_Request_free(&request);  // empty: completes in the background
-        }
+        transport_->SendNudge(peer, channel_, seq_, kind_);
       }
     }
   }
@@ -383,6 +403,8 @@ absl::Status MpiOp::Begin(absl::Status started) {
   if (transport_->PeerGaveUp()) {
     return Fail(transport_->PollAbort(/*gave_up_too=*/true), /*notify_peers=*/false);
   }
+  // A nudge that came before this operation started, of another kind.
+  if (!transport_->call_order_error().ok()) return Fail(transport_->call_order_error());
   return absl::OkStatus();
 }
 
@@ -460,6 +482,7 @@ absl::StatusOr<bool> MpiOp::Test() {
     if (usable.ok()) usable = transport_->PollAbort();
     // Peers were told (or time out) already: no second notice.
     if (!usable.ok()) return Fail(usable, /*notify_peers=*/false);
+    if (!transport_->call_order_error().ok()) return Fail(transport_->call_order_error());
   }
   while (active_ > 0) {
     const int n = static_cast<int>(requests_.size());
@@ -1182,16 +1205,17 @@ absl::StatusOr<std::unique_ptr<Transport>> MpiTransport::Create(const TransportO
   const int64_t tag_ub = flag ? *static_cast<int*>(attr) : 32767;
   t->tag_slots_ = std::max<int64_t>(1, (tag_ub + 1) / (kSubTags * kKinds));
   t->seqs_per_epoch_ = std::max<int64_t>(1, std::min<int64_t>(4096, t->tag_slots_ / 2));
-  for (auto& kinds : t->started_kinds_) kinds.assign(static_cast<size_t>(t->seqs_per_epoch_), -1);
+  for (auto& started : t->started_) started.assign(static_cast<size_t>(t->seqs_per_epoch_), {});
   // Every rank proposes its next epoch; all take the largest, so epochs only grow per process.
   static std::atomic<int64_t> next_epoch{0};
   int64_t proposed = next_epoch.load();
   MOONEP_RETURN_IF_ERROR(MpiCheck(
       MPI_Allreduce(&proposed, &t->epoch_, 1, MPI_INT64_T, MPI_MAX, t->rows_comm_),
       "MPI_Allreduce"));
-  next_epoch = t->epoch_ + 1;
+  next_epoch = t->epoch_ + 3;  // three tags on abort_comm_ per transport
   t->abort_tag_ = static_cast<int>(t->epoch_ % (tag_ub + 1));
   t->close_tag_ = static_cast<int>((t->epoch_ + 1) % (tag_ub + 1));
+  t->nudge_tag_ = static_cast<int>((t->epoch_ + 2) % (tag_ub + 1));
   MOONEP_RETURN_IF_ERROR(t->meta_type.Make());
   MOONEP_RETURN_IF_ERROR(MpiCheck(MPI_Irecv(t->abort_in_.data(), 2, MPI_INT64_T, MPI_ANY_SOURCE,
                                             t->abort_tag_, t->abort_comm_, &t->abort_request_),
@@ -1287,6 +1311,19 @@ absl::Status MpiTransport::Close() {
         "their data; its MPI communicators stay allocated", timeout_ms_, rank_,
         RankList(unreceived));
   }
+  // Nudges: the ones that came are read (a freed context id's messages would reach the next
+  // communicator that gets it), and the ones sent and not known complete are let go, their
+  // messages left to MPI (it may still read them).
+  if (done) (void)ReadNudges();
+  for (auto& out : nudges_out_) {
+    int complete = 0;
+    MPI_Test(&out.second, &complete, MPI_STATUS_IGNORE);
+    if (!complete) {
+      MPI_Request_free(&out.second);
+      (void)out.first.release();
+    }
+  }
+  nudges_out_.clear();
   if (!clean) {
     if (close_status_.ok()) {
       MOONEP_INFO("transport mpi: a rank failed; keeping its communicators allocated");
@@ -1384,16 +1421,82 @@ absl::Status MpiTransport::CheckPeerOrder(int channel, int peer) {
     if (seq_mod >= spe) break;  // not of this transport's epoch
     const int64_t ahead = ((seq_mod - next % spe) % spe + spe) % spe;
     if (ahead < spe / 2) break;  // an operation this rank has not started yet
-    const int mine = started_kinds_[channel][static_cast<size_t>(seq_mod)];
-    if (mine >= 0 && mine != theirs) {
-      return common::CallOrderError(channel == 0 ? "row" : "weight", next - (spe - ahead), rank_,
-                                    static_cast<OpKind>(mine), peer,
+    const Started& mine = started_[channel][static_cast<size_t>(seq_mod)];
+    if (mine.seq >= 0 && mine.kind != theirs) {
+      return common::CallOrderError(channel == 0 ? "row" : "weight", mine.seq, rank_,
+                                    static_cast<OpKind>(mine.kind), peer,
                                     static_cast<OpKind>(theirs));
     }
-    if (tag % kSubTags != kSubNudge) break;  // data for an operation in flight here
-    if (MPI_Recv(nullptr, 0, MPI_BYTE, peer, tag, comm, MPI_STATUS_IGNORE) != MPI_SUCCESS) break;
+    break;  // data for an operation in flight here (only data travels on these communicators)
   }
   return absl::OkStatus();
+}
+
+void MpiTransport::NoteStarted(int channel, int64_t seq, OpKind kind) {
+  started_[channel][static_cast<size_t>(seq % seqs_per_epoch_)] =
+      Started{seq, static_cast<int>(kind)};
+  if (early_nudges_.empty()) return;
+  std::vector<std::pair<int, Nudge>> later;
+  for (const auto& [from, n] : early_nudges_) {
+    if (n.channel != channel || n.seq > seq) {
+      later.push_back({from, n});
+    } else if (n.seq == seq) {
+      CheckNudge(from, n);
+    }
+  }
+  early_nudges_.swap(later);
+}
+
+void MpiTransport::CheckNudge(int from, const Nudge& n) {
+  if (!call_order_error_.ok() || n.channel < 0 || n.channel > 1 || n.seq < 0 || n.kind < 0 ||
+      n.kind >= kKinds) {
+    return;
+  }
+  const int channel = static_cast<int>(n.channel);
+  const int64_t next = channel == 0 ? rows_seq_ : weights_seq_;
+  if (n.seq >= next) {  // not started here yet: checked when it starts
+    early_nudges_.push_back({from, n});
+    return;
+  }
+  const Started& mine = started_[channel][static_cast<size_t>(n.seq % seqs_per_epoch_)];
+  if (mine.seq != n.seq || mine.kind == n.kind) return;  // too old to tell, or the same call
+  call_order_error_ = common::CallOrderError(channel == 0 ? "row" : "weight", n.seq, rank_,
+                                             static_cast<OpKind>(mine.kind), from,
+                                             static_cast<OpKind>(n.kind));
+}
+
+void MpiTransport::SendNudge(int peer, int channel, int64_t seq, OpKind kind) {
+  // Forget the nudges already sent (small, eager: they complete at once).
+  size_t kept = 0;
+  for (auto& out : nudges_out_) {
+    int done = 0;
+    MPI_Test(&out.second, &done, MPI_STATUS_IGNORE);
+    if (!done) nudges_out_[kept++] = std::move(out);
+  }
+  nudges_out_.resize(kept);
+  auto n = std::make_unique<Nudge>(Nudge{channel, seq, static_cast<int64_t>(kind)});
+  MPI_Request request;
+  if (MPI_Isend(n.get(), 3, MPI_INT64_T, peer, nudge_tag_, abort_comm_, &request) == MPI_SUCCESS) {
+    nudges_out_.emplace_back(std::move(n), request);
+  }
+}
+
+absl::Status MpiTransport::ReadNudges() {
+  while (true) {
+    int flag = 0;
+    MPI_Status status;
+    if (MPI_Iprobe(MPI_ANY_SOURCE, nudge_tag_, abort_comm_, &flag, &status) != MPI_SUCCESS ||
+        !flag) {
+      break;
+    }
+    Nudge n;
+    if (MPI_Recv(&n, 3, MPI_INT64_T, status.MPI_SOURCE, nudge_tag_, abort_comm_,
+                 MPI_STATUS_IGNORE) != MPI_SUCCESS) {
+      break;
+    }
+    CheckNudge(status.MPI_SOURCE, n);
+  }
+  return call_order_error_;
 }
 
 absl::StatusOr<RequestPtr> MpiTransport::Skipped() {
@@ -1419,8 +1522,11 @@ absl::StatusOr<RequestPtr> MpiTransport::StartExchangeCounts(absl::Span<const in
   }
   // Refused before anything reaches the peers; the transport stays usable.
   if (handle->counts_in_flight_.value) return common::CountsInFlightError();
-  const absl::Status local = common::CheckCountsInput(topk_ids, num_tokens, top_k, num_experts,
-                                                      recv_capacity_rows, options_, rank_);
+  absl::Status local = handle->TakeRefusal();
+  if (local.ok()) {
+    local = common::CheckCountsInput(topk_ids, num_tokens, top_k, num_experts, recv_capacity_rows,
+                                     options_, rank_);
+  }
   auto op = std::make_unique<CountsOp>(this, rows_comm_, rows_seq_++, handle);
   handle->seq_ = rows_seq_ - 1;
   handle->counts_in_flight_.value = true;

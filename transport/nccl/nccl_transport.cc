@@ -1113,6 +1113,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
   } else if (!topk_ids.empty()) {
     local = CheckDevicePointer(topk_ids.data(), "topk_ids");
   }
+  if (absl::Status refused = h->TakeRefusal(); !refused.ok()) local = refused;
   if (!local.ok()) local = Annotate(local, absl::StrFormat("count exchange on rank %d", rank_));
 
   HandleState* st = StateOf(h);

@@ -2234,8 +2234,11 @@ absl::StatusOr<RequestPtr> UcxTransport::StartExchangeCounts(absl::Span<const in
   }
   // Refused before anything reaches the peers; the transport stays usable.
   if (handle->counts_in_flight_.value) return common::CountsInFlightError();
-  const absl::Status local = common::CheckCountsInput(topk_ids, num_tokens, top_k, num_experts,
-                                                      recv_capacity_rows, options_, rank_);
+  absl::Status local = handle->TakeRefusal();
+  if (local.ok()) {
+    local = common::CheckCountsInput(topk_ids, num_tokens, top_k, num_experts, recv_capacity_rows,
+                                     options_, rank_);
+  }
   auto op = std::make_unique<CountsOp>(this, kRowsChannel, seq_[kRowsChannel]++, handle);
   handle->seq_ = seq_[kRowsChannel] - 1;
   handle->counts_in_flight_.value = true;

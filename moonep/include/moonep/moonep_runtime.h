@@ -334,8 +334,9 @@ MOONEP_API moonepResult_t moonepLayerGetMemory(moonepLayer_t layer, size_t* laye
  * [collective] calls are made by every rank, on the handles of the same dispatch, in the same
  * order (as NCCL's collectives are): a handle of another dispatch on one rank is not detected
  * when the row counts happen to match; another call is, over mpi and ucx (moonepInvalidUsage
- * naming both calls, moonepRemoteError on the peers). moonepEpDispatch's local errors are agreed in its count
- * exchange (every rank fails it, the buffer stays usable). A local error in a later collective
+ * naming both calls, moonepRemoteError on the peers). moonepEpDispatch's local errors are
+ * agreed in its count exchange (every rank fails it, the buffer stays usable; over mpi and ucx
+ * the peers' message gives the rank's reason). A local error in a later collective
  * call (a NULL pointer, a released handle, expert tensors of the wrong shape) fails the call on
  * this rank and, over mpi
  * and ucx, the same call on every peer at once with moonepRemoteError naming this rank (nccl: the
