@@ -57,6 +57,11 @@ absl::StatusOr<std::unique_ptr<EpBuffer>> EpBuffer::Create(Communicator* comm,
   // fails creation on every rank (round 2), and the transport goes again on every rank alike.
   local = CheckRecvCapacity(config, buf->capacity_);
   if (local.ok()) {
+    local = CheckHostBuffers(config, buf->capacity_, /*rows_per_handle=*/1, /*shared_rows=*/0,
+                             "the EP buffer's host buffers (max_inflight x (receive rows, row "
+                             "weights, transport row staging))");
+  }
+  if (local.ok()) {
     auto planner = planner::Planner::Create(PlannerConfigFor(config, comm->size(), buf->slots_));
     if (planner.ok()) {
       buf->planner_ = std::move(*planner);
@@ -69,10 +74,14 @@ absl::StatusOr<std::unique_ptr<EpBuffer>> EpBuffer::Create(Communicator* comm,
     auto rows = DeviceMemory::Allocate(
         config.device, static_cast<size_t>(buf->capacity_) * static_cast<size_t>(row_bytes),
         "EP buffer rows");
+    if (!rows.ok()) {
+      local = rows.status();
+      break;
+    }
     auto weights = DeviceMemory::Allocate(config.device, static_cast<size_t>(buf->capacity_) * 4,
                                           "EP buffer row weights");
-    if (!rows.ok() || !weights.ok()) {
-      local = rows.ok() ? weights.status() : rows.status();
+    if (!weights.ok()) {
+      local = weights.status();
       break;
     }
     ctx->rows = std::move(*rows);

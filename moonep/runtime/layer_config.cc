@@ -8,6 +8,7 @@
 #include "absl/strings/str_join.h"
 #include "moonep/compute/executor.h"
 #include "moonep/core/env.h"
+#include "moonep/core/host_memory.h"
 #include "moonep/core/logging.h"
 #include "moonep/core/status.h"
 #include "moonep/runtime/communicator.h"
@@ -117,6 +118,21 @@ absl::Status CheckRecvCapacity(const LayerConfig& c, int64_t capacity) {
                    "%d %s values does not fit", capacity, c.max_recv_rows, c.max_tokens, c.hidden,
                    DTypeName(c.dtype));
   return absl::OkStatus();
+}
+
+absl::Status CheckHostBuffers(const LayerConfig& c, int64_t capacity, int rows_per_handle,
+                              int shared_rows, const char* what) {
+  if (c.device != Device::kCpu) return absl::OkStatus();
+  using Wide = unsigned __int128;  // no overflow for any checked config (each factor < 2^63)
+  const Wide row_bytes = static_cast<Wide>(c.hidden) * DTypeSize(c.dtype);
+  const Wide cap = static_cast<Wide>(std::max<int64_t>(capacity, 0));
+  const Wide staging = static_cast<Wide>(std::max<int64_t>(c.max_tokens, 0)) *
+                       static_cast<Wide>(std::max(c.top_k, 0)) * row_bytes;
+  const Wide per_handle = rows_per_handle * cap * row_bytes + cap * 4 + staging;
+  const Wide total = static_cast<Wide>(std::max(c.max_inflight, 1)) * per_handle +
+                     shared_rows * cap * row_bytes;
+  const uint64_t bytes = total > UINT64_MAX ? UINT64_MAX : static_cast<uint64_t>(total);
+  return CheckHostAllocation(bytes, what);
 }
 
 namespace {

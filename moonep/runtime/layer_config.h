@@ -99,6 +99,15 @@ int64_t RecvCapacityRows(const LayerConfig& config, int32_t num_ranks, int64_t s
 // That capacity's buffers fit (rows of H values: their byte count within int64); InvalidArgument
 // naming max_recv_rows / max_tokens otherwise.
 absl::Status CheckRecvCapacity(const LayerConfig& config, int64_t capacity_rows);
+// Device cpu: the host buffers creation is about to allocate and zero-fill, checked against the
+// node's available memory all together before any of them (CheckHostAllocation): per handle
+// (max_inflight) `rows_per_handle` buffers of capacity rows, the row weights and the transport's
+// row staging (max_tokens x top_k rows), plus `shared_rows` buffers of capacity rows. Each buffer
+// is also checked alone when it is made; without this, with overcommit, the ones that fit were
+// zero-filled before a later one was refused (a config of 2^34 receive rows took 50 s to fail on
+// a 128 GiB node). OK for device cuda (its buffers are GPU memory).
+absl::Status CheckHostBuffers(const LayerConfig& config, int64_t capacity_rows,
+                              int rows_per_handle, int shared_rows, const char* what);
 
 // Every rank's rows in `plan` against its receive capacity (`capacity`, [R], as the count exchange
 // shared them). The plan and the capacities are the same on every rank, so every rank reaches the

@@ -125,6 +125,11 @@ absl::StatusOr<std::unique_ptr<MoeLayer>> MoeLayer::Create(Communicator* comm,
   // transport goes again on every rank alike.
   local = CheckRecvCapacity(config, layer->capacity_);
   if (local.ok()) {
+    local = CheckHostBuffers(config, layer->capacity_, /*rows_per_handle=*/2, /*shared_rows=*/2,
+                             "the layer's host buffers (max_inflight x (x and y rows, row "
+                             "weights, transport row staging), dy and dx rows)");
+  }
+  if (local.ok()) {
     auto planner = planner::Planner::Create(PlannerConfigFor(config, comm->size(), layer->slots_));
     if (planner.ok()) {
       layer->planner_ = std::move(*planner);

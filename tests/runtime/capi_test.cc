@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -865,6 +866,44 @@ TEST_F(CApiTest, OversizedConfigsFailOnEveryRank) {
   c = Config(moonepPolicyMoonEP);
   ASSERT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepSuccess) << moonepGetLastError(comm_);
   EXPECT_EQ(moonepLayerDestroy(layer), moonepSuccess);
+}
+
+// Buffers that each fit in the node's available memory but not all together: refused at once on
+// the rank that asks for them, before any is zero-filled (with overcommit the ones that fit were
+// filled first: a config of 2^34 receive rows took 50 s to fail on the GPU machine's 128 GiB),
+// and every rank fails creation at once.
+TEST_F(CApiTest, HostBuffersThatFitAloneButNotTogetherAreRefusedAtOnce) {
+  int64_t available_kb = -1;
+  {
+    std::FILE* f = std::fopen("/proc/meminfo", "r");
+    if (f == nullptr) GTEST_SKIP() << "no /proc/meminfo";
+    char line[256];
+    while (std::fgets(line, sizeof(line), f) != nullptr) {
+      if (std::sscanf(line, "MemAvailable: %ld kB", &available_kb) == 1) break;
+    }
+    std::fclose(f);
+  }
+  if (available_kb <= 0) GTEST_SKIP() << "no MemAvailable";
+  // Receive rows of 32 bytes (kHidden fp32), each buffer 40 % of what is available, 4 handles.
+  const int64_t rows = available_kb * 1024 / 10 * 4 / (kHidden * 4);
+  const bool big = rank() == size() - 1;
+  for (int object = 0; object < 2; ++object) {
+    moonepLayerConfig_t c = Config(moonepPolicyMoonEP);
+    c.max_inflight = 4;
+    if (big) c.max_recv_rows = rows;
+    const auto start = std::chrono::steady_clock::now();
+    moonepLayer_t layer = nullptr;
+    moonepEpBuffer_t buf = nullptr;
+    const moonepResult_t r = object == 0 ? moonepLayerCreate(comm_, &c, &layer)
+                                         : moonepEpBufferCreate(comm_, &c, &buf);
+    const std::string message = moonepGetLastError(comm_);
+    EXPECT_EQ(r, big ? moonepOutOfMemory : moonepRemoteError) << message;
+    if (big) {
+      EXPECT_NE(message.find("host buffers"), std::string::npos) << message;
+    }
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 5.0)
+        << message;
+  }
 }
 
 // A routing trace that cannot be written: the EP buffer's dispatches go on (only rank 0 writes, so a
