@@ -14,17 +14,14 @@ moonepComm* CommOf(moonepEpBuffer_t buffer) {
                                                                             : nullptr;
 }
 
-// The slot of a live handle of a live buffer (its state: only after Resolve succeeded).
-moonepEpHandle* SlotOf(moonepEpBuffer_t buffer, moonepEpHandle_t handle) {
-  return moonep::capi::FindSlot(buffer->handles, handle);
-}
-
-// Checks buffer and handle, and returns the handle's layout (for row counts).
+// Checks buffer and handle, and returns the handle's layout (for row counts) and, where asked
+// for, its slot (the call's state).
 absl::Status Resolve(moonepEpBuffer_t buffer, moonepEpHandle_t handle,
-                     moonep::runtime::EpLayout* layout) {
+                     moonep::runtime::EpLayout* layout, moonepEpHandle** slot_out = nullptr) {
   MOONEP_RETURN_IF_ERROR(CheckHandle(buffer, Kind::kEpBuffer, "buffer"));
   MOONEP_ASSIGN_OR_RETURN(moonepEpHandle * slot,
                           moonep::capi::LiveSlot(buffer->handles, handle, "EP buffer"));
+  if (slot_out != nullptr) *slot_out = slot;
   return buffer->impl->Layout(slot->handle, layout);
 }
 
@@ -48,9 +45,10 @@ absl::Status ReadExperts(moonepEpBuffer_t buffer, moonepEpHandle_t handle,
                          const moonepExpertTensors_t* home_t, const char* home_name,
                          const moonepExpertTensors_t* slots_t, const char* slots_name,
                          moonep::DType dtype, std::vector<moonep::compute::ExpertParams>* home,
-                         std::vector<moonep::compute::ExpertParams>* slots) {
+                         std::vector<moonep::compute::ExpertParams>* slots,
+                         moonepEpHandle** slot) {
   moonep::runtime::EpLayout l;
-  MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l));
+  MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l, slot));
   const auto& c = buffer->impl->config();
   MOONEP_RETURN_IF_ERROR(CheckExpertShape(c));
   MOONEP_RETURN_IF_ERROR(moonep::capi::ReadExpertTensors(home_t, home_name,
@@ -181,18 +179,19 @@ moonepResult_t moonepEpCombine(moonepEpBuffer_t buffer, moonepEpHandle_t handle,
                                const void* out_rows, void* y) {
   return GuardOn(CommOf(buffer), "moonepEpCombine", [&]() -> absl::Status {
     moonep::runtime::EpLayout l;
+    moonepEpHandle* slot = nullptr;
     int64_t T = 0;
     return Collective(
         buffer, OpKind::kCombine,
         [&]() -> absl::Status {
-          MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l));
-          T = buffer->impl->TokensOf(SlotOf(buffer, handle)->handle);
+          MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l, &slot));
+          T = buffer->impl->TokensOf(slot->handle);
           MOONEP_RETURN_IF_ERROR(CheckPtr(out_rows, l.num_rows, "out_rows"));
           return CheckPtr(y, T, "y");
         },
         [&]() {
           const auto& c = buffer->impl->config();
-          return buffer->impl->Combine(SlotOf(buffer, handle)->handle, Matrix(out_rows, c, l.num_rows),
+          return buffer->impl->Combine(slot->handle, Matrix(out_rows, c, l.num_rows),
                                        Matrix(y, c, T));
         });
   });
@@ -202,18 +201,19 @@ moonepResult_t moonepEpCombineBackward(moonepEpBuffer_t buffer, moonepEpHandle_t
                                        const void* dy, void* dy_rows) {
   return GuardOn(CommOf(buffer), "moonepEpCombineBackward", [&]() -> absl::Status {
     moonep::runtime::EpLayout l;
+    moonepEpHandle* slot = nullptr;
     int64_t T = 0;
     return Collective(
         buffer, OpKind::kCombineBackward,
         [&]() -> absl::Status {
-          MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l));
-          T = buffer->impl->TokensOf(SlotOf(buffer, handle)->handle);
+          MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l, &slot));
+          T = buffer->impl->TokensOf(slot->handle);
           MOONEP_RETURN_IF_ERROR(CheckPtr(dy, T, "dy"));
           return CheckPtr(dy_rows, l.num_rows, "dy_rows");
         },
         [&]() {
           const auto& c = buffer->impl->config();
-          return buffer->impl->CombineBackward(SlotOf(buffer, handle)->handle, Matrix(dy, c, T),
+          return buffer->impl->CombineBackward(slot->handle, Matrix(dy, c, T),
                                                Matrix(dy_rows, c, l.num_rows));
         });
   });
@@ -224,12 +224,13 @@ moonepResult_t moonepEpTopkWeightGrad(moonepEpBuffer_t buffer, moonepEpHandle_t 
                                       float* d_topk_weights) {
   return GuardOn(CommOf(buffer), "moonepEpTopkWeightGrad", [&]() -> absl::Status {
     moonep::runtime::EpLayout l;
+    moonepEpHandle* slot = nullptr;
     int64_t T = 0;
     return Collective(
         buffer, OpKind::kTopkWeightGrad,
         [&]() -> absl::Status {
-          MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l));
-          T = buffer->impl->TokensOf(SlotOf(buffer, handle)->handle);
+          MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l, &slot));
+          T = buffer->impl->TokensOf(slot->handle);
           MOONEP_RETURN_IF_ERROR(CheckPtr(dy_rows, l.num_rows, "dy_rows"));
           MOONEP_RETURN_IF_ERROR(CheckPtr(out_rows, l.num_rows, "out_rows"));
           return CheckPtr(d_topk_weights, T * buffer->impl->config().top_k, "d_topk_weights");
@@ -237,7 +238,7 @@ moonepResult_t moonepEpTopkWeightGrad(moonepEpBuffer_t buffer, moonepEpHandle_t 
         [&]() {
           const auto& c = buffer->impl->config();
           return buffer->impl->TopkWeightGrad(
-              SlotOf(buffer, handle)->handle, Matrix(dy_rows, c, l.num_rows), Matrix(out_rows, c, l.num_rows),
+              slot->handle, Matrix(dy_rows, c, l.num_rows), Matrix(out_rows, c, l.num_rows),
               absl::Span<float>(d_topk_weights, static_cast<size_t>(T * c.top_k)));
         });
   });
@@ -247,18 +248,19 @@ moonepResult_t moonepEpDispatchBackward(moonepEpBuffer_t buffer, moonepEpHandle_
                                         const void* dx_rows, void* dx) {
   return GuardOn(CommOf(buffer), "moonepEpDispatchBackward", [&]() -> absl::Status {
     moonep::runtime::EpLayout l;
+    moonepEpHandle* slot = nullptr;
     int64_t T = 0;
     return Collective(
         buffer, OpKind::kDispatchBackward,
         [&]() -> absl::Status {
-          MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l));
-          T = buffer->impl->TokensOf(SlotOf(buffer, handle)->handle);
+          MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l, &slot));
+          T = buffer->impl->TokensOf(slot->handle);
           MOONEP_RETURN_IF_ERROR(CheckPtr(dx_rows, l.num_rows, "dx_rows"));
           return CheckPtr(dx, T, "dx");
         },
         [&]() {
           const auto& c = buffer->impl->config();
-          return buffer->impl->DispatchBackward(SlotOf(buffer, handle)->handle, Matrix(dx_rows, c, l.num_rows),
+          return buffer->impl->DispatchBackward(slot->handle, Matrix(dx_rows, c, l.num_rows),
                                                 Matrix(dx, c, T));
         });
   });
@@ -269,13 +271,15 @@ moonepResult_t moonepEpPrefetch(moonepEpBuffer_t buffer, moonepEpHandle_t handle
                                 const moonepExpertTensors_t* replica_weights) {
   return GuardOn(CommOf(buffer), "moonepEpPrefetch", [&]() -> absl::Status {
     std::vector<moonep::compute::ExpertParams> home, slots;
+    moonepEpHandle* slot = nullptr;
     return Collective(
         buffer, OpKind::kPrefetch,
         [&]() {
           return ReadExperts(buffer, handle, home_weights, "home_weights", replica_weights,
-                             "replica_weights", buffer->impl->config().dtype, &home, &slots);
+                             "replica_weights", buffer->impl->config().dtype, &home, &slots,
+                             &slot);
         },
-        [&]() { return buffer->impl->Prefetch(SlotOf(buffer, handle)->handle, home, slots); });
+        [&]() { return buffer->impl->Prefetch(slot->handle, home, slots); });
   });
 }
 
@@ -284,21 +288,23 @@ moonepResult_t moonepEpReduce(moonepEpBuffer_t buffer, moonepEpHandle_t handle,
                               const moonepExpertTensors_t* replica_grads) {
   return GuardOn(CommOf(buffer), "moonepEpReduce", [&]() -> absl::Status {
     std::vector<moonep::compute::ExpertParams> home, slots;
+    moonepEpHandle* slot = nullptr;
     return Collective(
         buffer, OpKind::kReduce,
         [&]() {
           return ReadExperts(buffer, handle, home_grads, "home_grads", replica_grads,
-                             "replica_grads", buffer->impl->config().grad_dtype, &home, &slots);
+                             "replica_grads", buffer->impl->config().grad_dtype, &home, &slots,
+                             &slot);
         },
-        [&]() { return buffer->impl->Reduce(SlotOf(buffer, handle)->handle, home, slots); });
+        [&]() { return buffer->impl->Reduce(slot->handle, home, slots); });
   });
 }
 
 moonepResult_t moonepEpRelease(moonepEpBuffer_t buffer, moonepEpHandle_t handle) {
   return GuardOn(CommOf(buffer), "moonepEpRelease", [&]() -> absl::Status {
     moonep::runtime::EpLayout l;
-    MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l));
-    moonepEpHandle* slot = SlotOf(buffer, handle);
+    moonepEpHandle* slot = nullptr;
+    MOONEP_RETURN_IF_ERROR(Resolve(buffer, handle, &l, &slot));
     slot->in_use = false;
     return buffer->impl->Release(slot->handle);
   });

@@ -4,7 +4,7 @@
 #include <cstring>
 #include <string>
 
-#include "absl/strings/strip.h"
+#include "absl/strings/str_format.h"
 #include "moonep/core/status.h"
 #include "planner/plan_builder.h"
 #include "transport/common/host_checks.h"
@@ -35,13 +35,7 @@ void PackCountMessage(const absl::Status& local, absl::Span<const int32_t> ids, 
     CountRouting(ids, E, mine.data() + kCountHeader);
   } else {
     const size_t room = static_cast<size_t>(E) * sizeof(int64_t) - 1;
-    absl::string_view why = local.message();
-    // The peers name the rank already: its "count exchange on rank N: " prefix would only take
-    // room (8 E - 1 bytes) from the reason.
-    if (absl::ConsumePrefix(&why, "count exchange on rank ")) {
-      const size_t colon = why.find(": ");
-      if (colon != absl::string_view::npos) why.remove_prefix(colon + 2);
-    }
+    const absl::string_view why = local.message();
     std::memcpy(mine.data() + kCountHeader, why.data(), std::min(room, why.size()));
   }
 }
@@ -77,7 +71,8 @@ absl::Status FinishCountExchange(const absl::Status& local, absl::Span<const int
     }
     if (all[r * width] != 0) bad.push_back(r);
   }
-  if (!local.ok()) return local;
+  // This rank's own refusal, named (the peers name it in theirs).
+  if (!local.ok()) return Annotate(local, absl::StrFormat("count exchange on rank %d", me));
   if (!bad.empty()) {
     const std::string why = RefusalReason(all.data() + bad[0] * width + kCountHeader, E);
     return RemoteError("count exchange: rank(s) %s refused their dispatch input; rank %d: %s",

@@ -181,7 +181,7 @@ absl::Status CheckRowTensor(const TensorView& v, const char* name, int64_t min_r
 
 absl::Status CheckCountsInput(absl::Span<const int32_t> topk_ids, int64_t num_tokens,
                               int32_t top_k, int32_t num_experts, int64_t recv_capacity_rows,
-                              const TransportOptions& options, int32_t rank) {
+                              const TransportOptions& options) {
   absl::Status local = ValidateRouting(topk_ids, num_tokens, top_k, num_experts);
   if (local.ok() && num_tokens > options.max_tokens) {
     local = OutOfMemory("num_tokens = %d exceeds the declared max_tokens = %d", num_tokens,
@@ -194,7 +194,6 @@ absl::Status CheckCountsInput(absl::Span<const int32_t> topk_ids, int64_t num_to
   if (local.ok() && recv_capacity_rows < 0) {
     local = InvalidArgument("recv_capacity_rows must be >= 0, got %d", recv_capacity_rows);
   }
-  if (!local.ok()) local = Annotate(local, absl::StrCat("count exchange on rank ", rank));
   return local;
 }
 

@@ -81,11 +81,12 @@ absl::Status CheckRowTensor(const TensorView& v, const char* name, int64_t min_r
                             const char* backend, Device device = Device::kCpu);
 
 // This rank's count-exchange input: the routing (ValidateRouting) and the declared maxima. The
-// result is this rank's local verdict, annotated with the rank; the count exchange shares it with
-// the peers so that every rank agrees. (A null handle or num_experts < 1 is checked before.)
+// result is this rank's local verdict; the count exchange sends it to the peers (in place of the
+// counts) so that every rank agrees, and FinishCountExchange returns it named with the rank. (A
+// null handle or num_experts < 1 is checked before.)
 absl::Status CheckCountsInput(absl::Span<const int32_t> topk_ids, int64_t num_tokens,
                               int32_t top_k, int32_t num_experts, int64_t recv_capacity_rows,
-                              const TransportOptions& options, int32_t rank);
+                              const TransportOptions& options);
 
 // The handle has a count exchange of this transport (rank, size) and, for every operation but
 // dispatch, a dispatch. A local misuse: the caller aborts its peers with it.

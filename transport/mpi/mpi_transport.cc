@@ -247,10 +247,9 @@ class MpiTransport : public Transport {
   // Reads every nudge that came; the call-order error found by them or at NoteStarted, if any.
   absl::Status ReadNudges();
   absl::Status call_order_error() const { return call_order_error_; }
-  // Reads `peer`'s first unmatched messages on `channel`'s communicator (MPI_Iprobe): the error
-  // naming both calls when one belongs to an operation this rank started as another kind; nudges
-  // of operations of the same kind are received (they would stay queued for good) and the next
-  // message is looked at; a message of an operation not started here yet ends the look.
+  // Reads `peer`'s first unmatched message on `channel`'s communicator (MPI_Iprobe; only data
+  // travels there): the error naming both calls when it belongs to an operation this rank started
+  // as another kind.
   absl::Status CheckPeerOrder(int channel, int peer);
   // The first of the next `n` peers (counted from this rank + 1) whose queues a count exchange
   // looks at.
@@ -1406,30 +1405,26 @@ absl::Status MpiTransport::PollAbort(bool gave_up_too) {
 
 absl::Status MpiTransport::CheckPeerOrder(int channel, int peer) {
   const MPI_Comm comm = channel == 0 ? rows_comm_ : weights_comm_;
+  int flag = 0;
+  MPI_Status status;
+  if (MPI_Iprobe(peer, MPI_ANY_TAG, comm, &flag, &status) != MPI_SUCCESS || !flag) {
+    return absl::OkStatus();
+  }
   const int64_t spe = seqs_per_epoch_;
   const int64_t next = channel == 0 ? rows_seq_ : weights_seq_;
-  while (true) {
-    int flag = 0;
-    MPI_Status status;
-    if (MPI_Iprobe(peer, MPI_ANY_TAG, comm, &flag, &status) != MPI_SUCCESS || !flag) break;
-    const int tag = status.MPI_TAG;
-    const int64_t slot = tag / (int64_t{kKinds} * kSubTags);
-    const int theirs = (tag / kSubTags) % kKinds;
-    // slot = (epoch_ * spe + seq mod spe) mod tag_slots_, with spe <= tag_slots_ / 2.
-    const int64_t seq_mod =
-        ((slot - (epoch_ * spe) % tag_slots_) % tag_slots_ + tag_slots_) % tag_slots_;
-    if (seq_mod >= spe) break;  // not of this transport's epoch
-    const int64_t ahead = ((seq_mod - next % spe) % spe + spe) % spe;
-    if (ahead < spe / 2) break;  // an operation this rank has not started yet
-    const Started& mine = started_[channel][static_cast<size_t>(seq_mod)];
-    if (mine.seq >= 0 && mine.kind != theirs) {
-      return common::CallOrderError(channel == 0 ? "row" : "weight", mine.seq, rank_,
-                                    static_cast<OpKind>(mine.kind), peer,
-                                    static_cast<OpKind>(theirs));
-    }
-    break;  // data for an operation in flight here (only data travels on these communicators)
-  }
-  return absl::OkStatus();
+  const int tag = status.MPI_TAG;
+  const int64_t slot = tag / (int64_t{kKinds} * kSubTags);
+  const int theirs = (tag / kSubTags) % kKinds;
+  // slot = (epoch_ * spe + seq mod spe) mod tag_slots_, with spe <= tag_slots_ / 2.
+  const int64_t seq_mod =
+      ((slot - (epoch_ * spe) % tag_slots_) % tag_slots_ + tag_slots_) % tag_slots_;
+  if (seq_mod >= spe) return absl::OkStatus();  // not of this transport's epoch
+  const int64_t ahead = ((seq_mod - next % spe) % spe + spe) % spe;
+  if (ahead < spe / 2) return absl::OkStatus();  // an operation this rank has not started yet
+  const Started& mine = started_[channel][static_cast<size_t>(seq_mod)];
+  if (mine.seq < 0 || mine.kind == theirs) return absl::OkStatus();  // data of an op in flight
+  return common::CallOrderError(channel == 0 ? "row" : "weight", mine.seq, rank_,
+                                static_cast<OpKind>(mine.kind), peer, static_cast<OpKind>(theirs));
 }
 
 void MpiTransport::NoteStarted(int channel, int64_t seq, OpKind kind) {
@@ -1525,7 +1520,7 @@ absl::StatusOr<RequestPtr> MpiTransport::StartExchangeCounts(absl::Span<const in
   absl::Status local = handle->TakeRefusal();
   if (local.ok()) {
     local = common::CheckCountsInput(topk_ids, num_tokens, top_k, num_experts, recv_capacity_rows,
-                                     options_, rank_);
+                                     options_);
   }
   auto op = std::make_unique<CountsOp>(this, rows_comm_, rows_seq_++, handle);
   handle->seq_ = rows_seq_ - 1;

@@ -2237,7 +2237,7 @@ absl::StatusOr<RequestPtr> UcxTransport::StartExchangeCounts(absl::Span<const in
   absl::Status local = handle->TakeRefusal();
   if (local.ok()) {
     local = common::CheckCountsInput(topk_ids, num_tokens, top_k, num_experts, recv_capacity_rows,
-                                     options_, rank_);
+                                     options_);
   }
   auto op = std::make_unique<CountsOp>(this, kRowsChannel, seq_[kRowsChannel]++, handle);
   handle->seq_ = seq_[kRowsChannel] - 1;
