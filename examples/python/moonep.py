@@ -116,6 +116,8 @@ def _lib():
                                        ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
     for f in ("moonepCommDestroy", "moonepLayerDestroy"):
         getattr(lib, f).argtypes = [ctypes.c_void_p]
+    if hasattr(lib, "moonepLayerRefuseForward"):
+        lib.moonepLayerRefuseForward.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
     lib.moonepLayerBackward.argtypes = [ctypes.c_void_p] * 6
     lib.moonepLayerRelease.argtypes = [ctypes.c_void_p] * 2
     lib.moonepLayerBindParams.argtypes = [ctypes.c_void_p] * 3
@@ -296,11 +298,11 @@ class Layer:
             x = _array("x", x, np.float32, (tokens, self.hidden))
             ids = _array("topk_ids", topk_ids, np.int32, (tokens, self.top_k))
             w = _array("topk_weights", topk_weights, np.float32, (tokens, self.top_k))
-        except ValueError:
-            # The forward is collective: join it with an argument MoonEP refuses (no handle), so
-            # that every rank fails this forward at once (the peers do not wait for this one until
-            # the timeout) and the layer stays usable.
-            self._refuse_forward()
+        except ValueError as e:
+            # The forward is collective: join it refusing, so that every rank fails this forward
+            # at once (the peers do not wait for this one until the timeout, and their error gives
+            # this reason) and the layer stays usable.
+            self._refuse_forward(str(e))
             raise
         y = np.empty_like(x)
         h = ctypes.c_void_p()
@@ -309,8 +311,12 @@ class Layer:
         self._saved.append((h, x.shape[0]))
         return y
 
-    def _refuse_forward(self):
-        _lib().moonepLayerForward(self._h, 0, None, None, None, None, None, None)
+    def _refuse_forward(self, reason):
+        lib = _lib()
+        if hasattr(lib, "moonepLayerRefuseForward"):
+            lib.moonepLayerRefuseForward(self._h, reason.encode(errors="replace"), None)
+        else:  # a library older than that call: an argument it refuses (no handle)
+            lib.moonepLayerForward(self._h, 0, None, None, None, None, None, None)
 
     def _last(self, what):
         if not self._saved:

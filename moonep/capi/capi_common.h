@@ -42,4 +42,14 @@ int RawEnum(const Enum& field) {
   return value;
 }
 
+// The error of a collective call that its caller refuses (moonepLayerRefuseForward,
+// moonepEpRefuseDispatch): InvalidArgument giving `reason`, of which at most kMaxReasonBytes are
+// read (a C string the caller forgot to end is not read past that); NULL: "no reason given".
+constexpr size_t kMaxReasonBytes = 1024;
+inline absl::Status CallerRefusal(const char* reason) {
+  const std::string text =
+      reason == nullptr ? std::string() : std::string(reason, strnlen(reason, kMaxReasonBytes));
+  return InvalidArgument("refused by the caller: %s", text.empty() ? "(no reason given)" : text);
+}
+
 }  // namespace moonep::capi

@@ -158,6 +158,18 @@ moonepResult_t moonepEpDispatch(moonepEpBuffer_t buffer, int64_t num_tokens, con
   });
 }
 
+moonepResult_t moonepEpRefuseDispatch(moonepEpBuffer_t buffer, const char* reason) {
+  return GuardOn(CommOf(buffer), "moonepEpRefuseDispatch", [&]() -> absl::Status {
+    MOONEP_RETURN_IF_ERROR(CheckHandle(buffer, Kind::kEpBuffer, "buffer"));
+    const auto& c = buffer->impl->config();
+    const absl::Status refusal = moonep::capi::CallerRefusal(reason);
+    // As a dispatch whose arguments failed their local checks: every rank fails it at once.
+    auto h = buffer->impl->Dispatch(-1, Matrix(nullptr, c, 0), {}, {}, refusal);
+    if (h.ok()) return moonep::Internal("a refused dispatch succeeded");
+    return h.status();
+  });
+}
+
 moonepResult_t moonepEpGetLayout(moonepEpBuffer_t buffer, moonepEpHandle_t handle,
                                  moonepEpLayout_t* layout) {
   return GuardOn(CommOf(buffer), "moonepEpGetLayout", [&]() -> absl::Status {

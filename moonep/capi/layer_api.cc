@@ -127,6 +127,20 @@ moonepResult_t moonepLayerForward(moonepLayer_t layer, int64_t num_tokens, const
   });
 }
 
+moonepResult_t moonepLayerRefuseForward(moonepLayer_t layer, const char* reason, void* stream) {
+  return GuardOn(CommOf(layer), "moonepLayerRefuseForward", [&]() -> absl::Status {
+    MOONEP_RETURN_IF_ERROR(CheckHandle(layer, Kind::kLayer, "layer"));
+    const auto& c = layer->impl->config();
+    const absl::Status refusal = moonep::capi::CallerRefusal(reason);
+    // As a forward whose arguments failed their local checks: every rank fails it at once.
+    auto h = layer->impl->Forward(
+        -1, TensorView::Contiguous(nullptr, c.dtype, {0, c.hidden}, c.device), {}, {},
+        TensorView::Contiguous(nullptr, c.dtype, {0, c.hidden}, c.device), stream, refusal);
+    if (h.ok()) return moonep::Internal("a refused forward succeeded");
+    return h.status();
+  });
+}
+
 moonepResult_t moonepLayerBackward(moonepLayer_t layer, moonepLayerHandle_t handle,
                                    const void* dy, void* dx, float* d_topk_weights,
                                    void* stream) {

@@ -1,5 +1,7 @@
 #include "moonep/core/host_memory.h"
 
+#include <unistd.h>
+
 #include <cstdio>
 
 #include "moonep/core/status.h"
@@ -16,6 +18,19 @@ int64_t HostMemoryAvailableBytes() {
   }
   std::fclose(f);
   return kib >= 0 && kib <= INT64_MAX / 1024 ? static_cast<int64_t>(kib) * 1024 : -1;
+}
+
+std::string HostMemoryNodeKey() {
+  char text[128] = {};
+  if (std::FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
+    const bool read = std::fgets(text, sizeof(text), f) != nullptr;
+    std::fclose(f);
+    std::string key = read ? std::string(text) : std::string();
+    while (!key.empty() && (key.back() == '\n' || key.back() == ' ')) key.pop_back();
+    if (!key.empty()) return "boot " + key;
+  }
+  if (gethostname(text, sizeof(text) - 1) == 0) return "host " + std::string(text);
+  return "";
 }
 
 absl::Status CheckHostAllocation(uint64_t bytes, absl::string_view what) {

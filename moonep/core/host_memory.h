@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -13,6 +14,10 @@ namespace moonep {
 // MemAvailable of /proc/meminfo in bytes (what the kernel estimates can be allocated without
 // swapping), or -1 where it cannot be read.
 int64_t HostMemoryAvailableBytes();
+
+// What identifies this node's memory: /proc/sys/kernel/random/boot_id (processes that share it
+// share a kernel, hence MemAvailable), else the host name, else "".
+std::string HostMemoryNodeKey();
 
 // OK, or ResourceExhausted ("cannot allocate <bytes> host bytes for <what>: the node has <n> bytes
 // available ...") when `bytes` is above HostMemoryAvailableBytes(). For allocations that are

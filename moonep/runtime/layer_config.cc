@@ -123,6 +123,12 @@ absl::Status CheckRecvCapacity(const LayerConfig& c, int64_t capacity) {
 absl::Status CheckHostBuffers(const LayerConfig& c, int64_t capacity, int rows_per_handle,
                               int shared_rows, const char* what) {
   if (c.device != Device::kCpu) return absl::OkStatus();
+  return CheckHostAllocation(HostBufferBytes(c, capacity, rows_per_handle, shared_rows), what);
+}
+
+uint64_t HostBufferBytes(const LayerConfig& c, int64_t capacity, int rows_per_handle,
+                         int shared_rows) {
+  if (c.device != Device::kCpu) return 0;
   using Wide = unsigned __int128;  // no overflow for any checked config (each factor < 2^63)
   const Wide row_bytes = static_cast<Wide>(c.hidden) * DTypeSize(c.dtype);
   const Wide cap = static_cast<Wide>(std::max<int64_t>(capacity, 0));
@@ -131,8 +137,48 @@ absl::Status CheckHostBuffers(const LayerConfig& c, int64_t capacity, int rows_p
   const Wide per_handle = rows_per_handle * cap * row_bytes + cap * 4 + staging;
   const Wide total = static_cast<Wide>(std::max(c.max_inflight, 1)) * per_handle +
                      shared_rows * cap * row_bytes;
-  const uint64_t bytes = total > UINT64_MAX ? UINT64_MAX : static_cast<uint64_t>(total);
-  return CheckHostAllocation(bytes, what);
+  return total > UINT64_MAX ? UINT64_MAX : static_cast<uint64_t>(total);
+}
+
+absl::Status CheckNodeHostBuffers(Communicator* comm, const LayerConfig& c, uint64_t bytes,
+                                  const char* what, const char* phase, absl::Status* local) {
+  if (c.device != Device::kCpu || comm->size() == 1) return absl::OkStatus();
+  // [node key (64 bytes), bytes, MemAvailable] of every rank, read before anyone allocates.
+  struct Entry {
+    char key[64];
+    uint64_t bytes;
+    int64_t available;
+  };
+  Entry mine{};
+  const std::string key = HostMemoryNodeKey();
+  std::memcpy(mine.key, key.data(), std::min(key.size(), sizeof(mine.key)));
+  mine.bytes = local->ok() ? bytes : 0;
+  mine.available = HostMemoryAvailableBytes();
+  std::string gathered;
+  MOONEP_RETURN_IF_ERROR(comm->Allgather(
+      absl::Span<const char>(reinterpret_cast<const char*>(&mine), sizeof(mine)), &gathered,
+      phase));
+  if (!local->ok()) return absl::OkStatus();
+  std::vector<int> node;
+  unsigned __int128 total = 0;
+  int64_t available = -1;
+  for (int r = 0; r < comm->size(); ++r) {
+    Entry e;
+    std::memcpy(&e, gathered.data() + static_cast<size_t>(r) * sizeof(Entry), sizeof(Entry));
+    if (std::memcmp(e.key, mine.key, sizeof(mine.key)) != 0) continue;
+    node.push_back(r);
+    total += e.bytes;
+    available = std::max(available, e.available);
+  }
+  if (node.size() < 2 || available < 0 || total <= static_cast<uint64_t>(available)) {
+    return absl::OkStatus();
+  }
+  const uint64_t sum = total > UINT64_MAX ? UINT64_MAX : static_cast<uint64_t>(total);
+  *local = OutOfMemory("cannot allocate %s: the %d ranks on this node (ranks %s) need %d host "
+                       "bytes together (this rank %d), and the node has %d bytes available "
+                       "(MemAvailable, /proc/meminfo)", what, node.size(),
+                       absl::StrJoin(node, ","), sum, bytes, available);
+  return absl::OkStatus();
 }
 
 namespace {

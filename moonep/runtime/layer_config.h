@@ -108,6 +108,20 @@ absl::Status CheckRecvCapacity(const LayerConfig& config, int64_t capacity_rows)
 // a 128 GiB node). OK for device cuda (its buffers are GPU memory).
 absl::Status CheckHostBuffers(const LayerConfig& config, int64_t capacity_rows,
                               int rows_per_handle, int shared_rows, const char* what);
+// The bytes CheckHostBuffers checks (0 for device cuda).
+uint64_t HostBufferBytes(const LayerConfig& config, int64_t capacity_rows, int rows_per_handle,
+                         int shared_rows);
+// [collective, device cpu only: a no-op that every rank skips alike for device cuda] The same
+// buffers of every rank on this node checked together: ranks sharing a kernel (the same
+// /proc/sys/kernel/random/boot_id, else host name) add up their `bytes` against the most
+// MemAvailable any of them read before the exchange (before any of them allocated). Over it,
+// *local becomes OutOfMemory on each of those ranks, naming the ranks and the bytes (a rank with
+// a local error already keeps it and counts 0 bytes). Each rank alone may fit where all of them
+// do not: without this, each zero-filled its share until the kernel's out-of-memory killer ended
+// one, and its peers waited out their timeouts. Returns the exchange's own error (Timeout naming
+// `phase`, RemoteError): then the creation stops there.
+absl::Status CheckNodeHostBuffers(Communicator* comm, const LayerConfig& config, uint64_t bytes,
+                                  const char* what, const char* phase, absl::Status* local);
 
 // Every rank's rows in `plan` against its receive capacity (`capacity`, [R], as the count exchange
 // shared them). The plan and the capacities are the same on every rank, so every rank reaches the

@@ -124,11 +124,19 @@ absl::StatusOr<std::unique_ptr<MoeLayer>> MoeLayer::Create(Communicator* comm,
   // memory): a rank that cannot make them fails creation on every rank (round 2), and the
   // transport goes again on every rank alike.
   local = CheckRecvCapacity(config, layer->capacity_);
+  constexpr char kHostBuffers[] =
+      "the layer's host buffers (max_inflight x (x and y rows, row weights, transport row "
+      "staging), dy and dx rows)";
   if (local.ok()) {
     local = CheckHostBuffers(config, layer->capacity_, /*rows_per_handle=*/2, /*shared_rows=*/2,
-                             "the layer's host buffers (max_inflight x (x and y rows, row "
-                             "weights, transport row staging), dy and dx rows)");
+                             kHostBuffers);
   }
+  MOONEP_RETURN_IF_ERROR(CheckNodeHostBuffers(
+      comm, config,
+      local.ok() ? HostBufferBytes(config, layer->capacity_, /*rows_per_handle=*/2,
+                                   /*shared_rows=*/2)
+                 : 0,
+      kHostBuffers, "MoE layer creation (host memory of the node)", &local));
   if (local.ok()) {
     auto planner = planner::Planner::Create(PlannerConfigFor(config, comm->size(), layer->slots_));
     if (planner.ok()) {

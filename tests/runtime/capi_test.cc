@@ -816,6 +816,99 @@ TEST_F(CApiTest, NullOutputPointerOnOneRankFailsEveryRankAtOnce) {
   EXPECT_EQ(moonepLayerDestroy(layer), moonepSuccess);
 }
 
+// A caller that refuses its own input (moonepLayerRefuseForward, moonepEpRefuseDispatch) fails
+// that forward or dispatch on every rank at once: InvalidArgument with its reason here, RemoteError
+// giving the reason (its first 255 bytes) on the peers; nothing moves and both objects stay usable.
+TEST_F(CApiTest, RefusedForwardAndDispatchGiveTheCallersReasonToEveryRank) {
+  const moonepLayerConfig_t c = Config(moonepPolicyMoonEP);
+  const int refusing = size() - 1;
+  const bool me = rank() == refusing;
+  moonepLayer_t layer = nullptr;
+  moonepEpBuffer_t buf = nullptr;
+  ASSERT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepSuccess) << moonepGetLastError(comm_);
+  ASSERT_EQ(moonepEpBufferCreate(comm_, &c, &buf), moonepSuccess) << moonepGetLastError(comm_);
+  GlobalProblem g = MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kTokens,
+                                      DType::kFloat32, 13);
+  RankTensors t = MakeRankTensors(g, rank(), DType::kFloat32);
+  moonepExpertTensors_t w = Tensors(t, false);
+  ASSERT_EQ(moonepLayerBindParams(layer, &w, nullptr), moonepSuccess);
+  const auto y_before = t.y;
+  // Every rank's message: this rank's own refusal, or the refusing rank named with its reason.
+  auto expect_message = [&](const std::string& reason) {
+    const std::string message = moonepGetLastError(comm_);
+    const std::string expected =
+        me ? "refused by the caller: " + reason
+           : "rank " + std::to_string(refusing) + ": refused by the caller: " + reason;
+    EXPECT_NE(message.find(expected), std::string::npos) << message;
+  };
+  const auto start = std::chrono::steady_clock::now();
+  const std::string reason = "x has shape (12, 17); expected (12, 16)";
+  moonepLayerHandle_t h = nullptr;
+  EXPECT_EQ(me ? moonepLayerRefuseForward(layer, reason.c_str(), nullptr)
+               : moonepLayerForward(layer, t.tokens, t.x.data(), t.ids.data(), t.weights.data(),
+                                    t.y.data(), &h, nullptr),
+            me ? moonepInvalidArgument : moonepRemoteError) << moonepGetLastError(comm_);
+  expect_message(reason);
+  EXPECT_EQ(h, nullptr);
+  EXPECT_EQ(t.y, y_before) << "a refused forward wrote y";
+  moonepEpHandle_t eh = nullptr;
+  EXPECT_EQ(me ? moonepEpRefuseDispatch(buf, reason.c_str())
+               : moonepEpDispatch(buf, t.tokens, t.x.data(), t.ids.data(), t.weights.data(), &eh),
+            me ? moonepInvalidArgument : moonepRemoteError) << moonepGetLastError(comm_);
+  expect_message(reason);
+  EXPECT_EQ(eh, nullptr);
+  // NULL and empty reasons are reasons too.
+  EXPECT_EQ(me ? moonepEpRefuseDispatch(buf, nullptr)
+               : moonepEpDispatch(buf, t.tokens, t.x.data(), t.ids.data(), t.weights.data(), &eh),
+            me ? moonepInvalidArgument : moonepRemoteError) << moonepGetLastError(comm_);
+  expect_message("(no reason given)");
+  EXPECT_EQ(me ? moonepLayerRefuseForward(layer, "", nullptr)
+               : moonepLayerForward(layer, t.tokens, t.x.data(), t.ids.data(), t.weights.data(),
+                                    t.y.data(), &h, nullptr),
+            me ? moonepInvalidArgument : moonepRemoteError) << moonepGetLastError(comm_);
+  expect_message("(no reason given)");
+  // A reason of 2000 bytes with no terminating NUL: the first 1024 are read (here), of which the
+  // peers get the first 255 - 23 after "refused by the caller: " (their count message's room).
+  std::vector<char> unterminated(2000, 'a');
+  for (size_t i = 0; i < unterminated.size(); ++i) unterminated[i] = static_cast<char>('a' + i % 26);
+  EXPECT_EQ(me ? moonepLayerRefuseForward(layer, unterminated.data(), nullptr)
+               : moonepLayerForward(layer, t.tokens, t.x.data(), t.ids.data(), t.weights.data(),
+                                    t.y.data(), &h, nullptr),
+            me ? moonepInvalidArgument : moonepRemoteError) << moonepGetLastError(comm_);
+  {
+    const std::string message = moonepGetLastError(comm_);
+    const std::string text(unterminated.data(), me ? 1024 : 255 - 23);
+    const std::string prefix = "refused by the caller: ";
+    const size_t at = message.find(prefix + text);
+    ASSERT_NE(at, std::string::npos) << message;
+    if (me) {
+      EXPECT_EQ(message.find(std::string(unterminated.data(), 1025)), std::string::npos)
+          << "read past the first 1024 bytes";
+    } else {
+      // The reason ends where the count message's room does.
+      EXPECT_EQ(message.find(prefix + text + unterminated[255 - 23]), std::string::npos) << message;
+    }
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const char* timeout_ms = std::getenv("MOONEP_TIMEOUT_MS");
+  EXPECT_LT(seconds, 0.5 * (timeout_ms != nullptr ? std::atof(timeout_ms) : 60000.0) / 1000.0)
+      << "the peers waited for the rank that refused";
+  // Objects that are not layers or buffers are refused as by every call.
+  EXPECT_EQ(moonepLayerRefuseForward(nullptr, "why", nullptr), moonepInvalidArgument);
+  EXPECT_EQ(moonepEpRefuseDispatch(nullptr, "why"), moonepInvalidArgument);
+
+  // Both stay usable: a good forward and dispatch on every rank.
+  ASSERT_EQ(moonepLayerForward(layer, t.tokens, t.x.data(), t.ids.data(), t.weights.data(),
+                               t.y.data(), &h, nullptr), moonepSuccess) << moonepGetLastError(comm_);
+  EXPECT_EQ(moonepLayerRelease(layer, h), moonepSuccess);
+  ASSERT_EQ(moonepEpDispatch(buf, t.tokens, t.x.data(), t.ids.data(), t.weights.data(), &eh),
+            moonepSuccess) << moonepGetLastError(comm_);
+  EXPECT_EQ(moonepEpRelease(buf, eh), moonepSuccess);
+  EXPECT_EQ(moonepEpBufferDestroy(buf), moonepSuccess);
+  EXPECT_EQ(moonepLayerDestroy(layer), moonepSuccess);
+}
+
 // Sizes whose buffers cannot exist fail creation on every rank with a message naming the field:
 // byte counts that would wrap (refused before anything is allocated), and an allocation that
 // fails on one rank only (made before the agreement, so the other ranks do not go on into the
@@ -868,24 +961,29 @@ TEST_F(CApiTest, OversizedConfigsFailOnEveryRank) {
   EXPECT_EQ(moonepLayerDestroy(layer), moonepSuccess);
 }
 
+// MemAvailable of /proc/meminfo in bytes, -1 where it cannot be read (the library's own reader is
+// internal to libmoonep).
+int64_t MemAvailableBytes() {
+  std::FILE* f = std::fopen("/proc/meminfo", "r");
+  if (f == nullptr) return -1;
+  char line[256];
+  long kb = -1;
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    if (std::sscanf(line, "MemAvailable: %ld kB", &kb) == 1) break;
+  }
+  std::fclose(f);
+  return kb > 0 ? static_cast<int64_t>(kb) * 1024 : -1;
+}
+
 // Buffers that each fit in the node's available memory but not all together: refused at once on
 // the rank that asks for them, before any is zero-filled (with overcommit the ones that fit were
 // filled first: a config of 2^34 receive rows took 50 s to fail on the GPU machine's 128 GiB),
 // and every rank fails creation at once.
 TEST_F(CApiTest, HostBuffersThatFitAloneButNotTogetherAreRefusedAtOnce) {
-  int64_t available_kb = -1;
-  {
-    std::FILE* f = std::fopen("/proc/meminfo", "r");
-    if (f == nullptr) GTEST_SKIP() << "no /proc/meminfo";
-    char line[256];
-    while (std::fgets(line, sizeof(line), f) != nullptr) {
-      if (std::sscanf(line, "MemAvailable: %ld kB", &available_kb) == 1) break;
-    }
-    std::fclose(f);
-  }
-  if (available_kb <= 0) GTEST_SKIP() << "no MemAvailable";
+  const int64_t available = MemAvailableBytes();
+  if (available <= 0) GTEST_SKIP() << "no MemAvailable";
   // Receive rows of 32 bytes (kHidden fp32), each buffer 40 % of what is available, 4 handles.
-  const int64_t rows = available_kb * 1024 / 10 * 4 / (kHidden * 4);
+  const int64_t rows = available / 10 * 4 / (kHidden * 4);
   const bool big = rank() == size() - 1;
   for (int object = 0; object < 2; ++object) {
     moonepLayerConfig_t c = Config(moonepPolicyMoonEP);
@@ -904,6 +1002,50 @@ TEST_F(CApiTest, HostBuffersThatFitAloneButNotTogetherAreRefusedAtOnce) {
     EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 5.0)
         << message;
   }
+}
+
+// Every rank on this node asks for host buffers that fit alone (1.2 / R of MemAvailable each) but
+// not all together: every rank fails creation at once with OutOfMemory naming the node's ranks,
+// before any of them allocated (each zero-filled its share until the out-of-memory killer ended
+// one, and the peers waited out their timeouts). Every rank of these tests shares one kernel.
+TEST_F(CApiTest, HostBuffersOfTheNodesRanksAreCheckedTogether) {
+  if (size() == 1) GTEST_SKIP() << "one rank: HostBuffersThatFitAloneButNotTogether... covers it";
+  const int64_t available = MemAvailableBytes();
+  if (available <= 0) GTEST_SKIP() << "no MemAvailable";
+  const int64_t share = available / 10 * 12 / size();
+  // Bytes per receive row: a layer's x, y, dy, dx rows and row weight; an EP buffer's row and
+  // row weight (kHidden fp32 values a row, one handle).
+  const int64_t row = kHidden * 4;
+  const int64_t layer_rows = share / (4 * row + 4);
+  const int64_t buffer_rows = share / (row + 4);
+  for (int object = 0; object < 2; ++object) {
+    moonepLayerConfig_t c = Config(moonepPolicyMoonEP);
+    c.max_recv_rows = object == 0 ? layer_rows : buffer_rows;
+    const auto start = std::chrono::steady_clock::now();
+    moonepLayer_t layer = nullptr;
+    moonepEpBuffer_t buf = nullptr;
+    const moonepResult_t r = object == 0 ? moonepLayerCreate(comm_, &c, &layer)
+                                         : moonepEpBufferCreate(comm_, &c, &buf);
+    const std::string message = moonepGetLastError(comm_);
+    EXPECT_EQ(r, moonepOutOfMemory) << message;
+    std::string ranks;
+    for (int i = 0; i < size(); ++i) ranks += (i > 0 ? "," : "") + std::to_string(i);
+    EXPECT_NE(message.find("the " + std::to_string(size()) + " ranks on this node (ranks " +
+                           ranks + ") need"),
+              std::string::npos)
+        << message;
+    EXPECT_NE(message.find(object == 0 ? "the layer's host buffers" : "the EP buffer's host buffers"),
+              std::string::npos)
+        << message;
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 5.0)
+        << message;
+  }
+  // Within the node's memory together: made, on every rank.
+  moonepLayerConfig_t c = Config(moonepPolicyMoonEP);
+  c.max_recv_rows = available / 50 / size() / (4 * row + 4);
+  moonepLayer_t layer = nullptr;
+  ASSERT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepSuccess) << moonepGetLastError(comm_);
+  EXPECT_EQ(moonepLayerDestroy(layer), moonepSuccess);
 }
 
 // A routing trace that cannot be written: the EP buffer's dispatches go on (only rank 0 writes, so a

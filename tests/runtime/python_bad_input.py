@@ -3,7 +3,8 @@ else: no out-of-bounds read or write through ctypes, no lost forward state, no s
 
     MOONEP_LIBRARY=build/lib/libmoonep.so mpirun -np 2 python3 tests/runtime/python_bad_input.py
 
-Every rank passes the same bad input (the binding's checks run before any collective call). After
+Every rank passes the same bad input (the binding's checks run before any collective call), then
+one rank alone, whose peers must fail that forward with its reason. After
 the refused calls, a forward and backward on good input must still match the float64 numpy
 reference, so the refusals left the layer and its bound weights intact. Exit code 0 on success.
 """
@@ -131,6 +132,14 @@ def main():
            lambda: layer.forward(too_many, np.zeros((T + 1, K), np.int32),
                                  np.zeros((T + 1, K), np.float32)))
 
+    # Bad input on one rank only: a ValueError there, and the peers' forward fails at once with
+    # that rank's reason (the binding refuses through moonepLayerRefuseForward).
+    wide = f"x has shape {(T, H + 1)}; expected {(T, H)}"
+    if rank == R - 1:
+        expect(ValueError, wide, lambda: layer.forward(np.zeros((T, H + 1), np.float32), ids_s, ws))
+    else:
+        expect(moonep.MoonEPError, f"rank {R - 1}: refused by the caller: {wide}",
+               lambda: layer.forward(xs, ids_s, ws))
     # Good input after all that (the refused forwards were refused on every rank at once, through
     # MoonEP, and left the layer usable): matches the float64 reference.
     expect(ValueError, "topk_ids holds values outside int32",

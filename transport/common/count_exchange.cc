@@ -25,7 +25,7 @@ absl::Status CountsNotEndedError(OpKind kind) {
 void PackCountMessage(const absl::Status& local, absl::Span<const int32_t> ids, int64_t T,
                       int32_t K, int32_t E, int64_t capacity, std::vector<int64_t>* message) {
   std::vector<int64_t>& mine = *message;
-  mine.assign(static_cast<size_t>(kCountHeader + E), 0);
+  mine.assign(static_cast<size_t>(CountMessageWords(E)), 0);
   mine[0] = local.ok() ? 0 : 1;
   mine[1] = T;
   mine[2] = K;
@@ -34,7 +34,7 @@ void PackCountMessage(const absl::Status& local, absl::Span<const int32_t> ids, 
   if (local.ok()) {
     CountRouting(ids, E, mine.data() + kCountHeader);
   } else {
-    const size_t room = static_cast<size_t>(E) * sizeof(int64_t) - 1;
+    const size_t room = static_cast<size_t>(CountMessageWords(E) - kCountHeader) * 8 - 1;
     const absl::string_view why = local.message();
     std::memcpy(mine.data() + kCountHeader, why.data(), std::min(room, why.size()));
   }
@@ -44,7 +44,7 @@ namespace {
 // The reason a refusing rank put into its count message (PackCountMessage).
 std::string RefusalReason(const int64_t* values, int32_t E) {
   const char* text = reinterpret_cast<const char*>(values);
-  const size_t room = static_cast<size_t>(E) * sizeof(int64_t) - 1;
+  const size_t room = static_cast<size_t>(CountMessageWords(E) - kCountHeader) * 8 - 1;
   return std::string(text, strnlen(text, room));
 }
 }  // namespace
@@ -62,7 +62,7 @@ absl::Status FinishCountExchange(const absl::Status& local, absl::Span<const int
                                  int32_t me, int32_t R, int32_t E, DispatchHandle* handle) {
   handle->counted_ = false;
   handle->dispatched_ = false;
-  const int64_t width = kCountHeader + E;
+  const int64_t width = CountMessageWords(E);
   std::vector<int> bad;
   for (int r = 0; r < R; ++r) {
     if (r != me && mine[0] == 0 && (mismatch[r] || all[r * width + 3] != E)) {
@@ -88,7 +88,7 @@ absl::Status FinishCountExchange(const absl::Status& local, absl::Span<const int
     const int64_t* row = all.data() + r * width;
     handle->rank_tokens_[r] = row[1];
     handle->rank_capacity_[r] = row[4];
-    std::copy(row + kCountHeader, row + width, handle->counts_.begin() + r * E);
+    std::copy(row + kCountHeader, row + kCountHeader + E, handle->counts_.begin() + r * E);
   }
   planner::ComputeSourceOffsets(handle->counts_, R, E, &handle->offsets_);
   handle->counted_ = true;

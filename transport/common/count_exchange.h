@@ -13,6 +13,13 @@
 namespace moonep::transport::common {
 
 constexpr int kCountHeader = 5;  // invalid flag, T, K, E, receive capacity
+// The count values take at least this many words, so that a refusing rank's reason has room
+// (255 bytes) whatever num_experts is; a message of E < 32 counts is padded with zeros.
+constexpr int kMinCountWords = 32;
+// A count message's length in int64 words: kCountHeader + max(E, kMinCountWords).
+inline int64_t CountMessageWords(int32_t num_experts) {
+  return kCountHeader + (num_experts > kMinCountWords ? num_experts : kMinCountWords);
+}
 
 // The refusal of a count exchange on a handle whose previous count exchange has not ended (every
 // backend: InvalidUsage, returned before anything reaches the peers; the transport stays usable).
@@ -20,8 +27,8 @@ absl::Status CountsInFlightError();
 // The refusal of another operation on such a handle (a local misuse, like a handle never counted).
 absl::Status CountsNotEndedError(OpKind kind);
 
-// This rank's message (kCountHeader + E values). When `local` failed, the count values carry its
-// message instead (up to 8 E - 1 bytes, NUL-terminated), so the peers can say why.
+// This rank's message (CountMessageWords(E) values). When `local` failed, the count values carry
+// its message instead (up to 8 max(E, 32) - 1 bytes, NUL-terminated), so the peers can say why.
 void PackCountMessage(const absl::Status& local, absl::Span<const int32_t> topk_ids,
                       int64_t num_tokens, int32_t top_k, int32_t num_experts,
                       int64_t recv_capacity_rows, std::vector<int64_t>* message);
@@ -30,7 +37,7 @@ void PackCountMessage(const absl::Status& local, absl::Span<const int32_t> topk_
 void KeepRouting(const absl::Status& local, absl::Span<const int32_t> topk_ids, int64_t num_tokens,
                  int32_t top_k, DispatchHandle* handle);
 
-// The verdict once `all` holds every rank's message (R rows of kCountHeader + E; rank `me`'s row
+// The verdict once `all` holds every rank's message (R rows of CountMessageWords(E); rank `me`'s row
 // is `mine`) and mismatch[r] is set for a peer whose message had another length: a different
 // num_experts (InvalidArgument), this rank's own error, a peer's rejected routing (RemoteError),
 // else the handle filled with counts, tokens, capacities and source offsets.

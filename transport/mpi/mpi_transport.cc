@@ -649,9 +649,8 @@ class DoneRequest : public Request {
 };
 
 // ---------------------------------------------------------------------------------------------
-// Count exchange: [flag, T, K, E, capacity, counts[E]] to every peer.
+// Count exchange: [flag, T, K, E, capacity, counts[max(E, 32)]] to every peer.
 
-using common::kCountHeader;
 
 class CountsOp : public MpiOp {
  public:
@@ -667,7 +666,7 @@ class CountsOp : public MpiOp {
     local_ = local;
     E_ = E;
     R_ = transport_->size();
-    const int64_t width = kCountHeader + E;
+    const int64_t width = common::CountMessageWords(E);
     common::PackCountMessage(local, ids, T, K, E, capacity, &mine_);
     all_.assign(static_cast<size_t>(R_) * width, 0);
     std::copy(mine_.begin(), mine_.end(), all_.begin() + me_ * width);

@@ -807,9 +807,8 @@ class DoneRequest : public Request {
 };
 
 // ---------------------------------------------------------------------------------------------
-// Count exchange: [flag, T, K, E, capacity, counts[E]] to every peer as a control message.
+// Count exchange: [flag, T, K, E, capacity, counts[max(E, 32)]] to every peer.as a control message.
 
-using common::kCountHeader;
 
 class CountsOp : public UcxOp {
  public:
@@ -821,7 +820,7 @@ class CountsOp : public UcxOp {
     local_ = local;
     E_ = E;
     R_ = transport_->size();
-    const int64_t width = kCountHeader + E;
+    const int64_t width = common::CountMessageWords(E);
     common::PackCountMessage(local, ids, T, K, E, capacity, &mine_);
     all_.assign(static_cast<size_t>(R_) * width, 0);
     std::copy(mine_.begin(), mine_.end(), all_.begin() + me_ * width);
@@ -847,7 +846,7 @@ class CountsOp : public UcxOp {
   }
 
   absl::Status OnMessage(int peer, int32_t, const std::vector<char>& m) override {
-    const int64_t width = kCountHeader + E_;
+    const int64_t width = common::CountMessageWords(E_);
     counters_.bytes_received += static_cast<int64_t>(m.size());
     // A different width means a different num_experts: every rank sees it in this exchange.
     if (static_cast<int64_t>(m.size()) != width * 8) {

@@ -292,6 +292,15 @@ MOONEP_API moonepResult_t moonepLayerForward(moonepLayer_t layer, int64_t num_to
                                              const void* x, const int32_t* topk_ids,
                                              const float* topk_weights, void* y,
                                              moonepLayerHandle_t* handle, void* stream);
+/* [collective] This rank's part of a forward that it refuses: for a caller that found its own
+ * input wrong (a binding checking tensor shapes, a framework's failed step) while the peers make
+ * the forward. Every rank's forward fails and nothing moves: here moonepInvalidArgument
+ * giving `reason` (NULL: "no reason given"; at most its first 1024 bytes are read), on the peers
+ * moonepRemoteError naming this rank and, over mpi and ucx, giving the first 255 bytes of
+ * `reason` (nccl: "their own error says why"). No handle is made and the layer stays usable, as
+ * after any refused forward. `stream` as for moonepLayerForward. */
+MOONEP_API moonepResult_t moonepLayerRefuseForward(moonepLayer_t layer, const char* reason,
+                                                   void* stream);
 /* [collective] dy [T][H] -> dx [T][H], d_topk_weights [T][K] (fp32; NULL to skip), and the
  * weight gradients += into the bound gradients (replica gradients reduced in a fixed order, so
  * results are bit-identical run to run). Releases the handle. `stream` as for forward: the call
@@ -387,6 +396,10 @@ MOONEP_API moonepResult_t moonepEpBufferDestroy(moonepEpBuffer_t buffer);
 MOONEP_API moonepResult_t moonepEpDispatch(moonepEpBuffer_t buffer, int64_t num_tokens,
                                            const void* x, const int32_t* topk_ids,
                                            const float* topk_weights, moonepEpHandle_t* handle);
+/* [collective] This rank's part of a dispatch that it refuses, as moonepLayerRefuseForward: every
+ * rank's dispatch fails (moonepInvalidArgument giving `reason` here, moonepRemoteError naming
+ * this rank and, over mpi and ucx, giving `reason` on the peers); the buffer stays usable. */
+MOONEP_API moonepResult_t moonepEpRefuseDispatch(moonepEpBuffer_t buffer, const char* reason);
 /* Local. */
 MOONEP_API moonepResult_t moonepEpGetLayout(moonepEpBuffer_t buffer, moonepEpHandle_t handle,
                                             moonepEpLayout_t* layout);
