@@ -232,6 +232,7 @@ class Layer:
         _check("moonepLayerCreate", _lib().moonepLayerCreate(comm._h, ctypes.byref(c),
                                                              ctypes.byref(h)))
         self._h, self.comm = h, comm
+        self.device, self.device_index = device, device_index
         self.num_experts, self.top_k = num_experts, top_k
         self.hidden, self.intermediate = hidden, intermediate
         self.experts_per_rank = num_experts // comm.size  # creation checked the divisibility

@@ -12,8 +12,9 @@ MoonEPMoE.apply(x, topk_weights, w_gate, w_up, w_down, layer, topk_ids) runs Moo
 its backward returns dx, d topk_weights and this rank's expert weight gradients, so autograd
 fills .grad of every parameter as usual. Each rank owns its E/R experts' parameters (expert
 parallelism); the pure-PyTorch layer holds every expert and every rank's tokens and is the
-reference. Exit code 0 when forward and every gradient match (rel. error < 1e-5); exit code 77
-(skip) when PyTorch is missing.
+reference. Wrong tensors (shapes, dtypes, another device) are refused first, on every rank at
+once, with a ValueError naming them. Exit code 0 when every wrong input was refused and forward
+and every gradient match (rel. error < 1e-5); exit code 77 (skip) when PyTorch is missing.
 """
 import argparse
 import os
@@ -33,13 +34,47 @@ def _stream(t):
     return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else None
 
 
+def _check_inputs(layer, x, topk_ids, topk_weights):
+    """What MoonEP cannot see behind raw pointers, checked before they reach it: shapes (a
+    narrower tensor would be read past its end), dtypes, the layer's device. The message of a
+    ValueError, or None."""
+    cuda = layer.device == "cuda"
+    device = torch.device("cuda", layer.device_index) if cuda else torch.device("cpu")
+    for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if t.device != device:
+            return f"{name} is on {t.device}; the layer's tensors are on {device}"
+    if x.dim() != 2 or x.shape[1] != layer.hidden:
+        return f"x has shape {tuple(x.shape)}; expected (tokens, hidden = {layer.hidden})"
+    if x.dtype != torch.float32:
+        return f"x is {x.dtype}; the layer computes in torch.float32"
+    T, K = x.shape[0], layer.top_k
+    if tuple(topk_ids.shape) != (T, K):
+        return f"topk_ids has shape {tuple(topk_ids.shape)}; expected {(T, K)}"
+    if tuple(topk_weights.shape) != (T, K):
+        return f"topk_weights has shape {tuple(topk_weights.shape)}; expected {(T, K)}"
+    if topk_ids.dtype not in (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8):
+        return f"topk_ids must hold integers, not {topk_ids.dtype}"
+    if not topk_weights.is_floating_point():
+        return f"topk_weights must be floating point, not {topk_weights.dtype}"
+    if topk_ids.dtype == torch.int64 and topk_ids.numel() > 0 and bool(
+            ((topk_ids < -2 ** 31) | (topk_ids >= 2 ** 31)).any()):  # would wrap into valid ids
+        return "topk_ids holds values outside int32"
+    return None
+
+
 class MoonEPMoE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_weights, w_gate, w_up, w_down, layer, topk_ids):
         ctx.layer = layer
-        if not x.is_cuda:
+        # A wrong tensor is refused on every rank at once (the peers' error gives this rank's
+        # reason, through moonepLayerRefuseForward), and the layer stays usable.
+        why = _check_inputs(layer, x, topk_ids, topk_weights)
+        if why is not None:
+            layer._refuse_forward(why)
+            raise ValueError(why)
+        if layer.device == "cpu":
             y = layer.forward(x.detach().contiguous().numpy(), topk_ids.contiguous().numpy(),
-                              topk_weights.detach().contiguous().numpy())
+                              topk_weights.detach().float().contiguous().numpy())
             return torch.from_numpy(y)
         # Device memory: MoonEP reads x, ids, weights and writes y in place, after the work
         # queued on the current stream; the call returns when y is complete.
@@ -175,6 +210,34 @@ def main():
                        device=device, policy=policy)
     ref = TorchMoE(w_gate.double(), w_up.double(), w_down.double())
 
+    # Wrong tensors, on every rank alike: a ValueError naming the argument, the forward refused
+    # on every rank at once, and the layer still usable (the step below checks it).
+    n = hi - lo
+    xs, ids_s = x[lo:hi].to(device), ids[lo:hi].to(device)
+    ws = torch.ones(n, K, device=device)
+    other = torch.device("cpu") if cuda else torch.device("meta")
+    bad = [(f"x has shape {(n, H + 1)}", lambda: ours(torch.zeros(n, H + 1, device=device),
+                                                     ids_s, ws)),
+           (f"topk_ids has shape {(n, K - 1)}", lambda: ours(xs, ids_s[:, :K - 1], ws)),
+           (f"topk_weights has shape {(n - 1, K)}", lambda: ours(xs, ids_s, ws[:n - 1])),
+           ("x is torch.bfloat16", lambda: ours(xs.to(torch.bfloat16), ids_s, ws)),
+           ("topk_ids must hold integers", lambda: ours(xs, ids_s.float(), ws)),
+           ("topk_ids holds values outside int32",
+            lambda: ours(xs, ids_s.long() + 2 ** 32, ws)),
+           (f"x is on {other}", lambda: ours(xs.to(other), ids_s, ws))]
+    failures = []
+    for fragment, call in bad:
+        try:
+            call()
+            failures.append(f"{fragment!r}: the call succeeded")
+        except ValueError as e:
+            if fragment not in str(e):
+                failures.append(f"{fragment!r} not in ValueError: {e}")
+        except Exception as e:  # noqa: BLE001 - anything else is a failure (and left peers waiting)
+            failures.append(f"{fragment!r}: {type(e).__name__}: {e}")
+    for f in failures:
+        print(f"[rank {rank}] bad input: FAIL: {f}", flush=True)
+
     # Router weights from logits, so d topk_weights flows on into the router's input too.
     x_ours = x[lo:hi].clone().to(device).requires_grad_(True)
     logits_ours = logits[lo:hi].clone().to(device).requires_grad_(True)
@@ -195,11 +258,13 @@ def main():
               "dWg": rel(ours.w_gate.grad.cpu(), ref.w_gate.grad[mine]),
               "dWu": rel(ours.w_up.grad.cpu(), ref.w_up.grad[mine]),
               "dWd": rel(ours.w_down.grad.cpu(), ref.w_down.grad[mine])}
-    ok = all(v < 1e-5 for v in errors.values())
+    ok = all(v < 1e-5 for v in errors.values()) and not failures
     replicas = ours.layer.stats()["replicas"]
     print(f"[rank {rank}] torch {torch.__version__} on {device} ({policy}, {replicas} replicas): "
           "MoonEP autograd.Function vs pure PyTorch: "
-          + " ".join(f"{k} {v:.1e}" for k, v in errors.items()) + (" -> PASS" if ok else " -> FAIL"),
+          + " ".join(f"{k} {v:.1e}" for k, v in errors.items())
+          + f", {len(bad) - len(failures)}/{len(bad)} wrong inputs refused"
+          + (" -> PASS" if ok else " -> FAIL"),
           flush=True)
     ours.layer.destroy()
     comm.destroy()

@@ -458,6 +458,47 @@ TEST_F(MoeLayerCudaTest, HostPointersAreRefused) {
   EXPECT_NE(std::string(h.status().message()).find("topk_ids"), std::string::npos) << h.status();
 }
 
+// A forward and a dispatch the caller refuses (what moonepLayerRefuseForward and
+// moonepEpRefuseDispatch pass down): the NCCL count exchange fails them with the caller's reason
+// on every rank, nothing is planned, and the layer and buffer stay usable.
+TEST_F(MoeLayerCudaTest, CallersRefusalFailsTheStepAndKeepsTheLayer) {
+  const DType dtype = DType::kFloat32;
+  GlobalProblem g = MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kBaseTokens, dtype, 6);
+  RankTensors t = MakeRankTensors(g, rank(), dtype);
+  const LayerConfig c = Config(dtype, planner::Policy::kMoonEP);
+  auto layer = MoeLayer::Create(comm_.get(), c);
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  DeviceTensors d = Upload(t, dtype, epn());
+  ASSERT_TRUE((*layer)->BindParameters(d.params, d.grads).ok());
+  const absl::Status why = InvalidArgument("refused by the caller: x has the wrong shape");
+  const TensorView none = TensorView::Contiguous(nullptr, dtype, {0, kHidden}, Device::kCuda);
+  auto refused = (*layer)->Forward(-1, none, {}, {}, none, stream_, why);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(ToResult(refused.status()), moonepInvalidArgument) << refused.status();
+  EXPECT_NE(std::string(refused.status().message()).find("x has the wrong shape"),
+            std::string::npos) << refused.status();
+  const int64_t T = t.tokens;
+  const size_t entries = static_cast<size_t>(T * kTopK);
+  const absl::Span<const int32_t> ids(d.ids.get<int32_t>(), entries);
+  const absl::Span<const float> weights(d.weights.get<float>(), entries);
+  auto h = (*layer)->Forward(
+      T, TensorView::Contiguous(d.x.get(), dtype, {T, kHidden}, Device::kCuda), ids, weights,
+      TensorView::Contiguous(d.y.get(), dtype, {T, kHidden}, Device::kCuda), stream_);
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_TRUE((*layer)->Release(*h).ok());
+
+  auto buf = runtime::EpBuffer::Create(comm_.get(), c);
+  ASSERT_TRUE(buf.ok()) << buf.status();
+  auto no_dispatch = (*buf)->Dispatch(-1, none, {}, {}, why);
+  ASSERT_FALSE(no_dispatch.ok());
+  EXPECT_NE(std::string(no_dispatch.status().message()).find("x has the wrong shape"),
+            std::string::npos) << no_dispatch.status();
+  auto eh = (*buf)->Dispatch(
+      T, TensorView::Contiguous(d.x.get(), dtype, {T, kHidden}, Device::kCuda), ids, weights);
+  ASSERT_TRUE(eh.ok()) << eh.status();
+  EXPECT_TRUE((*buf)->Release(*eh).ok());
+}
+
 TEST_F(MoeLayerCudaTest, CpuTransportIsRefusedForDeviceCuda) {
   LayerConfig c = Config(DType::kFloat32, planner::Policy::kMoonEP);
   c.transport = "mpi";
