@@ -312,10 +312,10 @@ class Layer:
         self._saved.append((h, x.shape[0]))
         return y
 
-    def _refuse_forward(self, reason):
+    def _refuse_forward(self, reason, stream=None):
         lib = _lib()
         if hasattr(lib, "moonepLayerRefuseForward"):
-            lib.moonepLayerRefuseForward(self._h, reason.encode(errors="replace"), None)
+            lib.moonepLayerRefuseForward(self._h, reason.encode(errors="replace"), stream)
         else:  # a library older than that call: an argument it refuses (no handle)
             lib.moonepLayerForward(self._h, 0, None, None, None, None, None, None)
 

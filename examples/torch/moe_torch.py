@@ -70,7 +70,11 @@ class MoonEPMoE(torch.autograd.Function):
         # reason, through moonepLayerRefuseForward), and the layer stays usable.
         why = _check_inputs(layer, x, topk_ids, topk_weights)
         if why is not None:
-            layer._refuse_forward(why)
+            stream = None  # a CUDA layer's refusal is ordered after its GPU's current stream
+            if layer.device == "cuda":
+                stream = torch.cuda.current_stream(
+                    torch.device("cuda", layer.device_index)).cuda_stream
+            layer._refuse_forward(why, stream)
             raise ValueError(why)
         if layer.device == "cpu":
             y = layer.forward(x.detach().contiguous().numpy(), topk_ids.contiguous().numpy(),

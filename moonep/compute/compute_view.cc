@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "moonep/core/host_memory.h"
 #include "moonep/core/status.h"
 
 namespace moonep::compute {
@@ -366,6 +367,11 @@ absl::StatusOr<std::unique_ptr<ReplicaBuffer>> ReplicaBuffer::Create(
   buf->grad_base_ = RoundUp(buf->slot_weight_bytes() * slots, kAlign);
   buf->allocator_ = allocator;
   if (buf->bytes_ > 0) {
+    // Host memory is zero-filled below: refused up front where the node cannot back it (the
+    // out-of-memory killer would end the process during the fill).
+    if (allocator == nullptr) {
+      MOONEP_RETURN_IF_ERROR(CheckHostAllocation(buf->bytes_, "the replica buffer"));
+    }
     void* mem = allocator ? allocator->allocate(buf->bytes_) : std::aligned_alloc(kAlign, buf->bytes_);
     if (mem == nullptr) {
       return OutOfMemory("ReplicaBuffer: cannot allocate %d bytes for %d slots", buf->bytes_, slots);

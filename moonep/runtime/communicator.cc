@@ -548,12 +548,24 @@ Communicator::~Communicator() {
   ReleaseMpi();
 }
 
+namespace {
+auto ReplicaKey(int32_t slots, int64_t hidden, int64_t intermediate, DType dtype,
+                DType grad_dtype, Device device) {
+  return std::make_tuple(slots, hidden, intermediate, static_cast<int32_t>(dtype),
+                         static_cast<int32_t>(grad_dtype), static_cast<int32_t>(device));
+}
+}  // namespace
+
+bool Communicator::HasReplicas(int32_t slots, int64_t hidden, int64_t intermediate, DType dtype,
+                               DType grad_dtype, Device device) const {
+  return replicas_.count(ReplicaKey(slots, hidden, intermediate, dtype, grad_dtype, device)) > 0;
+}
+
 absl::StatusOr<SharedReplicas*> Communicator::Replicas(int32_t slots, int64_t hidden,
                                                        int64_t intermediate, DType dtype,
                                                        DType grad_dtype, Device device,
                                                        bool* created) {
-  auto key = std::make_tuple(slots, hidden, intermediate, static_cast<int32_t>(dtype),
-                             static_cast<int32_t>(grad_dtype), static_cast<int32_t>(device));
+  auto key = ReplicaKey(slots, hidden, intermediate, dtype, grad_dtype, device);
   if (created != nullptr) *created = false;
   auto it = replicas_.find(key);
   if (it != replicas_.end()) return it->second.get();

@@ -106,6 +106,9 @@ class Communicator {
   absl::StatusOr<SharedReplicas*> Replicas(int32_t slots, int64_t hidden, int64_t intermediate,
                                            DType dtype, DType grad_dtype,
                                            Device device = Device::kCpu, bool* created = nullptr);
+  // Whether Replicas(...) of these arguments would return an existing buffer (local).
+  bool HasReplicas(int32_t slots, int64_t hidden, int64_t intermediate, DType dtype,
+                   DType grad_dtype, Device device = Device::kCpu) const;
   // Frees a replica buffer Replicas made, when the layer it was made for failed creation before
   // any other layer could use it (local).
   void DropReplicas(const SharedReplicas* replicas);

@@ -56,19 +56,11 @@ absl::StatusOr<std::unique_ptr<EpBuffer>> EpBuffer::Create(Communicator* comm,
   // max_recv_rows and max_tokens, which ranks may set differently): a rank that cannot make them
   // fails creation on every rank (round 2), and the transport goes again on every rank alike.
   local = CheckRecvCapacity(config, buf->capacity_);
-  constexpr char kHostBuffers[] =
+  MOONEP_RETURN_IF_ERROR(CheckHostBuffers(
+      comm, config, buf->capacity_, /*rows_per_handle=*/1, /*shared_rows=*/0, /*extra_bytes=*/0,
       "the EP buffer's host buffers (max_inflight x (receive rows, row weights, transport row "
-      "staging))";
-  if (local.ok()) {
-    local = CheckHostBuffers(config, buf->capacity_, /*rows_per_handle=*/1, /*shared_rows=*/0,
-                             kHostBuffers);
-  }
-  MOONEP_RETURN_IF_ERROR(CheckNodeHostBuffers(
-      comm, config,
-      local.ok() ? HostBufferBytes(config, buf->capacity_, /*rows_per_handle=*/1,
-                                   /*shared_rows=*/0)
-                 : 0,
-      kHostBuffers, "EP buffer creation (host memory of the node)", &local));
+      "staging))",
+      "EP buffer creation (host memory of the node)", &local));
   if (local.ok()) {
     auto planner = planner::Planner::Create(PlannerConfigFor(config, comm->size(), buf->slots_));
     if (planner.ok()) {

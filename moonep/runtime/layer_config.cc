@@ -120,15 +120,10 @@ absl::Status CheckRecvCapacity(const LayerConfig& c, int64_t capacity) {
   return absl::OkStatus();
 }
 
-absl::Status CheckHostBuffers(const LayerConfig& c, int64_t capacity, int rows_per_handle,
-                              int shared_rows, const char* what) {
-  if (c.device != Device::kCpu) return absl::OkStatus();
-  return CheckHostAllocation(HostBufferBytes(c, capacity, rows_per_handle, shared_rows), what);
-}
-
+namespace {
+// The bytes CheckHostBuffers checks.
 uint64_t HostBufferBytes(const LayerConfig& c, int64_t capacity, int rows_per_handle,
                          int shared_rows) {
-  if (c.device != Device::kCpu) return 0;
   using Wide = unsigned __int128;  // no overflow for any checked config (each factor < 2^63)
   const Wide row_bytes = static_cast<Wide>(c.hidden) * DTypeSize(c.dtype);
   const Wide cap = static_cast<Wide>(std::max<int64_t>(capacity, 0));
@@ -140,9 +135,16 @@ uint64_t HostBufferBytes(const LayerConfig& c, int64_t capacity, int rows_per_ha
   return total > UINT64_MAX ? UINT64_MAX : static_cast<uint64_t>(total);
 }
 
-absl::Status CheckNodeHostBuffers(Communicator* comm, const LayerConfig& c, uint64_t bytes,
-                                  const char* what, const char* phase, absl::Status* local) {
-  if (c.device != Device::kCpu || comm->size() == 1) return absl::OkStatus();
+}  // namespace
+
+absl::Status CheckHostBuffers(Communicator* comm, const LayerConfig& c, int64_t capacity,
+                              int rows_per_handle, int shared_rows, uint64_t extra_bytes,
+                              const char* what, const char* phase, absl::Status* local) {
+  if (c.device != Device::kCpu) return absl::OkStatus();
+  const uint64_t rows = HostBufferBytes(c, capacity, rows_per_handle, shared_rows);
+  const uint64_t bytes = rows > UINT64_MAX - extra_bytes ? UINT64_MAX : rows + extra_bytes;
+  if (local->ok()) *local = CheckHostAllocation(bytes, what);
+  if (comm->size() == 1) return absl::OkStatus();
   // [node key (64 bytes), bytes, MemAvailable] of every rank, read before anyone allocates.
   struct Entry {
     char key[64];
@@ -150,15 +152,19 @@ absl::Status CheckNodeHostBuffers(Communicator* comm, const LayerConfig& c, uint
     int64_t available;
   };
   Entry mine{};
-  const std::string key = HostMemoryNodeKey();
+  // No key (neither boot_id nor a host name): a node of its own, not every such rank together.
+  std::string key = HostMemoryNodeKey();
+  if (key.empty()) key = "rank " + std::to_string(comm->rank());
   std::memcpy(mine.key, key.data(), std::min(key.size(), sizeof(mine.key)));
   mine.bytes = local->ok() ? bytes : 0;
   mine.available = HostMemoryAvailableBytes();
   std::string gathered;
-  MOONEP_RETURN_IF_ERROR(comm->Allgather(
+  const absl::Status agreed = comm->Allgather(
       absl::Span<const char>(reinterpret_cast<const char*>(&mine), sizeof(mine)), &gathered,
-      phase));
-  if (!local->ok()) return absl::OkStatus();
+      phase);
+  // This rank's own error first, as AgreeOnVerdict gives it (the creation stops either way).
+  if (!local->ok()) return agreed.ok() ? absl::OkStatus() : *local;
+  MOONEP_RETURN_IF_ERROR(agreed);
   std::vector<int> node;
   unsigned __int128 total = 0;
   int64_t available = -1;

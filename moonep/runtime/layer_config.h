@@ -99,29 +99,26 @@ int64_t RecvCapacityRows(const LayerConfig& config, int32_t num_ranks, int64_t s
 // That capacity's buffers fit (rows of H values: their byte count within int64); InvalidArgument
 // naming max_recv_rows / max_tokens otherwise.
 absl::Status CheckRecvCapacity(const LayerConfig& config, int64_t capacity_rows);
-// Device cpu: the host buffers creation is about to allocate and zero-fill, checked against the
-// node's available memory all together before any of them (CheckHostAllocation): per handle
-// (max_inflight) `rows_per_handle` buffers of capacity rows, the row weights and the transport's
-// row staging (max_tokens x top_k rows), plus `shared_rows` buffers of capacity rows. Each buffer
-// is also checked alone when it is made; without this, with overcommit, the ones that fit were
-// zero-filled before a later one was refused (a config of 2^34 receive rows took 50 s to fail on
-// a 128 GiB node). OK for device cuda (its buffers are GPU memory).
-absl::Status CheckHostBuffers(const LayerConfig& config, int64_t capacity_rows,
-                              int rows_per_handle, int shared_rows, const char* what);
-// The bytes CheckHostBuffers checks (0 for device cuda).
-uint64_t HostBufferBytes(const LayerConfig& config, int64_t capacity_rows, int rows_per_handle,
-                         int shared_rows);
-// [collective, device cpu only: a no-op that every rank skips alike for device cuda] The same
-// buffers of every rank on this node checked together: ranks sharing a kernel (the same
-// /proc/sys/kernel/random/boot_id, else host name) add up their `bytes` against the most
-// MemAvailable any of them read before the exchange (before any of them allocated). Over it,
-// *local becomes OutOfMemory on each of those ranks, naming the ranks and the bytes (a rank with
-// a local error already keeps it and counts 0 bytes). Each rank alone may fit where all of them
-// do not: without this, each zero-filled its share until the kernel's out-of-memory killer ended
-// one, and its peers waited out their timeouts. Returns the exchange's own error (Timeout naming
-// `phase`, RemoteError): then the creation stops there.
-absl::Status CheckNodeHostBuffers(Communicator* comm, const LayerConfig& config, uint64_t bytes,
-                                  const char* what, const char* phase, absl::Status* local);
+// [collective, device cpu only: a no-op that every rank skips alike for device cuda] The host
+// buffers creation is about to allocate and zero-fill, checked before any of them against the
+// node's available memory: per handle (max_inflight) `rows_per_handle` buffers of capacity rows,
+// the row weights and the transport's row staging (max_tokens x top_k rows), plus `shared_rows`
+// buffers of capacity rows, plus `extra_bytes` (a layer's new replica buffer).
+// - This rank's, all together (CheckHostAllocation; each buffer is also checked alone when it is
+//   made). Without this, with overcommit, the ones that fit were zero-filled before a later one
+//   was refused (a config of 2^34 receive rows took 50 s to fail on a 128 GiB node).
+// - Then every rank's on this node: ranks sharing a kernel (the same
+//   /proc/sys/kernel/random/boot_id, else host name) add up their bytes (an allgather) against the
+//   most MemAvailable any of them read before the exchange, before any of them allocated. Each
+//   may fit alone where all do not: without this, each zero-filled its share until the kernel's
+//   out-of-memory killer ended one, and its peers waited out their timeouts.
+// Over either, *local becomes OutOfMemory naming `what` (a rank with a local error already keeps
+// it and counts 0 bytes). Returns the exchange's own error (Timeout naming `phase`, RemoteError):
+// then the creation stops there.
+absl::Status CheckHostBuffers(Communicator* comm, const LayerConfig& config,
+                              int64_t capacity_rows, int rows_per_handle, int shared_rows,
+                              uint64_t extra_bytes, const char* what, const char* phase,
+                              absl::Status* local);
 
 // Every rank's rows in `plan` against its receive capacity (`capacity`, [R], as the count exchange
 // shared them). The plan and the capacities are the same on every rank, so every rank reaches the

@@ -124,19 +124,18 @@ absl::StatusOr<std::unique_ptr<MoeLayer>> MoeLayer::Create(Communicator* comm,
   // memory): a rank that cannot make them fails creation on every rank (round 2), and the
   // transport goes again on every rank alike.
   local = CheckRecvCapacity(config, layer->capacity_);
-  constexpr char kHostBuffers[] =
+  // The communicator's replica buffer for this shape, when this layer is the first to need it.
+  const uint64_t new_replicas =
+      comm->HasReplicas(layer->slots_, config.hidden, config.intermediate, config.dtype,
+                        config.grad_dtype, config.device)
+          ? 0
+          : compute::ReplicaBuffer::BytesFor(layer->slots_, config.hidden, config.intermediate,
+                                             config.dtype, config.grad_dtype);
+  MOONEP_RETURN_IF_ERROR(CheckHostBuffers(
+      comm, config, layer->capacity_, /*rows_per_handle=*/2, /*shared_rows=*/2, new_replicas,
       "the layer's host buffers (max_inflight x (x and y rows, row weights, transport row "
-      "staging), dy and dx rows)";
-  if (local.ok()) {
-    local = CheckHostBuffers(config, layer->capacity_, /*rows_per_handle=*/2, /*shared_rows=*/2,
-                             kHostBuffers);
-  }
-  MOONEP_RETURN_IF_ERROR(CheckNodeHostBuffers(
-      comm, config,
-      local.ok() ? HostBufferBytes(config, layer->capacity_, /*rows_per_handle=*/2,
-                                   /*shared_rows=*/2)
-                 : 0,
-      kHostBuffers, "MoE layer creation (host memory of the node)", &local));
+      "staging), dy and dx rows, a new replica buffer)",
+      "MoE layer creation (host memory of the node)", &local));
   if (local.ok()) {
     auto planner = planner::Planner::Create(PlannerConfigFor(config, comm->size(), layer->slots_));
     if (planner.ok()) {

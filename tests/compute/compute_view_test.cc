@@ -8,6 +8,7 @@
 #include <random>
 
 #include "moonep/compute/cpu/cpu_executor.h"
+#include "moonep/core/host_memory.h"
 #include "moonep/core/status.h"
 #include "planner/plan_builder.h"
 #include "tests/compute/problem.h"
@@ -194,6 +195,19 @@ TEST(BuildComputeView, RejectsBadArguments) {
   EXPECT_NE(msg(st).find("replica_weights"), std::string::npos) << st;
   // ... but rank 0's slot is unused, so it is not read.
   EXPECT_TRUE(BuildComputeView(tp.plan, 0, lw, {}, (*wrong)->weights(), {}, &view).ok());
+}
+
+// Host replica slots beyond the node's available memory: refused before the zero-fill (which
+// would run the process into the out-of-memory killer under overcommit), naming the buffer.
+TEST(ReplicaBuffer, HostSlotsAboveTheNodesMemoryAreRefused) {
+  const int64_t available = HostMemoryAvailableBytes();
+  if (available < 0) GTEST_SKIP() << "MemAvailable cannot be read here";
+  const int64_t H = 1024, I = 1024;
+  const int32_t slots = static_cast<int32_t>(2 * available / (3 * H * I * 8) + 1);
+  auto buf = ReplicaBuffer::Create(slots, H, I, DType::kFloat32);
+  ASSERT_FALSE(buf.ok());
+  EXPECT_EQ(buf.status().code(), absl::StatusCode::kResourceExhausted) << buf.status();
+  EXPECT_NE(buf.status().message().find("the replica buffer"), std::string::npos) << buf.status();
 }
 
 TEST(ReplicaBuffer, LayoutAndSize) {

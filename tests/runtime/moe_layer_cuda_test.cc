@@ -458,9 +458,10 @@ TEST_F(MoeLayerCudaTest, HostPointersAreRefused) {
   EXPECT_NE(std::string(h.status().message()).find("topk_ids"), std::string::npos) << h.status();
 }
 
-// A forward and a dispatch the caller refuses (what moonepLayerRefuseForward and
-// moonepEpRefuseDispatch pass down): the NCCL count exchange fails them with the caller's reason
-// on every rank, nothing is planned, and the layer and buffer stay usable.
+// A forward and a dispatch that the last rank refuses (what moonepLayerRefuseForward and
+// moonepEpRefuseDispatch pass down) while its peers make them: the NCCL count exchange fails them
+// on every rank (the refusing rank with its reason, the peers with RemoteError naming it), nothing
+// is planned, and the layer and buffer stay usable. On one GPU the one rank refuses.
 TEST_F(MoeLayerCudaTest, CallersRefusalFailsTheStepAndKeepsTheLayer) {
   const DType dtype = DType::kFloat32;
   GlobalProblem g = MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kBaseTokens, dtype, 6);
@@ -470,31 +471,37 @@ TEST_F(MoeLayerCudaTest, CallersRefusalFailsTheStepAndKeepsTheLayer) {
   ASSERT_TRUE(layer.ok()) << layer.status();
   DeviceTensors d = Upload(t, dtype, epn());
   ASSERT_TRUE((*layer)->BindParameters(d.params, d.grads).ok());
+  const bool refusing = rank() == size() - 1;
   const absl::Status why = InvalidArgument("refused by the caller: x has the wrong shape");
   const TensorView none = TensorView::Contiguous(nullptr, dtype, {0, kHidden}, Device::kCuda);
-  auto refused = (*layer)->Forward(-1, none, {}, {}, none, stream_, why);
-  ASSERT_FALSE(refused.ok());
-  EXPECT_EQ(ToResult(refused.status()), moonepInvalidArgument) << refused.status();
-  EXPECT_NE(std::string(refused.status().message()).find("x has the wrong shape"),
-            std::string::npos) << refused.status();
   const int64_t T = t.tokens;
   const size_t entries = static_cast<size_t>(T * kTopK);
   const absl::Span<const int32_t> ids(d.ids.get<int32_t>(), entries);
   const absl::Span<const float> weights(d.weights.get<float>(), entries);
-  auto h = (*layer)->Forward(
-      T, TensorView::Contiguous(d.x.get(), dtype, {T, kHidden}, Device::kCuda), ids, weights,
-      TensorView::Contiguous(d.y.get(), dtype, {T, kHidden}, Device::kCuda), stream_);
+  const TensorView x = TensorView::Contiguous(d.x.get(), dtype, {T, kHidden}, Device::kCuda);
+  const TensorView y = TensorView::Contiguous(d.y.get(), dtype, {T, kHidden}, Device::kCuda);
+  // The refusing rank's own reason, or the peers' RemoteError naming it.
+  auto expect_refused = [&](const absl::Status& s) {
+    EXPECT_EQ(ToResult(s), refusing ? moonepInvalidArgument : moonepRemoteError) << s;
+    const std::string expected = refusing ? "x has the wrong shape"
+                                          : "rank(s) " + std::to_string(size() - 1) + " refused";
+    EXPECT_NE(std::string(s.message()).find(expected), std::string::npos) << s;
+  };
+  auto refused = refusing ? (*layer)->Forward(-1, none, {}, {}, none, stream_, why)
+                          : (*layer)->Forward(T, x, ids, weights, y, stream_);
+  ASSERT_FALSE(refused.ok());
+  expect_refused(refused.status());
+  auto h = (*layer)->Forward(T, x, ids, weights, y, stream_);
   ASSERT_TRUE(h.ok()) << h.status();
   EXPECT_TRUE((*layer)->Release(*h).ok());
 
   auto buf = runtime::EpBuffer::Create(comm_.get(), c);
   ASSERT_TRUE(buf.ok()) << buf.status();
-  auto no_dispatch = (*buf)->Dispatch(-1, none, {}, {}, why);
+  auto no_dispatch = refusing ? (*buf)->Dispatch(-1, none, {}, {}, why)
+                              : (*buf)->Dispatch(T, x, ids, weights);
   ASSERT_FALSE(no_dispatch.ok());
-  EXPECT_NE(std::string(no_dispatch.status().message()).find("x has the wrong shape"),
-            std::string::npos) << no_dispatch.status();
-  auto eh = (*buf)->Dispatch(
-      T, TensorView::Contiguous(d.x.get(), dtype, {T, kHidden}, Device::kCuda), ids, weights);
+  expect_refused(no_dispatch.status());
+  auto eh = (*buf)->Dispatch(T, x, ids, weights);
   ASSERT_TRUE(eh.ok()) << eh.status();
   EXPECT_TRUE((*buf)->Release(*eh).ok());
 }

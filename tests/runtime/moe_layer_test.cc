@@ -3,6 +3,7 @@
 // their home experts), bit-identical repeats, micro-batch accumulation, config agreement.
 #include <mpi.h>
 
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -466,6 +467,27 @@ TEST_F(MoeLayerTest, BuffersAboveTheNodesMemoryAreRefusedAtCreation) {
   EXPECT_NE(layer.status().message().find("host bytes"), std::string::npos) << layer.status();
   EXPECT_NE(layer.status().message().find("MemAvailable"), std::string::npos) << layer.status();
   // Nothing is left half made: a layer of the usual size is created on the same communicator.
+  auto next = MoeLayer::Create(comm_.get(), Config(DType::kFloat32, planner::Policy::kMoonEP));
+  EXPECT_TRUE(next.ok()) << next.status();
+}
+
+// The replica buffer the first layer of a shape makes (slots x 3 x H x I weights and gradients,
+// zero-filled) is counted with the layer's other buffers: above the node's memory it is refused
+// at once, on every rank, before anything is filled (it was allocated and zero-filled unchecked).
+TEST_F(MoeLayerTest, ReplicaBufferAboveTheNodesMemoryIsRefusedAtCreation) {
+  const int64_t available = HostMemoryAvailableBytes();
+  if (available < 0) GTEST_SKIP() << "MemAvailable cannot be read here";
+  LayerConfig config = Config(DType::kFloat32, planner::Policy::kMoonEP);
+  config.slots = 2;
+  // 2 slots x 3 x kHidden x I x (4 + 4) bytes: twice the node's memory.
+  config.intermediate = 2 * available / (2 * 3 * kHidden * 8) + 1;
+  const auto start = std::chrono::steady_clock::now();
+  auto layer = MoeLayer::Create(comm_.get(), config);
+  ASSERT_FALSE(layer.ok());
+  EXPECT_EQ(layer.status().code(), absl::StatusCode::kResourceExhausted) << layer.status();
+  EXPECT_NE(layer.status().message().find("replica buffer"), std::string::npos) << layer.status();
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 5.0)
+      << "the refusal waited for a zero-fill";
   auto next = MoeLayer::Create(comm_.get(), Config(DType::kFloat32, planner::Policy::kMoonEP));
   EXPECT_TRUE(next.ok()) << next.status();
 }

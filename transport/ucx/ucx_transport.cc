@@ -807,7 +807,8 @@ class DoneRequest : public Request {
 };
 
 // ---------------------------------------------------------------------------------------------
-// Count exchange: [flag, T, K, E, capacity, counts[max(E, 32)]] to every peer.as a control message.
+// Count exchange: [flag, T, K, E, capacity, counts[max(E, 32)]] to every peer as a control
+// message.
 
 
 class CountsOp : public UcxOp {
