@@ -323,11 +323,12 @@ double FixtureBytes(int64_t H, int64_t I, DType dtype, const std::vector<int64_t
   return weights + total * per_row + 3 * hi * 4 + 9 * hi * 4;
 }
 
-int Usage(const char* argv0) {
-  std::fprintf(stderr,
-               "usage: %s [--threads N] [--dtype fp32|bf16] [--reps N] [--rows-per-group N]\n"
-               "          [--min-rows N] [--shapes HxI,...] [--groups G,...] [--fused] [--quick]\n"
-               "          [-J] [--corrupt]\n"
+// The usage text, on stderr after a bad flag (exit 2) or on stdout for --help (exit 0).
+int Usage(const char* argv0, bool asked = false) {
+  std::fprintf(asked ? stdout : stderr,
+               "usage: %s [--help] [--threads N] [--dtype fp32|bf16] [--reps N]\n"
+               "          [--rows-per-group N] [--min-rows N] [--shapes HxI,...] [--groups G,...]\n"
+               "          [--fused] [--quick] [-J] [--corrupt]\n"
                "  --threads 0..1024 (0: every core), --reps 1..1000, --rows-per-group 1..2^20,\n"
                "  --min-rows 0..2^20, --shapes H and I in 1..65536, --groups G in 1..4096;\n"
                "  --quick: one small shape, 8 groups, 3 reps, where those flags are not given;\n"
@@ -335,7 +336,7 @@ int Usage(const char* argv0) {
                "       %s --device cuda [--reps N] [--out results.csv] [--shapes-out shapes.txt]\n"
                "          [--quick]     (the CUDA grouped GEMM; see docs/cuda.md)\n",
                argv0, argv0);
-  return 2;
+  return asked ? 0 : 2;
 }
 
 }  // namespace
@@ -392,7 +393,9 @@ int main(int argc, char** argv) {
     };
     const char* v = nullptr;
     int64_t n = 0;
-    if (a == "-J") {
+    if (a == "--help" || a == "-h") {
+      return Usage(argv[0], /*asked=*/true);
+    } else if (a == "-J") {
       o.json = true;
     } else if (a == "--fused") {
       o.fused = true;

@@ -6,6 +6,7 @@
 
 #include <cstdlib>
 #include <iostream>
+#include <sstream>
 #include <string>
 
 #include "absl/flags/internal/program_name.h"
@@ -21,7 +22,9 @@ namespace moonep {
 // defines the program's flags (e.g. "planner/sim/main.cc"). A --help or --helpshort (those flags)
 // or --helpfull (every flag, Abseil's own included) before any "--" prints the usage message and
 // the flags to stdout and exits 0 here: Abseil 20220623's ParseCommandLine exits 1 after help,
-// which reads as a failure to scripts (and `set -e`). --help=substring is left to Abseil.
+// which reads as a failure to scripts (and `set -e`). --help=substring prints the flags whose
+// name, description or file contains the substring (Abseil's own matching) and exits 0, or 1
+// when none does ("No flags matched.", as grep with no match).
 inline void SetToolUsage(absl::string_view message, const std::string& source_suffix, int argc,
                          char** argv) {
   absl::SetProgramUsageMessage(message);
@@ -42,6 +45,18 @@ inline void SetToolUsage(absl::string_view message, const std::string& source_su
                                       absl::flags_internal::HelpFormat::kHumanReadable, message);
       std::cout.flush();
       std::exit(std::cout ? 0 : 1);
+    }
+    for (const absl::string_view prefix : {"--help=", "-help="}) {
+      if (!absl::StartsWith(arg, prefix)) continue;
+      if (argc > 0) absl::flags_internal::SetProgramInvocationName(argv[0]);
+      absl::flags_internal::SetFlagsHelpMatchSubstr(arg.substr(prefix.size()));
+      absl::flags_internal::SetFlagsHelpMode(absl::flags_internal::HelpMode::kMatch);
+      std::ostringstream text;
+      absl::flags_internal::HandleUsageFlags(text, message);
+      const std::string help = text.str();
+      std::cout << help;
+      std::cout.flush();
+      std::exit(std::cout && !absl::StrContains(help, "No flags matched") ? 0 : 1);
     }
   }
 }

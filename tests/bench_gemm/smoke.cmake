@@ -1,6 +1,7 @@
 # Runs moonep-bench-gemm (BENCH) with FLAGS (|-separated) and checks that it exits 0 and prints
 # ROWS result rows (each checked against the naive loop inside the benchmark), or, with
-# MODE=corrupt, that it exits 1 saying the results are wrong.
+# MODE=corrupt, that it exits 1 saying the results are wrong, or, with MODE=help, that it exits 0
+# with the usage on stdout (it exited 2, as for a bad flag).
 string(REPLACE "|" ";" flags "${FLAGS}")
 if(MODE STREQUAL "corrupt")
   list(APPEND flags --corrupt)
@@ -8,6 +9,12 @@ endif()
 execute_process(COMMAND ${BENCH} ${flags}
                 RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 100)
 message("${out}\n--- stderr ---\n${err}")
+if(MODE STREQUAL "help")
+  if(NOT rc EQUAL 0 OR NOT out MATCHES "usage: [^\n]*--threads N")
+    message(FATAL_ERROR "--help: exit ${rc}, expected 0 and the usage on stdout")
+  endif()
+  return()
+endif()
 if(MODE STREQUAL "corrupt")
   if(NOT rc EQUAL 1 OR NOT err MATCHES "wrong results, no figure")
     message(FATAL_ERROR "--corrupt: exit ${rc}, expected 1 and 'wrong results, no figure'")
