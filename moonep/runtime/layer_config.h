@@ -113,8 +113,8 @@ absl::Status CheckRecvCapacity(const LayerConfig& config, int64_t capacity_rows)
 //   may fit alone where all do not: without this, each zero-filled its share until the kernel's
 //   out-of-memory killer ended one, and its peers waited out their timeouts.
 // Over either, *local becomes OutOfMemory naming `what` (a rank with a local error already keeps
-// it and counts 0 bytes). Returns the exchange's own error (Timeout naming `phase`, RemoteError):
-// then the creation stops there.
+// it and counts 0 bytes). Where the exchange fails (Timeout naming `phase`, RemoteError), returns
+// this rank's own error if it had one, else the exchange's: then the creation stops there.
 absl::Status CheckHostBuffers(Communicator* comm, const LayerConfig& config,
                               int64_t capacity_rows, int rows_per_handle, int shared_rows,
                               uint64_t extra_bytes, const char* what, const char* phase,

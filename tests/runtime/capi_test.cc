@@ -889,7 +889,9 @@ TEST_F(CApiTest, RefusedForwardAndDispatchGiveTheCallersReasonToEveryRank) {
   // peers get what their count message has room for after "refused by the caller: " (23 bytes):
   // 8 max(E, 32) - 1 bytes in all.
   std::vector<char> unterminated(2000, 'a');
-  for (size_t i = 0; i < unterminated.size(); ++i) unterminated[i] = static_cast<char>('a' + i % 26);
+  for (size_t i = 0; i < unterminated.size(); ++i) {
+    unterminated[i] = static_cast<char>('a' + i % 26);
+  }
   EXPECT_EQ(me ? moonepLayerRefuseForward(layer, unterminated.data(), nullptr)
                : moonepLayerForward(layer, t.tokens, t.x.data(), t.ids.data(), t.weights.data(),
                                     t.y.data(), &h, nullptr),
@@ -1043,9 +1045,8 @@ TEST_F(CApiTest, HostBuffersOfTheNodesRanksAreCheckedTogether) {
                            ranks + ") need"),
               std::string::npos)
         << message;
-    EXPECT_NE(message.find(object == 0 ? "the layer's host buffers" : "the EP buffer's host buffers"),
-              std::string::npos)
-        << message;
+    const char* what = object == 0 ? "the layer's host buffers" : "the EP buffer's host buffers";
+    EXPECT_NE(message.find(what), std::string::npos) << message;
     EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 5.0)
         << message;
   }

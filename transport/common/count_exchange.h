@@ -37,9 +37,10 @@ void PackCountMessage(const absl::Status& local, absl::Span<const int32_t> topk_
 void KeepRouting(const absl::Status& local, absl::Span<const int32_t> topk_ids, int64_t num_tokens,
                  int32_t top_k, DispatchHandle* handle);
 
-// The verdict once `all` holds every rank's message (R rows of CountMessageWords(E); rank `me`'s row
-// is `mine`) and mismatch[r] is set for a peer whose message had another length: a different
-// num_experts (InvalidArgument), this rank's own error, a peer's rejected routing (RemoteError),
+// The verdict once `all` holds every rank's message (R rows of CountMessageWords(E); rank `me`'s
+// row is `mine`) and mismatch[r] is set for a peer whose message had another length: a different
+// num_experts (InvalidArgument; where the lengths agree, both E at most 32, the E in the header
+// tells), this rank's own error, a peer's rejected routing (RemoteError),
 // else the handle filled with counts, tokens, capacities and source offsets.
 absl::Status FinishCountExchange(const absl::Status& local, absl::Span<const int64_t> mine,
                                  absl::Span<const int64_t> all, absl::Span<const char> mismatch,

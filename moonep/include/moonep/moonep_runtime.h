@@ -294,11 +294,11 @@ MOONEP_API moonepResult_t moonepLayerForward(moonepLayer_t layer, int64_t num_to
                                              moonepLayerHandle_t* handle, void* stream);
 /* [collective] This rank's part of a forward that it refuses: for a caller that found its own
  * input wrong (a binding checking tensor shapes, a framework's failed step) while the peers make
- * the forward. Every rank's forward fails and nothing moves: here moonepInvalidArgument
- * giving `reason` (NULL: "no reason given"; at most its first 1024 bytes are read), on the peers
- * moonepRemoteError naming this rank and, over mpi and ucx, giving "refused by the
- * caller: " and `reason` up to 8 max(num_experts, 32) - 1 bytes in all (the first 232 bytes of
- * `reason` at least; nccl: "their own error says why"). No handle is made and the layer stays usable, as
+ * the forward. Every rank's forward fails and nothing moves: here moonepInvalidArgument giving
+ * `reason` (NULL: "no reason given"; at most its first 1024 bytes are read), on the peers
+ * moonepRemoteError naming this rank and, over mpi and ucx, giving "refused by the caller: " and
+ * `reason` up to 8 max(num_experts, 32) - 1 bytes in all (the first 232 bytes of `reason` at
+ * least; nccl: "their own error says why"). No handle is made and the layer stays usable, as
  * after any refused forward. `stream` as for moonepLayerForward. */
 MOONEP_API moonepResult_t moonepLayerRefuseForward(moonepLayer_t layer, const char* reason,
                                                    void* stream);
