@@ -1,6 +1,7 @@
-"""ctypes binding of the MoonEP C API (moonep.h + moonep_runtime.h): communicators and the MoE
-layer. Arrays are numpy arrays (C-contiguous); MoonEP reads and writes them in place, so they must
-stay alive while MoonEP uses them (weights and gradients: while bound to the layer).
+"""ctypes binding of the MoonEP C API (moonep.h + moonep_runtime.h): communicators, the MoE
+layer and the EP buffer (host memory). Arrays are numpy arrays (C-contiguous); MoonEP reads and
+writes them in place, so they must stay alive while MoonEP uses them (weights and gradients: while
+bound to the layer).
 
     import moonep
     comm = moonep.Comm.from_env()                 # under mpirun / srun
@@ -66,6 +67,13 @@ class _ExpertTensors(ctypes.Structure):
                 ("dtype", ctypes.c_int)]
 
 
+class _EpLayout(ctypes.Structure):
+    _fields_ = [("num_rows", ctypes.c_int64), ("rows", ctypes.c_void_p),
+                ("row_weights", ctypes.c_void_p), ("num_groups", ctypes.c_int),
+                ("group_expert", ctypes.c_void_p), ("group_offset", ctypes.c_void_p),
+                ("group_count", ctypes.c_void_p)]
+
+
 class UniqueId(ctypes.Structure):
     _fields_ = [("internal", ctypes.c_char * 128)]
 
@@ -126,6 +134,19 @@ def _lib():
     lib.moonepCommSize.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
     lib.moonepLayerCreate.argtypes = [ctypes.c_void_p, ctypes.POINTER(_LayerConfig),
                                       ctypes.POINTER(ctypes.c_void_p)]
+    lib.moonepEpBufferCreate.argtypes = [ctypes.c_void_p, ctypes.POINTER(_LayerConfig),
+                                         ctypes.POINTER(ctypes.c_void_p)]
+    lib.moonepEpBufferDestroy.argtypes = [ctypes.c_void_p]
+    lib.moonepEpDispatch.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [
+        ctypes.POINTER(ctypes.c_void_p)]
+    lib.moonepEpGetLayout.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(_EpLayout)]
+    for f in ("moonepEpCombine", "moonepEpCombineBackward", "moonepEpDispatchBackward",
+              "moonepEpPrefetch", "moonepEpReduce"):
+        getattr(lib, f).argtypes = [ctypes.c_void_p] * 4
+    lib.moonepEpTopkWeightGrad.argtypes = [ctypes.c_void_p] * 5
+    lib.moonepEpRelease.argtypes = [ctypes.c_void_p] * 2
+    if hasattr(lib, "moonepEpRefuseDispatch"):
+        lib.moonepEpRefuseDispatch.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
     _LIB = lib
     return lib
 
@@ -366,4 +387,213 @@ class Layer:
     def destroy(self):
         if self._h:
             _check("moonepLayerDestroy", _lib().moonepLayerDestroy(self._h))
+            self._h = None
+
+
+class EpHandle:
+    """One dispatch of an EpBuffer: its compute layout, copied out of MoonEP (so it stays valid
+    after release): rows [num_rows][H] (padding rows are zero), row_weights [num_rows], and per
+    group g (E/R home groups, then the replica slots) group_expert[g] (-1: an unused slot),
+    group_offset[g] and group_count[g] (rows holding tokens)."""
+
+    def __init__(self, handle, tokens, layout, hidden):
+        self._h, self.tokens, self.released = handle, tokens, False
+        n, g = layout.num_rows, layout.num_groups
+        self.num_rows, self.num_groups = n, g
+
+        def copy(address, count, ctype, dtype, shape):
+            if count == 0:
+                return np.zeros(shape, dtype)
+            buf = (ctype * count).from_address(address)
+            return np.array(np.ctypeslib.as_array(buf), dtype=dtype).reshape(shape)
+        self.rows = copy(layout.rows, n * hidden, ctypes.c_float, np.float32, (n, hidden))
+        self.row_weights = copy(layout.row_weights, n, ctypes.c_float, np.float32, (n,))
+        self.group_expert = copy(layout.group_expert, g, ctypes.c_int32, np.int32, (g,))
+        self.group_offset = copy(layout.group_offset, g, ctypes.c_int64, np.int64, (g,))
+        self.group_count = copy(layout.group_count, g, ctypes.c_int64, np.int64, (g,))
+
+
+class EpBuffer:
+    """The EP buffer (DeepEP-style, C API level 2) over a communicator, on host memory (float32,
+    numpy): MoonEP plans each dispatch and moves rows and expert parameters; the caller computes
+    the experts between dispatch and combine.
+
+        buf = moonep.EpBuffer(comm, num_experts=16, top_k=2, hidden=64, intermediate=128,
+                              max_tokens=256)
+        h = buf.dispatch(x, topk_ids, topk_weights)      # h.rows, h.group_expert, ...
+        buf.prefetch(h, (w_gate, w_up, w_down), (r_gate, r_up, r_down))   # replica slots
+        y = buf.combine(h, out_rows)                     # y[t] = sum_k w[t][k] out(t, k)
+        dy_rows = buf.combine_backward(h, dy)            # unweighted
+        d_topk = buf.topk_weight_grad(h, dy_rows, out_rows)
+        dx = buf.dispatch_backward(h, dx_rows)           # dx[t] = sum_k dx_rows(t, k)
+        buf.reduce(h, (g_gate, g_up, g_down), (rg_gate, rg_up, rg_down))  # replica grads home
+        buf.release(h)
+
+    Every call but release is collective (every rank, the same dispatch's handle, the same
+    order). A wrong array is a ValueError naming it; the call still joins its peers: a refused
+    dispatch fails every rank's dispatch at once (the peers' MoonEPError gives this rank's reason)
+    and the buffer stays usable; a refused later call fails every rank's call and leaves the
+    buffer unusable (destroy it), as MoonEP does for any failed collective call after a dispatch.
+    """
+
+    def __init__(self, comm, num_experts, top_k, hidden, max_tokens, intermediate=0,
+                 policy="moonep", slots=-1, max_inflight=1, pad_multiple=1):
+        if policy not in _POLICIES:
+            raise ValueError(f"policy {policy!r} is not one of {sorted(_POLICIES)}")
+        c = _LayerConfig(size=ctypes.sizeof(_LayerConfig), magic=_CONFIG_MAGIC,
+                         version=version(), num_experts=num_experts, top_k=top_k, hidden=hidden,
+                         intermediate=intermediate, dtype=_FLOAT32, grad_dtype=_FLOAT32,
+                         slots=slots, pad_multiple=pad_multiple, policy=_POLICIES[policy],
+                         device=0, device_index=0, max_tokens=max_tokens, max_recv_rows=0,
+                         max_inflight=max_inflight, layer_id=-1, num_threads=1,
+                         ranks_per_node=0, eplb_period=1, transport=None)
+        h = ctypes.c_void_p()
+        _check("moonepEpBufferCreate", _lib().moonepEpBufferCreate(comm._h, ctypes.byref(c),
+                                                                   ctypes.byref(h)))
+        self._h, self.comm = h, comm
+        self.num_experts, self.top_k, self.hidden = num_experts, top_k, hidden
+        self.intermediate = intermediate
+        self.experts_per_rank = num_experts // comm.size
+        self.slots = self.experts_per_rank if slots < 0 else slots
+
+    def dispatch(self, x, topk_ids, topk_weights):
+        """x [T][H], topk_ids [T][K] (integers in [-1, E)), topk_weights [T][K]: an EpHandle."""
+        try:
+            x = np.asarray(x)
+            if x.ndim != 2:
+                raise ValueError(f"x has shape {x.shape}; expected (tokens, "
+                                 f"hidden = {self.hidden})")
+            tokens = x.shape[0]
+            x = _array("x", x, np.float32, (tokens, self.hidden))
+            ids = _array("topk_ids", topk_ids, np.int32, (tokens, self.top_k))
+            w = _array("topk_weights", topk_weights, np.float32, (tokens, self.top_k))
+        except ValueError as e:
+            lib = _lib()  # join the peers' dispatch refusing it, with this reason
+            if hasattr(lib, "moonepEpRefuseDispatch"):
+                lib.moonepEpRefuseDispatch(self._h, str(e).encode(errors="replace"))
+            else:  # a library older than that call: an argument it refuses (no handle)
+                lib.moonepEpDispatch(self._h, 0, None, None, None, None)
+            raise
+        h = ctypes.c_void_p()
+        _check("moonepEpDispatch", _lib().moonepEpDispatch(self._h, tokens, _ptr(x), _ptr(ids),
+                                                           _ptr(w), ctypes.byref(h)))
+        layout = _EpLayout()
+        _check("moonepEpGetLayout", _lib().moonepEpGetLayout(self._h, h, ctypes.byref(layout)))
+        return EpHandle(h, tokens, layout, self.hidden)
+
+    def _collective(self, name, arrays, call):
+        """Each (label, array, shape) as a float32 C-contiguous array: [(array, pointer)], to keep
+        alive over the C call. A wrong array joins the collective call (`call` with NULL
+        pointers, which MoonEP refuses on every rank) and raises ValueError."""
+        ptrs, error = [], None
+        for label, a, shape in arrays:
+            try:
+                a = _array(label, a, np.float32, shape)
+                ptrs.append((a, _ptr(a)))
+            except ValueError as e:
+                error = error or e
+                ptrs.append((None, None))
+        if error is not None:
+            call(*[None for _ in ptrs])
+            raise ValueError(f"{error} (the {name} failed on every rank; the EP buffer is unusable "
+                             "now: destroy it)") from None
+        return ptrs
+
+    def _experts(self, label, tensors, count):
+        """Three arrays gate [count][H][I], up [count][H][I], down [count][I][H] as a
+        moonepExpertTensors_t (kept alive by the returned list)."""
+        if not isinstance(tensors, (tuple, list)) or len(tensors) != 3:
+            raise ValueError(f"{label} must be (gate, up, down)")
+        H, I = self.hidden, self.intermediate
+        shapes = ((count, H, I), (count, H, I), (count, I, H))
+        arrays = []
+        for part, a, shape in zip(("gate", "up", "down"), tensors, shapes):
+            name = f"{label}_{part}"
+            if not isinstance(a, np.ndarray) or a.dtype != np.float32 or not a.flags.c_contiguous:
+                raise ValueError(f"{name} must be a C-contiguous float32 numpy array (written in "
+                                 "place, so it is not converted)")
+            if a.shape != shape:
+                raise ValueError(f"{name} has shape {a.shape}; expected {shape}")
+            if not a.flags.writeable:
+                raise ValueError(f"{name} is read-only")
+            arrays.append(a)
+        return arrays, _ExpertTensors(*(_ptr(a) for a in arrays), _FLOAT32)
+
+    def combine(self, handle, out_rows):
+        """out_rows [num_rows][H], the experts' outputs: y [T][H],
+        y[t] = sum_k w[t][k] out(t, k)."""
+        y = np.empty((handle.tokens, self.hidden), np.float32)
+        lib = _lib()
+        kept = self._collective(
+            "combine", [("out_rows", out_rows, (handle.num_rows, self.hidden))],
+            lambda r: lib.moonepEpCombine(self._h, handle._h, r, None))
+        _check("moonepEpCombine", lib.moonepEpCombine(self._h, handle._h, kept[0][1], _ptr(y)))
+        return y
+
+    def combine_backward(self, handle, dy):
+        """dy [T][H]: dy_rows [num_rows][H] (unweighted: dy of each row's token)."""
+        dy_rows = np.empty((handle.num_rows, self.hidden), np.float32)
+        lib = _lib()
+        kept = self._collective(
+            "combine backward", [("dy", dy, (handle.tokens, self.hidden))],
+            lambda p: lib.moonepEpCombineBackward(self._h, handle._h, p, None))
+        _check("moonepEpCombineBackward",
+               lib.moonepEpCombineBackward(self._h, handle._h, kept[0][1], _ptr(dy_rows)))
+        return dy_rows
+
+    def topk_weight_grad(self, handle, dy_rows, out_rows):
+        """d topk_weights [T][K]: <dy[t], out(t, k)> from each row's dy and output."""
+        d = np.empty((handle.tokens, self.top_k), np.float32)
+        lib = _lib()
+        shape = (handle.num_rows, self.hidden)
+        kept = self._collective(
+            "top-k weight gradient", [("dy_rows", dy_rows, shape), ("out_rows", out_rows, shape)],
+            lambda a, b: lib.moonepEpTopkWeightGrad(self._h, handle._h, a, b, None))
+        _check("moonepEpTopkWeightGrad",
+               lib.moonepEpTopkWeightGrad(self._h, handle._h, kept[0][1], kept[1][1], _ptr(d)))
+        return d
+
+    def dispatch_backward(self, handle, dx_rows):
+        """dx_rows [num_rows][H]: dx [T][H], dx[t] = sum_k dx_rows(t, k)."""
+        dx = np.empty((handle.tokens, self.hidden), np.float32)
+        lib = _lib()
+        kept = self._collective(
+            "dispatch backward", [("dx_rows", dx_rows, (handle.num_rows, self.hidden))],
+            lambda r: lib.moonepEpDispatchBackward(self._h, handle._h, r, None))
+        _check("moonepEpDispatchBackward",
+               lib.moonepEpDispatchBackward(self._h, handle._h, kept[0][1], _ptr(dx)))
+        return dx
+
+    def _weights_call(self, name, function, handle, home, replicas):
+        lib = _lib()
+        try:
+            home_arrays, home_t = self._experts(f"{name}: home", home, self.experts_per_rank)
+            replica_arrays, replica_t = self._experts(f"{name}: replica", replicas, self.slots)
+        except ValueError as e:
+            getattr(lib, function)(self._h, handle._h, None, None)
+            raise ValueError(f"{e} (the {name} failed on every rank; the EP buffer is unusable "
+                             "now: destroy it)") from None
+        _check(function, getattr(lib, function)(self._h, handle._h, ctypes.byref(home_t),
+                                                ctypes.byref(replica_t)))
+        return home_arrays, replica_arrays  # (alive until the call returned)
+
+    def prefetch(self, handle, home_weights, replica_weights):
+        """The home weights (gate, up, down of this rank's E/R experts) of each expert the
+        handle's plan replicates, written into the replica slots' arrays (gate, up, down of
+        `slots` experts) of the ranks that compute it."""
+        self._weights_call("prefetch", "moonepEpPrefetch", handle, home_weights, replica_weights)
+
+    def reduce(self, handle, home_grads, replica_grads):
+        """Each replica slot's gradients added (+=) into its home expert's gradients, in a fixed
+        order."""
+        self._weights_call("reduce", "moonepEpReduce", handle, home_grads, replica_grads)
+
+    def release(self, handle):
+        """Local: frees the dispatch's state (its layout copy stays in the EpHandle)."""
+        handle.released = True
+        _check("moonepEpRelease", _lib().moonepEpRelease(self._h, handle._h))
+
+    def destroy(self):
+        if self._h:
+            _check("moonepEpBufferDestroy", _lib().moonepEpBufferDestroy(self._h))
             self._h = None
