@@ -28,6 +28,13 @@ namespace {
 constexpr int kTopK = 2;
 constexpr int64_t kHidden = 8, kInter = 4, kTokens = 20;
 
+// Half of MOONEP_TIMEOUT_MS (default 60 s) in seconds: a peer of a rank that failed or refused
+// finishes well within it, where waiting for that rank would take all of it.
+double HalfTimeoutSeconds() {
+  const char* timeout_ms = std::getenv("MOONEP_TIMEOUT_MS");
+  return 0.5 * (timeout_ms != nullptr ? std::atof(timeout_ms) : 60000.0) / 1000.0;
+}
+
 class CApiTest : public MpiTest {
  protected:
   void SetUp() override {
@@ -61,15 +68,12 @@ class CApiTest : public MpiTest {
               moonepSuccess) << moonepGetLastError(comm_);
     ASSERT_EQ(moonepEpGetLayout(*buf, *h, layout), moonepSuccess) << moonepGetLastError(comm_);
   }
-  // Under half of MOONEP_TIMEOUT_MS (default 60 s) since `start`: the peers of a rank that failed
-  // or refused did not wait for it until the timeout.
+  // Under half of MOONEP_TIMEOUT_MS since `start`: the peers of a rank that failed or refused
+  // did not wait for it until the timeout.
   static void ExpectWellWithinTimeout(std::chrono::steady_clock::time_point start,
                                       const char* what) {
-    const double seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    const char* timeout_ms = std::getenv("MOONEP_TIMEOUT_MS");
-    EXPECT_LT(seconds, 0.5 * (timeout_ms != nullptr ? std::atof(timeout_ms) : 60000.0) / 1000.0)
-        << what;
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+              HalfTimeoutSeconds()) << what;
   }
   // A good forward on `layer` and dispatch on `buf` of t's tokens, on every rank (both usable
   // still), then both destroyed.
@@ -1246,11 +1250,7 @@ TEST_F(CApiTest, EpBufferMovesRowsWeightsAndGradients) {
 // MOONEP_TIMEOUT_MS). The rank with the bad argument refuses it naming the argument; every peer
 // fails at once too, in the same call or, where its part of that call did not need the failed
 // rank (an eager send completes alone), in its next collective call, with moonepRemoteError
-// naming that rank. Before, the peers waited for it until the timeout.
-double HalfTimeoutSeconds() {
-  const char* timeout_ms = std::getenv("MOONEP_TIMEOUT_MS");
-  return 0.5 * (timeout_ms != nullptr ? std::atof(timeout_ms) : 60000.0) / 1000.0;
-}
+// naming that rank. Before, the peers waited for it until the timeout. (HalfTimeoutSeconds above.)
 
 // On a peer: `r` from the failed call, `next` a following collective call; one of them reports
 // rank 0's failure of operation `op`.
@@ -1409,6 +1409,54 @@ TEST_F(CApiTest, EpCallInAnotherOrderLocalErrorFailsEveryRankNamingBoth) {
   EXPECT_EQ(any_named, 1) << message;
   // The buffer goes before the rows given to the failed calls; destroying it is prompt and clean.
   EXPECT_EQ(moonepEpBufferDestroy(buf), moonepSuccess) << moonepGetLastError(comm_);
+}
+
+// Two forwards in flight (max_inflight 2, the same routing twice: equal row counts), backwarded
+// most recent first on the last rank and oldest first on the others: over mpi every rank's
+// backward fails at once (a dispatch's number is in its row messages' tags), one naming the other
+// dispatch, where before each backward computed on the other forward's rows.
+TEST_F(CApiTest, LayerBackwardsInAnotherOrderFailEveryRankAtOnce) {
+  if (size() < 2) GTEST_SKIP() << "needs peers";
+  const char* transport = std::getenv("MOONEP_TRANSPORT");
+  if (transport != nullptr && std::string(transport) != "mpi") {
+    GTEST_SKIP() << "detected over mpi only";
+  }
+  moonepLayerConfig_t c = Config(moonepPolicyMoonEP);
+  c.max_inflight = 2;
+  moonepLayer_t layer = nullptr;
+  ASSERT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepSuccess) << moonepGetLastError(comm_);
+  GlobalProblem g = MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kTokens,
+                                      DType::kFloat32, 19);
+  RankTensors t = MakeRankTensors(g, rank(), DType::kFloat32);
+  moonepExpertTensors_t w = Tensors(t, false), gr = Tensors(t, true);
+  ASSERT_EQ(moonepLayerBindParams(layer, &w, &gr), moonepSuccess) << moonepGetLastError(comm_);
+  moonepLayerHandle_t h[2] = {nullptr, nullptr};
+  auto y2 = t.y;
+  ASSERT_EQ(moonepLayerForward(layer, t.tokens, t.x.data(), t.ids.data(), t.weights.data(),
+                               t.y.data(), &h[0], nullptr), moonepSuccess)
+      << moonepGetLastError(comm_);
+  ASSERT_EQ(moonepLayerForward(layer, t.tokens, t.x.data(), t.ids.data(), t.weights.data(),
+                               y2.data(), &h[1], nullptr), moonepSuccess)
+      << moonepGetLastError(comm_);
+  MPI_Barrier(MPI_COMM_WORLD);
+  const auto start = std::chrono::steady_clock::now();
+  const int first = rank() == size() - 1 ? 1 : 0;
+  std::vector<float> dtopk(static_cast<size_t>(t.tokens) * kTopK);
+  moonepResult_t r = moonepLayerBackward(layer, h[first], t.dy.data(), t.dx.data(), dtopk.data(),
+                                         nullptr);
+  if (r == moonepSuccess) {
+    r = moonepLayerBackward(layer, h[1 - first], t.dy.data(), t.dx.data(), dtopk.data(), nullptr);
+  }
+  const std::string message = moonepGetLastError(comm_);
+  EXPECT_TRUE(r == moonepInvalidUsage || r == moonepRemoteError) << r << ": " << message;
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+            HalfTimeoutSeconds()) << message;
+  int named = r == moonepInvalidUsage &&
+              message.find("on the handle of another dispatch") != std::string::npos;
+  int any_named = 0;
+  MPI_Allreduce(&named, &any_named, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  EXPECT_EQ(any_named, 1) << message;
+  EXPECT_EQ(moonepLayerDestroy(layer), moonepSuccess) << moonepGetLastError(comm_);
 }
 
 }  // namespace

@@ -354,6 +354,51 @@ TEST_P(FaultTest, RanksCallingDifferentOperationsFailAtOnceNamingBoth) {
   }
 }
 
+// The same call on the handles of different dispatches (mpi: the dispatch's low bits are in the
+// tags): rank `odd` combines the first of two dispatches while its peers combine the second. Their
+// row counts are equal (the same routing twice), so nothing else would tell; the rows of one
+// dispatch would be taken as the other's. Every rank fails at once, one naming the other dispatch.
+TEST_P(FaultTest, CallsOnAnotherDispatchsHandleFailAtOnceNamingIt) {
+  if (GetParam() != "mpi") GTEST_SKIP() << "the MPI backend's tags (ucx and nccl: not detected)";
+  const int32_t odd = size() - 1;
+  const int64_t T = p_.T[rank()];
+  DispatchHandle h1, h2;
+  std::vector<float> rows1, rows2;
+  ASSERT_TRUE(DispatchOnce(&h1, &rows1).ok());
+  ASSERT_TRUE(DispatchOnce(&h2, &rows2).ok());
+  std::vector<float> y(T * p_.H, -7.0f);
+  const TensorView y_v = TensorView::Contiguous(y.data(), DType::kFloat32, {T, p_.H});
+  const bool differs = rank() == odd;
+  std::vector<float>& rows = differs ? rows1 : rows2;
+  MPI_Barrier(MPI_COMM_WORLD);
+  const auto start = Clock::now();
+  absl::Status st = t_->Combine(differs ? &h1 : &h2,
+                                TensorView::Contiguous(rows.data(), DType::kFloat32, {cap_, p_.H}),
+                                y_v);
+  // A rank that needed nothing from the one that differs may complete its combine; its next
+  // count exchange then fails.
+  DispatchHandle next[3];
+  for (int i = 0; st.ok() && i < 3; ++i) {
+    st = t_->ExchangeCounts(p_.ids[rank()], T, p_.K, p_.E, cap_, &next[i]);
+  }
+  const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(ToResult(st), moonepTimeout) << st;
+  EXPECT_LT(ms, t_->timeout_ms()) << st;
+  // Some rank saw the other dispatch's rows and said so; the others were told.
+  int named = ToResult(st) == moonepInvalidUsage &&
+              st.message().find("combine on the handle of another dispatch") != std::string::npos;
+  int any_named = 0;
+  MPI_Allreduce(&named, &any_named, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  EXPECT_EQ(any_named, 1) << st;
+  if (!named) {
+    EXPECT_EQ(ToResult(st), moonepRemoteError) << st;
+    EXPECT_NE(st.message().find("handles of different dispatches"), std::string::npos) << st;
+  }
+  t_.reset();  // before the buffers it was given
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
 // Correct usage with stragglers never reports a different call. A rank 60 ms late makes its peer
 // nudge it; then more row operations than a tag slot cycle holds (4096) go by without a count
 // exchange, the late rank never waiting. (A first version sent the nudge as an empty data-channel message that only a waiting

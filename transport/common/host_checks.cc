@@ -131,6 +131,18 @@ absl::Status CallOrderError(const char* channel, int64_t seq, int me, OpKind min
   return s;
 }
 
+absl::Status DispatchOrderError(int64_t seq, int me, OpKind kind, int peer, int mine_bits,
+                                int theirs_bits, int modulus) {
+  absl::Status s = InvalidUsage(
+      "%s: rank %d called %s on the handle of another dispatch than rank %d (row operation %d of "
+      "this transport: the dispatches' count exchanges are operations %d and %d mod %d): every "
+      "rank must make the same calls on the same dispatch's handles in the same order; the "
+      "transport is unusable",
+      OpName(kind), peer, OpName(kind), me, seq, mine_bits, theirs_bits, modulus);
+  s.SetPayload(kCallOrderPayload, absl::Cord("1"));
+  return s;
+}
+
 int64_t AbortCode(OpKind kind, const absl::Status& status) {
   if (status.GetPayload(kCallOrderPayload).has_value()) return static_cast<int64_t>(kind) | kCallOrderBit;
   return static_cast<int64_t>(kind) | (absl::IsDeadlineExceeded(status) ? kGaveUpBit : 0);
@@ -141,9 +153,10 @@ bool IsGaveUpNotice(int64_t code) { return (code & kGaveUpBit) != 0; }
 absl::Status AbortNoticeError(int rank, int64_t code) {
   const OpKind kind = static_cast<OpKind>(code & (kGaveUpBit - 1));
   if (code & kCallOrderBit) {
-    return RemoteError("rank %d found that the ranks called different operations (it was in %s): "
-                       "every rank must make the same calls in the same order; the transport is "
-                       "unusable", rank, OpName(kind));
+    return RemoteError("rank %d found that the ranks called different operations, or one on the "
+                       "handles of different dispatches (it was in %s): every rank must make the "
+                       "same calls in the same order; the transport is unusable", rank,
+                       OpName(kind));
   }
   if (code & kGaveUpBit) {
     return RemoteError("rank %d gave up waiting in %s (MOONEP_TIMEOUT_MS: it heard nothing from a "

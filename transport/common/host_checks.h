@@ -73,6 +73,11 @@ bool IsGaveUpNotice(int64_t code);
 // marked so that the abort notice tells the peers it was the call order (AbortCode).
 absl::Status CallOrderError(const char* channel, int64_t seq, int me, OpKind mine, int peer,
                             OpKind theirs);
+// Ranks that made row operation `seq` the same call on the handles of different dispatches: this
+// rank `me` on the dispatch whose count exchange has a number of `mine_bits` mod `modulus`, rank
+// `peer` on one of `theirs_bits`. InvalidUsage, marked as CallOrderError's.
+absl::Status DispatchOrderError(int64_t seq, int me, OpKind kind, int peer, int mine_bits,
+                                int theirs_bits, int modulus);
 
 // A 2-D contiguous matrix of fp32 or bf16 in memory of `device` (as its TensorView says; a device
 // backend also checks the pointer itself) with at least max(min_rows, 0) rows and `cols` columns

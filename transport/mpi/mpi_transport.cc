@@ -32,9 +32,12 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // Message kinds inside one operation (sub-tags). The tag is
-// ((slot of the sequence number) * kKinds + operation kind) * kSubTags + sub-tag: the operation's
-// kind is part of it, so that a message of one kind is never taken by an operation of another when
-// ranks call different operations (MpiOp::CheckCallOrder finds that case).
+// (((slot of the sequence number) * kKinds + operation kind) * handle tags + dispatch bits)
+// * kSubTags + sub-tag: the operation's kind is part of it, so that a message of one kind is never
+// taken by an operation of another when ranks call different operations, and so are the low bits
+// of the dispatch whose handle a row operation uses (its count exchange's sequence number mod
+// MpiTransport::handle_tags_: 16 where MPI_TAG_UB allows it), so that rows of one dispatch are
+// never taken by an operation on another's handle (MpiOp::CheckCallOrder finds both cases).
 constexpr int kSubTags = 4;
 constexpr int kKinds = static_cast<int>(OpKind::kNumKinds);
 constexpr int kSubMeta = 0, kSubData = 1, kSubScalar = 2;
@@ -43,8 +46,13 @@ constexpr int kSubMeta = 0, kSubData = 1, kSubScalar = 2;
 // different operations that each only wait on the other, no other message would show it. Every
 // rank reads all the nudges that came (one wildcard probe) whenever it checks the call order.
 struct Nudge {
-  int64_t channel = 0, seq = 0, kind = 0;
+  int64_t channel = 0, seq = 0, kind = 0, dispatch_bits = 0;
 };
+constexpr int kNudgeWords = 4;
+// Dispatch bits per tag where MPI_TAG_UB allows at least kMinTagSlots slots with them (Open
+// MPI's 2^31 - 1 does), else fewer (down to 1: none, at the standard's minimum of 32767).
+constexpr int kMaxHandleTags = 16;
+constexpr int64_t kMinTagSlots = 1024;
 // Expert tensors travel in chunks below MPI's int count limit.
 constexpr int64_t kMaxChunkBytes = int64_t{1} << 30;
 
@@ -101,7 +109,10 @@ class MpiTransport;
 // arrivals (post the next receive, expand duplicates) and the final local work (accumulate).
 class MpiOp : public Request {
  public:
-  MpiOp(MpiTransport* transport, OpKind kind, MPI_Comm comm, int64_t seq);
+  // `dispatch_seq`: the count exchange of the handle a row operation uses (-1: none, weight
+  // operations).
+  MpiOp(MpiTransport* transport, OpKind kind, MPI_Comm comm, int64_t seq,
+        int64_t dispatch_seq = -1);
   ~MpiOp() override;
   absl::StatusOr<bool> Test() override;
   absl::Status Wait() override;
@@ -149,6 +160,7 @@ class MpiOp : public Request {
   MPI_Comm comm_;
   int channel_;  // 0: row operations, 1: weight operations (their own communicators)
   int64_t seq_;
+  int dispatch_bits_;  // the dispatch's sequence number mod the transport's handle tags
   int tag_base_;
   int me_;
   OpCounters counters_;
@@ -233,17 +245,22 @@ class MpiTransport : public Transport {
   // for every transport, keeps messages left over from a failed transport out of a later one:
   // MPI reuses a freed communicator's context id, and early-arriving messages for it would be
   // matched by the next communicator that gets the id.
-  int TagBase(int64_t seq, OpKind kind) const {
+  int TagBase(int64_t seq, OpKind kind, int dispatch_bits) const {
     const int64_t slot = (epoch_ * seqs_per_epoch_ + seq % seqs_per_epoch_) % tag_slots_;
-    return static_cast<int>((slot * kKinds + static_cast<int>(kind)) * kSubTags);
+    return static_cast<int>(
+        ((slot * kKinds + static_cast<int>(kind)) * handle_tags_ + dispatch_bits) * kSubTags);
+  }
+  // The bits of dispatch `dispatch_seq` in a tag (0 for none).
+  int DispatchBits(int64_t dispatch_seq) const {
+    return dispatch_seq < 0 ? 0 : static_cast<int>(dispatch_seq % handle_tags_);
   }
   int Channel(MPI_Comm comm) const { return comm == rows_comm_ ? 0 : 1; }
   // Records the kind of this rank's operation `seq` of `channel`, for CheckCallOrder.
   // Records the kind of this rank's operation `seq` of `channel` and checks the nudges that
   // came for it before it started.
-  void NoteStarted(int channel, int64_t seq, OpKind kind);
+  void NoteStarted(int channel, int64_t seq, OpKind kind, int dispatch_bits);
   // Sends `peer` a nudge for this rank's operation `seq` of `channel`, of `kind`.
-  void SendNudge(int peer, int channel, int64_t seq, OpKind kind);
+  void SendNudge(int peer, int channel, int64_t seq, OpKind kind, int dispatch_bits);
   // Reads every nudge that came; the call-order error found by them or at NoteStarted, if any.
   absl::Status ReadNudges();
   absl::Status call_order_error() const { return call_order_error_; }
@@ -288,6 +305,7 @@ class MpiTransport : public Transport {
   bool spin_waits_ = false;
   std::shared_ptr<WorkerPool> host_pool_;  // the dispatch's layouts (null: this thread alone)
   int64_t tag_slots_ = 1, seqs_per_epoch_ = 1, epoch_ = 0;
+  int handle_tags_ = 1;  // values of the dispatch bits in a tag (kMaxHandleTags where it fits)
   int abort_tag_ = 0;
   int close_tag_ = 0;  // Close's messages (abort_comm_)
   bool closed_ = false;
@@ -301,6 +319,7 @@ class MpiTransport : public Transport {
   struct Started {
     int64_t seq = -1;
     int kind = -1;
+    int dispatch_bits = 0;
   };
   std::array<std::vector<Started>, 2> started_;
   int64_t order_probe_next_ = 0;
@@ -326,20 +345,22 @@ class MpiTransport : public Transport {
 // ---------------------------------------------------------------------------------------------
 // MpiOp
 
-MpiOp::MpiOp(MpiTransport* transport, OpKind kind, MPI_Comm comm, int64_t seq)
+MpiOp::MpiOp(MpiTransport* transport, OpKind kind, MPI_Comm comm, int64_t seq,
+             int64_t dispatch_seq)
     : transport_(transport),
       kind_(kind),
       comm_(comm),
       channel_(transport->Channel(comm)),
       seq_(seq),
-      tag_base_(transport->TagBase(seq, kind)),
+      dispatch_bits_(transport->DispatchBits(dispatch_seq)),
+      tag_base_(transport->TagBase(seq, kind, dispatch_bits_)),
       me_(transport->rank()),
       deadline_(Clock::now() + std::chrono::milliseconds(transport->timeout_ms())),
       start_(Clock::now()),
       next_order_check_(start_ + kOrderCheckFirst),
       timeout_ms_(transport->timeout_ms()) {
   counters_.calls = 1;
-  transport->NoteStarted(channel_, seq, kind);
+  transport->NoteStarted(channel_, seq, kind, dispatch_bits_);
   MOONEP_TRACE("transport mpi: %s starts, sequence %d, tags %d..%d", OpName(kind), seq, tag_base_,
                tag_base_ + kSubTags - 1);
 }
@@ -382,7 +403,7 @@ absl::Status MpiOp::CheckCallOrder(bool all_peers) {
       if (requests_[i] != MPI_REQUEST_NULL && pending_[i].recv &&
           std::find(waited.begin(), waited.end(), peer) == waited.end()) {
         waited.push_back(peer);
-        transport_->SendNudge(peer, channel_, seq_, kind_);
+        transport_->SendNudge(peer, channel_, seq_, kind_, dispatch_bits_);
       }
     }
   }
@@ -655,7 +676,9 @@ class DoneRequest : public Request {
 class CountsOp : public MpiOp {
  public:
   CountsOp(MpiTransport* t, MPI_Comm comm, int64_t seq, DispatchHandle* handle)
-      : MpiOp(t, OpKind::kCounts, comm, seq), handle_(handle), mine_(*new std::vector<int64_t>) {}
+      : MpiOp(t, OpKind::kCounts, comm, seq, /*dispatch_seq=*/seq),
+        handle_(handle),
+        mine_(*new std::vector<int64_t>) {}
   ~CountsOp() override {
     Release();
     if (!sends_released()) delete &mine_;  // else MPI may still read it: leaked on purpose
@@ -708,7 +731,7 @@ class CountsOp : public MpiOp {
 class DispatchOp : public MpiOp {
  public:
   DispatchOp(MpiTransport* t, OpKind kind, MPI_Comm comm, int64_t seq, DispatchHandle* h)
-      : MpiOp(t, kind, comm, seq), h_(h) {}
+      : MpiOp(t, kind, comm, seq, h->seq_), h_(h) {}
 
   absl::Status Start(const TensorView& x, const TensorView& rows, float* weights) {
     const bool forward = kind_ == OpKind::kDispatch;
@@ -867,7 +890,7 @@ class DispatchOp : public MpiOp {
 class CombineOp : public MpiOp {
  public:
   CombineOp(MpiTransport* t, OpKind kind, MPI_Comm comm, int64_t seq, DispatchHandle* h)
-      : MpiOp(t, kind, comm, seq), h_(h) {}
+      : MpiOp(t, kind, comm, seq, h->seq_), h_(h) {}
 
   absl::Status Start(const TensorView& rows, const TensorView& y) {
     const SendLayout& send = h_->send_;
@@ -970,7 +993,7 @@ class CombineOp : public MpiOp {
 class TopkWeightGradOp : public MpiOp {
  public:
   TopkWeightGradOp(MpiTransport* t, MPI_Comm comm, int64_t seq, DispatchHandle* h)
-      : MpiOp(t, OpKind::kTopkWeightGrad, comm, seq), h_(h) {}
+      : MpiOp(t, OpKind::kTopkWeightGrad, comm, seq, h->seq_), h_(h) {}
 
   absl::Status Start(const TensorView& dy_rows, const TensorView& out_rows, float* dw) {
     const SendLayout& send = h_->send_;
@@ -1201,7 +1224,13 @@ absl::StatusOr<std::unique_ptr<Transport>> MpiTransport::Create(const TransportO
   int flag = 0;
   MPI_Comm_get_attr(t->rows_comm_, MPI_TAG_UB, &attr, &flag);
   const int64_t tag_ub = flag ? *static_cast<int*>(attr) : 32767;
-  t->tag_slots_ = std::max<int64_t>(1, (tag_ub + 1) / (kSubTags * kKinds));
+  t->handle_tags_ = kMaxHandleTags;
+  while (t->handle_tags_ > 1 &&
+         (tag_ub + 1) / (int64_t{kSubTags} * kKinds * t->handle_tags_) < kMinTagSlots) {
+    t->handle_tags_ /= 2;
+  }
+  t->tag_slots_ =
+      std::max<int64_t>(1, (tag_ub + 1) / (int64_t{kSubTags} * kKinds * t->handle_tags_));
   t->seqs_per_epoch_ = std::max<int64_t>(1, std::min<int64_t>(4096, t->tag_slots_ / 2));
   for (auto& started : t->started_) started.assign(static_cast<size_t>(t->seqs_per_epoch_), {});
   // Every rank proposes its next epoch; all take the largest, so epochs only grow per process.
@@ -1412,8 +1441,9 @@ absl::Status MpiTransport::CheckPeerOrder(int channel, int peer) {
   const int64_t spe = seqs_per_epoch_;
   const int64_t next = channel == 0 ? rows_seq_ : weights_seq_;
   const int tag = status.MPI_TAG;
-  const int64_t slot = tag / (int64_t{kKinds} * kSubTags);
-  const int theirs = (tag / kSubTags) % kKinds;
+  const int64_t slot = tag / (int64_t{kKinds} * handle_tags_ * kSubTags);
+  const int theirs = static_cast<int>((tag / (int64_t{kSubTags} * handle_tags_)) % kKinds);
+  const int their_bits = static_cast<int>((tag / kSubTags) % handle_tags_);
   // slot = (epoch_ * spe + seq mod spe) mod tag_slots_, with spe <= tag_slots_ / 2.
   const int64_t seq_mod =
       ((slot - (epoch_ * spe) % tag_slots_) % tag_slots_ + tag_slots_) % tag_slots_;
@@ -1421,14 +1451,22 @@ absl::Status MpiTransport::CheckPeerOrder(int channel, int peer) {
   const int64_t ahead = ((seq_mod - next % spe) % spe + spe) % spe;
   if (ahead < spe / 2) return absl::OkStatus();  // an operation this rank has not started yet
   const Started& mine = started_[channel][static_cast<size_t>(seq_mod)];
-  if (mine.seq < 0 || mine.kind == theirs) return absl::OkStatus();  // data of an op in flight
-  return common::CallOrderError(channel == 0 ? "row" : "weight", mine.seq, rank_,
-                                static_cast<OpKind>(mine.kind), peer, static_cast<OpKind>(theirs));
+  if (mine.seq < 0) return absl::OkStatus();
+  if (mine.kind != theirs) {
+    return common::CallOrderError(channel == 0 ? "row" : "weight", mine.seq, rank_,
+                                  static_cast<OpKind>(mine.kind), peer,
+                                  static_cast<OpKind>(theirs));
+  }
+  if (mine.dispatch_bits != their_bits) {
+    return common::DispatchOrderError(mine.seq, rank_, static_cast<OpKind>(mine.kind), peer,
+                                      mine.dispatch_bits, their_bits, handle_tags_);
+  }
+  return absl::OkStatus();  // data of an op in flight
 }
 
-void MpiTransport::NoteStarted(int channel, int64_t seq, OpKind kind) {
+void MpiTransport::NoteStarted(int channel, int64_t seq, OpKind kind, int dispatch_bits) {
   started_[channel][static_cast<size_t>(seq % seqs_per_epoch_)] =
-      Started{seq, static_cast<int>(kind)};
+      Started{seq, static_cast<int>(kind), dispatch_bits};
   if (early_nudges_.empty()) return;
   std::vector<std::pair<int, Nudge>> later;
   for (const auto& [from, n] : early_nudges_) {
@@ -1443,7 +1481,7 @@ void MpiTransport::NoteStarted(int channel, int64_t seq, OpKind kind) {
 
 void MpiTransport::CheckNudge(int from, const Nudge& n) {
   if (!call_order_error_.ok() || n.channel < 0 || n.channel > 1 || n.seq < 0 || n.kind < 0 ||
-      n.kind >= kKinds) {
+      n.kind >= kKinds || n.dispatch_bits < 0 || n.dispatch_bits >= handle_tags_) {
     return;
   }
   const int channel = static_cast<int>(n.channel);
@@ -1453,13 +1491,20 @@ void MpiTransport::CheckNudge(int from, const Nudge& n) {
     return;
   }
   const Started& mine = started_[channel][static_cast<size_t>(n.seq % seqs_per_epoch_)];
-  if (mine.seq != n.seq || mine.kind == n.kind) return;  // too old to tell, or the same call
-  call_order_error_ = common::CallOrderError(channel == 0 ? "row" : "weight", n.seq, rank_,
-                                             static_cast<OpKind>(mine.kind), from,
-                                             static_cast<OpKind>(n.kind));
+  if (mine.seq != n.seq) return;  // too old to tell
+  if (mine.kind != n.kind) {
+    call_order_error_ = common::CallOrderError(channel == 0 ? "row" : "weight", n.seq, rank_,
+                                               static_cast<OpKind>(mine.kind), from,
+                                               static_cast<OpKind>(n.kind));
+  } else if (mine.dispatch_bits != n.dispatch_bits) {
+    call_order_error_ =
+        common::DispatchOrderError(n.seq, rank_, static_cast<OpKind>(mine.kind), from,
+                                   mine.dispatch_bits, static_cast<int>(n.dispatch_bits),
+                                   handle_tags_);
+  }
 }
 
-void MpiTransport::SendNudge(int peer, int channel, int64_t seq, OpKind kind) {
+void MpiTransport::SendNudge(int peer, int channel, int64_t seq, OpKind kind, int dispatch_bits) {
   // Forget the nudges already sent (small, eager: they complete at once).
   size_t kept = 0;
   for (auto& out : nudges_out_) {
@@ -1468,9 +1513,11 @@ void MpiTransport::SendNudge(int peer, int channel, int64_t seq, OpKind kind) {
     if (!done) nudges_out_[kept++] = std::move(out);
   }
   nudges_out_.resize(kept);
-  auto n = std::make_unique<Nudge>(Nudge{channel, seq, static_cast<int64_t>(kind)});
+  auto n = std::make_unique<Nudge>(
+      Nudge{channel, seq, static_cast<int64_t>(kind), static_cast<int64_t>(dispatch_bits)});
   MPI_Request request;
-  if (MPI_Isend(n.get(), 3, MPI_INT64_T, peer, nudge_tag_, abort_comm_, &request) == MPI_SUCCESS) {
+  if (MPI_Isend(n.get(), kNudgeWords, MPI_INT64_T, peer, nudge_tag_, abort_comm_, &request) ==
+      MPI_SUCCESS) {
     nudges_out_.emplace_back(std::move(n), request);
   }
 }
@@ -1484,7 +1531,7 @@ absl::Status MpiTransport::ReadNudges() {
       break;
     }
     Nudge n;
-    if (MPI_Recv(&n, 3, MPI_INT64_T, status.MPI_SOURCE, nudge_tag_, abort_comm_,
+    if (MPI_Recv(&n, kNudgeWords, MPI_INT64_T, status.MPI_SOURCE, nudge_tag_, abort_comm_,
                  MPI_STATUS_IGNORE) != MPI_SUCCESS) {
       break;
     }

@@ -23,8 +23,9 @@
  *     the same order, on the handles of the same forward / dispatch. Over mpi and ucx, a rank
  *     that makes another call than its peers at one point (two backwards in another order, a
  *     combine where they dispatch-backward) fails with moonepInvalidUsage naming both calls, its
- *     peers with moonepRemoteError; over nccl that is not detected, and on no backend are handles
- *     of different dispatches where the row counts agree: those compute on the wrong rows. A bad
+ *     peers with moonepRemoteError; over nccl that is not detected, and handles of different
+ *     dispatches where the row counts agree are detected over mpi only (over ucx and nccl those
+ *     compute on the wrong rows). A bad
  *     argument on one rank fails that call on every rank: the others get
  *     moonepRemoteError naming it, at once (over nccl, after a call that begins with an exchange
  *     - creation, forward, dispatch - only; its other calls' peers fail with moonepTimeout after
@@ -342,13 +343,13 @@ MOONEP_API moonepResult_t moonepLayerGetMemory(moonepLayer_t layer, size_t* laye
  *   moonepEpRelease(buf, h)
  *
  * [collective] calls are made by every rank, on the handles of the same dispatch, in the same
- * order (as NCCL's collectives are): a handle of another dispatch on one rank is not detected
- * when the row counts happen to match; another call is, over mpi and ucx (moonepInvalidUsage
- * naming both calls, moonepRemoteError on the peers). moonepEpDispatch's local errors are
- * agreed in its count exchange (every rank fails it, the buffer stays usable; over mpi and ucx
- * the peers' message gives the rank's reason). A local error in a later collective
- * call (a NULL pointer, a released handle, expert tensors of the wrong shape) fails the call on
- * this rank and, over mpi
+ * order (as NCCL's collectives are): a handle of another dispatch on one rank is detected over
+ * mpi, not over ucx or nccl when the row counts match; another call is, over mpi and ucx
+ * (moonepInvalidUsage naming both calls, moonepRemoteError on the peers). moonepEpDispatch's
+ * local errors are agreed in its count exchange (every rank fails it, the buffer stays usable;
+ * over mpi and ucx the peers' message gives the rank's reason). A local error in a later
+ * collective call (a NULL pointer, a released handle, expert tensors of the wrong shape) fails
+ * the call on this rank and, over mpi
  * and ucx, the same call on every peer at once with moonepRemoteError naming this rank (nccl: the
  * peers time out naming it; a peer whose part of the call completed without this rank fails its
  * next call instead); a peer may still write into the tensors given to a failed call until the
