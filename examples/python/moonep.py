@@ -397,7 +397,7 @@ class EpHandle:
     group_offset[g] and group_count[g] (rows holding tokens)."""
 
     def __init__(self, handle, tokens, layout, hidden):
-        self._h, self.tokens, self.released = handle, tokens, False
+        self._h, self.tokens = handle, tokens
         n, g = layout.num_rows, layout.num_groups
         self.num_rows, self.num_groups = n, g
 
@@ -421,33 +421,50 @@ class EpBuffer:
         buf = moonep.EpBuffer(comm, num_experts=16, top_k=2, hidden=64, intermediate=128,
                               max_tokens=256)
         h = buf.dispatch(x, topk_ids, topk_weights)      # h.rows, h.group_expert, ...
-        buf.prefetch(h, (w_gate, w_up, w_down), (r_gate, r_up, r_down))   # replica slots
+        buf.prefetch(h, (w_gate, w_up, w_down), (r_gate, r_up, r_down))   # writes r_*
         y = buf.combine(h, out_rows)                     # y[t] = sum_k w[t][k] out(t, k)
         dy_rows = buf.combine_backward(h, dy)            # unweighted
         d_topk = buf.topk_weight_grad(h, dy_rows, out_rows)
         dx = buf.dispatch_backward(h, dx_rows)           # dx[t] = sum_k dx_rows(t, k)
-        buf.reduce(h, (g_gate, g_up, g_down), (rg_gate, rg_up, rg_down))  # replica grads home
+        buf.reduce(h, (g_gate, g_up, g_down), (rg_gate, rg_up, rg_down))  # adds into g_*
         buf.release(h)
+        buf.destroy()
 
     Every call but release is collective (every rank, the same dispatch's handle, the same
-    order). A wrong array is a ValueError naming it; the call still joins its peers: a refused
-    dispatch fails every rank's dispatch at once (the peers' MoonEPError gives this rank's reason)
-    and the buffer stays usable; a refused later call fails every rank's call and leaves the
-    buffer unusable (destroy it), as MoonEP does for any failed collective call after a dispatch.
+    order; destroy too, in the same order as the other objects of the communicator). A wrong
+    argument is a ValueError (TypeError for a handle that is not an EpHandle) naming it, and the
+    call still joins its peers: a refused dispatch fails every rank's dispatch at once (the peers'
+    MoonEPError gives this rank's reason) and the buffer stays usable; a refused later call fails
+    every rank's call and leaves the buffer unusable (destroy it), as MoonEP does for any failed
+    collective call after a dispatch. After a call that failed, the arrays it was given are kept
+    alive until destroy (a peer may still write into them: MoonEP's rule for the C API).
     """
 
     def __init__(self, comm, num_experts, top_k, hidden, max_tokens, intermediate=0,
                  policy="moonep", slots=-1, max_inflight=1, pad_multiple=1):
+        bad = None
         if policy not in _POLICIES:
-            raise ValueError(f"policy {policy!r} is not one of {sorted(_POLICIES)}")
-        c = _LayerConfig(size=ctypes.sizeof(_LayerConfig), magic=_CONFIG_MAGIC,
-                         version=version(), num_experts=num_experts, top_k=top_k, hidden=hidden,
-                         intermediate=intermediate, dtype=_FLOAT32, grad_dtype=_FLOAT32,
-                         slots=slots, pad_multiple=pad_multiple, policy=_POLICIES[policy],
-                         device=0, device_index=0, max_tokens=max_tokens, max_recv_rows=0,
-                         max_inflight=max_inflight, layer_id=-1, num_threads=1,
-                         ranks_per_node=0, eplb_period=1, transport=None)
+            bad = ValueError(f"policy {policy!r} is not one of {sorted(_POLICIES)}")
+        try:
+            c = _LayerConfig(size=ctypes.sizeof(_LayerConfig), magic=_CONFIG_MAGIC,
+                             version=version(), num_experts=num_experts, top_k=top_k,
+                             hidden=hidden, intermediate=intermediate, dtype=_FLOAT32,
+                             grad_dtype=_FLOAT32, slots=slots, pad_multiple=pad_multiple,
+                             policy=_POLICIES.get(policy, -1), device=0, device_index=0,
+                             max_tokens=max_tokens, max_recv_rows=0, max_inflight=max_inflight,
+                             layer_id=-1, num_threads=1, ranks_per_node=0, eplb_period=1,
+                             transport=None)
+        except TypeError as e:  # a number that is not an integer
+            bad = bad or ValueError(f"EpBuffer: {e}")
+            c = _LayerConfig(size=ctypes.sizeof(_LayerConfig), magic=_CONFIG_MAGIC,
+                             version=version(), policy=-1)
         h = ctypes.c_void_p()
+        if bad is not None:
+            # Creation is collective: join it with a config MoonEP refuses (policy -1), so that
+            # every rank fails at once instead of waiting for this one.
+            c.policy = -1
+            _lib().moonepEpBufferCreate(comm._h, ctypes.byref(c), ctypes.byref(h))
+            raise bad
         _check("moonepEpBufferCreate", _lib().moonepEpBufferCreate(comm._h, ctypes.byref(c),
                                                                    ctypes.byref(h)))
         self._h, self.comm = h, comm
@@ -455,6 +472,7 @@ class EpBuffer:
         self.intermediate = intermediate
         self.experts_per_rank = num_experts // comm.size
         self.slots = self.experts_per_rank if slots < 0 else slots
+        self._failed = []  # arrays given to calls that failed: alive until destroy
 
     def dispatch(self, x, topk_ids, topk_weights):
         """x [T][H], topk_ids [T][K] (integers in [-1, E)), topk_weights [T][K]: an EpHandle."""
@@ -475,16 +493,45 @@ class EpBuffer:
                 lib.moonepEpDispatch(self._h, 0, None, None, None, None)
             raise
         h = ctypes.c_void_p()
-        _check("moonepEpDispatch", _lib().moonepEpDispatch(self._h, tokens, _ptr(x), _ptr(ids),
-                                                           _ptr(w), ctypes.byref(h)))
-        layout = _EpLayout()
-        _check("moonepEpGetLayout", _lib().moonepEpGetLayout(self._h, h, ctypes.byref(layout)))
-        return EpHandle(h, tokens, layout, self.hidden)
+        code = _lib().moonepEpDispatch(self._h, tokens, _ptr(x), _ptr(ids), _ptr(w),
+                                       ctypes.byref(h))
+        if code != 0:
+            self._failed.append((x, ids, w))
+        _check("moonepEpDispatch", code)
+        try:
+            layout = _EpLayout()
+            _check("moonepEpGetLayout", _lib().moonepEpGetLayout(self._h, h,
+                                                                 ctypes.byref(layout)))
+            if layout.num_groups != self.experts_per_rank + self.slots:
+                raise RuntimeError(f"the layout has {layout.num_groups} groups; the binding "
+                                   f"expects E/R + slots = {self.experts_per_rank + self.slots}")
+            return EpHandle(h, tokens, layout, self.hidden)
+        except BaseException:
+            _lib().moonepEpRelease(self._h, h)  # local: the handle is not lost
+            raise
+
+    def _handle(self, name, handle, call):
+        """The C handle of `handle`, else: join the collective call `call(None)` (MoonEP refuses a
+        NULL handle on every rank) and raise TypeError."""
+        if isinstance(handle, EpHandle):
+            return handle._h
+        call(None)
+        raise TypeError(f"{name}: handle must be an EpHandle from dispatch, not "
+                        f"{type(handle).__name__} (the {name} failed on every rank; the EP "
+                        "buffer is unusable now: destroy it)")
+
+    def _run(self, name, function, kept, *args):
+        """The C call; on failure its arrays stay alive until destroy."""
+        code = getattr(_lib(), function)(*args)
+        if code != 0:
+            self._failed.append(kept)
+        _check(function, code)
 
     def _collective(self, name, arrays, call):
         """Each (label, array, shape) as a float32 C-contiguous array: [(array, pointer)], to keep
         alive over the C call. A wrong array joins the collective call (`call` with NULL
-        pointers, which MoonEP refuses on every rank) and raises ValueError."""
+        pointers, which MoonEP refuses on every rank where the array would have elements) and
+        raises ValueError."""
         ptrs, error = [], None
         for label, a, shape in arrays:
             try:
@@ -494,106 +541,127 @@ class EpBuffer:
                 error = error or e
                 ptrs.append((None, None))
         if error is not None:
-            call(*[None for _ in ptrs])
+            if call(*[None for _ in ptrs]) == 0:  # nothing to read or write on any rank here
+                raise ValueError(f"{error} (MoonEP needed nothing of it: the {name} completed "
+                                 "on every rank)") from None
             raise ValueError(f"{error} (the {name} failed on every rank; the EP buffer is unusable "
                              "now: destroy it)") from None
         return ptrs
 
-    def _experts(self, label, tensors, count):
+    def _experts(self, label, tensors, count, writable):
         """Three arrays gate [count][H][I], up [count][H][I], down [count][I][H] as a
-        moonepExpertTensors_t (kept alive by the returned list)."""
+        moonepExpertTensors_t (kept alive by the returned list); `writable`: MoonEP writes them."""
         if not isinstance(tensors, (tuple, list)) or len(tensors) != 3:
             raise ValueError(f"{label} must be (gate, up, down)")
+        if self.intermediate <= 0:
+            raise ValueError(f"{label}: the EP buffer was created with intermediate = "
+                             f"{self.intermediate}; expert tensors need intermediate > 0")
         H, I = self.hidden, self.intermediate
         shapes = ((count, H, I), (count, H, I), (count, I, H))
         arrays = []
         for part, a, shape in zip(("gate", "up", "down"), tensors, shapes):
             name = f"{label}_{part}"
             if not isinstance(a, np.ndarray) or a.dtype != np.float32 or not a.flags.c_contiguous:
-                raise ValueError(f"{name} must be a C-contiguous float32 numpy array (written in "
+                raise ValueError(f"{name} must be a C-contiguous float32 numpy array (used in "
                                  "place, so it is not converted)")
             if a.shape != shape:
                 raise ValueError(f"{name} has shape {a.shape}; expected {shape}")
-            if not a.flags.writeable:
-                raise ValueError(f"{name} is read-only")
+            if writable and not a.flags.writeable:
+                raise ValueError(f"{name} is read-only; MoonEP writes into it")
             arrays.append(a)
         return arrays, _ExpertTensors(*(_ptr(a) for a in arrays), _FLOAT32)
 
     def combine(self, handle, out_rows):
         """out_rows [num_rows][H], the experts' outputs: y [T][H],
         y[t] = sum_k w[t][k] out(t, k)."""
-        y = np.empty((handle.tokens, self.hidden), np.float32)
         lib = _lib()
+        hp = self._handle("combine", handle,
+                          lambda p: lib.moonepEpCombine(self._h, p, None, None))
+        y = np.empty((handle.tokens, self.hidden), np.float32)
         kept = self._collective(
             "combine", [("out_rows", out_rows, (handle.num_rows, self.hidden))],
-            lambda r: lib.moonepEpCombine(self._h, handle._h, r, None))
-        _check("moonepEpCombine", lib.moonepEpCombine(self._h, handle._h, kept[0][1], _ptr(y)))
+            lambda r: lib.moonepEpCombine(self._h, hp, r, None))
+        self._run("combine", "moonepEpCombine", (kept, y), self._h, hp, kept[0][1], _ptr(y))
         return y
 
     def combine_backward(self, handle, dy):
         """dy [T][H]: dy_rows [num_rows][H] (unweighted: dy of each row's token)."""
-        dy_rows = np.empty((handle.num_rows, self.hidden), np.float32)
         lib = _lib()
+        hp = self._handle("combine backward", handle,
+                          lambda p: lib.moonepEpCombineBackward(self._h, p, None, None))
+        dy_rows = np.empty((handle.num_rows, self.hidden), np.float32)
         kept = self._collective(
             "combine backward", [("dy", dy, (handle.tokens, self.hidden))],
-            lambda p: lib.moonepEpCombineBackward(self._h, handle._h, p, None))
-        _check("moonepEpCombineBackward",
-               lib.moonepEpCombineBackward(self._h, handle._h, kept[0][1], _ptr(dy_rows)))
+            lambda p: lib.moonepEpCombineBackward(self._h, hp, p, None))
+        self._run("combine backward", "moonepEpCombineBackward", (kept, dy_rows), self._h, hp,
+                  kept[0][1], _ptr(dy_rows))
         return dy_rows
 
     def topk_weight_grad(self, handle, dy_rows, out_rows):
         """d topk_weights [T][K]: <dy[t], out(t, k)> from each row's dy and output."""
-        d = np.empty((handle.tokens, self.top_k), np.float32)
         lib = _lib()
+        hp = self._handle("top-k weight gradient", handle,
+                          lambda p: lib.moonepEpTopkWeightGrad(self._h, p, None, None, None))
+        d = np.empty((handle.tokens, self.top_k), np.float32)
         shape = (handle.num_rows, self.hidden)
         kept = self._collective(
             "top-k weight gradient", [("dy_rows", dy_rows, shape), ("out_rows", out_rows, shape)],
-            lambda a, b: lib.moonepEpTopkWeightGrad(self._h, handle._h, a, b, None))
-        _check("moonepEpTopkWeightGrad",
-               lib.moonepEpTopkWeightGrad(self._h, handle._h, kept[0][1], kept[1][1], _ptr(d)))
+            lambda a, b: lib.moonepEpTopkWeightGrad(self._h, hp, a, b, None))
+        self._run("top-k weight gradient", "moonepEpTopkWeightGrad", (kept, d), self._h, hp,
+                  kept[0][1], kept[1][1], _ptr(d))
         return d
 
     def dispatch_backward(self, handle, dx_rows):
         """dx_rows [num_rows][H]: dx [T][H], dx[t] = sum_k dx_rows(t, k)."""
-        dx = np.empty((handle.tokens, self.hidden), np.float32)
         lib = _lib()
+        hp = self._handle("dispatch backward", handle,
+                          lambda p: lib.moonepEpDispatchBackward(self._h, p, None, None))
+        dx = np.empty((handle.tokens, self.hidden), np.float32)
         kept = self._collective(
             "dispatch backward", [("dx_rows", dx_rows, (handle.num_rows, self.hidden))],
-            lambda r: lib.moonepEpDispatchBackward(self._h, handle._h, r, None))
-        _check("moonepEpDispatchBackward",
-               lib.moonepEpDispatchBackward(self._h, handle._h, kept[0][1], _ptr(dx)))
+            lambda r: lib.moonepEpDispatchBackward(self._h, hp, r, None))
+        self._run("dispatch backward", "moonepEpDispatchBackward", (kept, dx), self._h, hp,
+                  kept[0][1], _ptr(dx))
         return dx
 
-    def _weights_call(self, name, function, handle, home, replicas):
+    def _weights_call(self, name, function, handle, home, replicas, home_written):
         lib = _lib()
+        call = getattr(lib, function)
+        hp = self._handle(name, handle, lambda p: call(self._h, p, None, None))
         try:
-            home_arrays, home_t = self._experts(f"{name}: home", home, self.experts_per_rank)
-            replica_arrays, replica_t = self._experts(f"{name}: replica", replicas, self.slots)
+            home_arrays, home_t = self._experts(f"{name}: home", home, self.experts_per_rank,
+                                                writable=home_written)
+            replica_arrays, replica_t = self._experts(f"{name}: replica", replicas, self.slots,
+                                                      writable=not home_written)
         except ValueError as e:
-            getattr(lib, function)(self._h, handle._h, None, None)
+            call(self._h, hp, None, None)
             raise ValueError(f"{e} (the {name} failed on every rank; the EP buffer is unusable "
                              "now: destroy it)") from None
-        _check(function, getattr(lib, function)(self._h, handle._h, ctypes.byref(home_t),
-                                                ctypes.byref(replica_t)))
-        return home_arrays, replica_arrays  # (alive until the call returned)
+        self._run(name, function, (home_arrays, replica_arrays), self._h, hp,
+                  ctypes.byref(home_t), ctypes.byref(replica_t))
 
     def prefetch(self, handle, home_weights, replica_weights):
-        """The home weights (gate, up, down of this rank's E/R experts) of each expert the
+        """The home weights (gate, up, down of this rank's E/R experts; read) of each expert the
         handle's plan replicates, written into the replica slots' arrays (gate, up, down of
         `slots` experts) of the ranks that compute it."""
-        self._weights_call("prefetch", "moonepEpPrefetch", handle, home_weights, replica_weights)
+        self._weights_call("prefetch", "moonepEpPrefetch", handle, home_weights, replica_weights,
+                           home_written=False)
 
     def reduce(self, handle, home_grads, replica_grads):
-        """Each replica slot's gradients added (+=) into its home expert's gradients, in a fixed
-        order."""
-        self._weights_call("reduce", "moonepEpReduce", handle, home_grads, replica_grads)
+        """Each replica slot's gradients (read) added (+=) into its home expert's gradients
+        (written), in a fixed order."""
+        self._weights_call("reduce", "moonepEpReduce", handle, home_grads, replica_grads,
+                           home_written=True)
 
     def release(self, handle):
         """Local: frees the dispatch's state (its layout copy stays in the EpHandle)."""
-        handle.released = True
+        if not isinstance(handle, EpHandle):
+            raise TypeError(f"release: handle must be an EpHandle, not {type(handle).__name__}")
         _check("moonepEpRelease", _lib().moonepEpRelease(self._h, handle._h))
 
     def destroy(self):
+        """Collective, in the same order as the communicator's other objects on every rank."""
         if self._h:
             _check("moonepEpBufferDestroy", _lib().moonepEpBufferDestroy(self._h))
             self._h = None
+            self._failed = []

@@ -10,10 +10,14 @@ prefetch of the replicated experts' weights into its replica slots, the experts 
 the top-k weight gradient, dispatch backward and the reduce of the replica slots' weight
 gradients into their home experts. y, dx, d topk_weights and the home experts' gate and down
 gradients must match the reference (rel. error < 1e-5), the prefetched slots must hold their
-experts' weights exactly, and the layout must cover every (token, k) of the rank's tokens routed
-to the group's expert. Then a dispatch with a wrong x on one rank: a ValueError there, the
-peers' error giving its reason, and the buffer still usable; and a combine with a wrong out_rows
-on one rank: every rank's combine fails and the buffer is unusable. Exit code 0 on success.
+experts' weights exactly (at least one expert must be replicated somewhere), the layouts of all
+ranks must hold as many rows as there are routed (token, k), and a handle's layout must stay as
+it was after release and another dispatch. Then a dispatch with a wrong x on one rank: a
+ValueError there, the peers' error giving its reason, and the buffer still usable; and each later
+call (combine,
+combine backward, top-k weight gradient, dispatch backward, prefetch, reduce, and a handle that is
+not an EpHandle) with a wrong argument on one rank: every rank's call fails at once and the buffer
+is unusable. Exit code 0 on success.
 """
 import os
 import sys
@@ -81,7 +85,9 @@ def main():
         rgg[e] += x64[t_idx].T @ (dout @ d64[e].T)
 
     buf = moonep.EpBuffer(comm, num_experts=E, top_k=K, hidden=H, intermediate=I, max_tokens=T)
-    S = buf.slots
+    S = epn  # slots = -1: E/R replica slots (MoonEP's default), not taken from the binding
+    if buf.slots != S:
+        failures.append(f"the binding counts {buf.slots} replica slots; MoonEP makes {S}")
     home = [np.ascontiguousarray(a[rank * epn:(rank + 1) * epn]) for a in (wg, wu, wd)]
     replica = [np.zeros((S, H, I), np.float32), np.zeros((S, H, I), np.float32),
                np.zeros((S, I, H), np.float32)]
@@ -89,6 +95,9 @@ def main():
     replica_g = [np.zeros_like(a) for a in replica]
 
     h = buf.dispatch(x[mine_t], ids[mine_t], w[mine_t])
+    if h.num_groups != epn + S:
+        failures.append(f"{h.num_groups} groups in the layout; expected E/R + slots = {epn + S}")
+    home[0].flags.writeable = False  # prefetch only reads the home weights
     buf.prefetch(h, home, replica)
     # Each group's weights: a home expert's own, or the replica slot's prefetched copy.
     replicas = 0
@@ -103,7 +112,9 @@ def main():
                                     ("down", replica[2][s], wd[e])):
                 if not np.array_equal(got, want):
                     failures.append(f"replica slot {s} ({name}) does not hold expert {e}")
-        rows_here += int(h.group_count[g]) if e >= 0 else 0
+        if e < 0 and h.group_count[g] != 0:
+            failures.append(f"group {g} holds {h.group_count[g]} rows but no expert")
+        rows_here += int(h.group_count[g])
 
     def weights(g):
         return (home[0][g], home[2][g]) if g < epn else (replica[0][g - epn], replica[2][g - epn])
@@ -131,18 +142,34 @@ def main():
             (replica_g[0][g - epn], replica_g[2][g - epn])
         gg += h.rows[r].T @ (dout @ D.T)  # views: in place into the arrays MoonEP reduces
         gd += (h.rows[r] @ G).T @ dout
+        # "up" is not used by these linear experts: its gradient is the gate's, so that the
+        # reduce of all three tensors is checked.
+        (home_g[1][g] if g < epn else replica_g[1][g - epn])[...] += h.rows[r].T @ (dout @ D.T)
     check("dx", buf.dispatch_backward(h, dx_rows), rdx[mine_t])
     buf.reduce(h, home_g, replica_g)
     mine_e = slice(rank * epn, (rank + 1) * epn)
     check("d gate (home experts, replicas' gradients reduced in)", home_g[0], rgg[mine_e])
     check("d down (home experts, replicas' gradients reduced in)", home_g[2], rgd[mine_e])
+    check("d up (= d gate here; home experts, replicas' reduced in)", home_g[1], rgg[mine_e])
+    # The handle's layout is a copy: it stays as it was after release and another dispatch.
+    rows_before = h.rows.copy()
     buf.release(h)
+    other = buf.dispatch(x[mine_t] + 1.0, ids[mine_t], w[mine_t])
+    if not np.array_equal(h.rows, rows_before):
+        failures.append("the handle's rows changed after release and another dispatch")
+    buf.release(other)
+    if comm_allreduce_sum(np.array([replicas], np.int64)) == 0 and R > 1:
+        failures.append("no expert was replicated: prefetch and reduce were not exercised")
     # Every (token, k) routed somewhere is a row on some rank exactly once.
     counts = comm_allreduce_sum(np.array([rows_here], np.int64))
     if counts != routed:
         failures.append(f"the layouts hold {counts} rows over all ranks; {routed} (t, k) are "
                         "routed")
 
+    # A handle that is not an EpHandle: a TypeError there, the peers' call fails at once.
+    for refused in ("handle", "combine_backward", "topk_weight_grad", "dispatch_backward",
+                    "prefetch", "reduce"):
+        refuse_later_call(comm, refused, E, K, H, I, T, x[mine_t], ids[mine_t], w[mine_t], home)
     # A wrong x on the last rank only: a ValueError there, the peers' dispatch fails with its
     # reason, and the buffer stays usable.
     wrong = f"x has shape {(tokens[R - 1], H + 1)}"
@@ -187,6 +214,46 @@ def main():
     print(f"[rank {rank}] python EP buffer: {replicas} replica slots used, "
           f"{'PASS' if not failures else 'FAIL'}", flush=True)
     return 1 if failures else 0
+
+
+def refuse_later_call(comm, which, E, K, H, I, T, x, ids, w, home):
+    """On a new buffer: a dispatch, then the last rank passes a wrong argument to `which` (a
+    handle that is not an EpHandle for "handle") while its peers pass good ones: an exception
+    there, a MoonEPError naming it on the peers, at once."""
+    R, rank = comm.size, comm.rank
+    buf = moonep.EpBuffer(comm, num_experts=E, top_k=K, hidden=H, intermediate=I, max_tokens=T)
+    h = buf.dispatch(x, ids, w)
+    comm_allreduce_sum(np.zeros(1, np.int64))  # every rank past the dispatch
+    bad = rank == R - 1
+    n, S = h.num_rows, buf.slots
+    rows = np.zeros((n + (1 if bad and which != "handle" else 0), H), np.float32)
+    slots = [np.zeros((S + (1 if bad else 0), H, I), np.float32),
+             np.zeros((S, H, I), np.float32), np.zeros((S, I, H), np.float32)]
+    grads = [np.zeros_like(a) for a in home]
+    calls = {
+        "handle": lambda: buf.combine("not a handle" if bad else h, rows),
+        "combine_backward":
+            lambda: buf.combine_backward(h, np.zeros((len(x) + bad, H), np.float32)),
+        "topk_weight_grad": lambda: buf.topk_weight_grad(h, rows, rows),
+        "dispatch_backward": lambda: buf.dispatch_backward(h, rows),
+        "prefetch": lambda: buf.prefetch(h, home, slots),
+        "reduce": lambda: buf.reduce(h, grads, slots),
+    }
+    try:
+        calls[which]()
+        if bad:
+            failures.append(f"{which}: a wrong argument on rank {R - 1} did not fail the call")
+        else:  # this rank's part needed nothing from rank R - 1: its next call fails instead
+            buf.combine(h, np.zeros((n, H), np.float32))
+            failures.append(f"{which}: rank {rank}: neither the call nor the next failed")
+    except (ValueError, TypeError) as e:
+        if not bad or "failed on every rank" not in str(e):
+            failures.append(f"{which}: rank {rank}: unexpected {type(e).__name__}: {e}")
+    except moonep.MoonEPError as e:
+        if bad or f"rank {R - 1}" not in str(e):
+            failures.append(f"{which}: rank {rank}: the peers' error does not name rank {R - 1}: "
+                            f"{e}")
+    buf.destroy()
 
 
 def comm_allreduce_sum(mine):
