@@ -35,6 +35,8 @@ double HalfTimeoutSeconds() {
   return 0.5 * (timeout_ms != nullptr ? std::atof(timeout_ms) : 60000.0) / 1000.0;
 }
 
+moonepExpertTensors_t Tensors(RankTensors& t, bool grads);
+
 class CApiTest : public MpiTest {
  protected:
   void SetUp() override {
@@ -74,6 +76,18 @@ class CApiTest : public MpiTest {
                                       const char* what) {
     EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
               HalfTimeoutSeconds()) << what;
+  }
+  // A layer (weights bound, no gradients) and an EP buffer of `c` on comm_, and this rank's
+  // tensors of the problem drawn from `seed` (a fatal failure inside: test HasFatalFailure()).
+  void CreateLayerAndBuffer(const moonepLayerConfig_t& c, int seed, moonepLayer_t* layer,
+                            moonepEpBuffer_t* buf, RankTensors* t) {
+    ASSERT_EQ(moonepLayerCreate(comm_, &c, layer), moonepSuccess) << moonepGetLastError(comm_);
+    ASSERT_EQ(moonepEpBufferCreate(comm_, &c, buf), moonepSuccess) << moonepGetLastError(comm_);
+    GlobalProblem g = MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kTokens,
+                                        DType::kFloat32, seed);
+    *t = MakeRankTensors(g, rank(), DType::kFloat32);
+    moonepExpertTensors_t w = Tensors(*t, false);
+    ASSERT_EQ(moonepLayerBindParams(*layer, &w, nullptr), moonepSuccess);
   }
   // A good forward on `layer` and dispatch on `buf` of t's tokens, on every rank (both usable
   // still), then both destroyed.
@@ -805,13 +819,9 @@ TEST_F(CApiTest, NullOutputPointerOnOneRankFailsEveryRankAtOnce) {
   moonepEpBuffer_t buf = nullptr;
   EXPECT_EQ(moonepEpBufferCreate(comm_, &c, odd ? nullptr : &buf),
             odd ? moonepInvalidArgument : moonepRemoteError) << moonepGetLastError(comm_);
-  ASSERT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepSuccess) << moonepGetLastError(comm_);
-  ASSERT_EQ(moonepEpBufferCreate(comm_, &c, &buf), moonepSuccess) << moonepGetLastError(comm_);
-  GlobalProblem g = MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kTokens,
-                                      DType::kFloat32, 12);
-  RankTensors t = MakeRankTensors(g, rank(), DType::kFloat32);
-  moonepExpertTensors_t w = Tensors(t, false);
-  ASSERT_EQ(moonepLayerBindParams(layer, &w, nullptr), moonepSuccess);
+  RankTensors t;
+  CreateLayerAndBuffer(c, 12, &layer, &buf, &t);
+  ASSERT_FALSE(HasFatalFailure());
   moonepLayerHandle_t h = nullptr;
   // The peers' error gives rank 0's reason (it travels in rank 0's count message).
   auto expect_reason = [&](const char* why) {
@@ -847,13 +857,9 @@ TEST_F(CApiTest, RefusedForwardAndDispatchGiveTheCallersReasonToEveryRank) {
   const bool me = rank() == refusing;
   moonepLayer_t layer = nullptr;
   moonepEpBuffer_t buf = nullptr;
-  ASSERT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepSuccess) << moonepGetLastError(comm_);
-  ASSERT_EQ(moonepEpBufferCreate(comm_, &c, &buf), moonepSuccess) << moonepGetLastError(comm_);
-  GlobalProblem g = MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kTokens,
-                                      DType::kFloat32, 13);
-  RankTensors t = MakeRankTensors(g, rank(), DType::kFloat32);
-  moonepExpertTensors_t w = Tensors(t, false);
-  ASSERT_EQ(moonepLayerBindParams(layer, &w, nullptr), moonepSuccess);
+  RankTensors t;
+  CreateLayerAndBuffer(c, 13, &layer, &buf, &t);
+  ASSERT_FALSE(HasFatalFailure());
   const auto y_before = t.y;
   // Every rank's message: this rank's own refusal, or the refusing rank named with its reason.
   auto expect_message = [&](const std::string& reason) {

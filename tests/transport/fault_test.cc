@@ -65,6 +65,23 @@ class FaultTest : public moonep::testing::MpiTest, public ::testing::WithParamIn
                         absl::MakeSpan(w));
   }
 
+  // After a call that the ranks made differently (started at `start`), with its status `st`: a
+  // rank whose part needed nothing from the one that differs may complete it, and fails one of
+  // its next count exchanges (they hear from every peer) instead. Checks that every rank failed
+  // well within the timeout, not by it; returns the status it failed with.
+  absl::Status ExpectFailedAtOnce(absl::Status st, Clock::time_point start) {
+    const int64_t T = p_.T[rank()];
+    DispatchHandle next[3];
+    for (int i = 0; st.ok() && i < 3; ++i) {
+      st = t_->ExchangeCounts(p_.ids[rank()], T, p_.K, p_.E, cap_, &next[i]);
+    }
+    const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+    EXPECT_FALSE(st.ok());
+    EXPECT_NE(ToResult(st), moonepTimeout) << st;
+    EXPECT_LT(ms, t_->timeout_ms()) << st;
+    return st;
+  }
+
   Problem p_;
   planner::Plan plan_;
   TransportOptions options_;
@@ -330,16 +347,8 @@ TEST_P(FaultTest, RanksCallingDifferentOperationsFailAtOnceNamingBoth) {
         break;
     }
     // A rank that needed nothing from the one that differs may complete its call (its results
-    // are right: nothing of the other call reached it). A count exchange hears from every peer:
-    // it fails at the latest on the rank that differs, whose notice then fails the others' next.
-    DispatchHandle next[3];
-    for (int i = 0; st.ok() && i < 3; ++i) {
-      st = t_->ExchangeCounts(p_.ids[rank()], T, p_.K, p_.E, cap_, &next[i]);
-    }
-    const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-    EXPECT_FALSE(st.ok());
-    EXPECT_NE(ToResult(st), moonepTimeout) << st;
-    EXPECT_LT(ms, t_->timeout_ms()) << st;
+    // are right: nothing of the other call reached it), and fails a later one.
+    st = ExpectFailedAtOnce(st, start);
     EXPECT_NE(st.message().find("same calls in the same order"), std::string::npos) << st;
     // Some rank saw both calls and named them.
     int named = ToResult(st) == moonepInvalidUsage &&
@@ -375,16 +384,8 @@ TEST_P(FaultTest, CallsOnAnotherDispatchsHandleFailAtOnceNamingIt) {
   absl::Status st = t_->Combine(differs ? &h1 : &h2,
                                 TensorView::Contiguous(rows.data(), DType::kFloat32, {cap_, p_.H}),
                                 y_v);
-  // A rank that needed nothing from the one that differs may complete its combine; its next
-  // count exchange then fails.
-  DispatchHandle next[3];
-  for (int i = 0; st.ok() && i < 3; ++i) {
-    st = t_->ExchangeCounts(p_.ids[rank()], T, p_.K, p_.E, cap_, &next[i]);
-  }
-  const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-  EXPECT_FALSE(st.ok());
-  EXPECT_NE(ToResult(st), moonepTimeout) << st;
-  EXPECT_LT(ms, t_->timeout_ms()) << st;
+  // A rank that needed nothing from the one that differs may complete its combine.
+  st = ExpectFailedAtOnce(st, start);
   // Some rank saw the other dispatch's rows and said so; the others were told.
   int named = ToResult(st) == moonepInvalidUsage &&
               st.message().find("combine on the handle of another dispatch") != std::string::npos;
