@@ -1453,6 +1453,14 @@ TEST_F(CApiTest, LayerBackwardsInAnotherOrderFailEveryRankAtOnce) {
   if (r == moonepSuccess) {
     r = moonepLayerBackward(layer, h[1 - first], t.dy.data(), t.dx.data(), dtopk.data(), nullptr);
   }
+  // A rank that exchanged no rows with the last one may complete both backwards: its next
+  // forward (a count exchange hears from every peer) fails instead.
+  for (int i = 0; r == moonepSuccess && i < 3; ++i) {
+    moonepLayerHandle_t next = nullptr;
+    r = moonepLayerForward(layer, t.tokens, t.x.data(), t.ids.data(), t.weights.data(),
+                           t.y.data(), &next, nullptr);
+    if (r == moonepSuccess) moonepLayerRelease(layer, next);
+  }
   const std::string message = moonepGetLastError(comm_);
   EXPECT_TRUE(r == moonepInvalidUsage || r == moonepRemoteError) << r << ": " << message;
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),

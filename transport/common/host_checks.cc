@@ -135,10 +135,10 @@ absl::Status DispatchOrderError(int64_t seq, int me, OpKind kind, int peer, int 
                                 int theirs_bits, int modulus) {
   absl::Status s = InvalidUsage(
       "%s: rank %d called %s on the handle of another dispatch than rank %d (row operation %d of "
-      "this transport: the dispatches' count exchanges are operations %d and %d mod %d): every "
-      "rank must make the same calls on the same dispatch's handles in the same order; the "
-      "transport is unusable",
-      OpName(kind), peer, OpName(kind), me, seq, mine_bits, theirs_bits, modulus);
+      "this transport: rank %d's dispatch is count exchange %d mod %d of the transport, rank %d's "
+      "%d): every rank must make the same calls on the same dispatch's handles in the same order; "
+      "the transport is unusable",
+      OpName(kind), peer, OpName(kind), me, seq, me, mine_bits, modulus, peer, theirs_bits);
   s.SetPayload(kCallOrderPayload, absl::Cord("1"));
   return s;
 }

@@ -74,8 +74,8 @@ bool IsGaveUpNotice(int64_t code);
 absl::Status CallOrderError(const char* channel, int64_t seq, int me, OpKind mine, int peer,
                             OpKind theirs);
 // Ranks that made row operation `seq` the same call on the handles of different dispatches: this
-// rank `me` on the dispatch whose count exchange has a number of `mine_bits` mod `modulus`, rank
-// `peer` on one of `theirs_bits`. InvalidUsage, marked as CallOrderError's.
+// rank `me` on the dispatch whose count exchange is the transport's `mine_bits`-th mod `modulus`,
+// rank `peer` on the `theirs_bits`-th. InvalidUsage, marked as CallOrderError's.
 absl::Status DispatchOrderError(int64_t seq, int me, OpKind kind, int peer, int mine_bits,
                                 int theirs_bits, int modulus);
 

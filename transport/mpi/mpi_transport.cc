@@ -35,9 +35,10 @@ using Clock = std::chrono::steady_clock;
 // (((slot of the sequence number) * kKinds + operation kind) * handle tags + dispatch bits)
 // * kSubTags + sub-tag: the operation's kind is part of it, so that a message of one kind is never
 // taken by an operation of another when ranks call different operations, and so are the low bits
-// of the dispatch whose handle a row operation uses (its count exchange's sequence number mod
-// MpiTransport::handle_tags_: 16 where MPI_TAG_UB allows it), so that rows of one dispatch are
-// never taken by an operation on another's handle (MpiOp::CheckCallOrder finds both cases).
+// of the dispatch whose handle a row operation uses (the number of its count exchange among the
+// transport's, mod MpiTransport::handle_tags_: 16 where MPI_TAG_UB allows it), so that rows of
+// one dispatch are never taken by an operation on the handle of any of the 15 before or after it
+// (MpiOp::CheckCallOrder finds both cases).
 constexpr int kSubTags = 4;
 constexpr int kKinds = static_cast<int>(OpKind::kNumKinds);
 constexpr int kSubMeta = 0, kSubData = 1, kSubScalar = 2;
@@ -109,10 +110,9 @@ class MpiTransport;
 // arrivals (post the next receive, expand duplicates) and the final local work (accumulate).
 class MpiOp : public Request {
  public:
-  // `dispatch_seq`: the count exchange of the handle a row operation uses (-1: none, weight
-  // operations).
-  MpiOp(MpiTransport* transport, OpKind kind, MPI_Comm comm, int64_t seq,
-        int64_t dispatch_seq = -1);
+  // `dispatch`: the number of the count exchange of the handle a row operation uses among the
+  // transport's count exchanges (-1: none, weight operations).
+  MpiOp(MpiTransport* transport, OpKind kind, MPI_Comm comm, int64_t seq, int64_t dispatch = -1);
   ~MpiOp() override;
   absl::StatusOr<bool> Test() override;
   absl::Status Wait() override;
@@ -160,7 +160,7 @@ class MpiOp : public Request {
   MPI_Comm comm_;
   int channel_;  // 0: row operations, 1: weight operations (their own communicators)
   int64_t seq_;
-  int dispatch_bits_;  // the dispatch's sequence number mod the transport's handle tags
+  int dispatch_bits_;  // the dispatch's number mod the transport's handle tags
   int tag_base_;
   int me_;
   OpCounters counters_;
@@ -250,9 +250,9 @@ class MpiTransport : public Transport {
     return static_cast<int>(
         ((slot * kKinds + static_cast<int>(kind)) * handle_tags_ + dispatch_bits) * kSubTags);
   }
-  // The bits of dispatch `dispatch_seq` in a tag (0 for none).
-  int DispatchBits(int64_t dispatch_seq) const {
-    return dispatch_seq < 0 ? 0 : static_cast<int>(dispatch_seq % handle_tags_);
+  // The bits of dispatch number `dispatch` in a tag (0 for none).
+  int DispatchBits(int64_t dispatch) const {
+    return dispatch < 0 ? 0 : static_cast<int>(dispatch % handle_tags_);
   }
   int Channel(MPI_Comm comm) const { return comm == rows_comm_ ? 0 : 1; }
   // Records the kind of this rank's operation `seq` of `channel`, for CheckCallOrder.
@@ -312,6 +312,7 @@ class MpiTransport : public Transport {
   absl::Status close_status_;  // Close's result
   MPI_Comm rows_comm_ = MPI_COMM_NULL, weights_comm_ = MPI_COMM_NULL, abort_comm_ = MPI_COMM_NULL;
   int64_t rows_seq_ = 0, weights_seq_ = 0;
+  int64_t exchanges_ = 0;  // count exchanges started (each dispatch's number: its tag bits)
   // Per channel, the kind of this rank's operation of each sequence number mod seqs_per_epoch_
   // (-1: none yet).
   // seqs_per_epoch_ entries per channel: {sequence number, kind} of this rank's operation with
@@ -346,13 +347,13 @@ class MpiTransport : public Transport {
 // MpiOp
 
 MpiOp::MpiOp(MpiTransport* transport, OpKind kind, MPI_Comm comm, int64_t seq,
-             int64_t dispatch_seq)
+             int64_t dispatch)
     : transport_(transport),
       kind_(kind),
       comm_(comm),
       channel_(transport->Channel(comm)),
       seq_(seq),
-      dispatch_bits_(transport->DispatchBits(dispatch_seq)),
+      dispatch_bits_(transport->DispatchBits(dispatch)),
       tag_base_(transport->TagBase(seq, kind, dispatch_bits_)),
       me_(transport->rank()),
       deadline_(Clock::now() + std::chrono::milliseconds(transport->timeout_ms())),
@@ -676,7 +677,7 @@ class DoneRequest : public Request {
 class CountsOp : public MpiOp {
  public:
   CountsOp(MpiTransport* t, MPI_Comm comm, int64_t seq, DispatchHandle* handle)
-      : MpiOp(t, OpKind::kCounts, comm, seq, /*dispatch_seq=*/seq),
+      : MpiOp(t, OpKind::kCounts, comm, seq, handle->exchange_no_),
         handle_(handle),
         mine_(*new std::vector<int64_t>) {}
   ~CountsOp() override {
@@ -731,7 +732,7 @@ class CountsOp : public MpiOp {
 class DispatchOp : public MpiOp {
  public:
   DispatchOp(MpiTransport* t, OpKind kind, MPI_Comm comm, int64_t seq, DispatchHandle* h)
-      : MpiOp(t, kind, comm, seq, h->seq_), h_(h) {}
+      : MpiOp(t, kind, comm, seq, h->exchange_no_), h_(h) {}
 
   absl::Status Start(const TensorView& x, const TensorView& rows, float* weights) {
     const bool forward = kind_ == OpKind::kDispatch;
@@ -890,7 +891,7 @@ class DispatchOp : public MpiOp {
 class CombineOp : public MpiOp {
  public:
   CombineOp(MpiTransport* t, OpKind kind, MPI_Comm comm, int64_t seq, DispatchHandle* h)
-      : MpiOp(t, kind, comm, seq, h->seq_), h_(h) {}
+      : MpiOp(t, kind, comm, seq, h->exchange_no_), h_(h) {}
 
   absl::Status Start(const TensorView& rows, const TensorView& y) {
     const SendLayout& send = h_->send_;
@@ -993,7 +994,7 @@ class CombineOp : public MpiOp {
 class TopkWeightGradOp : public MpiOp {
  public:
   TopkWeightGradOp(MpiTransport* t, MPI_Comm comm, int64_t seq, DispatchHandle* h)
-      : MpiOp(t, OpKind::kTopkWeightGrad, comm, seq, h->seq_), h_(h) {}
+      : MpiOp(t, OpKind::kTopkWeightGrad, comm, seq, h->exchange_no_), h_(h) {}
 
   absl::Status Start(const TensorView& dy_rows, const TensorView& out_rows, float* dw) {
     const SendLayout& send = h_->send_;
@@ -1568,6 +1569,7 @@ absl::StatusOr<RequestPtr> MpiTransport::StartExchangeCounts(absl::Span<const in
     local = common::CheckCountsInput(topk_ids, num_tokens, top_k, num_experts, recv_capacity_rows,
                                      options_);
   }
+  handle->exchange_no_ = exchanges_++;
   auto op = std::make_unique<CountsOp>(this, rows_comm_, rows_seq_++, handle);
   handle->seq_ = rows_seq_ - 1;
   handle->counts_in_flight_.value = true;

@@ -24,8 +24,8 @@
  *     that makes another call than its peers at one point (two backwards in another order, a
  *     combine where they dispatch-backward) fails with moonepInvalidUsage naming both calls, its
  *     peers with moonepRemoteError; over nccl that is not detected, and handles of different
- *     dispatches where the row counts agree are detected over mpi only (over ucx and nccl those
- *     compute on the wrong rows). A bad
+ *     dispatches where the row counts agree are detected over mpi only, in the row calls, for
+ *     dispatches less than 16 apart (otherwise those compute on the wrong rows). A bad
  *     argument on one rank fails that call on every rank: the others get
  *     moonepRemoteError naming it, at once (over nccl, after a call that begins with an exchange
  *     - creation, forward, dispatch - only; its other calls' peers fail with moonepTimeout after
@@ -344,7 +344,8 @@ MOONEP_API moonepResult_t moonepLayerGetMemory(moonepLayer_t layer, size_t* laye
  *
  * [collective] calls are made by every rank, on the handles of the same dispatch, in the same
  * order (as NCCL's collectives are): a handle of another dispatch on one rank is detected over
- * mpi, not over ucx or nccl when the row counts match; another call is, over mpi and ucx
+ * mpi in the row calls (not 16 dispatches apart, not in prefetch and reduce), not over ucx or
+ * nccl when the row counts match; another call is, over mpi and ucx
  * (moonepInvalidUsage naming both calls, moonepRemoteError on the peers). moonepEpDispatch's
  * local errors are agreed in its count exchange (every rank fails it, the buffer stays usable;
  * over mpi and ucx the peers' message gives the rank's reason). A local error in a later
