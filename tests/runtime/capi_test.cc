@@ -89,6 +89,17 @@ class CApiTest : public MpiTest {
     moonepExpertTensors_t w = Tensors(*t, false);
     ASSERT_EQ(moonepLayerBindParams(*layer, &w, nullptr), moonepSuccess);
   }
+  // A layer of `c` with weights and gradients bound, and this rank's tensors of the problem drawn
+  // from `seed` (a fatal failure inside: test HasFatalFailure()).
+  void CreateTrainingLayer(const moonepLayerConfig_t& c, int seed, moonepLayer_t* layer,
+                           RankTensors* t) {
+    ASSERT_EQ(moonepLayerCreate(comm_, &c, layer), moonepSuccess) << moonepGetLastError(comm_);
+    GlobalProblem g = MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kTokens,
+                                        DType::kFloat32, seed);
+    *t = MakeRankTensors(g, rank(), DType::kFloat32);
+    moonepExpertTensors_t w = Tensors(*t, false), gr = Tensors(*t, true);
+    ASSERT_EQ(moonepLayerBindParams(*layer, &w, &gr), moonepSuccess) << moonepGetLastError(comm_);
+  }
   // A good forward on `layer` and dispatch on `buf` of t's tokens, on every rank (both usable
   // still), then both destroyed.
   void ExpectUsableThenDestroy(moonepLayer_t layer, moonepEpBuffer_t buf, RankTensors& t) {
@@ -1275,12 +1286,9 @@ void ExpectPeerFailed(moonepComm_t comm, moonepResult_t r, const std::function<m
 TEST_F(CApiTest, LayerBackwardWithLocalErrorFailsEveryRankAtOnce) {
   const moonepLayerConfig_t c = Config(moonepPolicyMoonEP);
   moonepLayer_t layer = nullptr;
-  ASSERT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepSuccess) << moonepGetLastError(comm_);
-  GlobalProblem g = MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kTokens,
-                                      DType::kFloat32, 14);
-  RankTensors t = MakeRankTensors(g, rank(), DType::kFloat32);
-  moonepExpertTensors_t w = Tensors(t, false), gr = Tensors(t, true);
-  ASSERT_EQ(moonepLayerBindParams(layer, &w, &gr), moonepSuccess) << moonepGetLastError(comm_);
+  RankTensors t;
+  CreateTrainingLayer(c, 14, &layer, &t);
+  ASSERT_FALSE(HasFatalFailure());
   moonepLayerHandle_t h = nullptr;
   ASSERT_EQ(moonepLayerForward(layer, t.tokens, t.x.data(), t.ids.data(), t.weights.data(),
                                t.y.data(), &h, nullptr), moonepSuccess) << moonepGetLastError(comm_);
@@ -1430,12 +1438,9 @@ TEST_F(CApiTest, LayerBackwardsInAnotherOrderFailEveryRankAtOnce) {
   moonepLayerConfig_t c = Config(moonepPolicyMoonEP);
   c.max_inflight = 2;
   moonepLayer_t layer = nullptr;
-  ASSERT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepSuccess) << moonepGetLastError(comm_);
-  GlobalProblem g = MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kTokens,
-                                      DType::kFloat32, 19);
-  RankTensors t = MakeRankTensors(g, rank(), DType::kFloat32);
-  moonepExpertTensors_t w = Tensors(t, false), gr = Tensors(t, true);
-  ASSERT_EQ(moonepLayerBindParams(layer, &w, &gr), moonepSuccess) << moonepGetLastError(comm_);
+  RankTensors t;
+  CreateTrainingLayer(c, 19, &layer, &t);
+  ASSERT_FALSE(HasFatalFailure());
   moonepLayerHandle_t h[2] = {nullptr, nullptr};
   auto y2 = t.y;
   ASSERT_EQ(moonepLayerForward(layer, t.tokens, t.x.data(), t.ids.data(), t.weights.data(),
