@@ -89,6 +89,22 @@ class CApiTest : public MpiTest {
     moonepExpertTensors_t w = Tensors(*t, false);
     ASSERT_EQ(moonepLayerBindParams(*layer, &w, nullptr), moonepSuccess);
   }
+  // Creates a layer (object 0) or an EP buffer (object 1) of `c` and destroys it if it was made:
+  // the creation's result, its message in *message.
+  moonepResult_t CreateAndDestroy(int object, const moonepLayerConfig_t& c, std::string* message) {
+    moonepLayer_t layer = nullptr;
+    moonepEpBuffer_t buf = nullptr;
+    const moonepResult_t r = object == 0 ? moonepLayerCreate(comm_, &c, &layer)
+                                         : moonepEpBufferCreate(comm_, &c, &buf);
+    *message = moonepGetLastError(comm_);
+    if (layer != nullptr) {
+      EXPECT_EQ(moonepLayerDestroy(layer), moonepSuccess);
+    }
+    if (buf != nullptr) {
+      EXPECT_EQ(moonepEpBufferDestroy(buf), moonepSuccess);
+    }
+    return r;
+  }
   // A layer of `c` with weights and gradients bound, and this rank's tensors of the problem drawn
   // from `seed` (a fatal failure inside: test HasFatalFailure()).
   void CreateTrainingLayer(const moonepLayerConfig_t& c, int seed, moonepLayer_t* layer,
@@ -1020,12 +1036,9 @@ TEST_F(CApiTest, HostBuffersThatFitAloneButNotTogetherAreRefusedAtOnce) {
     c.max_inflight = 4;
     if (big) c.max_recv_rows = rows;
     const auto start = std::chrono::steady_clock::now();
-    moonepLayer_t layer = nullptr;
-    moonepEpBuffer_t buf = nullptr;
-    const moonepResult_t r = object == 0 ? moonepLayerCreate(comm_, &c, &layer)
-                                         : moonepEpBufferCreate(comm_, &c, &buf);
-    const std::string message = moonepGetLastError(comm_);
-    EXPECT_EQ(r, big ? moonepOutOfMemory : moonepRemoteError) << message;
+    std::string message;
+    EXPECT_EQ(CreateAndDestroy(object, c, &message), big ? moonepOutOfMemory : moonepRemoteError)
+        << message;
     if (big) {
       EXPECT_NE(message.find("host buffers"), std::string::npos) << message;
     }
@@ -1054,12 +1067,8 @@ TEST_F(CApiTest, HostBuffersOfTheNodesRanksAreCheckedTogether) {
     moonepLayerConfig_t c = Config(moonepPolicyMoonEP);
     c.max_recv_rows = object == 0 ? layer_rows : buffer_rows;
     const auto start = std::chrono::steady_clock::now();
-    moonepLayer_t layer = nullptr;
-    moonepEpBuffer_t buf = nullptr;
-    const moonepResult_t r = object == 0 ? moonepLayerCreate(comm_, &c, &layer)
-                                         : moonepEpBufferCreate(comm_, &c, &buf);
-    const std::string message = moonepGetLastError(comm_);
-    EXPECT_EQ(r, moonepOutOfMemory) << message;
+    std::string message;
+    EXPECT_EQ(CreateAndDestroy(object, c, &message), moonepOutOfMemory) << message;
     std::string ranks;
     for (int i = 0; i < size(); ++i) ranks += (i > 0 ? "," : "") + std::to_string(i);
     EXPECT_NE(message.find("the " + std::to_string(size()) + " ranks on this node (ranks " +
