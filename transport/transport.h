@@ -150,9 +150,8 @@ class DispatchHandle {
     InFlight(const InFlight&) {}
     InFlight& operator=(const InFlight&) { return *this; }
   } counts_in_flight_;
-  int64_t seq_ = -1;  // counts operation this handle belongs to
-  // The number of that count exchange among its transport's count exchanges (mpi: the low bits
-  // go into the tags of the row operations on this handle).
+  // The number of this handle's count exchange among its transport's count exchanges (mpi: the
+  // low bits go into the tags of the row operations on this handle).
   int64_t exchange_no_ = -1;
   absl::Status refusal_;  // RefuseNextCountExchange
   std::vector<int32_t> topk_ids_;

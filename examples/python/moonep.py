@@ -571,31 +571,30 @@ class EpBuffer:
             arrays.append(a)
         return arrays, _ExpertTensors(*(_ptr(a) for a in arrays), _FLOAT32)
 
+    def _rows_call(self, name, function, handle, label, array, rows_in):
+        """A collective call that maps one float32 array to another through the handle's layout:
+        `array` [num_rows][H] -> [T][H] (rows_in) or [T][H] -> [num_rows][H]."""
+        lib = _lib()
+        call = getattr(lib, function)
+        hp = self._handle(name, handle, lambda p: call(self._h, p, None, None))
+        n_in, n_out = (handle.num_rows, handle.tokens) if rows_in else \
+            (handle.tokens, handle.num_rows)
+        out = np.empty((n_out, self.hidden), np.float32)
+        kept = self._collective(name, [(label, array, (n_in, self.hidden))],
+                                lambda p: call(self._h, hp, p, None))
+        self._run(name, function, (kept, out), self._h, hp, kept[0][1], _ptr(out))
+        return out
+
     def combine(self, handle, out_rows):
         """out_rows [num_rows][H], the experts' outputs: y [T][H],
         y[t] = sum_k w[t][k] out(t, k)."""
-        lib = _lib()
-        hp = self._handle("combine", handle,
-                          lambda p: lib.moonepEpCombine(self._h, p, None, None))
-        y = np.empty((handle.tokens, self.hidden), np.float32)
-        kept = self._collective(
-            "combine", [("out_rows", out_rows, (handle.num_rows, self.hidden))],
-            lambda r: lib.moonepEpCombine(self._h, hp, r, None))
-        self._run("combine", "moonepEpCombine", (kept, y), self._h, hp, kept[0][1], _ptr(y))
-        return y
+        return self._rows_call("combine", "moonepEpCombine", handle, "out_rows", out_rows,
+                               rows_in=True)
 
     def combine_backward(self, handle, dy):
         """dy [T][H]: dy_rows [num_rows][H] (unweighted: dy of each row's token)."""
-        lib = _lib()
-        hp = self._handle("combine backward", handle,
-                          lambda p: lib.moonepEpCombineBackward(self._h, p, None, None))
-        dy_rows = np.empty((handle.num_rows, self.hidden), np.float32)
-        kept = self._collective(
-            "combine backward", [("dy", dy, (handle.tokens, self.hidden))],
-            lambda p: lib.moonepEpCombineBackward(self._h, hp, p, None))
-        self._run("combine backward", "moonepEpCombineBackward", (kept, dy_rows), self._h, hp,
-                  kept[0][1], _ptr(dy_rows))
-        return dy_rows
+        return self._rows_call("combine backward", "moonepEpCombineBackward", handle, "dy", dy,
+                               rows_in=False)
 
     def topk_weight_grad(self, handle, dy_rows, out_rows):
         """d topk_weights [T][K]: <dy[t], out(t, k)> from each row's dy and output."""
@@ -613,16 +612,8 @@ class EpBuffer:
 
     def dispatch_backward(self, handle, dx_rows):
         """dx_rows [num_rows][H]: dx [T][H], dx[t] = sum_k dx_rows(t, k)."""
-        lib = _lib()
-        hp = self._handle("dispatch backward", handle,
-                          lambda p: lib.moonepEpDispatchBackward(self._h, p, None, None))
-        dx = np.empty((handle.tokens, self.hidden), np.float32)
-        kept = self._collective(
-            "dispatch backward", [("dx_rows", dx_rows, (handle.num_rows, self.hidden))],
-            lambda r: lib.moonepEpDispatchBackward(self._h, hp, r, None))
-        self._run("dispatch backward", "moonepEpDispatchBackward", (kept, dx), self._h, hp,
-                  kept[0][1], _ptr(dx))
-        return dx
+        return self._rows_call("dispatch backward", "moonepEpDispatchBackward", handle, "dx_rows",
+                               dx_rows, rows_in=True)
 
     def _weights_call(self, name, function, handle, home, replicas, home_written):
         lib = _lib()

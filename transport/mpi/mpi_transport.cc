@@ -255,9 +255,8 @@ class MpiTransport : public Transport {
     return dispatch < 0 ? 0 : static_cast<int>(dispatch % handle_tags_);
   }
   int Channel(MPI_Comm comm) const { return comm == rows_comm_ ? 0 : 1; }
-  // Records the kind of this rank's operation `seq` of `channel`, for CheckCallOrder.
-  // Records the kind of this rank's operation `seq` of `channel` and checks the nudges that
-  // came for it before it started.
+  // Records the kind and dispatch bits of this rank's operation `seq` of `channel` (for
+  // CheckCallOrder) and checks the nudges that came for it before it started.
   void NoteStarted(int channel, int64_t seq, OpKind kind, int dispatch_bits);
   // Sends `peer` a nudge for this rank's operation `seq` of `channel`, of `kind`.
   void SendNudge(int peer, int channel, int64_t seq, OpKind kind, int dispatch_bits);
@@ -313,10 +312,8 @@ class MpiTransport : public Transport {
   MPI_Comm rows_comm_ = MPI_COMM_NULL, weights_comm_ = MPI_COMM_NULL, abort_comm_ = MPI_COMM_NULL;
   int64_t rows_seq_ = 0, weights_seq_ = 0;
   int64_t exchanges_ = 0;  // count exchanges started (each dispatch's number: its tag bits)
-  // Per channel, the kind of this rank's operation of each sequence number mod seqs_per_epoch_
-  // (-1: none yet).
-  // seqs_per_epoch_ entries per channel: {sequence number, kind} of this rank's operation with
-  // that number mod seqs_per_epoch_ (seq -1: none yet).
+  // seqs_per_epoch_ entries per channel: {sequence number, kind, dispatch bits} of this rank's
+  // operation with that number mod seqs_per_epoch_ (seq -1: none yet).
   struct Started {
     int64_t seq = -1;
     int kind = -1;
@@ -1571,7 +1568,6 @@ absl::StatusOr<RequestPtr> MpiTransport::StartExchangeCounts(absl::Span<const in
   }
   handle->exchange_no_ = exchanges_++;
   auto op = std::make_unique<CountsOp>(this, rows_comm_, rows_seq_++, handle);
-  handle->seq_ = rows_seq_ - 1;
   handle->counts_in_flight_.value = true;
   op->OnEnd([handle] { handle->counts_in_flight_.value = false; });
   MOONEP_RETURN_IF_ERROR(op->Begin(

@@ -2240,7 +2240,6 @@ absl::StatusOr<RequestPtr> UcxTransport::StartExchangeCounts(absl::Span<const in
                                      options_);
   }
   auto op = std::make_unique<CountsOp>(this, kRowsChannel, seq_[kRowsChannel]++, handle);
-  handle->seq_ = seq_[kRowsChannel] - 1;
   handle->counts_in_flight_.value = true;
   op->OnEnd([handle] { handle->counts_in_flight_.value = false; });
   MOONEP_RETURN_IF_ERROR(op->Begin(
