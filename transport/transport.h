@@ -150,8 +150,9 @@ class DispatchHandle {
     InFlight(const InFlight&) {}
     InFlight& operator=(const InFlight&) { return *this; }
   } counts_in_flight_;
-  // The number of this handle's count exchange among its transport's count exchanges (mpi: the
-  // low bits go into the tags of the row operations on this handle).
+  // The number of this handle's count exchange among its transport's count exchanges, so that a
+  // call on another dispatch's handle is found (mpi: the low bits go into the tags of the row
+  // operations on this handle; ucx: their control messages carry it).
   int64_t exchange_no_ = -1;
   absl::Status refusal_;  // RefuseNextCountExchange
   std::vector<int32_t> topk_ids_;

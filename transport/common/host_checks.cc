@@ -131,14 +131,15 @@ absl::Status CallOrderError(const char* channel, int64_t seq, int me, OpKind min
   return s;
 }
 
-absl::Status DispatchOrderError(int64_t seq, int me, OpKind kind, int peer, int mine_bits,
-                                int theirs_bits, int modulus) {
+absl::Status DispatchOrderError(int64_t seq, int me, OpKind kind, int peer, int64_t mine_bits,
+                                int64_t theirs_bits, int64_t modulus) {
+  const std::string mod = modulus > 0 ? absl::StrCat(" mod ", modulus) : std::string();
   absl::Status s = InvalidUsage(
       "%s: rank %d called %s on the handle of another dispatch than rank %d (row operation %d of "
-      "this transport: rank %d's dispatch is count exchange %d mod %d of the transport, rank %d's "
+      "this transport: rank %d's dispatch is count exchange %d%s of the transport, rank %d's "
       "%d): every rank must make the same calls on the same dispatch's handles in the same order; "
       "the transport is unusable",
-      OpName(kind), peer, OpName(kind), me, seq, me, mine_bits, modulus, peer, theirs_bits);
+      OpName(kind), peer, OpName(kind), me, seq, me, mine_bits, mod, peer, theirs_bits);
   s.SetPayload(kCallOrderPayload, absl::Cord("1"));
   return s;
 }

@@ -74,10 +74,11 @@ bool IsGaveUpNotice(int64_t code);
 absl::Status CallOrderError(const char* channel, int64_t seq, int me, OpKind mine, int peer,
                             OpKind theirs);
 // Ranks that made row operation `seq` the same call on the handles of different dispatches: this
-// rank `me` on the dispatch whose count exchange is the transport's `mine_bits`-th mod `modulus`,
-// rank `peer` on the `theirs_bits`-th. InvalidUsage, marked as CallOrderError's.
-absl::Status DispatchOrderError(int64_t seq, int me, OpKind kind, int peer, int mine_bits,
-                                int theirs_bits, int modulus);
+// rank `me` on the dispatch whose count exchange is the transport's `mine_bits`-th mod `modulus`
+// (modulus 0: the whole number), rank `peer` on the `theirs_bits`-th. InvalidUsage, marked as
+// CallOrderError's.
+absl::Status DispatchOrderError(int64_t seq, int me, OpKind kind, int peer, int64_t mine_bits,
+                                int64_t theirs_bits, int64_t modulus);
 
 // A 2-D contiguous matrix of fp32 or bf16 in memory of `device` (as its TensorView says; a device
 // backend also checks the pointer itself) with at least max(min_rows, 0) rows and `cols` columns

@@ -75,7 +75,12 @@ struct MsgHeader {
   int32_t from;
   int32_t aux;  // abort: AbortCode; an operation's message: its OpKind + 1 (call-order check)
   int64_t seq;  // op sequence; drop-key: the region id
+  // An operation on a dispatch's handle: the number of that dispatch's count exchange among the
+  // transport's (DispatchHandle::exchange_no_), so that a call on another dispatch's handle is
+  // found (call-order check); -1 otherwise.
+  int64_t dispatch;
 };
+static_assert(sizeof(MsgHeader) == 32, "MsgHeader is sent as bytes, without padding");
 
 // A receiver's "ready" message: where a sender may write in this operation.
 struct ReadyHeader {
@@ -166,7 +171,9 @@ class UcxTransport;
 // buffers, and it waits for its own puts to complete (a flush per destination).
 class UcxOp : public Request {
  public:
-  UcxOp(UcxTransport* transport, OpKind kind, int channel, int64_t seq);
+  // `dispatch`: the handle's DispatchHandle::exchange_no_ for an operation on a dispatch's handle
+  // (its messages carry it), -1 otherwise.
+  UcxOp(UcxTransport* transport, OpKind kind, int channel, int64_t seq, int64_t dispatch = -1);
   ~UcxOp() override;
   absl::StatusOr<bool> Test() override;
   absl::Status Wait() override;
@@ -212,6 +219,7 @@ class UcxOp : public Request {
   OpKind kind_;
   int channel_;
   int64_t seq_;
+  int64_t dispatch_;
   int me_;
   OpCounters counters_;
 
@@ -310,8 +318,9 @@ class UcxTransport : public Transport {
   // One ucp_worker_progress for every operation and peer, then completed sends are reaped.
   void Progress();
   // Sends a control message; *id (if given) names it for MessagePending (0: already complete).
+  // `dispatch`: see MsgHeader (-1 where no dispatch's handle is involved).
   absl::Status SendMessage(int peer, int32_t type, int channel, int64_t seq, int32_t aux,
-                           std::vector<char> payload, uint64_t* id = nullptr);
+                           int64_t dispatch, std::vector<char> payload, uint64_t* id = nullptr);
   bool MessagePending(uint64_t id) const {
     for (const Outgoing& o : outbox_) {
       if (o.id == id) return true;
@@ -362,11 +371,15 @@ class UcxTransport : public Transport {
   void OpStarted() { ++ops_in_flight_[0]; }
   void OpEnded() { --ops_in_flight_[0]; }
   void ChannelEnter(int channel, int64_t seq) { channel_seqs_[channel].insert(seq); }
-  // Records this rank's operation `seq` of `channel` as a `kind`, and checks the messages of that
-  // operation that arrived before it started (CheckCallOrder).
-  void NoteStarted(int channel, int64_t seq, OpKind kind);
-  // A peer's message of operation `seq` whose kind differs from this rank's operation `seq`:
-  // the ranks called different operations. Kept until an operation fails with it.
+  // Records this rank's operation `seq` of `channel` as a `kind` on dispatch `dispatch` (-1:
+  // none), and checks the messages of that operation that arrived before it started
+  // (CheckCallOrder).
+  void NoteStarted(int channel, int64_t seq, OpKind kind, int64_t dispatch);
+  // Numbers a count exchange among this transport's (DispatchHandle::exchange_no_).
+  int64_t NextExchange() { return exchanges_++; }
+  // A peer's message of operation `seq` whose kind or dispatch differs from this rank's operation
+  // `seq`: the ranks called different operations, or one on the handles of different dispatches.
+  // Kept until an operation fails with it.
   absl::Status call_order_error() const { return call_order_error_; }
   // Whether this rank started operation `seq` of `channel` (recently: kKindHistory back).
   bool Started(int channel, int64_t seq) const {
@@ -437,20 +450,25 @@ class UcxTransport : public Transport {
   std::vector<ucp_rkey_h> signal_rkeys_;
   // Control messages that arrived, by (channel, seq, from, type).
   std::map<std::tuple<int, int64_t, int, int32_t>, std::vector<char>> inbox_;
-  // The kind (OpKind + 1) each of those messages came with.
-  std::map<std::tuple<int, int64_t, int, int32_t>, int32_t> inbox_kinds_;
-  // The kind of this rank's recent operations per channel, by sequence number mod
-  // kKindHistory: {seq, kind}. Operations in flight together are fewer than kSignalDepth apart.
+  // The call each of those messages came from: its kind (OpKind + 1) and dispatch (MsgHeader).
+  struct Call {
+    int32_t kind = -1;
+    int64_t dispatch = -1;
+  };
+  std::map<std::tuple<int, int64_t, int, int32_t>, Call> inbox_kinds_;
+  // This rank's recent operations per channel, by sequence number mod kKindHistory. Operations
+  // in flight together are fewer than kSignalDepth apart.
   static constexpr int64_t kKindHistory = 2 * kSignalDepth;
   struct StartedOp {
     int64_t seq = -1;
-    int32_t kind = -1;
+    Call call;
   };
   std::array<std::array<StartedOp, kKindHistory>, kChannels> started_{};
+  int64_t exchanges_ = 0;  // count exchanges started (NextExchange)
   absl::Status call_order_error_;
-  // Sets call_order_error_ (the first one) when a message of `theirs` (OpKind + 1) from `from`
-  // belongs to this rank's operation `seq` of another kind.
-  void CheckCallOrder(int channel, int64_t seq, int from, int32_t theirs);
+  // Sets call_order_error_ (the first one) when a message of `theirs` from `from` belongs to this
+  // rank's operation `seq` of another kind, or of the same kind on another dispatch's handle.
+  void CheckCallOrder(int channel, int64_t seq, int from, const Call& theirs);
   std::vector<Outgoing> outbox_;
   uint64_t next_message_id_ = 1;
   std::vector<Region> regions_;
@@ -474,11 +492,12 @@ class UcxTransport : public Transport {
 // ---------------------------------------------------------------------------------------------
 // UcxOp
 
-UcxOp::UcxOp(UcxTransport* transport, OpKind kind, int channel, int64_t seq)
+UcxOp::UcxOp(UcxTransport* transport, OpKind kind, int channel, int64_t seq, int64_t dispatch)
     : transport_(transport),
       kind_(kind),
       channel_(channel),
       seq_(seq),
+      dispatch_(dispatch),
       me_(transport->rank()),
       deadline_(Clock::now() + std::chrono::milliseconds(transport->timeout_ms())),
       nudge_at_(Clock::now() + kNudgeAfter),
@@ -487,7 +506,7 @@ UcxOp::UcxOp(UcxTransport* transport, OpKind kind, int channel, int64_t seq)
   signal_value_ = static_cast<uint64_t>(seq + 1);
   transport_->OpStarted();
   transport_->ChannelEnter(channel_, seq_);
-  transport_->NoteStarted(channel_, seq_, kind_);
+  transport_->NoteStarted(channel_, seq_, kind_, dispatch_);
 }
 
 UcxOp::~UcxOp() {
@@ -552,7 +571,7 @@ absl::Status UcxOp::SendTracked(int peer, int32_t type, std::vector<char> payloa
   uint64_t id = 0;
   MOONEP_RETURN_IF_ERROR(
       transport_->SendMessage(peer, type, channel_, seq_, static_cast<int32_t>(kind_) + 1,
-                              std::move(payload), &id));
+                              dispatch_, std::move(payload), &id));
   if (id != 0) sent_.push_back(Sent{peer, id});
   return absl::OkStatus();
 }
@@ -746,7 +765,7 @@ absl::StatusOr<bool> UcxOp::Test() {
       if (std::find(told.begin(), told.end(), a.peer) != told.end()) continue;
       told.push_back(a.peer);
       absl::Status s = transport_->SendMessage(a.peer, kMsgWaiting, channel_, seq_,
-                                               static_cast<int32_t>(kind_) + 1, {});
+                                               static_cast<int32_t>(kind_) + 1, dispatch_, {});
       if (!s.ok()) return Fail(s);
     }
   }
@@ -814,7 +833,7 @@ class DoneRequest : public Request {
 class CountsOp : public UcxOp {
  public:
   CountsOp(UcxTransport* t, int channel, int64_t seq, DispatchHandle* handle)
-      : UcxOp(t, OpKind::kCounts, channel, seq), handle_(handle) {}
+      : UcxOp(t, OpKind::kCounts, channel, seq, handle->exchange_no_), handle_(handle) {}
 
   absl::Status Start(absl::Status local, absl::Span<const int32_t> ids, int64_t T, int32_t K,
                      int32_t E, int64_t capacity) {
@@ -877,7 +896,7 @@ class CountsOp : public UcxOp {
 class DispatchOp : public UcxOp {
  public:
   DispatchOp(UcxTransport* t, OpKind kind, int channel, int64_t seq, DispatchHandle* h)
-      : UcxOp(t, kind, channel, seq), h_(h) {}
+      : UcxOp(t, kind, channel, seq, h->exchange_no_), h_(h) {}
 
   absl::Status Start(const TensorView& x, const TensorView& rows, float* weights) {
     forward_ = kind_ == OpKind::kDispatch;
@@ -1045,7 +1064,7 @@ class DispatchOp : public UcxOp {
 class CombineOp : public UcxOp {
  public:
   CombineOp(UcxTransport* t, OpKind kind, int channel, int64_t seq, DispatchHandle* h)
-      : UcxOp(t, kind, channel, seq), h_(h) {}
+      : UcxOp(t, kind, channel, seq, h->exchange_no_), h_(h) {}
 
   absl::Status Start(const TensorView& rows, const TensorView& y) {
     const SendLayout& send = h_->send_;
@@ -1151,7 +1170,7 @@ class CombineOp : public UcxOp {
 class TopkWeightGradOp : public UcxOp {
  public:
   TopkWeightGradOp(UcxTransport* t, int channel, int64_t seq, DispatchHandle* h)
-      : UcxOp(t, OpKind::kTopkWeightGrad, channel, seq), h_(h) {}
+      : UcxOp(t, OpKind::kTopkWeightGrad, channel, seq, h->exchange_no_), h_(h) {}
 
   absl::Status Start(const TensorView& dy_rows, const TensorView& out_rows, float* dw) {
     const SendLayout& send = h_->send_;
@@ -1564,15 +1583,16 @@ ucs_status_t UcxTransport::OnActiveMessage(void* arg, const void* header, size_t
       break;
   }
   if (h.channel < 0 || h.channel >= kChannels) return UCS_OK;
+  const Call call{h.aux, h.dispatch};
   if (h.type == kMsgWaiting && t->Started(h.channel, h.seq)) {
-    t->CheckCallOrder(h.channel, h.seq, h.from, h.aux);
+    t->CheckCallOrder(h.channel, h.seq, h.from, call);
     return UCS_OK;  // kept (below) only for an operation not started here yet
   }
   const auto key =
       std::make_tuple(static_cast<int>(h.channel), h.seq, static_cast<int>(h.from), h.type);
   t->inbox_[key] = std::vector<char>(bytes, bytes + length);
-  t->inbox_kinds_[key] = h.aux;
-  t->CheckCallOrder(h.channel, h.seq, h.from, h.aux);
+  t->inbox_kinds_[key] = call;
+  t->CheckCallOrder(h.channel, h.seq, h.from, call);
   return UCS_OK;
 }
 
@@ -1976,7 +1996,8 @@ void UcxTransport::DestroyDroppedKeys() {
 }
 
 absl::Status UcxTransport::SendMessage(int peer, int32_t type, int channel, int64_t seq,
-                                       int32_t aux, std::vector<char> payload, uint64_t* id) {
+                                       int32_t aux, int64_t dispatch, std::vector<char> payload,
+                                       uint64_t* id) {
   if (id) *id = 0;
   auto bytes = std::make_unique<std::vector<char>>(sizeof(MsgHeader) + payload.size());
   MsgHeader h;
@@ -1986,6 +2007,7 @@ absl::Status UcxTransport::SendMessage(int peer, int32_t type, int channel, int6
   h.from = rank_;
   h.aux = aux;
   h.seq = seq;
+  h.dispatch = dispatch;
   std::memcpy(bytes->data(), &h, sizeof(h));
   if (!payload.empty()) std::memcpy(bytes->data() + sizeof(h), payload.data(), payload.size());
   ucp_request_param_t param;
@@ -2015,9 +2037,9 @@ bool UcxTransport::TakeMessage(int channel, int64_t seq, int from, int32_t type,
   return true;
 }
 
-void UcxTransport::NoteStarted(int channel, int64_t seq, OpKind kind) {
+void UcxTransport::NoteStarted(int channel, int64_t seq, OpKind kind, int64_t dispatch) {
   started_[channel][static_cast<size_t>(seq % kKindHistory)] =
-      StartedOp{seq, static_cast<int32_t>(kind) + 1};
+      StartedOp{seq, Call{static_cast<int32_t>(kind) + 1, dispatch}};
   for (auto it = inbox_kinds_.lower_bound(std::make_tuple(channel, seq, -1, 0));
        it != inbox_kinds_.end() && std::get<0>(it->first) == channel &&
        std::get<1>(it->first) == seq;
@@ -2026,16 +2048,22 @@ void UcxTransport::NoteStarted(int channel, int64_t seq, OpKind kind) {
   }
 }
 
-void UcxTransport::CheckCallOrder(int channel, int64_t seq, int from, int32_t theirs) {
-  if (!call_order_error_.ok() || theirs <= 0 || theirs > static_cast<int32_t>(OpKind::kNumKinds) ||
-      seq < 0) {
+void UcxTransport::CheckCallOrder(int channel, int64_t seq, int from, const Call& theirs) {
+  if (!call_order_error_.ok() || theirs.kind <= 0 ||
+      theirs.kind > static_cast<int32_t>(OpKind::kNumKinds) || seq < 0) {
     return;
   }
   const StartedOp& mine = started_[channel][static_cast<size_t>(seq % kKindHistory)];
-  if (mine.seq != seq || mine.kind == theirs) return;  // not started here yet, or the same call
-  call_order_error_ = common::CallOrderError(
-      channel == kRowsChannel ? "row" : "weight", seq, rank_, static_cast<OpKind>(mine.kind - 1),
-      from, static_cast<OpKind>(theirs - 1));
+  if (mine.seq != seq) return;  // not started here yet
+  const OpKind kind = static_cast<OpKind>(mine.call.kind - 1);
+  if (mine.call.kind != theirs.kind) {
+    call_order_error_ =
+        common::CallOrderError(channel == kRowsChannel ? "row" : "weight", seq, rank_, kind, from,
+                               static_cast<OpKind>(theirs.kind - 1));
+  } else if (mine.call.dispatch != theirs.dispatch) {
+    call_order_error_ = common::DispatchOrderError(seq, rank_, kind, from, mine.call.dispatch,
+                                                   theirs.dispatch, /*modulus=*/0);
+  }
 }
 
 void UcxTransport::DropMessages(int channel, int64_t seq) {
@@ -2097,7 +2125,7 @@ void UcxTransport::DropRegion(size_t i) {
   Region& r = regions_[i];
   for (int p = 0; p < size_; ++p) {
     if (r.peer_has_key[p]) {
-      SendMessage(p, kMsgDropKey, 0, static_cast<int64_t>(r.id), 0, {}).IgnoreError();
+      SendMessage(p, kMsgDropKey, 0, static_cast<int64_t>(r.id), 0, -1, {}).IgnoreError();
     }
   }
   ucp_mem_unmap(context_, r.memh);
@@ -2173,7 +2201,8 @@ absl::Status UcxTransport::AbortPeers(OpKind kind, absl::Status status) {
   if (closed_) return status;  // no endpoints left to tell the peers through
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
-    SendMessage(r, kMsgAbort, 0, 0, static_cast<int32_t>(common::AbortCode(kind, status)), {})
+    SendMessage(r, kMsgAbort, 0, 0, static_cast<int32_t>(common::AbortCode(kind, status)),
+                /*dispatch=*/-1, {})
         .IgnoreError();
   }
   // Push the notices out now: the caller may not call into the transport again until Close (a
@@ -2239,6 +2268,7 @@ absl::StatusOr<RequestPtr> UcxTransport::StartExchangeCounts(absl::Span<const in
     local = common::CheckCountsInput(topk_ids, num_tokens, top_k, num_experts, recv_capacity_rows,
                                      options_);
   }
+  handle->exchange_no_ = NextExchange();
   auto op = std::make_unique<CountsOp>(this, kRowsChannel, seq_[kRowsChannel]++, handle);
   handle->counts_in_flight_.value = true;
   op->OnEnd([handle] { handle->counts_in_flight_.value = false; });

@@ -24,9 +24,10 @@
  *     that makes another call than its peers at one point (two backwards in another order, a
  *     combine where they dispatch-backward) fails with moonepInvalidUsage naming both calls, its
  *     peers with moonepRemoteError; over nccl that is not detected, and handles of different
- *     dispatches where the row counts agree are detected over mpi only, in the row calls, for
- *     dispatches less than 16 apart (otherwise those compute on the wrong rows). A bad
- *     argument on one rank fails that call on every rank: the others get
+ *     dispatches where the row counts agree are detected over mpi and ucx, in the row calls
+ *     (over mpi for dispatches less than 16 apart); where not detected (nccl, mpi 16 apart,
+ *     prefetch and reduce, which take no handle) they compute on the wrong rows. A
+ *     bad argument on one rank fails that call on every rank: the others get
  *     moonepRemoteError naming it, at once (over nccl, after a call that begins with an exchange
  *     - creation, forward, dispatch - only; its other calls' peers fail with moonepTimeout after
  *     MOONEP_TIMEOUT_MS). A rank that times out tells its peers too (mpi, ucx): a late rank's
@@ -344,8 +345,8 @@ MOONEP_API moonepResult_t moonepLayerGetMemory(moonepLayer_t layer, size_t* laye
  *
  * [collective] calls are made by every rank, on the handles of the same dispatch, in the same
  * order (as NCCL's collectives are): a handle of another dispatch on one rank is detected over
- * mpi in the row calls (not 16 dispatches apart, not in prefetch and reduce), not over ucx or
- * nccl when the row counts match; another call is, over mpi and ucx
+ * mpi and ucx in the row calls (over mpi not 16 dispatches apart; not in prefetch and reduce),
+ * not over nccl when the row counts match; another call is, over mpi and ucx
  * (moonepInvalidUsage naming both calls, moonepRemoteError on the peers). moonepEpDispatch's
  * local errors are agreed in its count exchange (every rank fails it, the buffer stays usable;
  * over mpi and ucx the peers' message gives the rank's reason). A local error in a later
