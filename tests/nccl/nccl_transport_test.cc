@@ -9,11 +9,13 @@
 #include "transport/nccl/nccl_transport.h"
 
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -1024,6 +1026,74 @@ TEST_F(NcclTest, BadEnvironmentOnOneRankFailsCreationEverywhere) {
   moonep::testing::ExpectBadEnvironmentFailsEverywhere(
       rank(), bad_rank, [&] { return CreateTransport("nccl", o).status(); });
   MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// The caller's own communicator (kWrap, what moonepCommSetNcclComm passes) carries the rows. A
+// failure that aborts the pair revokes it (ncclCommRevoke: nothing of MoonEP's stays blocked on
+// it) instead of aborting it: the error and every later call say what became of it, and it stays
+// the caller's to destroy. Before, ncclCommAbort freed it, and the caller's own ncclCommDestroy
+// touched freed memory. A second wrapped transport on a fresh communicator works afterwards. A
+// libnccl without ncclCommRevoke (2.28.9 has it; the GPU machine's 2.28 did not) gets the abort,
+// and the message must say that the communicator is freed; it is then not touched again.
+TEST_F(NcclTest, CallersCommunicatorIsRevokedNotFreedByAFailure) {
+  const bool has_revoke = dlsym(RTLD_DEFAULT, "ncclCommRevoke") != nullptr;
+  int version = 0;
+  ncclGetVersion(&version);
+  std::printf("libnccl %d, ncclCommRevoke %s\n", version, has_revoke ? "found" : "absent");
+  const std::string fate = has_revoke
+                               ? "caller's NCCL communicator was revoked (ncclCommRevoke"
+                               : "caller's NCCL communicator was aborted (ncclCommAbort, as this "
+                                 "libnccl has no ncclCommRevoke): it is freed";
+  for (int round = 0; round < 2; ++round) {
+    ncclUniqueId id{};
+    if (rank() == 0) {
+      ASSERT_EQ(ncclGetUniqueId(&id), ncclSuccess);
+    }
+    MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, MPI_COMM_WORLD);
+    ncclComm_t mine = nullptr;
+    ASSERT_EQ(ncclCommInitRank(&mine, size(), id, rank()), ncclSuccess);
+    {
+      nccl::NcclBootstrap b;
+      b.kind = nccl::NcclBootstrap::Kind::kWrap;
+      b.comm = mine;
+      TransportOptions o;
+      o.max_tokens = 4;
+      o.max_top_k = 1;
+      o.max_row_bytes = 4;
+      auto t = nccl::CreateNcclTransport(o, b);
+      ASSERT_TRUE(t.ok()) << t.status();
+      const int32_t E = size();
+      DeviceVector<int32_t> ids(std::vector<int32_t>{rank()});
+      DispatchHandle h;
+      absl::Status st = (*t)->ExchangeCounts(ids.span(), 1, 1, E, 4, &h);
+      ASSERT_TRUE(st.ok()) << st;
+      for (int32_t r = 0; r < size(); ++r) EXPECT_EQ(h.counts()[r * E + r], 1);
+      // Round 0: a local error once the transport has worked aborts the pair (every rank makes
+      // it here). Round 1: no failure; the transport goes, the communicator stays.
+      if (round == 0) {
+        DeviceVector<float> rows(4), y(1);
+        st = (*t)->Combine(nullptr, rows.Matrix(4, 1), y.Matrix(1, 1));
+        EXPECT_EQ(ToResult(st), moonepInvalidArgument) << st;
+        EXPECT_NE(std::string(st.message()).find("handle is null"), std::string::npos) << st;
+        EXPECT_NE(std::string(st.message()).find(fate), std::string::npos) << st;
+        absl::Status later = (*t)->ExchangeCounts(ids.span(), 1, 1, E, 4, &h);
+        EXPECT_EQ(ToResult(later), moonepInvalidUsage) << later;
+        EXPECT_NE(std::string(later.message()).find(fate), std::string::npos) << later;
+      }
+    }
+    if (round == 0 && !has_revoke) {  // freed by the abort: not the caller's to destroy any more
+      MPI_Barrier(MPI_COMM_WORLD);
+      continue;
+    }
+    // Still the caller's object: its state can be read, and it is destroyed by the caller.
+    ncclResult_t state = ncclInternalError;
+    EXPECT_EQ(ncclCommGetAsyncError(mine, &state), ncclSuccess);
+    int count = 0;
+    EXPECT_EQ(ncclCommCount(mine, &count), ncclSuccess);
+    EXPECT_EQ(count, size());
+    EXPECT_EQ(ncclCommDestroy(mine), ncclSuccess);
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
 }
 
 TEST_F(NcclTest, CommunicatorFromAUniqueId) {

@@ -1,5 +1,6 @@
 #include "transport/nccl/nccl_transport.h"
 
+#include <dlfcn.h>
 #include <mpi.h>
 
 #include <algorithm>
@@ -16,6 +17,8 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/cord.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "moonep/compute/cuda/cuda_check.h"
@@ -80,6 +83,75 @@ void AbortBounded(ncclComm_t comm, std::chrono::milliseconds bound) {
     MOONEP_WARN("transport nccl: ncclCommAbort did not return within %d ms; the communicator is "
                 "left behind", static_cast<int64_t>(bound.count()));
   }
+}
+
+// ncclCommRevoke (NCCL 2.28 and later), looked up at run time in the libnccl that ncclCommAbort
+// comes from, so that a libnccl without it still loads. Null where it has none.
+using RevokeFn = ncclResult_t (*)(ncclComm_t, int);
+RevokeFn FindRevoke() {
+  static const RevokeFn fn = []() -> RevokeFn {
+    void* sym = nullptr;
+    Dl_info info{};
+    if (dladdr(reinterpret_cast<void*>(&ncclCommAbort), &info) != 0 && info.dli_fname != nullptr) {
+      if (void* lib = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD)) {
+        sym = dlsym(lib, "ncclCommRevoke");
+        dlclose(lib);  // RTLD_NOLOAD took a reference to a library that stays loaded
+      }
+    }
+    if (sym == nullptr) sym = dlsym(RTLD_DEFAULT, "ncclCommRevoke");
+    return reinterpret_cast<RevokeFn>(sym);
+  }();
+  return fn;
+}
+
+// Stops the operations in flight on the caller's communicator (kWrap) so that no kernel stays
+// blocked, and leaves the communicator to the caller: ncclCommRevoke, then its state polled until
+// it is quiescent, at most `bound` (as AbortBounded). ncclCommAbort would free it under the
+// caller, whose own ncclCommDestroy would then touch freed memory; it is the fallback only where
+// this libnccl has no ncclCommRevoke. Returns the sentence for the error message that tells the
+// caller what became of its communicator.
+std::string StopCallersComm(ncclComm_t comm, std::chrono::milliseconds bound) {
+  const RevokeFn revoke = FindRevoke();
+  if (revoke == nullptr) {
+    AbortBounded(comm, bound);
+    return "the caller's NCCL communicator was aborted (ncclCommAbort, as this libnccl has no "
+           "ncclCommRevoke): it is freed, do not use or destroy it";
+  }
+  auto done = std::make_shared<std::atomic<bool>>(false);
+  const Clock::time_point until = Clock::now() + bound;
+  std::thread revoker([comm, done, revoke, until] {
+    if (revoke(comm, /*NCCL_REVOKE_DEFAULT*/ 0) == ncclSuccess) {
+      ncclResult_t state = ncclInProgress;
+      while (ncclCommGetAsyncError(comm, &state) == ncclSuccess && state == ncclInProgress &&
+             Clock::now() < until) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    }
+    done->store(true);
+  });
+  while (!done->load() && Clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  if (done->load()) {
+    revoker.join();
+  } else {
+    revoker.detach();
+    MOONEP_WARN("transport nccl: ncclCommRevoke of the caller's communicator did not end within "
+                "%d ms", static_cast<int64_t>(bound.count()));
+  }
+  return "the caller's NCCL communicator was revoked (ncclCommRevoke: its operations in flight "
+         "stopped; it takes no new ones): it stays the caller's to destroy (ncclCommDestroy) or "
+         "shrink";
+}
+
+// `status` with `note` after its message (same code and payloads).
+absl::Status WithNote(const absl::Status& status, absl::string_view note) {
+  if (status.ok() || note.empty()) return status;
+  absl::Status noted(status.code(), absl::StrCat(status.message(), "; ", note));
+  status.ForEachPayload([&](absl::string_view url, const absl::Cord& payload) {
+    noted.SetPayload(url, payload);
+  });
+  return noted;
 }
 
 // Keeps the first error of the calls inside an NCCL group (the group must still be ended).
@@ -272,8 +344,10 @@ class NcclComms {
   NcclComms(const NcclComms&) = delete;
   NcclComms& operator=(const NcclComms&) = delete;
 
-  // Aborts both communicators (bounded) and marks the pair unusable for every transport on it.
-  void Abort(const absl::Status& status);
+  // Aborts both communicators (bounded; the caller's, kWrap, is revoked instead: StopCallersComm)
+  // and marks the pair unusable for every transport on it. Returns `status`, with what became of
+  // the caller's communicator after it where this call stopped it: the status to report.
+  absl::Status Abort(const absl::Status& status);
 
   int32_t rank = 0, size = 1;
   int device = 0;
@@ -295,7 +369,8 @@ class NcclComms {
 
  private:
   NcclComms() = default;
-  absl::Status MakeWeightsComm(ncclConfig_t config, Clock::time_point deadline);
+  // `rows_busy`: set while the id's broadcast may still be queued on `rows` (a failure then).
+  absl::Status MakeWeightsComm(ncclConfig_t config, Clock::time_point deadline, bool* rows_busy);
 };
 
 namespace {
@@ -420,8 +495,8 @@ class NcclTransportImpl : public NcclTransport {
   // Shared with ops.
   absl::Status Usable() const;
   // Aborts the communicators (a stuck peer, an NCCL error, a local failure after work was
-  // posted) and makes the transport unusable.
-  void Abort(const absl::Status& status);
+  // posted) and makes the transport unusable. Returns the status to report (NcclComms::Abort).
+  absl::Status Abort(const absl::Status& status);
   absl::Status PollAsyncErrors() const;
   void AddCounters(OpKind kind, const OpCounters& c);
   // NCCL needs the same order of operations on a communicator on every rank. Ops with several
@@ -653,10 +728,9 @@ absl::Status NcclOp::Wait() {
 absl::Status NcclOp::Fail(absl::Status status) {
   if (done_) return status_;
   done_ = true;
-  status_ = status;
-  transport_->Abort(status);
+  status_ = transport_->Abort(status);
   Landed();  // the pair is aborted: no Start reaches FreeRetired again
-  return status;
+  return status_;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -759,7 +833,7 @@ absl::StatusOr<std::shared_ptr<NcclComms>> NcclComms::Create(const TransportOpti
     c->rows = base;  // owned from here on (the destructor frees or aborts it)
     absl::Status s = WaitComm(base, deadline, "NCCL communicator creation");
     if (!s.ok()) {
-      c->Abort(s);
+      c->Abort(s).IgnoreError();  // MoonEP's own communicator: nothing to add
       return Annotate(
           s, absl::StrFormat("NCCL transport rank %d of %d on GPU %d", rank, size, c->device));
     }
@@ -772,11 +846,14 @@ absl::StatusOr<std::shared_ptr<NcclComms>> NcclComms::Create(const TransportOpti
   // returned no communicator with NCCL 2.28 on the GPU machine), so every bootstrap, a wrapped
   // communicator included, works the same way and every step has the deadline.
   {
-    absl::Status s = c->MakeWeightsComm(config, deadline);
+    bool rows_busy = false;
+    absl::Status s = c->MakeWeightsComm(config, deadline, &rows_busy);
     if (!s.ok()) {
-      if (!c->owns_rows) c->rows = nullptr;  // the caller's: left as it was
-      c->Abort(s);
-      return s;
+      // A wrapped communicator is left as it was, unless the broadcast may be stuck on it: then
+      // it is revoked (not freed; the message says so).
+      if (!c->owns_rows && !rows_busy) c->rows = nullptr;
+      return c->Abort(Annotate(
+          s, absl::StrFormat("NCCL transport rank %d of %d on GPU %d", rank, size, c->device)));
     }
   }
   log::SetRank(rank);
@@ -785,7 +862,8 @@ absl::StatusOr<std::shared_ptr<NcclComms>> NcclComms::Create(const TransportOpti
   return c;
 }
 
-absl::Status NcclComms::MakeWeightsComm(ncclConfig_t config, Clock::time_point deadline) {
+absl::Status NcclComms::MakeWeightsComm(ncclConfig_t config, Clock::time_point deadline,
+                                        bool* rows_busy) {
   struct Wire {
     ncclUniqueId id;
     int32_t made;
@@ -801,13 +879,17 @@ absl::Status NcclComms::MakeWeightsComm(ncclConfig_t config, Clock::time_point d
                                   "cudaMemcpy (weights id)");
   }
   if (s.ok()) {
+    *rows_busy = true;
     s = NcclStatus(ncclBroadcast(dev, dev, sizeof(Wire), ncclUint8, 0, rows, stream),
                    "ncclBroadcast (weights communicator id)");
   }
   if (s.ok()) s = WaitComm(rows, deadline, "ncclBroadcast (weights communicator id)");
   while (s.ok()) {  // the broadcast itself, bounded by the deadline
     const cudaError_t q = cudaStreamQuery(stream);
-    if (q == cudaSuccess) break;
+    if (q == cudaSuccess) {
+      *rows_busy = false;  // the broadcast is done: nothing of it is left on `rows`
+      break;
+    }
     if (q != cudaErrorNotReady) {
       s = compute::cuda::CudaStatus(q, "ncclBroadcast (weights communicator id)");
     } else if (Clock::now() >= deadline) {
@@ -836,19 +918,27 @@ absl::Status NcclComms::MakeWeightsComm(ncclConfig_t config, Clock::time_point d
   return WaitComm(weights, deadline, "NCCL weights communicator creation");
 }
 
-void NcclComms::Abort(const absl::Status& status) {
-  if (poisoned.ok()) {
-    poisoned = status;
-    MOONEP_WARN("transport nccl: aborting the communicators after: %s",
-                std::string(status.message()));
-  }
+absl::Status NcclComms::Abort(const absl::Status& status) {
   // ncclCommAbort makes the communicators' kernels return, so the streams drain. A wrapped
-  // communicator is aborted too: left alone it would keep the caller's stream blocked forever.
-  // Bounded: see AbortBounded.
-  AbortBounded(weights, std::chrono::milliseconds(timeout_ms));
+  // communicator is revoked: left alone it would keep the caller's stream blocked forever, and
+  // aborted it would be freed under the caller. Bounded: see AbortBounded.
+  const std::chrono::milliseconds bound(timeout_ms);
+  AbortBounded(weights, bound);
   weights = nullptr;
-  AbortBounded(rows, std::chrono::milliseconds(timeout_ms));
+  std::string note;
+  if (rows != nullptr && !owns_rows) {
+    note = StopCallersComm(rows, bound);
+  } else {
+    AbortBounded(rows, bound);
+  }
   rows = nullptr;
+  const absl::Status reported = WithNote(status, note);
+  if (poisoned.ok()) {
+    poisoned = reported;
+    MOONEP_WARN("transport nccl: aborted the communicators after: %s",
+                std::string(reported.message()));
+  }
+  return reported;
 }
 
 NcclComms::~NcclComms() {
@@ -935,7 +1025,7 @@ NcclTransportImpl::~NcclTransportImpl() {
     }
   }
   cudaGetLastError();
-  if (!drained) Abort(Timeout("NCCL transport destroyed with work still queued"));
+  if (!drained) Abort(Timeout("NCCL transport destroyed with work still queued")).IgnoreError();
   states_.clear();
   if (caller_ready_) cudaEventDestroy(caller_ready_);
   if (rows_stream_) cudaStreamDestroy(rows_stream_);
@@ -956,15 +1046,13 @@ absl::Status NcclTransportImpl::Usable() const {
   return absl::OkStatus();
 }
 
-void NcclTransportImpl::Abort(const absl::Status& status) {
-  if (poisoned_.ok()) poisoned_ = status;
-  comms_->Abort(status);
+absl::Status NcclTransportImpl::Abort(const absl::Status& status) {
+  const absl::Status reported = comms_->Abort(status);
+  if (poisoned_.ok()) poisoned_ = reported;
+  return reported;
 }
 
-absl::Status NcclTransportImpl::Fatal(absl::Status status) {
-  Abort(status);
-  return status;
-}
+absl::Status NcclTransportImpl::Fatal(absl::Status status) { return Abort(status); }
 
 absl::Status NcclTransportImpl::PollAsyncErrors() const {
   for (ncclComm_t c : {comms_->rows, comms_->weights}) {

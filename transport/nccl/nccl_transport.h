@@ -26,8 +26,11 @@ struct NcclBootstrap {
   //   those of the MPI communicator.
   // kUniqueId: `unique_id` (from GetUniqueId on one rank, passed over the trainer's own process
   //   group), `rank`, `size`.
-  // kWrap: the caller's communicator `comm`; the transport neither frees nor aborts... except on a
-  //   timeout (a stuck communicator is aborted so nothing stays blocked), see docs.
+  // kWrap: the caller's communicator `comm`; the transport never frees or aborts it. A failure
+  //   that aborts the pair revokes it (ncclCommRevoke, so that nothing stays blocked on it; the
+  //   error says so) and leaves it to the caller to destroy; only a libnccl without
+  //   ncclCommRevoke makes that an ncclCommAbort. Waits on it are bounded only if the caller made
+  //   it non-blocking (ncclConfig_t::blocking = 0): see docs/transport-nccl.md.
   Kind kind = Kind::kMpi;
   ncclUniqueId unique_id{};
   int32_t rank = -1, size = 0;
@@ -44,7 +47,7 @@ absl::StatusOr<ncclUniqueId> GetUniqueId();
 // must be started in the same order on every rank (one layer after another, as a trainer runs
 // them). A failure that aborts the pair (a timeout, a dead peer) makes every transport on it
 // unusable. The pair is destroyed with its last holder; a wrapped communicator (kWrap) is never
-// destroyed, only aborted on a failure.
+// destroyed, only revoked on a failure.
 class NcclComms;
 
 // [collective over the bootstrap's ranks] Makes the pair; options.comm (kMpi) and
