@@ -46,6 +46,9 @@ class WorkerPool {
 
   int size_ = 1;
   const std::chrono::microseconds spin_;
+  // How long Run's wait for a worker's call goes between warnings (MOONEP_TIMEOUT_MS), read once
+  // here: a first read inside Run's wait allocated (the knob's parse), in a call that must not.
+  const std::chrono::milliseconds warn_every_;
   std::vector<std::thread> threads_;
   std::mutex run_mu_;  // held by the Run that has the workers
   std::mutex mu_;

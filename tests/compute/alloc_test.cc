@@ -4,10 +4,13 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <new>
+#include <thread>
 
 #include "moonep/compute/cpu/cpu_executor.h"
+#include "moonep/core/worker_pool.h"
 #include "tests/compute/problem.h"
 
 namespace {
@@ -32,6 +35,41 @@ void operator delete[](void* p, size_t) noexcept { std::free(p); }
 
 namespace moonep::compute {
 namespace {
+
+// First in this binary (a fresh process): a Run whose caller waits long enough for its wait to
+// read the clock (a worker's task takes 20 ms). That wait read MOONEP_TIMEOUT_MS the first time
+// it got there, and the knob's first read allocates: the executor test below failed about once
+// in two full suite runs under ctest -j2, where the load made a wait of its own that long. The
+// pool now reads the knob when it is made.
+TEST(WorkerPool, ALongWaitAllocatesNothing) {
+  WorkerPool pool(2);
+  ASSERT_EQ(pool.size(), 2);
+  std::atomic<int> long_tasks{0};
+  auto run = [&](bool slow) {
+    std::atomic<bool> taken{false};
+    pool.Run(2, [&](int64_t, int worker) {
+      if (worker != 0) {
+        taken = true;
+        if (slow) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+          ++long_tasks;
+        }
+        return;
+      }
+      // The caller's task: return once a worker holds the other one (bounded), so that the
+      // caller waits for it.
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+      while (!taken.load() && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+    });
+  };
+  run(/*slow=*/false);  // sizes the pool's per-task state
+  g_allocations = 0;
+  g_counting = true;
+  run(/*slow=*/true);
+  g_counting = false;
+  EXPECT_EQ(long_tasks.load(), 1) << "a worker did not take the slow task";
+  EXPECT_EQ(g_allocations.load(), 0);
+}
 
 TEST(Executor, NoAllocationPerCallInSteadyState) {
   for (DType dt : {DType::kFloat32, DType::kBFloat16}) {
