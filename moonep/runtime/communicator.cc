@@ -812,12 +812,25 @@ absl::StatusOr<std::unique_ptr<transport::Transport>> Communicator::MakeTranspor
 #ifdef MOONEP_HAVE_NCCL
   if (backend == "nccl") {
     if (nccl_comms_ == nullptr) {
+      MOONEP_RETURN_IF_ERROR(caller_nccl_stopped_);
       transport::nccl::NcclBootstrap b;
       if (caller_nccl_comm_ != nullptr) {
         b.kind = transport::nccl::NcclBootstrap::Kind::kWrap;
         b.comm = static_cast<ncclComm_t>(caller_nccl_comm_);
       }
-      MOONEP_ASSIGN_OR_RETURN(nccl_comms_, transport::nccl::CreateNcclComms(options, b));
+      auto made = transport::nccl::CreateNcclComms(options, b);
+      if (!made.ok()) {
+        // A failed creation that revoked (or aborted) the caller's communicator: a retry must not
+        // touch it again.
+        if (made.status().GetPayload(transport::nccl::kCallersCommStopped).has_value()) {
+          caller_nccl_stopped_ = InvalidUsage(
+              "the NCCL communicator given to moonepCommSetNcclComm was stopped by an earlier "
+              "failed creation of this communicator's NCCL communicators (%s): make a new MoonEP "
+              "communicator (and NCCL communicator)", made.status().message());
+        }
+        return made.status();
+      }
+      nccl_comms_ = std::move(*made);
     }
     MOONEP_RETURN_IF_ERROR(CheckTransportDevice(backend));
     return transport::nccl::CreateNcclTransport(options, nccl_comms_);

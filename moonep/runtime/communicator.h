@@ -133,8 +133,9 @@ class Communicator {
       const std::string& backend, const transport::TransportOptions& options);
   // Local. The caller's NCCL communicator (an ncclComm_t) for the rows of every NCCL transport
   // made afterwards: same size as this communicator and the same rank on every member; MoonEP
-  // never destroys it (it aborts it after a timeout, see docs/transport-nccl.md). Refused once
-  // a device layer exists, or when MoonEP was built without NCCL.
+  // never destroys it (a failure revokes it, see docs/transport-nccl.md; after a failed creation
+  // that did, later device layers are refused). Refused once a device layer exists, or when
+  // MoonEP was built without NCCL.
   absl::Status SetNcclComm(void* nccl_comm);
   // True once the shared NCCL pair exists (tests).
   bool has_nccl_comms() const { return nccl_comms_ != nullptr; }
@@ -201,6 +202,9 @@ class Communicator {
   uint64_t token_ = 0;
   std::unique_ptr<TraceWriter> trace_;
   void* caller_nccl_comm_ = nullptr;
+  // Why device layers are refused: the caller's NCCL communicator was revoked or aborted by a
+  // failed creation of the NCCL pair (OK: not).
+  absl::Status caller_nccl_stopped_;
   std::shared_ptr<transport::nccl::NcclComms> nccl_comms_;
   std::map<std::tuple<int32_t, int64_t, int64_t, int32_t, int32_t, int32_t>,
            std::unique_ptr<SharedReplicas>>

@@ -971,6 +971,15 @@ TEST_F(NcclTest, GrowingABufferWhileAKernelWaitsOnASilentPeerDoesNotHang) {
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
+// Options for a transport that moves one 4-byte row per rank (creation and count-exchange tests).
+TransportOptions OneRowOptions() {
+  TransportOptions o;
+  o.max_tokens = 4;
+  o.max_top_k = 1;
+  o.max_row_bytes = 4;
+  return o;
+}
+
 // A communicator of two ranks whose second rank never joins (one GPU is enough: only rank 0 of
 // the declared two exists). Creation must end in a Timeout close to the deadline, the abort of the
 // half-made communicator must not hang, and the process must go on to make a working transport.
@@ -983,10 +992,7 @@ TEST_F(NcclTest, PeerThatNeverJoinsMakesCreationTimeOut) {
   b.unique_id = *id;
   b.rank = 0;
   b.size = 2;
-  TransportOptions o;
-  o.max_tokens = 4;
-  o.max_top_k = 1;
-  o.max_row_bytes = 4;
+  TransportOptions o = OneRowOptions();
   o.timeout_ms = 2000;
   const auto start = std::chrono::steady_clock::now();
   auto t = nccl::CreateNcclTransport(o, b);
@@ -1019,10 +1025,7 @@ TEST_F(NcclTest, BadEnvironmentOnOneRankFailsCreationEverywhere) {
   if (bad == nullptr) GTEST_SKIP() << "run by nccl_env_one_rank_np2 (tests/nccl/run_multi_gpu.sh)";
   if (size() < 2) GTEST_SKIP() << "needs two ranks";
   const int bad_rank = std::atoi(bad);
-  TransportOptions o;
-  o.max_tokens = 4;
-  o.max_top_k = 1;
-  o.max_row_bytes = 4;
+  const TransportOptions o = OneRowOptions();
   moonep::testing::ExpectBadEnvironmentFailsEverywhere(
       rank(), bad_rank, [&] { return CreateTransport("nccl", o).status(); });
   MPI_Barrier(MPI_COMM_WORLD);
@@ -1032,9 +1035,11 @@ TEST_F(NcclTest, BadEnvironmentOnOneRankFailsCreationEverywhere) {
 // failure that aborts the pair revokes it (ncclCommRevoke: nothing of MoonEP's stays blocked on
 // it) instead of aborting it: the error and every later call say what became of it, and it stays
 // the caller's to destroy. Before, ncclCommAbort freed it, and the caller's own ncclCommDestroy
-// touched freed memory. A second wrapped transport on a fresh communicator works afterwards. A
-// libnccl without ncclCommRevoke (2.28.9 has it; the GPU machine's 2.28 did not) gets the abort,
-// and the message must say that the communicator is freed; it is then not touched again.
+// touched freed memory. Round 0: a blocking communicator (ncclCommInitRank); round 1: a
+// non-blocking one, whose revoke answers ncclInProgress and is waited for; round 2: no failure, the
+// communicator stays usable after the transport. A libnccl without ncclCommRevoke (2.28.9 has it;
+// the GPU machine's system 2.28.3 does not) gets the abort, and the message must say that the
+// communicator is freed; it is then not touched again.
 TEST_F(NcclTest, CallersCommunicatorIsRevokedNotFreedByAFailure) {
   const bool has_revoke = dlsym(RTLD_DEFAULT, "ncclCommRevoke") != nullptr;
   int version = 0;
@@ -1044,23 +1049,35 @@ TEST_F(NcclTest, CallersCommunicatorIsRevokedNotFreedByAFailure) {
                                ? "caller's NCCL communicator was revoked (ncclCommRevoke"
                                : "caller's NCCL communicator was aborted (ncclCommAbort, as this "
                                  "libnccl has no ncclCommRevoke): it is freed";
-  for (int round = 0; round < 2; ++round) {
+  for (int round = 0; round < 3; ++round) {
+    SCOPED_TRACE(round);
     ncclUniqueId id{};
     if (rank() == 0) {
       ASSERT_EQ(ncclGetUniqueId(&id), ncclSuccess);
     }
     MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, MPI_COMM_WORLD);
     ncclComm_t mine = nullptr;
-    ASSERT_EQ(ncclCommInitRank(&mine, size(), id, rank()), ncclSuccess);
+    const bool blocking = round != 1;
+    if (blocking) {
+      ASSERT_EQ(ncclCommInitRank(&mine, size(), id, rank()), ncclSuccess);
+    } else {
+      ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+      config.blocking = 0;
+      const ncclResult_t r = ncclCommInitRankConfig(&mine, size(), id, rank(), &config);
+      ASSERT_TRUE(r == ncclSuccess || r == ncclInProgress) << ncclGetErrorString(r);
+      ncclResult_t state = ncclInProgress;
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+      while (ncclCommGetAsyncError(mine, &state) == ncclSuccess && state == ncclInProgress &&
+             std::chrono::steady_clock::now() < until) {
+      }
+      ASSERT_EQ(state, ncclSuccess) << ncclGetErrorString(state);
+    }
+    const bool fail = round < 2;
     {
       nccl::NcclBootstrap b;
       b.kind = nccl::NcclBootstrap::Kind::kWrap;
       b.comm = mine;
-      TransportOptions o;
-      o.max_tokens = 4;
-      o.max_top_k = 1;
-      o.max_row_bytes = 4;
-      auto t = nccl::CreateNcclTransport(o, b);
+      auto t = nccl::CreateNcclTransport(OneRowOptions(), b);
       ASSERT_TRUE(t.ok()) << t.status();
       const int32_t E = size();
       DeviceVector<int32_t> ids(std::vector<int32_t>{rank()});
@@ -1068,30 +1085,33 @@ TEST_F(NcclTest, CallersCommunicatorIsRevokedNotFreedByAFailure) {
       absl::Status st = (*t)->ExchangeCounts(ids.span(), 1, 1, E, 4, &h);
       ASSERT_TRUE(st.ok()) << st;
       for (int32_t r = 0; r < size(); ++r) EXPECT_EQ(h.counts()[r * E + r], 1);
-      // Round 0: a local error once the transport has worked aborts the pair (every rank makes
-      // it here). Round 1: no failure; the transport goes, the communicator stays.
-      if (round == 0) {
+      if (fail) {  // a local error once the transport has worked aborts the pair (on every rank)
         DeviceVector<float> rows(4), y(1);
         st = (*t)->Combine(nullptr, rows.Matrix(4, 1), y.Matrix(1, 1));
         EXPECT_EQ(ToResult(st), moonepInvalidArgument) << st;
         EXPECT_NE(std::string(st.message()).find("handle is null"), std::string::npos) << st;
         EXPECT_NE(std::string(st.message()).find(fate), std::string::npos) << st;
+        EXPECT_TRUE(st.GetPayload(nccl::kCallersCommStopped).has_value()) << st;
         absl::Status later = (*t)->ExchangeCounts(ids.span(), 1, 1, E, 4, &h);
         EXPECT_EQ(ToResult(later), moonepInvalidUsage) << later;
         EXPECT_NE(std::string(later.message()).find(fate), std::string::npos) << later;
       }
     }
-    if (round == 0 && !has_revoke) {  // freed by the abort: not the caller's to destroy any more
+    if (fail && !has_revoke) {  // freed by the abort: not the caller's to destroy any more
       MPI_Barrier(MPI_COMM_WORLD);
       continue;
     }
-    // Still the caller's object: its state can be read, and it is destroyed by the caller.
+    // Still the caller's object: quiescent, its state and size can be read, and the caller
+    // destroys it.
     ncclResult_t state = ncclInternalError;
     EXPECT_EQ(ncclCommGetAsyncError(mine, &state), ncclSuccess);
+    EXPECT_NE(state, ncclInProgress);
     int count = 0;
     EXPECT_EQ(ncclCommCount(mine, &count), ncclSuccess);
     EXPECT_EQ(count, size());
-    EXPECT_EQ(ncclCommDestroy(mine), ncclSuccess);
+    const ncclResult_t destroyed = ncclCommDestroy(mine);
+    EXPECT_TRUE(destroyed == ncclSuccess || (!blocking && destroyed == ncclInProgress))
+        << ncclGetErrorString(destroyed);
     MPI_Barrier(MPI_COMM_WORLD);
   }
 }
@@ -1109,10 +1129,7 @@ TEST_F(NcclTest, CommunicatorFromAUniqueId) {
   b.unique_id = id;
   b.rank = rank();
   b.size = size();
-  TransportOptions o;
-  o.max_tokens = 4;
-  o.max_top_k = 1;
-  o.max_row_bytes = 4;
+  const TransportOptions o = OneRowOptions();
   auto t = nccl::CreateNcclTransport(o, b);
   ASSERT_TRUE(t.ok()) << t.status();
   EXPECT_EQ((*t)->rank(), rank());

@@ -85,20 +85,27 @@ void AbortBounded(ncclComm_t comm, std::chrono::milliseconds bound) {
   }
 }
 
-// ncclCommRevoke (NCCL 2.28 and later), looked up at run time in the libnccl that ncclCommAbort
-// comes from, so that a libnccl without it still loads. Null where it has none.
+// ncclCommRevoke (in NCCL 2.28.9, not in 2.28.3), looked up at run time in the libnccl that
+// ncclCommAbort comes from (never in another copy of NCCL), so that a libnccl without it still
+// loads. Null where it has none.
 using RevokeFn = ncclResult_t (*)(ncclComm_t, int);
 RevokeFn FindRevoke() {
   static const RevokeFn fn = []() -> RevokeFn {
-    void* sym = nullptr;
     Dl_info info{};
     if (dladdr(reinterpret_cast<void*>(&ncclCommAbort), &info) != 0 && info.dli_fname != nullptr) {
       if (void* lib = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD)) {
-        sym = dlsym(lib, "ncclCommRevoke");
+        void* sym = dlsym(lib, "ncclCommRevoke");
         dlclose(lib);  // RTLD_NOLOAD took a reference to a library that stays loaded
+        return reinterpret_cast<RevokeFn>(sym);
       }
     }
-    if (sym == nullptr) sym = dlsym(RTLD_DEFAULT, "ncclCommRevoke");
+    // Not found through ncclCommAbort's library: only a symbol of that same library will do.
+    void* sym = dlsym(RTLD_DEFAULT, "ncclCommRevoke");
+    Dl_info abort_info{}, sym_info{};
+    if (sym == nullptr || dladdr(reinterpret_cast<void*>(&ncclCommAbort), &abort_info) == 0 ||
+        dladdr(sym, &sym_info) == 0 || abort_info.dli_fbase != sym_info.dli_fbase) {
+      return nullptr;
+    }
     return reinterpret_cast<RevokeFn>(sym);
   }();
   return fn;
@@ -106,10 +113,11 @@ RevokeFn FindRevoke() {
 
 // Stops the operations in flight on the caller's communicator (kWrap) so that no kernel stays
 // blocked, and leaves the communicator to the caller: ncclCommRevoke, then its state polled until
-// it is quiescent, at most `bound` (as AbortBounded). ncclCommAbort would free it under the
-// caller, whose own ncclCommDestroy would then touch freed memory; it is the fallback only where
-// this libnccl has no ncclCommRevoke. Returns the sentence for the error message that tells the
-// caller what became of its communicator.
+// it is quiescent (a non-blocking communicator answers ncclInProgress at once), at most `bound`
+// (as AbortBounded). ncclCommAbort would free it under the caller, whose own ncclCommDestroy
+// would then touch freed memory; it is the fallback only where this libnccl has no
+// ncclCommRevoke. Returns the sentence for the error message that tells the caller what became of
+// its communicator.
 std::string StopCallersComm(ncclComm_t comm, std::chrono::milliseconds bound) {
   const RevokeFn revoke = FindRevoke();
   if (revoke == nullptr) {
@@ -117,31 +125,57 @@ std::string StopCallersComm(ncclComm_t comm, std::chrono::milliseconds bound) {
     return "the caller's NCCL communicator was aborted (ncclCommAbort, as this libnccl has no "
            "ncclCommRevoke): it is freed, do not use or destroy it";
   }
-  auto done = std::make_shared<std::atomic<bool>>(false);
+  struct Shared {
+    std::atomic<int> outcome{0};  // 0: running or not quiescent; 1: quiescent; 2: refused
+    // Set by the thread when it is done, or by this function when it stops waiting: from then on
+    // the thread touches the communicator no more (it may still be inside ncclCommRevoke).
+    std::atomic<bool> over{false};
+    std::atomic<int> refused{0};  // the refusal's ncclResult_t
+  };
+  auto shared = std::make_shared<Shared>();
   const Clock::time_point until = Clock::now() + bound;
-  std::thread revoker([comm, done, revoke, until] {
-    if (revoke(comm, /*NCCL_REVOKE_DEFAULT*/ 0) == ncclSuccess) {
-      ncclResult_t state = ncclInProgress;
-      while (ncclCommGetAsyncError(comm, &state) == ncclSuccess && state == ncclInProgress &&
-             Clock::now() < until) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      }
+  std::thread revoker([comm, shared, revoke, until] {
+    const ncclResult_t r = revoke(comm, /*NCCL_REVOKE_DEFAULT*/ 0);
+    if (r != ncclSuccess && r != ncclInProgress) {
+      shared->refused.store(static_cast<int>(r));
+      shared->outcome.store(2);
+      return;
     }
-    done->store(true);
+    ncclResult_t state = ncclInProgress;
+    while (!shared->over.load() && Clock::now() < until &&
+           ncclCommGetAsyncError(comm, &state) == ncclSuccess && state == ncclInProgress) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    shared->outcome.store(state == ncclInProgress ? 0 : 1);
+    shared->over.store(true);
   });
-  while (!done->load() && Clock::now() < until) {
+  while (!shared->over.load() && shared->outcome.load() == 0 && Clock::now() < until) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  if (done->load()) {
+  const bool finished = shared->over.exchange(true) || shared->outcome.load() != 0;
+  if (finished) {
     revoker.join();
   } else {
-    revoker.detach();
-    MOONEP_WARN("transport nccl: ncclCommRevoke of the caller's communicator did not end within "
-                "%d ms", static_cast<int64_t>(bound.count()));
+    revoker.detach();  // inside ncclCommRevoke (a blocking communicator): left to it
   }
-  return "the caller's NCCL communicator was revoked (ncclCommRevoke: its operations in flight "
-         "stopped; it takes no new ones): it stays the caller's to destroy (ncclCommDestroy) or "
-         "shrink";
+  switch (shared->outcome.load()) {
+    case 1:
+      return "the caller's NCCL communicator was revoked (ncclCommRevoke: its operations in "
+             "flight stopped; it takes no new ones): it stays the caller's to destroy "
+             "(ncclCommDestroy) or shrink";
+    case 2:
+      // Already revoked, or being finalized or destroyed: aborting it now could free it twice.
+      return absl::StrFormat("ncclCommRevoke refused the caller's NCCL communicator (%s): it was "
+                             "left as it is", ncclGetErrorString(
+                                                  static_cast<ncclResult_t>(shared->refused.load())));
+    default:
+      MOONEP_WARN("transport nccl: ncclCommRevoke of the caller's communicator did not end within "
+                  "%d ms", static_cast<int64_t>(bound.count()));
+      return absl::StrFormat(
+          "the caller's NCCL communicator is being revoked (ncclCommRevoke), not quiescent after "
+          "%d ms: do not destroy it before ncclCommGetAsyncError leaves ncclInProgress",
+          static_cast<int64_t>(bound.count()));
+  }
 }
 
 // `status` with `note` after its message (same code and payloads).
@@ -353,6 +387,8 @@ class NcclComms {
   int device = 0;
   int64_t timeout_ms = 0;
   bool owns_rows = true;  // false: the caller's communicator (kWrap), never destroyed here
+  // What an abort did to the caller's communicator (StopCallersComm's sentence; empty: nothing).
+  std::string callers_comm_fate;
   ncclComm_t rows = nullptr, weights = nullptr;
   absl::Status poisoned;
   std::array<std::deque<NcclOp*>, 2> queue;  // per channel (0 rows, 1 weights), in start order
@@ -879,9 +915,9 @@ absl::Status NcclComms::MakeWeightsComm(ncclConfig_t config, Clock::time_point d
                                   "cudaMemcpy (weights id)");
   }
   if (s.ok()) {
-    *rows_busy = true;
     s = NcclStatus(ncclBroadcast(dev, dev, sizeof(Wire), ncclUint8, 0, rows, stream),
                    "ncclBroadcast (weights communicator id)");
+    *rows_busy = s.ok();  // enqueued: it may be stuck on `rows` until it completes
   }
   if (s.ok()) s = WaitComm(rows, deadline, "ncclBroadcast (weights communicator id)");
   while (s.ok()) {  // the broadcast itself, bounded by the deadline
@@ -925,14 +961,16 @@ absl::Status NcclComms::Abort(const absl::Status& status) {
   const std::chrono::milliseconds bound(timeout_ms);
   AbortBounded(weights, bound);
   weights = nullptr;
-  std::string note;
   if (rows != nullptr && !owns_rows) {
-    note = StopCallersComm(rows, bound);
+    callers_comm_fate = StopCallersComm(rows, bound);
   } else {
     AbortBounded(rows, bound);
   }
   rows = nullptr;
-  const absl::Status reported = WithNote(status, note);
+  // Every failure on the pair from here on says what became of the caller's communicator (a
+  // transport that shares the pair may fail later, on its own).
+  absl::Status reported = WithNote(status, callers_comm_fate);
+  if (!callers_comm_fate.empty()) reported.SetPayload(kCallersCommStopped, absl::Cord("1"));
   if (poisoned.ok()) {
     poisoned = reported;
     MOONEP_WARN("transport nccl: aborted the communicators after: %s",

@@ -26,11 +26,12 @@ struct NcclBootstrap {
   //   those of the MPI communicator.
   // kUniqueId: `unique_id` (from GetUniqueId on one rank, passed over the trainer's own process
   //   group), `rank`, `size`.
-  // kWrap: the caller's communicator `comm`; the transport never frees or aborts it. A failure
-  //   that aborts the pair revokes it (ncclCommRevoke, so that nothing stays blocked on it; the
-  //   error says so) and leaves it to the caller to destroy; only a libnccl without
-  //   ncclCommRevoke makes that an ncclCommAbort. Waits on it are bounded only if the caller made
-  //   it non-blocking (ncclConfig_t::blocking = 0): see docs/transport-nccl.md.
+  // kWrap: the caller's communicator `comm`; the transport never destroys it. A failure that
+  //   aborts the pair revokes it (ncclCommRevoke, so that nothing stays blocked on it; the error
+  //   says so, with the payload kCallersCommStopped) and leaves it to the caller to destroy; a
+  //   libnccl without ncclCommRevoke gets ncclCommAbort instead (which frees it; the error says
+  //   that). Waits on it are bounded only if the caller made it non-blocking
+  //   (ncclConfig_t::blocking = 0): see docs/transport-nccl.md.
   Kind kind = Kind::kMpi;
   ncclUniqueId unique_id{};
   int32_t rank = -1, size = 0;
@@ -39,6 +40,10 @@ struct NcclBootstrap {
 };
 
 absl::StatusOr<ncclUniqueId> GetUniqueId();
+
+// The payload (value "1") of a failure after which the caller's communicator (kWrap) was revoked
+// or aborted: it must not be wrapped again (runtime::Communicator refuses later device layers).
+inline constexpr char kCallersCommStopped[] = "moonep.nccl.callers_comm_stopped";
 
 // The communicators a transport runs on: one for rows (counts, dispatch, combine, the backward
 // forms) and one for weights (prefetch, reduce), so a prefetch overlaps a dispatch. Several

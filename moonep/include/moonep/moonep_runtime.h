@@ -112,14 +112,15 @@ MOONEP_API moonepResult_t moonepCommInitFromEnv(moonepComm_t* comm);
  * no nccl.h) carries the token rows of every device layer and EP buffer made on `comm`
  * afterwards; MoonEP adds one communicator of its own for replica weights and gradients, made
  * once per `comm` (not per layer). The NCCL communicator must have the same size as `comm` and
- * the same rank on every member; MoonEP never destroys it. A failure that makes a device
- * layer unusable (a peer timed out, an NCCL error) revokes it (ncclCommRevoke: its operations in
- * flight stop, so no NCCL kernel blocks the caller's stream; the error message says so); the
- * caller then destroys it (ncclCommDestroy) or shrinks it. Only with a libnccl that has no
- * ncclCommRevoke (2.28.3 has none, 2.28.9 has it) is it aborted (freed) instead, and the message
- * says that: then it must not be used or destroyed. Make it non-blocking (ncclConfig_t
- * blocking = 0) for every wait on it to end at MOONEP_TIMEOUT_MS: on a blocking one NCCL itself
- * may wait without a deadline for a peer that never comes.
+ * the same rank on every member; MoonEP never destroys it. A failure that makes a device layer
+ * unusable (a peer timed out, an NCCL error, a local error once work was posted) revokes it
+ * (ncclCommRevoke: its operations in flight stop, so no NCCL kernel blocks the caller's stream;
+ * the error message says so); the caller then destroys it (ncclCommDestroy) or shrinks it. Only
+ * with a libnccl that has no ncclCommRevoke (2.28.3 has none, 2.28.9 has it) is it aborted
+ * (freed) instead, and the message says that: then it must not be used or destroyed. A failed
+ * creation that stopped it makes later device layers on `comm` fail (moonepInvalidUsage). Make
+ * it non-blocking (ncclConfig_t blocking = 0) for every wait on it to end at MOONEP_TIMEOUT_MS:
+ * on a blocking one NCCL itself may wait without a deadline for a peer that never comes.
  * Call before the first device layer or buffer (moonepInvalidUsage afterwards);
  * moonepInvalidArgument for NULL or a mismatched communicator; moonepUnavailable when MoonEP was
  * built without NCCL. Without this call, device layers share one
