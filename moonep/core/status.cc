@@ -51,13 +51,25 @@ moonepResult_t ToResult(const absl::Status& status) {
   }
 }
 
+namespace {
+// `status` with `message` instead of its own: same code and payloads.
+absl::Status WithMessage(const absl::Status& status, absl::string_view message) {
+  absl::Status rewritten(status.code(), message);
+  status.ForEachPayload([&](absl::string_view url, const absl::Cord& payload) {
+    rewritten.SetPayload(url, payload);
+  });
+  return rewritten;
+}
+}  // namespace
+
 absl::Status Annotate(const absl::Status& status, absl::string_view context) {
   if (status.ok()) return status;
-  absl::Status annotated(status.code(), absl::StrCat(context, ": ", status.message()));
-  status.ForEachPayload([&](absl::string_view url, const absl::Cord& payload) {
-    annotated.SetPayload(url, payload);
-  });
-  return annotated;
+  return WithMessage(status, absl::StrCat(context, ": ", status.message()));
+}
+
+absl::Status AppendNote(const absl::Status& status, absl::string_view note) {
+  if (status.ok() || note.empty()) return status;
+  return WithMessage(status, absl::StrCat(status.message(), "; ", note));
 }
 
 }  // namespace moonep

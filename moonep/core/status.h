@@ -53,6 +53,8 @@ absl::Status Unavailable(const absl::FormatSpec<Args...>& format, const Args&...
 
 // Prefixes a status message with context, keeping code and payload.
 absl::Status Annotate(const absl::Status& status, absl::string_view context);
+// Appends "; note" to a status message (nothing for an empty note), keeping code and payload.
+absl::Status AppendNote(const absl::Status& status, absl::string_view note);
 
 }  // namespace moonep
 

@@ -18,7 +18,6 @@
 #include <vector>
 
 #include "absl/strings/cord.h"
-#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "moonep/compute/cuda/cuda_check.h"
@@ -60,26 +59,41 @@ absl::Status WaitComm(ncclComm_t comm, Clock::time_point deadline, const char* w
   }
 }
 
-// ncclCommAbort, but never longer than `bound`: on two GPUs, after a peer skipped a collective and
-// this rank timed out, the test run stopped making progress right after the abort began (issue
-// #12's run). The abort runs on its own thread; if it has not returned by the bound, the
-// communicator is left to it (a warning says so) and the caller goes on, so a failure stays an
-// error and never becomes a hang here.
-void AbortBounded(ncclComm_t comm, std::chrono::milliseconds bound) {
-  if (comm == nullptr) return;
-  auto done = std::make_shared<std::atomic<bool>>(false);
-  std::thread aborter([comm, done] {
-    ncclCommAbort(comm);
-    done->store(true);
+// Runs `call` on its own thread and waits for it at most `bound`. True when it returned in time
+// (its result in *result); otherwise the thread is left to it (detached) and false: a failure
+// stays an error and never becomes a hang here.
+bool CallBounded(std::function<ncclResult_t()> call, std::chrono::milliseconds bound,
+                 ncclResult_t* result) {
+  struct Done {
+    std::atomic<bool> done{false};
+    ncclResult_t result = ncclSuccess;
+  };
+  auto d = std::make_shared<Done>();
+  std::thread caller([call = std::move(call), d] {
+    d->result = call();
+    d->done.store(true);
   });
   const Clock::time_point until = Clock::now() + bound;
-  while (!done->load() && Clock::now() < until) {
+  while (!d->done.load() && Clock::now() < until) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  if (done->load()) {
-    aborter.join();
-  } else {
-    aborter.detach();
+  if (!d->done.load()) {
+    caller.detach();
+    return false;
+  }
+  caller.join();
+  *result = d->result;
+  return true;
+}
+
+// ncclCommAbort, but never longer than `bound` (CallBounded): on two GPUs, after a peer skipped a
+// collective and this rank timed out, the test run stopped making progress right after the abort
+// began (issue #12's run). If it has not returned by the bound, the communicator is left to it (a
+// warning says so) and the caller goes on.
+void AbortBounded(ncclComm_t comm, std::chrono::milliseconds bound) {
+  if (comm == nullptr) return;
+  ncclResult_t r;
+  if (!CallBounded([comm] { return ncclCommAbort(comm); }, bound, &r)) {
     MOONEP_WARN("transport nccl: ncclCommAbort did not return within %d ms; the communicator is "
                 "left behind", static_cast<int64_t>(bound.count()));
   }
@@ -125,67 +139,32 @@ std::string StopCallersComm(ncclComm_t comm, std::chrono::milliseconds bound) {
     return "the caller's NCCL communicator was aborted (ncclCommAbort, as this libnccl has no "
            "ncclCommRevoke): it is freed, do not use or destroy it";
   }
-  struct Shared {
-    std::atomic<int> outcome{0};  // 0: running or not quiescent; 1: quiescent; 2: refused
-    // Set by the thread when it is done, or by this function when it stops waiting: from then on
-    // the thread touches the communicator no more (it may still be inside ncclCommRevoke).
-    std::atomic<bool> over{false};
-    std::atomic<int> refused{0};  // the refusal's ncclResult_t
-  };
-  auto shared = std::make_shared<Shared>();
-  const Clock::time_point until = Clock::now() + bound;
-  std::thread revoker([comm, shared, revoke, until] {
-    const ncclResult_t r = revoke(comm, /*NCCL_REVOKE_DEFAULT*/ 0);
-    if (r != ncclSuccess && r != ncclInProgress) {
-      shared->refused.store(static_cast<int>(r));
-      shared->outcome.store(2);
-      return;
-    }
-    ncclResult_t state = ncclInProgress;
-    while (!shared->over.load() && Clock::now() < until &&
-           ncclCommGetAsyncError(comm, &state) == ncclSuccess && state == ncclInProgress) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-    shared->outcome.store(state == ncclInProgress ? 0 : 1);
-    shared->over.store(true);
-  });
-  while (!shared->over.load() && shared->outcome.load() == 0 && Clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  const Clock::time_point deadline = Clock::now() + bound;
+  const std::string not_quiescent = absl::StrFormat(
+      "the caller's NCCL communicator is being revoked (ncclCommRevoke), not quiescent after %d "
+      "ms: do not destroy it before ncclCommGetAsyncError leaves ncclInProgress",
+      static_cast<int64_t>(bound.count()));
+  // The revoke on its own thread (a blocking communicator returns once quiescent; a thread left
+  // inside it touches the communicator no more afterwards), the wait for quiescence here.
+  ncclResult_t r;
+  if (!CallBounded([comm, revoke] { return revoke(comm, /*NCCL_REVOKE_DEFAULT*/ 0); }, bound,
+                   &r)) {
+    MOONEP_WARN("transport nccl: ncclCommRevoke of the caller's communicator did not return "
+                "within %d ms", static_cast<int64_t>(bound.count()));
+    return not_quiescent;
   }
-  const bool finished = shared->over.exchange(true) || shared->outcome.load() != 0;
-  if (finished) {
-    revoker.join();
-  } else {
-    revoker.detach();  // inside ncclCommRevoke (a blocking communicator): left to it
+  if (r != ncclSuccess && r != ncclInProgress) {
+    // Already revoked, or being finalized or destroyed: aborting it now could free it twice.
+    return absl::StrFormat("ncclCommRevoke refused the caller's NCCL communicator (%s): it was "
+                           "left as it is", ncclGetErrorString(r));
   }
-  switch (shared->outcome.load()) {
-    case 1:
-      return "the caller's NCCL communicator was revoked (ncclCommRevoke: its operations in "
-             "flight stopped; it takes no new ones): it stays the caller's to destroy "
-             "(ncclCommDestroy) or shrink";
-    case 2:
-      // Already revoked, or being finalized or destroyed: aborting it now could free it twice.
-      return absl::StrFormat("ncclCommRevoke refused the caller's NCCL communicator (%s): it was "
-                             "left as it is", ncclGetErrorString(
-                                                  static_cast<ncclResult_t>(shared->refused.load())));
-    default:
-      MOONEP_WARN("transport nccl: ncclCommRevoke of the caller's communicator did not end within "
-                  "%d ms", static_cast<int64_t>(bound.count()));
-      return absl::StrFormat(
-          "the caller's NCCL communicator is being revoked (ncclCommRevoke), not quiescent after "
-          "%d ms: do not destroy it before ncclCommGetAsyncError leaves ncclInProgress",
-          static_cast<int64_t>(bound.count()));
-  }
-}
-
-// `status` with `note` after its message (same code and payloads).
-absl::Status WithNote(const absl::Status& status, absl::string_view note) {
-  if (status.ok() || note.empty()) return status;
-  absl::Status noted(status.code(), absl::StrCat(status.message(), "; ", note));
-  status.ForEachPayload([&](absl::string_view url, const absl::Cord& payload) {
-    noted.SetPayload(url, payload);
-  });
-  return noted;
+  // A non-blocking communicator answers ncclInProgress at once: quiescent once its state is not
+  // (an error state: nothing runs on it either).
+  const absl::Status quiet = WaitComm(comm, deadline, "ncclCommRevoke");
+  if (ToResult(quiet) == moonepTimeout) return not_quiescent;
+  return "the caller's NCCL communicator was revoked (ncclCommRevoke: its operations in flight "
+         "stopped; it takes no new ones): it stays the caller's to destroy (ncclCommDestroy) or "
+         "shrink";
 }
 
 // Keeps the first error of the calls inside an NCCL group (the group must still be ended).
@@ -969,7 +948,7 @@ absl::Status NcclComms::Abort(const absl::Status& status) {
   rows = nullptr;
   // Every failure on the pair from here on says what became of the caller's communicator (a
   // transport that shares the pair may fail later, on its own).
-  absl::Status reported = WithNote(status, callers_comm_fate);
+  absl::Status reported = AppendNote(status, callers_comm_fate);
   if (!callers_comm_fate.empty()) reported.SetPayload(kCallersCommStopped, absl::Cord("1"));
   if (poisoned.ok()) {
     poisoned = reported;

@@ -455,7 +455,7 @@ class UcxTransport : public Transport {
     int32_t kind = -1;
     int64_t dispatch = -1;
   };
-  std::map<std::tuple<int, int64_t, int, int32_t>, Call> inbox_kinds_;
+  std::map<std::tuple<int, int64_t, int, int32_t>, Call> inbox_calls_;
   // This rank's recent operations per channel, by sequence number mod kKindHistory. Operations
   // in flight together are fewer than kSignalDepth apart.
   static constexpr int64_t kKindHistory = 2 * kSignalDepth;
@@ -1591,7 +1591,7 @@ ucs_status_t UcxTransport::OnActiveMessage(void* arg, const void* header, size_t
   const auto key =
       std::make_tuple(static_cast<int>(h.channel), h.seq, static_cast<int>(h.from), h.type);
   t->inbox_[key] = std::vector<char>(bytes, bytes + length);
-  t->inbox_kinds_[key] = call;
+  t->inbox_calls_[key] = call;
   t->CheckCallOrder(h.channel, h.seq, h.from, call);
   return UCS_OK;
 }
@@ -2033,15 +2033,15 @@ bool UcxTransport::TakeMessage(int channel, int64_t seq, int from, int32_t type,
   if (it == inbox_.end()) return false;
   *out = std::move(it->second);
   inbox_.erase(it);
-  inbox_kinds_.erase(key);
+  inbox_calls_.erase(key);
   return true;
 }
 
 void UcxTransport::NoteStarted(int channel, int64_t seq, OpKind kind, int64_t dispatch) {
   started_[channel][static_cast<size_t>(seq % kKindHistory)] =
       StartedOp{seq, Call{static_cast<int32_t>(kind) + 1, dispatch}};
-  for (auto it = inbox_kinds_.lower_bound(std::make_tuple(channel, seq, -1, 0));
-       it != inbox_kinds_.end() && std::get<0>(it->first) == channel &&
+  for (auto it = inbox_calls_.lower_bound(std::make_tuple(channel, seq, -1, 0));
+       it != inbox_calls_.end() && std::get<0>(it->first) == channel &&
        std::get<1>(it->first) == seq;
        ++it) {
     CheckCallOrder(channel, seq, std::get<2>(it->first), it->second);
@@ -2069,7 +2069,7 @@ void UcxTransport::CheckCallOrder(int channel, int64_t seq, int from, const Call
 void UcxTransport::DropMessages(int channel, int64_t seq) {
   auto it = inbox_.lower_bound(std::make_tuple(channel, seq, -1, 0));
   while (it != inbox_.end() && std::get<0>(it->first) == channel && std::get<1>(it->first) == seq) {
-    inbox_kinds_.erase(it->first);
+    inbox_calls_.erase(it->first);
     it = inbox_.erase(it);
   }
 }
