@@ -36,6 +36,42 @@ const char* OpName(OpKind kind) {
 }
 
 namespace {
+// Why operations `a` and `b` may not overlap on one handle (nullptr: they may).
+const char* HandleConflict(OpKind a, OpKind b) {
+  auto exclusive = [](OpKind k) { return k == OpKind::kCounts || k == OpKind::kDispatch; };
+  auto row_staging = [](OpKind k) {
+    return k == OpKind::kCombine || k == OpKind::kDispatchBackward;
+  };
+  if (exclusive(a) || exclusive(b)) {
+    return "a count exchange or a dispatch rewrites the handle and needs it to itself";
+  }
+  if (row_staging(a) && row_staging(b)) {
+    return "combine and dispatch-backward share the handle's row staging";
+  }
+  if (a == OpKind::kTopkWeightGrad && b == OpKind::kTopkWeightGrad) {
+    return "topk-weight-grad uses the handle's scalar staging";
+  }
+  return nullptr;
+}
+}  // namespace
+
+absl::Status DispatchHandle::CheckCanStart(OpKind kind) const {
+  // The exclusive kinds first, so that a row operation on a handle whose count exchange is in
+  // flight names the count exchange.
+  for (const OpKind other : {OpKind::kCounts, OpKind::kDispatch, OpKind::kCombine,
+                             OpKind::kDispatchBackward, OpKind::kTopkWeightGrad,
+                             OpKind::kCombineBackward}) {
+    if (in_flight_.ops[static_cast<size_t>(other)] == 0) continue;
+    if (const char* why = HandleConflict(kind, other)) {
+      return InvalidUsage("%s: the handle's %s%s has not ended; wait for it first (its Wait, or a "
+                          "Test that returned true or an error): %s", OpName(kind),
+                          other == kind ? "previous " : "", OpName(other), why);
+    }
+  }
+  return absl::OkStatus();
+}
+
+namespace {
 absl::Status RunToCompletion(absl::StatusOr<RequestPtr> request) {
   if (!request.ok()) return request.status();
   return (*request)->Wait();

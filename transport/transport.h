@@ -26,12 +26,24 @@
 // operation, an MPI error) leaves the transport unusable: later calls fail with InvalidUsage and
 // the caller destroys it. No wait lasts longer than the timeout (MOONEP_TIMEOUT_MS).
 //
+// Operations on one handle overlap only where they share none of its state. A count exchange or a
+// dispatch rewrites the handle (routing, counts, layouts): no other operation on the handle may be
+// in flight when one starts, and none may start while one is in flight. Combine and
+// dispatch-backward share the handle's row staging: one of them at a time. Topk-weight-grad: one
+// at a time (scalar staging). Combine-backward only reads the handle: it overlaps any of those.
+// Every backend refuses an overlapping start with InvalidUsage naming the operation in flight
+// (DispatchHandle::CheckCanStart): a count exchange before anything reaches the peers (the
+// transport stays usable), a row operation like any other misuse of its handle (a handle never
+// counted): the peers are told where the backend can (AbortOperation) and the transport is
+// unusable afterwards.
+//
 // Destruction (Close, or the destructor) is collective too: every rank ends a communicator's
 // transports in the same order (see Close). Host staging: see PrepareHandle.
 #pragma once
 
 #include <mpi.h>
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -141,15 +153,25 @@ class DispatchHandle {
   int64_t num_tokens_ = 0;
   int32_t top_k_ = 0, num_experts_ = 0;
   bool counted_ = false, dispatched_ = false;
-  // A count exchange on this handle has started and not ended (the host backends; the NCCL
-  // backend keeps its own per-handle state). A copy of the handle starts without the mark: the
-  // exchange writes only the original.
+  // Operations on this handle that have started and not ended, per kind (every backend marks
+  // them with Track). A copy of the handle starts with none: operations write only the original.
   struct InFlight {
-    bool value = false;
+    std::array<int32_t, static_cast<size_t>(OpKind::kNumKinds)> ops{};
     InFlight() = default;
     InFlight(const InFlight&) {}
     InFlight& operator=(const InFlight&) { return *this; }
-  } counts_in_flight_;
+  } in_flight_;
+  // Whether an operation of `kind` may start on this handle now (Transport: "Operations on one
+  // handle"): InvalidUsage "<kind>: the handle's <other> has not ended; ..." naming an operation
+  // in flight on it that `kind` would overlap, else OK.
+  absl::Status CheckCanStart(OpKind kind) const;
+  // For backends: marks `kind` in flight on this handle until `op` ends (its OnEnd callback runs
+  // once, when the request completes, fails or is destroyed). Call before anything can end `op`.
+  template <typename Op>
+  void Track(Op* op, OpKind kind) {
+    ++in_flight_.ops[static_cast<size_t>(kind)];
+    op->OnEnd([this, kind] { --in_flight_.ops[static_cast<size_t>(kind)]; });
+  }
   // The number of this handle's count exchange among its transport's count exchanges, so that a
   // call on another dispatch's handle is found (mpi: the low bits go into the tags of the row
   // operations on this handle; ucx: their control messages carry it).
@@ -206,7 +228,8 @@ class Transport {
   // K <= max_top_k), then allgathers counts[E] with a validity flag, T and the rank's receive
   // capacity (rows its dispatch buffer holds). Fills handle->counts() = [R*E]. A handle's previous
   // count exchange must have ended (its Wait, or a Test that returned true or an error) before the
-  // next starts on it: every backend refuses otherwise with InvalidUsage, before anything reaches
+  // next starts on it, and so must every other operation on the handle (see "Operations on one
+  // handle" above): every backend refuses otherwise with InvalidUsage, before anything reaches
   // the peers, and stays usable.
   virtual absl::StatusOr<RequestPtr> StartExchangeCounts(absl::Span<const int32_t> topk_ids,
                                                          int64_t num_tokens, int32_t top_k,

@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -21,6 +22,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -862,6 +864,138 @@ TEST_F(NcclTest, SecondCountExchangeOnAHandleInFlightIsRefused) {
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
+// Operations on one handle overlap only where they share none of its state (transport.h). With a
+// combine in flight on the handle (not waited for, so it stays in flight whatever the device did):
+// a count exchange on it is refused before anything reaches the peers, the transport usable;
+// combine-backward and topk-weight-grad overlap the combine, and every result equals the same
+// operation run alone. Then a dispatch-backward while a combine is in flight: refused with
+// InvalidUsage naming the combine, like any misuse of a handle (the pair is aborted).
+TEST_F(NcclTest, OperationsOnOneHandleOverlapOnlyWhereTheyShareNoState) {
+  const int32_t R = size(), me = rank();
+  const Problem p = MakeProblem(R, 2 * R, std::min(2, 2 * R), 4, 8, 57, -1);
+  planner::Plan plan;
+  ASSERT_TRUE(PlanOfKind("random", p, 57, &plan).ok());
+  const int64_t H = p.H, T = p.T[me], KT = T * p.K;
+  const int64_t cap = CapacityRows(p, plan.num_groups(), plan.pad_multiple);
+  auto t = MakeTransport(p.max_tokens(), p.K, H * 4);  // MOONEP_TIMEOUT_MS (memcheck: long)
+  ASSERT_NE(t, nullptr);
+  DeviceVector<int32_t> ids(p.ids[me]);
+  DeviceVector<float> x(p.x[me]), w(p.weights[me]), dy(p.dy[me]), rows(cap * H), rw(cap);
+  DeviceVector<float> half(std::vector<float>(cap * H, 0.5f));
+  DispatchHandle h;
+  ASSERT_TRUE(t->ExchangeCounts(ids.span(), T, p.K, p.E, cap, &h).ok());
+  ASSERT_TRUE(t->Dispatch(plan, x.Matrix(T, H), w.span(), &h, rows.Matrix(cap, H), rw.span()).ok());
+  // Rows past the layout are not written: both results start from the same fill.
+  const std::vector<float> fill(cap * H, -1.0f);
+  DeviceVector<float> y(T * H), dy_rows(fill), d_w(KT);
+  auto combine = t->StartCombine(&h, rows.Matrix(cap, H), y.Matrix(T, H));
+  ASSERT_TRUE(combine.ok()) << combine.status();
+  auto counts = t->StartExchangeCounts(ids.span(), T, p.K, p.E, cap, &h);
+  ASSERT_FALSE(counts.ok());
+  EXPECT_EQ(ToResult(counts.status()), moonepInvalidUsage) << counts.status();
+  EXPECT_NE(std::string(counts.status().message())
+                .find("count exchange: the handle's combine has not ended"),
+            std::string::npos) << counts.status();
+  EXPECT_TRUE(t->health().ok()) << t->health();
+  auto backward = t->StartCombineBackward(&h, dy.Matrix(T, H), dy_rows.Matrix(cap, H));
+  ASSERT_TRUE(backward.ok()) << backward.status();
+  auto grad = t->StartTopkWeightGrad(&h, half.Matrix(cap, H), rows.Matrix(cap, H), d_w.span());
+  ASSERT_TRUE(grad.ok()) << grad.status();
+  for (RequestPtr* r : {&*grad, &*combine, &*backward}) {
+    const absl::Status st = (*r)->Wait();
+    ASSERT_TRUE(st.ok()) << st;
+  }
+  DeviceVector<float> y1(T * H), dy_rows1(fill), d_w1(KT);
+  ASSERT_TRUE(t->Combine(&h, rows.Matrix(cap, H), y1.Matrix(T, H)).ok());
+  ASSERT_TRUE(t->CombineBackward(&h, dy.Matrix(T, H), dy_rows1.Matrix(cap, H)).ok());
+  ASSERT_TRUE(t->TopkWeightGrad(&h, half.Matrix(cap, H), rows.Matrix(cap, H), d_w1.span()).ok());
+  EXPECT_EQ(y.Download(), y1.Download());
+  EXPECT_EQ(dy_rows.Download(), dy_rows1.Download());
+  const std::vector<float> grads = d_w.Download();
+  EXPECT_EQ(grads, d_w1.Download());
+  for (int64_t e = 0; e < KT; ++e) {  // rows hold x: d_w[t,k] = 0.5 sum_j x[t,j] where routed
+    double want = 0;
+    if (p.ids[me][e] >= 0) {
+      for (int64_t j = 0; j < H; ++j) want += 0.5 * p.x[me][(e / p.K) * H + j];
+    }
+    ASSERT_NEAR(grads[e], want, 1e-5 * (std::fabs(want) + 1)) << "entry " << e;
+  }
+  ASSERT_TRUE(t->ExchangeCounts(ids.span(), T, p.K, p.E, cap, &h).ok());  // ended: accepted
+  ASSERT_TRUE(t->Dispatch(plan, x.Matrix(T, H), w.span(), &h, rows.Matrix(cap, H), rw.span()).ok());
+
+  auto again = t->StartCombine(&h, rows.Matrix(cap, H), y.Matrix(T, H));
+  ASSERT_TRUE(again.ok()) << again.status();
+  auto refused = t->StartDispatchBackward(&h, rows.Matrix(cap, H), y1.Matrix(T, H));
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(ToResult(refused.status()), moonepInvalidUsage) << refused.status();
+  EXPECT_NE(std::string(refused.status().message())
+                .find("dispatch-backward: the handle's combine has not ended"),
+            std::string::npos) << refused.status();
+  (*again)->Wait().IgnoreError();  // aborted with the pair, or complete
+  EXPECT_FALSE(t->health().ok());
+  t.reset();
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// An operation waits for the work its caller had queued on the caller's stream when it started the
+// operation, not for what the caller queued later, however late the operation's first stage is
+// posted (it is queued behind another operation on its channel). The caller's stream is held by
+// a host function (gate 1) when a dispatch starts, so the dispatch's first stage waits; a count
+// exchange starts behind it; the caller then queues a second gate, which stays closed. Once gate
+// 1 opens, both complete. (Before, the count exchange recorded its wait on the caller's stream
+// when its stage was posted, behind gate 2, and stayed stuck until its timeout: a dispatch of the
+// next micro-batch would wait for the expert GEMMs queued after it.)
+TEST_F(NcclTest, AnOperationWaitsOnlyForTheCallersWorkQueuedBeforeItStarted) {
+  const int32_t R = size(), me = rank();
+  const Problem p = MakeProblem(R, 2 * R, std::min(2, 2 * R), 4, 8, 59, -1);
+  planner::Plan plan;
+  ASSERT_TRUE(PlanOfKind("random", p, 59, &plan).ok());
+  const int64_t H = p.H, T = p.T[me];
+  const int64_t cap = CapacityRows(p, plan.num_groups(), plan.pad_multiple);
+  auto t = MakeTransport(p.max_tokens(), p.K, H * 4, /*timeout_ms=*/30000);
+  ASSERT_NE(t, nullptr);
+  auto* nccl_t = dynamic_cast<nccl::NcclTransport*>(t.get());
+  ASSERT_NE(nccl_t, nullptr);
+  cudaStream_t caller = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&caller, cudaStreamNonBlocking), cudaSuccess);
+  nccl_t->set_caller_stream(caller);
+  DeviceVector<int32_t> ids(p.ids[me]);
+  DeviceVector<float> x(p.x[me]), w(p.weights[me]), rows(cap * H), rw(cap);
+  DispatchHandle h, h2;
+  ASSERT_TRUE(t->ExchangeCounts(ids.span(), T, p.K, p.E, cap, &h).ok());
+  std::atomic<bool> gate1{false}, gate2{false};
+  auto hold = [](void* flag) {
+    while (!static_cast<std::atomic<bool>*>(flag)->load()) {
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+  };
+  ASSERT_EQ(cudaLaunchHostFunc(caller, hold, &gate1), cudaSuccess);
+  auto dispatch =
+      t->StartDispatch(plan, x.Matrix(T, H), w.span(), &h, rows.Matrix(cap, H), rw.span());
+  ASSERT_TRUE(dispatch.ok()) << dispatch.status();
+  auto counts = t->StartExchangeCounts(ids.span(), T, p.K, p.E, cap, &h2);
+  ASSERT_TRUE(counts.ok()) << counts.status();
+  ASSERT_EQ(cudaLaunchHostFunc(caller, hold, &gate2), cudaSuccess);
+  gate1 = true;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  absl::StatusOr<bool> done = false;
+  while (done.ok() && !*done && std::chrono::steady_clock::now() < until) {
+    done = (*counts)->Test();
+    std::this_thread::yield();
+  }
+  const bool completed = done.ok() && *done;
+  gate2 = true;  // whatever happened, so that nothing stays held
+  EXPECT_TRUE(completed) << (done.ok() ? "the count exchange waited for gate 2"
+                                       : done.status().ToString());
+  EXPECT_TRUE((*counts)->Wait().ok());
+  EXPECT_TRUE((*dispatch)->Wait().ok());
+  EXPECT_EQ(std::vector<int64_t>(h2.counts().begin(), h2.counts().end()), p.counts);
+  ASSERT_EQ(cudaStreamSynchronize(caller), cudaSuccess);
+  t.reset();
+  cudaStreamDestroy(caller);
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
 // Transports on one communicator pair share its count exchange's form, which follows the pair's
 // order of operations: a transport made again on one rank only (a layer rebuilt there) still
 // takes the form its peers take on their older transport.
@@ -939,8 +1073,9 @@ TEST_F(NcclTest, GrowingABufferWhileAKernelWaitsOnASilentPeerDoesNotHang) {
     ASSERT_TRUE(d.ok()) << d.status();
     ASSERT_TRUE((*d)->Wait().ok());
   }
-  DispatchHandle h;
+  DispatchHandle h, h2;
   ASSERT_TRUE(t->ExchangeCounts(ids.span(), p.T[me], p.K, p.E, cap, &h).ok());
+  ASSERT_TRUE(t->ExchangeCounts(ids.span(), p.T[me], p.K, p.E, cap, &h2).ok());
   MPI_Barrier(MPI_COMM_WORLD);
   testing::SetSkipRank(silent, OpKind::kDispatch);
   const auto start = std::chrono::steady_clock::now();
@@ -948,10 +1083,11 @@ TEST_F(NcclTest, GrowingABufferWhileAKernelWaitsOnASilentPeerDoesNotHang) {
                                    rows.Matrix(cap, p.H), rw.span());
   testing::ClearSkip();
   ASSERT_TRUE(dispatch.ok()) << dispatch.status();
-  // The same handle with 64 times the experts: its count buffers (device and pinned) grow while
-  // the dispatch's kernels wait for the silent rank.
+  // Another handle, counted before, with 64 times the experts: its count buffers (device and
+  // pinned) grow while the dispatch's kernels wait for the silent rank. (Not the dispatch's own
+  // handle: a count exchange on it is refused while the dispatch is in flight.)
   // (The ids stay valid: below E < 64 E.)
-  auto counts = t->StartExchangeCounts(ids.span(), p.T[me], p.K, 64 * p.E, cap, &h);
+  auto counts = t->StartExchangeCounts(ids.span(), p.T[me], p.K, 64 * p.E, cap, &h2);
   const double start_ms = std::chrono::duration<double, std::milli>(
                               std::chrono::steady_clock::now() - start).count();
   if (me != silent) {

@@ -6,6 +6,7 @@
 #include <mpi.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <limits>
 #include <memory>
@@ -190,6 +191,133 @@ TEST_P(FaultTest, DispatchOnAHandleWhoseCountExchangeIsInFlightIsRefused) {
     EXPECT_NE(st.message().find("count exchange has not ended"), std::string::npos) << st;
   }
   (*again)->Wait().IgnoreError();  // ends completed or failed (the abort), within the timeout
+}
+
+// Operations on one handle overlap only where they share none of its state (transport.h,
+// "Operations on one handle"). Every rank makes the same calls. With a combine in flight on the
+// handle, a count exchange on it is refused with InvalidUsage naming the combine, before anything
+// reaches the peers; combine-backward and topk-weight-grad overlap the combine. Everything in
+// flight completes, each result equal to the same operation run alone afterwards, and the
+// transport stays usable.
+TEST_P(FaultTest, OperationsThatShareNoHandleStateOverlapAndACountExchangeWaits) {
+  const int64_t T = p_.T[rank()], H = p_.H;
+  DispatchHandle h;
+  std::vector<float> rows;
+  ASSERT_TRUE(DispatchOnce(&h, &rows).ok());
+  auto view = [](std::vector<float>& v, int64_t n, int64_t cols) {
+    return TensorView::Contiguous(v.data(), DType::kFloat32, {n, cols});
+  };
+  std::vector<float> y(T * H, -1.0f), dy_rows(cap_ * H, -1.0f), d_w(T * p_.K, -1.0f);
+  std::vector<float> dy = p_.dy[rank()], half(cap_ * H, 0.5f);
+  auto combine = t_->StartCombine(&h, view(rows, cap_, H), view(y, T, H));
+  ASSERT_TRUE(combine.ok()) << combine.status();
+  auto counts = t_->StartExchangeCounts(p_.ids[rank()], T, p_.K, p_.E, cap_, &h);
+  ASSERT_FALSE(counts.ok());
+  EXPECT_EQ(ToResult(counts.status()), moonepInvalidUsage) << counts.status();
+  EXPECT_NE(counts.status().message().find("count exchange: the handle's combine has not ended"),
+            std::string::npos) << counts.status();
+  auto backward = t_->StartCombineBackward(&h, view(dy, T, H), view(dy_rows, cap_, H));
+  ASSERT_TRUE(backward.ok()) << backward.status();
+  auto grad = t_->StartTopkWeightGrad(&h, view(half, cap_, H), view(rows, cap_, H),
+                                      absl::MakeSpan(d_w));
+  ASSERT_TRUE(grad.ok()) << grad.status();
+  for (RequestPtr* r : {&*grad, &*combine, &*backward}) {
+    const absl::Status st = (*r)->Wait();
+    ASSERT_TRUE(st.ok()) << st;
+  }
+  EXPECT_TRUE(t_->health().ok()) << t_->health();
+  // The same operations one at a time.
+  std::vector<float> y1(T * H, -2.0f), dy_rows1(cap_ * H, -1.0f), d_w1(T * p_.K, -2.0f);
+  ASSERT_TRUE(t_->Combine(&h, view(rows, cap_, H), view(y1, T, H)).ok());
+  ASSERT_TRUE(t_->CombineBackward(&h, view(dy, T, H), view(dy_rows1, cap_, H)).ok());
+  ASSERT_TRUE(t_->TopkWeightGrad(&h, view(half, cap_, H), view(rows, cap_, H),
+                                 absl::MakeSpan(d_w1)).ok());
+  EXPECT_EQ(y, y1);
+  EXPECT_EQ(dy_rows, dy_rows1);
+  EXPECT_EQ(d_w, d_w1);
+  // And against the layer's sums: the rows are x's (a dispatch), so y[t] = sum_k w[t,k] x[t]
+  // and d_w[t,k] = 0.5 sum_j x[t,j] where the id is set.
+  for (int64_t tok = 0; tok < T; ++tok) {
+    double wsum = 0, xsum = 0;
+    for (int32_t k = 0; k < p_.K; ++k) {
+      if (p_.ids[rank()][tok * p_.K + k] >= 0) wsum += p_.weights[rank()][tok * p_.K + k];
+    }
+    for (int64_t j = 0; j < H; ++j) {
+      const double x = p_.x[rank()][tok * H + j];
+      xsum += x;
+      ASSERT_NEAR(y[tok * H + j], wsum * x, 1e-5 * (std::fabs(wsum * x) + 1)) << tok;
+    }
+    for (int32_t k = 0; k < p_.K; ++k) {
+      const double want = p_.ids[rank()][tok * p_.K + k] >= 0 ? 0.5 * xsum : 0.0;
+      ASSERT_NEAR(d_w[tok * p_.K + k], want, 1e-5 * (std::fabs(want) + 1)) << tok;
+    }
+  }
+  // Ended: the count exchange is accepted, and the handle dispatches again.
+  ASSERT_TRUE(DispatchOnce(&h, &rows).ok());
+}
+
+// A row operation that would overlap one in flight on its handle is refused on the rank that
+// makes it with InvalidUsage naming the one in flight, like any misuse of a handle: its peers are
+// told, and every request in flight ends within the timeout. One pair of operations per
+// transport (the refusal leaves the transport unusable), rank 0 making the second call.
+TEST_P(FaultTest, RowOperationsThatShareHandleStateAreRefusedWhileOneIsInFlight) {
+  const int64_t T = p_.T[rank()], H = p_.H;
+  struct Pair {
+    OpKind first, second;
+  };
+  for (const Pair pair : {Pair{OpKind::kDispatch, OpKind::kCombine},
+                          Pair{OpKind::kCombine, OpKind::kDispatchBackward},
+                          Pair{OpKind::kDispatchBackward, OpKind::kCombine},
+                          Pair{OpKind::kTopkWeightGrad, OpKind::kTopkWeightGrad},
+                          Pair{OpKind::kCombineBackward, OpKind::kDispatch}}) {
+    SCOPED_TRACE(absl::StrFormat("%s, then %s", OpName(pair.first), OpName(pair.second)));
+    auto made = CreateTransport(GetParam(), options_);
+    ASSERT_TRUE(made.ok()) << made.status();
+    t_ = std::move(*made);
+    DispatchHandle h;
+    std::vector<float> rows, w(cap_);
+    ASSERT_TRUE(DispatchOnce(&h, &rows).ok());
+    std::vector<float> x = p_.x[rank()], tokens(T * H), more(cap_ * H), d_w(T * p_.K);
+    auto rows_v = TensorView::Contiguous(rows.data(), DType::kFloat32, {cap_, H});
+    auto more_v = TensorView::Contiguous(more.data(), DType::kFloat32, {cap_, H});
+    auto tokens_v = TensorView::Contiguous(tokens.data(), DType::kFloat32, {T, H});
+    auto x_v = TensorView::Contiguous(x.data(), DType::kFloat32, {T, H});
+    auto start = [&](OpKind kind) -> absl::StatusOr<RequestPtr> {
+      switch (kind) {
+        case OpKind::kDispatch:
+          return t_->StartDispatch(plan_, x_v, p_.weights[rank()], &h, more_v, absl::MakeSpan(w));
+        case OpKind::kCombine: return t_->StartCombine(&h, rows_v, tokens_v);
+        case OpKind::kDispatchBackward: return t_->StartDispatchBackward(&h, rows_v, tokens_v);
+        case OpKind::kCombineBackward: return t_->StartCombineBackward(&h, x_v, more_v);
+        case OpKind::kTopkWeightGrad:
+          return t_->StartTopkWeightGrad(&h, rows_v, rows_v, absl::MakeSpan(d_w));
+        default: return InvalidArgument("not a row operation");
+      }
+    };
+    MPI_Barrier(MPI_COMM_WORLD);
+    const auto began = Clock::now();
+    auto first = start(pair.first);
+    ASSERT_TRUE(first.ok()) << first.status();
+    if (rank() == 0) {
+      auto second = start(pair.second);
+      ASSERT_FALSE(second.ok());
+      EXPECT_EQ(ToResult(second.status()), moonepInvalidUsage) << second.status();
+      EXPECT_NE(second.status().message().find(absl::StrFormat(
+                    "%s: the handle's %s%s has not ended", OpName(pair.second),
+                    pair.first == pair.second ? "previous " : "", OpName(pair.first))),
+                std::string::npos)
+          << second.status();
+    }
+    // Ends completed (a rank that needed nothing more) or failed, well within the timeout.
+    (*first)->Wait().IgnoreError();
+    const double ms = std::chrono::duration<double, std::milli>(Clock::now() - began).count();
+    EXPECT_LT(ms, t_->timeout_ms());
+    if (rank() == 0) {
+      EXPECT_FALSE(t_->health().ok());
+    }
+    t_.reset();  // before the buffers it was given
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
 }
 
 TEST_P(FaultTest, NumExpertsDifferingAcrossRanksFailsEveryRank) {

@@ -12,16 +12,6 @@
 
 namespace moonep::transport::common {
 
-absl::Status CountsInFlightError() {
-  return InvalidUsage("count exchange: the handle's previous count exchange has not ended; wait "
-                      "for it before starting another on the same handle");
-}
-
-absl::Status CountsNotEndedError(OpKind kind) {
-  return InvalidUsage("%s: the handle's count exchange has not ended; wait for it first",
-                      OpName(kind));
-}
-
 void PackCountMessage(const absl::Status& local, absl::Span<const int32_t> ids, int64_t T,
                       int32_t K, int32_t E, int64_t capacity, std::vector<int64_t>* message) {
   std::vector<int64_t>& mine = *message;

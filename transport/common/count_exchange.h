@@ -21,12 +21,6 @@ inline int64_t CountMessageWords(int32_t num_experts) {
   return kCountHeader + (num_experts > kMinCountWords ? num_experts : kMinCountWords);
 }
 
-// The refusal of a count exchange on a handle whose previous count exchange has not ended (every
-// backend: InvalidUsage, returned before anything reaches the peers; the transport stays usable).
-absl::Status CountsInFlightError();
-// The refusal of another operation on such a handle (a local misuse, like a handle never counted).
-absl::Status CountsNotEndedError(OpKind kind);
-
 // This rank's message (CountMessageWords(E) values). When `local` failed, the count values carry
 // its message instead (up to 8 max(E, 32) - 1 bytes, NUL-terminated), so the peers can say why.
 void PackCountMessage(const absl::Status& local, absl::Span<const int32_t> topk_ids,

@@ -213,7 +213,7 @@ absl::Status CheckCountsInput(absl::Span<const int32_t> topk_ids, int64_t num_to
 
 absl::Status CheckHandleReady(OpKind kind, const DispatchHandle* h, int32_t rank, int32_t size) {
   if (h == nullptr) return InvalidArgument("%s: handle is null", OpName(kind));
-  if (h->counts_in_flight_.value) return CountsNotEndedError(kind);
+  MOONEP_RETURN_IF_ERROR(h->CheckCanStart(kind));
   if (!h->counted_ || h->num_ranks_ != size || h->rank_ != rank) {
     return InvalidUsage("%s: the handle has no count exchange of this transport", OpName(kind));
   }

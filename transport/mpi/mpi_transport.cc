@@ -1560,7 +1560,7 @@ absl::StatusOr<RequestPtr> MpiTransport::StartExchangeCounts(absl::Span<const in
                                                        kMaxExperts, num_experts));
   }
   // Refused before anything reaches the peers; the transport stays usable.
-  if (handle->counts_in_flight_.value) return common::CountsInFlightError();
+  MOONEP_RETURN_IF_ERROR(handle->CheckCanStart(OpKind::kCounts));
   absl::Status local = handle->TakeRefusal();
   if (local.ok()) {
     local = common::CheckCountsInput(topk_ids, num_tokens, top_k, num_experts, recv_capacity_rows,
@@ -1568,8 +1568,7 @@ absl::StatusOr<RequestPtr> MpiTransport::StartExchangeCounts(absl::Span<const in
   }
   handle->exchange_no_ = exchanges_++;
   auto op = std::make_unique<CountsOp>(this, rows_comm_, rows_seq_++, handle);
-  handle->counts_in_flight_.value = true;
-  op->OnEnd([handle] { handle->counts_in_flight_.value = false; });
+  handle->Track(op.get(), OpKind::kCounts);
   MOONEP_RETURN_IF_ERROR(op->Begin(
       op->Start(local, topk_ids, num_tokens, top_k, num_experts, recv_capacity_rows)));
   return RequestPtr(std::move(op));
@@ -1597,6 +1596,7 @@ absl::StatusOr<RequestPtr> MpiTransport::StartDispatch(const planner::Plan& plan
   if (s.ok()) s = common::PrepareDispatch(plan, topk_weights, rank_, h, host_pool_.get());
   if (!s.ok()) return AbortPeers(OpKind::kDispatch, s);
   auto op = std::make_unique<DispatchOp>(this, OpKind::kDispatch, rows_comm_, rows_seq_++, h);
+  h->Track(op.get(), OpKind::kDispatch);
   MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(x, recv_rows, recv_weights.data())));
   return RequestPtr(std::move(op));
 }
@@ -1611,6 +1611,7 @@ absl::StatusOr<RequestPtr> MpiTransport::StartCombineBackward(DispatchHandle* h,
       common::CheckCombineBackwardBuffers(*h, dy, dy_rows, options_.max_row_bytes, kBackendName);
   if (!s.ok()) return AbortPeers(OpKind::kCombineBackward, s);
   auto op = std::make_unique<DispatchOp>(this, OpKind::kCombineBackward, rows_comm_, rows_seq_++, h);
+  h->Track(op.get(), OpKind::kCombineBackward);
   MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(dy, dy_rows, nullptr)));
   return RequestPtr(std::move(op));
 }
@@ -1626,6 +1627,7 @@ absl::StatusOr<RequestPtr> MpiTransport::StartCombine(DispatchHandle* h,
   if (s.ok()) s = common::EnsureRowStaging(options_, h, /*scalars=*/false);
   if (!s.ok()) return AbortPeers(OpKind::kCombine, s);
   auto op = std::make_unique<CombineOp>(this, OpKind::kCombine, rows_comm_, rows_seq_++, h);
+  h->Track(op.get(), OpKind::kCombine);
   MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(expert_rows, y)));
   return RequestPtr(std::move(op));
 }
@@ -1641,6 +1643,7 @@ absl::StatusOr<RequestPtr> MpiTransport::StartDispatchBackward(DispatchHandle* h
   if (s.ok()) s = common::EnsureRowStaging(options_, h, /*scalars=*/false);
   if (!s.ok()) return AbortPeers(OpKind::kDispatchBackward, s);
   auto op = std::make_unique<CombineOp>(this, OpKind::kDispatchBackward, rows_comm_, rows_seq_++, h);
+  h->Track(op.get(), OpKind::kDispatchBackward);
   MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(dx_rows, dx)));
   return RequestPtr(std::move(op));
 }
@@ -1656,6 +1659,7 @@ absl::StatusOr<RequestPtr> MpiTransport::StartTopkWeightGrad(DispatchHandle* h,
       common::CheckTopkWeightGradBuffers(*h, dy_rows, expert_rows, d_topk_weights, kBackendName);
   if (!s.ok()) return AbortPeers(OpKind::kTopkWeightGrad, s);
   auto op = std::make_unique<TopkWeightGradOp>(this, rows_comm_, rows_seq_++, h);
+  h->Track(op.get(), OpKind::kTopkWeightGrad);
   MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(dy_rows, expert_rows, d_topk_weights.data())));
   return RequestPtr(std::move(op));
 }

@@ -278,8 +278,6 @@ struct HandleState {
   DeviceBuffer header_dev, header_all_dev, counts_dev, counts_all_dev;
   // The one-round form's message, [header, invalid, counts[W]] (every rank's land in counts_all_*).
   DeviceBuffer wire_dev;
-  // A count exchange on this handle has started and not ended (its buffers are in use).
-  bool counts_in_flight = false;
   // Tables of the last dispatch (one upload per dispatch).
   PinnedBuffer tables_host;
   DeviceBuffer tables_dev;
@@ -397,7 +395,10 @@ namespace {
 class NcclOp : public NcclRequest {
  public:
   using Step = std::function<absl::Status()>;
-  NcclOp(NcclTransportImpl* t, OpKind kind, cudaStream_t stream, std::vector<int> peers);
+  // `caller`: the caller's stream; the work queued on it now is what the op's first stage waits
+  // for (WaitCaller), however late that stage is posted.
+  NcclOp(NcclTransportImpl* t, OpKind kind, cudaStream_t stream, std::vector<int> peers,
+         cudaStream_t caller);
   ~NcclOp() override;
   absl::StatusOr<bool> Test() override;
   absl::Status Wait() override;
@@ -406,6 +407,13 @@ class NcclOp : public NcclRequest {
   // Queues the op on its channel; its steps are posted by the channel's progress (Progress).
   absl::Status Start(std::vector<Step> steps, Step finish);
   OpCounters& counters() { return counters_; }
+  // The op's stream waits (on the device) for the work the caller had queued when it started the
+  // op: a step posted after the caller queued more (say, a wait on this op's done_event) does not
+  // wait for that too.
+  absl::Status WaitCaller() const {
+    return kernels::CudaStatus(cudaStreamWaitEvent(stream_, caller_ready_, 0),
+                               "cudaStreamWaitEvent (the caller's stream)");
+  }
   // Ends the op after the current step with `verdict`, without aborting: for errors every rank
   // reaches in the same step from the same exchanged data (the transport stays usable).
   void Stop(absl::Status verdict) {
@@ -437,6 +445,7 @@ class NcclOp : public NcclRequest {
   int channel_;
   std::vector<int> peers_;
   cudaEvent_t event_ = nullptr;
+  cudaEvent_t caller_ready_ = nullptr;  // recorded on the caller's stream at the op's start
   std::vector<Step> steps_;
   Step finish_;
   size_t next_ = 0;
@@ -526,6 +535,8 @@ class NcclTransportImpl : public NcclTransport {
   }
   void OpStarted() { ++comms_->ops_in_flight; }
   void OpLanded() { --comms_->ops_in_flight; }
+  // The deadline of the op whose step is being posted (NcclOp::TryPostNext); max() otherwise.
+  void set_step_deadline(Clock::time_point deadline) { step_deadline_ = deadline; }
   // Frees the allocations buffers outgrew, when no operation on the communicator pair is in flight
   // (cudaFree waits for the device: under a kernel blocked on a dead peer it would never return).
   void FreeRetired();
@@ -552,13 +563,15 @@ class NcclTransportImpl : public NcclTransport {
   absl::Status CheckDispatched(OpKind kind, DispatchHandle* h);
   absl::Status CheckBlocks(const planner::Plan& plan, const ExpertBlocks& b,
                            const char* name) const;
-  // The op's stream waits for the caller's queued work.
-  absl::Status WaitCaller(cudaStream_t stream);
   // A non-blocking communicator may answer ncclInProgress while it enqueues; the next call on it
-  // has to wait until it settles.
+  // has to wait until it settles: within the timeout, and within the deadline of the op whose
+  // step is being posted (so that an op's steps do not each get a whole timeout).
   absl::Status Settle(ncclResult_t r, ncclComm_t comm, const char* what) const {
     if (r == ncclInProgress) {
-      return WaitComm(comm, Clock::now() + std::chrono::milliseconds(timeout_ms_), what);
+      return WaitComm(comm,
+                      std::min(Clock::now() + std::chrono::milliseconds(timeout_ms_),
+                               step_deadline_),
+                      what);
     }
     return NcclStatus(r, what);
   }
@@ -566,7 +579,7 @@ class NcclTransportImpl : public NcclTransport {
     return Settle(ncclGroupEnd(), comm, what);
   }
   std::unique_ptr<NcclOp> NewOp(OpKind kind, cudaStream_t stream, std::vector<int> peers) {
-    return std::make_unique<NcclOp>(this, kind, stream, std::move(peers));
+    return std::make_unique<NcclOp>(this, kind, stream, std::move(peers), caller_stream_);
   }
   absl::StatusOr<RequestPtr> Run(std::unique_ptr<NcclOp> op, std::vector<NcclOp::Step> steps,
                                  NcclOp::Step finish) {
@@ -588,7 +601,7 @@ class NcclTransportImpl : public NcclTransport {
   std::shared_ptr<NcclComms> comms_;
   cudaStream_t rows_stream_ = nullptr, weights_stream_ = nullptr;
   cudaStream_t caller_stream_ = nullptr;  // legacy default stream
-  cudaEvent_t caller_ready_ = nullptr;
+  Clock::time_point step_deadline_ = Clock::time_point::max();
   absl::Status poisoned_;
   std::unordered_map<const DispatchHandle*, std::unique_ptr<HandleState>> states_;
   // Reduce: one staging per reduce in flight, reused.
@@ -599,7 +612,8 @@ class NcclTransportImpl : public NcclTransport {
 // ---------------------------------------------------------------------------------------------
 // NcclOp
 
-NcclOp::NcclOp(NcclTransportImpl* t, OpKind kind, cudaStream_t stream, std::vector<int> peers)
+NcclOp::NcclOp(NcclTransportImpl* t, OpKind kind, cudaStream_t stream, std::vector<int> peers,
+               cudaStream_t caller)
     : transport_(t),
       kind_(kind),
       stream_(stream),
@@ -612,6 +626,14 @@ NcclOp::NcclOp(NcclTransportImpl* t, OpKind kind, cudaStream_t stream, std::vect
     cudaGetLastError();
     event_ = nullptr;
   }
+  if (cudaEventCreateWithFlags(&caller_ready_, cudaEventDisableTiming) != cudaSuccess) {
+    cudaGetLastError();
+    caller_ready_ = nullptr;
+  } else if (cudaEventRecord(caller_ready_, caller) != cudaSuccess) {
+    cudaGetLastError();
+    cudaEventDestroy(caller_ready_);
+    caller_ready_ = nullptr;
+  }
 }
 
 NcclOp::~NcclOp() {
@@ -622,6 +644,7 @@ NcclOp::~NcclOp() {
   Landed();
   transport_->Dequeue(this);
   if (event_) cudaEventDestroy(event_);
+  if (caller_ready_) cudaEventDestroy(caller_ready_);
 }
 
 void NcclOp::Landed() {
@@ -636,7 +659,10 @@ absl::Status NcclOp::Record() {
 }
 
 absl::Status NcclOp::Start(std::vector<Step> steps, Step finish) {
-  if (event_ == nullptr) return Fail(SystemError("%s: cudaEventCreate failed", OpName(kind_)));
+  if (event_ == nullptr || caller_ready_ == nullptr) {
+    return Fail(SystemError("%s: cudaEventCreate, or cudaEventRecord on the caller's stream, failed",
+                            OpName(kind_)));
+  }
   steps_ = std::move(steps);
   finish_ = std::move(finish);
   MOONEP_TRACE("transport nccl: %s starts, %d stages", OpName(kind_), steps_.size());
@@ -663,7 +689,9 @@ bool NcclOp::TryPostNext() {
     }
   }
   const Clock::time_point posting = Clock::now();
+  transport_->set_step_deadline(deadline_);
   absl::Status s = steps_[next_++]();
+  transport_->set_step_deadline(Clock::time_point::max());
   if (s.ok() && !stop_) s = Record();
   if (!s.ok()) Fail(Context(s)).IgnoreError();
   // Where an operation's time goes: when each stage's host step began (the previous stage's device
@@ -1008,7 +1036,6 @@ absl::StatusOr<std::unique_ptr<Transport>> NcclTransportImpl::Create(
   MOONEP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&t->rows_stream_, cudaStreamNonBlocking));
   MOONEP_CUDA_RETURN_IF_ERROR(
       cudaStreamCreateWithFlags(&t->weights_stream_, cudaStreamNonBlocking));
-  MOONEP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&t->caller_ready_, cudaEventDisableTiming));
   {
     // Ranks on this node without a collective (creation is not one): the launcher's count where
     // it sets one, else this node's GPUs (one rank per GPU; a rank that sees one GPU alone through
@@ -1044,7 +1071,6 @@ NcclTransportImpl::~NcclTransportImpl() {
   cudaGetLastError();
   if (!drained) Abort(Timeout("NCCL transport destroyed with work still queued")).IgnoreError();
   states_.clear();
-  if (caller_ready_) cudaEventDestroy(caller_ready_);
   if (rows_stream_) cudaStreamDestroy(rows_stream_);
   if (weights_stream_) cudaStreamDestroy(weights_stream_);
   // The communicators go with the last transport (or holder) of comms_.
@@ -1133,12 +1159,6 @@ absl::Status NcclTransportImpl::CheckRows(const TensorView& v, const char* name,
   return CheckDevicePointer(v.data, name);
 }
 
-absl::Status NcclTransportImpl::WaitCaller(cudaStream_t stream) {
-  MOONEP_CUDA_RETURN_IF_ERROR(cudaEventRecord(caller_ready_, caller_stream_));
-  MOONEP_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, caller_ready_, 0));
-  return absl::OkStatus();
-}
-
 std::vector<int> NcclTransportImpl::RowPeers(const DispatchHandle* h) const {
   std::vector<int> peers;
   for (int32_t r = 0; r < size_; ++r) {
@@ -1149,10 +1169,8 @@ std::vector<int> NcclTransportImpl::RowPeers(const DispatchHandle* h) const {
 
 absl::Status NcclTransportImpl::CheckDispatched(OpKind kind, DispatchHandle* h) {
   if (h == nullptr) return Fatal(InvalidArgument("%s: handle is null", OpName(kind)));
+  if (absl::Status busy = h->CheckCanStart(kind); !busy.ok()) return Fatal(busy);
   const auto state = states_.find(h);
-  if (state != states_.end() && state->second->counts_in_flight) {
-    return Fatal(common::CountsNotEndedError(kind));
-  }
   if (!h->counted_ || h->num_ranks_ != size_ || h->rank_ != rank_ || state == states_.end()) {
     return Fatal(
         InvalidUsage("%s: the handle has no count exchange of this transport", OpName(kind)));
@@ -1200,6 +1218,11 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
     return Fatal(InvalidArgument("num_experts must be in [1, %d], got %d", kMaxExperts,
                                  num_experts));
   }
+  // The handle's buffers belong to its exchange until that ends (its Wait, or a Test that
+  // returned true or an error), and its layouts to any operation on it in flight. Refused before
+  // anything is described to the peers: a rank that makes this call alone leaves them to time out
+  // in this exchange, as any rank that does not join.
+  MOONEP_RETURN_IF_ERROR(h->CheckCanStart(OpKind::kCounts));
   absl::Status local;
   // The maxima first: within them num_tokens * top_k <= kMaxEntries cannot overflow.
   if (num_tokens < 0 || top_k < 0) {
@@ -1222,10 +1245,6 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
   if (!local.ok()) local = Annotate(local, absl::StrFormat("count exchange on rank %d", rank_));
 
   HandleState* st = StateOf(h);
-  // The handle's buffers belong to its exchange until that ends (its Wait, or a Test that
-  // returned true or an error). Refused before anything is described to the peers: a rank that
-  // makes this call alone leaves them to time out in this exchange, as any rank that does not join.
-  if (st->counts_in_flight) return common::CountsInFlightError();
   const int32_t R = size_, E = num_experts;
   const int64_t width = 1 + E;
   const int64_t entries = local.ok() ? num_tokens * top_k : 0;
@@ -1275,7 +1294,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
     raw->counters().messages_sent += R - 1;
   };
   auto exchange_header = [=]() -> absl::Status {
-    MOONEP_RETURN_IF_ERROR(WaitCaller(stream));
+    MOONEP_RETURN_IF_ERROR(raw->WaitCaller());
     const int32_t W = comms_->wire_experts;
     *wire_experts = W;
     int64_t* counts = st->counts_dev.get<int64_t>();
@@ -1398,8 +1417,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
     h->counted_ = true;
     return absl::OkStatus();
   };
-  st->counts_in_flight = true;
-  raw->OnEnd([st] { st->counts_in_flight = false; });
+  h->Track(raw, OpKind::kCounts);
   return Run(std::move(op), {exchange_header, exchange_counts}, finish);
 }
 
@@ -1543,6 +1561,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartDispatch(
   MOONEP_TRACE("transport nccl: dispatch: checks, layouts and tables on the host %.1f us",
                std::chrono::duration<double, std::micro>(Clock::now() - entered).count());
   auto op = NewOp(OpKind::kDispatch, rows_stream_, RowPeers(h));
+  h->Track(op.get(), OpKind::kDispatch);
   NcclOp* raw = op.get();
   const cudaStream_t stream = rows_stream_;
   const size_t table_bytes = block.size();
@@ -1566,7 +1585,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartDispatch(
   auto exchange_meta = [=]() -> absl::Status {
     const SendLayout& send = h->send_;
     const ReceiveLayout& recv = h->recv_;
-    MOONEP_RETURN_IF_ERROR(WaitCaller(stream));
+    MOONEP_RETURN_IF_ERROR(raw->WaitCaller());
     MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st->tables_dev.get(), st->tables_host.get(),
                                                 table_bytes, cudaMemcpyHostToDevice, stream));
     MOONEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st->bad_dev.get(), 0, 8, stream));
@@ -1703,6 +1722,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartRowsOut(OpKind kind, Dispatch
     if (!s.ok()) return Fatal(s);
   }
   auto op = NewOp(kind, rows_stream_, RowPeers(h));
+  h->Track(op.get(), kind);
   NcclOp* raw = op.get();
   const cudaStream_t stream = rows_stream_;
   {
@@ -1719,7 +1739,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartRowsOut(OpKind kind, Dispatch
   }
   const TensorView x_view = x, rows_view = rows;
   auto move = [=]() -> absl::Status {
-    MOONEP_RETURN_IF_ERROR(WaitCaller(stream));
+    MOONEP_RETURN_IF_ERROR(raw->WaitCaller());
     MOONEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st->bad_dev.get(), 0, 8, stream));
     char* send_staging = st->send_staging.get();
     char* recv_staging = st->recv_staging.get();
@@ -1834,6 +1854,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartRowsBack(OpKind kind, Dispatc
     if (!r.ok()) return Fatal(r);
   }
   auto op = NewOp(kind, rows_stream_, RowPeers(h));
+  h->Track(op.get(), kind);
   NcclOp* raw = op.get();
   const cudaStream_t stream = rows_stream_;
   {
@@ -1850,7 +1871,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartRowsBack(OpKind kind, Dispatc
   auto move = [=]() -> absl::Status {
     const SendLayout& send = h->send_;
     const ReceiveLayout& recv = h->recv_;
-    MOONEP_RETURN_IF_ERROR(WaitCaller(stream));
+    MOONEP_RETURN_IF_ERROR(raw->WaitCaller());
     MOONEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st->bad_dev.get(), 0, 8, stream));
     char* send_staging = st->send_staging.get();
     char* recv_staging = st->recv_staging.get();
@@ -1963,6 +1984,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartTopkWeightGrad(
     if (!r.ok()) return Fatal(r);
   }
   auto op = NewOp(OpKind::kTopkWeightGrad, rows_stream_, RowPeers(h));
+  h->Track(op.get(), OpKind::kTopkWeightGrad);
   NcclOp* raw = op.get();
   const cudaStream_t stream = rows_stream_;
   {
@@ -1978,7 +2000,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartTopkWeightGrad(
   auto move = [=]() -> absl::Status {
     const SendLayout& send = h->send_;
     const ReceiveLayout& recv = h->recv_;
-    MOONEP_RETURN_IF_ERROR(WaitCaller(stream));
+    MOONEP_RETURN_IF_ERROR(raw->WaitCaller());
     MOONEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(st->bad_dev.get(), 0, 8, stream));
     float* dots_send = st->send_staging.get<float>();
     float* dots_recv = st->recv_staging.get<float>();
@@ -2111,7 +2133,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartPrefetch(const planner::Plan&
   }
   const cudaStream_t stream = weights_stream_;
   auto move = [=]() -> absl::Status {
-    MOONEP_RETURN_IF_ERROR(WaitCaller(stream));
+    MOONEP_RETURN_IF_ERROR(raw->WaitCaller());
     if (transfers.empty()) return absl::OkStatus();
     for (const Transfer& t : transfers) {
       if (t.peer < 0 && t.bytes > 0) {
@@ -2251,7 +2273,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartReduce(const planner::Plan& p
   const void* const* table_dev = mine->sources_dev.get<const void*>();
   const void* table_host = mine->sources_host.get();
   auto move = [=]() -> absl::Status {
-    MOONEP_RETURN_IF_ERROR(WaitCaller(stream));
+    MOONEP_RETURN_IF_ERROR(raw->WaitCaller());
     if (transfers.empty() && sums.empty()) return absl::OkStatus();
     if (num_pointers > 0) {
       MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(const_cast<const void**>(table_dev), table_host,

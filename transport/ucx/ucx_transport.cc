@@ -2262,7 +2262,7 @@ absl::StatusOr<RequestPtr> UcxTransport::StartExchangeCounts(absl::Span<const in
                                                        kMaxExperts, num_experts));
   }
   // Refused before anything reaches the peers; the transport stays usable.
-  if (handle->counts_in_flight_.value) return common::CountsInFlightError();
+  MOONEP_RETURN_IF_ERROR(handle->CheckCanStart(OpKind::kCounts));
   absl::Status local = handle->TakeRefusal();
   if (local.ok()) {
     local = common::CheckCountsInput(topk_ids, num_tokens, top_k, num_experts, recv_capacity_rows,
@@ -2270,8 +2270,7 @@ absl::StatusOr<RequestPtr> UcxTransport::StartExchangeCounts(absl::Span<const in
   }
   handle->exchange_no_ = NextExchange();
   auto op = std::make_unique<CountsOp>(this, kRowsChannel, seq_[kRowsChannel]++, handle);
-  handle->counts_in_flight_.value = true;
-  op->OnEnd([handle] { handle->counts_in_flight_.value = false; });
+  handle->Track(op.get(), OpKind::kCounts);
   MOONEP_RETURN_IF_ERROR(op->Begin(
       op->Start(local, topk_ids, num_tokens, top_k, num_experts, recv_capacity_rows)));
   return RequestPtr(std::move(op));
@@ -2300,6 +2299,7 @@ absl::StatusOr<RequestPtr> UcxTransport::StartDispatch(const planner::Plan& plan
   if (s.ok()) s = common::PrepareDispatch(plan, topk_weights, rank_, h, host_pool_.get());
   if (!s.ok()) return AbortPeers(OpKind::kDispatch, s);
   auto op = std::make_unique<DispatchOp>(this, OpKind::kDispatch, kRowsChannel, seq_[kRowsChannel]++, h);
+  h->Track(op.get(), OpKind::kDispatch);
   MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(x, recv_rows, recv_weights.data())));
   return RequestPtr(std::move(op));
 }
@@ -2315,6 +2315,7 @@ absl::StatusOr<RequestPtr> UcxTransport::StartCombineBackward(DispatchHandle* h,
       common::CheckCombineBackwardBuffers(*h, dy, dy_rows, options_.max_row_bytes, kBackendName);
   if (!s.ok()) return AbortPeers(OpKind::kCombineBackward, s);
   auto op = std::make_unique<DispatchOp>(this, OpKind::kCombineBackward, kRowsChannel, seq_[kRowsChannel]++, h);
+  h->Track(op.get(), OpKind::kCombineBackward);
   MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(dy, dy_rows, nullptr)));
   return RequestPtr(std::move(op));
 }
@@ -2331,6 +2332,7 @@ absl::StatusOr<RequestPtr> UcxTransport::StartCombine(DispatchHandle* h,
   if (s.ok()) s = common::EnsureRowStaging(options_, h, /*scalars=*/true);
   if (!s.ok()) return AbortPeers(OpKind::kCombine, s);
   auto op = std::make_unique<CombineOp>(this, OpKind::kCombine, kRowsChannel, seq_[kRowsChannel]++, h);
+  h->Track(op.get(), OpKind::kCombine);
   MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(expert_rows, y)));
   return RequestPtr(std::move(op));
 }
@@ -2347,6 +2349,7 @@ absl::StatusOr<RequestPtr> UcxTransport::StartDispatchBackward(DispatchHandle* h
   if (s.ok()) s = common::EnsureRowStaging(options_, h, /*scalars=*/true);
   if (!s.ok()) return AbortPeers(OpKind::kDispatchBackward, s);
   auto op = std::make_unique<CombineOp>(this, OpKind::kDispatchBackward, kRowsChannel, seq_[kRowsChannel]++, h);
+  h->Track(op.get(), OpKind::kDispatchBackward);
   MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(dx_rows, dx)));
   return RequestPtr(std::move(op));
 }
@@ -2364,6 +2367,7 @@ absl::StatusOr<RequestPtr> UcxTransport::StartTopkWeightGrad(DispatchHandle* h,
   if (s.ok()) s = common::EnsureRowStaging(options_, h, /*scalars=*/true);
   if (!s.ok()) return AbortPeers(OpKind::kTopkWeightGrad, s);
   auto op = std::make_unique<TopkWeightGradOp>(this, kRowsChannel, seq_[kRowsChannel]++, h);
+  h->Track(op.get(), OpKind::kTopkWeightGrad);
   MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(dy_rows, expert_rows, d_topk_weights.data())));
   return RequestPtr(std::move(op));
 }
