@@ -452,11 +452,21 @@ TEST_F(MoeLayerTest, MemoryIncludesTransportStagingMadeAtCreation) {
   EXPECT_EQ((*layer)->MemoryBytes(), before);
 }
 
+// MemAvailable as the smallest any rank reads (-1 where one cannot read it), so that a config
+// derived from it is the same on every rank: read separately, the ranks' values differ by what
+// other processes allocated in between (the layer then refused the configs for differing, seen
+// once under ctest -j2).
+int64_t AgreedMemAvailable() {
+  int64_t available = HostMemoryAvailableBytes(), least = 0;
+  MPI_Allreduce(&available, &least, 1, MPI_INT64_T, MPI_MIN, MPI_COMM_WORLD);
+  return least;
+}
+
 // A receive capacity whose buffers the node cannot hold is refused at creation on every rank, with
 // an error naming host memory, rather than allocated (the zero-fill would run the process into
 // the out-of-memory killer, and its peers would wait out their timeouts).
 TEST_F(MoeLayerTest, BuffersAboveTheNodesMemoryAreRefusedAtCreation) {
-  const int64_t available = HostMemoryAvailableBytes();
+  const int64_t available = AgreedMemAvailable();
   if (available < 0) GTEST_SKIP() << "MemAvailable cannot be read here";
   LayerConfig config = Config(DType::kFloat32, planner::Policy::kMoonEP);
   // Each receive row holds at least one x row (kHidden fp32): twice the node's memory in rows.
@@ -475,7 +485,7 @@ TEST_F(MoeLayerTest, BuffersAboveTheNodesMemoryAreRefusedAtCreation) {
 // zero-filled) is counted with the layer's other buffers: above the node's memory it is refused
 // at once, on every rank, before anything is filled (it was allocated and zero-filled unchecked).
 TEST_F(MoeLayerTest, ReplicaBufferAboveTheNodesMemoryIsRefusedAtCreation) {
-  const int64_t available = HostMemoryAvailableBytes();
+  const int64_t available = AgreedMemAvailable();
   if (available < 0) GTEST_SKIP() << "MemAvailable cannot be read here";
   LayerConfig config = Config(DType::kFloat32, planner::Policy::kMoonEP);
   config.slots = 2;
