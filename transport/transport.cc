@@ -48,12 +48,27 @@ const char* HandleConflict(OpKind a, OpKind b) {
   if (row_staging(a) && row_staging(b)) {
     return "combine and dispatch-backward share the handle's row staging";
   }
-  if (a == OpKind::kTopkWeightGrad && b == OpKind::kTopkWeightGrad) {
-    return "topk-weight-grad uses the handle's scalar staging";
+  if (a == b) {
+    return "operations of one kind go one at a time on a handle (their staging, nccl's error "
+           "count)";
   }
   return nullptr;
 }
 }  // namespace
+
+uint64_t Transport::NextSerial() {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
+
+absl::Status DispatchHandle::CheckIdle(const char* what) const {
+  for (size_t k = 0; k < in_flight_.ops.size(); ++k) {
+    if (in_flight_.ops[k] == 0) continue;
+    return InvalidUsage("%s: the handle's %s has not ended; wait for it first", what,
+                        OpName(static_cast<OpKind>(k)));
+  }
+  return absl::OkStatus();
+}
 
 absl::Status DispatchHandle::CheckCanStart(OpKind kind) const {
   // The exclusive kinds first, so that a row operation on a handle whose count exchange is in

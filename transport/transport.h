@@ -29,13 +29,16 @@
 // Operations on one handle overlap only where they share none of its state. A count exchange or a
 // dispatch rewrites the handle (routing, counts, layouts): no other operation on the handle may be
 // in flight when one starts, and none may start while one is in flight. Combine and
-// dispatch-backward share the handle's row staging: one of them at a time. Topk-weight-grad: one
-// at a time (scalar staging). Combine-backward only reads the handle: it overlaps any of those.
+// dispatch-backward share the handle's row staging: one of them at a time. Operations of one kind
+// go one at a time (their staging, nccl's error counter). So a combine-backward and a
+// topk-weight-grad may overlap a combine or a dispatch-backward, and each other.
 // Every backend refuses an overlapping start with InvalidUsage naming the operation in flight
 // (DispatchHandle::CheckCanStart): a count exchange before anything reaches the peers (the
 // transport stays usable), a row operation like any other misuse of its handle (a handle never
 // counted): the peers are told where the backend can (AbortOperation) and the transport is
-// unusable afterwards.
+// unusable afterwards. A handle's row operations go to the transport that started its last count
+// exchange; another transport refuses them the same way ("the handle has no count exchange of
+// this transport").
 //
 // Destruction (Close, or the destructor) is collective too: every rank ends a communicator's
 // transports in the same order (see Close). Host staging: see PrepareHandle.
@@ -165,6 +168,9 @@ class DispatchHandle {
   // handle"): InvalidUsage "<kind>: the handle's <other> has not ended; ..." naming an operation
   // in flight on it that `kind` would overlap, else OK.
   absl::Status CheckCanStart(OpKind kind) const;
+  // InvalidUsage "<what>: the handle's <kind> has not ended; ..." while any operation is in flight
+  // on the handle (PrepareHandle, which may reallocate its staging), else OK.
+  absl::Status CheckIdle(const char* what) const;
   // For backends: marks `kind` in flight on this handle until `op` ends (its OnEnd callback runs
   // once, when the request completes, fails or is destroyed). Call before anything can end `op`.
   template <typename Op>
@@ -176,6 +182,10 @@ class DispatchHandle {
   // call on another dispatch's handle is found (mpi: the low bits go into the tags of the row
   // operations on this handle; ucx: their control messages carry it).
   int64_t exchange_no_ = -1;
+  // Transport::serial() of the transport that started the handle's last count exchange: the row
+  // operations on the handle go to it (another transport refuses them with InvalidUsage, as for a
+  // handle never counted).
+  uint64_t counted_by_ = 0;
   absl::Status refusal_;  // RefuseNextCountExchange
   std::vector<int32_t> topk_ids_;
   std::vector<float> topk_weights_;
@@ -219,6 +229,9 @@ using RequestPtr = std::unique_ptr<Request>;
 class Transport {
  public:
   virtual ~Transport() = default;
+  // A number no other transport of this process had (1, 2, ...; DispatchHandle::counted_by_): an
+  // address could be a destroyed transport's.
+  uint64_t serial() const { return serial_; }
   virtual const char* backend() const = 0;
   virtual int32_t rank() const = 0;
   virtual int32_t size() const = 0;
@@ -279,7 +292,8 @@ class Transport {
   //   metadata  (max_tokens * max_top_k + recv_capacity_rows) * 8      (dispatch, both ways)
   //   scalars   max(max_tokens * max_top_k, recv_capacity_rows) * 4   (topk-weight-grad)
   // (DispatchHandle::HostStagingBytes() reports them). Local; OutOfMemory when they cannot be
-  // allocated (the transport stays usable, the handle may keep part of them). A handle that was
+  // allocated (the transport stays usable, the handle may keep part of them); InvalidUsage while
+  // an operation is in flight on the handle (reserving may move its staging). A handle that was
   // not prepared allocates each part at its first use instead, in the middle of a collective
   // operation: the metadata at its first dispatch, the rows at its first combine or
   // dispatch-backward (a failure to allocate them fails that operation on this rank with
@@ -340,6 +354,10 @@ class Transport {
                               const TensorView& expert_rows, absl::Span<float> d_topk_weights);
   absl::Status Prefetch(const planner::Plan& plan, const ExpertBlocks& params);
   absl::Status Reduce(const planner::Plan& plan, const ExpertBlocks& grads);
+
+ private:
+  static uint64_t NextSerial();
+  const uint64_t serial_ = NextSerial();
 };
 
 // Backends built into this library ("mpi" always).

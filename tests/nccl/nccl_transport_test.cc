@@ -964,6 +964,11 @@ TEST_F(NcclTest, AnOperationWaitsOnlyForTheCallersWorkQueuedBeforeItStarted) {
   DispatchHandle h, h2;
   ASSERT_TRUE(t->ExchangeCounts(ids.span(), T, p.K, p.E, cap, &h).ok());
   std::atomic<bool> gate1{false}, gate2{false};
+  struct OpenOnExit {  // a failed assertion must not leave the stream held (everything would wait)
+    std::atomic<bool>* a;
+    std::atomic<bool>* b;
+    ~OpenOnExit() { *a = *b = true; }
+  } open_on_exit{&gate1, &gate2};
   auto hold = [](void* flag) {
     while (!static_cast<std::atomic<bool>*>(flag)->load()) {
       std::this_thread::sleep_for(std::chrono::microseconds(100));
@@ -993,6 +998,37 @@ TEST_F(NcclTest, AnOperationWaitsOnlyForTheCallersWorkQueuedBeforeItStarted) {
   ASSERT_EQ(cudaStreamSynchronize(caller), cudaSuccess);
   t.reset();
   cudaStreamDestroy(caller);
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// A handle's row operations go to the transport that made its last count exchange. Counted on
+// two transports (each keeps device state for it), the handle is refused by the first: before, a
+// dispatch there was accepted, and a combine on the second then read tables that transport had
+// never built.
+TEST_F(NcclTest, RowOperationsOnAHandleCountedByAnotherTransportAreRefused) {
+  const int32_t R = size(), me = rank();
+  const Problem p = MakeProblem(R, 2 * R, std::min(2, 2 * R), 4, 8, 61, -1);
+  planner::Plan plan;
+  ASSERT_TRUE(PlanOfKind("random", p, 61, &plan).ok());
+  const int64_t H = p.H, T = p.T[me];
+  const int64_t cap = CapacityRows(p, plan.num_groups(), plan.pad_multiple);
+  auto a = MakeTransport(p.max_tokens(), p.K, H * 4), b = MakeTransport(p.max_tokens(), p.K, H * 4);
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  DeviceVector<int32_t> ids(p.ids[me]);
+  DeviceVector<float> x(p.x[me]), w(p.weights[me]), rows(cap * H), rw(cap);
+  DispatchHandle h;
+  ASSERT_TRUE(a->ExchangeCounts(ids.span(), T, p.K, p.E, cap, &h).ok());
+  ASSERT_TRUE(b->ExchangeCounts(ids.span(), T, p.K, p.E, cap, &h).ok());
+  absl::Status st =
+      a->Dispatch(plan, x.Matrix(T, H), w.span(), &h, rows.Matrix(cap, H), rw.span());
+  EXPECT_EQ(ToResult(st), moonepInvalidUsage) << st;
+  EXPECT_NE(std::string(st.message()).find("the handle has no count exchange of this transport"),
+            std::string::npos) << st;
+  st = b->Dispatch(plan, x.Matrix(T, H), w.span(), &h, rows.Matrix(cap, H), rw.span());
+  EXPECT_TRUE(st.ok()) << st;
+  a.reset();
+  b.reset();
   MPI_Barrier(MPI_COMM_WORLD);
 }
 

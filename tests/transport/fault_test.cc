@@ -196,7 +196,8 @@ TEST_P(FaultTest, DispatchOnAHandleWhoseCountExchangeIsInFlightIsRefused) {
 // Operations on one handle overlap only where they share none of its state (transport.h,
 // "Operations on one handle"). Every rank makes the same calls. With a combine in flight on the
 // handle, a count exchange on it is refused with InvalidUsage naming the combine, before anything
-// reaches the peers; combine-backward and topk-weight-grad overlap the combine. Everything in
+// reaches the peers, and so is PrepareHandle; combine-backward and topk-weight-grad overlap the
+// combine. Everything in
 // flight completes, each result equal to the same operation run alone afterwards, and the
 // transport stays usable.
 TEST_P(FaultTest, OperationsThatShareNoHandleStateOverlapAndACountExchangeWaits) {
@@ -216,6 +217,11 @@ TEST_P(FaultTest, OperationsThatShareNoHandleStateOverlapAndACountExchangeWaits)
   EXPECT_EQ(ToResult(counts.status()), moonepInvalidUsage) << counts.status();
   EXPECT_NE(counts.status().message().find("count exchange: the handle's combine has not ended"),
             std::string::npos) << counts.status();
+  // Preparing the handle (which may move its staging) is refused too, locally.
+  absl::Status prepare = t_->PrepareHandle(&h, cap_);
+  EXPECT_EQ(ToResult(prepare), moonepInvalidUsage) << prepare;
+  EXPECT_NE(prepare.message().find("PrepareHandle: the handle's combine has not ended"),
+            std::string::npos) << prepare;
   auto backward = t_->StartCombineBackward(&h, view(dy, T, H), view(dy_rows, cap_, H));
   ASSERT_TRUE(backward.ok()) << backward.status();
   auto grad = t_->StartTopkWeightGrad(&h, view(half, cap_, H), view(rows, cap_, H),
@@ -269,6 +275,7 @@ TEST_P(FaultTest, RowOperationsThatShareHandleStateAreRefusedWhileOneIsInFlight)
                           Pair{OpKind::kCombine, OpKind::kDispatchBackward},
                           Pair{OpKind::kDispatchBackward, OpKind::kCombine},
                           Pair{OpKind::kTopkWeightGrad, OpKind::kTopkWeightGrad},
+                          Pair{OpKind::kCombineBackward, OpKind::kCombineBackward},
                           Pair{OpKind::kCombineBackward, OpKind::kDispatch}}) {
     SCOPED_TRACE(absl::StrFormat("%s, then %s", OpName(pair.first), OpName(pair.second)));
     auto made = CreateTransport(GetParam(), options_);
@@ -318,6 +325,30 @@ TEST_P(FaultTest, RowOperationsThatShareHandleStateAreRefusedWhileOneIsInFlight)
     t_.reset();  // before the buffers it was given
     MPI_Barrier(MPI_COMM_WORLD);
   }
+}
+
+// A handle's row operations go to the transport that made its count exchange. Counted on one
+// transport, a dispatch on another (same communicator, same ranks) is refused with InvalidUsage
+// like a handle never counted, on every rank (each makes the call); the first transport is not
+// affected and dispatches the handle.
+TEST_P(FaultTest, RowOperationsOnAHandleCountedByAnotherTransportAreRefused) {
+  const int64_t T = p_.T[rank()];
+  auto other = CreateTransport(GetParam(), options_);
+  ASSERT_TRUE(other.ok()) << other.status();
+  DispatchHandle h;
+  ASSERT_TRUE(t_->ExchangeCounts(p_.ids[rank()], T, p_.K, p_.E, cap_, &h).ok());
+  std::vector<float> rows(cap_ * p_.H, 0.0f), w(cap_);
+  absl::Status st = (*other)->Dispatch(
+      plan_, TensorView::Contiguous(p_.x[rank()].data(), DType::kFloat32, {T, p_.H}),
+      p_.weights[rank()], &h, TensorView::Contiguous(rows.data(), DType::kFloat32, {cap_, p_.H}),
+      absl::MakeSpan(w));
+  EXPECT_EQ(ToResult(st), moonepInvalidUsage) << st;
+  EXPECT_NE(st.message().find("the handle has no count exchange of this transport"),
+            std::string::npos) << st;
+  other->reset();
+  MPI_Barrier(MPI_COMM_WORLD);
+  EXPECT_TRUE(t_->health().ok()) << t_->health();
+  ASSERT_TRUE(DispatchOnce(&h, &rows).ok());
 }
 
 TEST_P(FaultTest, NumExpertsDifferingAcrossRanksFailsEveryRank) {

@@ -211,10 +211,12 @@ absl::Status CheckCountsInput(absl::Span<const int32_t> topk_ids, int64_t num_to
   return local;
 }
 
-absl::Status CheckHandleReady(OpKind kind, const DispatchHandle* h, int32_t rank, int32_t size) {
+absl::Status CheckHandleReady(OpKind kind, const DispatchHandle* h, const Transport* transport,
+                              int32_t rank, int32_t size) {
   if (h == nullptr) return InvalidArgument("%s: handle is null", OpName(kind));
   MOONEP_RETURN_IF_ERROR(h->CheckCanStart(kind));
-  if (!h->counted_ || h->num_ranks_ != size || h->rank_ != rank) {
+  if (!h->counted_ || h->counted_by_ != transport->serial() || h->num_ranks_ != size ||
+      h->rank_ != rank) {
     return InvalidUsage("%s: the handle has no count exchange of this transport", OpName(kind));
   }
   if (kind != OpKind::kDispatch && !h->dispatched_) {
@@ -423,6 +425,8 @@ absl::Status PrepareHostHandle(const TransportOptions& options, DispatchHandle* 
   MOONEP_CHECK_ARG(handle != nullptr, "handle is null");
   MOONEP_CHECK_ARG(recv_capacity_rows >= 0, "recv_capacity_rows is %d; must be >= 0",
                    recv_capacity_rows);
+  // Reserving may move the staging that an operation in flight on the handle uses.
+  MOONEP_RETURN_IF_ERROR(handle->CheckIdle("PrepareHandle"));
   return handle->ReserveHostStaging(options.max_tokens * options.max_top_k, options.max_row_bytes,
                                     recv_capacity_rows);
 }

@@ -105,7 +105,9 @@ absl::Status PrepareHostHandle(const TransportOptions& options, DispatchHandle* 
 // what PrepareHostHandle reserved, nothing is allocated; else OutOfMemory when they cannot be.
 absl::Status EnsureRowStaging(const TransportOptions& options, DispatchHandle* handle,
                               bool scalars);
-absl::Status CheckHandleReady(OpKind kind, const DispatchHandle* handle, int32_t rank, int32_t size);
+// `transport`: the one the operation was called on (the handle's count exchange must be its).
+absl::Status CheckHandleReady(OpKind kind, const DispatchHandle* handle, const Transport* transport,
+                              int32_t rank, int32_t size);
 
 // Dispatch checks that every rank makes alike (functions of plan, counts and capacities): plan
 // shape, CheckPlanForTransport, and every rank's rows within its receive capacity (OutOfMemory on

@@ -1100,14 +1100,9 @@ int64_t AlignUp(int64_t bytes) { return (bytes + 15) / 16 * 16; }
 class ReduceOp : public MpiOp {
  public:
   ReduceOp(MpiTransport* t, MPI_Comm comm, int64_t seq) : MpiOp(t, OpKind::kReduce, comm, seq) {}
-  ~ReduceOp() override {
-    Release();  // receives cancelled before the staging goes back to the pool ...
-    if (receives_released()) {
-      transport_->reduce_staging.Abandon(staging_);  // ... or it stays allocated for good
-    } else {
-      transport_->reduce_staging.Release(staging_);
-    }
-  }
+  // The staging goes back when the op ends (OnEnd below), so that a completed request destroyed
+  // after its transport touches nothing of it.
+  ~ReduceOp() override { Release(); }
 
   absl::Status Start(const planner::Plan& plan, const ExpertBlocks& b) {
     plan_ = &plan;
@@ -1125,6 +1120,15 @@ class ReduceOp : public MpiOp {
       }
     }
     staging_ = transport_->reduce_staging.Acquire();
+    // At the op's end its receives are complete or cancelled (Cleanup runs first), and the
+    // staging goes back to the pool; a receive that could not be cancelled leaves it allocated.
+    OnEnd([this] {
+      if (receives_released()) {
+        transport_->reduce_staging.Abandon(staging_);
+      } else {
+        transport_->reduce_staging.Release(staging_);
+      }
+    });
     if (static_cast<int64_t>(staging_->size()) < need) staging_->resize(static_cast<size_t>(need));
     char* staging = staging_->data();
     int64_t offset = 0;
@@ -1567,6 +1571,7 @@ absl::StatusOr<RequestPtr> MpiTransport::StartExchangeCounts(absl::Span<const in
                                      options_);
   }
   handle->exchange_no_ = exchanges_++;
+  handle->counted_by_ = serial();
   auto op = std::make_unique<CountsOp>(this, rows_comm_, rows_seq_++, handle);
   handle->Track(op.get(), OpKind::kCounts);
   MOONEP_RETURN_IF_ERROR(op->Begin(
@@ -1575,7 +1580,7 @@ absl::StatusOr<RequestPtr> MpiTransport::StartExchangeCounts(absl::Span<const in
 }
 
 absl::Status MpiTransport::CheckDispatched(OpKind kind, DispatchHandle* h) {
-  absl::Status s = common::CheckHandleReady(kind, h, rank_, size_);
+  absl::Status s = common::CheckHandleReady(kind, h, this, rank_, size_);
   return s.ok() ? s : AbortPeers(kind, s);
 }
 

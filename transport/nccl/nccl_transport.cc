@@ -324,6 +324,12 @@ struct HandleState {
   }
 };
 
+constexpr size_t kKinds = static_cast<size_t>(OpKind::kNumKinds);
+// The handle's pinned host slot (8 bytes) for the error count of its operation of `kind`.
+int32_t* BadSlot(HandleState* st, OpKind kind) {
+  return st->bad_host.get<int32_t>() + 2 * static_cast<size_t>(kind);
+}
+
 // One reduce's staging of incoming replica gradients and its per-home-tensor source pointer
 // table (device copy and the pinned host copy it is uploaded from). Each reduce in flight holds its
 // own (NcclTransportImpl::reduce_staging_), so a second reduce neither overwrites the first one's
@@ -431,6 +437,7 @@ class NcclOp : public NcclRequest {
   int channel() const { return channel_; }
 
  private:
+  friend class NcclTransportImpl;  // its queues keep queued_
   absl::Status Fail(absl::Status status);
   // Names the phase, this rank and the peers in a step's error.
   absl::Status Context(const absl::Status& status) const;
@@ -446,6 +453,7 @@ class NcclOp : public NcclRequest {
   std::vector<int> peers_;
   cudaEvent_t event_ = nullptr;
   cudaEvent_t caller_ready_ = nullptr;  // recorded on the caller's stream at the op's start
+  cudaError_t caller_error_ = cudaSuccess;  // of its creation or record
   std::vector<Step> steps_;
   Step finish_;
   size_t next_ = 0;
@@ -458,6 +466,7 @@ class NcclOp : public NcclRequest {
   Clock::time_point created_ = Clock::now();  // for MOONEP_DEBUG=TRACE's stage times
   OpCounters counters_;
   bool in_flight_ = true;
+  bool queued_ = false;  // in its channel's queue (NcclTransportImpl::Enqueue, Dequeue, Progress)
 };
 
 class DoneRequest : public NcclRequest {
@@ -528,10 +537,15 @@ class NcclTransportImpl : public NcclTransport {
   // in start order and posts an op's steps only once every op started before it posted all of
   // its own: the order on the communicator is the start order on every rank.
   // The queues live in comms_: transports sharing the communicators share the order too.
-  void Enqueue(NcclOp* op) { comms_->queue[op->channel()].push_back(op); }
+  void Enqueue(NcclOp* op) {
+    comms_->queue[op->channel()].push_back(op);
+    op->queued_ = true;
+  }
   void Dequeue(NcclOp* op) {
+    if (!op->queued_) return;
     auto& q = comms_->queue[op->channel()];
     q.erase(std::remove(q.begin(), q.end(), op), q.end());
+    op->queued_ = false;
   }
   void OpStarted() { ++comms_->ops_in_flight; }
   void OpLanded() { --comms_->ops_in_flight; }
@@ -546,6 +560,7 @@ class NcclTransportImpl : public NcclTransport {
       NcclOp* head = q.front();
       if (head->AllPosted()) {
         q.pop_front();
+        head->queued_ = false;
         continue;
       }
       if (!head->TryPostNext()) break;
@@ -626,14 +641,13 @@ NcclOp::NcclOp(NcclTransportImpl* t, OpKind kind, cudaStream_t stream, std::vect
     cudaGetLastError();
     event_ = nullptr;
   }
-  if (cudaEventCreateWithFlags(&caller_ready_, cudaEventDisableTiming) != cudaSuccess) {
-    cudaGetLastError();
+  caller_error_ = cudaEventCreateWithFlags(&caller_ready_, cudaEventDisableTiming);
+  if (caller_error_ != cudaSuccess) {
     caller_ready_ = nullptr;
-  } else if (cudaEventRecord(caller_ready_, caller) != cudaSuccess) {
-    cudaGetLastError();
-    cudaEventDestroy(caller_ready_);
-    caller_ready_ = nullptr;
+  } else {
+    caller_error_ = cudaEventRecord(caller_ready_, caller);
   }
+  if (caller_error_ != cudaSuccess) cudaGetLastError();
 }
 
 NcclOp::~NcclOp() {
@@ -642,7 +656,9 @@ NcclOp::~NcclOp() {
     Fail(InvalidUsage("%s: request destroyed before it completed", OpName(kind_))).IgnoreError();
   }
   Landed();
-  transport_->Dequeue(this);
+  // An op that ended (completed, stopped or failed) has left the queue and landed: a completed
+  // request may be destroyed after its transport, and nothing here touches the transport then.
+  if (queued_) transport_->Dequeue(this);
   if (event_) cudaEventDestroy(event_);
   if (caller_ready_) cudaEventDestroy(caller_ready_);
 }
@@ -659,9 +675,11 @@ absl::Status NcclOp::Record() {
 }
 
 absl::Status NcclOp::Start(std::vector<Step> steps, Step finish) {
-  if (event_ == nullptr || caller_ready_ == nullptr) {
-    return Fail(SystemError("%s: cudaEventCreate, or cudaEventRecord on the caller's stream, failed",
-                            OpName(kind_)));
+  if (event_ == nullptr) return Fail(SystemError("%s: cudaEventCreate failed", OpName(kind_)));
+  if (caller_error_ != cudaSuccess) {
+    return Fail(Annotate(kernels::CudaStatus(caller_error_, "cudaEventRecord"),
+                         absl::StrFormat("%s: marking the work queued on the caller's stream",
+                                         OpName(kind_))));
   }
   steps_ = std::move(steps);
   finish_ = std::move(finish);
@@ -773,6 +791,7 @@ absl::Status NcclOp::Fail(absl::Status status) {
   done_ = true;
   status_ = transport_->Abort(status);
   Landed();  // the pair is aborted: no Start reaches FreeRetired again
+  transport_->Dequeue(this);  // Progress re-reads the queue's head after each step
   return status_;
 }
 
@@ -1171,7 +1190,8 @@ absl::Status NcclTransportImpl::CheckDispatched(OpKind kind, DispatchHandle* h) 
   if (h == nullptr) return Fatal(InvalidArgument("%s: handle is null", OpName(kind)));
   if (absl::Status busy = h->CheckCanStart(kind); !busy.ok()) return Fatal(busy);
   const auto state = states_.find(h);
-  if (!h->counted_ || h->num_ranks_ != size_ || h->rank_ != rank_ || state == states_.end()) {
+  if (!h->counted_ || h->counted_by_ != serial() || h->num_ranks_ != size_ || h->rank_ != rank_ ||
+      state == states_.end()) {
     return Fatal(
         InvalidUsage("%s: the handle has no count exchange of this transport", OpName(kind)));
   }
@@ -1269,6 +1289,7 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartExchangeCounts(
     if (!s.ok()) return Fatal(s);
   }
   h->counted_ = false;
+  h->counted_by_ = serial();
   h->dispatched_ = false;
   int64_t* header = st->header_host.get<int64_t>();
   header[0] = local.ok() ? 0 : 1;
@@ -1524,7 +1545,9 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartDispatch(
       s = st->staging_begin_host.Reserve(static_cast<size_t>(R + 1) * 8, "staging offsets");
     if (s.ok())
       s = st->staging_begin_dev.Reserve(static_cast<size_t>(R + 1) * 8, "staging offsets");
-    if (s.ok()) s = st->bad_host.Reserve(8, "error counter");
+    // One host slot per kind of operation: ops of different kinds may be in flight on the handle
+    // together, and each reads its own count back when it completes.
+    if (s.ok()) s = st->bad_host.Reserve(8 * kKinds, "error counters");
     if (s.ok()) s = st->bad_dev.Reserve(8, "error counter");
     if (s.ok())
       s = st->weights_dev.Reserve(static_cast<size_t>(std::max<int64_t>(n_entries, 1)) * 4,
@@ -1681,13 +1704,14 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartDispatch(
         K, st->weights_dev.get<float>(), row_bytes, rows_view.data, weights_out,
         st->bad_dev.get<int32_t>(), stream));
     MOONEP_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(st->bad_host.get(), st->bad_dev.get(), 4, cudaMemcpyDeviceToHost, stream));
+        cudaMemcpyAsync(BadSlot(st, OpKind::kDispatch), st->bad_dev.get(), 4,
+                        cudaMemcpyDeviceToHost, stream));
     raw->counters().rows_received = staging_begin[R];
     raw->counters().bytes_received = staging_begin[R] * static_cast<int64_t>(row_bytes);
     return absl::OkStatus();
   };
   auto finish = [=]() -> absl::Status {
-    const int32_t bad = *st->bad_host.get<int32_t>();
+    const int32_t bad = *BadSlot(st, OpKind::kDispatch);
     if (bad != 0) {
       return Fatal(
           Internal("dispatch: %d rows had an out-of-range index (a peer sent metadata "
@@ -1774,12 +1798,13 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartRowsOut(OpKind kind, Dispatch
         K, st->weights_dev.get<float>(), row_bytes, rows_view.data, nullptr,
         st->bad_dev.get<int32_t>(), stream));
     MOONEP_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(st->bad_host.get(), st->bad_dev.get(), 4, cudaMemcpyDeviceToHost, stream));
+        cudaMemcpyAsync(BadSlot(st, kind), st->bad_dev.get(), 4,
+                        cudaMemcpyDeviceToHost, stream));
     return absl::OkStatus();
   };
   const char* name = OpName(kind);
   auto finish = [=]() -> absl::Status {
-    const int32_t bad = *st->bad_host.get<int32_t>();
+    const int32_t bad = *BadSlot(st, kind);
     if (bad != 0) return Fatal(Internal("%s: %d rows had an out-of-range index", name, bad));
     return absl::OkStatus();
   };
@@ -1914,11 +1939,12 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartRowsBack(OpKind kind, Dispatc
           weights, T, K, H, y_view.data, y_view.dtype, st->bad_dev.get<int32_t>(), stream));
     }
     MOONEP_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(st->bad_host.get(), st->bad_dev.get(), 4, cudaMemcpyDeviceToHost, stream));
+        cudaMemcpyAsync(BadSlot(st, kind), st->bad_dev.get(), 4,
+                        cudaMemcpyDeviceToHost, stream));
     return absl::OkStatus();
   };
   auto finish = [=]() -> absl::Status {
-    const int32_t bad = *st->bad_host.get<int32_t>();
+    const int32_t bad = *BadSlot(st, kind);
     if (bad != 0) return Fatal(Internal("%s: %d rows had an out-of-range index", name, bad));
     return absl::OkStatus();
   };
@@ -2037,11 +2063,12 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartTopkWeightGrad(
         LaunchScatterValues(dots_recv, sent_entries, st->table<int32_t>(st->off_combine_index),
                             n_entries, dw, st->bad_dev.get<int32_t>(), stream));
     MOONEP_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(st->bad_host.get(), st->bad_dev.get(), 4, cudaMemcpyDeviceToHost, stream));
+        cudaMemcpyAsync(BadSlot(st, OpKind::kTopkWeightGrad), st->bad_dev.get(), 4,
+                        cudaMemcpyDeviceToHost, stream));
     return absl::OkStatus();
   };
   auto finish = [=]() -> absl::Status {
-    const int32_t bad = *st->bad_host.get<int32_t>();
+    const int32_t bad = *BadSlot(st, OpKind::kTopkWeightGrad);
     if (bad != 0)
       return Fatal(Internal("topk-weight-grad: %d rows had an out-of-range index", bad));
     return absl::OkStatus();

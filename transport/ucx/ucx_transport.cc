@@ -1354,7 +1354,6 @@ int64_t StagedBytes(size_t bytes) { return (static_cast<int64_t>(bytes) + 15) & 
 class ReduceOp : public UcxOp {
  public:
   ReduceOp(UcxTransport* t, int channel, int64_t seq) : UcxOp(t, OpKind::kReduce, channel, seq) {}
-  ~ReduceOp() override { transport_->reduce_staging.Release(staging_); }
 
   absl::Status Start(const planner::Plan& plan, const ExpertBlocks& b) {
     plan_ = &plan;
@@ -1376,6 +1375,9 @@ class ReduceOp : public UcxOp {
       }
     }
     staging_ = transport_->reduce_staging.Acquire();
+    // Back to the pool when the op ends (Cleanup), so that a completed request destroyed after its
+    // transport touches nothing of it. By value: the end may come from ~UcxOp.
+    OnEnd([pool = &transport_->reduce_staging, staging = staging_] { pool->Release(staging); });
     std::vector<char>& staging = *staging_;
     if (static_cast<int64_t>(staging.size()) < need) {
       transport_->GrowOwnBuffer(&staging, static_cast<size_t>(need));
@@ -2269,6 +2271,7 @@ absl::StatusOr<RequestPtr> UcxTransport::StartExchangeCounts(absl::Span<const in
                                      options_);
   }
   handle->exchange_no_ = NextExchange();
+  handle->counted_by_ = serial();
   auto op = std::make_unique<CountsOp>(this, kRowsChannel, seq_[kRowsChannel]++, handle);
   handle->Track(op.get(), OpKind::kCounts);
   MOONEP_RETURN_IF_ERROR(op->Begin(
@@ -2277,7 +2280,7 @@ absl::StatusOr<RequestPtr> UcxTransport::StartExchangeCounts(absl::Span<const in
 }
 
 absl::Status UcxTransport::CheckDispatched(OpKind kind, DispatchHandle* h) {
-  absl::Status s = common::CheckHandleReady(kind, h, rank_, size_);
+  absl::Status s = common::CheckHandleReady(kind, h, this, rank_, size_);
   return s.ok() ? s : AbortPeers(kind, s);
 }
 
