@@ -864,6 +864,42 @@ TEST_F(NcclTest, SecondCountExchangeOnAHandleInFlightIsRefused) {
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
+// One rank's part of a small dispatch, for the tests of one handle's operations: 2R experts, top-2,
+// 4 fp32 columns, about 8 tokens a rank, a random plan; its inputs and receive buffers on the device.
+struct SmallDispatch {
+  SmallDispatch(int32_t R, int32_t me, uint64_t seed)
+      : p(MakeProblem(R, 2 * R, std::min(2, 2 * R), 4, 8, seed, -1)),
+        planned(PlanOfKind("random", p, seed, &plan)),
+        H(p.H),
+        T(p.T[me]),
+        cap(CapacityRows(p, plan.num_groups(), plan.pad_multiple)),
+        ids(p.ids[me]),
+        x(p.x[me]),
+        w(p.weights[me]),
+        rows(cap * H),
+        rw(cap) {}
+  absl::Status Count(Transport* t, DispatchHandle* h) const {
+    return t->ExchangeCounts(ids.span(), T, p.K, p.E, cap, h);
+  }
+  absl::StatusOr<RequestPtr> StartCount(Transport* t, DispatchHandle* h) const {
+    return t->StartExchangeCounts(ids.span(), T, p.K, p.E, cap, h);
+  }
+  absl::StatusOr<RequestPtr> StartDispatch(Transport* t, DispatchHandle* h) const {
+    return t->StartDispatch(plan, x.Matrix(T, H), w.span(), h, rows.Matrix(cap, H), rw.span());
+  }
+  absl::Status Dispatch(Transport* t, DispatchHandle* h) const {
+    auto r = StartDispatch(t, h);
+    return r.ok() ? (*r)->Wait() : r.status();
+  }
+
+  Problem p;
+  planner::Plan plan;
+  absl::Status planned;
+  int64_t H, T, cap;
+  DeviceVector<int32_t> ids;
+  DeviceVector<float> x, w, rows, rw;
+};
+
 // Operations on one handle overlap only where they share none of its state (transport.h). With a
 // combine in flight on the handle (not waited for, so it stays in flight whatever the device did):
 // a count exchange on it is refused before anything reaches the peers, the transport usable;
@@ -871,26 +907,24 @@ TEST_F(NcclTest, SecondCountExchangeOnAHandleInFlightIsRefused) {
 // operation run alone. Then a dispatch-backward while a combine is in flight: refused with
 // InvalidUsage naming the combine, like any misuse of a handle (the pair is aborted).
 TEST_F(NcclTest, OperationsOnOneHandleOverlapOnlyWhereTheyShareNoState) {
-  const int32_t R = size(), me = rank();
-  const Problem p = MakeProblem(R, 2 * R, std::min(2, 2 * R), 4, 8, 57, -1);
-  planner::Plan plan;
-  ASSERT_TRUE(PlanOfKind("random", p, 57, &plan).ok());
-  const int64_t H = p.H, T = p.T[me], KT = T * p.K;
-  const int64_t cap = CapacityRows(p, plan.num_groups(), plan.pad_multiple);
+  const int32_t me = rank();
+  SmallDispatch d(size(), me, 57);
+  ASSERT_TRUE(d.planned.ok()) << d.planned;
+  const Problem& p = d.p;
+  const int64_t H = d.H, T = d.T, cap = d.cap, KT = T * p.K;
+  const DeviceVector<float>& rows = d.rows;
   auto t = MakeTransport(p.max_tokens(), p.K, H * 4);  // MOONEP_TIMEOUT_MS (memcheck: long)
   ASSERT_NE(t, nullptr);
-  DeviceVector<int32_t> ids(p.ids[me]);
-  DeviceVector<float> x(p.x[me]), w(p.weights[me]), dy(p.dy[me]), rows(cap * H), rw(cap);
-  DeviceVector<float> half(std::vector<float>(cap * H, 0.5f));
+  DeviceVector<float> dy(p.dy[me]), half(std::vector<float>(cap * H, 0.5f));
   DispatchHandle h;
-  ASSERT_TRUE(t->ExchangeCounts(ids.span(), T, p.K, p.E, cap, &h).ok());
-  ASSERT_TRUE(t->Dispatch(plan, x.Matrix(T, H), w.span(), &h, rows.Matrix(cap, H), rw.span()).ok());
+  ASSERT_TRUE(d.Count(t.get(), &h).ok());
+  ASSERT_TRUE(d.Dispatch(t.get(), &h).ok());
   // Rows past the layout are not written: both results start from the same fill.
   const std::vector<float> fill(cap * H, -1.0f);
   DeviceVector<float> y(T * H), dy_rows(fill), d_w(KT);
   auto combine = t->StartCombine(&h, rows.Matrix(cap, H), y.Matrix(T, H));
   ASSERT_TRUE(combine.ok()) << combine.status();
-  auto counts = t->StartExchangeCounts(ids.span(), T, p.K, p.E, cap, &h);
+  auto counts = d.StartCount(t.get(), &h);
   ASSERT_FALSE(counts.ok());
   EXPECT_EQ(ToResult(counts.status()), moonepInvalidUsage) << counts.status();
   EXPECT_NE(std::string(counts.status().message())
@@ -920,8 +954,8 @@ TEST_F(NcclTest, OperationsOnOneHandleOverlapOnlyWhereTheyShareNoState) {
     }
     ASSERT_NEAR(grads[e], want, 1e-5 * (std::fabs(want) + 1)) << "entry " << e;
   }
-  ASSERT_TRUE(t->ExchangeCounts(ids.span(), T, p.K, p.E, cap, &h).ok());  // ended: accepted
-  ASSERT_TRUE(t->Dispatch(plan, x.Matrix(T, H), w.span(), &h, rows.Matrix(cap, H), rw.span()).ok());
+  ASSERT_TRUE(d.Count(t.get(), &h).ok());  // ended: accepted
+  ASSERT_TRUE(d.Dispatch(t.get(), &h).ok());
 
   auto again = t->StartCombine(&h, rows.Matrix(cap, H), y.Matrix(T, H));
   ASSERT_TRUE(again.ok()) << again.status();
@@ -946,23 +980,17 @@ TEST_F(NcclTest, OperationsOnOneHandleOverlapOnlyWhereTheyShareNoState) {
 // when its stage was posted, behind gate 2, and stayed stuck until its timeout: a dispatch of the
 // next micro-batch would wait for the expert GEMMs queued after it.)
 TEST_F(NcclTest, AnOperationWaitsOnlyForTheCallersWorkQueuedBeforeItStarted) {
-  const int32_t R = size(), me = rank();
-  const Problem p = MakeProblem(R, 2 * R, std::min(2, 2 * R), 4, 8, 59, -1);
-  planner::Plan plan;
-  ASSERT_TRUE(PlanOfKind("random", p, 59, &plan).ok());
-  const int64_t H = p.H, T = p.T[me];
-  const int64_t cap = CapacityRows(p, plan.num_groups(), plan.pad_multiple);
-  auto t = MakeTransport(p.max_tokens(), p.K, H * 4, /*timeout_ms=*/30000);
+  SmallDispatch d(size(), rank(), 59);
+  ASSERT_TRUE(d.planned.ok()) << d.planned;
+  auto t = MakeTransport(d.p.max_tokens(), d.p.K, d.H * 4, /*timeout_ms=*/30000);
   ASSERT_NE(t, nullptr);
   auto* nccl_t = dynamic_cast<nccl::NcclTransport*>(t.get());
   ASSERT_NE(nccl_t, nullptr);
   cudaStream_t caller = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&caller, cudaStreamNonBlocking), cudaSuccess);
   nccl_t->set_caller_stream(caller);
-  DeviceVector<int32_t> ids(p.ids[me]);
-  DeviceVector<float> x(p.x[me]), w(p.weights[me]), rows(cap * H), rw(cap);
   DispatchHandle h, h2;
-  ASSERT_TRUE(t->ExchangeCounts(ids.span(), T, p.K, p.E, cap, &h).ok());
+  ASSERT_TRUE(d.Count(t.get(), &h).ok());
   std::atomic<bool> gate1{false}, gate2{false};
   struct OpenOnExit {  // a failed assertion must not leave the stream held (everything would wait)
     std::atomic<bool>* a;
@@ -975,10 +1003,9 @@ TEST_F(NcclTest, AnOperationWaitsOnlyForTheCallersWorkQueuedBeforeItStarted) {
     }
   };
   ASSERT_EQ(cudaLaunchHostFunc(caller, hold, &gate1), cudaSuccess);
-  auto dispatch =
-      t->StartDispatch(plan, x.Matrix(T, H), w.span(), &h, rows.Matrix(cap, H), rw.span());
+  auto dispatch = d.StartDispatch(t.get(), &h);
   ASSERT_TRUE(dispatch.ok()) << dispatch.status();
-  auto counts = t->StartExchangeCounts(ids.span(), T, p.K, p.E, cap, &h2);
+  auto counts = d.StartCount(t.get(), &h2);
   ASSERT_TRUE(counts.ok()) << counts.status();
   ASSERT_EQ(cudaLaunchHostFunc(caller, hold, &gate2), cudaSuccess);
   gate1 = true;
@@ -994,7 +1021,7 @@ TEST_F(NcclTest, AnOperationWaitsOnlyForTheCallersWorkQueuedBeforeItStarted) {
                                        : done.status().ToString());
   EXPECT_TRUE((*counts)->Wait().ok());
   EXPECT_TRUE((*dispatch)->Wait().ok());
-  EXPECT_EQ(std::vector<int64_t>(h2.counts().begin(), h2.counts().end()), p.counts);
+  EXPECT_EQ(std::vector<int64_t>(h2.counts().begin(), h2.counts().end()), d.p.counts);
   ASSERT_EQ(cudaStreamSynchronize(caller), cudaSuccess);
   t.reset();
   cudaStreamDestroy(caller);
@@ -1006,26 +1033,20 @@ TEST_F(NcclTest, AnOperationWaitsOnlyForTheCallersWorkQueuedBeforeItStarted) {
 // dispatch there was accepted, and a combine on the second then read tables that transport had
 // never built.
 TEST_F(NcclTest, RowOperationsOnAHandleCountedByAnotherTransportAreRefused) {
-  const int32_t R = size(), me = rank();
-  const Problem p = MakeProblem(R, 2 * R, std::min(2, 2 * R), 4, 8, 61, -1);
-  planner::Plan plan;
-  ASSERT_TRUE(PlanOfKind("random", p, 61, &plan).ok());
-  const int64_t H = p.H, T = p.T[me];
-  const int64_t cap = CapacityRows(p, plan.num_groups(), plan.pad_multiple);
-  auto a = MakeTransport(p.max_tokens(), p.K, H * 4), b = MakeTransport(p.max_tokens(), p.K, H * 4);
+  SmallDispatch d(size(), rank(), 61);
+  ASSERT_TRUE(d.planned.ok()) << d.planned;
+  auto a = MakeTransport(d.p.max_tokens(), d.p.K, d.H * 4);
+  auto b = MakeTransport(d.p.max_tokens(), d.p.K, d.H * 4);
   ASSERT_NE(a, nullptr);
   ASSERT_NE(b, nullptr);
-  DeviceVector<int32_t> ids(p.ids[me]);
-  DeviceVector<float> x(p.x[me]), w(p.weights[me]), rows(cap * H), rw(cap);
   DispatchHandle h;
-  ASSERT_TRUE(a->ExchangeCounts(ids.span(), T, p.K, p.E, cap, &h).ok());
-  ASSERT_TRUE(b->ExchangeCounts(ids.span(), T, p.K, p.E, cap, &h).ok());
-  absl::Status st =
-      a->Dispatch(plan, x.Matrix(T, H), w.span(), &h, rows.Matrix(cap, H), rw.span());
+  ASSERT_TRUE(d.Count(a.get(), &h).ok());
+  ASSERT_TRUE(d.Count(b.get(), &h).ok());
+  absl::Status st = d.Dispatch(a.get(), &h);
   EXPECT_EQ(ToResult(st), moonepInvalidUsage) << st;
   EXPECT_NE(std::string(st.message()).find("the handle has no count exchange of this transport"),
             std::string::npos) << st;
-  st = b->Dispatch(plan, x.Matrix(T, H), w.span(), &h, rows.Matrix(cap, H), rw.span());
+  st = d.Dispatch(b.get(), &h);
   EXPECT_TRUE(st.ok()) << st;
   a.reset();
   b.reset();
