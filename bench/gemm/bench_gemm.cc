@@ -300,7 +300,8 @@ bool ParseShapes(const char* s, std::vector<std::pair<int64_t, int64_t>>* out) {
   return true;
 }
 
-// Memory available for the run: MemAvailable of /proc/meminfo, else half the physical memory.
+// Memory available for the run: MemAvailable of /proc/meminfo (or the memory cgroup's room where
+// smaller), else half the physical memory.
 double AvailableBytes() {
   const int64_t available = moonep::HostMemoryAvailableBytes();
   if (available > 0) return static_cast<double>(available);

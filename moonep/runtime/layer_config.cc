@@ -145,7 +145,7 @@ absl::Status CheckHostBuffers(Communicator* comm, const LayerConfig& c, int64_t 
   const uint64_t bytes = rows > UINT64_MAX - extra_bytes ? UINT64_MAX : rows + extra_bytes;
   if (local->ok()) *local = CheckHostAllocation(bytes, what);
   if (comm->size() == 1) return absl::OkStatus();
-  // [node key (64 bytes), bytes, MemAvailable] of every rank, read before anyone allocates.
+  // [node key (64 bytes), bytes, room] of every rank, read before anyone allocates.
   struct Entry {
     char key[64];
     uint64_t bytes;
@@ -181,8 +181,9 @@ absl::Status CheckHostBuffers(Communicator* comm, const LayerConfig& c, int64_t 
   }
   const uint64_t sum = total > UINT64_MAX ? UINT64_MAX : static_cast<uint64_t>(total);
   *local = OutOfMemory("cannot allocate %s: the %d ranks on this node (ranks %s) need %d host "
-                       "bytes together (this rank %d), and the node has %d bytes available "
-                       "(MemAvailable, /proc/meminfo)", what, node.size(),
+                       "bytes together (this rank %d), and they have %d bytes available (the "
+                       "most any of them read: MemAvailable of /proc/meminfo, or their memory "
+                       "cgroup's room where smaller)", what, node.size(),
                        absl::StrJoin(node, ","), sum, bytes, available);
   return absl::OkStatus();
 }

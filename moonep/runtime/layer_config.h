@@ -108,8 +108,10 @@ absl::Status CheckRecvCapacity(const LayerConfig& config, int64_t capacity_rows)
 //   made). Without this, with overcommit, the ones that fit were zero-filled before a later one
 //   was refused (a config of 2^34 receive rows took 50 s to fail on a 128 GiB node).
 // - Then every rank's on this node: ranks sharing a kernel (the same
-//   /proc/sys/kernel/random/boot_id, else host name) add up their bytes (an allgather) against the
-//   most MemAvailable any of them read before the exchange, before any of them allocated. Each
+//   /proc/sys/kernel/random/boot_id, else host name) and, where one limits them, a memory cgroup
+//   add up their bytes (an allgather) against the most room any of them read before the exchange
+//   (HostMemoryAvailableBytes: MemAvailable, or the cgroup's room where smaller), before any of
+//   them allocated. Each
 //   may fit alone where all do not: without this, each zero-filled its share until the kernel's
 //   out-of-memory killer ended one, and its peers waited out their timeouts.
 // Over either, *local becomes OutOfMemory naming `what` (a rank with a local error already keeps

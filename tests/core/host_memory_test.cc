@@ -3,17 +3,20 @@
 #include "moonep/core/host_memory.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <string>
 
 namespace moonep {
 namespace {
 
-TEST(HostMemoryTest, AvailableIsMemAvailableOfProcMeminfo) {
+TEST(HostMemoryTest, AvailableIsAtMostMemAvailableOfProcMeminfo) {
   std::ifstream meminfo("/proc/meminfo");
   if (!meminfo) GTEST_SKIP() << "no /proc/meminfo";
   std::string key;
@@ -26,14 +29,21 @@ TEST(HostMemoryTest, AvailableIsMemAvailableOfProcMeminfo) {
     std::getline(meminfo, key);
   }
   ASSERT_GT(kib, 0);
-  const int64_t bytes = HostMemoryAvailableBytes();
+  const HostMemoryRoom room = HostMemoryRoomNow();
+  const int64_t bytes = room.bytes;
   const int64_t total = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
-  EXPECT_GT(bytes, 0);
+  EXPECT_GE(bytes, 0);
   EXPECT_LE(bytes, total);
-  // Read again a moment later: near the file's figure (other processes move it: within a quarter
-  // of it, or 512 MiB where little is free).
+  // Read again a moment later: at most the file's figure (other processes move it: within a
+  // quarter of it, or 512 MiB where little is free), and near it unless a cgroup bounds it.
   const double slack = std::max(0.25 * kib * 1024, 512.0 * (1 << 20));
-  EXPECT_NEAR(static_cast<double>(bytes), static_cast<double>(kib) * 1024, slack);
+  EXPECT_LE(static_cast<double>(bytes), static_cast<double>(kib) * 1024 + slack);
+  if (room.cgroup_dir.empty()) {
+    EXPECT_NEAR(static_cast<double>(bytes), static_cast<double>(kib) * 1024, slack);
+    EXPECT_NE(room.source.find("MemAvailable"), std::string::npos) << room.source;
+  } else {
+    EXPECT_NE(room.source.find("memory cgroup"), std::string::npos) << room.source;
+  }
 }
 
 TEST(HostMemoryTest, AllocationsAboveAvailableAreRefusedNamingWhat) {
@@ -47,8 +57,166 @@ TEST(HostMemoryTest, AllocationsAboveAvailableAreRefusedNamingWhat) {
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(s.message().find("the test's buffer"), std::string::npos) << s;
   EXPECT_NE(s.message().find(std::to_string(too_much)), std::string::npos) << s;
-  EXPECT_NE(s.message().find("MemAvailable"), std::string::npos) << s;
+  EXPECT_NE(s.message().find(HostMemoryRoomNow().cgroup_dir.empty() ? "MemAvailable"
+                                                                     : "memory cgroup"),
+            std::string::npos) << s;
   EXPECT_FALSE(CheckHostAllocation(UINT64_MAX, "everything").ok());
+}
+
+// A fake cgroup tree: files under a temporary directory.
+class CgroupTree {
+ public:
+  CgroupTree() {
+    char tmpl[] = "/tmp/moonep_cgroup_XXXXXX";  // mkdtemp's template
+    root_ = mkdtemp(tmpl) ? std::string(tmpl) : std::string();
+  }
+  ~CgroupTree() {
+    if (!root_.empty()) std::system(("rm -rf '" + root_ + "'").c_str());
+  }
+  const std::string& root() const { return root_; }
+  void Write(const std::string& relative, const std::string& text) {
+    const std::string path = root_ + "/" + relative;
+    std::system(("mkdir -p '" + path.substr(0, path.rfind('/')) + "'").c_str());
+    std::ofstream(path) << text;
+  }
+
+ private:
+  std::string root_;
+};
+
+constexpr int64_t kMiB = int64_t{1} << 20;
+
+// cgroup v2: every level from the process's cgroup up is read, and the tightest room wins: limit
+// less usage without inactive file pages. Levels without a limit ("max") and the root (no
+// memory.max) do not bound it.
+TEST(HostMemoryTest, CgroupV2RoomIsTheTightestLevelsLimitLessItsWorkingSet) {
+  CgroupTree t;
+  ASSERT_FALSE(t.root().empty());
+  t.Write("a/memory.max", std::to_string(1024 * kMiB) + "\n");
+  t.Write("a/memory.current", std::to_string(512 * kMiB) + "\n");
+  t.Write("a/memory.stat", "anon 100\nfile 200\ninactive_file " + std::to_string(100 * kMiB) +
+                               "\nactive_file 5\n");
+  t.Write("a/b/memory.max", "max\n");
+  t.Write("a/b/memory.current", std::to_string(300 * kMiB) + "\n");
+  t.Write("a/b/memory.stat", "inactive_file 0\n");
+  HostMemoryRoom room = CgroupMemoryRoom(t.root(), "0::/a/b\n");
+  EXPECT_EQ(room.bytes, (1024 - (512 - 100)) * kMiB);
+  EXPECT_EQ(room.cgroup_dir, t.root() + "/a");
+  EXPECT_NE(room.source.find(t.root() + "/a/memory.max"), std::string::npos) << room.source;
+  EXPECT_NE(room.source.find("memory cgroup"), std::string::npos) << room.source;
+  // A tighter leaf wins.
+  t.Write("a/b/memory.max", std::to_string(400 * kMiB) + "\n");
+  room = CgroupMemoryRoom(t.root(), "0::/a/b\n");
+  EXPECT_EQ(room.bytes, 100 * kMiB);
+  EXPECT_EQ(room.cgroup_dir, t.root() + "/a/b");
+  // Usage above the limit leaves no room (0, not negative).
+  t.Write("a/b/memory.current", std::to_string(900 * kMiB) + "\n");
+  EXPECT_EQ(CgroupMemoryRoom(t.root(), "0::/a/b\n").bytes, 0);
+}
+
+// Inside a cgroup namespace the process's path is "/" and its own cgroup is the mount's root; a
+// path that does not exist under the mount is looked for at the root as well.
+TEST(HostMemoryTest, CgroupV2InANamespaceReadsTheMountsRoot) {
+  CgroupTree t;
+  ASSERT_FALSE(t.root().empty());
+  t.Write("memory.max", std::to_string(2048 * kMiB) + "\n");
+  t.Write("memory.current", std::to_string(48 * kMiB) + "\n");
+  t.Write("memory.stat", "inactive_file 0\n");
+  EXPECT_EQ(CgroupMemoryRoom(t.root(), "0::/\n").bytes, 2000 * kMiB);
+  EXPECT_EQ(CgroupMemoryRoom(t.root(), "0::/kubepods/pod1/abc\n").bytes, 2000 * kMiB);
+}
+
+// cgroup v1: the memory controller's line; the limit is the smaller of memory.limit_in_bytes and
+// hierarchical_memory_limit (an ancestor's), and "no limit" is 2^63 rounded down to a page.
+TEST(HostMemoryTest, CgroupV1RoomUsesTheHierarchicalLimit) {
+  CgroupTree t;
+  ASSERT_FALSE(t.root().empty());
+  const std::string self = "12:pids:/x\n4:memory:/job/7\n0::/\n";
+  t.Write("memory/job/7/memory.limit_in_bytes", "9223372036854771712\n");
+  t.Write("memory/job/7/memory.usage_in_bytes", std::to_string(700 * kMiB) + "\n");
+  t.Write("memory/job/7/memory.stat", "cache 1\nhierarchical_memory_limit " +
+                                          std::to_string(1000 * kMiB) +
+                                          "\ntotal_inactive_file " + std::to_string(200 * kMiB) +
+                                          "\ninactive_file 3\n");
+  HostMemoryRoom room = CgroupMemoryRoom(t.root(), self);
+  EXPECT_EQ(room.bytes, (1000 - (700 - 200)) * kMiB);
+  EXPECT_NE(room.source.find("hierarchical_memory_limit"), std::string::npos) << room.source;
+  // No limit anywhere: nothing to say.
+  t.Write("memory/job/7/memory.stat", "hierarchical_memory_limit 9223372036854771712\n");
+  EXPECT_EQ(CgroupMemoryRoom(t.root(), self).bytes, -1);
+}
+
+// Nothing readable, no memory line, or malformed files: no cgroup room (-1), never a crash.
+TEST(HostMemoryTest, CgroupRoomIsUnknownWhereNothingCanBeRead) {
+  CgroupTree t;
+  ASSERT_FALSE(t.root().empty());
+  EXPECT_EQ(CgroupMemoryRoom(t.root(), "").bytes, -1);
+  EXPECT_EQ(CgroupMemoryRoom(t.root(), "garbage without colons\n3:cpu:/\n").bytes, -1);
+  EXPECT_EQ(CgroupMemoryRoom(t.root() + "/missing", "0::/a\n").bytes, -1);
+  t.Write("memory.max", "12ab\n");
+  t.Write("memory.current", "5\n");
+  EXPECT_EQ(CgroupMemoryRoom(t.root(), "0::/\n").bytes, -1);
+  t.Write("memory.max", "-5\n");
+  EXPECT_EQ(CgroupMemoryRoom(t.root(), "0::/\n").bytes, -1);
+  t.Write("memory.max", "99999999999999999999999\n");
+  EXPECT_EQ(CgroupMemoryRoom(t.root(), "0::/\n").bytes, -1);
+  t.Write("memory.max", "1000\n");
+  t.Write("memory.current", "\n");
+  EXPECT_EQ(CgroupMemoryRoom(t.root(), "0::/\n").bytes, -1);
+}
+
+// Run by ARealMemoryCgroupLimitBoundsTheRoom as a child process: joins the cgroup it is given and
+// prints the room it finds.
+TEST(HostMemoryTest, ChildReportsItsRoom) {
+  const char* procs = std::getenv("MOONEP_TEST_CGROUP_PROCS");
+  if (procs == nullptr) GTEST_SKIP() << "run by ARealMemoryCgroupLimitBoundsTheRoom";
+  std::ofstream(procs) << getpid() << "\n";
+  const HostMemoryRoom room = HostMemoryRoomNow();
+  std::printf("ROOM %lld %d\n", static_cast<long long>(room.bytes),
+              room.cgroup_dir.empty() ? 0 : 1);
+}
+
+// On a cgroup v1 memory hierarchy this process may write to (root, as in CI): a child cgroup with
+// a 1 GiB limit, a child process in it, and the room that process finds is that cgroup's, at most
+// 1 GiB, whatever MemAvailable says. Skipped where no cgroup can be made.
+TEST(HostMemoryTest, ARealMemoryCgroupLimitBoundsTheRoom) {
+  if (std::getenv("MOONEP_TEST_CGROUP_PROCS") != nullptr) GTEST_SKIP() << "the child";
+  std::ifstream self("/proc/self/cgroup");
+  std::string line, path;
+  while (std::getline(self, line)) {
+    const size_t a = line.find(':'), b = line.find(':', a + 1);
+    if (a == std::string::npos || b == std::string::npos) continue;
+    if (line.substr(a + 1, b - a - 1) == "memory") path = line.substr(b + 1);
+  }
+  if (path.empty()) GTEST_SKIP() << "no cgroup v1 memory controller here";
+  std::string base = "/sys/fs/cgroup/memory" + (path == "/" ? std::string() : path);
+  if (access(base.c_str(), W_OK) != 0) base = "/sys/fs/cgroup/memory";
+  const std::string dir = base + "/moonep_test_" + std::to_string(getpid());
+  if (mkdir(dir.c_str(), 0755) != 0) GTEST_SKIP() << "cannot make a cgroup under " << base;
+  constexpr int64_t kLimit = int64_t{1} << 30;
+  const bool limited = static_cast<bool>(std::ofstream(dir + "/memory.limit_in_bytes") << kLimit);
+  std::string out;
+  char exe[4096] = {};
+  if (limited && readlink("/proc/self/exe", exe, sizeof(exe) - 1) > 0) {
+    const std::string command = "MOONEP_TEST_CGROUP_PROCS='" + dir + "/cgroup.procs' '" +
+                                std::string(exe) +
+                                "' --gtest_filter=HostMemoryTest.ChildReportsItsRoom 2>&1";
+    if (std::FILE* child = popen(command.c_str(), "r")) {
+      char buf[512];
+      while (std::fgets(buf, sizeof(buf), child) != nullptr) out += buf;
+      pclose(child);
+    }
+  }
+  for (int i = 0; i < 100 && rmdir(dir.c_str()) != 0; ++i) usleep(10000);  // the child has exited
+  if (!limited) GTEST_SKIP() << "cannot set a limit on " << dir;
+  const size_t at = out.find("ROOM ");
+  ASSERT_NE(at, std::string::npos) << out;
+  long long bytes = -1;
+  int from_cgroup = 0;
+  ASSERT_EQ(std::sscanf(out.c_str() + at, "ROOM %lld %d", &bytes, &from_cgroup), 2) << out;
+  EXPECT_EQ(from_cgroup, 1) << out;
+  EXPECT_GT(bytes, 0) << out;
+  EXPECT_LE(bytes, kLimit) << out;
 }
 
 }  // namespace

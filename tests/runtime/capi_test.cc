@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "moonep/core/host_memory.h"
 #include "moonep/moonep.h"
 #include "moonep/moonep_runtime.h"
 #include "tests/harness/mpi_test.h"
@@ -1007,19 +1008,9 @@ TEST_F(CApiTest, OversizedConfigsFailOnEveryRank) {
   EXPECT_EQ(moonepLayerDestroy(layer), moonepSuccess);
 }
 
-// MemAvailable of /proc/meminfo in bytes, -1 where it cannot be read (the library's own reader is
-// internal to libmoonep).
-int64_t MemAvailableBytes() {
-  std::FILE* f = std::fopen("/proc/meminfo", "r");
-  if (f == nullptr) return -1;
-  char line[256];
-  long kb = -1;
-  while (std::fgets(line, sizeof(line), f) != nullptr) {
-    if (std::sscanf(line, "MemAvailable: %ld kB", &kb) == 1) break;
-  }
-  std::fclose(f);
-  return kb > 0 ? static_cast<int64_t>(kb) * 1024 : -1;
-}
+// What the library finds available (MemAvailable, or a memory cgroup's room where smaller), read
+// by the same code (moonep_core, linked into this test too), -1 where nothing can be read.
+int64_t MemAvailableBytes() { return moonep::HostMemoryAvailableBytes(); }
 
 // Buffers that each fit in the node's available memory but not all together: refused at once on
 // the rank that asks for them, before any is zero-filled (with overcommit the ones that fit were

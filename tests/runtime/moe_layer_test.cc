@@ -475,7 +475,10 @@ TEST_F(MoeLayerTest, BuffersAboveTheNodesMemoryAreRefusedAtCreation) {
   ASSERT_FALSE(layer.ok());
   EXPECT_EQ(layer.status().code(), absl::StatusCode::kResourceExhausted) << layer.status();
   EXPECT_NE(layer.status().message().find("host bytes"), std::string::npos) << layer.status();
-  EXPECT_NE(layer.status().message().find("MemAvailable"), std::string::npos) << layer.status();
+  // The node's MemAvailable, or the memory cgroup's room where that is smaller.
+  EXPECT_TRUE(layer.status().message().find("MemAvailable") != std::string::npos ||
+              layer.status().message().find("memory cgroup") != std::string::npos)
+      << layer.status();
   // Nothing is left half made: a layer of the usual size is created on the same communicator.
   auto next = MoeLayer::Create(comm_.get(), Config(DType::kFloat32, planner::Policy::kMoonEP));
   EXPECT_TRUE(next.ok()) << next.status();
