@@ -4,11 +4,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
+#include <vector>
 
 #include "absl/strings/str_format.h"
 #include "moonep/core/status.h"
@@ -59,19 +61,19 @@ bool ReadNumber(const std::string& path, int64_t* value) {
   return true;
 }
 
-// The value of `key` in a memory.stat file ("key value" lines).
-bool StatValue(const std::string& path, const std::string& key, int64_t* value) {
+// The value of `key` in a memory.stat file ("key value" lines); 0 where it is missing.
+int64_t StatValue(const std::string& path, const std::string& key, bool* found = nullptr) {
   std::ifstream in(path);
   std::string k;
   long long v = 0;
   while (in >> k >> v) {
     if (k == key) {
-      if (v < 0) return false;
-      *value = v;
-      return true;
+      if (found != nullptr) *found = v >= 0;
+      return v >= 0 ? v : 0;
     }
   }
-  return false;
+  if (found != nullptr) *found = false;
+  return 0;
 }
 
 bool IsDir(const std::string& path) {
@@ -79,30 +81,88 @@ bool IsDir(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
 }
 
-// The process's cgroup directory under `base` (`path` from /proc/self/cgroup), else `base` itself
-// (a cgroup namespace mounts the process's own cgroup there).
-std::string CgroupDir(const std::string& base, const std::string& path) {
-  if (path.empty() || path == "/") return base;
-  const std::string dir = base + path;
-  return IsDir(dir) ? dir : base;
+// mountinfo escapes space, tab, newline and backslash as \ooo.
+std::string Unescape(const std::string& field) {
+  std::string out;
+  for (size_t i = 0; i < field.size(); ++i) {
+    if (field[i] == '\\' && i + 3 < field.size() &&
+        std::isdigit(static_cast<unsigned char>(field[i + 1]))) {
+      out += static_cast<char>(std::strtol(field.substr(i + 1, 3).c_str(), nullptr, 8));
+      i += 3;
+    } else {
+      out += field[i];
+    }
+  }
+  return out;
 }
 
-// Room under one level's limit: limit - (usage - inactive file pages), at least 0.
-int64_t RoomUnder(int64_t limit, int64_t usage, int64_t inactive) {
-  const int64_t working = std::max<int64_t>(0, usage - std::min(inactive, usage));
+struct CgroupMount {
+  std::string root;   // the cgroup mounted there (mountinfo's root field)
+  std::string point;  // where
+};
+
+// The mount of cgroup v1's memory controller (`v2` false: fstype "cgroup" with "memory" among its
+// super options) or of cgroup v2 (fstype "cgroup2"), from /proc/self/mountinfo's text.
+bool FindCgroupMount(const std::string& mountinfo, bool v2, CgroupMount* mount) {
+  std::istringstream lines(mountinfo);
+  std::string line;
+  while (std::getline(lines, line)) {
+    std::istringstream in(line);
+    std::vector<std::string> f;
+    std::string w;
+    while (in >> w) f.push_back(w);
+    size_t dash = 0;
+    while (dash < f.size() && f[dash] != "-") ++dash;
+    if (f.size() < 5 || dash + 1 >= f.size()) continue;
+    const std::string& type = f[dash + 1];
+    const std::string super = dash + 3 < f.size() ? f[dash + 3] : std::string();
+    bool match = v2 ? type == "cgroup2" : false;
+    if (!v2 && type == "cgroup") {
+      std::istringstream opts(super);
+      std::string o;
+      while (std::getline(opts, o, ',')) match = match || o == "memory";
+    }
+    if (!match) continue;
+    mount->root = Unescape(f[3]);
+    mount->point = Unescape(f[4]);
+    return true;
+  }
+  return false;
+}
+
+// The process's cgroup (`path` from /proc/self/cgroup) as a directory under `mount`: its path
+// below the mount's root; "" where it is not under it (not visible here) or does not exist.
+std::string DirUnder(const CgroupMount& mount, const std::string& path) {
+  std::string rel;
+  if (mount.root == "/") {
+    rel = path;
+  } else if (path.compare(0, mount.root.size(), mount.root) == 0 &&
+             (path.size() == mount.root.size() || path[mount.root.size()] == '/')) {
+    rel = path.substr(mount.root.size());
+  } else {
+    return "";
+  }
+  while (!rel.empty() && rel.back() == '/') rel.pop_back();
+  const std::string dir = mount.point + rel;
+  return IsDir(dir) ? dir : "";
+}
+
+// Room under one level's limit: limit - (usage - file pages), at least 0.
+int64_t RoomUnder(int64_t limit, int64_t usage, int64_t file) {
+  const int64_t working = std::max<int64_t>(0, usage - std::min(file, usage));
   return std::max<int64_t>(0, limit - working);
 }
 
 std::string RoomSource(int64_t room, int64_t limit, const std::string& file, int64_t usage,
-                       int64_t inactive) {
+                       int64_t cache) {
   return absl::StrFormat("%d bytes are left under the memory cgroup's limit of %d bytes (%s; usage "
-                         "%d, of which %d inactive file pages)",
-                         room, limit, file, usage, inactive);
+                         "%d, of which %d file pages)",
+                         room, limit, file, usage, cache);
 }
 
 }  // namespace
 
-HostMemoryRoom CgroupMemoryRoom(const std::string& cgroup_root, const std::string& self_cgroup) {
+HostMemoryRoom CgroupMemoryRoom(const std::string& mountinfo, const std::string& self_cgroup) {
   std::string v1_path, v2_path;
   bool v1 = false, v2 = false;
   std::istringstream lines(self_cgroup);
@@ -127,53 +187,62 @@ HostMemoryRoom CgroupMemoryRoom(const std::string& cgroup_root, const std::strin
     }
   }
   HostMemoryRoom room;
-  if (v1) {
-    const std::string dir = CgroupDir(cgroup_root + "/memory", v1_path);
-    int64_t limit = kNoLimitFrom, hierarchical = kNoLimitFrom, usage = 0, inactive = 0;
-    std::string file = dir + "/memory.limit_in_bytes";
-    if (!ReadNumber(file, &limit)) limit = kNoLimitFrom;
-    if (StatValue(dir + "/memory.stat", "hierarchical_memory_limit", &hierarchical) &&
-        hierarchical < limit) {
-      limit = hierarchical;
-      file = dir + "/memory.stat hierarchical_memory_limit";
+  CgroupMount mount;
+  // cgroup v1's memory controller where it is mounted (a hybrid system also has a v2 line).
+  const bool use_v1 = v1 && FindCgroupMount(mountinfo, /*v2=*/false, &mount);
+  if (!use_v1 && !(v2 && FindCgroupMount(mountinfo, /*v2=*/true, &mount))) return room;
+  const std::string leaf = DirUnder(mount, use_v1 ? v1_path : v2_path);
+  if (leaf.empty()) return room;
+  const std::string limit_file = use_v1 ? "/memory.limit_in_bytes" : "/memory.max";
+  const std::string usage_file = use_v1 ? "/memory.usage_in_bytes" : "/memory.current";
+  const std::string active = use_v1 ? "total_active_file" : "active_file";
+  const std::string inactive = use_v1 ? "total_inactive_file" : "inactive_file";
+  // Every level from the process's cgroup up to the mount's: the tightest room (usage counts the
+  // level's whole subtree); the lowest level with a limit names the limit the ranks share.
+  auto consider = [&](int64_t limit, const std::string& dir, const std::string& file) {
+    int64_t usage = 0;
+    if (limit >= kNoLimitFrom || !ReadNumber(dir + usage_file, &usage)) return;
+    const int64_t cache = StatValue(dir + "/memory.stat", active) +
+                          StatValue(dir + "/memory.stat", inactive);
+    const int64_t here = RoomUnder(limit, usage, cache);
+    if (room.key_dir.empty()) room.key_dir = dir;
+    if (room.bytes < 0 || here < room.bytes) {
+      room.bytes = here;
+      room.source = RoomSource(here, limit, file, usage, cache);
+      room.cgroup_dir = dir;
     }
-    if (limit >= kNoLimitFrom || !ReadNumber(dir + "/memory.usage_in_bytes", &usage)) return room;
-    if (!StatValue(dir + "/memory.stat", "total_inactive_file", &inactive)) {
-      StatValue(dir + "/memory.stat", "inactive_file", &inactive);
-    }
-    room.bytes = RoomUnder(limit, usage, inactive);
-    room.source = RoomSource(room.bytes, limit, file, usage, inactive);
-    room.cgroup_dir = dir;
-    return room;
-  }
-  if (!v2) return room;
-  // Every level from the process's cgroup up to the mount's root: the tightest room.
-  std::string dir = CgroupDir(cgroup_root, v2_path);
+  };
+  std::string dir = leaf;
   while (true) {
-    int64_t limit = 0, usage = 0, inactive = 0;
-    if (ReadNumber(dir + "/memory.max", &limit) && limit < kNoLimitFrom &&
-        ReadNumber(dir + "/memory.current", &usage)) {
-      StatValue(dir + "/memory.stat", "inactive_file", &inactive);
-      const int64_t here = RoomUnder(limit, usage, inactive);
-      if (room.bytes < 0 || here < room.bytes) {
-        room.bytes = here;
-        room.source = RoomSource(here, limit, dir + "/memory.max", usage, inactive);
-        room.cgroup_dir = dir;
-      }
-    }
-    if (dir.size() <= cgroup_root.size()) break;
+    int64_t limit = 0;
+    if (ReadNumber(dir + limit_file, &limit)) consider(limit, dir, dir + limit_file);
+    if (dir.size() <= mount.point.size()) break;
     const size_t slash = dir.rfind('/');
-    if (slash == std::string::npos || slash < cgroup_root.size()) break;
-    dir = dir.substr(0, std::max(slash, cgroup_root.size()));
+    if (slash == std::string::npos || slash < mount.point.size()) break;
+    dir = dir.substr(0, std::max(slash, mount.point.size()));
+  }
+  if (use_v1) {
+    // Ancestors above the mount (not visible here) limit it too: v1's hierarchical limit, against
+    // the process's own cgroup's usage (all it can see; the room may come out larger).
+    bool found = false;
+    const int64_t hierarchical = StatValue(leaf + "/memory.stat", "hierarchical_memory_limit", &found);
+    if (found) {
+      const std::string key = room.key_dir;
+      consider(hierarchical, leaf, leaf + "/memory.stat hierarchical_memory_limit");
+      room.key_dir = key.empty() ? mount.point : key;
+    }
   }
   return room;
 }
 
 namespace {
 
-std::string SelfCgroup() {
-  std::string text;
-  return ReadText("/proc/self/cgroup", &text) ? text : std::string();
+HostMemoryRoom CgroupOfSelf() {
+  std::string mountinfo, self;
+  if (!ReadText("/proc/self/mountinfo", &mountinfo) || !ReadText("/proc/self/cgroup", &self)) {
+    return HostMemoryRoom();
+  }
+  return CgroupMemoryRoom(mountinfo, self);
 }
 
 }  // namespace
@@ -185,7 +254,7 @@ HostMemoryRoom HostMemoryRoomNow() {
     room.source = absl::StrFormat("the node has %d bytes available (MemAvailable, /proc/meminfo)",
                                   room.bytes);
   }
-  const HostMemoryRoom cgroup = CgroupMemoryRoom("/sys/fs/cgroup", SelfCgroup());
+  const HostMemoryRoom cgroup = CgroupOfSelf();
   if (cgroup.bytes >= 0 && (room.bytes < 0 || cgroup.bytes < room.bytes)) return cgroup;
   return room;
 }
@@ -205,11 +274,12 @@ std::string HostMemoryNodeKey() {
   if (key.empty() && gethostname(text, sizeof(text) - 1) == 0) key = "host " + std::string(text);
   if (key.empty()) return key;
   // Where a memory cgroup limits this process, its limit is not the other containers': the
-  // identity of the limiting cgroup's directory (device and inode, folded into 16 hex digits so
-  // that the key stays within the 64 bytes the runtime's node check keeps) tells them apart.
-  const HostMemoryRoom cgroup = CgroupMemoryRoom("/sys/fs/cgroup", SelfCgroup());
+  // identity of the lowest limited cgroup's directory (device and inode, folded into 16 hex
+  // digits so that the key stays within the 64 bytes the runtime's node check keeps) tells them
+  // apart.
+  const HostMemoryRoom cgroup = CgroupOfSelf();
   struct stat st;
-  if (cgroup.bytes >= 0 && ::stat(cgroup.cgroup_dir.c_str(), &st) == 0) {
+  if (cgroup.bytes >= 0 && ::stat(cgroup.key_dir.c_str(), &st) == 0) {
     const uint64_t id = static_cast<uint64_t>(st.st_dev) * 0x9E3779B97F4A7C15ull ^
                         static_cast<uint64_t>(st.st_ino);
     key += absl::StrFormat(" cg%016x", id);

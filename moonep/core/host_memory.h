@@ -18,6 +18,7 @@ struct HostMemoryRoom {
   // cgroup's room with its limit file, limit and usage.
   std::string source;
   std::string cgroup_dir;  // the directory of the cgroup whose limit bounds it ("": MemAvailable)
+  std::string key_dir;     // the lowest cgroup with a limit: the ranks in it share that limit
 };
 
 // The smaller of MemAvailable of /proc/meminfo (what the kernel estimates can be allocated without
@@ -27,15 +28,16 @@ HostMemoryRoom HostMemoryRoomNow();
 // HostMemoryRoomNow().bytes.
 int64_t HostMemoryAvailableBytes();
 
-// The room a memory cgroup leaves, read under `cgroup_root` (where the cgroup file systems are
-// mounted) for a process whose /proc/self/cgroup reads `self_cgroup`: for each level from the
-// process's cgroup up to the root that has a limit, the limit less the usage without inactive file
-// pages (which the kernel reclaims before it kills), and the smallest of them. cgroup v1 (the
-// "memory" controller's line; its memory.limit_in_bytes and hierarchical_memory_limit) or v2 (the
-// "0::" line; memory.max, memory.current, memory.stat). The process's cgroup is looked for at its
-// path, else at the mount's root (a cgroup namespace shows the container's own cgroup there).
-// bytes = -1 where no level has a limit or nothing can be read.
-HostMemoryRoom CgroupMemoryRoom(const std::string& cgroup_root, const std::string& self_cgroup);
+// The room a memory cgroup leaves to a process whose /proc/self/mountinfo and /proc/self/cgroup
+// read `mountinfo` and `self_cgroup`: for each level from the process's cgroup up to the mount's
+// that has a limit, the limit less the level's usage without file pages (the page cache, which the
+// kernel reclaims before it kills), and the smallest of them. cgroup v1 (the "memory"
+// controller's line and mount: memory.limit_in_bytes, usage_in_bytes, memory.stat's total_*_file,
+// and hierarchical_memory_limit for ancestors above the mount) or v2 (the "0::" line and the
+// cgroup2 mount: memory.max, memory.current, memory.stat's *_file). The process's cgroup is its
+// path below the mount's root (mountinfo's root field: a container's mount shows its own cgroup).
+// bytes = -1 where no level has a limit, the cgroup is not visible, or nothing can be read.
+HostMemoryRoom CgroupMemoryRoom(const std::string& mountinfo, const std::string& self_cgroup);
 
 // What identifies the memory ranks share: /proc/sys/kernel/random/boot_id (processes that share it
 // share a kernel, hence MemAvailable), else the host name, else ""; where a memory cgroup limits
