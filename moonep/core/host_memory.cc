@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
+#include <unordered_map>
 #include <vector>
 
 #include "absl/strings/str_format.h"
@@ -61,19 +62,21 @@ bool ReadNumber(const std::string& path, int64_t* value) {
   return true;
 }
 
-// The value of `key` in a memory.stat file ("key value" lines); 0 where it is missing.
-int64_t StatValue(const std::string& path, const std::string& key, bool* found = nullptr) {
+// A memory.stat file's "key value" lines (negative values left out), read once.
+std::unordered_map<std::string, int64_t> ReadStat(const std::string& path) {
+  std::unordered_map<std::string, int64_t> stat;
   std::ifstream in(path);
   std::string k;
   long long v = 0;
   while (in >> k >> v) {
-    if (k == key) {
-      if (found != nullptr) *found = v >= 0;
-      return v >= 0 ? v : 0;
-    }
+    if (v >= 0) stat.emplace(k, v);
   }
-  if (found != nullptr) *found = false;
-  return 0;
+  return stat;
+}
+
+int64_t StatOr0(const std::unordered_map<std::string, int64_t>& stat, const std::string& key) {
+  const auto it = stat.find(key);
+  return it == stat.end() ? 0 : it->second;
 }
 
 bool IsDir(const std::string& path) {
@@ -202,8 +205,8 @@ HostMemoryRoom CgroupMemoryRoom(const std::string& mountinfo, const std::string&
   auto consider = [&](int64_t limit, const std::string& dir, const std::string& file) {
     int64_t usage = 0;
     if (limit >= kNoLimitFrom || !ReadNumber(dir + usage_file, &usage)) return;
-    const int64_t cache = StatValue(dir + "/memory.stat", active) +
-                          StatValue(dir + "/memory.stat", inactive);
+    const auto stat = ReadStat(dir + "/memory.stat");
+    const int64_t cache = StatOr0(stat, active) + StatOr0(stat, inactive);
     const int64_t here = RoomUnder(limit, usage, cache);
     if (room.key_dir.empty()) room.key_dir = dir;
     if (room.bytes < 0 || here < room.bytes) {
@@ -224,11 +227,11 @@ HostMemoryRoom CgroupMemoryRoom(const std::string& mountinfo, const std::string&
   if (use_v1) {
     // Ancestors above the mount (not visible here) limit it too: v1's hierarchical limit, against
     // the process's own cgroup's usage (all it can see; the room may come out larger).
-    bool found = false;
-    const int64_t hierarchical = StatValue(leaf + "/memory.stat", "hierarchical_memory_limit", &found);
-    if (found) {
+    const auto stat = ReadStat(leaf + "/memory.stat");
+    const auto hierarchical = stat.find("hierarchical_memory_limit");
+    if (hierarchical != stat.end()) {
       const std::string key = room.key_dir;
-      consider(hierarchical, leaf, leaf + "/memory.stat hierarchical_memory_limit");
+      consider(hierarchical->second, leaf, leaf + "/memory.stat hierarchical_memory_limit");
       room.key_dir = key.empty() ? mount.point : key;
     }
   }
@@ -256,12 +259,13 @@ HostMemoryRoom HostMemoryRoomNow() {
   }
   const HostMemoryRoom cgroup = CgroupOfSelf();
   if (cgroup.bytes >= 0 && (room.bytes < 0 || cgroup.bytes < room.bytes)) return cgroup;
+  room.key_dir = cgroup.key_dir;  // a limit that is not the tightest still keys the ranks
   return room;
 }
 
 int64_t HostMemoryAvailableBytes() { return HostMemoryRoomNow().bytes; }
 
-std::string HostMemoryNodeKey() {
+std::string HostMemoryNodeKey(const HostMemoryRoom& room) {
   std::string key;
   char text[128] = {};
   if (std::FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
@@ -277,9 +281,8 @@ std::string HostMemoryNodeKey() {
   // identity of the lowest limited cgroup's directory (device and inode, folded into 16 hex
   // digits so that the key stays within the 64 bytes the runtime's node check keeps) tells them
   // apart.
-  const HostMemoryRoom cgroup = CgroupOfSelf();
   struct stat st;
-  if (cgroup.bytes >= 0 && ::stat(cgroup.key_dir.c_str(), &st) == 0) {
+  if (!room.key_dir.empty() && ::stat(room.key_dir.c_str(), &st) == 0) {
     const uint64_t id = static_cast<uint64_t>(st.st_dev) * 0x9E3779B97F4A7C15ull ^
                         static_cast<uint64_t>(st.st_ino);
     key += absl::StrFormat(" cg%016x", id);
@@ -290,7 +293,11 @@ std::string HostMemoryNodeKey() {
 absl::Status CheckHostAllocation(uint64_t bytes, absl::string_view what) {
   // Nothing to allocate (a staging already at its size, every step): no files read.
   if (bytes == 0) return absl::OkStatus();
-  const HostMemoryRoom room = HostMemoryRoomNow();
+  return CheckHostAllocation(bytes, what, HostMemoryRoomNow());
+}
+
+absl::Status CheckHostAllocation(uint64_t bytes, absl::string_view what,
+                                 const HostMemoryRoom& room) {
   if (room.bytes < 0 || bytes <= static_cast<uint64_t>(room.bytes)) return absl::OkStatus();
   return OutOfMemory("cannot allocate %d host bytes for %s: %s", bytes, what, room.source);
 }

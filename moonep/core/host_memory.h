@@ -18,7 +18,9 @@ struct HostMemoryRoom {
   // cgroup's room with its limit file, limit and usage.
   std::string source;
   std::string cgroup_dir;  // the directory of the cgroup whose limit bounds it ("": MemAvailable)
-  std::string key_dir;     // the lowest cgroup with a limit: the ranks in it share that limit
+  // The lowest cgroup with a limit (the ranks in it share that limit), also where MemAvailable is
+  // the tighter bound; "" where no cgroup limits the process.
+  std::string key_dir;
 };
 
 // The smaller of MemAvailable of /proc/meminfo (what the kernel estimates can be allocated without
@@ -41,13 +43,16 @@ HostMemoryRoom CgroupMemoryRoom(const std::string& mountinfo, const std::string&
 
 // What identifies the memory ranks share: /proc/sys/kernel/random/boot_id (processes that share it
 // share a kernel, hence MemAvailable), else the host name, else ""; where a memory cgroup limits
-// this process, followed by the identity of that cgroup's directory (processes of two containers
-// on one host do not share their limits).
-std::string HostMemoryNodeKey();
+// this process (`room.key_dir`, from HostMemoryRoomNow), followed by the identity of that cgroup's
+// directory (processes of two containers on one host do not share their limits).
+std::string HostMemoryNodeKey(const HostMemoryRoom& room);
 
 // OK, or ResourceExhausted ("cannot allocate <bytes> host bytes for <what>: <source>") when
 // `bytes` is above HostMemoryAvailableBytes(). For allocations that are zero-filled or written in
 // full right away; where nothing can be read, always OK. 0 bytes: OK without reading anything.
 absl::Status CheckHostAllocation(uint64_t bytes, absl::string_view what);
+// The same against a room read before (one read for several checks).
+absl::Status CheckHostAllocation(uint64_t bytes, absl::string_view what,
+                                 const HostMemoryRoom& room);
 
 }  // namespace moonep

@@ -143,7 +143,9 @@ absl::Status CheckHostBuffers(Communicator* comm, const LayerConfig& c, int64_t 
   if (c.device != Device::kCpu) return absl::OkStatus();
   const uint64_t rows = HostBufferBytes(c, capacity, rows_per_handle, shared_rows);
   const uint64_t bytes = rows > UINT64_MAX - extra_bytes ? UINT64_MAX : rows + extra_bytes;
-  if (local->ok()) *local = CheckHostAllocation(bytes, what);
+  // One read of the room (MemAvailable, the memory cgroup) for this rank's check and the node's.
+  const HostMemoryRoom room = HostMemoryRoomNow();
+  if (local->ok()) *local = CheckHostAllocation(bytes, what, room);
   if (comm->size() == 1) return absl::OkStatus();
   // [node key (64 bytes), bytes, room] of every rank, read before anyone allocates.
   struct Entry {
@@ -153,11 +155,11 @@ absl::Status CheckHostBuffers(Communicator* comm, const LayerConfig& c, int64_t 
   };
   Entry mine{};
   // No key (neither boot_id nor a host name): a node of its own, not every such rank together.
-  std::string key = HostMemoryNodeKey();
+  std::string key = HostMemoryNodeKey(room);
   if (key.empty()) key = "rank " + std::to_string(comm->rank());
   std::memcpy(mine.key, key.data(), std::min(key.size(), sizeof(mine.key)));
   mine.bytes = local->ok() ? bytes : 0;
-  mine.available = HostMemoryAvailableBytes();
+  mine.available = room.bytes;
   std::string gathered;
   const absl::Status agreed = comm->Allgather(
       absl::Span<const char>(reinterpret_cast<const char*>(&mine), sizeof(mine)), &gathered,
