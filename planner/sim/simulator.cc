@@ -64,6 +64,7 @@ struct Simulator::State {
   std::vector<int32_t> node_domain;  // [nodes * D] ranks of each domain in each node (model)
   std::vector<int64_t> node_counts;  // [nodes * E] tokens of each expert from each node (trace)
   int32_t rpn = 1;                   // ranks per node for locality (1 when flat)
+  std::vector<std::string> warnings;  // found by Create, reported with every run's result
 };
 
 Simulator::Simulator() : state_(new State) {}
@@ -157,6 +158,17 @@ absl::StatusOr<std::unique_ptr<Simulator>> Simulator::Create(const SimOptions& o
       c.shadow_broadcast_s_per_byte = 1.0 / (o.cost.inter_gbps * 1e9);
     }
     MOONEP_ASSIGN_OR_RETURN(std::unique_ptr<Planner> planner, Planner::Create(c));
+    // EPLB puts (E + R) / R physical experts on every rank (one redundant expert a rank). Each one
+    // not homed there takes a replica slot; beyond the slots a copy falls back to its home, which
+    // is how it must run inside the runtime, but is not EPLB as published.
+    const int32_t eplb_per_rank = (st.E + st.R) / st.R;
+    if (p == Policy::kEplb && planner->config().slots < eplb_per_rank) {
+      st.warnings.push_back(absl::StrFormat(
+          "eplb places %d physical experts on each rank, and with %d replica slots a rank "
+          "holding more than %d experts homed elsewhere sends the rest back to their homes, "
+          "which balances worse than EPLB as published; pass --slots=%d to compare with it",
+          eplb_per_rank, planner->config().slots, planner->config().slots, eplb_per_rank));
+    }
     st.planners[0].push_back(std::move(planner));
     st.configs.push_back(c);
     st.names.push_back(planner::PolicyName(p));
@@ -216,6 +228,7 @@ absl::StatusOr<SimResult> Simulator::Run(StepSink* sink,
   result.topk = st.K;
   result.tokens_per_rank = st.T;
   result.detail = st.detail;
+  result.warnings = st.warnings;
   result.policies.resize(st.names.size());
   for (size_t i = 0; i < st.names.size(); ++i) result.policies[i].name = st.names[i];
 

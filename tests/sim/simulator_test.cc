@@ -1,14 +1,17 @@
 // The simulation loop end to end: determinism, trace replay against hand-computed loads,
 // invariants across policies, reports, and option errors.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <set>
 #include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "planner/eplb.h"
 #include "planner/sim/report.h"
 #include "planner/sim/simulator.h"
 #include "planner/sim/trace.h"
@@ -209,6 +212,83 @@ TEST(SimulatorTest, TraceReplayMatchesHandComputedLoads) {
     // Perfect balance is ceil(total / 2), and moonep reaches it.
     EXPECT_EQ(cap.rows[s * 6 + 5].metrics.max_load, (none.metrics.total_tokens + 1) / 2);
     EXPECT_EQ(cap.rows[s * 6 + 1].metrics.max_load, (none.metrics.total_tokens + 1) / 2);
+  }
+}
+
+// EPLB places (E + R) / R physical experts a rank. With that many replica slots none falls back
+// to its home, and the simulator's eplb row is EPLB's own placement: its replicas are the
+// (rank, expert) pairs of the placement off the expert's home, and its busiest rank carries what
+// EPLB's even split over the copies gives it (both worked out here from EplbRebalance). With the
+// default E / R slots some copies fall back, and the run says so.
+TEST(SimulatorTest, EplbGetsTheSlotsItsPlacementNeedsOrIsWarned) {
+  const int32_t R = 8, E = 32, K = 4;
+  std::string text = FormatTraceHeader(R, E, K);
+  std::vector<int64_t> counts(R * E);
+  uint64_t x = 12345;
+  for (int32_t s = 0; s < R; ++s) {
+    for (int32_t e = 0; e < E; ++e) {
+      x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+      // Skewed: expert e draws about 400 / (1 + e % 13) tokens from each source.
+      counts[s * E + e] = static_cast<int64_t>((x >> 40) % (800 / (1 + e % 13)));
+    }
+  }
+  text += FormatTraceRecord(0, 0, counts);
+  const std::string path = ::testing::TempDir() + "/eplb_slots.trace";
+  std::ofstream(path) << text;
+  std::vector<int64_t> totals(E, 0);
+  int64_t total = 0;
+  for (int32_t s = 0; s < R; ++s) {
+    for (int32_t e = 0; e < E; ++e) totals[e] += counts[s * E + e];
+  }
+  for (int64_t t : totals) total += t;
+
+  // EPLB's own placement (global policy: the run is flat) and the loads of its even split.
+  const int32_t per_rank = (E + R) / R;
+  std::vector<int32_t> phy2log, logcnt;
+  ASSERT_TRUE(planner::EplbRebalance(totals, E + R, 1, 1, R, &phy2log, &logcnt).ok());
+  std::vector<int64_t> load(R, 0);
+  std::vector<int32_t> seen(E, 0);
+  std::set<std::pair<int32_t, int32_t>> off_home;
+  for (int32_t p = 0; p < E + R; ++p) {
+    const int32_t d = p / per_rank, e = phy2log[p], j = seen[e]++;
+    load[d] += totals[e] / logcnt[e] + (j < totals[e] % logcnt[e] ? 1 : 0);
+    if (d != e / (E / R)) off_home.insert({d, e});
+  }
+  const int64_t eplb_max = *std::max_element(load.begin(), load.end());
+
+  for (int32_t slots : {-1, per_rank}) {
+    SimOptions o = SmallOptions();
+    o.trace_path = path;
+    o.steps = 0;
+    o.routing.num_ranks = 0;
+    o.routing.topk = 0;
+    o.cost.ranks_per_node = 0;
+    o.policies = {Policy::kEplb};
+    o.slots = slots;
+    auto sim = Simulator::Create(o);
+    ASSERT_TRUE(sim.ok()) << sim.status();
+    Capture cap;
+    auto result = (*sim)->Run(&cap, nullptr);
+    ASSERT_TRUE(result.ok()) << result.status();
+    ASSERT_EQ(cap.rows.size(), 3u);  // none, eplb, lower-bound
+    const PlanMetrics& m = cap.rows[1].metrics;
+    EXPECT_EQ(m.total_tokens, total);
+    if (slots == per_rank) {
+      EXPECT_TRUE(result->warnings.empty());
+      EXPECT_EQ(m.replicas, static_cast<int32_t>(off_home.size()));
+      EXPECT_EQ(m.max_load, eplb_max);
+    } else {
+      ASSERT_EQ(result->warnings.size(), 1u);
+      EXPECT_NE(result->warnings[0].find("eplb places 5 physical experts on each rank, and with 4 "
+                                         "replica slots"),
+                std::string::npos)
+          << result->warnings[0];
+      EXPECT_NE(result->warnings[0].find("--slots=5"), std::string::npos) << result->warnings[0];
+      EXPECT_LE(m.replicas, R * (E / R));
+      // Here some rank holds 5 experts homed elsewhere: one falls back, and EPLB is worse.
+      EXPECT_LT(m.replicas, static_cast<int32_t>(off_home.size()));
+      EXPECT_GT(m.max_load, eplb_max);
+    }
   }
 }
 
