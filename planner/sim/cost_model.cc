@@ -10,12 +10,13 @@ namespace moonep::sim {
 absl::Status ValidateCostConfig(const CostConfig& c) {
   MOONEP_CHECK_ARG(c.hidden > 0, "hidden must be positive, got %d", c.hidden);
   MOONEP_CHECK_ARG(c.intermediate > 0, "intermediate must be positive, got %d", c.intermediate);
-  MOONEP_CHECK_ARG(std::isfinite(c.tflops) && c.tflops > 0, "tflops must be positive, got %g", c.tflops);
+  // Rates in [1e-6, 1e9]: every time the model makes is then finite (bytes and flops are below
+  // 2^63 and 2^127), and a rate of 1e-300 is a typo, not a machine.
+  const auto rate_ok = [](double v) { return v >= 1e-6 && v <= 1e9; };  // false for NaN
+  MOONEP_CHECK_ARG(rate_ok(c.tflops), "tflops must be in [1e-6, 1e9], got %g", c.tflops);
   MOONEP_CHECK_ARG(c.ranks_per_node >= 0, "ranks_per_node must be >= 0, got %d", c.ranks_per_node);
-  MOONEP_CHECK_ARG(std::isfinite(c.intra_gbps) && c.intra_gbps > 0,
-                   "intra_gbps must be positive, got %g", c.intra_gbps);
-  MOONEP_CHECK_ARG(std::isfinite(c.inter_gbps) && c.inter_gbps > 0,
-                   "inter_gbps must be positive, got %g", c.inter_gbps);
+  MOONEP_CHECK_ARG(rate_ok(c.intra_gbps), "intra_gbps must be in [1e-6, 1e9], got %g", c.intra_gbps);
+  MOONEP_CHECK_ARG(rate_ok(c.inter_gbps), "inter_gbps must be in [1e-6, 1e9], got %g", c.inter_gbps);
   MOONEP_CHECK_ARG(c.act_bytes > 0 && c.act_bytes <= 8, "act_bytes must be in [1, 8], got %d", c.act_bytes);
   MOONEP_CHECK_ARG(c.weight_bytes > 0 && c.weight_bytes <= 8, "weight_bytes must be in [1, 8], got %d",
                    c.weight_bytes);

@@ -103,8 +103,9 @@ using moonep::InvalidArgument;
 using namespace moonep::sim;
 
 // Where `path` points: its canonical path when it exists, else its directory's canonical path
-// and its name (so "x" and "./x" match before either is written).
-std::string WherePathPoints(const std::string& path) {
+// and its name (so "x" and "./x" match before either is written); a dangling symbolic link points
+// where its target will be written (followed up to 40 links, as the kernel does).
+std::string WherePathPoints(const std::string& path, int depth = 0) {
   if (char* real = ::realpath(path.c_str(), nullptr)) {
     std::string out(real);
     std::free(real);
@@ -113,6 +114,15 @@ std::string WherePathPoints(const std::string& path) {
   const size_t slash = path.rfind('/');
   const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash + 1);
   const std::string name = slash == std::string::npos ? path : path.substr(slash + 1);
+  struct stat lst;
+  if (depth < 40 && ::lstat(path.c_str(), &lst) == 0 && S_ISLNK(lst.st_mode)) {
+    char target[4096];
+    const ssize_t n = ::readlink(path.c_str(), target, sizeof(target) - 1);
+    if (n > 0) {
+      target[n] = '\0';
+      return WherePathPoints(target[0] == '/' ? std::string(target) : dir + "/" + target, depth + 1);
+    }
+  }
   char* real_dir = ::realpath(dir.c_str(), nullptr);
   if (real_dir == nullptr) return path;
   std::string out = std::string(real_dir) + "/" + name;
@@ -129,9 +139,13 @@ absl::Status CheckDistinctFiles(const std::vector<std::pair<const char*, std::st
       const std::string& pa = files[a].second;
       const std::string& pb = files[b].second;
       if (pa.empty() || pb.empty()) continue;
-      struct stat st;
-      const bool special = ::stat(pa.c_str(), &st) == 0 && !S_ISREG(st.st_mode);
-      const bool same = !special && WherePathPoints(pa) == WherePathPoints(pb);
+      // Two names of one inode (hard links, or links to them) are one file whatever the paths.
+      struct stat st, stb;
+      const bool a_exists = ::stat(pa.c_str(), &st) == 0;
+      const bool special = a_exists && !S_ISREG(st.st_mode);
+      const bool same_inode = a_exists && ::stat(pb.c_str(), &stb) == 0 &&
+                              st.st_dev == stb.st_dev && st.st_ino == stb.st_ino;
+      const bool same = !special && (same_inode || WherePathPoints(pa) == WherePathPoints(pb));
       if (same) {
         return InvalidArgument("%s and %s name the same file '%s': writing one would destroy the "
                                "other", files[a].first, files[b].first, pb);

@@ -13,9 +13,11 @@ const double kLogGrowth = std::log(kGrowth);
 const int32_t kBuckets = static_cast<int32_t>(std::ceil(std::log(1e9 / kLow) / std::log(kGrowth))) + 1;
 
 int32_t BucketOf(double v) {
-  if (!(v > kLow)) return 0;
+  if (!(v > kLow)) return 0;  // NaN too
   const double b = std::log(v / kLow) / kLogGrowth;
-  return std::min<int32_t>(kBuckets - 1, static_cast<int32_t>(b));
+  // Compared as a double first: an infinite or huge value must not reach the integer cast.
+  if (!(b < kBuckets - 1)) return kBuckets - 1;
+  return static_cast<int32_t>(b);
 }
 
 }  // namespace

@@ -3,7 +3,9 @@
 #include <sys/stat.h>
 #include <sys/types.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
@@ -141,19 +143,45 @@ TraceReader::~TraceReader() {
   std::free(line_);
 }
 
+void TraceReader::SetMaxLine(int64_t integers) {
+  max_line_ = static_cast<size_t>(integers + 2) * kMaxTraceBytesPerInteger + 4096;
+}
+
 absl::StatusOr<bool> TraceReader::ReadLine() {
+  // getc_unlocked, not getline: a line's length is bounded (max_line_), its buffer's growth is
+  // checked against free memory, and a failed read or allocation is an error, never the end.
+  size_t n = 0;
+  int ch = 0;
   errno = 0;
-  const ssize_t n = ::getline(&line_, &line_capacity_, file_);
-  if (n < 0) {
-    // getline fails at the end of the file and on a read error alike: only the latter sets the
-    // error indicator (a directory, EISDIR, or EIO), which must not pass for a shorter trace.
-    if (std::ferror(file_)) {
-      return InvalidArgument("cannot read trace '%s' after line %d: %s", path_, line_number_,
-                             std::strerror(errno != 0 ? errno : EIO));
+  while ((ch = getc_unlocked(file_)) != EOF) {
+    if (n + 1 >= line_capacity_) {
+      if (n + 1 >= max_line_) {
+        return InvalidArgument("trace '%s': line %d is longer than %d bytes, more than %s",
+                               path_, line_number_ + 1, max_line_,
+                               num_experts_ > 0 ? "a record of its sizes takes"
+                                                : "a header or a CSV row may take");
+      }
+      const size_t want = std::min(max_line_, std::max<size_t>(4096, 2 * line_capacity_));
+      MOONEP_RETURN_IF_ERROR(CheckHostAllocation(
+          want - line_capacity_, absl::StrFormat("line %d of trace '%s'", line_number_ + 1, path_)));
+      char* grown = static_cast<char*>(std::realloc(line_, want));
+      if (grown == nullptr) {
+        return OutOfMemory("trace '%s': no memory for line %d (%d bytes)", path_,
+                                 line_number_ + 1, want);
+      }
+      line_ = grown;
+      line_capacity_ = want;
     }
-    return false;
+    line_[n++] = static_cast<char>(ch);
+    if (ch == '\n') break;
   }
-  line_length_ = static_cast<size_t>(n);
+  if (ch == EOF && std::ferror(file_)) {
+    // A read error (a directory, EISDIR, or EIO) must not pass for a shorter trace.
+    return InvalidArgument("cannot read trace '%s' after line %d: %s", path_, line_number_,
+                           std::strerror(errno != 0 ? errno : EIO));
+  }
+  if (n == 0) return false;
+  line_length_ = n;
   terminated_ = line_length_ > 0 && line_[line_length_ - 1] == '\n';
   if (line_number_ == 0 && line_length_ >= 3 && std::memcmp(line_, "\xEF\xBB\xBF", 3) == 0) {
     // A UTF-8 byte order mark (spreadsheets write one) is not part of the first line.
@@ -238,6 +266,7 @@ absl::StatusOr<std::unique_ptr<TraceReader>> TraceReader::Open(const std::string
     }
     r->num_ranks_ = static_cast<int32_t>(R);
     r->num_experts_ = static_cast<int32_t>(E);
+    r->SetMaxLine(R * E);
     r->topk_ = K > 0 ? static_cast<int32_t>(K) : topk;
     if (K > 0 && topk > 0 && K != topk) {
       return r->LineError(absl::StrFormat("header says K=%d but --topk is %d", K, topk));
@@ -283,6 +312,7 @@ absl::StatusOr<std::unique_ptr<TraceReader>> TraceReader::Open(const std::string
   }
   const int64_t R = csv_ranks, E = static_cast<int64_t>(r->fields_.size());
   r->num_experts_ = static_cast<int32_t>(E);
+  r->SetMaxLine(E);
   if (R * E > kMaxTraceCounts) {
     return r->LineError(absl::StrFormat("--ranks=%d rows of %d counts: R*E = %d counts a step is "
                                         "above %d", R, E, R * E, kMaxTraceCounts));

@@ -25,6 +25,10 @@ bool ParseTraceFormat(const std::string& name, TraceFormat* format);
 
 // Largest R*E of a trace (either format): 16 GiB of counts in one record.
 constexpr int64_t kMaxTraceCounts = int64_t{1} << 31;
+// Longest first line (header or CSV row) a trace may have, and bytes a line may spend on each of
+// its integers (digits, sign and the blanks around them) once the sizes are known.
+constexpr size_t kMaxFirstTraceLine = size_t{1} << 30;
+constexpr size_t kMaxTraceBytesPerInteger = 64;
 
 struct TraceRecord {
   int64_t step = 0;
@@ -78,8 +82,13 @@ class TraceReader {
   int32_t num_ranks_ = 0, num_experts_ = 0, topk_ = 0;
   int64_t line_number_ = 0;
   int64_t csv_records_ = 0;
-  char* line_ = nullptr;  // getline buffer, reused for every line
+  char* line_ = nullptr;  // line buffer, reused for every line
   size_t line_capacity_ = 0;
+  // Longest line read (bytes, line end included): a stream with no newline (a device, a pipe)
+  // fails with an error naming the line instead of growing the buffer until memory runs out.
+  // kMaxFirstTraceLine until the sizes are known, then what a record of them may take.
+  size_t max_line_ = kMaxFirstTraceLine;
+  void SetMaxLine(int64_t integers);
   size_t line_length_ = 0;
   bool terminated_ = false;  // the last line read ended with a newline
   bool pending_ = false;     // line_ holds a data line not yet consumed (CSV sizes or AtEnd read it)

@@ -97,6 +97,24 @@ TEST(CostModelTest, InvalidConfigNamesTheField) {
   c = Config();
   c.hidden = 0;
   EXPECT_NE(ValidateCostConfig(c).message().find("hidden"), std::string::npos);
+  // Rates so small (or large) that a phase's time would overflow to infinity are refused, each
+  // naming its flag; the bounds themselves are accepted.
+  for (double bad : {1e-300, 4.9e-324, 1e-7, 2e9, std::nan(""), HUGE_VAL, -1.0}) {
+    for (const char* field : {"tflops", "intra_gbps", "inter_gbps"}) {
+      c = Config();
+      double* rate = std::string(field) == "tflops" ? &c.tflops
+                     : std::string(field) == "intra_gbps" ? &c.intra_gbps : &c.inter_gbps;
+      *rate = bad;
+      s = ValidateCostConfig(c);
+      ASSERT_FALSE(s.ok()) << field << " " << bad;
+      EXPECT_NE(s.message().find(std::string(field) + " must be in [1e-6, 1e9]"),
+                std::string::npos) << s.message();
+      for (double edge : {1e-6, 1e9}) {
+        *rate = edge;
+        EXPECT_TRUE(ValidateCostConfig(c).ok()) << field << " " << edge;
+      }
+    }
+  }
 }
 
 TEST(CostModelTest, PresetsAreTheIssueShapes) {
@@ -141,6 +159,18 @@ TEST(StatsTest, QuantilesWithinResolution) {
   for (double v : values) sum += v;
   EXPECT_NEAR(d.mean(), sum / values.size(), 1e-9);
   EXPECT_EQ(d.max(), values.back());
+}
+
+// Values beyond the histogram's range (an infinite or huge step time) land in its last bucket:
+// they used to be cast to an int out of range and index before the buckets.
+TEST(StatsTest, ValuesBeyondTheRangeLandInTheLastBucket) {
+  Distribution d;
+  for (double v : {2.0, 1e300, HUGE_VAL, 0.0, -5.0}) d.Add(v);
+  EXPECT_EQ(d.count(), 5);
+  EXPECT_EQ(d.max(), HUGE_VAL);
+  EXPECT_GE(d.Quantile(1.0), 1e9 * (1 - 1e-9));  // the last bucket's upper edge
+  EXPECT_LE(d.Quantile(0.6), 2.0 * 1.001);        // the third smallest is 2
+  EXPECT_GE(d.Quantile(0.6), 2.0);
 }
 
 TEST(StatsTest, SeriesKeepsBoundedPointsAndExactMeans) {

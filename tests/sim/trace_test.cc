@@ -259,5 +259,29 @@ TEST(TraceTest, SizesNoRecordCanMatchAreRefused) {
               {"ranks.csv:2:", "file ends after 2 of the 1000000 rows of step 0"});
 }
 
+// A line longer than a record of the trace's sizes could take (64 bytes an integer, plus 4 KiB)
+// is an error naming the line, before its buffer grows further: a device or a pipe with no
+// newline (`--trace=/dev/zero`) used to grow one buffer until memory ran out, and then pass for
+// the end of the trace.
+TEST(TraceTest, LinesLongerThanARecordCanTakeAreRefused) {
+  const std::string h = "# moonep-trace v1 R=2 E=4\n";  // 10 integers a record: 4736 bytes
+  const std::string counts = "1 2 3 4 5 6 7 8\n";
+  ExpectError("longline.trace", h + "0 0 " + std::string(5000, ' ') + counts, TraceFormat::kAuto, 0,
+              0, {"trace '", "longline.trace': line 2 is longer than 4736 bytes",
+                  "more than a record of its sizes takes"});
+  ExpectError("nonl.trace", h + std::string(100000, '7'), TraceFormat::kAuto, 0, 0,
+              {"line 2 is longer than 4736 bytes"});
+  // Blanks up to the bound are still a record.
+  auto ok = TraceReader::Open(WriteFile("blanks.trace", h + "0 0 " + std::string(4000, ' ') + counts),
+                              TraceFormat::kAuto, 0, 0);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  const auto records = ReadAll(ok->get());
+  ASSERT_EQ(records.size(), 1u);
+  EXPECT_EQ(records[0].counts, (std::vector<int64_t>{1, 2, 3, 4, 5, 6, 7, 8}));
+  // A CSV row: its width sets the bound for the rows after it ((2 + 2) * 64 + 4096 bytes).
+  ExpectError("longrow.csv", "1,2\n" + std::string(5000, ' ') + "3,4\n", TraceFormat::kCsv, 1, 0,
+              {"line 2 is longer than 4352 bytes"});
+}
+
 }  // namespace
 }  // namespace moonep::sim
