@@ -167,8 +167,9 @@ moonepResult_t moonepLayerBackward(moonepLayer_t layer, moonepLayerHandle_t hand
             ? absl::Span<float>()
             : absl::Span<float>(d_topk_weights, static_cast<size_t>(T * c.top_k)),
         stream);
-    // A backward that ran, failed midway or refused this rank's arguments spends the handle
-    // (and the latter two leave the layer unusable on every rank).
+    // A backward that ran or failed midway spends the handle; one that refused this rank's
+    // arguments leaves it live for moonepLayerRelease (CApiTest.BadConfigsFailOnEveryRank). The
+    // latter two leave the layer unusable on every rank.
     (*slot)->in_use = layer->impl->PlanOf((*slot)->handle).ok();
     return status;
   });

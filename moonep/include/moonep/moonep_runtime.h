@@ -313,7 +313,9 @@ MOONEP_API moonepResult_t moonepLayerRefuseForward(moonepLayer_t layer, const ch
                                                    void* stream);
 /* [collective] dy [T][H] -> dx [T][H], d_topk_weights [T][K] (fp32; NULL to skip), and the
  * weight gradients += into the bound gradients (replica gradients reduced in a fixed order, so
- * results are bit-identical run to run). Releases the handle. `stream` as for forward: the call
+ * results are bit-identical run to run). Releases the handle once the backward has run or failed
+ * midway; one refused for this rank's arguments leaves it to moonepLayerRelease. `stream` as for
+ * forward: the call
  * returns once dx, d_topk_weights and the gradients are complete. A wrong argument on one rank
  * (a NULL, released or foreign handle, NULL dy or dx, overlapping dy and dx, no gradients bound)
  * fails it there naming the argument and, over mpi and ucx, every peer's backward at once with
@@ -340,7 +342,7 @@ MOONEP_API moonepResult_t moonepLayerGetMemory(moonepLayer_t layer, size_t* laye
  * caller computes the experts.
  *
  *   moonepEpDispatch(buf, T, x, ids, w, &h)          counts, plan, rows into the compute layout
- *   moonepEpGetLayout(h, &layout)                    rows, per-row weights, groups -> experts
+ *   moonepEpGetLayout(buf, h, &layout)               rows, per-row weights, groups -> experts
  *   moonepEpPrefetch(buf, h, &home_w, &replica_w)    home weights into replica slots (caller's)
  *   ... caller computes out_rows[layout.num_rows][H] from layout.rows ...
  *   moonepEpCombine(buf, h, out_rows, y)             y[t] = sum_k w[t][k] out(t, k)
