@@ -9,6 +9,7 @@
 #include <system_error>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "moonep/core/status.h"
 #include "planner/planner.h"
 
@@ -413,10 +414,14 @@ absl::StatusOr<SimResult> Simulator::Run(StepSink* sink,
     if (progress) progress(step + 1, total_steps);
   }
   if (st.trace && step == 0) {
+    // A record skipped as cut short is why there are none: say so (warnings print only on success).
+    const std::string why =
+        st.trace->warning().empty() ? "" : absl::StrCat(" (", st.trace->warning(), ")");
     if (o.trace_layer >= 0) {
-      return InvalidArgument("trace '%s' has no record of layer %d", o.trace_path, o.trace_layer);
+      return InvalidArgument("trace '%s' has no record of layer %d%s", o.trace_path, o.trace_layer,
+                             why);
     }
-    return InvalidArgument("trace '%s' has no records", o.trace_path);
+    return InvalidArgument("trace '%s' has no records%s", o.trace_path, why);
   }
   if (st.trace) {
     if (o.steps > 0 && step == o.steps) {

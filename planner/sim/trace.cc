@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "moonep/core/host_memory.h"
@@ -55,7 +56,7 @@ bool ParseFields(const char* s, const char* end, bool comma, std::vector<int64_t
       const char* q = p;
       while (q < end && !IsSpace(*q) && *q != ',') ++q;
       *error = absl::StrFormat("field %d ('%s') is not an integer", field,
-                               std::string(start, q).substr(0, 32));
+                               absl::CHexEscape(std::string(start, q).substr(0, 32)));
       return false;
     }
     int64_t v = 0;
@@ -71,7 +72,7 @@ bool ParseFields(const char* s, const char* end, bool comma, std::vector<int64_t
       const char* q = p;
       while (q < end && !IsSpace(*q) && *q != ',') ++q;
       *error = absl::StrFormat("field %d ('%s') is not an integer", field,
-                               std::string(start, q).substr(0, 32));
+                               absl::CHexEscape(std::string(start, q).substr(0, 32)));
       return false;
     }
     if (negative && v != 0) {
@@ -83,7 +84,8 @@ bool ParseFields(const char* s, const char* end, bool comma, std::vector<int64_t
     if (p == end) return true;
     if (comma) {
       if (*p != ',') {
-        *error = absl::StrFormat("field %d is followed by '%c', expected ','", field, *p);
+        *error = absl::StrFormat("field %d is followed by '%s', expected ','", field,
+                                 absl::CHexEscape(std::string(1, *p)));
         return false;
       }
       ++p;
@@ -253,7 +255,7 @@ absl::StatusOr<std::unique_ptr<TraceReader>> TraceReader::Open(const std::string
     }
     const std::string version = first.size() > 15 ? first.substr(15, first.find(' ', 15) - 15) : "";
     if (version != "v1") {
-      return r->LineError(absl::StrCat("unsupported trace version '", version,
+      return r->LineError(absl::StrCat("unsupported trace version '", absl::CHexEscape(version),
                                        "' (this reader knows v1)"));
     }
     const int64_t R = HeaderValue(first, "R"), E = HeaderValue(first, "E"), K = HeaderValue(first, "K");

@@ -283,5 +283,18 @@ TEST(TraceTest, LinesLongerThanARecordCanTakeAreRefused) {
               {"line 2 is longer than 4352 bytes"});
 }
 
+// Bytes from the file are escaped in messages: a NUL used to cut the message short, and a
+// terminal escape sequence reached the terminal.
+TEST(TraceTest, BinaryBytesInMessagesAreEscaped) {
+  const std::string h = "# moonep-trace v1 R=2 E=4 K=2\n";
+  ExpectError("nul.trace", h + "0 0 10 6 2 2 9 7 2 " + std::string("\0\x01", 2) + " 2\n",
+              TraceFormat::kAuto, 0, 0, {"field 10 ('\\x00\\x01') is not an integer"});
+  ExpectError("esc.trace", h + "0 0 10 6 2 2 9 7 2 2\x1b]0;X\x07\n", TraceFormat::kAuto, 0, 0,
+              {"field 10 ('2\\x1b]0;X\\x07') is not an integer"});
+  ExpectError("esc.csv", "1,2\n3\x1b,4\n", TraceFormat::kCsv, 1, 0, {"('3\\x1b')"});
+  ExpectError("ver.trace", "# moonep-trace v\x1b R=2 E=4\n", TraceFormat::kAuto, 0, 0,
+              {"unsupported trace version 'v\\x1b'"});
+}
+
 }  // namespace
 }  // namespace moonep::sim
