@@ -38,6 +38,17 @@ SimOptions SmallOptions() {
   return o;
 }
 
+// SmallOptions replaying the whole trace at `path` (sizes from its header), flat.
+SimOptions ReplayOptions(const std::string& path) {
+  SimOptions o = SmallOptions();
+  o.trace_path = path;
+  o.steps = 0;  // the whole trace
+  o.routing.num_ranks = 0;
+  o.routing.topk = 0;
+  o.cost.ranks_per_node = 0;
+  return o;
+}
+
 struct Capture : StepSink {
   std::vector<StepRecord> rows;
   std::vector<std::string> names;
@@ -182,13 +193,8 @@ TEST(SimulatorTest, TraceReplayMatchesHandComputedLoads) {
   }
   const std::string path = ::testing::TempDir() + "/replay.trace";
   std::ofstream(path) << text;
-  SimOptions o = SmallOptions();
-  o.trace_path = path;
+  SimOptions o = ReplayOptions(path);
   o.trace_layer = 0;
-  o.steps = 0;  // the whole trace
-  o.cost.ranks_per_node = 0;
-  o.routing.num_ranks = 0;
-  o.routing.topk = 0;
   auto sim = Simulator::Create(o);
   ASSERT_TRUE(sim.ok()) << sim.status();
   EXPECT_EQ((*sim)->detail(), Detail::kCounts);
@@ -257,12 +263,7 @@ TEST(SimulatorTest, EplbGetsTheSlotsItsPlacementNeedsOrIsWarned) {
   const int64_t eplb_max = *std::max_element(load.begin(), load.end());
 
   for (int32_t slots : {-1, per_rank}) {
-    SimOptions o = SmallOptions();
-    o.trace_path = path;
-    o.steps = 0;
-    o.routing.num_ranks = 0;
-    o.routing.topk = 0;
-    o.cost.ranks_per_node = 0;
+    SimOptions o = ReplayOptions(path);
     o.policies = {Policy::kEplb};
     o.slots = slots;
     auto sim = Simulator::Create(o);
@@ -307,12 +308,7 @@ TEST(SimulatorTest, LayersArePlannedApart) {
   }
   const std::string path = ::testing::TempDir() + "/layers.trace";
   std::ofstream(path) << text;
-  SimOptions o = SmallOptions();
-  o.trace_path = path;
-  o.steps = 0;
-  o.routing.num_ranks = 0;
-  o.routing.topk = 0;
-  o.cost.ranks_per_node = 0;
+  SimOptions o = ReplayOptions(path);
   o.eplb_period = 3;
   auto run = [&](int32_t layer, Capture* cap, SimResult* result) {
     o.trace_layer = layer;
@@ -512,12 +508,8 @@ TEST(SimulatorTest, RanksPerNodeAboveRanksIsOneNode) {
   // A trace replayed with totals only (node counts from the trace).
   const std::string path = ::testing::TempDir() + "/rpn.trace";
   std::ofstream(path) << FormatTraceHeader(2, 4, 2) << FormatTraceRecord(0, 0, {10, 6, 2, 2, 9, 7, 2, 2});
-  SimOptions o = SmallOptions();
-  o.trace_path = path;
-  o.steps = 0;
+  SimOptions o = ReplayOptions(path);
   o.detail = DetailChoice::kTotals;
-  o.routing.num_ranks = 0;
-  o.routing.topk = 0;
   o.cost.ranks_per_node = INT32_MAX;
   SimResult r;
   RunToCsv(o, &r);
@@ -535,12 +527,7 @@ TEST(SimulatorTest, TraceTokensPastInt32) {
   auto run = [](const std::string& name, const std::vector<int64_t>& counts) {
     const std::string path = ::testing::TempDir() + "/" + name;
     std::ofstream(path) << FormatTraceHeader(2, 4, 2) << FormatTraceRecord(0, 0, counts);
-    SimOptions o = SmallOptions();
-    o.trace_path = path;
-    o.steps = 0;
-    o.cost.ranks_per_node = 0;
-    o.routing.num_ranks = 0;
-    o.routing.topk = 0;
+    SimOptions o = ReplayOptions(path);
     // (fastermoe-shadow's decisions weigh tokens against bytes: they change with the scale.)
     o.policies = {Policy::kMoonEP, Policy::kMoonEPGreedy, Policy::kEplb};
     auto sim = Simulator::Create(o);
