@@ -156,20 +156,20 @@ absl::StatusOr<bool> TraceReader::ReadLine() {
   int ch = 0;
   errno = 0;
   while ((ch = getc_unlocked(file_)) != EOF) {
-    if (n + 1 >= line_capacity_) {
-      if (n + 1 >= max_line_) {
-        return InvalidArgument("trace '%s': line %d is longer than %d bytes, more than %s",
-                               path_, line_number_ + 1, max_line_,
-                               num_experts_ > 0 ? "a record of its sizes takes"
-                                                : "a header or a CSV row may take");
-      }
-      const size_t want = std::min(max_line_, std::max<size_t>(4096, 2 * line_capacity_));
+    if (n >= max_line_) {  // (the buffer may be larger: an earlier line's bound was)
+      return InvalidArgument("trace '%s': line %d is longer than %d bytes, more than %s", path_,
+                             line_number_ + 1, max_line_,
+                             num_experts_ > 0 ? "a record of its sizes takes"
+                                              : "a header or a CSV row may take");
+    }
+    if (n + 1 >= line_capacity_) {  // room for this byte and a terminating NUL
+      const size_t want = std::min(max_line_ + 1, std::max<size_t>(4096, 2 * line_capacity_));
       MOONEP_RETURN_IF_ERROR(CheckHostAllocation(
           want - line_capacity_, absl::StrFormat("line %d of trace '%s'", line_number_ + 1, path_)));
       char* grown = static_cast<char*>(std::realloc(line_, want));
       if (grown == nullptr) {
         return OutOfMemory("trace '%s': no memory for line %d (%d bytes)", path_,
-                                 line_number_ + 1, want);
+                           line_number_ + 1, want);
       }
       line_ = grown;
       line_capacity_ = want;
@@ -183,6 +183,7 @@ absl::StatusOr<bool> TraceReader::ReadLine() {
                            std::strerror(errno != 0 ? errno : EIO));
   }
   if (n == 0) return false;
+  line_[n] = '\0';
   line_length_ = n;
   terminated_ = line_length_ > 0 && line_[line_length_ - 1] == '\n';
   if (line_number_ == 0 && line_length_ >= 3 && std::memcmp(line_, "\xEF\xBB\xBF", 3) == 0) {

@@ -278,9 +278,20 @@ TEST(TraceTest, LinesLongerThanARecordCanTakeAreRefused) {
   const auto records = ReadAll(ok->get());
   ASSERT_EQ(records.size(), 1u);
   EXPECT_EQ(records[0].counts, (std::vector<int64_t>{1, 2, 3, 4, 5, 6, 7, 8}));
-  // A CSV row: its width sets the bound for the rows after it ((2 + 2) * 64 + 4096 bytes).
+  // Exactly the bound (with its newline) is read; a byte more is not.
+  auto edge = TraceReader::Open(
+      WriteFile("edge.trace", h + "0 0 " + std::string(4736 - 20, ' ') + counts), TraceFormat::kAuto,
+      0, 0);
+  ASSERT_TRUE(edge.ok()) << edge.status();
+  EXPECT_EQ(ReadAll(edge->get()).size(), 1u);
+  ExpectError("edge1.trace", h + "0 0 " + std::string(4736 - 19, ' ') + counts, TraceFormat::kAuto,
+              0, 0, {"line 2 is longer than 4736 bytes"});
+  // A CSV row: its width sets the bound for the rows after it ((2 + 2) * 64 + 4096 bytes), also
+  // after a header line longer than that.
   ExpectError("longrow.csv", "1,2\n" + std::string(5000, ' ') + "3,4\n", TraceFormat::kCsv, 1, 0,
               {"line 2 is longer than 4352 bytes"});
+  ExpectError("longrow2.csv", "a" + std::string(10000, ' ') + ",b\n1,2\n" + std::string(5000, ' ') +
+              "3,4\n", TraceFormat::kCsv, 1, 0, {"line 3 is longer than 4352 bytes"});
 }
 
 // Bytes from the file are escaped in messages: a NUL used to cut the message short, and a
