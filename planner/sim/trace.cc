@@ -12,6 +12,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "moonep/core/host_memory.h"
 #include "moonep/core/status.h"
 
@@ -104,17 +105,33 @@ bool IsBlankOrComment(const char* s, size_t n) {
   return i == n || s[i] == '#';
 }
 
-// Reads "KEY=<int>" from a header; -1 when absent, -2 when malformed.
-int64_t HeaderValue(const std::string& header, const std::string& key) {
-  const std::string needle = " " + key + "=";
-  const size_t at = header.find(needle);
-  if (at == std::string::npos) return -1;
-  const char* p = header.c_str() + at + needle.size();
-  char* end = nullptr;
-  errno = 0;
-  const long long v = std::strtoll(p, &end, 10);
-  if (end == p || errno != 0 || v < 0 || v > INT32_MAX || (*end && !IsSpace(*end))) return -2;
-  return v;
+// The header's fields after its version: R=, E= and K= (K optional), each at most once, each a
+// decimal number up to INT32_MAX. Absent ones are -1. Anything else is an error naming the field.
+absl::Status ParseHeaderFields(absl::string_view fields, int64_t* R, int64_t* E, int64_t* K) {
+  *R = *E = *K = -1;
+  for (absl::string_view field : absl::StrSplit(fields, absl::ByAnyChar(" \t"), absl::SkipEmpty())) {
+    const size_t eq = field.find('=');
+    const absl::string_view key = field.substr(0, eq);
+    int64_t* out = key == "R" ? R : key == "E" ? E : key == "K" ? K : nullptr;
+    if (eq == absl::string_view::npos || out == nullptr) {
+      return InvalidArgument("header field '%s' is none of R=, E=, K=",
+                             absl::CHexEscape(field.substr(0, 32)));
+    }
+    if (*out != -1) return InvalidArgument("header gives %s= twice", key);
+    const absl::string_view value = field.substr(eq + 1);
+    int64_t v = 0;
+    for (char c : value) {
+      if (c < '0' || c > '9') {
+        return InvalidArgument("header %s='%s' is not a decimal number", key,
+                               absl::CHexEscape(value.substr(0, 32)));
+      }
+      v = std::min<int64_t>(v * 10 + (c - '0'), int64_t{INT32_MAX} + 1);
+    }
+    if (value.empty()) return InvalidArgument("header %s= has no value", key);
+    if (v > INT32_MAX) return InvalidArgument("header %s= is above %d", key, INT32_MAX);
+    *out = v;
+  }
+  return absl::OkStatus();
 }
 
 // The planner's bound on one step's counts: each below 2^52, summing to at most 2^52 (so no sum
@@ -254,15 +271,20 @@ absl::StatusOr<std::unique_ptr<TraceReader>> TraceReader::Open(const std::string
     if (!moonep_header) {
       return r->LineError("expected the header '# moonep-trace v1 R=<ranks> E=<experts> [K=<topk>]'");
     }
-    const std::string version = first.size() > 15 ? first.substr(15, first.find(' ', 15) - 15) : "";
+    // "# moonep-trace " then the version up to the next space.
+    const std::string version =
+        first.size() > 15 && first[14] == ' ' ? first.substr(15, first.find(' ', 15) - 15) : "";
     if (version != "v1") {
       return r->LineError(absl::StrCat("unsupported trace version '", absl::CHexEscape(version),
                                        "' (this reader knows v1)"));
     }
-    const int64_t R = HeaderValue(first, "R"), E = HeaderValue(first, "E"), K = HeaderValue(first, "K");
+    int64_t R = -1, E = -1, K = -1;
+    const absl::Status fields =
+        ParseHeaderFields(absl::string_view(first).substr(15 + version.size()), &R, &E, &K);
+    if (!fields.ok()) return r->LineError(std::string(fields.message()));
     if (R <= 0) return r->LineError("header needs R=<ranks> with ranks > 0");
     if (E <= 0) return r->LineError("header needs E=<experts> with experts > 0");
-    if (K == -2 || K == 0 || K > E) return r->LineError("header K=<topk> must be in [1, E]");
+    if (K == 0 || K > E) return r->LineError("header K=<topk> must be in [1, E]");
     if (R * E > kMaxTraceCounts) {
       return r->LineError(absl::StrFormat("header R=%d E=%d: R*E = %d counts a record is above %d",
                                           R, E, R * E, kMaxTraceCounts));

@@ -307,5 +307,38 @@ TEST(TraceTest, BinaryBytesInMessagesAreEscaped) {
               {"unsupported trace version 'v\\x1b'"});
 }
 
+// The header holds R=, E= and K= once each, as decimal numbers: a second R=, a word that is no
+// field, a sign or a value past INT32_MAX used to pass (the first R= won) or get the wrong message.
+TEST(TraceTest, HeaderFieldsAreEachGivenOnceAsDecimalNumbers) {
+  const std::string rec = "0 0 1 2 3 4 5 6 7 8\n";
+  ExpectError("dup.trace", "# moonep-trace v1 R=2 R=3 E=4 K=2\n" + rec, TraceFormat::kAuto, 0, 0,
+              {"dup.trace:1: header gives R= twice"});
+  ExpectError("word.trace", "# moonep-trace v1 R=2 E=4 K=2 garbage\n" + rec, TraceFormat::kAuto, 0,
+              0, {"word.trace:1: header field 'garbage' is none of R=, E=, K="});
+  ExpectError("key.trace", "# moonep-trace v1 R=2 E=4 X=1\n" + rec, TraceFormat::kAuto, 0, 0,
+              {"header field 'X=1' is none of R=, E=, K="});
+  ExpectError("sign.trace", "# moonep-trace v1 R=+2 E=4\n" + rec, TraceFormat::kAuto, 0, 0,
+              {"header R='+2' is not a decimal number"});
+  ExpectError("suffix.trace", "# moonep-trace v1 R=2x E=4\n" + rec, TraceFormat::kAuto, 0, 0,
+              {"header R='2x' is not a decimal number"});
+  ExpectError("big.trace", "# moonep-trace v1 R=99999999999 E=4\n" + rec, TraceFormat::kAuto, 0, 0,
+              {"header R= is above 2147483647"});
+  ExpectError("empty.trace", "# moonep-trace v1 R= E=4\n" + rec, TraceFormat::kAuto, 0, 0,
+              {"header R= has no value"});
+  ExpectError("gap.trace", "# moonep-trace v1 R= 2 E=4\n" + rec, TraceFormat::kAuto, 0, 0,
+              {"header R= has no value"});
+  ExpectError("glued.trace", "# moonep-tracev1 R=2 E=4\n" + rec, TraceFormat::kAuto, 0, 0,
+              {"unsupported trace version ''"});
+  // Order is free, blanks may repeat, K may be left out.
+  for (const std::string& h : {std::string("# moonep-trace v1 K=2 E=4 R=2\n"),
+                               std::string("# moonep-trace v1  R=2\tE=4 \n")}) {
+    auto ok = TraceReader::Open(WriteFile("order.trace", h + rec), TraceFormat::kAuto, 0, 0);
+    ASSERT_TRUE(ok.ok()) << h << ok.status();
+    EXPECT_EQ((*ok)->num_ranks(), 2);
+    EXPECT_EQ((*ok)->num_experts(), 4);
+    EXPECT_EQ(ReadAll(ok->get()).size(), 1u);
+  }
+}
+
 }  // namespace
 }  // namespace moonep::sim
