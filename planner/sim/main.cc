@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <csignal>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -301,12 +302,49 @@ class Progress {
 // symlink, a device, a pipe: /dev/stdout, /dev/null) is written in place and never removed:
 // renaming over it or unlinking it would replace what the path stands for (a failed run once
 // deleted /dev/full).
+// Temporaries of the outputs not yet committed, for the signal handler below: a run stopped by
+// SIGINT, SIGTERM or SIGHUP removes them (as a failed run does) before it dies of the signal.
+// Fixed buffers, written before a slot is marked live: the handler only reads and unlinks.
+struct PendingTemp {
+  char path[4096];
+  volatile std::sig_atomic_t live = 0;
+};
+PendingTemp g_pending_temps[2];
+
+extern "C" void RemoveTempsAndDie(int sig) {
+  for (PendingTemp& t : g_pending_temps) {
+    if (t.live) ::unlink(t.path);
+  }
+  std::signal(sig, SIG_DFL);
+  std::raise(sig);
+}
+
+// A slot for `temp` (nullptr when none is free or the path does not fit: then a signal leaves it).
+PendingTemp* TrackTemp(const std::string& temp) {
+  static const bool installed = [] {
+    struct sigaction sa = {};
+    sa.sa_handler = RemoveTempsAndDie;
+    sigemptyset(&sa.sa_mask);
+    for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(sig, &sa, nullptr);
+    return true;
+  }();
+  (void)installed;
+  for (PendingTemp& t : g_pending_temps) {
+    if (t.live || temp.size() >= sizeof(t.path)) continue;
+    std::memcpy(t.path, temp.c_str(), temp.size() + 1);
+    t.live = 1;
+    return &t;
+  }
+  return nullptr;
+}
+
 class OutputFile {
  public:
   OutputFile(const char* flag, std::string path) : flag_(flag), path_(std::move(path)) {}
   ~OutputFile() {
     if (file_) std::fclose(file_);
     if (!temp_.empty()) ::unlink(temp_.c_str());  // not committed: the run failed
+    if (pending_) pending_->live = 0;
   }
   OutputFile(const OutputFile&) = delete;
   OutputFile& operator=(const OutputFile&) = delete;
@@ -324,6 +362,7 @@ class OutputFile {
   std::string path_;
   std::string temp_;  // the temporary until committed; empty when writing in place
   std::FILE* file_ = nullptr;
+  PendingTemp* pending_ = nullptr;  // temp_'s slot for the signal handler
 };
 
 absl::Status OutputFile::Open() {
@@ -346,6 +385,7 @@ absl::Status OutputFile::Open() {
     return InvalidArgument("%s: cannot write '%s' (a temporary file in its directory): %s", flag_,
                            path_, std::strerror(error));
   }
+  pending_ = TrackTemp(temp_);
   // mkostemp makes the file 0600: give it the mode of the file it replaces, or of a new file.
   const mode_t mask = ::umask(0);  // read it back: there is no call that only reads it
   ::umask(mask);
@@ -375,6 +415,8 @@ absl::Status OutputFile::Commit() {
                                std::strerror(errno));
   }
   temp_.clear();
+  if (pending_) pending_->live = 0;
+  pending_ = nullptr;
   return absl::OkStatus();
 }
 
