@@ -449,12 +449,13 @@ absl::Status Simulate(const SimOptions& options, bool* totals) {
   std::unique_ptr<JsonSink> json;
   if (!csv_path.empty()) {
     MOONEP_RETURN_IF_ERROR(csv_file.Open());
-    csv = std::make_unique<CsvSink>(csv_file.file());
+    csv = std::make_unique<CsvSink>(csv_file.file(), absl::StrCat("--csv file '", csv_path, "'"));
     tee.Add(csv.get());
   }
   if (!json_path.empty()) {
     MOONEP_RETURN_IF_ERROR(json_file.Open());
-    json = std::make_unique<JsonSink>(json_file.file());
+    json = std::make_unique<JsonSink>(json_file.file(),
+                                      absl::StrCat("--json file '", json_path, "'"));
     tee.Add(json.get());
   }
   Progress progress(absl::GetFlag(FLAGS_progress));

@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -138,9 +139,9 @@ std::vector<Field> Fields(const StepRecord& r) {
   };
 }
 
-absl::Status WriteAll(std::FILE* f, const std::string& s) {
+absl::Status WriteAll(std::FILE* f, const std::string& s, const std::string& name) {
   if (std::fwrite(s.data(), 1, s.size(), f) != s.size()) {
-    return SystemError("write failed: %s", std::strerror(errno));
+    return SystemError("writing %s failed: %s", name, std::strerror(errno));
   }
   return absl::OkStatus();
 }
@@ -156,18 +157,20 @@ std::string CsvHeader() {
   return out;
 }
 
-CsvSink::CsvSink(std::FILE* file) : file_(file) {
-  (void)WriteAll(file_, CsvHeader() + "\n");
+CsvSink::CsvSink(std::FILE* file, std::string name) : file_(file), name_(std::move(name)) {
+  (void)WriteAll(file_, CsvHeader() + "\n", name_);
 }
 
 absl::Status CsvSink::OnStep(const StepRecord& r) {
   std::string line;
   for (const Field& f : Fields(r)) absl::StrAppend(&line, line.empty() ? "" : ",", f.value);
   line += "\n";
-  return WriteAll(file_, line);
+  return WriteAll(file_, line, name_);
 }
 
-JsonSink::JsonSink(std::FILE* file) : file_(file) { (void)WriteAll(file_, "[\n"); }
+JsonSink::JsonSink(std::FILE* file, std::string name) : file_(file), name_(std::move(name)) {
+  (void)WriteAll(file_, "[\n", name_);
+}
 
 absl::Status JsonSink::OnStep(const StepRecord& r) {
   std::string line = first_ ? "{" : ",\n{";
@@ -180,10 +183,10 @@ absl::Status JsonSink::OnStep(const StepRecord& r) {
     else absl::StrAppend(&line, f.value);
   }
   line += "}";
-  return WriteAll(file_, line);
+  return WriteAll(file_, line, name_);
 }
 
-absl::Status JsonSink::Finish() { return WriteAll(file_, first_ ? "]\n" : "\n]\n"); }
+absl::Status JsonSink::Finish() { return WriteAll(file_, first_ ? "]\n" : "\n]\n", name_); }
 
 absl::Status TeeSink::OnStep(const StepRecord& r) {
   for (StepSink* s : sinks_) MOONEP_RETURN_IF_ERROR(s->OnStep(r));

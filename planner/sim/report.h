@@ -18,23 +18,26 @@ std::string FormatSummary(const SimResult& result, const SimOptions& options);
 // Streams one CSV line per (step, policy) to `file` (not owned); the header first.
 class CsvSink : public StepSink {
  public:
-  explicit CsvSink(std::FILE* file);
+  // `name` says which output a write error is about (e.g. "--csv file 'out.csv'").
+  explicit CsvSink(std::FILE* file, std::string name = "the CSV output");
   absl::Status OnStep(const StepRecord& record) override;
 
  private:
   std::FILE* file_;
+  std::string name_;
 };
 
 // Streams a JSON array of one object per (step, policy) to `file` (not owned). Finish() closes
 // the array; without it the file is not valid JSON.
 class JsonSink : public StepSink {
  public:
-  explicit JsonSink(std::FILE* file);
+  explicit JsonSink(std::FILE* file, std::string name = "the JSON output");
   absl::Status OnStep(const StepRecord& record) override;
   absl::Status Finish();
 
  private:
   std::FILE* file_;
+  std::string name_;
   bool first_ = true;
 };
 
