@@ -8,6 +8,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "moonep/capi/runtime_objects.h"
 #include "planner/plan.h"
@@ -125,9 +126,12 @@ absl::Status ReadLayerConfig(const moonepLayerConfig_t* c, runtime::LayerConfig*
   if (MOONEP_HAS_FIELD(ranks_per_node)) d.ranks_per_node = c->ranks_per_node;
   if (MOONEP_HAS_FIELD(eplb_period)) d.eplb_period = c->eplb_period;
   if (MOONEP_HAS_FIELD(transport) && c->transport != nullptr) {
-    d.transport = c->transport;
+    // Read at most 16 bytes: no backend name is longer than 15, and a string without its NUL
+    // must not be read past.
+    d.transport.assign(c->transport, strnlen(c->transport, 16));
     if (d.transport.size() > 15) {
-      return InvalidArgument("config->transport '%s' is not a transport backend", d.transport);
+      return InvalidArgument("config->transport '%s...' is not a transport backend",
+                             absl::CHexEscape(d.transport));
     }
   }
 #undef MOONEP_HAS_FIELD
@@ -242,6 +246,7 @@ moonepResult_t moonepCommInitRank(moonepComm_t* comm, int nranks, moonepUniqueId
   std::unique_ptr<moonep::runtime::Communicator> made;
   moonepResult_t r = Guard("moonepCommInitRank", [&]() -> absl::Status {
     MOONEP_CHECK_ARG(comm != nullptr, "comm is NULL");
+    *comm = nullptr;  // on failure too, as moonepPlannerCreate does
     moonep::runtime::UniqueId id;
     std::memcpy(id.bytes, unique_id.internal, sizeof(id.bytes));
     MOONEP_ASSIGN_OR_RETURN(made, moonep::runtime::Communicator::FromUniqueId(id, nranks, rank));
@@ -255,6 +260,7 @@ moonepResult_t moonepCommInitMpi(moonepComm_t* comm, const void* mpi_comm) {
   std::unique_ptr<moonep::runtime::Communicator> made;
   moonepResult_t r = Guard("moonepCommInitMpi", [&]() -> absl::Status {
     MOONEP_CHECK_ARG(comm != nullptr, "comm is NULL");
+    *comm = nullptr;  // on failure too, as moonepPlannerCreate does
     MOONEP_CHECK_ARG(mpi_comm != nullptr, "mpi_comm is NULL (pass the address of an MPI_Comm)");
     MOONEP_ASSIGN_OR_RETURN(made, moonep::runtime::Communicator::FromMpi(
                                       *static_cast<const MPI_Comm*>(mpi_comm)));
@@ -268,6 +274,7 @@ moonepResult_t moonepCommInitFromEnv(moonepComm_t* comm) {
   std::unique_ptr<moonep::runtime::Communicator> made;
   moonepResult_t r = Guard("moonepCommInitFromEnv", [&]() -> absl::Status {
     MOONEP_CHECK_ARG(comm != nullptr, "comm is NULL");
+    *comm = nullptr;  // on failure too, as moonepPlannerCreate does
     MOONEP_ASSIGN_OR_RETURN(made, moonep::runtime::Communicator::FromEnvironment());
     return absl::OkStatus();
   });

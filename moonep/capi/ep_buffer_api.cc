@@ -85,6 +85,7 @@ extern "C" {
 moonepResult_t moonepEpBufferCreate(moonepComm_t comm, const moonepEpBufferConfig_t* config,
                                     moonepEpBuffer_t* buffer) {
   return GuardOn(comm, "moonepEpBufferCreate", [&]() -> absl::Status {
+    if (buffer != nullptr) *buffer = nullptr;  // on failure too
     MOONEP_RETURN_IF_ERROR(CheckHandle(comm, Kind::kComm, "comm"));
     moonep::runtime::LayerConfig c;
     // Like moonepLayerCreate: a local error still joins the agreement, so the peers fail at once.

@@ -30,6 +30,7 @@ extern "C" {
 moonepResult_t moonepLayerCreate(moonepComm_t comm, const moonepLayerConfig_t* config,
                                  moonepLayer_t* layer) {
   return GuardOn(comm, "moonepLayerCreate", [&]() -> absl::Status {
+    if (layer != nullptr) *layer = nullptr;  // on failure too
     MOONEP_RETURN_IF_ERROR(CheckHandle(comm, Kind::kComm, "comm"));
     moonep::runtime::LayerConfig c;
     // A config that cannot even be read (or nowhere to put the layer) still joins the collective

@@ -141,7 +141,7 @@ moonepResult_t moonepPlannerCreate(const moonepPlannerConfig_t* config_in, moone
     c.ranks_per_node = config->ranks_per_node;
     const int policy = moonep::capi::RawEnum(config->policy);
     MOONEP_CHECK_ARG(policy >= moonepPolicyNone && policy <= moonepPolicyTestForceReplicas,
-                     "config->policy %d is not a moonepPlannerPolicy_t", policy);
+                     "config->policy = %d is not a moonepPlannerPolicy_t", policy);
     c.policy = static_cast<moonep::planner::Policy>(policy);
     if (config->home != nullptr) c.home.assign(config->home, config->home + config->num_experts);
     if (config->speeds != nullptr) c.speeds.assign(config->speeds, config->speeds + config->num_ranks);

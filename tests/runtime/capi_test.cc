@@ -181,8 +181,10 @@ TEST_F(CApiTest, IntercommunicatorIsRefused) {
   ASSERT_EQ(MPI_Comm_split(MPI_COMM_WORLD, color, rank(), &half), MPI_SUCCESS);
   const int remote_leader = color == 0 ? size() / 2 : 0;
   ASSERT_EQ(MPI_Intercomm_create(half, 0, MPI_COMM_WORLD, remote_leader, 77, &inter), MPI_SUCCESS);
-  moonepComm_t c = nullptr;
+  // A failed init sets its output to NULL (it was left as it was).
+  moonepComm_t c = reinterpret_cast<moonepComm_t>(uintptr_t{0x1234});
   EXPECT_EQ(moonepCommInitMpi(&c, &inter), moonepInvalidArgument);
+  EXPECT_EQ(c, nullptr);
   EXPECT_NE(std::string(moonepGetLastThreadError()).find("intercommunicator"), std::string::npos)
       << moonepGetLastThreadError();
   ASSERT_EQ(MPI_Intercomm_merge(inter, color, &merged), MPI_SUCCESS);
@@ -697,8 +699,17 @@ TEST_F(CApiTest, BadConfigsFailOnEveryRank) {
   EXPECT_EQ(moonepLayerDestroy(layer), moonepSuccess);
   c = Config(moonepPolicyMoonEP);
   c.policy = static_cast<moonepPlannerPolicy_t>(42);
+  EXPECT_NE(layer, nullptr);  // the destroyed layer's address
   EXPECT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepInvalidArgument);
   EXPECT_NE(std::string(moonepGetLastError(comm_)).find("policy"), std::string::npos);
+  EXPECT_EQ(layer, nullptr);  // a failed create sets its output to NULL
+  // A transport name is read up to 16 bytes (a string without its NUL is not read past).
+  c = Config(moonepPolicyMoonEP);
+  c.transport = "mpi-and-then-some-more";
+  EXPECT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepInvalidArgument);
+  EXPECT_NE(std::string(moonepGetLastError(comm_)).find("config->transport 'mpi-and-then-som...' is "
+                                                        "not a transport backend"),
+            std::string::npos) << moonepGetLastError(comm_);
   c = Config(moonepPolicyMoonEP);
   if (rank() == 0) c.dtype = moonepBFloat16;
   const moonepResult_t r = moonepLayerCreate(comm_, &c, &layer);
