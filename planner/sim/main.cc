@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <csignal>
 #include <chrono>
@@ -325,13 +326,19 @@ PendingTemp* TrackTemp(const std::string& temp) {
     struct sigaction sa = {};
     sa.sa_handler = RemoveTempsAndDie;
     sigemptyset(&sa.sa_mask);
-    for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(sig, &sa, nullptr);
+    for (int sig : {SIGINT, SIGTERM, SIGHUP}) {
+      // A signal the run was started with ignored (nohup; a background job's SIGINT) stays so.
+      struct sigaction old = {};
+      if (::sigaction(sig, nullptr, &old) == 0 && old.sa_handler == SIG_IGN) continue;
+      ::sigaction(sig, &sa, nullptr);
+    }
     return true;
   }();
   (void)installed;
   for (PendingTemp& t : g_pending_temps) {
     if (t.live || temp.size() >= sizeof(t.path)) continue;
     std::memcpy(t.path, temp.c_str(), temp.size() + 1);
+    std::atomic_signal_fence(std::memory_order_seq_cst);  // the path before the flag
     t.live = 1;
     return &t;
   }

@@ -163,7 +163,8 @@ TraceReader::~TraceReader() {
 }
 
 void TraceReader::SetMaxLine(int64_t integers) {
-  max_line_ = static_cast<size_t>(integers + 2) * kMaxTraceBytesPerInteger + 4096;
+  max_line_ = std::max(kMinTraceLineBound,
+                       static_cast<size_t>(integers + 2) * kMaxTraceBytesPerInteger + 4096);
 }
 
 absl::StatusOr<bool> TraceReader::ReadLine() {
@@ -173,14 +174,17 @@ absl::StatusOr<bool> TraceReader::ReadLine() {
   int ch = 0;
   errno = 0;
   while ((ch = getc_unlocked(file_)) != EOF) {
-    if (n >= max_line_) {  // (the buffer may be larger: an earlier line's bound was)
-      return InvalidArgument("trace '%s': line %d is longer than %d bytes, more than %s", path_,
-                             line_number_ + 1, max_line_,
-                             num_experts_ > 0 ? "a record of its sizes takes"
-                                              : "a header or a CSV row may take");
+    // Past max_line_ bytes only the line end may follow: "\n", or "\r\n" right at the bound. (The
+    // buffer may be larger than the bound: an earlier line's bound was.)
+    if (n >= max_line_ && ch != '\n' && !(ch == '\r' && n == max_line_)) {
+      return InvalidArgument("trace '%s': line %d is longer than %d bytes (without its line end), "
+                             "the most %s", path_, line_number_ + 1, max_line_,
+                             num_experts_ > 0 ? "a line of a trace of these sizes may hold"
+                                              : "a header or a first CSV row may hold");
     }
     if (n + 1 >= line_capacity_) {  // room for this byte and a terminating NUL
-      const size_t want = std::min(max_line_ + 1, std::max<size_t>(4096, 2 * line_capacity_));
+      // The bound, a line end of two bytes and the NUL.
+      const size_t want = std::min(max_line_ + 3, std::max<size_t>(4096, 2 * line_capacity_));
       MOONEP_RETURN_IF_ERROR(CheckHostAllocation(
           want - line_capacity_, absl::StrFormat("line %d of trace '%s'", line_number_ + 1, path_)));
       char* grown = static_cast<char*>(std::realloc(line_, want));

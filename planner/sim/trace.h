@@ -25,10 +25,12 @@ bool ParseTraceFormat(const std::string& name, TraceFormat* format);
 
 // Largest R*E of a trace (either format): 16 GiB of counts in one record.
 constexpr int64_t kMaxTraceCounts = int64_t{1} << 31;
-// Longest first line (header or CSV row) a trace may have, and bytes a line may spend on each of
-// its integers (digits, sign and the blanks around them) once the sizes are known.
+// Longest first line (header or CSV row) a trace may have, bytes a line may spend on each of
+// its integers (digits, sign and the blanks around them) once the sizes are known, and the least
+// any line may hold (comments too), all without the line end.
 constexpr size_t kMaxFirstTraceLine = size_t{1} << 30;
 constexpr size_t kMaxTraceBytesPerInteger = 64;
+constexpr size_t kMinTraceLineBound = size_t{1} << 20;
 
 struct TraceRecord {
   int64_t step = 0;
@@ -84,7 +86,7 @@ class TraceReader {
   int64_t csv_records_ = 0;
   char* line_ = nullptr;  // line buffer, reused for every line
   size_t line_capacity_ = 0;
-  // Longest line read (bytes, line end included): a stream with no newline (a device, a pipe)
+  // Longest line read (bytes, without its line end): a stream with no newline (a device, a pipe)
   // fails with an error naming the line instead of growing the buffer until memory runs out.
   // kMaxFirstTraceLine until the sizes are known, then what a record of them may take.
   size_t max_line_ = kMaxFirstTraceLine;

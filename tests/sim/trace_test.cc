@@ -259,39 +259,57 @@ TEST(TraceTest, SizesNoRecordCanMatchAreRefused) {
               {"ranks.csv:2:", "file ends after 2 of the 1000000 rows of step 0"});
 }
 
-// A line longer than a record of the trace's sizes could take (64 bytes an integer, plus 4 KiB)
-// is an error naming the line, before its buffer grows further: a device or a pipe with no
-// newline (`--trace=/dev/zero`) used to grow one buffer until memory ran out, and then pass for
-// the end of the trace.
+// A line longer than a record of the trace's sizes could take (64 bytes an integer, plus 4 KiB;
+// at least 1 MiB, so that comments fit) is an error naming the line, before its buffer grows
+// further: a device or a pipe with no newline (`--trace=/dev/zero`) used to grow one buffer until
+// memory ran out, and then pass for the end of the trace. The bound counts the line without its
+// line end ("\n" or "\r\n").
 TEST(TraceTest, LinesLongerThanARecordCanTakeAreRefused) {
-  const std::string h = "# moonep-trace v1 R=2 E=4\n";  // 10 integers a record: 4736 bytes
-  const std::string counts = "1 2 3 4 5 6 7 8\n";
-  ExpectError("longline.trace", h + "0 0 " + std::string(5000, ' ') + counts, TraceFormat::kAuto, 0,
-              0, {"trace '", "longline.trace': line 2 is longer than 4736 bytes",
-                  "more than a record of its sizes takes"});
-  ExpectError("nonl.trace", h + std::string(100000, '7'), TraceFormat::kAuto, 0, 0,
-              {"line 2 is longer than 4736 bytes"});
-  // Blanks up to the bound are still a record.
-  auto ok = TraceReader::Open(WriteFile("blanks.trace", h + "0 0 " + std::string(4000, ' ') + counts),
-                              TraceFormat::kAuto, 0, 0);
-  ASSERT_TRUE(ok.ok()) << ok.status();
-  const auto records = ReadAll(ok->get());
-  ASSERT_EQ(records.size(), 1u);
-  EXPECT_EQ(records[0].counts, (std::vector<int64_t>{1, 2, 3, 4, 5, 6, 7, 8}));
-  // Exactly the bound (with its newline) is read; a byte more is not.
-  auto edge = TraceReader::Open(
-      WriteFile("edge.trace", h + "0 0 " + std::string(4736 - 20, ' ') + counts), TraceFormat::kAuto,
-      0, 0);
-  ASSERT_TRUE(edge.ok()) << edge.status();
-  EXPECT_EQ(ReadAll(edge->get()).size(), 1u);
-  ExpectError("edge1.trace", h + "0 0 " + std::string(4736 - 19, ' ') + counts, TraceFormat::kAuto,
-              0, 0, {"line 2 is longer than 4736 bytes"});
-  // A CSV row: its width sets the bound for the rows after it ((2 + 2) * 64 + 4096 bytes), also
-  // after a header line longer than that.
-  ExpectError("longrow.csv", "1,2\n" + std::string(5000, ' ') + "3,4\n", TraceFormat::kCsv, 1, 0,
-              {"line 2 is longer than 4352 bytes"});
-  ExpectError("longrow2.csv", "a" + std::string(10000, ' ') + ",b\n1,2\n" + std::string(5000, ' ') +
-              "3,4\n", TraceFormat::kCsv, 1, 0, {"line 3 is longer than 4352 bytes"});
+  constexpr size_t kFloor = size_t{1} << 20;
+  const std::string h = "# moonep-trace v1 R=2 E=4\n";  // 10 integers a record: the floor
+  const std::string counts = "1 2 3 4 5 6 7 8";
+  auto record = [&](size_t length, const std::string& end) {  // "0 0 ", blanks, counts
+    return "0 0 " + std::string(length - 4 - counts.size(), ' ') + counts + end;
+  };
+  for (const std::string end : {"\n", "\r\n"}) {
+    // Exactly the bound is read, with either line end; a byte more is not.
+    auto edge = TraceReader::Open(WriteFile("edge.trace", h + record(kFloor, end)),
+                                  TraceFormat::kAuto, 0, 0);
+    ASSERT_TRUE(edge.ok()) << edge.status();
+    const auto records = ReadAll(edge->get());
+    ASSERT_EQ(records.size(), 1u);
+    EXPECT_EQ(records[0].counts, (std::vector<int64_t>{1, 2, 3, 4, 5, 6, 7, 8}));
+    ExpectError("edge1.trace", h + record(kFloor + 1, end), TraceFormat::kAuto, 0, 0,
+                {"edge1.trace': line 2 is longer than 1048576 bytes (without its line end), the "
+                 "most a line of a trace of these sizes may hold"});
+  }
+  ExpectError("nonl.trace", h + std::string(2 * kFloor, '7'), TraceFormat::kAuto, 0, 0,
+              {"line 2 is longer than 1048576 bytes"});
+  // A comment longer than a record is still a comment.
+  auto comment = TraceReader::Open(
+      WriteFile("comment.trace", h + "# " + std::string(5000, 'c') + "\n" + record(20, "\n")),
+      TraceFormat::kAuto, 0, 0);
+  ASSERT_TRUE(comment.ok()) << comment.status();
+  EXPECT_EQ(ReadAll(comment->get()).size(), 1u);
+  // Larger sizes raise the bound: R = E = 128 is 16386 integers, 1052800 bytes.
+  const std::string big = "# moonep-trace v1 R=128 E=128\n";
+  std::string ones;
+  for (int i = 0; i < 128 * 128; ++i) ones += i ? " 1" : "1";
+  auto wide = [&](size_t length) {
+    return "0 0 " + std::string(length - 4 - ones.size(), ' ') + ones + "\n";
+  };
+  auto fits = TraceReader::Open(WriteFile("wide.trace", big + wide(1052800)), TraceFormat::kAuto, 0, 0);
+  ASSERT_TRUE(fits.ok()) << fits.status();
+  EXPECT_EQ(ReadAll(fits->get()).size(), 1u);
+  ExpectError("wide1.trace", big + wide(1052801), TraceFormat::kAuto, 0, 0,
+              {"line 2 is longer than 1052800 bytes"});
+  // A CSV row: its width sets the bound for the rows after it, also after a header line longer
+  // than that.
+  ExpectError("longrow.csv", "1,2\n" + std::string(kFloor, ' ') + "3,4\n", TraceFormat::kCsv, 1, 0,
+              {"line 2 is longer than 1048576 bytes"});
+  ExpectError("longrow2.csv", "a" + std::string(2 * kFloor, ' ') + ",b\n1,2\n" +
+              std::string(kFloor, ' ') + "3,4\n", TraceFormat::kCsv, 1, 0,
+              {"line 3 is longer than 1048576 bytes"});
 }
 
 // Bytes from the file are escaped in messages: a NUL used to cut the message short, and a
