@@ -329,24 +329,25 @@ TEST(TraceTest, BinaryBytesInMessagesAreEscaped) {
 // field, a sign or a value past INT32_MAX used to pass (the first R= won) or get the wrong message.
 TEST(TraceTest, HeaderFieldsAreEachGivenOnceAsDecimalNumbers) {
   const std::string rec = "0 0 1 2 3 4 5 6 7 8\n";
-  ExpectError("dup.trace", "# moonep-trace v1 R=2 R=3 E=4 K=2\n" + rec, TraceFormat::kAuto, 0, 0,
-              {"dup.trace:1: header gives R= twice"});
-  ExpectError("word.trace", "# moonep-trace v1 R=2 E=4 K=2 garbage\n" + rec, TraceFormat::kAuto, 0,
-              0, {"word.trace:1: header field 'garbage' is none of R=, E=, K="});
-  ExpectError("key.trace", "# moonep-trace v1 R=2 E=4 X=1\n" + rec, TraceFormat::kAuto, 0, 0,
-              {"header field 'X=1' is none of R=, E=, K="});
-  ExpectError("sign.trace", "# moonep-trace v1 R=+2 E=4\n" + rec, TraceFormat::kAuto, 0, 0,
-              {"header R='+2' is not a decimal number"});
-  ExpectError("suffix.trace", "# moonep-trace v1 R=2x E=4\n" + rec, TraceFormat::kAuto, 0, 0,
-              {"header R='2x' is not a decimal number"});
-  ExpectError("big.trace", "# moonep-trace v1 R=99999999999 E=4\n" + rec, TraceFormat::kAuto, 0, 0,
-              {"header R= is above 2147483647"});
-  ExpectError("empty.trace", "# moonep-trace v1 R= E=4\n" + rec, TraceFormat::kAuto, 0, 0,
-              {"header R= has no value"});
-  ExpectError("gap.trace", "# moonep-trace v1 R= 2 E=4\n" + rec, TraceFormat::kAuto, 0, 0,
-              {"header R= has no value"});
-  ExpectError("glued.trace", "# moonep-tracev1 R=2 E=4\n" + rec, TraceFormat::kAuto, 0, 0,
-              {"unsupported trace version ''"});
+  const struct {
+    const char* name;
+    const char* header;
+    const char* error;
+  } cases[] = {
+      {"dup.trace", "# moonep-trace v1 R=2 R=3 E=4 K=2", "dup.trace:1: header gives R= twice"},
+      {"word.trace", "# moonep-trace v1 R=2 E=4 K=2 garbage",
+       "word.trace:1: header field 'garbage' is none of R=, E=, K="},
+      {"key.trace", "# moonep-trace v1 R=2 E=4 X=1", "header field 'X=1' is none of R=, E=, K="},
+      {"sign.trace", "# moonep-trace v1 R=+2 E=4", "header R='+2' is not a decimal number"},
+      {"suffix.trace", "# moonep-trace v1 R=2x E=4", "header R='2x' is not a decimal number"},
+      {"big.trace", "# moonep-trace v1 R=99999999999 E=4", "header R= is above 2147483647"},
+      {"empty.trace", "# moonep-trace v1 R= E=4", "header R= has no value"},
+      {"gap.trace", "# moonep-trace v1 R= 2 E=4", "header R= has no value"},
+      {"glued.trace", "# moonep-tracev1 R=2 E=4", "unsupported trace version ''"},
+  };
+  for (const auto& c : cases) {
+    ExpectError(c.name, std::string(c.header) + "\n" + rec, TraceFormat::kAuto, 0, 0, {c.error});
+  }
   // Order is free, blanks may repeat, K may be left out.
   for (const std::string& h : {std::string("# moonep-trace v1 K=2 E=4 R=2\n"),
                                std::string("# moonep-trace v1  R=2\tE=4 \n")}) {
