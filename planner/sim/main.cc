@@ -122,7 +122,11 @@ std::string WherePathPoints(const std::string& path, int depth = 0) {
     const ssize_t n = ::readlink(path.c_str(), target, sizeof(target) - 1);
     if (n > 0) {
       target[n] = '\0';
-      return WherePathPoints(target[0] == '/' ? std::string(target) : dir + "/" + target, depth + 1);
+      // A relative target is relative to the link's directory ("." has no slash to end it).
+      const std::string next = target[0] == '/' || slash == std::string::npos
+                                   ? std::string(target)
+                                   : path.substr(0, slash + 1) + target;
+      return WherePathPoints(next, depth + 1);
     }
   }
   char* real_dir = ::realpath(dir.c_str(), nullptr);
@@ -297,12 +301,6 @@ class Progress {
   std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
 };
 
-// An output of --csv or --json. A new file, or a regular one (not a symlink), is written under a
-// temporary name in its directory and renamed over the path once the run has succeeded, so a
-// failed run leaves the path as it was: absent, or an earlier run's results. Anything else (a
-// symlink, a device, a pipe: /dev/stdout, /dev/null) is written in place and never removed:
-// renaming over it or unlinking it would replace what the path stands for (a failed run once
-// deleted /dev/full).
 // Temporaries of the outputs not yet committed, for the signal handler below: a run stopped by
 // SIGINT, SIGTERM or SIGHUP removes them (as a failed run does) before it dies of the signal.
 // Fixed buffers, written before a slot is marked live: the handler only reads and unlinks.
@@ -345,6 +343,12 @@ PendingTemp* TrackTemp(const std::string& temp) {
   return nullptr;
 }
 
+// An output of --csv or --json. A new file, or a regular one (not a symlink), is written under a
+// temporary name in its directory and renamed over the path once the run has succeeded, so a
+// failed run leaves the path as it was: absent, or an earlier run's results. Anything else (a
+// symlink, a device, a pipe: /dev/stdout, /dev/null) is written in place and never removed:
+// renaming over it or unlinking it would replace what the path stands for (a failed run once
+// deleted /dev/full).
 class OutputFile {
  public:
   OutputFile(const char* flag, std::string path) : flag_(flag), path_(std::move(path)) {}
