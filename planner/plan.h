@@ -36,6 +36,9 @@ const char* PolicyName(Policy policy);
 // Parses "none", "moonep", "moonep-greedy", "eplb", "fastermoe-shadow", "test-force-replicas".
 bool ParsePolicy(const std::string& name, Policy* policy);
 
+// The largest PlannerConfig::replica_cost_intra / _inter (tokens, like a rank's load).
+inline constexpr int64_t kMaxReplicaCost = int64_t{1} << 52;
+
 struct PlannerConfig {
   int32_t num_ranks = 0;
   int32_t num_experts = 0;
@@ -70,6 +73,19 @@ struct PlannerConfig {
   // as well with fewer replicas, or as many and fewer travelling rows (a per-input guarantee that
   // moonep is never worse than the published greedy; roughly doubles the policy's own time).
   bool moonep_check_greedy = true;
+  // moonep: what replicas cost, so that it balances only as far as balancing pays (docs/planner.md
+  // "Weighing replicas"). The cost of one replica transfer on a rank -- a replica's weights
+  // arriving or leaving, its gradients leaving or arriving -- in tokens of the fastest rank's
+  // compute: `intra` when the expert's home and the replica share a node, `inter` otherwise (all,
+  // when flat). A rank's transfer cost is the larger of its intra count times `intra` and its inter
+  // count times `inter`, counting on each link the larger of replicas sent (as home) and received.
+  // When either is set, moonep picks among the plans for caps from the balanced level up to no
+  // replicas at all the one with the least max(rank level) + max(rank transfer cost), which is never
+  // more than that of the perfectly balanced plan or of no replicas. Both 0 (default): perfect
+  // balance whatever the replicas cost. Each in [0, 2^52]; ignored by the other policies.
+  int64_t replica_cost_intra = 0;
+  int64_t replica_cost_inter = 0;
+  bool weighs_replicas() const { return replica_cost_intra != 0 || replica_cost_inter != 0; }
 };
 
 struct PlanStats {

@@ -61,6 +61,10 @@ absl::Status ResolveConfig(const PlannerConfig& in, PlannerConfig* out) {
     }
   }
   MOONEP_CHECK_ARG(in.eplb_period >= 1, "eplb_period must be >= 1, got %d", in.eplb_period);
+  MOONEP_CHECK_ARG(in.replica_cost_intra >= 0 && in.replica_cost_intra <= kMaxReplicaCost,
+                   "replica_cost_intra must be in [0, 2^52], got %d", in.replica_cost_intra);
+  MOONEP_CHECK_ARG(in.replica_cost_inter >= 0 && in.replica_cost_inter <= kMaxReplicaCost,
+                   "replica_cost_inter must be in [0, 2^52], got %d", in.replica_cost_inter);
   return absl::OkStatus();
 }
 

@@ -160,6 +160,12 @@ struct PolicyScratch {
   // moonep: which placed[k] holds the final decisions' placement, -1 when none (LocalRows did not
   // run for them); the Planner resets it before each MakePlan and hands it to FinalizeHolders.
   int32_t placement = -1;
+  // moonep, weighing replicas: each rank's load and its replica transfers (in and out, intra and
+  // inter: 4 per rank), the best decisions seen, and the speed weights.
+  std::vector<int64_t> weigh_load;
+  std::vector<int32_t> weigh_count;
+  std::vector<int64_t> weights;
+  Decisions weigh_best;
 };
 
 // Rows computed on their own source rank among the experts replicated in `a` or `b`, for each

@@ -466,6 +466,126 @@ void KeepBetterOfGreedy(const PolicyInput& in, PolicyScratch* sc, Decisions* dec
   if (take) std::swap(*dec, sc->alt);
 }
 
+// The levels a plan is searched at: caps floor(L * w_d / w_max) for the fastest rank's cap L, from
+// `Top()`, where every cap holds its home load (no replica needed), down. L is kept in 128 bits: a
+// slow rank's home load (< 2^52) times w_max / w_d (up to 2^20) can pass 2^63; a cap past
+// INT64_MAX (far above the total) is clamped to it.
+struct Levels {
+  const PolicyInput& in;
+  PolicyScratch& sc;
+  std::vector<int64_t>& w = sc.weights;
+  int64_t w_max = 1;
+
+  Levels(const PolicyInput& input, PolicyScratch* scratch) : in(input), sc(*scratch) {
+    SpeedWeights(*in.config, &w);
+    w_max = *std::max_element(w.begin(), w.end());
+  }
+  // The fastest rank's cap at which every rank's cap holds its home load.
+  __int128 Top() const {
+    __int128 top = 0;
+    for (size_t d = 0; d < w.size(); ++d) {
+      top = std::max(top, (static_cast<__int128>(in.home_load[d]) * w_max + w[d] - 1) / w[d]);
+    }
+    return top;
+  }
+  // A rank's load in the fastest rank's tokens (rounded up).
+  __int128 Level(size_t d, int64_t load) const {
+    return (static_cast<__int128>(load) * w_max + w[d] - 1) / w[d];
+  }
+  // The capacities of level L, in sc.remaining.
+  absl::Span<const int64_t> Caps(__int128 L) {
+    std::vector<int64_t>& cap = sc.remaining;
+    cap.resize(w.size());
+    for (size_t d = 0; d < w.size(); ++d) {
+      cap[d] = static_cast<int64_t>(std::min<__int128>(L * w[d] / w_max, INT64_MAX));
+    }
+    return cap;
+  }
+};
+
+// What a decision set costs when replicas are weighed (PlannerConfig::replica_cost_*): the
+// highest rank level and the highest rank transfer cost, both in tokens of the fastest rank.
+struct WeighedCost {
+  __int128 level = 0, transfers = 0;
+  __int128 total() const { return level + transfers; }
+};
+
+WeighedCost CostOf(const Levels& lv, const Decisions& dec, PolicyScratch* sc) {
+  const PlannerConfig& c = *lv.in.config;
+  const int32_t R = c.num_ranks, S = c.slots, rpn = c.ranks_per_node;
+  const auto node = [rpn](int32_t r) { return rpn > 0 ? r / rpn : r; };
+  std::vector<int64_t>& load = sc->weigh_load;
+  std::vector<int32_t>& n = sc->weigh_count;  // [r * 4]: in intra, in inter, out intra, out inter
+  load.assign(R, 0);
+  n.assign(static_cast<size_t>(R) * 4, 0);
+  for (int32_t e = 0; e < c.num_experts; ++e) load[lv.in.plan->home[e]] += dec.home_keep[e];
+  for (int32_t r = 0; r < R; ++r) {
+    for (int32_t s = 0; s < dec.slots_used[r]; ++s) {
+      const size_t i = static_cast<size_t>(r) * S + s;
+      const int32_t h = lv.in.plan->home[dec.slot_expert[i]];
+      load[r] += dec.slot_amount[i];
+      const int inter = node(h) != node(r);
+      ++n[static_cast<size_t>(r) * 4 + inter];
+      ++n[static_cast<size_t>(h) * 4 + 2 + inter];
+    }
+  }
+  WeighedCost cost;
+  for (int32_t r = 0; r < R; ++r) {
+    const int32_t* k = n.data() + static_cast<size_t>(r) * 4;
+    cost.level = std::max(cost.level, lv.Level(r, load[r]));
+    cost.transfers = std::max({cost.transfers,
+                               static_cast<__int128>(std::max(k[0], k[2])) * c.replica_cost_intra,
+                               static_cast<__int128>(std::max(k[1], k[3])) * c.replica_cost_inter});
+  }
+  return cost;
+}
+
+// Replaces `dec` (the balanced or slot-bound plan) by the plan of least WeighedCost::total among
+// the levels from its own up to Top(), where no replica is needed. The transfer cost falls (about
+// monotonically) as the level rises, so for each transfer cost reached the search wants the
+// lowest level below it: from the current plan, a binary search finds the lowest level whose
+// plan transfers less, and the walk stops where a level alone costs as much as the best plan so
+// far. Ties keep the lower level's plan (the earlier one).
+void WeighReplicas(const PolicyInput& in, PolicyScratch* sc, Decisions* dec) {
+  Levels lv(in, sc);
+  const __int128 top = lv.Top();
+  Decisions& best = sc->weigh_best;
+  best = *dec;
+  WeighedCost at = CostOf(lv, *dec, sc);
+  __int128 best_total = at.total();
+  bool replaced = false;
+  // Transfer cost of level L's plan (left in *dec); a level the slot limit defeats never wins.
+  const auto transfers_at = [&](__int128 L, WeighedCost* cost) {
+    if (!TryAll(in, lv.Caps(L), sc, dec)) return false;
+    *cost = CostOf(lv, *dec, sc);
+    return true;
+  };
+  // From the plan's own level: its caps there may be looser than the balanced ones (which keep
+  // the floor or ceiling of the mean), and so need fewer replicas at the same level.
+  __int128 lo = at.level;
+  while (at.transfers > 0) {
+    const __int128 hi = std::min(top, best_total - 1);  // a level >= best_total cannot win
+    WeighedCost probe;
+    if (hi < lo || !transfers_at(hi, &probe) || probe.transfers >= at.transfers) break;
+    // Invariant: hi's plan transfers less than `at`; below lo none is known to.
+    __int128 a = lo, b = hi;
+    while (a < b) {
+      const __int128 mid = a + (b - a) / 2;
+      if (transfers_at(mid, &probe) && probe.transfers < at.transfers) b = mid; else a = mid + 1;
+    }
+    transfers_at(b, &at);  // (succeeded above: b is hi or a level that did)
+    if (at.total() < best_total) {
+      best_total = at.total();
+      best = *dec;
+      replaced = true;
+    }
+    lo = b + 1;
+  }
+  std::swap(*dec, best);
+  // LocalRows' placement (sc->placement) belongs to the first plan only.
+  if (replaced) sc->placement = -1;
+}
+
 }  // namespace
 
 absl::Status DecideMoonEP(const PolicyInput& in, PolicyScratch* sc, Decisions* dec) {
@@ -475,39 +595,23 @@ absl::Status DecideMoonEP(const PolicyInput& in, PolicyScratch* sc, Decisions* d
   BalancedCapacities(c, in.home_load, in.total, &sc->cap);
   if (TryAll(in, sc->cap, sc, dec)) {
     if (c.moonep_check_greedy) KeepBetterOfGreedy(in, sc, dec);
-    return absl::OkStatus();
-  }
-
-  // The slot limit blocks perfect balance: find the smallest cap of the fastest rank, L, such
-  // that capacities floor(L * w_d / w_max) are reachable.
-  // L is searched in 128 bits: a slow rank's home load (< 2^52) times w_max / w_d (up to 2^20)
-  // can pass 2^63. A capacity past INT64_MAX (far above the total) is clamped to it.
-  std::vector<int64_t>& w = sc->load;
-  SpeedWeights(c, &w);
-  const int64_t w_max = *std::max_element(w.begin(), w.end());
-  __int128 lo = *std::max_element(sc->cap.begin(), sc->cap.end()), hi = lo;
-  for (int32_t d = 0; d < R; ++d) {
-    const __int128 need = (static_cast<__int128>(in.home_load[d]) * w_max + w[d] - 1) / w[d];
-    hi = std::max(hi, need);
-  }
-  std::vector<int64_t>& cap = sc->remaining;
-  auto caps_for = [&](__int128 L) {
-    cap.resize(R);
-    for (int32_t d = 0; d < R; ++d) {
-      cap[d] = static_cast<int64_t>(std::min<__int128>(L * w[d] / w_max, INT64_MAX));
+  } else {
+    // The slot limit blocks perfect balance: find the smallest cap of the fastest rank, L, such
+    // that capacities floor(L * w_d / w_max) are reachable.
+    Levels lv(in, sc);
+    __int128 lo = *std::max_element(sc->cap.begin(), sc->cap.end());
+    __int128 hi = std::max(lo, lv.Top());
+    // Invariant: hi reachable (every capacity >= home load), lo - 1 not known reachable.
+    while (lo < hi) {
+      const __int128 mid = lo + (hi - lo) / 2;
+      if (TryAll(in, lv.Caps(mid), sc, dec)) hi = mid; else lo = mid + 1;
     }
-  };
-  // Invariant: hi reachable (every capacity >= home load), lo - 1 not known reachable.
-  while (lo < hi) {
-    const __int128 mid = lo + (hi - lo) / 2;
-    caps_for(mid);
-    if (TryAll(in, cap, sc, dec)) hi = mid; else lo = mid + 1;
+    if (!TryAll(in, lv.Caps(hi), sc, dec)) {
+      return Internal("moonep: no reachable capacity at L = %d",
+                      static_cast<int64_t>(std::min<__int128>(hi, INT64_MAX)));
+    }
   }
-  caps_for(hi);
-  if (!TryAll(in, cap, sc, dec)) {
-    return Internal("moonep: no reachable capacity at L = %d",
-                    static_cast<int64_t>(std::min<__int128>(hi, INT64_MAX)));
-  }
+  if (c.weighs_replicas()) WeighReplicas(in, sc, dec);
   return absl::OkStatus();
 }
 

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "moonep/core/status.h"
+#include "planner/plan.h"
 
 namespace moonep::sim {
 
@@ -68,6 +69,19 @@ double CountsTime(const CostConfig& c, int32_t R, int32_t E) {
 }
 
 }  // namespace
+
+void ReplicaCosts(const CostConfig& c, int64_t* intra, int64_t* inter) {
+  double bytes = 0;
+  if (c.training) bytes += static_cast<double>(c.expert_grad_bytes());
+  if (!c.training || !c.overlap_prefetch) bytes += static_cast<double>(c.expert_weight_bytes());
+  const double token_s = c.flops_per_token() / (c.tflops * 1e12);
+  const auto tokens = [&](double gbps) {
+    const double t = std::round(bytes / (gbps * 1e9) / token_s);
+    return static_cast<int64_t>(std::clamp(t, 1.0, static_cast<double>(planner::kMaxReplicaCost)));
+  };
+  *intra = tokens(c.intra_gbps);
+  *inter = tokens(c.inter_gbps);
+}
 
 StepTime EstimateStepTime(const CostConfig& c, int32_t E, const RankTraffic& tr) {
   const int32_t R = static_cast<int32_t>(tr.load.size());

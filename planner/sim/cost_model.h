@@ -76,6 +76,12 @@ struct StepTime {
 const std::vector<std::string>& StepTimePartNames();
 double StepTimePart(const StepTime& t, size_t part);
 
+// moonep-weighed's PlannerConfig::replica_cost_intra / _inter: what one replica transfer on a
+// rank costs, in tokens of compute. Training: its gradients (the reduce), plus its weights when the
+// prefetch does not overlap the dispatch; forward only: its weights. Rounded to the nearest
+// token, at least 1, at most planner::kMaxReplicaCost.
+void ReplicaCosts(const CostConfig& config, int64_t* intra, int64_t* inter);
+
 StepTime EstimateStepTime(const CostConfig& config, int32_t num_experts, const RankTraffic& traffic);
 
 // Step time when every rank computes `max_load` tokens and nothing but counts moves: the lower

@@ -74,8 +74,9 @@ ABSL_FLAG(int32_t, trace_layer, -1,
 
 // Planning.
 ABSL_FLAG(std::string, policies, "all",
-          "comma-separated policies: none, moonep, moonep-greedy, eplb, fastermoe-shadow, or all "
-          "(none always runs: it is the baseline)");
+          "comma-separated policies: none, moonep, moonep-weighed (moonep weighing replica "
+          "transfers against the compute they save, with this machine's rates), moonep-greedy, "
+          "eplb, fastermoe-shadow, or all (none always runs: it is the baseline)");
 ABSL_FLAG(bool, lower_bound, true, "also report the planner's load lower bound");
 ABSL_FLAG(int32_t, slots, -1, "replica slots per rank (-1: E/R)");
 ABSL_FLAG(int32_t, pad_multiple, 1, "each expert group's rows are padded to a multiple of this (GEMM alignment); the padding rows count in the compute time, not in the loads");
@@ -227,16 +228,18 @@ absl::Status BuildOptions(SimOptions* o) {
   for (absl::string_view name : absl::StrSplit(policies, ',', absl::SkipWhitespace())) {
     const std::string n(absl::StripAsciiWhitespace(name));
     if (n == "all") {
-      for (auto p : {moonep::planner::Policy::kMoonEP, moonep::planner::Policy::kMoonEPGreedy,
-                     moonep::planner::Policy::kEplb, moonep::planner::Policy::kFasterMoEShadow}) {
+      using moonep::planner::Policy;
+      for (SimPolicy p : {SimPolicy(Policy::kMoonEP), SimPolicy(Policy::kMoonEP, true),
+                          SimPolicy(Policy::kMoonEPGreedy), SimPolicy(Policy::kEplb),
+                          SimPolicy(Policy::kFasterMoEShadow)}) {
         o->policies.push_back(p);
       }
       continue;
     }
-    moonep::planner::Policy p;
-    if (!moonep::planner::ParsePolicy(n, &p) || p == moonep::planner::Policy::kTestForceReplicas) {
-      return InvalidArgument("--policies: unknown policy '%s' (known: none, moonep, moonep-greedy, "
-                             "eplb, fastermoe-shadow, all)", n);
+    SimPolicy p;
+    if (!ParseSimPolicy(n, &p)) {
+      return InvalidArgument("--policies: unknown policy '%s' (known: none, moonep, moonep-weighed, "
+                             "moonep-greedy, eplb, fastermoe-shadow, all)", n);
     }
     o->policies.push_back(p);
   }

@@ -29,6 +29,21 @@ bool ParseDetailChoice(const std::string& name, DetailChoice* detail) {
   return true;
 }
 
+std::string SimPolicy::Name() const {
+  return weighed ? std::string(planner::PolicyName(policy)) + "-weighed" : planner::PolicyName(policy);
+}
+
+bool ParseSimPolicy(const std::string& name, SimPolicy* policy) {
+  if (name == "moonep-weighed") {
+    *policy = SimPolicy(Policy::kMoonEP, true);
+    return true;
+  }
+  Policy p;
+  if (!planner::ParsePolicy(name, &p) || p == Policy::kTestForceReplicas) return false;
+  *policy = SimPolicy(p);
+  return true;
+}
+
 absl::Status OutOfMemoryError(const SimOptions& o, bool totals) {
   if (!o.trace_path.empty()) {
     return OutOfMemory("out of memory: this replay needs more memory than the process could get; "
@@ -136,12 +151,15 @@ absl::StatusOr<std::unique_ptr<Simulator>> Simulator::Create(const SimOptions& o
                      choices, kMaxTokenChoices, kMaxTokenChoices * 4 >> 30);
   }
 
-  std::vector<Policy> policies = {Policy::kNone};
-  for (Policy p : o.policies) {
-    MOONEP_CHECK_ARG(p != Policy::kTestForceReplicas, "policy test-force-replicas is for tests only");
+  std::vector<SimPolicy> policies = {Policy::kNone};
+  for (const SimPolicy& p : o.policies) {
+    MOONEP_CHECK_ARG(p.policy != Policy::kTestForceReplicas, "policy test-force-replicas is for tests only");
+    MOONEP_CHECK_ARG(!p.weighed || p.policy == Policy::kMoonEP, "only moonep weighs replicas, not %s",
+                     planner::PolicyName(p.policy));
     if (std::find(policies.begin(), policies.end(), p) == policies.end()) policies.push_back(p);
   }
-  for (Policy p : policies) {
+  for (const SimPolicy& sp : policies) {
+    const Policy p = sp.policy;
     PlannerConfig c;
     c.num_ranks = st.R;
     c.num_experts = st.E;
@@ -158,6 +176,7 @@ absl::StatusOr<std::unique_ptr<Simulator>> Simulator::Create(const SimOptions& o
       c.shadow_compute_s_per_token = o.cost.flops_per_token() / (o.cost.tflops * 1e12);
       c.shadow_broadcast_s_per_byte = 1.0 / (o.cost.inter_gbps * 1e9);
     }
+    if (sp.weighed) ReplicaCosts(o.cost, &c.replica_cost_intra, &c.replica_cost_inter);
     MOONEP_ASSIGN_OR_RETURN(std::unique_ptr<Planner> planner, Planner::Create(c));
     // EPLB puts (E + R) / R physical experts on every rank (one redundant expert a rank). Each one
     // not homed there takes a replica slot; beyond the slots a copy falls back to its home, which
@@ -172,7 +191,7 @@ absl::StatusOr<std::unique_ptr<Simulator>> Simulator::Create(const SimOptions& o
     }
     st.planners[0].push_back(std::move(planner));
     st.configs.push_back(c);
-    st.names.push_back(planner::PolicyName(p));
+    st.names.push_back(sp.Name());
   }
   st.names.push_back("lower-bound");
 

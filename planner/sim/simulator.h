@@ -23,13 +23,26 @@ namespace moonep::sim {
 enum class DetailChoice : int32_t { kAuto = -1, kTokens = 0, kCounts = 1, kTotals = 2 };
 bool ParseDetailChoice(const std::string& name, DetailChoice* detail);
 
+// A policy the simulator runs: a planner policy and, for moonep, whether it weighs replicas with
+// costs from the cost model (named "moonep-weighed"; ReplicaCosts).
+struct SimPolicy {
+  planner::Policy policy = planner::Policy::kNone;
+  bool weighed = false;
+  SimPolicy() = default;
+  SimPolicy(planner::Policy p, bool w = false) : policy(p), weighed(w) {}  // NOLINT: implicit
+  bool operator==(const SimPolicy& o) const { return policy == o.policy && weighed == o.weighed; }
+  std::string Name() const;
+};
+// Parses a planner policy name (not test-force-replicas) or "moonep-weighed".
+bool ParseSimPolicy(const std::string& name, SimPolicy* policy);
+
 struct SimOptions {
   RoutingParams routing;           // sizes (R, E, K, T) and the routing model
   std::string trace_path;          // non-empty: replay this trace instead of a model
   TraceFormat trace_format = TraceFormat::kAuto;
   int32_t trace_layer = -1;        // replay only this layer's records (-1: every record)
   int64_t steps = 100;             // steps to run (a trace may end sooner; 0: the whole trace)
-  std::vector<planner::Policy> policies;  // `none` is always run (it is the baseline)
+  std::vector<SimPolicy> policies;  // `none` is always run (it is the baseline)
   bool lower_bound = true;         // also report the load lower bound
   int32_t slots = -1;              // planner replica slots per rank (-1: E/R)
   int32_t pad_multiple = 1;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <functional>
 #include <limits>
+#include <numeric>
 
 namespace moonep::planner::testing {
 namespace {
@@ -101,6 +102,66 @@ BruteForceResult BruteForceMinReplicas(int R, int E, int slots, const std::vecto
   }
   result.exhausted = max_replicas >= most;
   return result;
+}
+
+int64_t BruteForceMinWeighedCost(int R, int E, int slots, const std::vector<int>& home,
+                                 const std::vector<int64_t>& totals, int rpn, int64_t cost_intra,
+                                 int64_t cost_inter) {
+  const int64_t kInf = int64_t{1} << 50;
+  const int s = 0, t = E + R + 1, n = E + R + 2;
+  std::vector<std::pair<int, int>> pairs;  // candidate replicas (expert, rank)
+  for (int e = 0; e < E; ++e) {
+    for (int d = 0; d < R; ++d) {
+      if (d != home[e] && totals[e] > 0) pairs.push_back({e, d});
+    }
+  }
+  const int64_t total = std::accumulate(totals.begin(), totals.end(), int64_t{0});
+  const auto node = [rpn](int r) { return rpn > 0 ? r / rpn : r; };
+  // Does some allocation over home + `chosen` keep every rank at or below L?
+  const auto fits = [&](const std::vector<int>& chosen, int64_t L) {
+    std::vector<std::vector<int64_t>> cap(n, std::vector<int64_t>(n, 0));
+    for (int e = 0; e < E; ++e) {
+      cap[s][1 + e] = totals[e];
+      cap[1 + e][1 + E + home[e]] = kInf;
+    }
+    for (int i : chosen) cap[1 + pairs[i].first][1 + E + pairs[i].second] = kInf;
+    for (int d = 0; d < R; ++d) cap[1 + E + d][t] = L;
+    return MaxFlow(std::move(cap), s, t) == total;
+  };
+  int64_t best = std::numeric_limits<int64_t>::max();
+  std::vector<int> chosen, used(R, 0);
+  std::function<void(int)> visit = [&](int start) {
+    // This set: the least L by bisection (L = total always fits), plus its transfers.
+    int64_t lo = 0, hi = total;
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (fits(chosen, mid)) hi = mid; else lo = mid + 1;
+    }
+    std::vector<int64_t> k(static_cast<size_t>(R) * 4, 0);  // in intra, in inter, out intra, out inter
+    for (int i : chosen) {
+      const int e = pairs[i].first, d = pairs[i].second, h = home[e];
+      const int inter = node(d) != node(h);
+      ++k[d * 4 + inter];
+      ++k[h * 4 + 2 + inter];
+    }
+    int64_t transfers = 0;
+    for (int d = 0; d < R; ++d) {
+      transfers = std::max({transfers, std::max(k[d * 4], k[d * 4 + 2]) * cost_intra,
+                            std::max(k[d * 4 + 1], k[d * 4 + 3]) * cost_inter});
+    }
+    best = std::min(best, hi + transfers);
+    for (int i = start; i < static_cast<int>(pairs.size()); ++i) {
+      const int d = pairs[i].second;
+      if (used[d] >= slots) continue;
+      ++used[d];
+      chosen.push_back(i);
+      visit(i + 1);
+      chosen.pop_back();
+      --used[d];
+    }
+  };
+  visit(0);
+  return best;
 }
 
 }  // namespace moonep::planner::testing

@@ -654,6 +654,198 @@ TEST(PlannerPadding, PadsLayoutsNotLoads) {
   for (size_t i = 0; i < padded.group_padded.size(); ++i) EXPECT_EQ(padded.group_padded[i] % 64, 0);
 }
 
+// ---- Weighing replicas (PlannerConfig::replica_cost_*) --------------------------------------
+
+// The objective of replica_cost_*, computed from a plan's layouts and slots: the highest rank
+// level (load in the fastest rank's tokens, rounded up) plus the highest rank transfer cost.
+struct Weighed {
+  int64_t level = 0, transfers = 0;
+  int64_t total() const { return level + transfers; }
+};
+Weighed WeighPlan(const PlannerConfig& resolved, const Plan& p) {
+  const int R = p.num_ranks, S = p.slots, rpn = resolved.ranks_per_node;
+  std::vector<int64_t> w;
+  SpeedWeights(resolved, &w);
+  const int64_t w_max = *std::max_element(w.begin(), w.end());
+  const std::vector<int64_t> load = RankLoads(p);
+  std::vector<int64_t> k(static_cast<size_t>(R) * 4, 0);  // in intra, in inter, out intra, out inter
+  for (int d = 0; d < R; ++d) {
+    for (int s = 0; s < S; ++s) {
+      const int e = p.slot_expert[static_cast<size_t>(d) * S + s];
+      if (e < 0) continue;
+      const int h = p.home[e];
+      const int inter = rpn > 0 ? d / rpn != h / rpn : 1;
+      ++k[d * 4 + inter];
+      ++k[h * 4 + 2 + inter];
+    }
+  }
+  Weighed out;
+  for (int d = 0; d < R; ++d) {
+    out.level = std::max<int64_t>(out.level, static_cast<int64_t>(
+        (static_cast<__int128>(load[d]) * w_max + w[d] - 1) / w[d]));
+    out.transfers = std::max({out.transfers, std::max(k[d * 4], k[d * 4 + 2]) * resolved.replica_cost_intra,
+                              std::max(k[d * 4 + 1], k[d * 4 + 3]) * resolved.replica_cost_inter});
+  }
+  return out;
+}
+
+// Worked by hand: one hot expert, and where the cost of a replica tips the choice.
+TEST(PlannerWeighing, HandWorkedCases) {
+  // R = 2: expert 0 (1000 tokens) on rank 0, expert 1 (none) on rank 1. One replica halves the
+  // level (500 + c against 1000): worth it below c = 500; at 500 the tie keeps the balanced plan.
+  for (int rpn : {0, 2}) {
+    for (int64_t c : {int64_t{0}, int64_t{1}, int64_t{499}, int64_t{500}, int64_t{501}, kMaxReplicaCost}) {
+      PlannerConfig cfg;
+      cfg.num_ranks = 2;
+      cfg.num_experts = 2;
+      cfg.ranks_per_node = rpn;
+      (rpn > 0 ? cfg.replica_cost_intra : cfg.replica_cost_inter) = c;
+      (rpn > 0 ? cfg.replica_cost_inter : cfg.replica_cost_intra) = 7;  // the other link: unused
+      const Plan p = MustPlan(cfg, {600, 0, 400, 0});
+      const bool replica = c <= 500;
+      EXPECT_EQ(p.stats.replicas, replica ? 1 : 0) << "rpn=" << rpn << " c=" << c;
+      EXPECT_EQ(p.stats.max_load_after, replica ? 500 : 1000) << "rpn=" << rpn << " c=" << c;
+    }
+  }
+  // R = 4, flat: expert 0 holds 1000 on rank 0; ranks 1-3 home 400, 400 and 200 (total 2000).
+  // Balanced (level 500) needs three replicas of expert 0, all leaving rank 0: 500 + 3c. One
+  // replica on rank 3 (room L - 200 >= 1000 - L) needs L >= 600: 600 + c; two need L >= 534:
+  // 534 + 2c. No replica: 1000. At c = 100: 800, 700, 734, 1000, so level 600 with one replica.
+  PlannerConfig cfg;
+  cfg.num_ranks = 4;
+  cfg.num_experts = 4;
+  cfg.slots = 2;
+  cfg.replica_cost_inter = 100;
+  const std::vector<int64_t> counts = {1000, 0, 0, 0,  0, 400, 0, 0,  0, 0, 400, 0,  0, 0, 0, 200};
+  const Plan p = MustPlan(cfg, counts);
+  EXPECT_EQ(p.stats.max_load_after, 600);
+  EXPECT_EQ(p.stats.replicas, 1);
+  EXPECT_EQ(p.slot_expert[3 * 2], 0);  // rank 3's first slot
+  cfg.replica_cost_inter = 30;  // 590, 600 + 30, 534 + 60: balanced
+  EXPECT_EQ(MustPlan(cfg, counts).stats.replicas, 3);
+  cfg.replica_cost_inter = 401;  // 1703, 1001, 1336, 1000: none
+  EXPECT_EQ(MustPlan(cfg, counts).stats.replicas, 0);
+}
+
+// Tiny cases against the exhaustive optimum of the same objective; every plan at most the
+// perfectly balanced plan's cost and the cost of no replica.
+TEST(PlannerWeighing, AgainstBruteForceAndNeverWorseThanEitherEnd) {
+  std::mt19937_64 rng(2026);
+  int cases = 0, optimal = 0;
+  double gap_sum = 0, gap_worst = 0;
+  for (int R : {2, 3, 4}) {
+    for (int epn : {1, 2}) {
+      const int E = R * epn;
+      for (int S : {1, 2}) {
+        if (R * epn * S > 12) continue;  // (R 4, E 8, 2 slots: millions of replica sets)
+        for (int iter = 0; iter < 30; ++iter) {
+          std::vector<int64_t> totals(E);
+          for (int e = 0; e < E; ++e) totals[e] = rng() % 4 == 0 ? rng() % 40 : rng() % 8;
+          auto counts = SpreadTotals(R, totals, rng);
+          PlannerConfig c;
+          c.num_ranks = R;
+          c.num_experts = E;
+          c.slots = S;
+          c.ranks_per_node = iter % 2 == 0 ? 0 : 2;
+          c.replica_cost_intra = 1 + static_cast<int64_t>(rng() % 8);
+          c.replica_cost_inter = c.replica_cost_intra + static_cast<int64_t>(rng() % 8);
+          const Plan mine = MustPlan(c, counts);
+          const Weighed got = WeighPlan(c, mine);
+          PlannerConfig plain = c;
+          plain.replica_cost_intra = plain.replica_cost_inter = 0;
+          const Weighed balanced = WeighPlan(c, MustPlan(plain, counts));  // costs priced as c's
+          EXPECT_LE(got.total(), balanced.total()) << "R=" << R << " E=" << E << " S=" << S;
+          EXPECT_LE(got.total(), mine.stats.max_load_before) << "R=" << R << " E=" << E << " S=" << S
+              << " level " << got.level << " transfers " << got.transfers << " replicas " << mine.stats.replicas
+              << " balanced " << balanced.level << "+" << balanced.transfers << " costs " << c.replica_cost_intra
+              << "/" << c.replica_cost_inter << " rpn " << c.ranks_per_node << " totals " << ::testing::PrintToString(totals);
+          std::vector<int> home(E);
+          for (int e = 0; e < E; ++e) home[e] = e / epn;
+          const int64_t opt = testing::BruteForceMinWeighedCost(R, E, S, home, totals, c.ranks_per_node,
+                                                                c.replica_cost_intra, c.replica_cost_inter);
+          ASSERT_GE(got.total(), opt) << "below the exhaustive optimum: R=" << R << " E=" << E;
+          ++cases;
+          optimal += got.total() == opt;
+          const double gap = opt > 0 ? static_cast<double>(got.total() - opt) / opt : 0.0;
+          gap_sum += gap;
+          gap_worst = std::max(gap_worst, gap);
+        }
+      }
+    }
+  }
+  std::printf("[weighing brute force] %d cases, moonep optimal in %d; cost gap to optimum mean "
+              "%.2f%%, worst %.0f%%\n", cases, optimal, 100.0 * gap_sum / cases, 100.0 * gap_worst);
+  EXPECT_LT(gap_sum / cases, 0.05);
+}
+
+// Random shapes (topology, slot limits, speeds, both paths of moonep): valid plans, never costlier
+// than either end; zero costs change nothing; a replica costing 2^52 tokens is never made.
+TEST(PlannerWeighing, RandomShapes) {
+  std::mt19937_64 rng(99);
+  struct Shape { int R, E, slots, rpn; int64_t tokens; int K; };
+  const std::vector<Shape> shapes = {{4, 16, -1, 2, 256, 4}, {8, 32, 1, 4, 512, 4},
+                                     {16, 64, -1, 8, 1024, 8}, {64, 256, -1, 8, 4096, 8},
+                                     {64, 256, 1, 0, 4096, 8}};
+  int fewer = 0, plans = 0;
+  for (const Shape& sh : shapes) {
+    for (double zipf : {0.5, 1.2}) {
+      for (bool speeds : {false, true}) {
+        auto counts = MakeCounts(Skew::kZipf, sh.R, sh.E, sh.tokens, sh.K, zipf, rng);
+        PlannerConfig c;
+        c.num_ranks = sh.R;
+        c.num_experts = sh.E;
+        c.slots = sh.slots;
+        c.ranks_per_node = sh.rpn;
+        if (speeds) {
+          for (int d = 0; d < sh.R; ++d) c.speeds.push_back(d % 3 == 0 ? 0.5 : 1.0);
+        }
+        const Plan plain = MustPlan(c, counts);
+        // Zero costs are the default: the same plan, byte for byte.
+        c.replica_cost_intra = c.replica_cost_inter = 0;
+        EXPECT_EQ(SerializePlan(MustPlan(c, counts)), SerializePlan(plain));
+        const int64_t mean = sh.tokens * sh.K;
+        for (int64_t cost : {mean / 64, mean / 8, mean / 2, 4 * mean}) {
+          c.replica_cost_intra = cost;
+          c.replica_cost_inter = 3 * cost;
+          const PlannerConfig resolved = Planner::Create(c).value()->config();
+          const Plan mine = MustPlan(c, counts);
+          const Weighed got = WeighPlan(resolved, mine);
+          Plan none_plan;
+          PlannerConfig none = c;
+          none.policy = Policy::kNone;
+          none_plan = MustPlan(none, counts);
+          EXPECT_LE(got.total(), WeighPlan(resolved, plain).total()) << sh.R << " " << cost;
+          EXPECT_LE(got.total(), WeighPlan(resolved, none_plan).total()) << sh.R << " " << cost;
+          EXPECT_LE(mine.stats.replicas, plain.stats.replicas + 0) << sh.R << " " << cost;
+          fewer += mine.stats.replicas < plain.stats.replicas;
+          ++plans;
+        }
+        c.replica_cost_intra = c.replica_cost_inter = kMaxReplicaCost;
+        EXPECT_EQ(MustPlan(c, counts).stats.replicas, 0);
+      }
+    }
+  }
+  std::printf("[weighing] %d weighed plans, %d with fewer replicas than the balanced plan\n", plans, fewer);
+  EXPECT_GT(fewer, 0);
+}
+
+TEST(PlannerWeighing, CostsOutOfRangeAreRefused) {
+  PlannerConfig c;
+  c.num_ranks = 2;
+  c.num_experts = 2;
+  c.replica_cost_intra = -1;
+  auto p = Planner::Create(c);
+  ASSERT_FALSE(p.ok());
+  EXPECT_NE(p.status().message().find("replica_cost_intra must be in [0, 2^52], got -1"), std::string::npos)
+      << p.status();
+  c.replica_cost_intra = 0;
+  c.replica_cost_inter = kMaxReplicaCost + 1;
+  p = Planner::Create(c);
+  ASSERT_FALSE(p.ok());
+  EXPECT_NE(p.status().message().find("replica_cost_inter must be in [0, 2^52]"), std::string::npos)
+      << p.status();
+}
+
 TEST(PlannerSlotLimit, MinimisesMaxLoadWhenPerfectIsOutOfReach) {
   // One slot per rank and one very hot expert: it can be split over at most R ranks.
   const int R = 4, E = 8;
