@@ -33,6 +33,10 @@ struct LayerConfig {
   planner::Policy policy = planner::Policy::kMoonEP;
   int32_t ranks_per_node = 0; // 0: flat topology
   int32_t eplb_period = 1;
+  // moonep: the cost of one replica transfer on a rank, in tokens of compute, within a node and
+  // across nodes (planner::PlannerConfig::replica_cost_*; both 0: perfect balance).
+  int64_t replica_cost_intra = 0;
+  int64_t replica_cost_inter = 0;
   // Where x, y, dy, dx, topk_ids, topk_weights, d_topk_weights, weights and gradients live.
   // kCuda: GPU `device_index` of this node (one rank per GPU), the CUDA executor and the NCCL
   // transport; Forward / Backward take the caller's CUDA stream.

@@ -455,6 +455,43 @@ TEST(PlannerCApiStructs, ConfigSizeAndVersionAreChecked) {
   EXPECT_EQ(moonepPlannerDestroy(p), moonepSuccess);
 }
 
+// 0.2.0's replica costs: read from a 0.2.0 struct (the planner weighs replicas), ignored past a
+// 0.1.0 caller's size, and refused out of range. The case is worked by hand in planner_test
+// (PlannerWeighing.HandWorkedCases): one replica at level 600 at a cost of 100, three unweighed.
+TEST(PlannerCApiStructs, ReplicaCostsAreRead) {
+  const std::vector<int64_t> counts = {1000, 0, 0, 0,  0, 400, 0, 0,  0, 0, 400, 0,  0, 0, 0, 200};
+  const auto plan = [&](const moonepPlannerConfig_t& config, moonepPlanStats_t* stats) {
+    moonepPlanner_t p = nullptr;
+    const moonepResult_t r = moonepPlannerCreate(&config, &p);
+    if (r != moonepSuccess) return r;
+    EXPECT_EQ(moonepPlannerPlan(p, counts.data(), counts.size()), moonepSuccess)
+        << moonepPlannerGetLastError(p);
+    EXPECT_EQ(moonepPlannerGetStats(p, stats), moonepSuccess);
+    EXPECT_EQ(moonepPlannerDestroy(p), moonepSuccess);
+    return r;
+  };
+  moonepPlannerConfig_t config = MOONEP_PLANNER_CONFIG_INITIALIZER;
+  EXPECT_EQ(config.replica_cost_intra, 0);
+  EXPECT_EQ(config.replica_cost_inter, 0);
+  config.num_ranks = 4;
+  config.num_experts = 4;
+  config.slots = 2;
+  config.replica_cost_inter = 100;
+  moonepPlanStats_t stats = MOONEP_PLAN_STATS_INITIALIZER;
+  ASSERT_EQ(plan(config, &stats), moonepSuccess) << moonepGetLastThreadError();
+  EXPECT_EQ(stats.replicas, 1);
+  EXPECT_EQ(stats.max_load_after, 600);
+  config.size = MOONEP_PLANNER_CONFIG_MIN_SIZE;  // a 0.1.0 caller: the costs are not its fields
+  ASSERT_EQ(plan(config, &stats), moonepSuccess) << moonepGetLastThreadError();
+  EXPECT_EQ(stats.replicas, 3);
+  EXPECT_EQ(stats.max_load_after, 500);
+  config.size = sizeof(config);
+  config.replica_cost_intra = -5;
+  EXPECT_EQ(plan(config, &stats), moonepInvalidArgument);
+  EXPECT_TRUE(Contains(moonepGetLastThreadError(), "replica_cost_intra must be in [0, 2^52], got -5"))
+      << moonepGetLastThreadError();
+}
+
 TEST(PlannerCApiHandles, DistinctPlannersOnManyThreads) {
   // Each thread creates, plans, reads back and destroys its own planners, with failing calls in
   // between; the registry is shared. Every thread must get the reference bytes and its own errors.

@@ -739,6 +739,20 @@ TEST_F(CApiTest, BadConfigsFailOnEveryRank) {
       EXPECT_NE(m.find("rank " + std::to_string(size() - 1) + ": "), std::string::npos) << m;
     }
   }
+  // Replica costs: out of range refused naming the field; differing between ranks (their plans
+  // would differ) refused on every rank, naming it.
+  c = Config(moonepPolicyMoonEP);
+  c.replica_cost_inter = -1;
+  EXPECT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepInvalidArgument);
+  EXPECT_NE(std::string(moonepGetLastError(comm_)).find("replica_cost_inter is -1; must be in [0, 2^52]"),
+            std::string::npos) << moonepGetLastError(comm_);
+  if (size() > 1) {
+    c = Config(moonepPolicyMoonEP);
+    c.replica_cost_intra = rank() == 0 ? 10 : 11;
+    EXPECT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepInvalidArgument);
+    EXPECT_NE(std::string(moonepGetLastError(comm_)).find("replica_cost_intra"), std::string::npos)
+        << moonepGetLastError(comm_);
+  }
   // More executor threads than the executor has: refused at creation (it was capped silently).
   c = Config(moonepPolicyMoonEP);
   c.num_threads = 1025;

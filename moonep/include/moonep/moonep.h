@@ -20,7 +20,7 @@ extern "C" {
 #endif
 
 #define MOONEP_MAJOR 0
-#define MOONEP_MINOR 1
+#define MOONEP_MINOR 2
 #define MOONEP_PATCH 0
 #define MOONEP_VERSION_CODE(X, Y, Z) ((X) * 10000 + (Y) * 100 + (Z))
 #define MOONEP_VERSION MOONEP_VERSION_CODE(MOONEP_MAJOR, MOONEP_MINOR, MOONEP_PATCH)
@@ -111,6 +111,15 @@ typedef struct {
   int64_t row_bytes;    /* bytes of one token row, for byte stats (0: rows only) */
   int64_t expert_bytes; /* bytes of one expert's parameters, for byte stats */
   int eplb_period;      /* eplb: re-plan every this many steps (>= 1) */
+  /* Added in 0.2.0. moonep: what one replica transfer on a rank costs (its weights arriving or
+   * leaving, its gradients leaving or arriving), in tokens of the fastest rank's compute, between
+   * ranks of one node and across nodes (every replica when flat); each in [0, 2^52]. Both 0
+   * (default): perfect balance whatever replicas cost. Otherwise moonep balances only as far as
+   * it pays: it minimizes (max rank load) + (max over ranks of the larger of intra transfers x
+   * replica_cost_intra and inter transfers x replica_cost_inter); see docs/planner.md "Weighing
+   * replicas". Ignored by the other policies. */
+  int64_t replica_cost_intra;
+  int64_t replica_cost_inter;
 } moonepPlannerConfig_t;
 
 /* The smallest config->size accepted: the end of the first version's last field (eplb_period).
@@ -120,7 +129,7 @@ typedef struct {
 #define MOONEP_PLANNER_CONFIG_INITIALIZER                                                     \
   {                                                                                           \
     sizeof(moonepPlannerConfig_t), MOONEP_VERSION, 0, 0, -1, 1, 0, moonepPolicyMoonEP, NULL, \
-        NULL, 0, 0, 1                                                                         \
+        NULL, 0, 0, 1, 0, 0                                                                   \
   }
 
 typedef struct {

@@ -255,11 +255,14 @@ typedef struct {
   const char* transport;   /* backend: "mpi", "ucx" where built (host memory), "nccl" (device
                               cuda); NULL: $MOONEP_TRANSPORT, else "nccl" for moonepDeviceCuda
                               and "mpi" for the CPU. Must agree on every rank. Copied. */
+  int64_t replica_cost_intra; /* added in 0.2.0: moonep weighs replicas (as in
+                                 moonepPlannerConfig_t, tokens); must agree on every rank */
+  int64_t replica_cost_inter;
 } moonepLayerConfig_t;
 
 #define MOONEP_LAYER_CONFIG_INITIALIZER                                                       \
   { sizeof(moonepLayerConfig_t), MOONEP_CONFIG_MAGIC, MOONEP_VERSION, 0, 0, 0, 0, moonepFloat32, \
-    moonepFloat32, -1, 1, moonepPolicyMoonEP, moonepDeviceCpu, 0, 0, 0, 1, -1, 0, 0, 1, NULL }
+    moonepFloat32, -1, 1, moonepPolicyMoonEP, moonepDeviceCpu, 0, 0, 0, 1, -1, 0, 0, 1, NULL, 0, 0 }
 
 /* [collective] Checks the config and that every rank passed the same one (all fields but
  * max_tokens, max_recv_rows, layer_id, num_threads, device_index): a difference fails on every

@@ -1,5 +1,6 @@
 // libFuzzer target: arbitrary bytes become a planner config and counts; the planner must return an
 // error or a plan that ValidatePlan accepts (and Decide must agree with it on the decisions).
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -48,6 +49,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if ((flags & 2) && c.num_ranks > 0) {
     for (int e = 0; e < c.num_experts; ++e) c.home.push_back(in.Next() % (c.num_ranks + 1));
   }
+  if (flags & 8) {  // weigh replicas (sometimes out of range: refused)
+    c.replica_cost_intra = static_cast<int64_t>(in.Next() % 16) - 1;
+    c.replica_cost_inter = (flags & 16) ? kMaxReplicaCost + (in.Next() % 2) : in.Next() % 64;
+  }
   auto planner = Planner::Create(c);
   if (!planner.ok()) return 0;
   const PlannerConfig& rc = (*planner)->config();
@@ -63,6 +68,28 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (rc.policy == Policy::kMoonEP && plan.stats.max_load_after < LoadLowerBound(rc, counts)) {
       Fail("below the lower bound", absl::OkStatus());
     }
+    // Weighing never costs more than no replica at all (equal speeds: the level is the load).
+    if (rc.policy == Policy::kMoonEP && rc.weighs_replicas() && rc.speeds.empty()) {
+      std::vector<int64_t> k(static_cast<size_t>(rc.num_ranks) * 4, 0);
+      for (int d = 0; d < rc.num_ranks; ++d) {
+        for (int s = 0; s < rc.slots; ++s) {
+          const int e = plan.slot_expert[static_cast<size_t>(d) * rc.slots + s];
+          if (e < 0) continue;
+          const int h = plan.home[e], rpn = rc.ranks_per_node;
+          const int inter = rpn > 0 ? d / rpn != h / rpn : 1;
+          ++k[d * 4 + inter];
+          ++k[h * 4 + 2 + inter];
+        }
+      }
+      __int128 transfers = 0;
+      for (int d = 0; d < rc.num_ranks; ++d) {
+        transfers = std::max<__int128>(transfers, static_cast<__int128>(std::max(k[d * 4], k[d * 4 + 2])) * rc.replica_cost_intra);
+        transfers = std::max<__int128>(transfers, static_cast<__int128>(std::max(k[d * 4 + 1], k[d * 4 + 3])) * rc.replica_cost_inter);
+      }
+      if (plan.stats.max_load_after + transfers > plan.stats.max_load_before) {
+        Fail("weighing made a plan costlier than no replica", absl::OkStatus());
+      }
+    }
     // Decide on the same totals (a fresh planner: eplb keeps history) gives the same decisions.
     if (step == 0 && rc.policy != Policy::kFasterMoEShadow) {
       std::vector<int64_t> totals(rc.num_experts, 0);
@@ -72,9 +99,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (!d.ok()) Fail("Decide failed where MakePlan succeeded", d);
       // moonep breaks a tie with moonep-greedy (same balance and replicas) by travelling rows,
       // which Decide estimates from an even split of the totals: only the choice may differ.
+      // Weighing starts from that choice and can then end elsewhere: with it, Decide only has to
+      // succeed (its plan's decisions are checked by the Planner's own assertions).
       if (rc.policy == Policy::kMoonEP) {
-        if (decided.stats.replicas != plan.stats.replicas ||
-            decided.stats.max_load_after != plan.stats.max_load_after) {
+        if (!rc.weighs_replicas() && (decided.stats.replicas != plan.stats.replicas ||
+                                      decided.stats.max_load_after != plan.stats.max_load_after)) {
           Fail("Decide disagrees with MakePlan on replicas or balance", absl::OkStatus());
         }
       } else if (decided.alloc != plan.alloc || decided.slot_expert != plan.slot_expert) {
