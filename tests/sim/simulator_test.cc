@@ -93,6 +93,71 @@ TEST(SimulatorTest, SameSeedSameOutput) {
   }
 }
 
+// moonep-weighed minimizes what the planner is told a replica costs (ReplicaCosts: the reduce,
+// with the prefetch under the dispatch), so in the cost model's own terms its compute + reduce is at
+// most that of moonep and of none, step by step (up to the rounding of a replica's cost to a whole
+// token). Large experts on one node, as mixtral-ep8, where moonep's replicas cost more than they save.
+TEST(SimulatorTest, WeighedMoonEPPaysForItsReplicas) {
+  for (int32_t rpn : {8, 2}) {
+    SimOptions o = SmallOptions();
+    o.routing.num_ranks = 8;
+    o.routing.num_experts = 16;
+    o.routing.topk = 2;
+    o.routing.tokens_per_rank = 2048;
+    o.routing.zipf_s = 1.0;
+    o.cost.hidden = 4096;
+    o.cost.intermediate = 14336;
+    o.cost.ranks_per_node = rpn;
+    o.policies = {Policy::kMoonEP, SimPolicy(Policy::kMoonEP, true)};
+    o.detail = DetailChoice::kCounts;
+    o.lower_bound = false;
+    auto sim = Simulator::Create(o);
+    ASSERT_TRUE(sim.ok()) << sim.status();
+    Capture cap;
+    auto result = (*sim)->Run(&cap, nullptr);
+    ASSERT_TRUE(result.ok()) << result.status();
+    ASSERT_EQ(cap.rows.size(), 12u * 3);
+    int64_t intra = 0, inter = 0;
+    ReplicaCosts(o.cost, &intra, &inter);
+    const double token_s = o.cost.flops_per_token() / (o.cost.tflops * 1e12);
+    int fewer = 0;
+    for (size_t i = 0; i < cap.rows.size(); i += 3) {
+      const StepRecord &none = cap.rows[i], &moonep = cap.rows[i + 1], &weighed = cap.rows[i + 2];
+      ASSERT_EQ(*weighed.policy, "moonep-weighed");
+      const auto modeled = [](const StepRecord& r) { return r.time.compute + r.time.reduce; };
+      // A replica's cost is rounded to a whole token: at most half a token per replica off.
+      const double slack = 0.5 * token_s * (weighed.metrics.replicas + moonep.metrics.replicas);
+      EXPECT_LE(modeled(weighed), modeled(moonep) + slack) << "rpn " << rpn << " step " << i / 3;
+      EXPECT_LE(modeled(weighed), modeled(none) + slack) << "rpn " << rpn << " step " << i / 3;
+      EXPECT_LE(weighed.metrics.replicas, moonep.metrics.replicas);
+      fewer += weighed.metrics.replicas < moonep.metrics.replicas;
+    }
+    EXPECT_GT(fewer, 0) << "rpn " << rpn;
+    // And over the run, in the whole step time of this model, it gains on moonep.
+    EXPECT_LT(result->policies[2].mean_time(), result->policies[1].mean_time()) << "rpn " << rpn;
+    std::printf("[weighed] rpn %d: mean step none %.2f ms, moonep %.2f ms, moonep-weighed %.2f ms; "
+                "replicas moonep %.1f, weighed %.1f a step (costs %lld / %lld tokens)\n", rpn,
+                1e3 * result->policies[0].mean_time(), 1e3 * result->policies[1].mean_time(),
+                1e3 * result->policies[2].mean_time(),
+                static_cast<double>(result->policies[1].sum_replicas) / 12,
+                static_cast<double>(result->policies[2].sum_replicas) / 12,
+                static_cast<long long>(intra), static_cast<long long>(inter));
+  }
+  // Only moonep weighs.
+  SimOptions o = SmallOptions();
+  o.policies = {SimPolicy(Policy::kEplb, true)};
+  auto sim = Simulator::Create(o);
+  ASSERT_FALSE(sim.ok());
+  EXPECT_NE(sim.status().message().find("only moonep weighs replicas, not eplb"), std::string::npos)
+      << sim.status();
+  SimPolicy p;
+  EXPECT_TRUE(ParseSimPolicy("moonep-weighed", &p));
+  EXPECT_EQ(p, SimPolicy(Policy::kMoonEP, true));
+  EXPECT_EQ(p.Name(), "moonep-weighed");
+  EXPECT_FALSE(ParseSimPolicy("eplb-weighed", &p));
+  EXPECT_FALSE(ParseSimPolicy("test-force-replicas", &p));
+}
+
 TEST(SimulatorTest, InvariantsAcrossPolicies) {
   for (DetailChoice d : {DetailChoice::kTokens, DetailChoice::kTotals}) {
     SimOptions o = SmallOptions();
