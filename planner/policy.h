@@ -166,6 +166,10 @@ struct PolicyScratch {
   std::vector<int32_t> weigh_count;
   std::vector<int64_t> weights;
   Decisions weigh_best;
+  struct WeighInterval {  // levels (a, b] and the transfer costs of their ends' plans
+    __int128 a, ta, b, tb;
+  };
+  std::vector<WeighInterval> weigh_intervals;
 };
 
 // Rows computed on their own source rank among the experts replicated in `a` or `b`, for each

@@ -540,46 +540,71 @@ WeighedCost CostOf(const Levels& lv, const Decisions& dec, PolicyScratch* sc) {
   return cost;
 }
 
-// Replaces `dec` (the balanced or slot-bound plan) by the plan of least WeighedCost::total among
-// the levels from its own up to Top(), where no replica is needed. The transfer cost falls (about
-// monotonically) as the level rises, so for each transfer cost reached the search wants the
-// lowest level below it: from the current plan, a binary search finds the lowest level whose
-// plan transfers less, and the walk stops where a level alone costs as much as the best plan so
-// far. Ties keep the lower level's plan (the earlier one).
+// Replaces `dec` (the balanced or slot-bound plan) by the plan of least WeighedCost::total found
+// among the plans for levels from its own up to where a level alone costs as much as it, each made
+// by the same procedure with capacities Caps(L). The transfer cost falls, about as a step function,
+// as the level rises, so only each step's lowest level can win: a branch and bound bisects the
+// intervals (a, b] whose ends have different transfer costs, best first by the lower bound
+// a + 1 + T(b) of any level inside, and drops an interval once that bound reaches the best plan's
+// cost or it is at most `tolerance` levels wide (its right end is then within that of the step's
+// start). Every plan made on the way is a candidate. Ties keep the earlier plan.
 void WeighReplicas(const PolicyInput& in, PolicyScratch* sc, Decisions* dec) {
+  const PlannerConfig& c = *in.config;
   Levels lv(in, sc);
-  const __int128 top = lv.Top();
   Decisions& best = sc->weigh_best;
   best = *dec;
-  WeighedCost at = CostOf(lv, *dec, sc);
-  __int128 best_total = at.total();
+  const WeighedCost first = CostOf(lv, *dec, sc);
+  __int128 best_total = first.total();
   bool replaced = false;
-  // Transfer cost of level L's plan (left in *dec); a level the slot limit defeats never wins.
-  const auto transfers_at = [&](__int128 L, WeighedCost* cost) {
+  // Transfer cost of level L's plan (left in *dec), which becomes the best when it costs less; a
+  // level the slot limit defeats gives false.
+  const auto transfers_at = [&](__int128 L, __int128* t) {
     if (!TryAll(in, lv.Caps(L), sc, dec)) return false;
-    *cost = CostOf(lv, *dec, sc);
-    return true;
-  };
-  // From the plan's own level: its caps there may be looser than the balanced ones (which keep
-  // the floor or ceiling of the mean), and so need fewer replicas at the same level.
-  __int128 lo = at.level;
-  while (at.transfers > 0) {
-    const __int128 hi = std::min(top, best_total - 1);  // a level >= best_total cannot win
-    WeighedCost probe;
-    if (hi < lo || !transfers_at(hi, &probe) || probe.transfers >= at.transfers) break;
-    // Invariant: hi's plan transfers less than `at`; below lo none is known to.
-    __int128 a = lo, b = hi;
-    while (a < b) {
-      const __int128 mid = a + (b - a) / 2;
-      if (transfers_at(mid, &probe) && probe.transfers < at.transfers) b = mid; else a = mid + 1;
-    }
-    transfers_at(b, &at);  // (succeeded above: b is hi or a level that did)
-    if (at.total() < best_total) {
-      best_total = at.total();
+    const WeighedCost cost = CostOf(lv, *dec, sc);
+    *t = cost.transfers;
+    if (cost.total() < best_total) {
+      best_total = cost.total();
       best = *dec;
       replaced = true;
     }
-    lo = b + 1;
+    return true;
+  };
+  // 1/64 of the cheaper transfer: the level is searched no finer than that.
+  const int64_t cheaper = c.replica_cost_intra == 0   ? c.replica_cost_inter
+                          : c.replica_cost_inter == 0 ? c.replica_cost_intra
+                                                      : std::min(c.replica_cost_intra, c.replica_cost_inter);
+  const __int128 tolerance = std::max<int64_t>(1, cheaper / 64);
+  using Interval = PolicyScratch::WeighInterval;
+  const auto bound = [](const Interval& x) { return x.a + 1 + x.tb; };
+  // Min-heap by bound, then by a (std heaps are max-heaps: the comparison is reversed).
+  const auto later = [&](const Interval& x, const Interval& y) {
+    return bound(x) != bound(y) ? bound(x) > bound(y) : x.a > y.a;
+  };
+  std::vector<Interval>& heap = sc->weigh_intervals;
+  heap.clear();
+  // From the plan's own level: its caps there may be looser than the balanced ones (which keep
+  // the floor or ceiling of the mean), and so need fewer replicas at the same level.
+  const __int128 a = first.level, b = std::min(lv.Top(), best_total - 1);
+  __int128 ta = first.transfers, tb = 0, t = 0;
+  if (first.transfers > 0) {
+    if (transfers_at(a, &t)) ta = std::min(ta, t);
+    if (ta > 0 && b > a && transfers_at(b, &tb) && ta > tb) heap.push_back({a, ta, b, tb});
+  }
+  while (!heap.empty()) {
+    std::pop_heap(heap.begin(), heap.end(), later);
+    const Interval iv = heap.back();
+    heap.pop_back();
+    if (bound(iv) >= best_total) break;  // and every interval left
+    if (iv.b - iv.a <= tolerance) continue;
+    const __int128 mid = iv.a + (iv.b - iv.a) / 2;
+    __int128 tm = iv.ta;  // a level the slot limit defeats: no step starts left of it
+    transfers_at(mid, &tm);
+    for (const Interval& part : {Interval{iv.a, iv.ta, mid, tm}, Interval{mid, tm, iv.b, iv.tb}}) {
+      if (part.ta > part.tb) {
+        heap.push_back(part);
+        std::push_heap(heap.begin(), heap.end(), later);
+      }
+    }
   }
   std::swap(*dec, best);
   // LocalRows' placement (sc->placement) belongs to the first plan only.

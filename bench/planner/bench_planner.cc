@@ -1,6 +1,8 @@
 // moonep-bench-planner: median time per plan for the shapes (Zipf 1.2 routing), for the
 // policies moonep, moonep-greedy and none, full plans (MakePlan) and decisions only (Decide), and
-// moonep without its cross-check against moonep-greedy (moonep-nocheck).
+// moonep without its cross-check against moonep-greedy (moonep-nocheck), and moonep weighing
+// replicas (moonep-weighed: PlannerConfig::replica_cost_* of 1778 / 6667 tokens, what the
+// simulator's default machine gives for training with fp32 gradients: 400 TFLOP/s, 150 / 40 GB/s).
 // After the Google Benchmark table it prints one summary row per shape with the median CPU time
 // (one thread; CPU time so that other processes on the machine do not count) and the ratio of
 // each policy's median to moonep-greedy's, measured in the same run.
@@ -29,9 +31,16 @@ using bench::kShapes;
 using bench::Shape;
 using bench::ZipfCounts;
 
-void BM_Plan(benchmark::State& state, Shape shape, Policy policy, bool decide_only, bool check) {
+constexpr int64_t kWeighIntra = 1778, kWeighInter = 6667;
+
+void BM_Plan(benchmark::State& state, Shape shape, Policy policy, bool decide_only, bool check,
+             bool weigh) {
   PlannerConfig c;
   c.moonep_check_greedy = check;
+  if (weigh) {
+    c.replica_cost_intra = kWeighIntra;
+    c.replica_cost_inter = kWeighInter;
+  }
   c.num_ranks = shape.R;
   c.num_experts = shape.E;
   c.ranks_per_node = 8;
@@ -110,8 +119,9 @@ class RatioReporter : public benchmark::ConsoleReporter {
   }
   void Summary() const {
     std::printf("\nmedians (min over repetitions in brackets), CPU us per plan\n");
-    std::printf("%-18s %-8s %18s %18s %18s %18s %14s %18s\n", "shape", "mode", "moonep_us",
-                "moonep-nocheck_us", "greedy_us", "none_us", "moonep/greedy", "sum_counts_us");
+    std::printf("%-18s %-8s %18s %18s %18s %18s %18s %14s %14s %18s\n", "shape", "mode", "moonep_us",
+                "moonep-nocheck_us", "moonep-weighed_us", "greedy_us", "none_us", "moonep/greedy",
+                "weighed/moonep", "sum_counts_us");
     for (const Shape& s : kShapes) {
       for (const char* mode : {"plan", "decide"}) {
         auto find = [](const std::map<std::string, double>& m, const std::string& k) {
@@ -127,10 +137,12 @@ class RatioReporter : public benchmark::ConsoleReporter {
         const double m = find(times_us_, key + "moonep/" + s.name);
         const double g = find(times_us_, key + "moonep-greedy/" + s.name);
         if (std::isnan(m) && std::isnan(g)) continue;
-        std::printf("%-18s %-8s %18s %18s %18s %18s %14.3f %18s\n", s.name, mode,
+        const double w = find(times_us_, key + "moonep-weighed/" + s.name);
+        std::printf("%-18s %-8s %18s %18s %18s %18s %18s %14.3f %14.3f %18s\n", s.name, mode,
                     cell(key + "moonep/" + s.name).c_str(), cell(key + "moonep-nocheck/" + s.name).c_str(),
+                    cell(key + "moonep-weighed/" + s.name).c_str(),
                     cell(key + "moonep-greedy/" + s.name).c_str(),
-                    cell(key + "none/" + s.name).c_str(), m / g,
+                    cell(key + "none/" + s.name).c_str(), m / g, w / m,
                     cell(std::string("sum_counts/") + s.name).c_str());
       }
     }
@@ -177,7 +189,7 @@ int main(int argc, char** argv) {
     for (Policy p : {Policy::kMoonEP, Policy::kMoonEPGreedy, Policy::kNone}) {
       for (bool decide : {false, true}) {
         const std::string name = std::string(decide ? "decide/" : "plan/") + PolicyName(p) + "/" + s.name;
-        benchmark::RegisterBenchmark(name.c_str(), BM_Plan, s, p, decide, true)
+        benchmark::RegisterBenchmark(name.c_str(), BM_Plan, s, p, decide, true, false)
             ->Unit(benchmark::kMicrosecond)
             ->Repetitions(repetitions)
             ->ComputeStatistics("min", MinOf)
@@ -189,7 +201,13 @@ int main(int argc, char** argv) {
   for (const Shape& s : kShapes) {
     for (bool decide : {false, true}) {
       const std::string name = std::string(decide ? "decide/" : "plan/") + "moonep-nocheck/" + s.name;
-      benchmark::RegisterBenchmark(name.c_str(), BM_Plan, s, Policy::kMoonEP, decide, false)
+      benchmark::RegisterBenchmark(name.c_str(), BM_Plan, s, Policy::kMoonEP, decide, false, false)
+          ->Unit(benchmark::kMicrosecond)
+          ->Repetitions(repetitions)
+          ->ComputeStatistics("min", MinOf)
+          ->ReportAggregatesOnly(true);
+      const std::string weighed = std::string(decide ? "decide/" : "plan/") + "moonep-weighed/" + s.name;
+      benchmark::RegisterBenchmark(weighed.c_str(), BM_Plan, s, Policy::kMoonEP, decide, true, true)
           ->Unit(benchmark::kMicrosecond)
           ->Repetitions(repetitions)
           ->ComputeStatistics("min", MinOf)
