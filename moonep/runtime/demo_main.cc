@@ -4,6 +4,7 @@
 // moved, the time of each phase, and the check of y and every gradient against the fp64
 // reference layer. Usage: mpirun -np 4 moonep-demo [--steps N] [--tokens T] [--experts-per-rank
 // N] [--topk K] [--hidden H] [--inter I] [--zipf S] [--dtype fp32|bf16] [--policy NAME]
+// [--replica-cost TOKENS] (moonep weighs replicas: one transfer costs TOKENS of compute).
 #include <mpi.h>
 
 #include <algorithm>
@@ -38,12 +39,13 @@ struct Options {
   double zipf = 1.2;
   DType dtype = DType::kFloat32;
   moonep::planner::Policy policy = moonep::planner::Policy::kMoonEP;
+  int64_t replica_cost = 0;  // PlannerConfig::replica_cost_intra and _inter (0: perfect balance)
 };
 
 bool ParseArgs(int argc, char** argv, Options* o, std::string* error) {
   constexpr const char* kUsage =
       "usage: moonep-demo [--steps N] [--tokens T] [--experts-per-rank N] [--topk K] "
-      "[--hidden H] [--inter I] [--zipf S] [--dtype fp32|bf16] [--policy NAME]";
+      "[--hidden H] [--inter I] [--zipf S] [--dtype fp32|bf16] [--policy NAME] [--replica-cost TOKENS]";
   // name, target, bounds: the demo checks every step against an fp64 reference of the whole
   // layer on every rank, so its sizes are those of a demonstration, not of a model.
   struct IntFlag {
@@ -57,7 +59,8 @@ bool ParseArgs(int argc, char** argv, Options* o, std::string* error) {
                           {"--experts-per-rank", 1, 1024, &epn},
                           {"--topk", 1, 1024, &topk},
                           {"--hidden", 1, 1 << 16, &o->hidden},
-                          {"--inter", 1, 1 << 16, &o->inter}};
+                          {"--inter", 1, 1 << 16, &o->inter},
+                          {"--replica-cost", 0, moonep::planner::kMaxReplicaCost, &o->replica_cost}};
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--help" || arg == "-h") {
@@ -182,6 +185,7 @@ int Run(int argc, char** argv) {
   config.intermediate = I;
   config.dtype = dt;
   config.policy = o.policy;
+  config.replica_cost_intra = config.replica_cost_inter = o.replica_cost;
   config.max_tokens = T;
   config.num_threads = 1;  // ranks share the cores of one machine here
   auto layer_or = moonep::runtime::MoeLayer::Create(comm.get(), config);
@@ -231,10 +235,12 @@ int Run(int argc, char** argv) {
   if (root) {
     std::printf(
         "MoonEP demo: %d ranks x %d experts = %d experts, top-%d, H=%ld I=%ld %s, %ld tokens/rank,\n"
-        "Zipf(%.1f) routing whose hot experts move every step, policy %s, SGD on "
+        "Zipf(%.1f) routing whose hot experts move every step, policy %s%s, SGD on "
         "L = mean over tokens of 0.5 |y - target|^2\n\n",
         R, epn, E, K, static_cast<long>(H), static_cast<long>(I), moonep::DTypeName(dt),
-        static_cast<long>(T), o.zipf, moonep::planner::PolicyName(o.policy));
+        static_cast<long>(T), o.zipf, moonep::planner::PolicyName(o.policy),
+        o.replica_cost > 0 ? (" weighing replicas at " + std::to_string(o.replica_cost) +
+                              " tokens a transfer").c_str() : "");
     std::printf("%4s  | %-25s | %6s | %-11s | %-38s | %s\n", "", "slowest rank / mean load", "",
                 "MB moved", "ms per phase (slowest rank)", "vs fp64 reference");
     std::printf("%4s  | %11s %13s | %6s | %5s %5s | %5s %5s %5s %5s %6s %6s | %-7s  %-7s %-4s  %s\n",
@@ -397,7 +403,10 @@ int Run(int argc, char** argv) {
                 "for it.\nWith MoonEP (%s) it computes %.2fx: hot experts were replicated onto idle "
                 "ranks each step.\nEvery step matched the fp64 reference (worst relative error y "
                 "%.1e, gradients %.1e; bar %.0e): %s  [%.1f s]\n",
-                sum_before / o.steps, moonep::planner::PolicyName(o.policy), sum_after / o.steps,
+                sum_before / o.steps,
+                (std::string(moonep::planner::PolicyName(o.policy)) +
+                 (o.replica_cost > 0 ? " weighing replicas" : "")).c_str(),
+                sum_after / o.steps,
                 worst_y, worst_g, tol, ok ? "PASS" : "FAIL", MPI_Wtime() - kWall0);
   }
   return ok ? 0 : 1;
