@@ -79,30 +79,35 @@ def main():
     hi = lo + tokens[rank]
     mine = slice(rank * epn, (rank + 1) * epn)
     my_wg, my_wu, my_wd = (np.ascontiguousarray(a[mine]) for a in (wg, wu, wd))
-    g_gate, g_up, g_down = (np.zeros_like(a) for a in (my_wg, my_wu, my_wd))
-
-    layer = moonep.Layer(comm, num_experts=E, top_k=K, hidden=H, intermediate=I,
-                         max_tokens=max(tokens), num_threads=1)
-    layer.bind(my_wg, my_wu, my_wd, g_gate, g_up, g_down)
-    y = layer.forward(x[lo:hi], ids[lo:hi], w[lo:hi])
-    dx, dtopk = layer.backward(dy[lo:hi])
-    stats = layer.stats()
 
     f64 = [a.astype(np.float64) for a in (x, ids, w, dy, wg, wu, wd)]
     f64[1] = ids
     ry, rdx, rdw, rgg, rgu, rgd = reference(*f64)
-    errors = {"y": rel(y, ry[lo:hi]), "dx": rel(dx, rdx[lo:hi]), "dtopk": rel(dtopk, rdw[lo:hi]),
-              "dWg": rel(g_gate, rgg[mine]), "dWu": rel(g_up, rgu[mine]),
-              "dWd": rel(g_down, rgd[mine])}
-    ok = all(v < 1e-5 for v in errors.values())
-    line = " ".join(f"{k} {v:.1e}" for k, v in errors.items())
-    print(f"[rank {rank}] numpy MoE layer via MoonEP: {line} -> {'PASS' if ok else 'FAIL'}",
-          flush=True)
-    if rank == 0:
-        print(f"load max/mean {stats['max_load_before'] / stats['mean_load']:.2f} without "
-              f"MoonEP, {stats['max_load_after'] / stats['mean_load']:.2f} with it "
-              f"({stats['replicas']} replicas)", flush=True)
-    layer.destroy()
+    ok = True
+    # Perfect balance, then moonep weighing replicas at 30 tokens a transfer (fewer replicas, the
+    # same results).
+    for cost in (0, 30):
+        g_gate, g_up, g_down = (np.zeros_like(a) for a in (my_wg, my_wu, my_wd))
+        layer = moonep.Layer(comm, num_experts=E, top_k=K, hidden=H, intermediate=I,
+                             max_tokens=max(tokens), num_threads=1, replica_cost_intra=cost,
+                             replica_cost_inter=cost)
+        layer.bind(my_wg, my_wu, my_wd, g_gate, g_up, g_down)
+        y = layer.forward(x[lo:hi], ids[lo:hi], w[lo:hi])
+        dx, dtopk = layer.backward(dy[lo:hi])
+        stats = layer.stats()
+        errors = {"y": rel(y, ry[lo:hi]), "dx": rel(dx, rdx[lo:hi]), "dtopk": rel(dtopk, rdw[lo:hi]),
+                  "dWg": rel(g_gate, rgg[mine]), "dWu": rel(g_up, rgu[mine]),
+                  "dWd": rel(g_down, rgd[mine])}
+        ok = ok and all(v < 1e-5 for v in errors.values())
+        line = " ".join(f"{k} {v:.1e}" for k, v in errors.items())
+        what = f"weighing replicas at {cost} tokens" if cost else "perfect balance"
+        print(f"[rank {rank}] numpy MoE layer via MoonEP ({what}): {line} -> "
+              f"{'PASS' if all(v < 1e-5 for v in errors.values()) else 'FAIL'}", flush=True)
+        if rank == 0:
+            print(f"load max/mean {stats['max_load_before'] / stats['mean_load']:.2f} without "
+                  f"MoonEP, {stats['max_load_after'] / stats['mean_load']:.2f} with it "
+                  f"({stats['replicas']} replicas, {what})", flush=True)
+        layer.destroy()
     comm.destroy()
     return 0 if ok else 1
 

@@ -46,7 +46,8 @@ class _LayerConfig(ctypes.Structure):
                 ("max_tokens", ctypes.c_int64), ("max_recv_rows", ctypes.c_int64),
                 ("max_inflight", ctypes.c_int), ("layer_id", ctypes.c_int),
                 ("num_threads", ctypes.c_int), ("ranks_per_node", ctypes.c_int),
-                ("eplb_period", ctypes.c_int), ("transport", ctypes.c_char_p)]
+                ("eplb_period", ctypes.c_int), ("transport", ctypes.c_char_p),
+                ("replica_cost_intra", ctypes.c_int64), ("replica_cost_inter", ctypes.c_int64)]
 
 
 class _StepStats(ctypes.Structure):
@@ -232,11 +233,14 @@ class Layer:
 
     device="cpu": numpy arrays through forward/backward/bind. device="cuda": GPU memory of GPU
     device_index through the *_ptr methods (raw device pointers and a cudaStream_t, e.g. from
-    torch tensors' data_ptr() and torch.cuda.current_stream().cuda_stream)."""
+    torch tensors' data_ptr() and torch.cuda.current_stream().cuda_stream).
+    replica_cost_intra / replica_cost_inter (tokens, the same on every rank): policy moonep weighs
+    replicas, balancing only as far as a replica's transfers cost less than the compute it saves
+    (docs/planner.md, "Weighing replicas"); 0 and 0: perfect balance."""
 
     def __init__(self, comm, num_experts, top_k, hidden, intermediate, max_tokens,
                  policy="moonep", slots=-1, max_inflight=1, num_threads=0, device="cpu",
-                 device_index=0):
+                 device_index=0, replica_cost_intra=0, replica_cost_inter=0):
         if device not in ("cpu", "cuda"):
             raise ValueError("device must be 'cpu' or 'cuda'")
         if policy not in _POLICIES:
@@ -248,7 +252,9 @@ class Layer:
                          device=1 if device == "cuda" else 0,
                          device_index=device_index, max_tokens=max_tokens, max_recv_rows=0,
                          max_inflight=max_inflight, layer_id=-1, num_threads=num_threads,
-                         ranks_per_node=0, eplb_period=1, transport=None)
+                         ranks_per_node=0, eplb_period=1, transport=None,
+                         replica_cost_intra=replica_cost_intra,
+                         replica_cost_inter=replica_cost_inter)
         h = ctypes.c_void_p()
         _check("moonepLayerCreate", _lib().moonepLayerCreate(comm._h, ctypes.byref(c),
                                                              ctypes.byref(h)))
