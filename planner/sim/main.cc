@@ -80,6 +80,12 @@ ABSL_FLAG(std::string, policies, "all",
 ABSL_FLAG(bool, lower_bound, true, "also report the planner's load lower bound");
 ABSL_FLAG(int32_t, slots, -1, "replica slots per rank (-1: E/R)");
 ABSL_FLAG(int32_t, pad_multiple, 1, "each expert group's rows are padded to a multiple of this (GEMM alignment); the padding rows count in the compute time, not in the loads");
+ABSL_FLAG(int64_t, replica_cost_intra, -1,
+          "moonep-weighed: what one replica transfer within a node costs, in tokens of compute "
+          "(-1: from the cost model: the reduce of its gradients at --intra_gbps against "
+          "--tflops)");
+ABSL_FLAG(int64_t, replica_cost_inter, -1,
+          "moonep-weighed: the same across nodes (-1: from the cost model, at --inter_gbps)");
 ABSL_FLAG(bool, shadow_from_cost_model, false,
           "fastermoe-shadow decides with this machine's compute rate and inter-node bandwidth "
           "instead of the planner's defaults (which the runtime uses, so counts match it)");
@@ -248,6 +254,8 @@ absl::Status BuildOptions(SimOptions* o) {
   o->pad_multiple = absl::GetFlag(FLAGS_pad_multiple);
   o->eplb_period = absl::GetFlag(FLAGS_eplb_period);
   o->shadow_from_cost_model = absl::GetFlag(FLAGS_shadow_from_cost_model);
+  o->replica_cost_intra = absl::GetFlag(FLAGS_replica_cost_intra);
+  o->replica_cost_inter = absl::GetFlag(FLAGS_replica_cost_inter);
 
   CostConfig& c = o->cost;
   c.tflops = absl::GetFlag(FLAGS_tflops);

@@ -151,6 +151,11 @@ absl::StatusOr<std::unique_ptr<Simulator>> Simulator::Create(const SimOptions& o
                      choices, kMaxTokenChoices, kMaxTokenChoices * 4 >> 30);
   }
 
+  for (const auto& [name, v] : {std::pair<const char*, int64_t>{"replica_cost_intra", o.replica_cost_intra},
+                                 {"replica_cost_inter", o.replica_cost_inter}}) {
+    MOONEP_CHECK_ARG(v >= -1 && v <= planner::kMaxReplicaCost,
+                     "%s must be -1 (from the cost model) or in [0, 2^52], got %d", name, v);
+  }
   std::vector<SimPolicy> policies = {Policy::kNone};
   for (const SimPolicy& p : o.policies) {
     MOONEP_CHECK_ARG(p.policy != Policy::kTestForceReplicas, "policy test-force-replicas is for tests only");
@@ -176,7 +181,11 @@ absl::StatusOr<std::unique_ptr<Simulator>> Simulator::Create(const SimOptions& o
       c.shadow_compute_s_per_token = o.cost.flops_per_token() / (o.cost.tflops * 1e12);
       c.shadow_broadcast_s_per_byte = 1.0 / (o.cost.inter_gbps * 1e9);
     }
-    if (sp.weighed) ReplicaCosts(o.cost, &c.replica_cost_intra, &c.replica_cost_inter);
+    if (sp.weighed) {
+      ReplicaCosts(o.cost, &c.replica_cost_intra, &c.replica_cost_inter);
+      if (o.replica_cost_intra >= 0) c.replica_cost_intra = o.replica_cost_intra;
+      if (o.replica_cost_inter >= 0) c.replica_cost_inter = o.replica_cost_inter;
+    }
     MOONEP_ASSIGN_OR_RETURN(std::unique_ptr<Planner> planner, Planner::Create(c));
     // EPLB puts (E + R) / R physical experts on every rank (one redundant expert a rank). Each one
     // not homed there takes a replica slot; beyond the slots a copy falls back to its home, which

@@ -50,6 +50,8 @@ struct SimOptions {
   CostConfig cost;                 // cost.ranks_per_node is also the planner's topology
   DetailChoice detail = DetailChoice::kAuto;
   int64_t snapshot_step = 0;       // step whose per-rank loads are kept for the load plot
+  // moonep-weighed's replica costs in tokens; -1: ReplicaCosts of `cost` (each in [0, 2^52]).
+  int64_t replica_cost_intra = -1, replica_cost_inter = -1;
   bool shadow_from_cost_model = false;  // fastermoe-shadow: rates from `cost`, not the planner's
                                         // defaults (which the runtime uses)
   int32_t threads = 0;             // policies planned in parallel (0: one per core); each thread
