@@ -71,7 +71,9 @@ struct PlannerConfig {
   bool test_home_replicas = false;
   // moonep: also run moonep-greedy on the same capacities and keep its decisions when they balance
   // as well with fewer replicas, or as many and fewer travelling rows (a per-input guarantee that
-  // moonep is never worse than the published greedy; roughly doubles the policy's own time).
+  // moonep is never worse than the published greedy; roughly doubles the policy's own time). With
+  // replica costs (below) the guarantee holds for the plan weighing starts from, and weighing may
+  // then give up balance for fewer transfers.
   bool moonep_check_greedy = true;
   // moonep: what replicas cost, so that it balances only as far as balancing pays (docs/planner.md
   // "Weighing replicas"). The cost of one replica transfer on a rank -- a replica's weights
@@ -79,10 +81,12 @@ struct PlannerConfig {
   // compute: `intra` when the expert's home and the replica share a node, `inter` otherwise (all,
   // when flat). A rank's transfer cost is the larger of its intra count times `intra` and its inter
   // count times `inter`, counting on each link the larger of replicas sent (as home) and received.
-  // When either is set, moonep picks among the plans for caps from the balanced level up to no
-  // replicas at all the one with the least max(rank level) + max(rank transfer cost), which is never
-  // more than that of the perfectly balanced plan or of no replicas. Both 0 (default): perfect
-  // balance whatever the replicas cost. Each in [0, 2^52]; ignored by the other policies.
+  // When either is set, moonep searches the plans for caps from the balanced level up to no
+  // replicas at all (a heuristic search: a branch and bound that takes the transfer cost to fall
+  // with the level) for a low max(rank level) + max(rank transfer cost), a rank's level being its
+  // load in tokens of the fastest rank; the plan it keeps never costs more than the perfectly
+  // balanced plan or no replica at all. Both 0 (default): perfect balance whatever the replicas
+  // cost. Each in [0, 2^52]; ignored by the other policies.
   int64_t replica_cost_intra = 0;
   int64_t replica_cost_inter = 0;
   bool weighs_replicas() const { return replica_cost_intra != 0 || replica_cost_inter != 0; }

@@ -584,7 +584,7 @@ void WeighReplicas(const PolicyInput& in, PolicyScratch* sc, Decisions* dec) {
   heap.clear();
   // From the plan's own level: its caps there may be looser than the balanced ones (which keep
   // the floor or ceiling of the mean), and so need fewer replicas at the same level.
-  const __int128 a = first.level, b = std::min(lv.Top(), best_total - 1);
+  const __int128 top = lv.Top(), a = first.level, b = std::min(top, best_total - 1);
   __int128 ta = first.transfers, tb = 0, t = 0;
   if (first.transfers > 0) {
     if (transfers_at(a, &t)) ta = std::min(ta, t);
@@ -605,6 +605,14 @@ void WeighReplicas(const PolicyInput& in, PolicyScratch* sc, Decisions* dec) {
         std::push_heap(heap.begin(), heap.end(), later);
       }
     }
+  }
+  // No replica at all costs `top` (its level; nothing transfers). The search reaches it only where
+  // the transfer cost falls to 0 below the best, and not when the first plan's replicas all cross
+  // a link that costs nothing but, with speeds, its capacities left a slow rank above `top`: so
+  // it is a candidate here, whatever the search did.
+  if (top < best_total) {
+    best.Reset(c.num_ranks, c.num_experts, c.slots, in.totals);
+    replaced = true;
   }
   std::swap(*dec, best);
   // LocalRows' placement (sc->placement) belongs to the first plan only.

@@ -245,6 +245,11 @@ class Layer:
             raise ValueError("device must be 'cpu' or 'cuda'")
         if policy not in _POLICIES:
             raise ValueError(f"policy {policy!r} is not one of {sorted(_POLICIES)}")
+        if (replica_cost_intra or replica_cost_inter) and version() < 200:
+            # A 0.1.0 library reads the config only up to its own fields: it would plan perfect
+            # balance whatever the costs say.
+            raise ValueError(f"replica costs need libmoonep 0.2.0 or later; the loaded library is "
+                             f"{version() // 10000}.{version() // 100 % 100}.{version() % 100}")
         c = _LayerConfig(size=ctypes.sizeof(_LayerConfig), magic=_CONFIG_MAGIC,
                          version=version(), num_experts=num_experts, top_k=top_k, hidden=hidden,
                          intermediate=intermediate, dtype=_FLOAT32, grad_dtype=_FLOAT32,

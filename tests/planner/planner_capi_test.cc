@@ -458,6 +458,9 @@ TEST(PlannerCApiStructs, ConfigSizeAndVersionAreChecked) {
 // 0.2.0's replica costs: read from a 0.2.0 struct (the planner weighs replicas), ignored past a
 // 0.1.0 caller's size, and refused out of range. The case is worked by hand in planner_test
 // (PlannerWeighing.HandWorkedCases): one replica at level 600 at a cost of 100, three unweighed.
+// 0.2.0's fields start at 0.1.0's sizeof (LP64: 80), as the append rule says.
+static_assert(sizeof(void*) != 8 || offsetof(moonepPlannerConfig_t, replica_cost_intra) == 80,
+              "moonepPlannerConfig_t: 0.2.0's fields must start where 0.1.0's struct ended");
 TEST(PlannerCApiStructs, ReplicaCostsAreRead) {
   const std::vector<int64_t> counts = {1000, 0, 0, 0,  0, 400, 0, 0,  0, 0, 400, 0,  0, 0, 0, 200};
   const auto plan = [&](const moonepPlannerConfig_t& config, moonepPlanStats_t* stats) {
@@ -481,10 +484,17 @@ TEST(PlannerCApiStructs, ReplicaCostsAreRead) {
   ASSERT_EQ(plan(config, &stats), moonepSuccess) << moonepGetLastThreadError();
   EXPECT_EQ(stats.replicas, 1);
   EXPECT_EQ(stats.max_load_after, 600);
-  config.size = MOONEP_PLANNER_CONFIG_MIN_SIZE;  // a 0.1.0 caller: the costs are not its fields
-  ASSERT_EQ(plan(config, &stats), moonepSuccess) << moonepGetLastThreadError();
-  EXPECT_EQ(stats.replicas, 3);
-  EXPECT_EQ(stats.max_load_after, 500);
+  // A 0.1.0 caller: the costs are not its fields (its sizeof, and the minimum size), and are not
+  // read even when what lies there would be refused.
+  config.replica_cost_intra = -7;
+  for (size_t size : {offsetof(moonepPlannerConfig_t, replica_cost_intra),
+                      size_t{MOONEP_PLANNER_CONFIG_MIN_SIZE}}) {
+    config.size = size;
+    ASSERT_EQ(plan(config, &stats), moonepSuccess) << size << ": " << moonepGetLastThreadError();
+    EXPECT_EQ(stats.replicas, 3) << size;
+    EXPECT_EQ(stats.max_load_after, 500) << size;
+  }
+  config.replica_cost_intra = 0;
   config.size = sizeof(config);
   config.replica_cost_intra = -5;
   EXPECT_EQ(plan(config, &stats), moonepInvalidArgument);

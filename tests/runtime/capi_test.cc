@@ -746,6 +746,15 @@ TEST_F(CApiTest, BadConfigsFailOnEveryRank) {
   EXPECT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepInvalidArgument);
   EXPECT_NE(std::string(moonepGetLastError(comm_)).find("replica_cost_inter is -1; must be in [0, 2^52]"),
             std::string::npos) << moonepGetLastError(comm_);
+  // A 0.1.0 caller's struct (sizeof 120 on LP64, up to transport) does not have the costs: what
+  // lies past its size is not read, even when it would be refused.
+  static_assert(sizeof(void*) != 8 || offsetof(moonepLayerConfig_t, replica_cost_intra) == 120,
+                "moonepLayerConfig_t: 0.2.0's fields must start where 0.1.0's struct ended");
+  c = Config(moonepPolicyMoonEP);
+  c.size = offsetof(moonepLayerConfig_t, replica_cost_intra);
+  c.replica_cost_intra = -3;
+  ASSERT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepSuccess) << moonepGetLastError(comm_);
+  EXPECT_EQ(moonepLayerDestroy(layer), moonepSuccess);
   if (size() > 1) {
     c = Config(moonepPolicyMoonEP);
     c.replica_cost_intra = rank() == 0 ? 10 : 11;

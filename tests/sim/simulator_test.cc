@@ -96,7 +96,8 @@ TEST(SimulatorTest, SameSeedSameOutput) {
 // moonep-weighed minimizes what the planner is told a replica costs (ReplicaCosts: the reduce,
 // with the prefetch under the dispatch), so in the cost model's own terms its compute + reduce is at
 // most that of moonep and of none, step by step (up to the rounding of a replica's cost to a whole
-// token). Large experts on one node, as mixtral-ep8, where moonep's replicas cost more than they save.
+// token). Large experts on one node, as mixtral-ep8, where moonep's replicas cost more than they
+// save: some steps have fewer replicas.
 TEST(SimulatorTest, WeighedMoonEPPaysForItsReplicas) {
   for (int32_t rpn : {8, 2}) {
     SimOptions o = SmallOptions();
@@ -129,7 +130,6 @@ TEST(SimulatorTest, WeighedMoonEPPaysForItsReplicas) {
       const double slack = 0.5 * token_s * (weighed.metrics.replicas + moonep.metrics.replicas);
       EXPECT_LE(modeled(weighed), modeled(moonep) + slack) << "rpn " << rpn << " step " << i / 3;
       EXPECT_LE(modeled(weighed), modeled(none) + slack) << "rpn " << rpn << " step " << i / 3;
-      EXPECT_LE(weighed.metrics.replicas, moonep.metrics.replicas);
       fewer += weighed.metrics.replicas < moonep.metrics.replicas;
     }
     EXPECT_GT(fewer, 0) << "rpn " << rpn;

@@ -256,7 +256,8 @@ typedef struct {
                               cuda); NULL: $MOONEP_TRANSPORT, else "nccl" for moonepDeviceCuda
                               and "mpi" for the CPU. Must agree on every rank. Copied. */
   int64_t replica_cost_intra; /* added in 0.2.0: moonep weighs replicas (as in
-                                 moonepPlannerConfig_t, tokens); must agree on every rank */
+                                 moonepPlannerConfig_t, tokens); must agree on every rank; a
+                                 0.1.0 library ignores both (check moonepGetVersion) */
   int64_t replica_cost_inter;
 } moonepLayerConfig_t;
 
@@ -379,7 +380,8 @@ typedef struct moonepEpHandle* moonepEpHandle_t;
 /* The EP buffer uses the routing fields of a layer config: num_experts, top_k, hidden,
  * intermediate (for prefetch/reduce; 0 when unused), dtype, grad_dtype, slots, pad_multiple,
  * policy, device, device_index, max_tokens, max_recv_rows, max_inflight, layer_id (its trace),
- * ranks_per_node, eplb_period, transport. num_threads is not used (no executor), but is checked
+ * ranks_per_node, eplb_period, transport, replica_cost_intra and replica_cost_inter (0.2.0: its
+ * plans weigh replicas as a layer's do). num_threads is not used (no executor), but is checked
  * like a layer's. Tensors are host memory for moonepDeviceCpu and GPU memory of device_index for
  * moonepDeviceCuda. */
 typedef moonepLayerConfig_t moonepEpBufferConfig_t;
