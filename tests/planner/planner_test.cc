@@ -16,6 +16,7 @@
 #include "planner/planner.h"
 #include "planner/policy.h"
 #include "tests/planner/brute_force.h"
+#include "tests/planner/weighed_cost.h"
 
 namespace moonep::planner {
 namespace {
@@ -656,38 +657,8 @@ TEST(PlannerPadding, PadsLayoutsNotLoads) {
 
 // ---- Weighing replicas (PlannerConfig::replica_cost_*) --------------------------------------
 
-// The objective of replica_cost_*, computed from a plan's layouts and slots: the highest rank
-// level (load in the fastest rank's tokens, rounded up) plus the highest rank transfer cost.
-struct Weighed {
-  int64_t level = 0, transfers = 0;
-  int64_t total() const { return level + transfers; }
-};
-Weighed WeighPlan(const PlannerConfig& resolved, const Plan& p) {
-  const int R = p.num_ranks, S = p.slots, rpn = resolved.ranks_per_node;
-  std::vector<int64_t> w;
-  SpeedWeights(resolved, &w);
-  const int64_t w_max = *std::max_element(w.begin(), w.end());
-  const std::vector<int64_t> load = RankLoads(p);
-  std::vector<int64_t> k(static_cast<size_t>(R) * 4, 0);  // in intra, in inter, out intra, out inter
-  for (int d = 0; d < R; ++d) {
-    for (int s = 0; s < S; ++s) {
-      const int e = p.slot_expert[static_cast<size_t>(d) * S + s];
-      if (e < 0) continue;
-      const int h = p.home[e];
-      const int inter = rpn > 0 ? d / rpn != h / rpn : 1;
-      ++k[d * 4 + inter];
-      ++k[h * 4 + 2 + inter];
-    }
-  }
-  Weighed out;
-  for (int d = 0; d < R; ++d) {
-    out.level = std::max<int64_t>(out.level, static_cast<int64_t>(
-        (static_cast<__int128>(load[d]) * w_max + w[d] - 1) / w[d]));
-    out.transfers = std::max({out.transfers, std::max(k[d * 4], k[d * 4 + 2]) * resolved.replica_cost_intra,
-                              std::max(k[d * 4 + 1], k[d * 4 + 3]) * resolved.replica_cost_inter});
-  }
-  return out;
-}
+using testing::Weighed;
+using testing::WeighPlan;
 
 // Worked by hand: one hot expert, and where the cost of a replica tips the choice.
 TEST(PlannerWeighing, HandWorkedCases) {

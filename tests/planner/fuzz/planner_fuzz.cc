@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "planner/planner.h"
-#include "planner/policy.h"
+#include "tests/planner/weighed_cost.h"
 
 namespace {
 
@@ -27,50 +27,6 @@ struct Bytes {
 void Fail(const char* what, const absl::Status& s) {
   std::fprintf(stderr, "%s: %s\n", what, std::string(s.message()).c_str());
   std::abort();
-}
-
-// The objective of PlannerConfig::replica_cost_*, from a plan's loads and slots (written apart from
-// the planner's CostOf, from the Plan rather than its decisions).
-__int128 WeighedCost(const moonep::planner::PlannerConfig& rc, const moonep::planner::Plan& plan) {
-  std::vector<int64_t> w;
-  moonep::planner::SpeedWeights(rc, &w);
-  const int64_t w_max = *std::max_element(w.begin(), w.end());
-  const int R = rc.num_ranks, S = rc.slots, G = plan.num_groups(), rpn = rc.ranks_per_node;
-  std::vector<int64_t> k(static_cast<size_t>(R) * 4, 0);
-  __int128 level = 0, transfers = 0;
-  for (int d = 0; d < R; ++d) {
-    int64_t load = 0;
-    for (int g = 0; g < G; ++g) load += plan.group_count[static_cast<size_t>(d) * G + g];
-    level = std::max<__int128>(level, (static_cast<__int128>(load) * w_max + w[d] - 1) / w[d]);
-    for (int s = 0; s < S; ++s) {
-      const int e = plan.slot_expert[static_cast<size_t>(d) * S + s];
-      if (e < 0) continue;
-      const int h = plan.home[e];
-      const int inter = rpn > 0 ? d / rpn != h / rpn : 1;
-      ++k[d * 4 + inter];
-      ++k[h * 4 + 2 + inter];
-    }
-  }
-  for (int d = 0; d < R; ++d) {
-    transfers = std::max<__int128>(transfers, static_cast<__int128>(std::max(k[d * 4], k[d * 4 + 2])) * rc.replica_cost_intra);
-    transfers = std::max<__int128>(transfers, static_cast<__int128>(std::max(k[d * 4 + 1], k[d * 4 + 3])) * rc.replica_cost_inter);
-  }
-  return level + transfers;
-}
-
-// The cost of no replica: the highest home load, as a level.
-__int128 NoReplicaCost(const moonep::planner::PlannerConfig& rc, const moonep::planner::Plan& plan) {
-  std::vector<int64_t> w, home(rc.num_ranks, 0);
-  moonep::planner::SpeedWeights(rc, &w);
-  const int64_t w_max = *std::max_element(w.begin(), w.end());
-  for (int e = 0; e < rc.num_experts; ++e) {
-    for (int d = 0; d < rc.num_ranks; ++d) home[plan.home[e]] += plan.alloc[static_cast<size_t>(e) * rc.num_ranks + d];
-  }
-  __int128 level = 0;
-  for (int d = 0; d < rc.num_ranks; ++d) {
-    level = std::max<__int128>(level, (static_cast<__int128>(home[d]) * w_max + w[d] - 1) / w[d]);
-  }
-  return level;
 }
 
 }  // namespace
@@ -122,7 +78,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       Plan balanced;
       const absl::Status b = (*Planner::Create(unweighed))->MakePlan(counts, &balanced);
       if (!b.ok()) Fail("the unweighed plan failed where the weighed one succeeded", b);
-      const __int128 mine = WeighedCost(rc, plan), ends[2] = {WeighedCost(rc, balanced), NoReplicaCost(rc, plan)};
+      using moonep::planner::testing::WeighPlan;
+      const int64_t mine = WeighPlan(rc, plan).total();
+      const int64_t ends[2] = {WeighPlan(rc, balanced).total(), WeighPlan(rc, plan, true).total()};
       if (mine > ends[0]) Fail("weighing made a plan costlier than the balanced one", absl::OkStatus());
       if (mine > ends[1]) Fail("weighing made a plan costlier than no replica", absl::OkStatus());
     }
