@@ -84,8 +84,9 @@ struct PlannerConfig {
   // When either is set, moonep searches the plans for caps from the balanced level up to no
   // replicas at all (a heuristic search: a branch and bound that takes the transfer cost to fall
   // with the level) for a low max(rank level) + max(rank transfer cost), a rank's level being its
-  // load in tokens of the fastest rank; the plan it keeps never costs more than the perfectly
-  // balanced plan or no replica at all. Both 0 (default): perfect balance whatever the replicas
+  // load in tokens of the fastest rank; the plan it keeps never costs more than the plan moonep
+  // makes without costs (the perfectly balanced one, or the slot-bound one when the slot limit
+  // forbids perfect balance) or no replica at all. Both 0 (default): perfect balance whatever the replicas
   // cost. Each in [0, 2^52]; ignored by the other policies.
   int64_t replica_cost_intra = 0;
   int64_t replica_cost_inter = 0;

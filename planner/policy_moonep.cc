@@ -547,7 +547,8 @@ WeighedCost CostOf(const Levels& lv, const Decisions& dec, PolicyScratch* sc) {
 // intervals (a, b] whose ends have different transfer costs, best first by the lower bound
 // a + 1 + T(b) of any level inside, and drops an interval once that bound reaches the best plan's
 // cost or it is at most `tolerance` levels wide (its right end is then within that of the step's
-// start). Every plan made on the way is a candidate. Ties keep the earlier plan.
+// start). Every plan made on the way is a candidate, and so is no replica at all. Ties keep the
+// earlier plan.
 void WeighReplicas(const PolicyInput& in, PolicyScratch* sc, Decisions* dec) {
   const PlannerConfig& c = *in.config;
   Levels lv(in, sc);

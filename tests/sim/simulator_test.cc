@@ -93,7 +93,7 @@ TEST(SimulatorTest, SameSeedSameOutput) {
   }
 }
 
-// moonep-weighed minimizes what the planner is told a replica costs (ReplicaCosts: the reduce,
+// moonep-weighed weighs what the planner is told a replica costs (ReplicaCosts: the reduce,
 // with the prefetch under the dispatch), so in the cost model's own terms its compute + reduce is at
 // most that of moonep and of none, step by step (up to the rounding of a replica's cost to a whole
 // token). Large experts on one node, as mixtral-ep8, where moonep's replicas cost more than they

@@ -117,10 +117,11 @@ typedef struct {
    * (default): perfect balance whatever replicas cost. Otherwise moonep balances only as far as
    * it pays: a heuristic search for a low (max rank load, in tokens of the fastest rank) + (max
    * over ranks of the larger of intra transfers x replica_cost_intra and inter transfers x
-   * replica_cost_inter), never above that of the balanced plan or of no replica; see
+   * replica_cost_inter), never above that of the plan made without costs or of no replica; see
    * docs/planner.md "Weighing replicas". Ignored by the other policies. A 0.1.0 library reads
    * neither field (a config of this header is still accepted there, and plans perfect balance):
-   * check moonepGetVersion() >= MOONEP_VERSION_CODE(0, 2, 0) before relying on them. */
+   * check the version moonepGetVersion(&v) writes (v >= MOONEP_VERSION_CODE(0, 2, 0)) before
+   * relying on them. */
   int64_t replica_cost_intra;
   int64_t replica_cost_inter;
 } moonepPlannerConfig_t;
