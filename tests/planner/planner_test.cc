@@ -778,10 +778,9 @@ TEST(PlannerWeighing, RandomShapes) {
           const PlannerConfig resolved = Planner::Create(c).value()->config();
           const Plan mine = MustPlan(c, counts);
           const Weighed got = WeighPlan(resolved, mine);
-          Plan none_plan;
           PlannerConfig none = c;
           none.policy = Policy::kNone;
-          none_plan = MustPlan(none, counts);
+          const Plan none_plan = MustPlan(none, counts);
           EXPECT_LE(got.total(), WeighPlan(resolved, plain).total()) << sh.R << " " << cost;
           EXPECT_LE(got.total(), WeighPlan(resolved, none_plan).total()) << sh.R << " " << cost;
           fewer += mine.stats.replicas < plain.stats.replicas;

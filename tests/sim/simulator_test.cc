@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <memory>
 #include <set>
 #include <sstream>
 #include <string>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "moonep/core/status.h"
 #include "planner/eplb.h"
 #include "planner/sim/report.h"
 #include "planner/sim/simulator.h"
@@ -50,6 +52,7 @@ SimOptions ReplayOptions(const std::string& path) {
 }
 
 struct Capture : StepSink {
+  std::unique_ptr<Simulator> sim;  // RunCaptured's (the rows' policy pointers point into it)
   std::vector<StepRecord> rows;
   std::vector<std::string> names;
   absl::Status OnStep(const StepRecord& r) override {
@@ -58,6 +61,13 @@ struct Capture : StepSink {
     return absl::OkStatus();
   }
 };
+
+// Creates a simulator for `o` and runs it, every row into `cap`, which keeps the simulator (its
+// rows' policy names live in it).
+absl::StatusOr<SimResult> RunCaptured(const SimOptions& o, Capture* cap) {
+  MOONEP_ASSIGN_OR_RETURN(cap->sim, Simulator::Create(o));
+  return cap->sim->Run(cap, nullptr);
+}
 
 std::string RunToCsv(const SimOptions& o, SimResult* result = nullptr) {
   auto sim = Simulator::Create(o);
@@ -112,10 +122,8 @@ TEST(SimulatorTest, WeighedMoonEPPaysForItsReplicas) {
     o.policies = {Policy::kMoonEP, SimPolicy(Policy::kMoonEP, true)};
     o.detail = DetailChoice::kCounts;
     o.lower_bound = false;
-    auto sim = Simulator::Create(o);
-    ASSERT_TRUE(sim.ok()) << sim.status();
     Capture cap;
-    auto result = (*sim)->Run(&cap, nullptr);
+    auto result = RunCaptured(o, &cap);
     ASSERT_TRUE(result.ok()) << result.status();
     ASSERT_EQ(cap.rows.size(), 12u * 3);
     int64_t intra = 0, inter = 0;
@@ -162,10 +170,8 @@ TEST(SimulatorTest, InvariantsAcrossPolicies) {
   for (DetailChoice d : {DetailChoice::kTokens, DetailChoice::kTotals}) {
     SimOptions o = SmallOptions();
     o.detail = d;
-    auto sim = Simulator::Create(o);
-    ASSERT_TRUE(sim.ok()) << sim.status();
     Capture cap;
-    auto result = (*sim)->Run(&cap, nullptr);
+    auto result = RunCaptured(o, &cap);
     ASSERT_TRUE(result.ok()) << result.status();
     ASSERT_EQ(cap.rows.size(), 12u * 6);
     for (size_t i = 0; i < cap.rows.size(); i += 6) {
@@ -331,10 +337,8 @@ TEST(SimulatorTest, EplbGetsTheSlotsItsPlacementNeedsOrIsWarned) {
     SimOptions o = ReplayOptions(path);
     o.policies = {Policy::kEplb};
     o.slots = slots;
-    auto sim = Simulator::Create(o);
-    ASSERT_TRUE(sim.ok()) << sim.status();
     Capture cap;
-    auto result = (*sim)->Run(&cap, nullptr);
+    auto result = RunCaptured(o, &cap);
     ASSERT_TRUE(result.ok()) << result.status();
     ASSERT_EQ(cap.rows.size(), 3u);  // none, eplb, lower-bound
     const PlanMetrics& m = cap.rows[1].metrics;
