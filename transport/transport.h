@@ -112,6 +112,10 @@ struct TransportOptions {
   // Host threads for each dispatch's layouts and tables, the calling thread included (at most
   // kMaxHostThreads). 0: MOONEP_HOST_THREADS, else automatic (common::HostThreads).
   int32_t host_threads = 0;
+  // Prefetch and reduce move each expert tensor along its replica chain in chunks of this many
+  // bytes (reduce partials are fp32; common/replica_chain.h): smaller chunks fill a long chain
+  // sooner, larger ones send fewer messages. 0: 1 MiB; else in [16, 2^30].
+  int64_t replica_chunk_bytes = 0;
 };
 constexpr int32_t kMaxHostThreads = 64;
 
@@ -277,11 +281,15 @@ class Transport {
                                                          const TensorView& dy_rows,
                                                          const TensorView& expert_rows,
                                                          absl::Span<float> d_topk_weights) = 0;
-  // For every replica slot of the plan, the home rank's blocks of that expert into the slot.
+  // For every replica slot of the plan, the home rank's blocks of that expert into the slot: along
+  // the expert's chain home -> lowest holder rank -> next ... (common/replica_chain.h), so the home
+  // sends one copy whatever the replica count.
   virtual absl::StatusOr<RequestPtr> StartPrefetch(const planner::Plan& plan,
                                                    const ExpertBlocks& params) = 0;
-  // Every replica slot's gradients added into its home expert's gradients: home + replica of the
-  // lowest rank + the next ..., in fp32, stored once (bit-identical run to run).
+  // Every replica slot's gradients added into its home expert's gradients:
+  // ((replica of the lowest rank + the next) + ...) + home, in fp32, stored once (the same bits on
+  // every backend and run to run); the host backends sum along the chain lowest holder -> next
+  // ... -> home, so the home receives one sum whatever the replica count.
   virtual absl::StatusOr<RequestPtr> StartReduce(const planner::Plan& plan,
                                                  const ExpertBlocks& grads) = 0;
 

@@ -18,6 +18,7 @@
 #include "moonep/core/logging.h"
 #include "moonep/core/status.h"
 #include "transport/common/count_exchange.h"
+#include "transport/common/replica_chain.h"
 #include "transport/layout.h"
 
 namespace moonep::transport::common {
@@ -38,6 +39,11 @@ absl::Status CheckOptions(const TransportOptions& o, bool host_rows) {
   MOONEP_CHECK_ARG(o.host_threads >= 0 && o.host_threads <= kMaxHostThreads,
                    "options.host_threads = %d is not in [0, %d]", o.host_threads,
                    kMaxHostThreads);
+  MOONEP_CHECK_ARG(o.replica_chunk_bytes == 0 || (o.replica_chunk_bytes >= kMinReplicaChunkBytes &&
+                                                  o.replica_chunk_bytes <= kMaxReplicaChunkBytes),
+                   "options.replica_chunk_bytes = %d is not 0 (the default, %d) or in [%d, %d]",
+                   o.replica_chunk_bytes, kDefaultReplicaChunkBytes, kMinReplicaChunkBytes,
+                   kMaxReplicaChunkBytes);
   return absl::OkStatus();
 }
 

@@ -29,9 +29,9 @@ void AddIntoHome(const TensorView& home, const std::vector<const char*>& sources
   if (sources.empty()) return;
   const size_t n = static_cast<size_t>(home.numel());
   for (size_t j = 0; j < n; ++j) {
-    float acc = LoadAsFloat(home.data, home.dtype, j);
-    for (const char* src : sources) acc += LoadAsFloat(src, home.dtype, j);
-    StoreFromFloat(home.data, home.dtype, j, acc);
+    float acc = LoadAsFloat(sources[0], home.dtype, j);
+    for (size_t i = 1; i < sources.size(); ++i) acc += LoadAsFloat(sources[i], home.dtype, j);
+    StoreFromFloat(home.data, home.dtype, j, acc + LoadAsFloat(home.data, home.dtype, j));
   }
 }
 

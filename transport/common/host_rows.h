@@ -42,9 +42,10 @@ void AppendRunBlocks(int64_t row, int64_t count, int64_t row_bytes, int64_t max_
 // last group up to rank_rows[d].
 void ZeroUnfilledRows(const planner::Plan& plan, int32_t d, const TensorView& rows, float* weights);
 
-// home[j] += sum of sources[*][j] for every element of `home` (fp32 accumulation, in the order of
-// `sources`, stored once in home's dtype; each source holds home.numel() elements of home's
-// dtype). Identical order and rounding on every backend, so reductions agree bit for bit.
+// home[j] = ((sources[0][j] + sources[1][j]) + ...) + home[j] for every element of `home` (fp32
+// accumulation, stored once in home's dtype; each source holds home.numel() elements of home's
+// dtype): the order of a replica chain's reduce (replica_chain.h), so reductions agree bit for bit
+// on every backend.
 void AddIntoHome(const TensorView& home, const std::vector<const char*>& sources);
 
 }  // namespace moonep::transport::common

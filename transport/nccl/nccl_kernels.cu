@@ -134,8 +134,9 @@ __global__ void SumInOrderKernel(void* home, bool bf16, int64_t n, const void* c
                                  int32_t num_sources) {
   for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < n;
        j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    float acc = Load(home, bf16, j);
-    for (int32_t s = 0; s < num_sources; ++s) acc += Load(sources[s], bf16, j);
+    float acc = Load(sources[0], bf16, j);
+    for (int32_t s = 1; s < num_sources; ++s) acc += Load(sources[s], bf16, j);
+    acc += Load(home, bf16, j);
     if (bf16) {
       static_cast<uint16_t*>(home)[j] = FloatToBf16(acc);
     } else {

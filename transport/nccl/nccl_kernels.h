@@ -46,8 +46,9 @@ cudaError_t LaunchRowDots(const void* a, const void* b, DType dtype, int64_t col
 cudaError_t LaunchScatterValues(const float* values, int64_t num_values, const int32_t* index,
                                 int64_t n, float* out, int32_t* bad, cudaStream_t stream);
 
-// home[j] = home[j] + sources[0][j] + sources[1][j] + ..., in that order, fp32, stored as dtype
-// (fp32 or bf16, round to nearest even), for j < n.
+// home[j] = ((sources[0][j] + sources[1][j]) + ...) + home[j], in that order, fp32, stored as
+// dtype (fp32 or bf16, round to nearest even), for j < n; num_sources >= 1. The order of the host
+// backends' replica chains (transport/common/replica_chain.h), so every backend gets the same bits.
 cudaError_t LaunchSumInOrder(void* home, DType dtype, int64_t n, const void* const* sources,
                              int32_t num_sources, cudaStream_t stream);
 

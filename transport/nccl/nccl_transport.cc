@@ -2322,7 +2322,9 @@ absl::StatusOr<RequestPtr> NcclTransportImpl::StartReduce(const planner::Plan& p
     }
     MOONEP_RETURN_IF_ERROR(GroupEnd(comms_->weights, "reduce (ncclGroupEnd)"));
     MOONEP_RETURN_IF_ERROR(group);
-    // home + replica of the lowest rank + the next ..., in fp32, stored once.
+    // ((replica of the lowest rank + the next) + ...) + home, in fp32, stored once: the order of
+    // the host backends' chains. nccl still gathers every replica's gradient at the home (its
+    // transfers are not chained: docs/transport-nccl.md).
     for (const Sum& sum : sums) {
       MOONEP_CUDA_RETURN_IF_ERROR(
           LaunchSumInOrder(sum.home, sum.dtype, sum.n, table_dev + sum.first, sum.count, stream));
