@@ -78,9 +78,11 @@ struct PlannerConfig {
   // moonep: what replicas cost, so that it balances only as far as balancing pays (docs/planner.md
   // "Weighing replicas"). The cost of one replica transfer on a rank -- a replica's weights
   // arriving or leaving, its gradients leaving or arriving -- in tokens of the fastest rank's
-  // compute: `intra` when the expert's home and the replica share a node, `inter` otherwise (all,
-  // when flat). A rank's transfer cost is the larger of its intra count times `intra` and its inter
-  // count times `inter`, counting on each link the larger of replicas sent (as home) and received.
+  // compute: `intra` when the two ranks of the transfer share a node, `inter` otherwise (all, when
+  // flat). The transfers are the reduce's hops along each expert's chain (its holders in increasing
+  // rank, then its home: transport/common/replica_chain.h; the prefetch runs the other way). A
+  // rank's transfer cost is the larger of its intra count times `intra` and its inter count times
+  // `inter`, counting on each link class the larger of hops sent and received.
   // When either is set, moonep searches the plans for caps from the balanced level up to no
   // replicas at all (a heuristic search: a branch and bound that takes the transfer cost to fall
   // with the level) for a low max(rank level) + max(rank transfer cost), a rank's level being its

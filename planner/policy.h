@@ -161,9 +161,11 @@ struct PolicyScratch {
   // run for them); the Planner resets it before each MakePlan and hands it to FinalizeHolders.
   int32_t placement = -1;
   // moonep, weighing replicas: each rank's load and its replica transfers (in and out, intra and
-  // inter: 4 per rank), the best decisions seen, and the speed weights.
+  // inter: 4 per rank), each expert's highest holder so far (-1: none; all -1 between uses), the
+  // best decisions seen, and the speed weights.
   std::vector<int64_t> weigh_load;
   std::vector<int32_t> weigh_count;
+  std::vector<int32_t> weigh_last_holder;
   std::vector<int64_t> weights;
   Decisions weigh_best;
   struct WeighInterval {  // levels (a, b] and the transfer costs of their ends' plans

@@ -514,19 +514,36 @@ WeighedCost CostOf(const Levels& lv, const Decisions& dec, PolicyScratch* sc) {
   const PlannerConfig& c = *lv.in.config;
   const int32_t R = c.num_ranks, S = c.slots, rpn = c.ranks_per_node;
   const auto node = [rpn](int32_t r) { return rpn > 0 ? r / rpn : r; };
+  const std::vector<int32_t>& home = lv.in.plan->home;
   std::vector<int64_t>& load = sc->weigh_load;
   std::vector<int32_t>& n = sc->weigh_count;  // [r * 4]: in intra, in inter, out intra, out inter
+  std::vector<int32_t>& last = sc->weigh_last_holder;
   load.assign(R, 0);
   n.assign(static_cast<size_t>(R) * 4, 0);
-  for (int32_t e = 0; e < c.num_experts; ++e) load[lv.in.plan->home[e]] += dec.home_keep[e];
+  if (last.size() != static_cast<size_t>(c.num_experts)) last.assign(c.num_experts, -1);
+  const auto hop = [&](int32_t from, int32_t to) {
+    const int inter = node(from) != node(to);
+    ++n[static_cast<size_t>(from) * 4 + 2 + inter];
+    ++n[static_cast<size_t>(to) * 4 + inter];
+  };
+  for (int32_t e = 0; e < c.num_experts; ++e) load[home[e]] += dec.home_keep[e];
+  // The reduce's hops (transport/common/replica_chain.h): each expert's holders in increasing
+  // rank, the highest to the home.
   for (int32_t r = 0; r < R; ++r) {
     for (int32_t s = 0; s < dec.slots_used[r]; ++s) {
       const size_t i = static_cast<size_t>(r) * S + s;
-      const int32_t h = lv.in.plan->home[dec.slot_expert[i]];
+      const int32_t e = dec.slot_expert[i];
       load[r] += dec.slot_amount[i];
-      const int inter = node(h) != node(r);
-      ++n[static_cast<size_t>(r) * 4 + inter];
-      ++n[static_cast<size_t>(h) * 4 + 2 + inter];
+      if (last[e] >= 0) hop(last[e], r);
+      last[e] = r;
+    }
+  }
+  for (int32_t r = 0; r < R; ++r) {
+    for (int32_t s = 0; s < dec.slots_used[r]; ++s) {
+      const int32_t e = dec.slot_expert[static_cast<size_t>(r) * S + s];
+      if (last[e] != r) continue;  // not the highest holder
+      hop(r, home[e]);
+      last[e] = -1;
     }
   }
   WeighedCost cost;

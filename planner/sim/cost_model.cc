@@ -37,7 +37,8 @@ void RankTraffic::Reset(int32_t num_ranks) {
     v->assign(num_ranks, 0);
   }
   for (std::vector<int32_t>* v :
-       {&prefetch_out_intra, &prefetch_out_inter, &prefetch_in_intra, &prefetch_in_inter}) {
+       {&prefetch_out_intra, &prefetch_out_inter, &prefetch_in_intra, &prefetch_in_inter,
+        &reduce_out_intra, &reduce_out_inter, &reduce_in_intra, &reduce_in_inter}) {
     v->assign(num_ranks, 0);
   }
 }
@@ -99,7 +100,9 @@ StepTime EstimateStepTime(const CostConfig& c, int32_t E, const RankTraffic& tr)
     const double pi = std::max(tr.prefetch_out_intra[r], tr.prefetch_in_intra[r]);
     const double pe = std::max(tr.prefetch_out_inter[r], tr.prefetch_in_inter[r]);
     prefetch_time = std::max(prefetch_time, std::max(pi * wbytes / intra, pe * wbytes / inter));
-    reduce_time = std::max(reduce_time, std::max(pi * gbytes / intra, pe * gbytes / inter));
+    const double ri = std::max(tr.reduce_out_intra[r], tr.reduce_in_intra[r]);
+    const double re = std::max(tr.reduce_out_inter[r], tr.reduce_in_inter[r]);
+    reduce_time = std::max(reduce_time, std::max(ri * gbytes / intra, re * gbytes / inter));
   }
   const double passes = c.training ? 2.0 : 1.0;
   StepTime t;

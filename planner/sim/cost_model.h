@@ -57,8 +57,13 @@ struct RankTraffic {
                                                  // (>= load; 0 where not known: load is used)
   std::vector<int64_t> send_intra, send_inter;   // dispatched token rows after dedup, as source
   std::vector<int64_t> recv_intra, recv_inter;   // ... as destination
-  std::vector<int32_t> prefetch_out_intra, prefetch_out_inter;  // replicas sent, as home
-  std::vector<int32_t> prefetch_in_intra, prefetch_in_inter;    // replicas received
+  // Expert transfers along the replica chains (transport/common/replica_chain.h): prefetch hops
+  // home -> lowest holder rank -> next ..., reduce hops lowest holder -> next ... -> home; each
+  // counted as sent by its source and received by its destination, intra when both are on a node.
+  std::vector<int32_t> prefetch_out_intra, prefetch_out_inter;  // prefetch hops sent
+  std::vector<int32_t> prefetch_in_intra, prefetch_in_inter;    // prefetch hops received
+  std::vector<int32_t> reduce_out_intra, reduce_out_inter;      // reduce hops sent
+  std::vector<int32_t> reduce_in_intra, reduce_in_inter;        // reduce hops received
   void Reset(int32_t num_ranks);
 };
 

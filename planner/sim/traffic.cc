@@ -31,6 +31,39 @@ double DedupRows(double rows, double tokens, int32_t topk, int32_t experts) {
   return tokens * (1.0 - none);
 }
 
+// The hops of every expert's replica chain: its holders in increasing rank, the prefetch from the
+// home to the lowest, the reduce from the highest to the home.
+void TrafficCounter::ChainHops(const Plan& plan, RankTraffic* tr) {
+  const int32_t R = plan.num_ranks, S = plan.slots;
+  const auto hop = [&](int32_t from, int32_t to, bool prefetch) {
+    const bool intra = planner::NodeOf(plan, from) == planner::NodeOf(plan, to);
+    if (prefetch) {
+      ++(intra ? tr->prefetch_out_intra : tr->prefetch_out_inter)[from];
+      ++(intra ? tr->prefetch_in_intra : tr->prefetch_in_inter)[to];
+    } else {
+      ++(intra ? tr->reduce_out_intra : tr->reduce_out_inter)[from];
+      ++(intra ? tr->reduce_in_intra : tr->reduce_in_inter)[to];
+    }
+  };
+  last_holder_.assign(plan.num_experts, -1);
+  for (int32_t d = 0; d < R; ++d) {
+    for (int32_t s = 0; s < S; ++s) {
+      const int32_t e = plan.slot_expert[static_cast<size_t>(d) * S + s];
+      if (e < 0) continue;
+      const int32_t prev = last_holder_[e];
+      hop(prev < 0 ? plan.home[e] : prev, d, true);
+      if (prev >= 0) hop(prev, d, false);
+      last_holder_[e] = d;
+    }
+  }
+  for (int32_t d = 0; d < R; ++d) {
+    for (int32_t s = 0; s < S; ++s) {
+      const int32_t e = plan.slot_expert[static_cast<size_t>(d) * S + s];
+      if (e >= 0 && last_holder_[e] == d) hop(d, plan.home[e], false);
+    }
+  }
+}
+
 void TrafficCounter::Placement(const Plan& plan, RankTraffic* tr, PlanMetrics* m) {
   const int32_t R = plan.num_ranks, E = plan.num_experts, S = plan.slots;
   tr->Reset(R);
@@ -53,17 +86,10 @@ void TrafficCounter::Placement(const Plan& plan, RankTraffic* tr, PlanMetrics* m
       m->total_tokens += a;
       ++m->replicas;
       const int32_t h = plan.home[e];
-      if (planner::NodeOf(plan, h) == planner::NodeOf(plan, d)) {
-        ++m->prefetch_intra;
-        ++tr->prefetch_out_intra[h];
-        ++tr->prefetch_in_intra[d];
-      } else {
-        ++m->prefetch_inter;
-        ++tr->prefetch_out_inter[h];
-        ++tr->prefetch_in_inter[d];
-      }
+      ++(planner::NodeOf(plan, h) == planner::NodeOf(plan, d) ? m->prefetch_intra : m->prefetch_inter);
     }
   }
+  ChainHops(plan, tr);
   for (int32_t d = 0; d < R; ++d) m->max_load = std::max(m->max_load, tr->load[d]);
   m->mean_load = static_cast<double>(m->total_tokens) / R;
 }

@@ -39,6 +39,7 @@ struct PlanMetrics {
   double mean_load = 0;
   int32_t replicas = 0;
   int32_t prefetch_intra = 0, prefetch_inter = 0;  // replicas whose home is on / off the node
+                                                   // (as PlanStats; the hops are in RankTraffic)
   int64_t rows_local = 0;       // (token, expert) rows computed on their source rank
   int64_t rows_intra = 0;       // ... computed on another rank of the node (before dedup)
   int64_t rows_inter = 0;       // ... computed on another node (before dedup)
@@ -53,7 +54,8 @@ using LocalityFn = std::function<void(int32_t rank, int32_t expert, double* own,
 
 class TrafficCounter {
  public:
-  // Loads, replicas and prefetch per rank, from alloc and slot_expert (every policy).
+  // Loads, replicas, and prefetch and reduce hops per rank, from alloc and slot_expert (every
+  // policy).
   void Placement(const planner::Plan& plan, RankTraffic* traffic, PlanMetrics* metrics);
 
   // `tokens`: plan must carry pieces (MakePlan / FinalizePlan), routing must have topk_ids.
@@ -73,6 +75,9 @@ class TrafficCounter {
   std::vector<int64_t> pair_rows_; // [R * R] rows source -> destination (counts detail)
   std::vector<int32_t> node_;      // [R] node of each rank
   std::vector<int32_t> dests_;     // [K] destinations of one token
+  std::vector<int32_t> last_holder_;  // [E] highest holder rank so far (ChainHops)
+
+  void ChainHops(const planner::Plan& plan, RankTraffic* traffic);
 };
 
 // Expected rows after dedup when `rows` of a source's tokens*topk choices (of `experts`) go to one

@@ -4,6 +4,9 @@
 #include <functional>
 #include <limits>
 #include <numeric>
+#include <utility>
+
+#include "tests/planner/weighed_cost.h"
 
 namespace moonep::planner::testing {
 namespace {
@@ -116,7 +119,7 @@ int64_t BruteForceMinWeighedCost(int R, int E, int slots, const std::vector<int>
     }
   }
   const int64_t total = std::accumulate(totals.begin(), totals.end(), int64_t{0});
-  const auto node = [rpn](int r) { return rpn > 0 ? r / rpn : r; };
+  const std::vector<int32_t> home32(home.begin(), home.end());
   // Does some allocation over home + `chosen` keep every rank at or below L?
   const auto fits = [&](const std::vector<int>& chosen, int64_t L) {
     std::vector<std::vector<int64_t>> cap(n, std::vector<int64_t>(n, 0));
@@ -137,18 +140,10 @@ int64_t BruteForceMinWeighedCost(int R, int E, int slots, const std::vector<int>
       const int64_t mid = lo + (hi - lo) / 2;
       if (fits(chosen, mid)) hi = mid; else lo = mid + 1;
     }
-    std::vector<int64_t> k(static_cast<size_t>(R) * 4, 0);  // in intra, in inter, out intra, out inter
-    for (int i : chosen) {
-      const int e = pairs[i].first, d = pairs[i].second, h = home[e];
-      const int inter = node(d) != node(h);
-      ++k[d * 4 + inter];
-      ++k[h * 4 + 2 + inter];
-    }
-    int64_t transfers = 0;
-    for (int d = 0; d < R; ++d) {
-      transfers = std::max({transfers, std::max(k[d * 4], k[d * 4 + 2]) * cost_intra,
-                            std::max(k[d * 4 + 1], k[d * 4 + 3]) * cost_inter});
-    }
+    std::vector<std::pair<int, int>> replicas;
+    for (int i : chosen) replicas.push_back(pairs[i]);
+    const int64_t transfers =
+        static_cast<int64_t>(ChainTransferCost(R, rpn, cost_intra, cost_inter, home32, replicas));
     best = std::min(best, hi + transfers);
     for (int i = start; i < static_cast<int>(pairs.size()); ++i) {
       const int d = pairs[i].second;

@@ -21,9 +21,10 @@ BruteForceResult BruteForceMinReplicas(int R, int E, int slots, const std::vecto
 // The least max(rank load) + max(rank transfer cost) over every replica set within the slot limit
 // (the objective of PlannerConfig::replica_cost_*, equal speeds): for each set, the least max load
 // any allocation over home + replicas reaches (a bisection with max flows), plus what the set
-// transfers: per rank, max(intra count * cost_intra, inter count * cost_inter), counting on each
-// link the larger of replicas received and replicas sent as home; ranks d and h share a node when
-// d / rpn == h / rpn (rpn 0: flat, every replica inter).
+// transfers, the reduce moving along each expert's chain (holders in increasing rank, then home):
+// per rank, max(intra count * cost_intra, inter count * cost_inter), counting on each link class
+// the larger of hops sent and received (ChainTransferCost in weighed_cost.h); ranks d and h share a
+// node when d / rpn == h / rpn (rpn 0: flat, every hop inter).
 int64_t BruteForceMinWeighedCost(int R, int E, int slots, const std::vector<int>& home,
                                  const std::vector<int64_t>& totals, int rpn, int64_t cost_intra,
                                  int64_t cost_inter);

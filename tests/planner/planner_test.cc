@@ -679,22 +679,25 @@ TEST(PlannerWeighing, HandWorkedCases) {
     }
   }
   // R = 4, flat: expert 0 holds 1000 on rank 0; ranks 1-3 home 400, 400 and 200 (total 2000).
-  // Balanced (level 500) needs three replicas of expert 0, all leaving rank 0: 500 + 3c. One
-  // replica on rank 3 (room L - 200 >= 1000 - L) needs L >= 600: 600 + c; two need L >= 534:
-  // 534 + 2c. No replica: 1000. At c = 100: 800, 700, 734, 1000, so level 600 with one replica.
+  // Balanced (level 500) needs three replicas of expert 0, on ranks 1, 2 and 3; their gradients
+  // reduce along the chain 1 -> 2 -> 3 -> 0, so no rank sends or receives more than one: 500 + c.
+  // One replica on rank 3 (room L - 200 >= 1000 - L) needs L >= 600: 600 + c; two need L >= 534:
+  // 534 + c. No replica: 1000. So balanced up to c = 500 (the tie keeps the balanced plan), none
+  // above. (Were every replica's gradient sent to the home, balanced would cost 500 + 3c, and one
+  // replica would win at c = 100.)
   PlannerConfig cfg;
   cfg.num_ranks = 4;
   cfg.num_experts = 4;
   cfg.slots = 2;
-  cfg.replica_cost_inter = 100;
   const std::vector<int64_t> counts = {1000, 0, 0, 0,  0, 400, 0, 0,  0, 0, 400, 0,  0, 0, 0, 200};
-  const Plan p = MustPlan(cfg, counts);
-  EXPECT_EQ(p.stats.max_load_after, 600);
-  EXPECT_EQ(p.stats.replicas, 1);
-  EXPECT_EQ(p.slot_expert[3 * 2], 0);  // rank 3's first slot
-  cfg.replica_cost_inter = 30;  // 590, 600 + 30, 534 + 60: balanced
-  EXPECT_EQ(MustPlan(cfg, counts).stats.replicas, 3);
-  cfg.replica_cost_inter = 401;  // 1703, 1001, 1336, 1000: none
+  for (int64_t c : {int64_t{30}, int64_t{100}, int64_t{499}, int64_t{500}}) {
+    cfg.replica_cost_inter = c;
+    const Plan p = MustPlan(cfg, counts);
+    EXPECT_EQ(p.stats.max_load_after, 500) << c;
+    EXPECT_EQ(p.stats.replicas, 3) << c;
+    for (int32_t r = 1; r < 4; ++r) EXPECT_EQ(p.slot_expert[r * 2], 0) << c << " rank " << r;
+  }
+  cfg.replica_cost_inter = 501;
   EXPECT_EQ(MustPlan(cfg, counts).stats.replicas, 0);
 }
 

@@ -59,8 +59,10 @@ TEST(CostModelTest, PhaseTimesFromTheSlowestRank) {
   tr.recv_intra = {0, 80, 0, 0};   // rank 1: 80 rows over intra
   tr.send_inter = {0, 0, 30, 0};
   tr.recv_inter = {0, 0, 0, 30};   // rank 2 / 3: 30 rows over inter
-  tr.prefetch_out_inter = {1, 0, 0, 0};
+  tr.prefetch_out_inter = {1, 0, 0, 0};  // one replica of a rank-0 expert on rank 3
   tr.prefetch_in_inter = {0, 0, 0, 1};
+  tr.reduce_out_inter = {0, 0, 0, 1};
+  tr.reduce_in_inter = {1, 0, 0, 0};
   const StepTime t = EstimateStepTime(c, 8, tr);
   const double intra = 100e9, inter = 10e9;
   const double rows = std::max(80 * 2000 / intra, 30 * 2000 / inter);

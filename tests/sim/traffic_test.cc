@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cmath>
 #include <set>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "planner/planner.h"
@@ -219,6 +220,49 @@ TEST(TrafficTest, DedupRowsBounds) {
   EXPECT_NEAR(d, 100 * (1 - miss), 1e-9);
   // Many experts: independent choices.
   EXPECT_NEAR(DedupRows(100, 100, 8, 1 << 30), 100 * (1 - std::pow(1 - 100.0 / 800, 8)), 1e-6);
+}
+
+// Chain hops worked by hand (2 nodes of 2). Expert 0 (home 0) on ranks 1, 2, 3: prefetch 0 -> 1
+// (intra), 1 -> 2 (inter), 2 -> 3 (intra); reduce 1 -> 2 (inter), 2 -> 3 (intra), 3 -> 0 (inter).
+// Expert 1 (home 1) on rank 3: prefetch 1 -> 3 and reduce 3 -> 1, both inter.
+TEST(TrafficTest, ReplicasMoveAlongChains) {
+  Plan p;
+  p.num_ranks = 4;
+  p.num_experts = 4;
+  p.experts_per_rank = 1;
+  p.slots = 2;
+  p.ranks_per_node = 2;
+  p.home = {0, 1, 2, 3};
+  p.home_group = {0, 0, 0, 0};
+  p.alloc.assign(16, 0);
+  p.alloc[0 * 4 + 0] = 10;
+  p.alloc[0 * 4 + 1] = p.alloc[0 * 4 + 2] = p.alloc[0 * 4 + 3] = 5;
+  p.alloc[1 * 4 + 1] = 6;
+  p.alloc[1 * 4 + 3] = 2;
+  p.slot_expert = {-1, -1, 0, -1, 0, -1, 0, 1};
+  TrafficCounter counter;
+  RankTraffic tr;
+  PlanMetrics m;
+  counter.Placement(p, &tr, &m);
+  EXPECT_EQ(m.replicas, 4);
+  EXPECT_EQ(m.prefetch_intra, 1);  // by replica and home, as PlanStats
+  EXPECT_EQ(m.prefetch_inter, 3);
+  EXPECT_EQ(tr.load, (std::vector<int64_t>{10, 11, 5, 7}));
+  using V = std::vector<int32_t>;
+  EXPECT_EQ(tr.prefetch_out_intra, (V{1, 0, 1, 0}));
+  EXPECT_EQ(tr.prefetch_out_inter, (V{0, 2, 0, 0}));
+  EXPECT_EQ(tr.prefetch_in_intra, (V{0, 1, 0, 1}));
+  EXPECT_EQ(tr.prefetch_in_inter, (V{0, 0, 1, 1}));
+  EXPECT_EQ(tr.reduce_out_intra, (V{0, 0, 1, 0}));
+  EXPECT_EQ(tr.reduce_out_inter, (V{0, 1, 0, 2}));
+  EXPECT_EQ(tr.reduce_in_intra, (V{0, 0, 0, 1}));
+  EXPECT_EQ(tr.reduce_in_inter, (V{1, 1, 1, 0}));
+  // The reduce's slowest rank is rank 3, sending two gradients across nodes (one per chain): two
+  // transfer times, where gathering at the homes would cost rank 0 three.
+  CostConfig c;
+  c.ranks_per_node = 2;
+  const StepTime t = EstimateStepTime(c, 4, tr);
+  EXPECT_DOUBLE_EQ(t.reduce, 2 * static_cast<double>(c.expert_grad_bytes()) / (c.inter_gbps * 1e9));
 }
 
 }  // namespace
