@@ -457,7 +457,7 @@ TEST(PlannerCApiStructs, ConfigSizeAndVersionAreChecked) {
 
 // 0.2.0's replica costs: read from a 0.2.0 struct (the planner weighs replicas), ignored past a
 // 0.1.0 caller's size, and refused out of range. The case is worked by hand in planner_test
-// (PlannerWeighing.HandWorkedCases): one replica at level 600 at a cost of 100, three unweighed.
+// (PlannerWeighing.HandWorkedCases): no replica at a cost of 501, three unweighed.
 // 0.2.0's fields start at 0.1.0's sizeof (LP64: 80), as the append rule says.
 static_assert(sizeof(void*) != 8 || offsetof(moonepPlannerConfig_t, replica_cost_intra) == 80,
               "moonepPlannerConfig_t: 0.2.0's fields must start where 0.1.0's struct ended");
@@ -479,11 +479,11 @@ TEST(PlannerCApiStructs, ReplicaCostsAreRead) {
   config.num_ranks = 4;
   config.num_experts = 4;
   config.slots = 2;
-  config.replica_cost_inter = 100;
+  config.replica_cost_inter = 501;
   moonepPlanStats_t stats = MOONEP_PLAN_STATS_INITIALIZER;
   ASSERT_EQ(plan(config, &stats), moonepSuccess) << moonepGetLastThreadError();
-  EXPECT_EQ(stats.replicas, 1);
-  EXPECT_EQ(stats.max_load_after, 600);
+  EXPECT_EQ(stats.replicas, 0);
+  EXPECT_EQ(stats.max_load_after, 1000);
   // A 0.1.0 caller: the costs are not its fields (its sizeof, and the minimum size), and are not
   // read even when what lies there would be refused.
   config.replica_cost_intra = -7;

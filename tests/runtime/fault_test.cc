@@ -86,10 +86,17 @@ TEST_F(LayerFaultTest, SilentRankTimesOutEveryRankAndLayerBecomesUnusable) {
     // Other backends (MOONEP_TRANSPORT=ucx, run by hand): who times out and who hears of it first
     // depends on timing (e.g. the peers time out in the dispatch naming the silent rank, which
     // times out in the prefetch naming them); either way the message names a phase and a peer.
+    // The silent rank may also get its prefetch (its peers move their prefetch on while they wait
+    // in the dispatch) and then fail its combine locally, as over mpi.
     const moonepResult_t code = ToResult(h.status());
-    EXPECT_TRUE(code == moonepTimeout || code == moonepRemoteError) << h.status();
-    names(code == moonepTimeout ? "timed out after" : " failed in ");
-    names("rank");
+    if (code == moonepInvalidUsage) {
+      EXPECT_EQ(rank(), silent) << h.status();
+      names("combine: the handle has not been dispatched");
+    } else {
+      EXPECT_TRUE(code == moonepTimeout || code == moonepRemoteError) << h.status();
+      names(code == moonepTimeout ? "timed out after" : " failed in ");
+      names("rank");
+    }
   }
   EXPECT_LT(seconds, 3 * 2.0 + 2.0) << "took " << seconds << " s with MOONEP_TIMEOUT_MS=2000";
   EXPECT_FALSE((*layer)->usable()) << h.status();

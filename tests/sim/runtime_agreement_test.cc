@@ -64,13 +64,14 @@ struct Capture : sim::StepSink {
 
 TEST_F(RuntimeAgreementTest, SimulatorCountsEqualRuntimeStats) {
   const int32_t R = size(), E = kEpn * R;
-  // The cost model both sides use; 2 TFLOP/s makes a replica of these tiny experts cost 9 tokens
-  // within a node and 33 across (moonep-weighed then keeps some replicas and drops others).
+  // The cost model both sides use; 3 TFLOP/s makes a transfer of these tiny experts cost about 14
+  // tokens within a node and 50 across (moonep-weighed then keeps some replicas and drops others;
+  // at 2 TFLOP/s the chains made every replica pay at 4 ranks).
   sim::CostConfig cost;
   cost.hidden = kHidden;
   cost.intermediate = kInter;
   cost.ranks_per_node = kRanksPerNode;
-  cost.tflops = 2;
+  cost.tflops = 3;
   int64_t cost_intra = 0, cost_inter = 0;
   sim::ReplicaCosts(cost, &cost_intra, &cost_inter);
   std::map<std::string, int64_t> replicas;  // per policy, over the steps

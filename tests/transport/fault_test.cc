@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -12,6 +13,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_format.h"
 #include "moonep/core/status.h"
@@ -677,6 +679,30 @@ TEST_P(FaultTest, RankThatNeverJoinsCountExchangeTimesOutEveryOther) {
 // operation (computed from every rank's send layout); each peer that does ends with moonepTimeout
 // naming the operation and the silent rank within the timeout and a bit, and the silent rank ends
 // at once. Waiting out 2000 ms per operation, it runs at 2 and 3 ranks only.
+// Whether rank r waits on `silent` in a prefetch or reduce of `plan`, worked out from its slots:
+// each replicated expert's chain is its home then its holders in increasing rank (prefetch), or the
+// holders then the home (reduce). 1: silent comes right before r in some chain; 2: only further
+// up; 0: in no chain before r.
+int ChainWait(const planner::Plan& plan, bool reduce, int32_t r, int32_t silent) {
+  int found = 0;
+  for (int32_t e = 0; e < plan.num_experts; ++e) {
+    std::vector<int32_t> chain;
+    for (int32_t d = 0; d < plan.num_ranks; ++d) {
+      for (int32_t s = 0; s < plan.slots; ++s) {
+        if (plan.slot_expert[d * plan.slots + s] == e) chain.push_back(d);
+      }
+    }
+    if (chain.empty()) continue;
+    if (reduce) chain.push_back(plan.home[e]); else chain.insert(chain.begin(), plan.home[e]);
+    const auto at = [&](int32_t x) { return std::find(chain.begin(), chain.end(), x) - chain.begin(); };
+    const auto i = at(silent), j = at(r);
+    if (i == static_cast<long>(chain.size()) || j == static_cast<long>(chain.size()) || j <= i) continue;
+    if (j == i + 1) return 1;
+    found = 2;
+  }
+  return found;
+}
+
 TEST_P(FaultTest, RankThatNeverJoinsADataOperationTimesOutThePeersWaitingOnIt) {
   ASSERT_EQ(t_->timeout_ms(), 2000) << "run with MOONEP_TIMEOUT_MS=2000";
   if (size() > 3) GTEST_SKIP() << "run at 2 and 3 ranks: each operation waits out the timeout";
@@ -692,15 +718,13 @@ TEST_P(FaultTest, RankThatNeverJoinsADataOperationTimesOutThePeersWaitingOnIt) {
     for (int32_t d = 0; d < R; ++d) mine[d] = h.send_layout().rows_to(d);
     MPI_Allgather(mine.data(), R, MPI_INT64_T, rows_to.data(), R, MPI_INT64_T, MPI_COMM_WORLD);
   }
+  // 1: rank r waits on data from `silent` itself; 2: only on data that passes through it first
+  // (a prefetch chain: home -> holders in increasing rank); 0: neither.
   const auto waits = [&](OpKind kind, int32_t r, int32_t silent) {
-    if (r == silent) return false;
-    if (kind == OpKind::kDispatch || kind == OpKind::kCombineBackward) return rows_to[silent * R + r] > 0;
-    if (kind != OpKind::kPrefetch) return rows_to[r * R + silent] > 0;
-    for (int32_t s = 0; s < S; ++s) {
-      const int32_t e = plan_.slot_expert[r * S + s];
-      if (e >= 0 && plan_.home[e] == silent) return true;
-    }
-    return false;
+    if (r == silent) return 0;
+    if (kind == OpKind::kDispatch || kind == OpKind::kCombineBackward) return rows_to[silent * R + r] > 0 ? 1 : 0;
+    if (kind != OpKind::kPrefetch) return rows_to[r * R + silent] > 0 ? 1 : 0;
+    return ChainWait(plan_, /*reduce=*/false, r, silent);
   };
   for (OpKind kind : {OpKind::kDispatch, OpKind::kCombine, OpKind::kCombineBackward,
                       OpKind::kDispatchBackward, OpKind::kTopkWeightGrad, OpKind::kPrefetch}) {
@@ -708,7 +732,7 @@ TEST_P(FaultTest, RankThatNeverJoinsADataOperationTimesOutThePeersWaitingOnIt) {
     int32_t silent = -1, most = 0;
     for (int32_t s = 0; s < R; ++s) {
       int32_t n = 0;
-      for (int32_t r = 0; r < R; ++r) n += waits(kind, r, s);
+      for (int32_t r = 0; r < R; ++r) n += waits(kind, r, s) > 0;
       if (n > most) silent = s, most = n;
     }
     ASSERT_GE(silent, 0) << "no rank needs data from another in this plan";
@@ -753,11 +777,16 @@ TEST_P(FaultTest, RankThatNeverJoinsADataOperationTimesOutThePeersWaitingOnIt) {
     testing::ClearSkip();
     if (rank() == silent) {
       EXPECT_TRUE(st.ok()) << st;
-    } else if (waits(kind, rank(), silent)) {
+    } else if (waits(kind, rank(), silent) == 1) {
       EXPECT_EQ(ToResult(st), moonepTimeout) << st;
       EXPECT_EQ(st.message().rfind(std::string(OpName(kind)) + " timed out", 0), 0u) << st;
       EXPECT_NE(st.message().find("rank(s) " + std::to_string(silent)), std::string::npos) << st;
       EXPECT_GE(ms, 2000 * 0.99);
+    } else if (waits(kind, rank(), silent) == 2) {
+      // Its predecessor in the chain waits on the silent rank: it times out on that predecessor,
+      // or hears of its failure first.
+      EXPECT_TRUE(ToResult(st) == moonepTimeout || ToResult(st) == moonepRemoteError) << st;
+      EXPECT_NE(st.message().find(OpName(kind)), std::string::npos) << st;
     } else if (!st.ok()) {  // it only sends to the silent rank: done, or waiting on it
       EXPECT_EQ(ToResult(st), moonepTimeout) << st;
       EXPECT_NE(st.message().find("rank(s) " + std::to_string(silent)), std::string::npos) << st;
@@ -773,11 +802,8 @@ TEST_P(FaultTest, RankThatNeverJoinsReduceTimesOutItsPeers) {
   std::vector<TensorView> hv, sv;
   for (auto& v : home) hv.push_back(TensorView::Contiguous(v.data(), DType::kFloat32, {8}));
   for (auto& v : slot) sv.push_back(TensorView::Contiguous(v.data(), DType::kFloat32, {8}));
-  bool waits_on_silent = false;  // a replica of one of my experts lives on the silent rank
-  for (int32_t s = 0; s < S; ++s) {
-    const int32_t e = plan_.slot_expert[silent * S + s];
-    waits_on_silent |= e >= 0 && plan_.home[e] == rank();
-  }
+  // Whether a reduce chain passes from the silent rank to me (1: straight, 2: through others).
+  const int waits_on_silent = ChainWait(plan_, /*reduce=*/true, rank(), silent);
   testing::SetSkipRank(silent, OpKind::kReduce);
   const auto start = Clock::now();
   // The asynchronous form: Test() alone (no Wait) must also end with the timeout.
@@ -797,10 +823,14 @@ TEST_P(FaultTest, RankThatNeverJoinsReduceTimesOutItsPeers) {
   const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
   if (rank() == silent) {
     EXPECT_TRUE(st.ok());
-  } else if (waits_on_silent) {
+  } else if (waits_on_silent == 1) {
     EXPECT_EQ(ToResult(st), moonepTimeout) << st;
     EXPECT_NE(st.message().find("reduce"), std::string::npos) << st;
     EXPECT_NE(st.message().find("rank(s) 0"), std::string::npos) << st;
+    EXPECT_LT(ms, 2000 + 1500);
+  } else if (waits_on_silent == 2) {
+    EXPECT_TRUE(ToResult(st) == moonepTimeout || ToResult(st) == moonepRemoteError) << st;
+    EXPECT_NE(st.message().find("reduce"), std::string::npos) << st;
     EXPECT_LT(ms, 2000 + 1500);
   } else {
     EXPECT_TRUE(st.ok()) << st;

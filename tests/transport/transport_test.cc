@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -613,6 +614,37 @@ struct Blocks {
   int32_t Size(int k) const { return k < 2 ? 24 : 5; }
 };
 
+// Values whose sum depends on the order of summation (magnitudes 2^-12 .. 2^12), a function of
+// (rank, expert, tensor, element) so that every rank knows every other rank's.
+float OrderSensitive(uint64_t a, uint64_t b, uint64_t c, uint64_t d) {
+  uint64_t x = (a * 0x9E3779B97F4A7C15ULL) ^ (b * 0xC2B2AE3D27D4EB4FULL) ^ (c * 0x165667B19E3779F9ULL) ^
+               (d * 0xD6E8FEB86659FD93ULL);
+  x ^= x >> 29;
+  x *= 0xBF58476D1CE4E5B9ULL;
+  x ^= x >> 32;
+  const float unit = static_cast<float>(x & 0xFFFFFF) / static_cast<float>(0x1000000) - 0.5f;
+  return std::ldexp(unit, static_cast<int>((x >> 24) % 25) - 12);
+}
+
+// The expected sum of expert e's tensor k element j: ((replica of the lowest holder rank + the next)
+// + ...) + home, each value as stored in the tensor's dtype, accumulated in fp32 and stored once
+// (the contract of StartReduce), worked out from the plan's slots directly.
+float ExpectedChainSum(const planner::Plan& plan, int32_t e, int k, int32_t j, float home_value,
+                       const std::function<float(int32_t, int32_t, int, int32_t)>& slot_value) {
+  const auto stored = [&](float v) { return k < 2 ? v : BFloat16::FromFloat(v).ToFloat(); };
+  bool any = false;
+  float acc = 0.0f;
+  for (int32_t d = 0; d < plan.num_ranks; ++d) {
+    for (int32_t s = 0; s < plan.slots; ++s) {
+      if (plan.slot_expert[d * plan.slots + s] != e) continue;
+      const float v = stored(slot_value(d, e, k, j));
+      acc = any ? acc + v : v;
+      any = true;
+    }
+  }
+  return stored(any ? acc + stored(home_value) : home_value);
+}
+
 class WeightsTest : public moonep::testing::MpiTest,
                     public ::testing::WithParamInterface<std::tuple<std::string, std::string>> {
  protected:
@@ -743,6 +775,66 @@ TEST_P(WeightsTest, TwoReducesInFlightKeepTheirOwnGradients) {
   }
 }
 
+// A reduce and a prefetch in flight, waited for in opposite orders on alternate ranks, with
+// chunks of 16 bytes: a holder passes chunks of one on while its rank waits on the other, so
+// neither waits for the other rank's wait to end (both used to pass chunks on only inside their
+// own Test: each rank waited on the op its neighbour was not moving, until the timeout).
+TEST_P(WeightsTest, WeightOpsWaitedInOppositeOrdersOnAlternateRanksComplete) {
+  TransportOptions o;
+  o.max_tokens = p_.max_tokens();
+  o.max_top_k = p_.K;
+  o.max_row_bytes = 4;
+  o.replica_chunk_bytes = 16;
+  o.timeout_ms = 10000;
+  auto made = CreateTransport(std::get<0>(GetParam()), o);
+  ASSERT_TRUE(made.ok()) << made.status();
+  Transport* t = made->get();
+  const auto home_value = [](int32_t e, int k, int32_t j) { return OrderSensitive(7, e, k, j); };
+  const auto slot_value = [](int32_t d, int32_t e, int k, int32_t j) {
+    return OrderSensitive(static_cast<uint64_t>(d) + 11, e, k, j);
+  };
+  Blocks params_home, params_slots;  // the prefetch's
+  params_home.Init(plan_.experts_per_rank);
+  params_slots.Init(plan_.slots);
+  params_home.Fill([&](int32_t g, int k, int32_t j) { return home_value(HomeExpert(g) + 100, k, j); });
+  params_slots.Fill([](int32_t, int, int32_t) { return -1.0f; });
+  home_.Fill([&](int32_t g, int k, int32_t j) { return home_value(HomeExpert(g), k, j); });
+  slots_.Fill([&](int32_t s, int k, int32_t j) {
+    return SlotExpert(s) < 0 ? 0.0f : slot_value(rank(), SlotExpert(s), k, j);
+  });
+  const ExpertBlocks params{Blocks::kTensors,
+                            absl::MakeConstSpan(params_home.views.data(), params_home.views.size()),
+                            absl::MakeConstSpan(params_slots.views.data(), params_slots.views.size())};
+  auto reduce = t->StartReduce(plan_, View());
+  ASSERT_TRUE(reduce.ok()) << reduce.status();
+  auto prefetch = t->StartPrefetch(plan_, params);
+  ASSERT_TRUE(prefetch.ok()) << prefetch.status();
+  RequestPtr* order[2] = {&*reduce, &*prefetch};
+  if (rank() % 2 == 1) std::swap(order[0], order[1]);
+  for (RequestPtr* r : order) {
+    absl::Status st = (*r)->Wait();
+    ASSERT_TRUE(st.ok()) << st;
+  }
+  for (int32_t g = 0; g < plan_.experts_per_rank; ++g) {
+    const int32_t e = HomeExpert(g);
+    for (int k = 0; k < Blocks::kTensors; ++k) {
+      for (int32_t j = 0; j < home_.Size(k); ++j) {
+        ASSERT_EQ(home_.Get(g, k, j), ExpectedChainSum(plan_, e, k, j, home_value(e, k, j), slot_value))
+            << "expert " << e << " tensor " << k << " j " << j;
+      }
+    }
+  }
+  for (int32_t s = 0; s < plan_.slots; ++s) {
+    const int32_t e = SlotExpert(s);
+    for (int k = 0; k < Blocks::kTensors; ++k) {
+      for (int32_t j = 0; j < params_slots.Size(k); ++j) {
+        const float v = e < 0 ? -1.0f : home_value(e + 100, k, j);
+        ASSERT_EQ(params_slots.Get(s, k, j), k < 2 ? v : BFloat16::FromFloat(v).ToFloat()) << s;
+      }
+    }
+  }
+}
+
 TEST_P(WeightsTest, ReduceIsBitIdenticalAcrossRuns) {
   std::vector<std::vector<float>> first;
   for (int run = 0; run < 3; ++run) {
@@ -767,6 +859,110 @@ TEST_P(WeightsTest, ReduceIsBitIdenticalAcrossRuns) {
         ASSERT_EQ(0, std::memcmp(first[i].data(), got[i].data(), got[i].size() * 4)) << "run " << run;
       }
     }
+  }
+}
+
+// Along the replica chains, in every chunk size: prefetch copies bit for bit, and reduce sums in
+// the contract's order, checked bit for bit on values whose sum depends on the order.
+TEST_P(WeightsTest, ChainsPrefetchAndReduceInOrderInEveryChunkSize) {
+  const auto home_value = [](int32_t e, int k, int32_t j) { return OrderSensitive(1000, e, k, j); };
+  const auto slot_value = [](int32_t d, int32_t e, int k, int32_t j) {
+    return OrderSensitive(static_cast<uint64_t>(d), e, k, j + 7);
+  };
+  // 16 bytes: 4 elements a chunk, so the 24-element tensors go in 6 chunks and the bf16 one in 2;
+  // 40: a last chunk shorter than the others; 0: the default (one chunk each here).
+  for (const int64_t chunk : {int64_t{0}, int64_t{16}, int64_t{40}}) {
+    TransportOptions o;
+    o.max_tokens = p_.max_tokens();
+    o.max_top_k = p_.K;
+    o.max_row_bytes = 4;
+    o.replica_chunk_bytes = chunk;
+    auto made = CreateTransport(std::get<0>(GetParam()), o);
+    ASSERT_TRUE(made.ok()) << made.status();
+    Transport* t = made->get();
+    home_.Fill([&](int32_t g, int k, int32_t j) { return home_value(HomeExpert(g), k, j); });
+    slots_.Fill([](int32_t, int, int32_t) { return -3.0f; });
+    absl::Status st = t->Prefetch(plan_, View());
+    ASSERT_TRUE(st.ok()) << st;
+    for (int32_t s = 0; s < plan_.slots; ++s) {
+      const int32_t e = SlotExpert(s);
+      for (int k = 0; k < Blocks::kTensors; ++k) {
+        for (int32_t j = 0; j < slots_.Size(k); ++j) {
+          const float v = e < 0 ? -3.0f : home_value(e, k, j);
+          const float want = k < 2 ? v : BFloat16::FromFloat(v).ToFloat();
+          ASSERT_EQ(slots_.Get(s, k, j), want) << "chunk " << chunk << " slot " << s << " j " << j;
+        }
+      }
+    }
+    home_.Fill([&](int32_t g, int k, int32_t j) { return home_value(HomeExpert(g), k, j); });
+    slots_.Fill([&](int32_t s, int k, int32_t j) {
+      return SlotExpert(s) < 0 ? 0.0f : slot_value(rank(), SlotExpert(s), k, j);
+    });
+    st = t->Reduce(plan_, View());
+    ASSERT_TRUE(st.ok()) << st;
+    for (int32_t g = 0; g < plan_.experts_per_rank; ++g) {
+      const int32_t e = HomeExpert(g);
+      for (int k = 0; k < Blocks::kTensors; ++k) {
+        for (int32_t j = 0; j < home_.Size(k); ++j) {
+          const float want = ExpectedChainSum(plan_, e, k, j, home_value(e, k, j), slot_value);
+          ASSERT_EQ(home_.Get(g, k, j), want)
+              << "chunk " << chunk << " expert " << e << " tensor " << k << " j " << j;
+        }
+      }
+    }
+  }
+}
+
+// The chain's shape, from the counters: per expert with replicas, the home sends one copy of each
+// tensor (prefetch) and receives one sum (reduce) whatever the replica count; a holder receives one
+// copy and passes it on unless it is the highest holder rank, and passes one partial on.
+TEST_P(WeightsTest, ChainsSendEachRankOneCopyPerExpert) {
+  const int32_t R = plan_.num_ranks, S = plan_.slots, me = rank();
+  int64_t prefetch_sent = 0, prefetch_received = 0, reduce_sent = 0, reduce_received = 0;
+  for (int32_t e = 0; e < plan_.num_experts; ++e) {
+    std::vector<int32_t> holders;  // increasing rank
+    for (int32_t d = 0; d < R; ++d) {
+      for (int32_t s = 0; s < S; ++s) {
+        if (plan_.slot_expert[d * S + s] == e) holders.push_back(d);
+      }
+    }
+    if (holders.empty()) continue;
+    if (plan_.home[e] == me) {
+      ++prefetch_sent;
+      ++reduce_received;
+    }
+    for (size_t i = 0; i < holders.size(); ++i) {
+      if (holders[i] != me) continue;
+      ++prefetch_received;
+      ++reduce_sent;
+      if (i + 1 < holders.size()) ++prefetch_sent;
+      if (i > 0) ++reduce_received;
+    }
+  }
+  home_.Fill([](int32_t, int, int32_t) { return 1.0f; });
+  slots_.Fill([](int32_t, int, int32_t) { return 1.0f; });
+  t_->ResetCounters();
+  ASSERT_TRUE(t_->Prefetch(plan_, View()).ok());
+  ASSERT_TRUE(t_->Reduce(plan_, View()).ok());
+  const int64_t nt = Blocks::kTensors;
+  EXPECT_EQ(t_->counters(OpKind::kPrefetch).rows_sent, prefetch_sent * nt);
+  EXPECT_EQ(t_->counters(OpKind::kPrefetch).rows_received, prefetch_received * nt);
+  EXPECT_EQ(t_->counters(OpKind::kReduce).rows_sent, reduce_sent * nt);
+  EXPECT_EQ(t_->counters(OpKind::kReduce).rows_received, reduce_received * nt);
+}
+
+TEST_P(WeightsTest, BadReplicaChunkBytesFailsCreationNamingIt) {
+  for (const int64_t chunk : {int64_t{-1}, int64_t{8}, (int64_t{1} << 30) + 1}) {
+    TransportOptions o;
+    o.max_tokens = p_.max_tokens();
+    o.max_top_k = p_.K;
+    o.max_row_bytes = 4;
+    o.replica_chunk_bytes = chunk;
+    auto made = CreateTransport(std::get<0>(GetParam()), o);
+    ASSERT_FALSE(made.ok()) << chunk;
+    EXPECT_EQ(made.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(std::string(made.status().message()).find("replica_chunk_bytes"), std::string::npos)
+        << made.status();
   }
 }
 

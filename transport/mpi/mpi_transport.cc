@@ -10,6 +10,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -23,6 +24,7 @@
 #include "transport/common/count_exchange.h"
 #include "transport/common/host_checks.h"
 #include "transport/common/host_rows.h"
+#include "transport/common/replica_chain.h"
 #include "transport/layout.h"
 #include "transport/testing_hooks.h"
 
@@ -54,8 +56,6 @@ constexpr int kNudgeWords = 4;
 // MPI's 2^31 - 1 does), else fewer (down to 1: none, at the standard's minimum of 32767).
 constexpr int kMaxHandleTags = 16;
 constexpr int64_t kMinTagSlots = 1024;
-// Expert tensors travel in chunks below MPI's int count limit.
-constexpr int64_t kMaxChunkBytes = int64_t{1} << 30;
 
 struct RowMeta {  // per dispatched row, sender -> receiver: its unique row and its top-k weight
   int32_t unique;
@@ -138,11 +138,10 @@ class MpiOp : public Request {
                         int kind = 0);
   absl::Status PostRecv(void* buf, int count, MPI_Datatype type, int peer, int sub,
                         int64_t expect_bytes, int kind = 0);
-  // Bytes in chunks (expert tensors); receives check each chunk's size.
-  absl::Status SendBytes(const void* buf, int64_t bytes, int peer, int sub);
-  absl::Status RecvBytes(void* buf, int64_t bytes, int peer, int sub);
   // A receive of request `index` completed (its size already checked).
   virtual absl::Status OnReceived(size_t /*index*/) { return absl::OkStatus(); }
+  // A send of request `index` completed.
+  virtual absl::Status OnSent(size_t /*index*/) { return absl::OkStatus(); }
   // All requests completed: the local work that remains.
   virtual absl::Status Finish() { return absl::OkStatus(); }
   // Size mismatches that every rank sees in the same operation (count exchange) are reported
@@ -176,11 +175,12 @@ class MpiOp : public Request {
   // up to kOrderProbePeers peers in turn, else the peers of requests still pending; those of
   // pending receives are sent a nudge once this op has waited kNudgeAfter.
   absl::Status CheckCallOrder(bool all_peers);
-  void Ended() {
-    if (on_end_) std::exchange(on_end_, nullptr)();
-  }
+  void Ended();
 
   std::function<void()> on_end_;
+ protected:
+  bool chain_ = false;  // in the transport's chain ops until it ends (ChainOp)
+ private:
   std::vector<MPI_Request> requests_;
   std::vector<int> indices_;
   std::vector<MPI_Status> statuses_;
@@ -207,6 +207,8 @@ class MpiTransport : public Transport {
   // How MpiOp::Wait waits: polling without sleeps while this node has a core per rank, else
   // sleeping between polls (common::SpinWaits).
   bool spin_waits() const { return spin_waits_; }
+  // Elements per chunk of an expert tensor along a replica chain (replica_chunk_bytes).
+  int64_t replica_chunk_elements() const { return replica_chunk_elements_; }
 
   absl::StatusOr<RequestPtr> StartExchangeCounts(absl::Span<const int32_t> topk_ids,
                                                  int64_t num_tokens, int32_t top_k,
@@ -291,6 +293,14 @@ class MpiTransport : public Transport {
   // Reduce staging: one buffer per reduce in flight, reused.
   common::BufferPool<std::vector<char>> reduce_staging;
   MetaType meta_type;  // dispatch metadata, counted in rows
+  // Prefetches and reduces in flight (chains: a holder passes a chunk on from its op's Test).
+  // Every op's Test moves the others on too (ProgressChains), so chunks pass through this rank
+  // while it waits on a dispatch or on another weight op, whatever order the ranks wait in.
+  void AddChainOp(MpiOp* op) { chain_ops_.push_back(op); }
+  void RemoveChainOp(MpiOp* op) {
+    chain_ops_.erase(std::remove(chain_ops_.begin(), chain_ops_.end(), op), chain_ops_.end());
+  }
+  void ProgressChains(const MpiOp* caller);
 
  private:
   MpiTransport() = default;
@@ -302,6 +312,9 @@ class MpiTransport : public Transport {
   int32_t rank_ = 0, size_ = 1;
   int64_t timeout_ms_ = 0;
   bool spin_waits_ = false;
+  int64_t replica_chunk_elements_ = 1;
+  std::vector<MpiOp*> chain_ops_;
+  bool progressing_chains_ = false;
   std::shared_ptr<WorkerPool> host_pool_;  // the dispatch's layouts (null: this thread alone)
   int64_t tag_slots_ = 1, seqs_per_epoch_ = 1, epoch_ = 0;
   int handle_tags_ = 1;  // values of the dispatch bits in a tag (kMaxHandleTags where it fits)
@@ -449,28 +462,6 @@ absl::Status MpiOp::PostRecv(void* buf, int count, MPI_Datatype type, int peer, 
   return absl::OkStatus();
 }
 
-absl::Status MpiOp::SendBytes(const void* buf, int64_t bytes, int peer, int sub) {
-  const char* p = static_cast<const char*>(buf);
-  do {
-    const int64_t n = std::min(bytes, kMaxChunkBytes);
-    MOONEP_RETURN_IF_ERROR(PostSend(p, static_cast<int>(n), MPI_BYTE, peer, sub));
-    p += n;
-    bytes -= n;
-  } while (bytes > 0);
-  return absl::OkStatus();
-}
-
-absl::Status MpiOp::RecvBytes(void* buf, int64_t bytes, int peer, int sub) {
-  char* p = static_cast<char*>(buf);
-  do {
-    const int64_t n = std::min(bytes, kMaxChunkBytes);
-    MOONEP_RETURN_IF_ERROR(PostRecv(p, static_cast<int>(n), MPI_BYTE, peer, sub, n));
-    p += n;
-    bytes -= n;
-  } while (bytes > 0);
-  return absl::OkStatus();
-}
-
 absl::Status MpiOp::TimeoutStatus() const {
   std::vector<int> silent, unreceived;
   for (size_t i = 0; i < requests_.size(); ++i) {
@@ -539,6 +530,9 @@ absl::StatusOr<bool> MpiOp::Test() {
         if (!s.ok()) return Fail(s);
       } else if (err != MPI_SUCCESS) {
         return Fail(Annotate(MpiCheck(err, "send"), OpName(kind_)));
+      } else {
+        absl::Status s = OnSent(i);
+        if (!s.ok()) return Fail(s);
       }
     }
   }
@@ -562,6 +556,7 @@ absl::StatusOr<bool> MpiOp::Test() {
     transport_->AddCounters(kind_, counters_);
     return true;
   }
+  transport_->ProgressChains(this);
   const Clock::time_point now = Clock::now();
   if (now >= next_order_check_) {
     next_order_check_ = now + order_check_interval_;
@@ -1052,78 +1047,401 @@ class TopkWeightGradOp : public MpiOp {
 };
 
 // ---------------------------------------------------------------------------------------------
-// Weight ops. Every (rank, slot) in increasing order on both sides, so per-pair message order
-// matches without per-slot tags.
+// Weight ops: every expert with replicas moves along its replica chain (common/replica_chain.h),
+// holders h_1 < h_2 < ... < h_n in increasing rank. Prefetch: home -> h_1 -> ... -> h_n, each
+// holder receiving into its slot and passing the bytes on from there. Reduce: h_1 -> ... -> h_n ->
+// home; h_1 sends its slot's gradient as an fp32 partial (ChainStart), each next holder adds its
+// slot into the partial it received (ChainAdd) and passes it on, and the home stores partial +
+// home (ChainFinish): ((g_1 + g_2) + ...) + home in fp32, stored once, the same bits as every
+// other backend. Each rank sends one copy and receives one copy per expert it takes part in,
+// whatever the replica count; partials travel as fp32 whatever the gradient's dtype.
+//
+// Pipelining: each tensor travels in chunks of common::ChunkElements(replica_chunk_bytes)
+// elements, and a holder passes chunk c on from OnReceived, as soon as chunk c has arrived (in
+// reduce: once its own slot's chunk c is added), so a chain of n hops takes about one tensor's
+// transfer time plus n - 1 chunk times rather than n transfer times. A holder passes chunks on
+// while its op is tested or waited for; the home's first kChainWindow chunks to each peer move in
+// the background (MPI progresses them in any MPI call).
+//
+// Matching: all the messages of one op carry its one data tag, and order keeps them apart (MPI
+// matches the messages of one source, tag and communicator in the order they were sent, against
+// the receives in the order they were posted). Each rank sends a peer its chunks in one fixed
+// order, (tensor, chunk, chain in increasing expert), and posts its receives from a peer in that
+// same order. The order is chunk-major rather than chain by chain, so that a rank that is the home
+// of one chain and a middle holder of another to the same peer does not hold the first back until
+// the second has passed through in full. Ops in flight together (two reduces, a prefetch and a
+// reduce) have tags of their own (their sequence numbers).
+//
+// Windows: per op and peer, at most kChainWindow sends are posted from the first one not complete
+// on, and at most kChainWindow receives from the first one not arrived on. Open MPI's ob1
+// numbers the messages between two ranks of a communicator with 16 bits: with every chunk posted
+// at once (small chunks of large tensors, three ops in flight) more than 65536 were in flight and
+// receives matched the wrong messages. And it looks for a message's receive along all the
+// receives posted for its source: with every chunk's receive posted at once, a second op in flight
+// made each match walk past the whole first op.
+//
+// No deadlock: a send waits for the data it passes on (the same (tensor, chunk, chain) one hop
+// nearer the chain's start) and for earlier sends to the same peer (the order; the window, and a
+// send completes once the peer posted its receive); a receive is posted once an earlier receive
+// from the same peer arrived. Every wait is for a message earlier in (tensor, chunk, chain, hop)
+// order, so following them always ends at one that waits for nothing. This needs each rank to test
+// the op while its peers wait on it (passing on, and posting past the windows, happen in Test):
+// every op's Test also tests the weight ops in flight (MpiTransport::ProgressChains), so chunks
+// pass through a rank while it waits on a dispatch (the prefetch's later hops overlap it too) or
+// on another weight op, in whatever order the ranks wait.
+//
+// A plan with home replicas (Plan::home_replicas, one rank) has the home rank as the holder of such
+// an expert: its hops are all local, copies (prefetch) and ChainStart, ChainAdd ..., ChainFinish
+// chunk by chunk through staging (reduce), in the order of a chain across ranks.
 
-class PrefetchOp : public MpiOp {
+// Reduce staging blocks start at multiples of 16 bytes.
+int64_t AlignUp(int64_t bytes) { return (bytes + 15) / 16 * 16; }
+
+// Chunks per op and peer in flight each way (see above): 256 MiB at the default chunk size, so
+// that the home's first hop mostly moves in the background while its rank waits on another
+// operation; a few ops in flight stay far below ob1's 65536 message numbers, and a match walks
+// past at most this many receives of each other op.
+constexpr size_t kChainWindow = 256;
+
+// Every holder is the home rank (home replicas): every hop is on that rank.
+bool IsLocal(const common::ReplicaChain& c) {
+  return c.holders.front().rank == c.home && c.holders.back().rank == c.home;
+}
+
+// The plan's replica chains, each either local or across ranks with the home no holder and no
+// rank twice. Others (a rank holding one expert in two slots, an expert in slots on its home rank
+// and on another rank) are refused with InvalidArgument: the plan alone decides, so every rank
+// refuses them alike.
+absl::StatusOr<std::vector<common::ReplicaChain>> ChainsOf(const planner::Plan& plan) {
+  std::vector<common::ReplicaChain> chains = common::ReplicaChains(plan);
+  for (const common::ReplicaChain& c : chains) {
+    if (IsLocal(c)) continue;
+    for (size_t i = 0; i < c.holders.size(); ++i) {
+      MOONEP_CHECK_ARG(c.holders[i].rank != c.home,
+                       "plan: expert %d has replicas on its home rank %d and on other ranks "
+                       "(home-rank replicas are for one-rank plans)", c.expert, c.home);
+      MOONEP_CHECK_ARG(i == 0 || c.holders[i].rank != c.holders[i - 1].rank,
+                       "plan: rank %d holds expert %d in two slots (%d and %d)",
+                       c.holders[i].rank, c.expert, c.holders[i - 1].slot, c.holders[i].slot);
+    }
+  }
+  return chains;
+}
+
+// What prefetch and reduce share: per peer, the chunks to send and to receive in the order of the
+// peer's, posted through the windows as they become ready, and what follows each receive.
+class ChainOp : public MpiOp {
+ public:
+  ChainOp(MpiTransport* t, OpKind kind, MPI_Comm comm, int64_t seq);
+
+ protected:
+  // One chain of this op that this rank takes part in across ranks.
+  struct Hop {
+    int32_t group = -1;  // the expert's home group (on its home rank)
+    common::ChainPeers peers;
+  };
+  // A chunk for a peer. Its data may arrive (or be added to) later: it goes once ready.
+  struct Out {
+    const void* data = nullptr;
+    int64_t bytes = 0;
+    bool ready = false;
+    bool done = false;  // its send completed
+    // Reduce, at a chain's first holder of a tensor that is not fp32: ChainStart of the slot's
+    // elements [begin, begin + n) into `partial` (= data) right before the chunk goes, so that
+    // converting one chunk overlaps sending the one before.
+    const TensorView* start = nullptr;
+    int64_t begin = 0, n = 0;
+    float* partial = nullptr;
+  };
+  // A chunk from a peer: where it lands, and what follows its arrival.
+  struct In {
+    void* buf = nullptr;
+    int64_t bytes = 0;
+    const TensorView* view = nullptr;  // reduce: the slot to add, or the home to store into
+    int64_t begin = 0, n = 0;          // reduce: the chunk's elements
+    float* partial = nullptr;          // reduce: where the partial arrived (= buf)
+    bool home = false;                 // reduce: the chain ends here (ChainFinish)
+    int32_t link = -1, out = -1;       // where it goes on (link -1: nowhere)
+    bool done = false;                 // arrived
+  };
+  // The chunks to and from one peer, each way in the order of the peer's.
+  struct Link {
+    int peer = -1;
+    std::vector<Out> out;
+    size_t sent = 0;       // out[0, sent) are posted
+    size_t sent_done = 0;  // out[0, sent_done) completed
+    std::vector<In> in;
+    size_t posted = 0;   // in[0, posted) are posted
+    size_t arrived = 0;  // in[0, arrived) arrived
+  };
+
+  // Copies the caller's tensor views (Out and In point at the copies).
+  void Keep(const ExpertBlocks& b) {
+    home_.assign(b.home.begin(), b.home.end());
+    slots_.assign(b.slots.begin(), b.slots.end());
+  }
+  // Queues a chunk for `peer`: its link and its place there.
+  std::pair<int32_t, int32_t> Send(int peer, const Out& out);
+  // Queues the receive of a chunk from `peer`.
+  void Recv(int peer, const In& in);
+  // Marks chunk `index` of `link` ready to go.
+  void Ready(int32_t link, int32_t index) {
+    links_[static_cast<size_t>(link)].out[static_cast<size_t>(index)].ready = true;
+  }
+  // Posts what the windows of `link` let go: receives, and ready chunks at the head of its sends.
+  absl::Status Pump(int32_t link);
+  absl::Status PumpAll();
+  // What follows the arrival of a chunk (ops: pass it on, add, finish).
+  virtual void Arrived(const In& in) = 0;
+
+  const int64_t chunk_;  // elements
+  std::vector<TensorView> home_, slots_;
+
+ private:
+  int32_t LinkOf(int peer);
+  // The windows move on.
+  absl::Status OnReceived(size_t index) override;
+  absl::Status OnSent(size_t index) override;
+  // Every queued chunk was sent and received (a check: each is posted once the ones before it
+  // completed, and ready once its data arrived).
+  absl::Status Finish() override;
+
+  std::vector<Link> links_;
+  std::vector<int32_t> link_of_;  // per peer rank, its link (-1: none)
+  // Per posted request (its Pending::kind): its link and its place there.
+  std::vector<std::pair<int32_t, int32_t>> posted_;
+};
+
+ChainOp::ChainOp(MpiTransport* t, OpKind kind, MPI_Comm comm, int64_t seq)
+    : MpiOp(t, kind, comm, seq), chunk_(t->replica_chunk_elements()) {
+  t->AddChainOp(this);
+  chain_ = true;
+}
+
+void MpiOp::Ended() {
+  if (chain_) transport_->RemoveChainOp(this);
+  chain_ = false;
+  if (on_end_) std::exchange(on_end_, nullptr)();
+}
+
+void MpiTransport::ProgressChains(const MpiOp* caller) {
+  if (progressing_chains_ || chain_ops_.empty()) return;
+  progressing_chains_ = true;
+  // A copy: an op that ends here leaves chain_ops_. An op's failure stays its own (its caller's
+  // Test or Wait returns it; a failure that poisons the transport fails the caller's op next).
+  const std::vector<MpiOp*> ops = chain_ops_;
+  for (MpiOp* op : ops) {
+    if (op == caller || std::find(chain_ops_.begin(), chain_ops_.end(), op) == chain_ops_.end()) {
+      continue;
+    }
+    static_cast<void>(op->Test());
+  }
+  progressing_chains_ = false;
+}
+
+int32_t ChainOp::LinkOf(int peer) {
+  if (link_of_.empty()) link_of_.assign(static_cast<size_t>(transport_->size()), -1);
+  int32_t& link = link_of_[static_cast<size_t>(peer)];
+  if (link < 0) {
+    link = static_cast<int32_t>(links_.size());
+    links_.emplace_back();
+    links_.back().peer = peer;
+  }
+  return link;
+}
+
+std::pair<int32_t, int32_t> ChainOp::Send(int peer, const Out& out) {
+  const int32_t link = LinkOf(peer);
+  std::vector<Out>& queue = links_[static_cast<size_t>(link)].out;
+  queue.push_back(out);
+  return {link, static_cast<int32_t>(queue.size() - 1)};
+}
+
+void ChainOp::Recv(int peer, const In& in) {
+  links_[static_cast<size_t>(LinkOf(peer))].in.push_back(in);
+}
+
+absl::Status ChainOp::Pump(int32_t link) {
+  Link& l = links_[static_cast<size_t>(link)];
+  while (l.posted < l.in.size() && l.posted < l.arrived + kChainWindow) {
+    const In& in = l.in[l.posted];
+    posted_.emplace_back(link, static_cast<int32_t>(l.posted));
+    MOONEP_RETURN_IF_ERROR(PostRecv(in.buf, static_cast<int>(in.bytes), MPI_BYTE, l.peer, kSubData,
+                                    in.bytes, static_cast<int>(posted_.size() - 1)));
+    ++l.posted;
+  }
+  while (l.sent < l.out.size() && l.out[l.sent].ready && l.sent < l.sent_done + kChainWindow) {
+    const Out& o = l.out[l.sent];
+    if (o.start != nullptr) common::ChainStart(*o.start, o.begin, o.n, o.partial);
+    posted_.emplace_back(link, static_cast<int32_t>(l.sent));
+    MOONEP_RETURN_IF_ERROR(PostSend(o.data, static_cast<int>(o.bytes), MPI_BYTE, l.peer, kSubData,
+                                    static_cast<int>(posted_.size() - 1)));
+    counters_.bytes_sent += o.bytes;
+    ++l.sent;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ChainOp::PumpAll() {
+  for (size_t i = 0; i < links_.size(); ++i) MOONEP_RETURN_IF_ERROR(Pump(static_cast<int32_t>(i)));
+  return absl::OkStatus();
+}
+
+absl::Status ChainOp::OnReceived(size_t index) {
+  const auto [link, i] = posted_[static_cast<size_t>(pending_[index].kind)];
+  Link& l = links_[static_cast<size_t>(link)];
+  In& in = l.in[static_cast<size_t>(i)];
+  in.done = true;
+  Arrived(in);
+  while (l.arrived < l.posted && l.in[l.arrived].done) ++l.arrived;
+  MOONEP_RETURN_IF_ERROR(Pump(link));
+  // The chunk goes on to another peer (the next in its chain): that link may send now.
+  return in.link < 0 || in.link == link ? absl::OkStatus() : Pump(in.link);
+}
+
+absl::Status ChainOp::OnSent(size_t index) {
+  const auto [link, i] = posted_[static_cast<size_t>(pending_[index].kind)];
+  Link& l = links_[static_cast<size_t>(link)];
+  l.out[static_cast<size_t>(i)].done = true;
+  while (l.sent_done < l.sent && l.out[l.sent_done].done) ++l.sent_done;
+  return Pump(link);
+}
+
+absl::Status ChainOp::Finish() {
+  for (const Link& l : links_) {
+    if (l.sent != l.out.size() || l.posted != l.in.size()) {
+      return Internal("%s: %d chunks for rank %d were never sent and %d from it never received",
+                      OpName(kind_), l.out.size() - l.sent, l.peer, l.in.size() - l.posted);
+    }
+  }
+  return absl::OkStatus();
+}
+
+class PrefetchOp : public ChainOp {
  public:
   PrefetchOp(MpiTransport* t, MPI_Comm comm, int64_t seq)
-      : MpiOp(t, OpKind::kPrefetch, comm, seq) {}
+      : ChainOp(t, OpKind::kPrefetch, comm, seq) {}
 
-  absl::Status Start(const planner::Plan& plan, const ExpertBlocks& b) {
-    const int32_t R = plan.num_ranks, S = plan.slots, nt = b.tensors_per_expert;
-    for (int32_t d = 0; d < R; ++d) {
-      for (int32_t sl = 0; sl < S; ++sl) {
-        const int32_t e = plan.slot_expert[static_cast<size_t>(d) * S + sl];
-        if (e < 0) continue;
-        const int32_t h = plan.home[e], g = plan.home_group[e];
-        for (int32_t i = 0; i < nt; ++i) {
-          if (h == me_ && d == me_) {  // a home-rank replica (plan.home_replicas): local copy
-            const TensorView& src = b.home[static_cast<size_t>(g) * nt + i];
-            const TensorView& dst = b.slots[static_cast<size_t>(sl) * nt + i];
-            std::memcpy(dst.data, src.data, src.nbytes());
-            ++counters_.rows_local;
-          } else if (h == me_) {
-            const TensorView& src = b.home[static_cast<size_t>(g) * nt + i];
-            MOONEP_RETURN_IF_ERROR(SendBytes(src.data, static_cast<int64_t>(src.nbytes()), d,
-                                             kSubData));
-            counters_.bytes_sent += static_cast<int64_t>(src.nbytes());
-            ++counters_.rows_sent;
-          } else if (d == me_) {
-            const TensorView& dst = b.slots[static_cast<size_t>(sl) * nt + i];
-            MOONEP_RETURN_IF_ERROR(RecvBytes(dst.data, static_cast<int64_t>(dst.nbytes()), h,
-                                             kSubData));
-            ++counters_.rows_received;
+  absl::Status Start(const std::vector<common::ReplicaChain>& chains, const ExpertBlocks& b) {
+    Keep(b);
+    const int32_t nt = b.tensors_per_expert;
+    std::vector<Hop> hops;
+    for (const common::ReplicaChain& c : chains) {
+      if (IsLocal(c)) {
+        if (c.home != me_) continue;
+        for (const common::ChainHolder& h : c.holders) {
+          for (int32_t i = 0; i < nt; ++i) {
+            const TensorView& src = home_[static_cast<size_t>(c.group) * nt + i];
+            const TensorView& dst = slots_[static_cast<size_t>(h.slot) * nt + i];
+            if (src.nbytes() > 0) std::memcpy(dst.data, src.data, src.nbytes());
           }
+          counters_.rows_local += nt;
+        }
+        continue;
+      }
+      const common::ChainPeers p = common::PrefetchPeers(c, me_);
+      if (p.prev < 0 && p.next < 0) continue;
+      hops.push_back(Hop{c.group, p});
+      if (p.prev >= 0) counters_.rows_received += nt;
+      if (p.next >= 0) counters_.rows_sent += nt;
+    }
+    // Every chunk is queued here, in (tensor, chunk, chain) order (the order each peer mirrors);
+    // then the windows' first receives and what is ready (the home's chunks) go.
+    for (int32_t i = 0; i < nt; ++i) {
+      const int64_t numel = home_[static_cast<size_t>(i)].numel();
+      const int64_t es = static_cast<int64_t>(DTypeSize(home_[static_cast<size_t>(i)].dtype));
+      const int64_t chunks = common::NumChunks(numel, chunk_);
+      for (int64_t k = 0; k < chunks; ++k) {
+        const int64_t begin = k * chunk_, bytes = std::min(chunk_, numel - begin) * es;
+        for (const Hop& h : hops) {
+          if (h.peers.home) {
+            const TensorView& src = home_[static_cast<size_t>(h.group) * nt + i];
+            Out out;
+            out.data = static_cast<const char*>(src.data) + begin * es;
+            out.bytes = bytes;
+            out.ready = true;
+            Send(h.peers.next, out);
+            continue;
+          }
+          // A holder receives straight into its slot and passes the chunk on from there.
+          const TensorView& slot = slots_[static_cast<size_t>(h.peers.slot) * nt + i];
+          char* dst = static_cast<char*>(slot.data) + begin * es;
+          In in;
+          in.buf = dst;
+          in.bytes = bytes;
+          if (h.peers.next >= 0) {
+            Out out;
+            out.data = dst;
+            out.bytes = bytes;
+            std::tie(in.link, in.out) = Send(h.peers.next, out);
+          }
+          Recv(h.peers.prev, in);
         }
       }
     }
-    return absl::OkStatus();
+    return PumpAll();
+  }
+
+ private:
+  void Arrived(const In& in) override {
+    if (in.link >= 0) Ready(in.link, in.out);
   }
 };
 
-// Staging blocks start at multiples of 16 bytes, so every element type is aligned.
-int64_t AlignUp(int64_t bytes) { return (bytes + 15) / 16 * 16; }
-
-// Each reduce stages its incoming blocks in its own buffer of the transport's pool, so reduces in
-// flight together keep their gradients apart.
-class ReduceOp : public MpiOp {
+// Each reduce stages its partials in its own buffer of the transport's pool, so reduces in flight
+// together keep their gradients apart, and a reduce at a time reuses one buffer from step to step.
+class ReduceOp : public ChainOp {
  public:
-  ReduceOp(MpiTransport* t, MPI_Comm comm, int64_t seq) : MpiOp(t, OpKind::kReduce, comm, seq) {}
+  ReduceOp(MpiTransport* t, MPI_Comm comm, int64_t seq) : ChainOp(t, OpKind::kReduce, comm, seq) {}
   // The staging goes back when the op ends (OnEnd below), so that a completed request destroyed
   // after its transport touches nothing of it.
   ~ReduceOp() override { Release(); }
 
-  absl::Status Start(const planner::Plan& plan, const ExpertBlocks& b) {
-    plan_ = &plan;
-    blocks_ = b;
-    const int32_t R = plan.num_ranks, S = plan.slots, nt = b.tensors_per_expert;
-    // Staging for every replica block coming here, in (rank, slot, tensor) order.
-    int64_t need = 0;
-    for (int32_t d = 0; d < R; ++d) {
-      for (int32_t sl = 0; sl < S; ++sl) {
-        const int32_t e = plan.slot_expert[static_cast<size_t>(d) * S + sl];
-        if (e < 0 || plan.home[e] != me_ || d == me_) continue;
-        for (int32_t i = 0; i < nt; ++i) {
-          need += AlignUp(static_cast<int64_t>(b.home[static_cast<size_t>(plan.home_group[e]) * nt + i].nbytes()));
-        }
+  absl::Status Start(const std::vector<common::ReplicaChain>& chains, const ExpertBlocks& b) {
+    Keep(b);
+    const int32_t nt = b.tensors_per_expert;
+    std::vector<Hop> hops;
+    std::vector<const common::ReplicaChain*> local;
+    for (const common::ReplicaChain& c : chains) {
+      if (IsLocal(c)) {
+        if (c.home == me_) local.push_back(&c);
+        continue;
+      }
+      const common::ChainPeers p = common::ReducePeers(c, me_);
+      if (p.prev < 0 && p.next < 0) continue;
+      hops.push_back(Hop{c.group, p});
+      if (p.prev >= 0) counters_.rows_received += nt;
+      if (p.next >= 0) counters_.rows_sent += nt;
+    }
+    // Staging, fp32: a whole tensor per chain and tensor where this rank receives a partial (it
+    // is added to and passed on, or finished, from there) or starts one from a slot that is not
+    // fp32 (an fp32 slot is its own partial and goes as it is); one chunk for the local chains.
+    const auto staged = [&](const Hop& h, int32_t i) {
+      return h.peers.prev >= 0 ||
+             (h.peers.first && home_[static_cast<size_t>(i)].dtype != DType::kFloat32);
+    };
+    std::vector<int64_t> at(hops.size() * static_cast<size_t>(nt), -1);  // offsets in staging
+    int64_t need = 0, scratch = 0;
+    for (size_t k = 0; k < hops.size(); ++k) {
+      for (int32_t i = 0; i < nt; ++i) {
+        if (!staged(hops[k], i)) continue;
+        at[k * static_cast<size_t>(nt) + static_cast<size_t>(i)] = need;
+        need += AlignUp(home_[static_cast<size_t>(i)].numel() * 4);
       }
     }
+    if (!local.empty()) {
+      for (int32_t i = 0; i < nt; ++i) {
+        scratch = std::max(scratch, std::min(home_[static_cast<size_t>(i)].numel(), chunk_));
+      }
+    }
+    const int64_t scratch_at = need;
+    need += AlignUp(scratch * 4);
     staging_ = transport_->reduce_staging.Acquire();
     // At the op's end its receives are complete or cancelled (Cleanup runs first), and the
-    // staging goes back to the pool; a receive that could not be cancelled leaves it allocated.
+    // staging goes back to the pool; a receive that could not be cancelled, or a send released
+    // unfinished (partials go from the staging), leaves it allocated: MPI may still use it.
     OnEnd([this] {
-      if (receives_released()) {
+      if (receives_released() || sends_released()) {
         transport_->reduce_staging.Abandon(staging_);
       } else {
         transport_->reduce_staging.Release(staging_);
@@ -1131,64 +1449,85 @@ class ReduceOp : public MpiOp {
     });
     if (static_cast<int64_t>(staging_->size()) < need) staging_->resize(static_cast<size_t>(need));
     char* staging = staging_->data();
-    int64_t offset = 0;
-    for (int32_t d = 0; d < R; ++d) {
-      for (int32_t sl = 0; sl < S; ++sl) {
-        const int32_t e = plan.slot_expert[static_cast<size_t>(d) * S + sl];
-        if (e < 0) continue;
-        const int32_t h = plan.home[e];
-        if (h == d) continue;
-        for (int32_t i = 0; i < nt; ++i) {
-          if (d == me_) {
-            const TensorView& src = b.slots[static_cast<size_t>(sl) * nt + i];
-            MOONEP_RETURN_IF_ERROR(SendBytes(src.data, static_cast<int64_t>(src.nbytes()), h,
-                                             kSubData));
-            counters_.bytes_sent += static_cast<int64_t>(src.nbytes());
-            ++counters_.rows_sent;
-          } else if (h == me_) {
-            const int64_t bytes =
-                static_cast<int64_t>(b.home[static_cast<size_t>(plan.home_group[e]) * nt + i].nbytes());
-            MOONEP_RETURN_IF_ERROR(RecvBytes(staging + offset, bytes, d, kSubData));
-            offset += AlignUp(bytes);
-            ++counters_.rows_received;
+    // Local chains (home replicas): the slots in increasing slot, then the home, chunk by chunk,
+    // as along a chain.
+    float* partial = reinterpret_cast<float*>(staging + scratch_at);
+    for (const common::ReplicaChain* c : local) {
+      for (int32_t i = 0; i < nt; ++i) {
+        const TensorView& home = home_[static_cast<size_t>(c->group) * nt + i];
+        const int64_t numel = home.numel();
+        for (int64_t begin = 0; begin < numel; begin += chunk_) {
+          const int64_t n = std::min(chunk_, numel - begin);
+          for (size_t h = 0; h < c->holders.size(); ++h) {
+            const TensorView& slot = slots_[static_cast<size_t>(c->holders[h].slot) * nt + i];
+            (h == 0 ? common::ChainStart : common::ChainAdd)(slot, begin, n, partial);
           }
+          common::ChainFinish(home, begin, n, partial);
+        }
+      }
+      counters_.rows_local += static_cast<int64_t>(c->holders.size()) * nt;
+    }
+    // Every chunk is queued here, in (tensor, chunk, chain) order (the order each peer mirrors);
+    // then the windows' first receives and what is ready (the first holders' chunks) go.
+    for (int32_t i = 0; i < nt; ++i) {
+      const int64_t numel = home_[static_cast<size_t>(i)].numel();
+      const int64_t chunks = common::NumChunks(numel, chunk_);
+      for (int64_t k = 0; k < chunks; ++k) {
+        const int64_t begin = k * chunk_, n = std::min(chunk_, numel - begin);
+        for (size_t j = 0; j < hops.size(); ++j) {
+          const Hop& h = hops[j];
+          const int64_t offset = at[j * static_cast<size_t>(nt) + static_cast<size_t>(i)];
+          float* part = offset < 0 ? nullptr : reinterpret_cast<float*>(staging + offset) + begin;
+          In in;
+          in.buf = part;
+          in.bytes = n * 4;
+          in.begin = begin;
+          in.n = n;
+          in.partial = part;
+          if (h.peers.home) {
+            in.view = &home_[static_cast<size_t>(h.group) * nt + i];
+            in.home = true;
+            Recv(h.peers.prev, in);
+            continue;
+          }
+          const TensorView* slot = &slots_[static_cast<size_t>(h.peers.slot) * nt + i];
+          Out out;
+          out.bytes = n * 4;
+          if (h.peers.first) {
+            out.ready = true;
+            if (part == nullptr) {
+              out.data = static_cast<const float*>(slot->data) + begin;
+            } else {
+              out.data = part;
+              out.start = slot;
+              out.begin = begin;
+              out.n = n;
+              out.partial = part;
+            }
+            Send(h.peers.next, out);
+            continue;
+          }
+          // A later holder: the partial arrives, gets this slot's chunk added, and goes on.
+          out.data = part;
+          in.view = slot;
+          std::tie(in.link, in.out) = Send(h.peers.next, out);
+          Recv(h.peers.prev, in);
         }
       }
     }
-    return absl::OkStatus();
+    return PumpAll();
   }
 
  private:
-  absl::Status Finish() override {
-    const planner::Plan& plan = *plan_;
-    const int32_t R = plan.num_ranks, S = plan.slots, nt = blocks_.tensors_per_expert;
-    const int32_t epn = plan.experts_per_rank;
-    // Where each incoming block sits in staging, per (home group, tensor), in increasing rank.
-    std::vector<std::vector<const char*>> sources(static_cast<size_t>(epn) * nt);
-    const char* staging = staging_->data();
-    int64_t offset = 0;
-    for (int32_t d = 0; d < R; ++d) {
-      for (int32_t sl = 0; sl < S; ++sl) {
-        const int32_t e = plan.slot_expert[static_cast<size_t>(d) * S + sl];
-        if (e < 0 || plan.home[e] != me_) continue;
-        const int32_t g = plan.home_group[e];
-        for (int32_t i = 0; i < nt; ++i) {
-          if (d == me_) {  // a home-rank replica (plan.home_replicas): added from the slot itself
-            sources[static_cast<size_t>(g) * nt + i].push_back(
-                static_cast<const char*>(blocks_.slots[static_cast<size_t>(sl) * nt + i].data));
-            continue;
-          }
-          sources[static_cast<size_t>(g) * nt + i].push_back(staging + offset);
-          offset += AlignUp(static_cast<int64_t>(blocks_.home[static_cast<size_t>(g) * nt + i].nbytes()));
-        }
-      }
+  void Arrived(const In& in) override {
+    if (in.home) {
+      common::ChainFinish(*in.view, in.begin, in.n, in.partial);
+      return;
     }
-    for (size_t gi = 0; gi < sources.size(); ++gi) common::AddIntoHome(blocks_.home[gi], sources[gi]);
-    return absl::OkStatus();
+    common::ChainAdd(*in.view, in.begin, in.n, in.partial);
+    Ready(in.link, in.out);
   }
 
-  const planner::Plan* plan_ = nullptr;
-  ExpertBlocks blocks_;
   std::vector<char>* staging_ = nullptr;  // this op's, from transport_->reduce_staging
 };
 
@@ -1208,6 +1547,7 @@ absl::StatusOr<std::unique_ptr<Transport>> MpiTransport::Create(const TransportO
   std::unique_ptr<MpiTransport> t(new MpiTransport());
   t->options_ = options;
   t->timeout_ms_ = common::ResolveTimeoutMs(options.timeout_ms);
+  t->replica_chunk_elements_ = common::ChunkElements(options.replica_chunk_bytes);
   for (MPI_Comm* c : {&t->rows_comm_, &t->weights_comm_, &t->abort_comm_}) {
     MOONEP_RETURN_IF_ERROR(MpiCheck(MPI_Comm_dup(options.comm, c), "MPI_Comm_dup"));
     MPI_Comm_set_errhandler(*c, MPI_ERRORS_RETURN);
@@ -1674,10 +2014,12 @@ absl::StatusOr<RequestPtr> MpiTransport::StartPrefetch(const planner::Plan& plan
   MOONEP_RETURN_IF_ERROR(Usable());
   if (testing::ShouldSkip(rank_, OpKind::kPrefetch)) return Skipped();
   MOONEP_RETURN_IF_ERROR(Annotate(common::CheckSlotPlan(plan, size_, true), "prefetch"));
+  absl::StatusOr<std::vector<common::ReplicaChain>> chains = ChainsOf(plan);
+  MOONEP_RETURN_IF_ERROR(Annotate(chains.status(), "prefetch"));
   absl::Status s = common::CheckBlocks(plan, params, "params", kBackendName);
   if (!s.ok()) return AbortPeers(OpKind::kPrefetch, Annotate(s, "prefetch"));
   auto op = std::make_unique<PrefetchOp>(this, weights_comm_, weights_seq_++);
-  MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(plan, params)));
+  MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(*chains, params)));
   return RequestPtr(std::move(op));
 }
 
@@ -1686,10 +2028,12 @@ absl::StatusOr<RequestPtr> MpiTransport::StartReduce(const planner::Plan& plan,
   MOONEP_RETURN_IF_ERROR(Usable());
   if (testing::ShouldSkip(rank_, OpKind::kReduce)) return Skipped();
   MOONEP_RETURN_IF_ERROR(Annotate(common::CheckSlotPlan(plan, size_, true), "reduce"));
+  absl::StatusOr<std::vector<common::ReplicaChain>> chains = ChainsOf(plan);
+  MOONEP_RETURN_IF_ERROR(Annotate(chains.status(), "reduce"));
   absl::Status s = common::CheckBlocks(plan, grads, "grads", kBackendName);
   if (!s.ok()) return AbortPeers(OpKind::kReduce, Annotate(s, "reduce"));
   auto op = std::make_unique<ReduceOp>(this, weights_comm_, weights_seq_++);
-  MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(plan, grads)));
+  MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(*chains, grads)));
   return RequestPtr(std::move(op));
 }
 

@@ -29,6 +29,7 @@
 #include "transport/common/count_exchange.h"
 #include "transport/common/host_checks.h"
 #include "transport/common/host_rows.h"
+#include "transport/common/replica_chain.h"
 #include "transport/layout.h"
 #include "transport/testing_hooks.h"
 
@@ -54,18 +55,20 @@ enum MsgType : int32_t {
   kMsgReady = 2,
   kMsgAbort = 3,
   kMsgDropKey = 4,
-  kMsgEagerBlocks = 5,  // small reduce contributions carried inside the control message
+  // Chunks of a prefetch or reduce hop (ChainOp): their bytes, or (after puts) which ones landed.
+  kMsgChunks = 5,
   // Sent once by an operation that has waited kNudgeAfter for a peer's control message: its kind
   // (aux) lets the peer find that the two ranks called different operations where both only
   // wait on each other (no other message would show it). Read on arrival, never taken.
   kMsgWaiting = 6,
 };
 constexpr auto kNudgeAfter = std::chrono::milliseconds(20);
-// A replica rank's reduce contribution to one home rank up to this size travels eagerly inside a
-// control message (UCX buffers it at the home rank): no round trip for the home rank's ready, and
-// the replica rank does not wait for the home rank. Larger ones are puts into the home rank's
-// reduction staging. MOONEP_UCX_EAGER_BYTES (default 8192; 0: always puts; at most 1 GiB; anything
-// else fails transport creation naming it).
+// The reduce contribution one rank passes to one peer (every fp32 partial of every expert tensor
+// of that hop of the replica chains) travels eagerly inside control messages when it is at most
+// this size (UCX buffers it at the receiver): no round trip for the receiver's ready, and the
+// sender does not wait for the receiver. Larger ones are puts into the receiver's fp32 staging.
+// MOONEP_UCX_EAGER_BYTES (default 8192; 0: always puts; at most 1 GiB; anything else fails
+// transport creation naming it).
 MOONEP_CHECKED_INT_PARAM(EagerReduceBytes, "UCX_EAGER_BYTES", 8192, 0, int64_t{1} << 30)
 
 // Every control message (an active message) starts with this header.
@@ -79,8 +82,11 @@ struct MsgHeader {
   // transport's (DispatchHandle::exchange_no_), so that a call on another dispatch's handle is
   // found (call-order check); -1 otherwise.
   int64_t dispatch;
+  // Several messages of one type from one peer in one operation (a hop's kMsgChunks) are numbered
+  // 0, 1, ...: part of the key a message is taken by. 0 for every other message.
+  int64_t part;
 };
-static_assert(sizeof(MsgHeader) == 32, "MsgHeader is sent as bytes, without padding");
+static_assert(sizeof(MsgHeader) == 40, "MsgHeader is sent as bytes, without padding");
 
 // A receiver's "ready" message: where a sender may write in this operation.
 struct ReadyHeader {
@@ -182,14 +188,23 @@ class UcxOp : public Request {
   void OnEnd(std::function<void()> fn) { on_end_ = std::move(fn); }
 
  protected:
-  // Expect a message of `type` from `peer` in this op; OnMessage runs when it arrives.
-  void ExpectMessage(int peer, int32_t type) { awaiting_message_.push_back({peer, type}); }
+  // Expect a message of `type` (and `part`, MsgHeader) from `peer` in this op; OnMessage runs
+  // when it arrives. OnMessage may expect further messages.
+  void ExpectMessage(int peer, int32_t type, int64_t part = 0) {
+    awaiting_message_.push_back({peer, type, part});
+  }
   // Expect the completion signal of `peer` (it wrote everything it had for this rank).
   void ExpectSignal(int peer) { awaiting_signal_.push_back(peer); }
   virtual absl::Status OnMessage(int /*peer*/, int32_t /*type*/, const std::vector<char>& /*m*/) {
     return absl::OkStatus();
   }
   virtual absl::Status OnSignal(int /*peer*/) { return absl::OkStatus(); }
+  // A flush of FlushFor(peer, token) completed: the puts to `peer` before it are remotely complete.
+  virtual absl::Status OnFlushed(int /*peer*/, int64_t /*token*/) { return absl::OkStatus(); }
+  // Runs in every Test after the messages, signals and flushes that arrived or completed were
+  // handled, before the op checks whether it is complete: for work they queued (ChainOp sends its
+  // chunks messages here, one per peer and test rather than one per chunk).
+  virtual absl::Status AfterProgress() { return absl::OkStatus(); }
   virtual absl::Status Finish() { return absl::OkStatus(); }
   // Count-exchange style errors that every rank sees alike keep the transport usable.
   virtual bool Agreed(const absl::Status& /*s*/) const { return false; }
@@ -201,7 +216,7 @@ class UcxOp : public Request {
   absl::Status AddTarget(int peer, const void* data, uint64_t bytes, std::vector<char>* msg);
   // A control message of this op; the op completes only after it left this rank (a peer may
   // depend on it while this rank is outside MoonEP and makes no progress).
-  absl::Status SendTracked(int peer, int32_t type, std::vector<char> payload);
+  absl::Status SendTracked(int peer, int32_t type, std::vector<char> payload, int64_t part = 0);
   // Sends a ready message: header then the targets added by AddTarget.
   absl::Status SendReady(int peer, int64_t row_bytes, int64_t count, int32_t num_targets,
                          std::vector<char> targets);
@@ -214,6 +229,9 @@ class UcxOp : public Request {
   // Flush (remote completion of the data), completion signal, then a flush of the signal whose
   // completion ends this rank's part for `peer`.
   absl::Status SignalAndFlush(int peer);
+  // A flush of every put to `peer` so far; OnFlushed(peer, token) runs when it completed (at once
+  // if it completes at once). The op is not complete while it is pending.
+  absl::Status FlushFor(int peer, int64_t token);
 
   UcxTransport* transport_;
   OpKind kind_;
@@ -227,17 +245,19 @@ class UcxOp : public Request {
   absl::Status Fail(absl::Status status);
   void Cleanup();
   absl::Status TimeoutStatus() const;
-  absl::Status Flush(int peer, bool signal_next);
+  absl::Status Flush(int peer, bool signal_next, int64_t token = -1);
   absl::Status PutSignal(int peer);
 
   struct Awaited {
     int peer;
     int32_t type;
+    int64_t part;
   };
   struct PendingFlush {
     int peer;
     void* request;
     bool signal_next;  // the data is flushed: the signal goes next
+    int64_t token;     // >= 0: OnFlushed(peer, token) next (FlushFor)
   };
   std::vector<Awaited> awaiting_message_;
   std::vector<int> awaiting_signal_;
@@ -250,6 +270,9 @@ class UcxOp : public Request {
   std::vector<uint64_t> pinned_;
   uint64_t signal_value_ = 0;
   std::function<void()> on_end_;
+ protected:
+  bool chain_ = false;  // in the transport's chain ops until it ends (ChainOp)
+ private:
   bool done_ = false;
   absl::Status status_;
   Clock::time_point deadline_;
@@ -319,16 +342,19 @@ class UcxTransport : public Transport {
   void Progress();
   // Sends a control message; *id (if given) names it for MessagePending (0: already complete).
   // `dispatch`: see MsgHeader (-1 where no dispatch's handle is involved).
+  // `part`: see MsgHeader.
   absl::Status SendMessage(int peer, int32_t type, int channel, int64_t seq, int32_t aux,
-                           int64_t dispatch, std::vector<char> payload, uint64_t* id = nullptr);
+                           int64_t dispatch, std::vector<char> payload, uint64_t* id = nullptr,
+                           int64_t part = 0);
   bool MessagePending(uint64_t id) const {
     for (const Outgoing& o : outbox_) {
       if (o.id == id) return true;
     }
     return false;
   }
-  // Takes the message (channel, seq, from, type) if it arrived.
-  bool TakeMessage(int channel, int64_t seq, int from, int32_t type, std::vector<char>* out);
+  // Takes the message (channel, seq, from, type, part) if it arrived.
+  bool TakeMessage(int channel, int64_t seq, int from, int32_t type, int64_t part,
+                   std::vector<char>* out);
   void DropMessages(int channel, int64_t seq);
   bool SignalArrived(int channel, int64_t seq, int from) const {
     const volatile uint64_t* slot = SignalSlot(channel, from, seq);
@@ -387,9 +413,12 @@ class UcxTransport : public Transport {
   }
   void ChannelLeave(int channel, int64_t seq) { channel_seqs_[channel].erase(seq); }
 
-  // Reduce staging: one buffer per reduce in flight, reused (and its registration with it).
+  // Reduce staging (fp32 partials): one buffer per reduce in flight, reused (and its registration
+  // with it).
   common::BufferPool<std::vector<char>> reduce_staging;
   int64_t eager_bytes() const { return eager_bytes_; }
+  // TransportOptions::replica_chunk_bytes as given (0: the default; common::ChunkElements).
+  int64_t replica_chunk_bytes() const { return replica_chunk_bytes_; }
   RegistrationStats stats() const {
     RegistrationStats s = stats_;
     s.regions_cached = static_cast<int64_t>(regions_.size());
@@ -408,6 +437,10 @@ class UcxTransport : public Transport {
   absl::Status CheckDispatched(OpKind kind, DispatchHandle* handle);
   absl::StatusOr<RequestPtr> Skipped();
   absl::Status CheckChannel(OpKind kind, int channel);
+  // StartPrefetch and StartReduce: `kind` along the replica chains (ChainOp); `name` names the
+  // blocks in argument errors.
+  absl::StatusOr<RequestPtr> StartChains(OpKind kind, const planner::Plan& plan,
+                                         const ExpertBlocks& blocks, const char* name);
   // Close's exchange with every peer over comm_ (MPI tags kCloseArrive / kCloseDone), bounded by
   // 2 * timeout + 2 s, with this worker's progress; fills the peers not heard from. A peer whose
   // "gave up" message (kCloseGaveUp) arrives instead counts as heard from when `gave_up` is given
@@ -438,6 +471,7 @@ class UcxTransport : public Transport {
   int32_t rank_ = 0, size_ = 1;
   int64_t timeout_ms_ = 0;
   int64_t eager_bytes_ = 0;  // MOONEP_UCX_EAGER_BYTES
+  int64_t replica_chunk_bytes_ = 0;  // TransportOptions::replica_chunk_bytes (checked at creation)
   std::shared_ptr<WorkerPool> host_pool_;  // the dispatch's layouts (null: this thread alone)
   MPI_Comm comm_ = MPI_COMM_NULL;
   ucp_context_h context_ = nullptr;
@@ -448,14 +482,15 @@ class UcxTransport : public Transport {
   volatile uint64_t* signals_ = nullptr;
   std::vector<uint64_t> signal_remote_address_;
   std::vector<ucp_rkey_h> signal_rkeys_;
-  // Control messages that arrived, by (channel, seq, from, type).
-  std::map<std::tuple<int, int64_t, int, int32_t>, std::vector<char>> inbox_;
+  // Control messages that arrived, by (channel, seq, from, type, part).
+  using MessageKey = std::tuple<int, int64_t, int, int32_t, int64_t>;
+  std::map<MessageKey, std::vector<char>> inbox_;
   // The call each of those messages came from: its kind (OpKind + 1) and dispatch (MsgHeader).
   struct Call {
     int32_t kind = -1;
     int64_t dispatch = -1;
   };
-  std::map<std::tuple<int, int64_t, int, int32_t>, Call> inbox_calls_;
+  std::map<MessageKey, Call> inbox_calls_;
   // This rank's recent operations per channel, by sequence number mod kKindHistory. Operations
   // in flight together are fewer than kSignalDepth apart.
   static constexpr int64_t kKindHistory = 2 * kSignalDepth;
@@ -485,6 +520,20 @@ class UcxTransport : public Transport {
   absl::Status poisoned_;
   std::array<OpCounters, static_cast<int>(OpKind::kNumKinds)> counters_{};
   RegistrationStats stats_;
+
+ public:
+  // Prefetches and reduces in flight (chains: a holder passes a chunk on from its op's Test).
+  // Every op's Test moves the others on too (ProgressChains), so chunks pass through this rank
+  // while it waits on a dispatch or on another weight op, whatever order the ranks wait in.
+  void AddChainOp(UcxOp* op) { chain_ops_.push_back(op); }
+  void RemoveChainOp(UcxOp* op) {
+    chain_ops_.erase(std::remove(chain_ops_.begin(), chain_ops_.end(), op), chain_ops_.end());
+  }
+  void ProgressChains(const UcxOp* caller);
+
+ private:
+  std::vector<UcxOp*> chain_ops_;
+  bool progressing_chains_ = false;
 
   friend class UcxOp;
 };
@@ -567,11 +616,12 @@ absl::Status UcxOp::SendReady(int peer, int64_t row_bytes, int64_t count, int32_
   return SendTracked(peer, kMsgReady, std::move(msg));
 }
 
-absl::Status UcxOp::SendTracked(int peer, int32_t type, std::vector<char> payload) {
+absl::Status UcxOp::SendTracked(int peer, int32_t type, std::vector<char> payload,
+                                int64_t part) {
   uint64_t id = 0;
   MOONEP_RETURN_IF_ERROR(
       transport_->SendMessage(peer, type, channel_, seq_, static_cast<int32_t>(kind_) + 1,
-                              dispatch_, std::move(payload), &id));
+                              dispatch_, std::move(payload), &id, part));
   if (id != 0) sent_.push_back(Sent{peer, id});
   return absl::OkStatus();
 }
@@ -641,16 +691,21 @@ absl::Status UcxOp::SignalAndFlush(int peer) {
   return Flush(peer, /*signal_next=*/true);
 }
 
-absl::Status UcxOp::Flush(int peer, bool signal_next) {
+absl::Status UcxOp::FlushFor(int peer, int64_t token) {
+  return Flush(peer, /*signal_next=*/false, token);
+}
+
+absl::Status UcxOp::Flush(int peer, bool signal_next, int64_t token) {
   ucp_request_param_t param;
   std::memset(&param, 0, sizeof(param));
   ucs_status_ptr_t r = ucp_ep_flush_nbx(transport_->ep(peer), &param);
   if (UCS_PTR_IS_ERR(r)) return Annotate(UcsCheck(UCS_PTR_STATUS(r), "ucp_ep_flush_nbx"), OpName(kind_));
   if (r != nullptr) {
-    flushes_.push_back(PendingFlush{peer, r, signal_next});
+    flushes_.push_back(PendingFlush{peer, r, signal_next, token});
     return absl::OkStatus();
   }
-  return signal_next ? PutSignal(peer) : absl::OkStatus();
+  if (signal_next) return PutSignal(peer);
+  return token >= 0 ? OnFlushed(peer, token) : absl::OkStatus();
 }
 
 absl::Status UcxOp::PutSignal(int peer) {
@@ -664,7 +719,7 @@ absl::Status UcxOp::PutSignal(int peer) {
   // This rank's part for `peer` ends when the signal put completed locally. Not a flush: that
   // would need the receiver's progress after it already saw the signal and may have left
   // MoonEP (emulated RMA over tcp acknowledges in the target's progress).
-  if (r != nullptr) flushes_.push_back(PendingFlush{peer, r, false});
+  if (r != nullptr) flushes_.push_back(PendingFlush{peer, r, false, -1});
   return absl::OkStatus();
 }
 
@@ -687,6 +742,21 @@ absl::Status UcxOp::TimeoutStatus() const {
                  OpName(kind_), timeout_ms_, me_, RankList(unreceived));
 }
 
+void UcxTransport::ProgressChains(const UcxOp* caller) {
+  if (progressing_chains_ || chain_ops_.empty()) return;
+  progressing_chains_ = true;
+  // A copy: an op that ends here leaves chain_ops_. An op's failure stays its own (its caller's
+  // Test or Wait returns it; a failure that poisons the transport fails the caller's op next).
+  const std::vector<UcxOp*> ops = chain_ops_;
+  for (UcxOp* op : ops) {
+    if (op == caller || std::find(chain_ops_.begin(), chain_ops_.end(), op) == chain_ops_.end()) {
+      continue;
+    }
+    static_cast<void>(op->Test());
+  }
+  progressing_chains_ = false;
+}
+
 absl::StatusOr<bool> UcxOp::Test() {
   if (done_) {
     if (!status_.ok()) return status_;
@@ -703,7 +773,7 @@ absl::StatusOr<bool> UcxOp::Test() {
   for (size_t i = 0; i < awaiting_message_.size();) {
     std::vector<char> m;
     const Awaited a = awaiting_message_[i];
-    if (!transport_->TakeMessage(channel_, seq_, a.peer, a.type, &m)) {
+    if (!transport_->TakeMessage(channel_, seq_, a.peer, a.type, a.part, &m)) {
       ++i;
       continue;
     }
@@ -730,6 +800,7 @@ absl::StatusOr<bool> UcxOp::Test() {
     ucp_request_free(flushes_[i].request);
     const int peer = flushes_[i].peer;
     const bool signal_next = flushes_[i].signal_next;
+    const int64_t token = flushes_[i].token;
     flushes_.erase(flushes_.begin() + static_cast<ptrdiff_t>(i));
     if (st != UCS_OK) {
       return Fail(Annotate(UcsCheck(st, "flush"), absl::StrCat(OpName(kind_), " to rank ", peer)));
@@ -737,7 +808,14 @@ absl::StatusOr<bool> UcxOp::Test() {
     if (signal_next) {
       absl::Status s = PutSignal(peer);
       if (!s.ok()) return Fail(s);
+    } else if (token >= 0) {
+      absl::Status s = OnFlushed(peer, token);
+      if (!s.ok()) return Fail(s);
     }
+  }
+  {
+    absl::Status s = AfterProgress();
+    if (!s.ok()) return Fail(s);
   }
   for (size_t i = 0; i < sent_.size();) {
     if (transport_->MessagePending(sent_[i].id)) {
@@ -757,6 +835,7 @@ absl::StatusOr<bool> UcxOp::Test() {
     transport_->AddCounters(kind_, counters_);
     return true;
   }
+  transport_->ProgressChains(this);
   const Clock::time_point now = Clock::now();
   if (!nudged_ && now >= nudge_at_) {
     nudged_ = true;
@@ -804,6 +883,8 @@ absl::Status UcxOp::Fail(absl::Status status) {
 }
 
 void UcxOp::Cleanup() {
+  if (chain_) transport_->RemoveChainOp(this);
+  chain_ = false;
   if (on_end_) std::exchange(on_end_, nullptr)();
   // Flushes still pending complete in the background; their requests are released now. Puts
   // already issued cannot be recalled: a failed transport is destroyed, not reused.
@@ -1251,274 +1332,490 @@ class TopkWeightGradOp : public UcxOp {
 };
 
 // ---------------------------------------------------------------------------------------------
-// Weight ops. Blocks between a pair travel in increasing (slot, tensor) order on both sides.
+// Weight ops: prefetch and reduce along replica chains (common/replica_chain.h).
+//
+// Every expert with replicas moves along its chain: home -> h1 -> ... -> hn for the prefetch (each
+// holder keeps the bytes in its slot and passes them on), h1 -> ... -> hn -> home for the reduce
+// (fp32 partials: p1 = g1, p(i) = p(i-1) + g(i), home = store(pn + home)). A rank's part in a
+// chain is one stream per expert tensor, cut into chunks of common::ChunkElements(
+// replica_chunk_bytes) elements that come in from its prev and go out to its next. A holder passes
+// chunk c on as soon as it has it (reduce: with its own slot's chunk c added), not after the whole
+// tensor, so a chain of n hops takes about one transfer plus n - 1 chunk times.
+//
+// A hop pair (sender, receiver) of one operation carries the streams of every chain in which the
+// receiver follows the sender, listed alike on both sides (increasing expert, then tensor). Its
+// chunks go in kMsgChunks messages numbered 0, 1, ... (MsgHeader::part) that the receiver awaits
+// in turn, each entry naming its stream and chunk: however the sender's chunks become ready (a
+// middle holder gets them from several prevs, in any order), each lands where it belongs, and two
+// weight operations in flight never mix (the sequence number is in every key). The pair's bytes
+// (every chunk of every stream), computed alike on both sides, choose how:
+//   eager  a reduce pair of at most MOONEP_UCX_EAGER_BYTES of fp32 partials: the chunk bytes ride
+//          inside the messages (UCX buffers them at the receiver): no ready to wait for, and a
+//          sender never waits for its receiver;
+//   puts   every other pair: the receiver sends one ready naming a buffer per stream (prefetch:
+//          its slot tensor; reduce: its fp32 staging), the sender puts each chunk there and
+//          flushes it (remote completion, as before a signal: SignalAndFlush), and the messages
+//          name the chunks that landed. A flush per chunk, not per pair: the receiver may pass
+//          chunk c on while c + 1 is still on its way.
+// The prefetch keeps to puts: a holder's prefetch then completes only once its prev took part,
+// as before the chains (an eager prefetch let a rank that skipped its dispatch run on to a local
+// error in its combine where its peers had not heard of it: runtime_fault_test over ucx).
+// Messages go out at the end of each test (AfterProgress), one per pair with chunks to name (an
+// eager one holds up to a chunk's worth of bytes), so chunks that become ready together share one;
+// on a put pair also before each put (a put over shared memory may be a copy made right there).
+//
+// Home-rank replicas (plan.home_replicas, one rank) make chains whose every hop is local: done in
+// Start, by copies (prefetch) and ChainStart / ChainAdd / ChainFinish in chain order (reduce).
 
-// Prefetch: the replica rank announces its slot tensors to each home rank, which puts its home
-// blocks straight into them.
-class PrefetchOp : public UcxOp {
- public:
-  PrefetchOp(UcxTransport* t, int channel, int64_t seq)
-      : UcxOp(t, OpKind::kPrefetch, channel, seq) {}
-
-  absl::Status Start(const planner::Plan& plan, const ExpertBlocks& b) {
-    plan_ = &plan;
-    blocks_ = b;
-    const int32_t R = plan.num_ranks, S = plan.slots, nt = b.tensors_per_expert;
-    // Receiver part: per home rank, the slot tensors it fills here.
-    std::vector<std::vector<char>> targets(R);
-    std::vector<int32_t> count(R, 0);
-    for (int32_t sl = 0; sl < S; ++sl) {
-      const int32_t e = plan.slot_expert[static_cast<size_t>(me_) * S + sl];
-      if (e < 0) continue;
-      const int32_t h = plan.home[e];
-      for (int32_t i = 0; i < nt; ++i) {
-        const TensorView& dst = b.slots[static_cast<size_t>(sl) * nt + i];
-        MOONEP_RETURN_IF_ERROR(AddTarget(h, dst.data, dst.nbytes(), &targets[h]));
-        ++count[h];
-      }
-    }
-    for (int32_t h = 0; h < R; ++h) {
-      if (count[h] == 0) continue;
-      MOONEP_RETURN_IF_ERROR(SendReady(h, -1, count[h], count[h], std::move(targets[h])));
-      ExpectSignal(h);
-    }
-    // Sender part: every rank holding a replica of one of this rank's experts.
-    for (int32_t d = 0; d < R; ++d) {
-      if (d == me_) continue;
-      bool sends = false;
-      for (int32_t sl = 0; sl < S; ++sl) {
-        const int32_t e = plan.slot_expert[static_cast<size_t>(d) * S + sl];
-        sends |= e >= 0 && plan.home[e] == me_;
-      }
-      if (sends) ExpectMessage(d, kMsgReady);
-    }
-    return absl::OkStatus();
-  }
-
- private:
-  absl::Status OnMessage(int d, int32_t, const std::vector<char>& m) override {
-    const planner::Plan& plan = *plan_;
-    const int32_t S = plan.slots, nt = blocks_.tensors_per_expert;
-    std::vector<const TensorView*> sources;
-    for (int32_t sl = 0; sl < S; ++sl) {
-      const int32_t e = plan.slot_expert[static_cast<size_t>(d) * S + sl];
-      if (e < 0 || plan.home[e] != me_) continue;
-      for (int32_t i = 0; i < nt; ++i) {
-        sources.push_back(&blocks_.home[static_cast<size_t>(plan.home_group[e]) * nt + i]);
-      }
-    }
-    ReadyHeader header;
-    std::vector<Target> targets;
-    MOONEP_RETURN_IF_ERROR(ParseReady(d, m, static_cast<int32_t>(sources.size()), &header, &targets));
-    for (size_t i = 0; i < sources.size(); ++i) {
-      const TensorView& src = *sources[i];
-      if (targets[i].length != src.nbytes()) {
-        return InvalidArgument("prefetch: rank %d's slot tensor has %d bytes, home tensor %d of "
-                               "rank %d has %d", d, targets[i].length, i % nt, me_, src.nbytes());
-      }
-      MOONEP_RETURN_IF_ERROR(Put(d, src.data, src.nbytes(), targets[i], 0));
-      counters_.bytes_sent += static_cast<int64_t>(src.nbytes());
-      ++counters_.rows_sent;
-    }
-    return SignalAndFlush(d);
-  }
-
-  absl::Status OnSignal(int h) override {
-    const planner::Plan& plan = *plan_;
-    const int32_t S = plan.slots, nt = blocks_.tensors_per_expert;
-    for (int32_t sl = 0; sl < S; ++sl) {
-      const int32_t e = plan.slot_expert[static_cast<size_t>(me_) * S + sl];
-      if (e < 0 || plan.home[e] != h) continue;
-      counters_.rows_received += nt;
-      for (int32_t i = 0; i < nt; ++i) {
-        counters_.bytes_received +=
-            static_cast<int64_t>(blocks_.slots[static_cast<size_t>(sl) * nt + i].nbytes());
-      }
-    }
-    return absl::OkStatus();
-  }
-
-  const planner::Plan* plan_ = nullptr;
-  ExpertBlocks blocks_;
+// One chunk in a kMsgChunks message; on an eager pair its bytes follow it.
+struct ChunkEntry {
+  int32_t stream;    // index among the pair's streams
+  int32_t expert;    // the stream's expert and tensor, and the sender's element count: checked
+  int32_t tensor;    // by the receiver (sizes that differ across ranks fail at once)
+  int32_t has_data;  // 1: `bytes` bytes follow (eager pair); 0: they were put
+  int64_t numel;
+  int64_t chunk;
+  int64_t bytes;
 };
+static_assert(sizeof(ChunkEntry) == 40, "ChunkEntry is sent as bytes, without padding");
 
-// Reduce: each replica rank puts its slot gradients into the home rank's reduction staging (one
-// contiguous range per replica rank, in (rank, slot, tensor) order); the home rank sums them in
-// that fixed order after every signal: home + lowest rank's replica + the next ...
-// Blocks sit in the reduction staging at 16-byte aligned offsets (a bf16 block of odd length must
-// not leave the next fp32 block misaligned); both sides use this size.
-int64_t StagedBytes(size_t bytes) { return (static_cast<int64_t>(bytes) + 15) & ~int64_t{15}; }
+// Streams sit in the reduce staging at 16-byte aligned offsets.
+int64_t StagedBytes(int64_t bytes) { return (bytes + 15) & ~int64_t{15}; }
 
-// Each reduce stages into its own buffer of the transport's pool, so reduces in flight together
-// keep their gradients apart.
-class ReduceOp : public UcxOp {
- public:
-  ReduceOp(UcxTransport* t, int channel, int64_t seq) : UcxOp(t, OpKind::kReduce, channel, seq) {}
-
-  absl::Status Start(const planner::Plan& plan, const ExpertBlocks& b) {
-    plan_ = &plan;
-    blocks_ = b;
-    const int32_t R = plan.num_ranks, S = plan.slots, nt = b.tensors_per_expert;
-    std::vector<int64_t> bytes_from(R, 0), blocks_from(R, 0);
-    int64_t need = 0;
-    for (int32_t d = 0; d < R; ++d) {
-      for (int32_t sl = 0; sl < S; ++sl) {
-        const int32_t e = plan.slot_expert[static_cast<size_t>(d) * S + sl];
-        if (e < 0 || plan.home[e] != me_ || d == me_) continue;
-        for (int32_t i = 0; i < nt; ++i) {
-          const int64_t n =
-              StagedBytes(b.home[static_cast<size_t>(plan.home_group[e]) * nt + i].nbytes());
-          bytes_from[d] += n;
-          ++blocks_from[d];
-          need += n;
-        }
-      }
-    }
-    staging_ = transport_->reduce_staging.Acquire();
-    // Back to the pool when the op ends (Cleanup), so that a completed request destroyed after its
-    // transport touches nothing of it. By value: the end may come from ~UcxOp.
-    OnEnd([pool = &transport_->reduce_staging, staging = staging_] { pool->Release(staging); });
-    std::vector<char>& staging = *staging_;
-    if (static_cast<int64_t>(staging.size()) < need) {
-      transport_->GrowOwnBuffer(&staging, static_cast<size_t>(need));
-    }
-    if (need > 0) MOONEP_RETURN_IF_ERROR(PinBuffer(staging.data(), staging.size()));
-    int64_t offset = 0;
-    offset_from_.assign(R, 0);
-    bytes_from_ = bytes_from;
-    for (int32_t d = 0; d < R; ++d) {
-      if (blocks_from[d] == 0) continue;
-      offset_from_[d] = offset;
-      if (bytes_from[d] <= transport_->eager_bytes()) {
-        ExpectMessage(d, kMsgEagerBlocks);
+// A chain whose home is among its holders (plan.home_replicas, one rank) is done locally; with
+// another rank among its holders too, its hops would cross ranks in an order the chain does not
+// define. Refused alike on every rank (a function of the plan).
+absl::Status CheckLocalChains(const std::vector<common::ReplicaChain>& chains) {
+  for (const common::ReplicaChain& c : chains) {
+    bool home_holds = false;
+    int32_t other = -1;
+    for (const common::ChainHolder& h : c.holders) {
+      if (h.rank == c.home) {
+        home_holds = true;
       } else {
-        std::vector<char> targets;
-        MOONEP_RETURN_IF_ERROR(AddTarget(d, staging.data() + offset,
-                                         static_cast<uint64_t>(bytes_from[d]), &targets));
-        MOONEP_RETURN_IF_ERROR(SendReady(d, -1, blocks_from[d], 1, std::move(targets)));
-        ExpectSignal(d);
+        other = h.rank;
       }
-      offset += bytes_from[d];
     }
-    // Sender part: this rank's slot gradients, per home rank in (slot, tensor) order.
-    for (int32_t h = 0; h < R; ++h) {
-      if (h == me_) continue;
-      int64_t total = 0;
-      bool sends = false;
-      for (int32_t sl = 0; sl < S; ++sl) {
-        const int32_t e = plan.slot_expert[static_cast<size_t>(me_) * S + sl];
-        if (e < 0 || plan.home[e] != h) continue;
-        sends = true;
-        for (int32_t i = 0; i < nt; ++i) {
-          total += StagedBytes(b.slots[static_cast<size_t>(sl) * nt + i].nbytes());
-        }
-      }
-      if (!sends) continue;
-      if (total > transport_->eager_bytes()) {
-        ExpectMessage(h, kMsgReady);
+    MOONEP_CHECK_ARG(!home_holds || other < 0,
+                     "plan: expert %d has replicas on its home rank %d and on rank %d; home-rank "
+                     "replicas (plan.home_replicas) are for one-rank plans",
+                     c.expert, c.home, other);
+  }
+  return absl::OkStatus();
+}
+
+bool HomeHolds(const common::ReplicaChain& c) {
+  return std::any_of(c.holders.begin(), c.holders.end(),
+                     [&](const common::ChainHolder& h) { return h.rank == c.home; });
+}
+
+// Prefetch (kind kPrefetch) or reduce (kReduce) along the replica chains. A reduce's staging comes
+// from the transport's pool, so reduces in flight together keep their partials apart.
+class ChainOp : public UcxOp {
+ public:
+  ChainOp(UcxTransport* t, OpKind kind, int channel, int64_t seq)
+      : UcxOp(t, kind, channel, seq), reduce_(kind == OpKind::kReduce) {
+    t->AddChainOp(this);
+    chain_ = true;
+  }
+
+  absl::Status Start(const std::vector<common::ReplicaChain>& chains, const ExpertBlocks& b) {
+    const int32_t R = transport_->size(), nt = b.tensors_per_expert;
+    chunk_elements_ = common::ChunkElements(transport_->replica_chunk_bytes());
+    in_of_.assign(static_cast<size_t>(R), -1);
+    out_of_.assign(static_cast<size_t>(R), -1);
+    std::vector<int64_t> staged;  // per stream: its offset in the reduce staging, -1: none
+    int64_t staging_bytes = 0;
+    for (const common::ReplicaChain& c : chains) {
+      if (HomeHolds(c)) {
+        if (c.home == me_) Local(c, b);
         continue;
       }
-      std::vector<char> payload(static_cast<size_t>(total));
-      int64_t at = 0;
-      for (int32_t sl = 0; sl < S; ++sl) {
-        const int32_t e = plan.slot_expert[static_cast<size_t>(me_) * S + sl];
-        if (e < 0 || plan.home[e] != h) continue;
-        for (int32_t i = 0; i < nt; ++i) {
-          const TensorView& src = b.slots[static_cast<size_t>(sl) * nt + i];
-          if (src.nbytes() > 0) std::memcpy(payload.data() + at, src.data, src.nbytes());
-          at += StagedBytes(src.nbytes());
-          ++counters_.rows_sent;
+      const common::ChainPeers p =
+          reduce_ ? common::ReducePeers(c, me_) : common::PrefetchPeers(c, me_);
+      if (!p.home && p.slot < 0) continue;
+      for (int32_t i = 0; i < nt; ++i) {
+        Stream s;
+        s.expert = c.expert;
+        s.tensor = i;
+        s.first = reduce_ && p.prev < 0;
+        s.mine = p.home ? b.home[static_cast<size_t>(c.group) * nt + i]
+                        : b.slots[static_cast<size_t>(p.slot) * nt + i];
+        s.numel = s.mine.numel();
+        s.chunks = common::NumChunks(s.numel, chunk_elements_);
+        const int32_t k = static_cast<int32_t>(streams_.size());
+        const int64_t wire = s.numel * ElementBytes(s);
+        if (p.prev >= 0) {
+          s.in = PairOf(&ins_, &in_of_, p.prev);
+          Pair& in = ins_[static_cast<size_t>(s.in)];
+          in.streams.push_back(k);
+          in.bytes += wire;
+          in.chunks += s.chunks;
+        }
+        if (p.next >= 0) {
+          s.out = PairOf(&outs_, &out_of_, p.next);
+          Pair& out = outs_[static_cast<size_t>(s.out)];
+          s.out_index = static_cast<int32_t>(out.streams.size());
+          out.streams.push_back(k);
+          out.bytes += wire;
+        }
+        // Reduce staging: the partials this rank receives (it adds its slot to them in place and
+        // passes them on from there), and a first holder's fp32 copy of a slot of another dtype.
+        int64_t at = -1;
+        if (reduce_ && (p.prev >= 0 || s.mine.dtype != DType::kFloat32)) {
+          at = staging_bytes;
+          staging_bytes += StagedBytes(s.numel * 4);
+        }
+        staged.push_back(at);
+        streams_.push_back(s);
+      }
+    }
+    bool puts_in = false;
+    for (Pair& in : ins_) {
+      in.eager = reduce_ && in.bytes <= transport_->eager_bytes();
+      puts_in |= !in.eager;
+    }
+    for (Pair& out : outs_) {
+      out.eager = out.ready = reduce_ && out.bytes <= transport_->eager_bytes();
+    }
+    if (staging_bytes > 0) {
+      staging_ = transport_->reduce_staging.Acquire();
+      // Back to the pool when the op ends (Cleanup), so that a completed request destroyed after
+      // its transport touches nothing of it. By value: the end may come from ~UcxOp.
+      OnEnd([pool = &transport_->reduce_staging, staging = staging_] { pool->Release(staging); });
+      if (static_cast<int64_t>(staging_->size()) < staging_bytes) {
+        transport_->GrowOwnBuffer(staging_, static_cast<size_t>(staging_bytes));
+      }
+      for (size_t k = 0; k < streams_.size(); ++k) {
+        if (staged[k] >= 0) streams_[k].partial = staging_->data() + staged[k];
+      }
+      // Registered whole, once: the streams' ranges inside it move with the plan.
+      if (puts_in) MOONEP_RETURN_IF_ERROR(PinBuffer(staging_->data(), staging_->size()));
+    }
+    // Receiver part: on a put pair, where each stream's chunks go; then its first message.
+    for (Pair& in : ins_) {
+      if (!in.eager) {
+        std::vector<char> targets;
+        for (int32_t k : in.streams) {
+          const Stream& s = streams_[static_cast<size_t>(k)];
+          if (reduce_) {
+            MOONEP_RETURN_IF_ERROR(
+                AddTarget(in.peer, s.partial, static_cast<uint64_t>(s.numel) * 4, &targets));
+          } else {
+            MOONEP_RETURN_IF_ERROR(AddTarget(in.peer, s.mine.data, s.mine.nbytes(), &targets));
+          }
+        }
+        const int32_t n = static_cast<int32_t>(in.streams.size());
+        MOONEP_RETURN_IF_ERROR(SendReady(in.peer, -1, n, n, std::move(targets)));
+      }
+      ExpectMessage(in.peer, kMsgChunks, 0);
+    }
+    // Sender part: a put pair waits for its receiver's ready.
+    for (const Pair& out : outs_) {
+      if (!out.eager) ExpectMessage(out.peer, kMsgReady);
+    }
+    // The chains' first hops have every chunk now (a put pair's go when its ready arrives).
+    for (Pair& out : outs_) {
+      if (out.ready) MOONEP_RETURN_IF_ERROR(SendFirstHops(out));
+    }
+    return AfterProgress();
+  }
+
+ private:
+  // This rank's part in one chain, for one tensor.
+  struct Stream {
+    int32_t expert = -1, tensor = 0;
+    int32_t in = -1, out = -1;       // the pairs it arrives by (ins_) and leaves by (outs_)
+    int32_t out_index = 0;           // its place among the out pair's streams (ChunkEntry::stream)
+    bool first = false;              // reduce: the first holder (starts the partial)
+    TensorView mine;                 // this rank's tensor: its slot, or the home tensor
+    int64_t numel = 0, chunks = 0;
+    char* partial = nullptr;         // reduce: fp32 staging of numel elements, or none
+    int64_t received = 0, sent = 0;  // chunks
+  };
+  // The chunks between this rank and one peer, one way.
+  struct Pair {
+    int peer = -1;
+    bool eager = false;
+    std::vector<int32_t> streams;  // indices into streams_, in the order both sides list them
+    int64_t bytes = 0;             // over its streams
+    int64_t part = 0;              // in: the message awaited next; out: the next one to send
+    // In pairs only: chunks expected (over its streams) and received.
+    int64_t chunks = 0, received = 0;
+    // Out pairs only.
+    bool ready = false;            // may send: eager, or the receiver's ready arrived
+    std::vector<Target> targets;   // put pair: the receiver's buffer per stream
+    // (stream, chunk) that reached this middle holder before the receiver's ready (a first hop's
+    // chunks are not listed: SendFirstHops sends them all).
+    std::vector<std::pair<int32_t, int64_t>> waiting;
+    std::vector<std::vector<char>> messages;  // to send in AfterProgress
+    int64_t last_data = 0;                    // bytes of chunk data in messages.back()
+  };
+
+  static int32_t PairOf(std::vector<Pair>* pairs, std::vector<int32_t>* of, int peer) {
+    int32_t& i = (*of)[static_cast<size_t>(peer)];
+    if (i < 0) {
+      i = static_cast<int32_t>(pairs->size());
+      pairs->emplace_back();
+      pairs->back().peer = peer;
+    }
+    return i;
+  }
+  // Bytes of one element on the wire: the tensor's dtype (prefetch) or fp32 (reduce partials).
+  int64_t ElementBytes(const Stream& s) const {
+    return reduce_ ? 4 : static_cast<int64_t>(DTypeSize(s.mine.dtype));
+  }
+  int64_t ChunkBegin(int64_t c) const { return c * chunk_elements_; }
+  int64_t ChunkCount(const Stream& s, int64_t c) const {
+    return std::min(chunk_elements_, s.numel - ChunkBegin(c));
+  }
+
+  // A chain whose hops are all on this rank (its home holds its only replica).
+  void Local(const common::ReplicaChain& c, const ExpertBlocks& b) {
+    const int32_t nt = b.tensors_per_expert;
+    for (int32_t i = 0; i < nt; ++i) {
+      const TensorView& home = b.home[static_cast<size_t>(c.group) * nt + i];
+      auto slot = [&](const common::ChainHolder& h) -> const TensorView& {
+        return b.slots[static_cast<size_t>(h.slot) * nt + i];
+      };
+      if (!reduce_) {
+        for (const common::ChainHolder& h : c.holders) {
+          if (home.nbytes() > 0) std::memcpy(slot(h).data, home.data, home.nbytes());
+        }
+      } else {
+        // Chunk by chunk, so that the partial needs no tensor-sized buffer.
+        const int64_t numel = home.numel();
+        local_partial_.resize(static_cast<size_t>(std::min(chunk_elements_, numel)));
+        for (int64_t begin = 0; begin < numel; begin += chunk_elements_) {
+          const int64_t n = std::min(chunk_elements_, numel - begin);
+          common::ChainStart(slot(c.holders.front()), begin, n, local_partial_.data());
+          for (size_t j = 1; j < c.holders.size(); ++j) {
+            common::ChainAdd(slot(c.holders[j]), begin, n, local_partial_.data());
+          }
+          common::ChainFinish(home, begin, n, local_partial_.data());
         }
       }
-      counters_.bytes_sent += total;
-      ++counters_.messages_sent;
-      MOONEP_RETURN_IF_ERROR(
-          SendTracked(h, kMsgEagerBlocks, std::move(payload)));
+      counters_.rows_local += static_cast<int64_t>(c.holders.size());
+    }
+  }
+
+  // Chunk c of stream k arrived at a middle holder: pass it on.
+  absl::Status Forward(int32_t k, int64_t c) {
+    Pair& out = outs_[static_cast<size_t>(streams_[static_cast<size_t>(k)].out)];
+    if (!out.ready) {
+      out.waiting.emplace_back(k, c);
+      return absl::OkStatus();
+    }
+    return SendChunk(k, c);
+  }
+
+  absl::Status SendChunk(int32_t k, int64_t c) {
+    Stream& s = streams_[static_cast<size_t>(k)];
+    Pair& out = outs_[static_cast<size_t>(s.out)];
+    const int64_t begin = ChunkBegin(c), n = ChunkCount(s, c), eb = ElementBytes(s);
+    const int64_t bytes = n * eb;
+    const char* src;
+    if (!reduce_ || (s.first && s.partial == nullptr)) {
+      src = static_cast<const char*>(s.mine.data) + begin * eb;  // an fp32 slot is its own partial
+    } else {
+      if (s.first) {
+        common::ChainStart(s.mine, begin, n, reinterpret_cast<float*>(s.partial) + begin);
+      }
+      src = s.partial + begin * 4;
+    }
+    if (out.eager) {
+      AppendEntry(&out, k, c, src, bytes);
+    } else if (bytes > 0) {
+      // The chunks that landed so far are named before this put starts: over shared memory a put
+      // may be a copy made right here (cma), and a first hop puts every chunk in one test.
+      MOONEP_RETURN_IF_ERROR(SendMessages(&out));
+      MOONEP_RETURN_IF_ERROR(Put(out.peer, src, static_cast<uint64_t>(bytes),
+                                 out.targets[static_cast<size_t>(s.out_index)],
+                                 static_cast<uint64_t>(begin * eb)));
+      flushed_.emplace_back(k, c);
+      MOONEP_RETURN_IF_ERROR(FlushFor(out.peer, static_cast<int64_t>(flushed_.size()) - 1));
+    } else {
+      AppendEntry(&out, k, c, nullptr, 0);  // an empty tensor's one chunk: nothing to put
+    }
+    counters_.bytes_sent += bytes;
+    if (++s.sent == s.chunks) ++counters_.rows_sent;
+    return absl::OkStatus();
+  }
+
+  // Names chunk c of stream k in the pair's next message, with its bytes (`data`) on an eager
+  // pair. An eager message takes chunks up to a chunk's worth of bytes (at least one chunk).
+  void AppendEntry(Pair* out, int32_t k, int64_t c, const char* data, int64_t bytes) {
+    const Stream& s = streams_[static_cast<size_t>(k)];
+    if (out->messages.empty() ||
+        (out->eager && out->last_data > 0 && out->last_data + bytes > chunk_elements_ * 4)) {
+      out->messages.emplace_back();
+      out->last_data = 0;
+    }
+    std::vector<char>& m = out->messages.back();
+    ChunkEntry e;
+    e.stream = s.out_index;
+    e.expert = s.expert;
+    e.tensor = s.tensor;
+    e.has_data = out->eager ? 1 : 0;
+    e.numel = s.numel;
+    e.chunk = c;
+    e.bytes = bytes;
+    const size_t at = m.size();
+    m.resize(at + sizeof(e) + (out->eager ? static_cast<size_t>(bytes) : 0));
+    std::memcpy(m.data() + at, &e, sizeof(e));
+    if (out->eager && bytes > 0 && data != nullptr) {
+      std::memcpy(m.data() + at + sizeof(e), data, static_cast<size_t>(bytes));
+      out->last_data += bytes;
+    }
+  }
+
+  absl::Status OnMessage(int peer, int32_t type, const std::vector<char>& m) override {
+    return type == kMsgReady ? OnReady(peer, m) : OnChunks(peer, m);
+  }
+
+  // Sender part of a put pair: the receiver's buffers; the chunks had so far go now.
+  absl::Status OnReady(int peer, const std::vector<char>& m) {
+    Pair& out = outs_[static_cast<size_t>(out_of_[static_cast<size_t>(peer)])];
+    const int32_t n = static_cast<int32_t>(out.streams.size());
+    ReadyHeader header;
+    MOONEP_RETURN_IF_ERROR(ParseReady(peer, m, n, &header, &out.targets));
+    for (int32_t j = 0; j < n; ++j) {
+      const Stream& s = streams_[static_cast<size_t>(out.streams[static_cast<size_t>(j)])];
+      const uint64_t want = static_cast<uint64_t>(s.numel * ElementBytes(s));
+      if (header.count != n || out.targets[static_cast<size_t>(j)].length != want) {
+        return InvalidArgument("%s: rank %d offers %d bytes for tensor %d of expert %d, rank %d "
+                               "has %d to write there (sizes differ across ranks?)",
+                               OpName(kind_), peer, out.targets[static_cast<size_t>(j)].length,
+                               s.tensor, s.expert, me_, want);
+      }
+    }
+    out.ready = true;
+    MOONEP_RETURN_IF_ERROR(SendFirstHops(out));
+    const std::vector<std::pair<int32_t, int64_t>> waiting = std::move(out.waiting);
+    out.waiting.clear();
+    for (const auto& [k, c] : waiting) MOONEP_RETURN_IF_ERROR(SendChunk(k, c));
+    return absl::OkStatus();
+  }
+
+  // Every chunk of the pair's streams that start their chain here.
+  absl::Status SendFirstHops(const Pair& out) {
+    for (int32_t k : out.streams) {
+      const Stream& s = streams_[static_cast<size_t>(k)];
+      if (s.in >= 0) continue;
+      for (int64_t c = 0; c < s.chunks; ++c) MOONEP_RETURN_IF_ERROR(SendChunk(k, c));
     }
     return absl::OkStatus();
   }
 
- private:
-  absl::Status OnMessage(int h, int32_t type, const std::vector<char>& m) override {
-    const planner::Plan& plan = *plan_;
-    const int32_t S = plan.slots, nt = blocks_.tensors_per_expert;
-    if (type == kMsgEagerBlocks) {  // home part: `h` is the replica rank here
-      if (static_cast<int64_t>(m.size()) != bytes_from_[h]) {
-        return InvalidArgument("reduce: rank %d sent %d bytes of gradients, rank %d expected %d "
-                               "(sizes differ across ranks?)", h, m.size(), me_, bytes_from_[h]);
+  // Receiver part: message `in.part` of the pair from `peer`; the next one is awaited after it.
+  absl::Status OnChunks(int peer, const std::vector<char>& m) {
+    Pair& in = ins_[static_cast<size_t>(in_of_[static_cast<size_t>(peer)])];
+    size_t at = 0;
+    while (at < m.size()) {
+      ChunkEntry e;
+      if (m.size() - at < sizeof(e)) {
+        return InvalidArgument("%s: malformed chunks message from rank %d", OpName(kind_), peer);
       }
-      if (!m.empty()) std::memcpy(staging_->data() + offset_from_[h], m.data(), m.size());
-      counters_.bytes_received += static_cast<int64_t>(m.size());
-      return OnSignal(h);
-    }
-    ReadyHeader header;
-    std::vector<Target> targets;
-    MOONEP_RETURN_IF_ERROR(ParseReady(h, m, 1, &header, &targets));
-    int64_t blocks = 0;
-    uint64_t total = 0;
-    for (int32_t sl = 0; sl < S; ++sl) {
-      const int32_t e = plan.slot_expert[static_cast<size_t>(me_) * S + sl];
-      if (e < 0 || plan.home[e] != h) continue;
-      for (int32_t i = 0; i < nt; ++i) {
-        total += static_cast<uint64_t>(StagedBytes(blocks_.slots[static_cast<size_t>(sl) * nt + i].nbytes()));
-        ++blocks;
+      std::memcpy(&e, m.data() + at, sizeof(e));
+      at += sizeof(e);
+      if (e.stream < 0 || e.stream >= static_cast<int32_t>(in.streams.size())) {
+        return InvalidArgument("%s: rank %d sent a chunk of its tensor %d of expert %d, which "
+                               "rank %d does not receive from it (plans differ across ranks?)",
+                               OpName(kind_), peer, e.tensor, e.expert, me_);
       }
-    }
-    if (header.count != blocks || targets[0].length != total) {
-      return InvalidArgument("reduce: rank %d expects %d blocks (%d bytes) from rank %d, which "
-                             "has %d (%d bytes)", h, header.count, targets[0].length, me_, blocks,
-                             total);
-    }
-    uint64_t offset = 0;
-    for (int32_t sl = 0; sl < S; ++sl) {
-      const int32_t e = plan.slot_expert[static_cast<size_t>(me_) * S + sl];
-      if (e < 0 || plan.home[e] != h) continue;
-      for (int32_t i = 0; i < nt; ++i) {
-        const TensorView& src = blocks_.slots[static_cast<size_t>(sl) * nt + i];
-        MOONEP_RETURN_IF_ERROR(Put(h, src.data, src.nbytes(), targets[0], offset));
-        offset += static_cast<uint64_t>(StagedBytes(src.nbytes()));
-        counters_.bytes_sent += static_cast<int64_t>(src.nbytes());
-        ++counters_.rows_sent;
+      const int32_t k = in.streams[static_cast<size_t>(e.stream)];
+      Stream& s = streams_[static_cast<size_t>(k)];
+      const int64_t eb = ElementBytes(s);
+      if (e.expert != s.expert || e.tensor != s.tensor || e.numel != s.numel || e.chunk < 0 ||
+          e.chunk >= s.chunks || e.bytes != ChunkCount(s, e.chunk) * eb ||
+          (e.has_data != 0) != in.eager) {
+        return InvalidArgument("%s: rank %d sent chunk %d (%d bytes) of tensor %d of expert %d "
+                               "with %d elements; rank %d has %d elements there, tensor %d of "
+                               "expert %d (sizes differ across ranks?)",
+                               OpName(kind_), peer, e.chunk, e.bytes, e.tensor, e.expert, e.numel,
+                               me_, s.numel, s.tensor, s.expert);
       }
+      const int64_t begin = ChunkBegin(e.chunk);
+      if (e.has_data != 0) {
+        if (m.size() - at < static_cast<size_t>(e.bytes)) {
+          return InvalidArgument("%s: malformed chunks message from rank %d", OpName(kind_), peer);
+        }
+        char* dst = reduce_ ? s.partial + begin * 4 : static_cast<char*>(s.mine.data) + begin * eb;
+        if (e.bytes > 0) std::memcpy(dst, m.data() + at, static_cast<size_t>(e.bytes));
+        at += static_cast<size_t>(e.bytes);
+      }
+      if (++s.received > s.chunks) {
+        return InvalidArgument("%s: rank %d sent tensor %d of expert %d in more than its %d "
+                               "chunks", OpName(kind_), peer, s.tensor, s.expert, s.chunks);
+      }
+      counters_.bytes_received += e.bytes;
+      if (s.received == s.chunks) ++counters_.rows_received;
+      ++in.received;
+      MOONEP_RETURN_IF_ERROR(Arrived(k, e.chunk));
     }
-    return SignalAndFlush(h);
+    if (in.received < in.chunks) ExpectMessage(peer, kMsgChunks, ++in.part);
+    return absl::OkStatus();
   }
 
-  absl::Status OnSignal(int d) override {
-    const planner::Plan& plan = *plan_;
-    const int32_t S = plan.slots;
-    for (int32_t sl = 0; sl < S; ++sl) {
-      const int32_t e = plan.slot_expert[static_cast<size_t>(d) * S + sl];
-      if (e >= 0 && plan.home[e] == me_) counters_.rows_received += blocks_.tensors_per_expert;
+  // Chunk c of stream k is in place (the slot, or the partial's staging).
+  absl::Status Arrived(int32_t k, int64_t c) {
+    Stream& s = streams_[static_cast<size_t>(k)];
+    if (reduce_) {
+      const int64_t begin = ChunkBegin(c), n = ChunkCount(s, c);
+      float* partial = reinterpret_cast<float*>(s.partial) + begin;
+      if (s.out < 0) {  // the home: stored once
+        common::ChainFinish(s.mine, begin, n, partial);
+        return absl::OkStatus();
+      }
+      common::ChainAdd(s.mine, begin, n, partial);
     }
+    return s.out >= 0 ? Forward(k, c) : absl::OkStatus();
+  }
+
+  // A put chunk is remotely complete: the pair's next message names it.
+  absl::Status OnFlushed(int /*peer*/, int64_t token) override {
+    const auto [k, c] = flushed_[static_cast<size_t>(token)];
+    const Stream& s = streams_[static_cast<size_t>(k)];
+    AppendEntry(&outs_[static_cast<size_t>(s.out)], k, c, nullptr,
+                ChunkCount(s, c) * ElementBytes(s));
+    return absl::OkStatus();
+  }
+
+  absl::Status AfterProgress() override {
+    for (Pair& out : outs_) MOONEP_RETURN_IF_ERROR(SendMessages(&out));
+    return absl::OkStatus();
+  }
+
+  // messages_sent counts puts (Put) and eager messages, the messages that carry bytes; a put
+  // pair's messages only name chunks that landed, like a signal.
+  absl::Status SendMessages(Pair* out) {
+    for (std::vector<char>& m : out->messages) {
+      if (out->eager) ++counters_.messages_sent;
+      MOONEP_RETURN_IF_ERROR(SendTracked(out->peer, kMsgChunks, std::move(m), out->part++));
+    }
+    out->messages.clear();
+    out->last_data = 0;
     return absl::OkStatus();
   }
 
   absl::Status Finish() override {
-    const planner::Plan& plan = *plan_;
-    const int32_t R = plan.num_ranks, S = plan.slots, nt = blocks_.tensors_per_expert;
-    const int32_t epn = plan.experts_per_rank;
-    std::vector<std::vector<const char*>> sources(static_cast<size_t>(epn) * nt);
-    const char* staging = staging_->data();
-    int64_t offset = 0;
-    for (int32_t d = 0; d < R; ++d) {
-      for (int32_t sl = 0; sl < S; ++sl) {
-        const int32_t e = plan.slot_expert[static_cast<size_t>(d) * S + sl];
-        if (e < 0 || plan.home[e] != me_ || d == me_) continue;
-        const int32_t g = plan.home_group[e];
-        for (int32_t i = 0; i < nt; ++i) {
-          sources[static_cast<size_t>(g) * nt + i].push_back(staging + offset);
-          offset += StagedBytes(blocks_.home[static_cast<size_t>(g) * nt + i].nbytes());
-        }
+    for (const Stream& s : streams_) {
+      if ((s.in >= 0 && s.received != s.chunks) || (s.out >= 0 && s.sent != s.chunks)) {
+        return Internal("%s: tensor %d of expert %d ended with %d of its %d chunks received and "
+                        "%d sent", OpName(kind_), s.tensor, s.expert, s.received, s.chunks,
+                        s.sent);
       }
     }
-    for (size_t gi = 0; gi < sources.size(); ++gi) common::AddIntoHome(blocks_.home[gi], sources[gi]);
     return absl::OkStatus();
   }
 
-  const planner::Plan* plan_ = nullptr;
-  ExpertBlocks blocks_;
-  std::vector<int64_t> offset_from_, bytes_from_;
+  const bool reduce_;
+  int64_t chunk_elements_ = 1;
+  std::vector<Stream> streams_;
+  std::vector<Pair> ins_, outs_;
+  std::vector<int32_t> in_of_, out_of_;  // per rank: its pair in ins_ / outs_, -1: none
+  std::vector<std::pair<int32_t, int64_t>> flushed_;  // FlushFor's tokens: (stream, chunk)
+  std::vector<float> local_partial_;
   std::vector<char>* staging_ = nullptr;  // this op's, from transport_->reduce_staging
 };
 
@@ -1590,8 +1887,8 @@ ucs_status_t UcxTransport::OnActiveMessage(void* arg, const void* header, size_t
     t->CheckCallOrder(h.channel, h.seq, h.from, call);
     return UCS_OK;  // kept (below) only for an operation not started here yet
   }
-  const auto key =
-      std::make_tuple(static_cast<int>(h.channel), h.seq, static_cast<int>(h.from), h.type);
+  const MessageKey key(static_cast<int>(h.channel), h.seq, static_cast<int>(h.from), h.type,
+                       h.part);
   t->inbox_[key] = std::vector<char>(bytes, bytes + length);
   t->inbox_calls_[key] = call;
   t->CheckCallOrder(h.channel, h.seq, h.from, call);
@@ -1612,6 +1909,7 @@ absl::StatusOr<std::unique_ptr<Transport>> UcxTransport::Create(const TransportO
   t->options_ = options;
   t->timeout_ms_ = common::ResolveTimeoutMs(options.timeout_ms);
   t->eager_bytes_ = checked.ok() ? *EagerReduceBytes() : 0;
+  t->replica_chunk_bytes_ = options.replica_chunk_bytes;
   auto mpi = [](int rc, const char* what) -> absl::Status {
     if (rc == MPI_SUCCESS) return absl::OkStatus();
     return SystemError("%s failed (MPI error %d)", what, rc);
@@ -1999,7 +2297,7 @@ void UcxTransport::DestroyDroppedKeys() {
 
 absl::Status UcxTransport::SendMessage(int peer, int32_t type, int channel, int64_t seq,
                                        int32_t aux, int64_t dispatch, std::vector<char> payload,
-                                       uint64_t* id) {
+                                       uint64_t* id, int64_t part) {
   if (id) *id = 0;
   auto bytes = std::make_unique<std::vector<char>>(sizeof(MsgHeader) + payload.size());
   MsgHeader h;
@@ -2010,6 +2308,7 @@ absl::Status UcxTransport::SendMessage(int peer, int32_t type, int channel, int6
   h.aux = aux;
   h.seq = seq;
   h.dispatch = dispatch;
+  h.part = part;
   std::memcpy(bytes->data(), &h, sizeof(h));
   if (!payload.empty()) std::memcpy(bytes->data() + sizeof(h), payload.data(), payload.size());
   ucp_request_param_t param;
@@ -2028,9 +2327,9 @@ absl::Status UcxTransport::SendMessage(int peer, int32_t type, int channel, int6
   return absl::OkStatus();
 }
 
-bool UcxTransport::TakeMessage(int channel, int64_t seq, int from, int32_t type,
+bool UcxTransport::TakeMessage(int channel, int64_t seq, int from, int32_t type, int64_t part,
                                std::vector<char>* out) {
-  const auto key = std::make_tuple(channel, seq, from, type);
+  const MessageKey key(channel, seq, from, type, part);
   auto it = inbox_.find(key);
   if (it == inbox_.end()) return false;
   *out = std::move(it->second);
@@ -2042,7 +2341,7 @@ bool UcxTransport::TakeMessage(int channel, int64_t seq, int from, int32_t type,
 void UcxTransport::NoteStarted(int channel, int64_t seq, OpKind kind, int64_t dispatch) {
   started_[channel][static_cast<size_t>(seq % kKindHistory)] =
       StartedOp{seq, Call{static_cast<int32_t>(kind) + 1, dispatch}};
-  for (auto it = inbox_calls_.lower_bound(std::make_tuple(channel, seq, -1, 0));
+  for (auto it = inbox_calls_.lower_bound(MessageKey(channel, seq, -1, 0, 0));
        it != inbox_calls_.end() && std::get<0>(it->first) == channel &&
        std::get<1>(it->first) == seq;
        ++it) {
@@ -2069,7 +2368,7 @@ void UcxTransport::CheckCallOrder(int channel, int64_t seq, int from, const Call
 }
 
 void UcxTransport::DropMessages(int channel, int64_t seq) {
-  auto it = inbox_.lower_bound(std::make_tuple(channel, seq, -1, 0));
+  auto it = inbox_.lower_bound(MessageKey(channel, seq, -1, 0, 0));
   while (it != inbox_.end() && std::get<0>(it->first) == channel && std::get<1>(it->first) == seq) {
     inbox_calls_.erase(it->first);
     it = inbox_.erase(it);
@@ -2377,27 +2676,29 @@ absl::StatusOr<RequestPtr> UcxTransport::StartTopkWeightGrad(DispatchHandle* h,
 
 absl::StatusOr<RequestPtr> UcxTransport::StartPrefetch(const planner::Plan& plan,
                                                        const ExpertBlocks& params) {
-  MOONEP_RETURN_IF_ERROR(Usable());
-  if (testing::ShouldSkip(rank_, OpKind::kPrefetch)) return Skipped();
-  MOONEP_RETURN_IF_ERROR(CheckChannel(OpKind::kPrefetch, kWeightsChannel));
-  MOONEP_RETURN_IF_ERROR(Annotate(common::CheckSlotPlan(plan, size_), "prefetch"));
-  absl::Status s = common::CheckBlocks(plan, params, "params", kBackendName);
-  if (!s.ok()) return AbortPeers(OpKind::kPrefetch, Annotate(s, "prefetch"));
-  auto op = std::make_unique<PrefetchOp>(this, kWeightsChannel, seq_[kWeightsChannel]++);
-  MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(plan, params)));
-  return RequestPtr(std::move(op));
+  return StartChains(OpKind::kPrefetch, plan, params, "params");
 }
 
 absl::StatusOr<RequestPtr> UcxTransport::StartReduce(const planner::Plan& plan,
                                                      const ExpertBlocks& grads) {
+  return StartChains(OpKind::kReduce, plan, grads, "grads");
+}
+
+absl::StatusOr<RequestPtr> UcxTransport::StartChains(OpKind kind, const planner::Plan& plan,
+                                                     const ExpertBlocks& blocks,
+                                                     const char* name) {
   MOONEP_RETURN_IF_ERROR(Usable());
-  if (testing::ShouldSkip(rank_, OpKind::kReduce)) return Skipped();
-  MOONEP_RETURN_IF_ERROR(CheckChannel(OpKind::kReduce, kWeightsChannel));
-  MOONEP_RETURN_IF_ERROR(Annotate(common::CheckSlotPlan(plan, size_), "reduce"));
-  absl::Status s = common::CheckBlocks(plan, grads, "grads", kBackendName);
-  if (!s.ok()) return AbortPeers(OpKind::kReduce, Annotate(s, "reduce"));
-  auto op = std::make_unique<ReduceOp>(this, kWeightsChannel, seq_[kWeightsChannel]++);
-  MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(plan, grads)));
+  if (testing::ShouldSkip(rank_, kind)) return Skipped();
+  MOONEP_RETURN_IF_ERROR(CheckChannel(kind, kWeightsChannel));
+  // Agreed checks (a function of the plan, identical on every rank) are returned as they are.
+  MOONEP_RETURN_IF_ERROR(
+      Annotate(common::CheckSlotPlan(plan, size_, /*home_replicas_supported=*/true), OpName(kind)));
+  const std::vector<common::ReplicaChain> chains = common::ReplicaChains(plan);
+  MOONEP_RETURN_IF_ERROR(Annotate(CheckLocalChains(chains), OpName(kind)));
+  absl::Status s = common::CheckBlocks(plan, blocks, name, kBackendName);
+  if (!s.ok()) return AbortPeers(kind, Annotate(s, OpName(kind)));
+  auto op = std::make_unique<ChainOp>(this, kind, kWeightsChannel, seq_[kWeightsChannel]++);
+  MOONEP_RETURN_IF_ERROR(op->Begin(op->Start(chains, blocks)));
   return RequestPtr(std::move(op));
 }
 
