@@ -289,7 +289,8 @@ class Transport {
   // Every replica slot's gradients added into its home expert's gradients:
   // ((replica of the lowest rank + the next) + ...) + home, in fp32, stored once (the same bits on
   // every backend and run to run); the host backends sum along the chain lowest holder -> next
-  // ... -> home, so the home receives one sum whatever the replica count.
+  // ... -> home, so the home receives one sum whatever the replica count. The home stores each
+  // chunk's sum as it arrives: after a failed reduce its gradients are partly summed (undefined).
   virtual absl::StatusOr<RequestPtr> StartReduce(const planner::Plan& plan,
                                                  const ExpertBlocks& grads) = 0;
 

@@ -951,6 +951,27 @@ TEST_P(WeightsTest, ChainsSendEachRankOneCopyPerExpert) {
   EXPECT_EQ(t_->counters(OpKind::kReduce).rows_received, reduce_received * nt);
 }
 
+// A plan (hand-made: the planner never makes one) with one expert in two slots of a rank: prefetch
+// and reduce refuse it on every rank alike, naming it (a chain to itself crashed the ucx backend),
+// and the transport stays usable.
+TEST_P(WeightsTest, ExpertTwiceOnARankIsRefusedOnEveryRank) {
+  const int32_t R = plan_.num_ranks, S = plan_.slots;
+  if (R < 2 || S < 2) GTEST_SKIP() << "needs two ranks and two slots";
+  planner::Plan bad = plan_;
+  const int32_t e = plan_.local_experts[1 * plan_.experts_per_rank];  // homed on rank 1
+  bad.slot_expert[0] = bad.slot_expert[1] = e;                         // rank 0, slots 0 and 1
+  for (int op = 0; op < 2; ++op) {
+    absl::Status st = op == 0 ? t_->Prefetch(bad, View()) : t_->Reduce(bad, View());
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_NE(std::string(st.message()).find("rank 0 holds expert " + std::to_string(e) +
+                                             " in two slots (0 and 1)"),
+              std::string::npos)
+        << st;
+  }
+  EXPECT_TRUE(t_->health().ok()) << t_->health();
+  EXPECT_TRUE(t_->Reduce(plan_, View()).ok());
+}
+
 TEST_P(WeightsTest, BadReplicaChunkBytesFailsCreationNamingIt) {
   for (const int64_t chunk : {int64_t{-1}, int64_t{8}, (int64_t{1} << 30) + 1}) {
     TransportOptions o;

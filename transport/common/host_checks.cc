@@ -423,6 +423,17 @@ absl::Status CheckSlotPlan(const planner::Plan& plan, int32_t R, bool home_repli
                      plan.home_replicas ? " (home-rank replicas: not supported by this backend)"
                                         : "");
   }
+  // No expert in two slots of one rank: a replica chain visits each holder rank once (a chain
+  // to itself would wait on itself). Slots are rank-major, so a repeat is the expert's last rank.
+  std::vector<int32_t> last(static_cast<size_t>(E), -1), last_slot(static_cast<size_t>(E), -1);
+  for (int32_t i = 0; i < R * plan.slots; ++i) {
+    const int32_t e = plan.slot_expert[i], d = i / plan.slots;
+    if (e < 0) continue;
+    MOONEP_CHECK_ARG(last[e] != d, "plan: rank %d holds expert %d in two slots (%d and %d)", d, e,
+                     last_slot[e], i % plan.slots);
+    last[e] = d;
+    last_slot[e] = i % plan.slots;
+  }
   return absl::OkStatus();
 }
 

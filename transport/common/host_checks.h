@@ -147,7 +147,8 @@ absl::Status CheckTopkWeightGradBuffers(const DispatchHandle& h, const TensorVie
 absl::Status CheckBlocks(const planner::Plan& plan, const ExpertBlocks& blocks, const char* name,
                          const char* backend, Device device = Device::kCpu);
 
-// The plan's replica slots (agreed: the plan is identical on every rank).
+// The plan's replica slots (agreed: the plan is identical on every rank): sizes, experts in range,
+// no rank holding one expert in two slots (InvalidArgument naming them).
 // home_replicas_supported: the backend prefetches and reduces a slot on its expert's own home
 // rank (plan.home_replicas, the one-rank test policy) by a local copy and add; otherwise such a
 // plan is refused.

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <new>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -1108,21 +1109,17 @@ bool IsLocal(const common::ReplicaChain& c) {
   return c.holders.front().rank == c.home && c.holders.back().rank == c.home;
 }
 
-// The plan's replica chains, each either local or across ranks with the home no holder and no
-// rank twice. Others (a rank holding one expert in two slots, an expert in slots on its home rank
-// and on another rank) are refused with InvalidArgument: the plan alone decides, so every rank
-// refuses them alike.
+// The plan's replica chains, each either local or across ranks with the home no holder (no rank
+// holds an expert twice: CheckSlotPlan). An expert in slots on its home rank and on another rank
+// is refused with InvalidArgument: the plan alone decides, so every rank refuses it alike.
 absl::StatusOr<std::vector<common::ReplicaChain>> ChainsOf(const planner::Plan& plan) {
   std::vector<common::ReplicaChain> chains = common::ReplicaChains(plan);
   for (const common::ReplicaChain& c : chains) {
     if (IsLocal(c)) continue;
-    for (size_t i = 0; i < c.holders.size(); ++i) {
-      MOONEP_CHECK_ARG(c.holders[i].rank != c.home,
+    for (const common::ChainHolder& h : c.holders) {
+      MOONEP_CHECK_ARG(h.rank != c.home,
                        "plan: expert %d has replicas on its home rank %d and on other ranks "
                        "(home-rank replicas are for one-rank plans)", c.expert, c.home);
-      MOONEP_CHECK_ARG(i == 0 || c.holders[i].rank != c.holders[i - 1].rank,
-                       "plan: rank %d holds expert %d in two slots (%d and %d)",
-                       c.holders[i].rank, c.expert, c.holders[i - 1].slot, c.holders[i].slot);
     }
   }
   return chains;
@@ -1447,7 +1444,13 @@ class ReduceOp : public ChainOp {
         transport_->reduce_staging.Release(staging_);
       }
     });
-    if (static_cast<int64_t>(staging_->size()) < need) staging_->resize(static_cast<size_t>(need));
+    if (static_cast<int64_t>(staging_->size()) < need) {
+      try {
+        staging_->resize(static_cast<size_t>(need));
+      } catch (const std::bad_alloc&) {
+        return OutOfMemory("reduce: cannot allocate %d bytes of staging for the partials", need);
+      }
+    }
     char* staging = staging_->data();
     // Local chains (home replicas): the slots in increasing slot, then the home, chunk by chunk,
     // as along a chain.

@@ -1484,7 +1484,12 @@ class ChainOp : public UcxOp {
       // its transport touches nothing of it. By value: the end may come from ~UcxOp.
       OnEnd([pool = &transport_->reduce_staging, staging = staging_] { pool->Release(staging); });
       if (static_cast<int64_t>(staging_->size()) < staging_bytes) {
-        transport_->GrowOwnBuffer(staging_, static_cast<size_t>(staging_bytes));
+        try {
+          transport_->GrowOwnBuffer(staging_, static_cast<size_t>(staging_bytes));
+        } catch (const std::bad_alloc&) {
+          return OutOfMemory("reduce: cannot allocate %d bytes of staging for the partials",
+                             staging_bytes);
+        }
       }
       for (size_t k = 0; k < streams_.size(); ++k) {
         if (staged[k] >= 0) streams_[k].partial = staging_->data() + staged[k];
