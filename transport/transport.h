@@ -283,7 +283,11 @@ class Transport {
                                                          absl::Span<float> d_topk_weights) = 0;
   // For every replica slot of the plan, the home rank's blocks of that expert into the slot: along
   // the expert's chain home -> lowest holder rank -> next ... (common/replica_chain.h), so the home
-  // sends one copy whatever the replica count.
+  // sends one copy whatever the replica count. A holder passes chunks on (and a home posts past
+  // the first ones) only while its rank tests or waits an operation of the same transport (every
+  // operation's Test moves the transport's prefetches and reduces in flight): ranks that wait on
+  // weight operations of two transports in different orders may wait on each other until the
+  // timeout.
   virtual absl::StatusOr<RequestPtr> StartPrefetch(const planner::Plan& plan,
                                                    const ExpertBlocks& params) = 0;
   // Every replica slot's gradients added into its home expert's gradients:

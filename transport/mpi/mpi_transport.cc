@@ -558,6 +558,9 @@ absl::StatusOr<bool> MpiOp::Test() {
     return true;
   }
   transport_->ProgressChains(this);
+  // A weight op that failed in there poisoned the transport (and told the peers): this op fails
+  // with that failure, not at its next Test as a misuse of an unusable transport.
+  if (!transport_->health().ok()) return Fail(transport_->health(), /*notify_peers=*/false);
   const Clock::time_point now = Clock::now();
   if (now >= next_order_check_) {
     next_order_check_ = now + order_check_interval_;
@@ -611,13 +614,16 @@ absl::Status MpiOp::Wait() {
 
 absl::Status MpiOp::Fail(absl::Status status, bool notify_peers) {
   if (done_) return status_;
+  // A chain op's failure is never agreed: a holder that fails (a size mismatch) leaves the ranks
+  // after it waiting for what it would have passed on.
+  const bool chain = chain_;
   done_ = true;
   status_ = status;
   Cleanup();
   Ended();
   // Agreed errors (all ranks failed the same way, every message was consumed) keep the transport.
   const bool remote = ToResult(status) == moonepRemoteError;
-  if (active_ != 0 ||
+  if (active_ != 0 || chain ||
       !(absl::IsInvalidArgument(status) || absl::IsResourceExhausted(status) || remote)) {
     // Peers learn at once, also of a timeout: a late peer then fails its call with the reason
     // instead of completing it on what this rank sent before it gave up (or waiting a second
@@ -1089,7 +1095,9 @@ class TopkWeightGradOp : public MpiOp {
 // the op while its peers wait on it (passing on, and posting past the windows, happen in Test):
 // every op's Test also tests the weight ops in flight (MpiTransport::ProgressChains), so chunks
 // pass through a rank while it waits on a dispatch (the prefetch's later hops overlap it too) or
-// on another weight op, in whatever order the ranks wait.
+// on another weight op of the same transport, in whatever order the ranks wait (not on an op of
+// another transport: ranks waiting on two transports' weight ops in different orders can wait on
+// each other until the timeout).
 //
 // A plan with home replicas (Plan::home_replicas, one rank) has the home rank as the holder of such
 // an expert: its hops are all local, copies (prefetch) and ChainStart, ChainAdd ..., ChainFinish
@@ -1098,7 +1106,8 @@ class TopkWeightGradOp : public MpiOp {
 // Reduce staging blocks start at multiples of 16 bytes.
 int64_t AlignUp(int64_t bytes) { return (bytes + 15) / 16 * 16; }
 
-// Chunks per op and peer in flight each way (see above): 256 MiB at the default chunk size, so
+// Chunks per op and peer in flight each way (see above): 256 MiB of reduce partials at the default
+// chunk size (128 MiB of a bf16 prefetch), so
 // that the home's first hop mostly moves in the background while its rank waits on another
 // operation; a few ops in flight stay far below ob1's 65536 message numbers, and a match walks
 // past at most this many receives of each other op.

@@ -836,6 +836,9 @@ absl::StatusOr<bool> UcxOp::Test() {
     return true;
   }
   transport_->ProgressChains(this);
+  // A weight op that failed in there poisoned the transport (and told the peers): this op fails
+  // with that failure, not at its next Test as a misuse of an unusable transport.
+  if (!transport_->health().ok()) return Fail(transport_->health());
   const Clock::time_point now = Clock::now();
   if (!nudged_ && now >= nudge_at_) {
     nudged_ = true;
@@ -2505,6 +2508,8 @@ absl::Status UcxTransport::Usable() const {
 
 absl::Status UcxTransport::AbortPeers(OpKind kind, absl::Status status) {
   if (closed_) return status;  // no endpoints left to tell the peers through
+  // Once poisoned, the peers were told (or failed) already: one notice per failure.
+  if (!poisoned_.ok()) return status;
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
     SendMessage(r, kMsgAbort, 0, 0, static_cast<int32_t>(common::AbortCode(kind, status)),
