@@ -84,7 +84,8 @@ void PrintRunHeader(const RunInfo& info, std::FILE* out) {
                "busiest rank's bytes / time for prefetch, reduce (docs/benchmarks-dispatch.md)\n"
                "# t/none, t/a2av: median time over the same operation with policy none / "
                "MPI_Alltoallv of the same payload (nccl: nccl-a2a, grouped ncclSend/ncclRecv of "
-               "it) (< 1: faster)\n");
+               "it; prefetch, reduce: every replica's bytes sent from / to its home by "
+               "MPI_Isend/Irecv, the home summing, as before the replica chains) (< 1: faster)\n");
 }
 
 void PrintConfig(const ConfigResult& r, int32_t index, int32_t total, std::FILE* out) {

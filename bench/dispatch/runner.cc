@@ -1,6 +1,7 @@
 #include "bench/dispatch/runner.h"
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -145,6 +146,12 @@ class Runner {
   // reference; adds the number of values compared to *checked.
   int64_t CountWrongBackwardSample(int64_t* checked);
   int64_t CheckReduce(const planner::Plan& plan);
+  // Baselines of prefetch and reduce (host backends, --baselines): every replica's weights sent
+  // from its home, and every replica's gradients sent to its home and summed there in the
+  // contract's order, by MPI_Isend / MPI_Irecv of the same bytes -- what the transports did before
+  // the replica chains (docs/transport.md), and what the chains are measured against.
+  absl::Status StarPrefetch(const planner::Plan& plan);
+  absl::Status StarReduce(const planner::Plan& plan);
 
   absl::Status Timed(const std::string& key, bool record, const std::function<absl::Status()>& f) {
     // Device work queued before (poisoning, uploads) finishes outside the timed region.
@@ -252,6 +259,8 @@ class Runner {
   std::vector<TensorView> home_w_views_, slot_w_views_, home_g_views_, slot_g_views_;
   std::vector<int32_t> expected_map_;             // slot_expert the expected values are for
   std::vector<std::vector<char>> expected_slot_w_;
+  std::vector<std::vector<float>> star_in_;  // StarReduce: the gradients a home receives
+  std::vector<float> star_sum_;              // ... and their sum (the caller's home stays as is)
 
   // MPI_Alltoallv baseline.
   MPI_Comm a2a_comm_ = MPI_COMM_NULL;
@@ -917,6 +926,9 @@ absl::Status Runner::TransportPipeline(bool measured, bool record) {
       corrupted = true;
     }
     if (check_) Count(Key("prefetch", true), CheckPrefetch(p.plan), p.plan.stats.replicas * kParams);
+    if (a2a_ && !device_) {  // the same bytes into the same slots: what the check saw stays
+      MOONEP_RETURN_IF_ERROR(Timed("prefetch/" + a2a_impl_, record, [&] { return StarPrefetch(p.plan); }));
+    }
   }
 
   const int64_t my_rows = p.plan.rank_rows[rank_];
@@ -1008,6 +1020,83 @@ absl::Status Runner::TransportPipeline(bool measured, bool record) {
     int64_t blocks = 0;
     for (const auto& g : home_grads_) blocks += g.empty() ? 0 : kParams;
     if (check_) Count(Key("reduce", true), CheckReduce(p.plan), blocks);
+    if (a2a_ && !device_) {
+      MOONEP_RETURN_IF_ERROR(Timed("reduce/" + a2a_impl_, record, [&] { return StarReduce(p.plan); }));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Runner::StarPrefetch(const planner::Plan& plan) {
+  const size_t bytes = 3 * param_elems_[0] * ds_;
+  MOONEP_CHECK_ARG(bytes <= static_cast<size_t>(INT_MAX), "prefetch baseline: an expert of %d bytes",
+                   bytes);
+  std::vector<MPI_Request> requests;
+  for (int32_t d = 0; d < R_; ++d) {
+    for (int32_t s = 0; s < plan.slots; ++s) {
+      const int32_t e = plan.slot_expert[static_cast<size_t>(d) * plan.slots + s];
+      if (e < 0) continue;
+      const int32_t h = plan.home[e];
+      MPI_Request r;
+      if (h == rank_) {
+        const char* src = home_weights_.data() + static_cast<size_t>(plan.home_group[e]) * bytes;
+        MPI_Isend(src, static_cast<int>(bytes), MPI_BYTE, d, 7, a2a_comm_, &r);
+        requests.push_back(r);
+      } else if (d == rank_) {
+        MPI_Irecv(slot_weights_[static_cast<size_t>(s)].data(), static_cast<int>(bytes), MPI_BYTE, h, 7,
+                  a2a_comm_, &r);
+        requests.push_back(r);
+      }
+    }
+  }
+  const int rc = MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE);
+  return rc == MPI_SUCCESS ? absl::OkStatus() : Internal("prefetch baseline: MPI_Waitall failed (%d)", rc);
+}
+
+absl::Status Runner::StarReduce(const planner::Plan& plan) {
+  const size_t elems = 3 * param_elems_[0];
+  MOONEP_CHECK_ARG(elems <= static_cast<size_t>(INT_MAX), "reduce baseline: an expert of %d elements",
+                   elems);
+  std::vector<MPI_Request> requests;
+  std::vector<std::pair<int32_t, size_t>> sums;  // (home group, first received buffer), per sum
+  size_t used = 0;
+  for (int32_t e = 0; e < E_; ++e) {
+    if (plan.home[e] != rank_) continue;
+    const size_t first = used;
+    for (int32_t d = 0; d < R_; ++d) {
+      for (int32_t s = 0; s < plan.slots; ++s) {
+        if (plan.slot_expert[static_cast<size_t>(d) * plan.slots + s] != e) continue;
+        if (star_in_.size() <= used) star_in_.emplace_back(elems);
+        MPI_Request r;
+        MPI_Irecv(star_in_[used++].data(), static_cast<int>(elems), MPI_FLOAT, d, 8, a2a_comm_, &r);
+        requests.push_back(r);
+      }
+    }
+    if (used > first) sums.push_back({plan.home_group[e], first});
+  }
+  for (int32_t s = 0; s < plan.slots; ++s) {
+    const int32_t e = plan.slot_expert[static_cast<size_t>(rank_) * plan.slots + s];
+    if (e < 0) continue;
+    MPI_Request r;
+    MPI_Isend(slot_grads_[static_cast<size_t>(s)].data(), static_cast<int>(elems), MPI_FLOAT,
+              plan.home[e], 8, a2a_comm_, &r);
+    requests.push_back(r);
+  }
+  const int rc = MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE);
+  if (rc != MPI_SUCCESS) return Internal("reduce baseline: MPI_Waitall failed (%d)", rc);
+  // ((g1 + g2) + ...) + home in fp32, as the transports sum, into a scratch copy.
+  star_sum_.resize(elems);
+  for (size_t k = 0; k < sums.size(); ++k) {
+    const size_t end = k + 1 < sums.size() ? sums[k + 1].second : used;
+    const std::vector<float>& home = home_grads_[static_cast<size_t>(sums[k].first)];
+    std::copy(star_in_[sums[k].second].begin(), star_in_[sums[k].second].end(), star_sum_.begin());
+    for (size_t i = sums[k].second + 1; i < end; ++i) {
+      const float* g = star_in_[i].data();
+      for (size_t j = 0; j < elems; ++j) star_sum_[j] += g[j];
+    }
+    if (home.size() == elems) {
+      for (size_t j = 0; j < elems; ++j) star_sum_[j] += home[j];
+    }
   }
   return absl::OkStatus();
 }
@@ -1288,7 +1377,9 @@ absl::Status Runner::Run(ConfigResult* out) {
     if (run_none_) add(op, "none");
   }
   add("prefetch", pol);
+  if (a2a_ && !device_) add("prefetch", a2a_impl_);
   add("reduce", pol);
+  if (a2a_ && !device_) add("reduce", a2a_impl_);
   if (layer_) {
     add("layer-fwd", pol);
     if (run_none_) add("layer-fwd", "none");

@@ -110,6 +110,10 @@ TEST(ReplicaChain, Chunks) {
   EXPECT_EQ(NumChunks(25, 4), 7);
   EXPECT_EQ(NumChunks(0, 4), 1);
   EXPECT_EQ(NumChunks(3, 4), 1);
+  // One holder: nothing to pipeline, whole tensors (up to 1 GiB a chunk); two or more: as given.
+  const std::vector<ReplicaChain> chains = ReplicaChains(SmallPlan());
+  EXPECT_EQ(ChainChunkElements(chains[0], 4), kMaxReplicaChunkBytes / 4);
+  EXPECT_EQ(ChainChunkElements(chains[3], 4), 4);
 }
 
 // ChainStart / ChainAdd / ChainFinish over chunks equal ((g1 + g2) + g3) + home in fp32, stored

@@ -93,6 +93,10 @@ int64_t NumChunks(int64_t numel, int64_t chunk_elements) {
   return std::max<int64_t>(1, (numel + chunk_elements - 1) / chunk_elements);
 }
 
+int64_t ChainChunkElements(const ReplicaChain& chain, int64_t chunk_elements) {
+  return chain.holders.size() >= 2 ? chunk_elements : kMaxReplicaChunkBytes / 4;
+}
+
 void ChainStart(const TensorView& slot, int64_t begin, int64_t n, float* partial) {
   if (slot.dtype == DType::kFloat32) {
     std::memcpy(partial, static_cast<const float*>(slot.data) + begin, static_cast<size_t>(n) * 4);

@@ -12,7 +12,8 @@
 // so each rank sends at most one copy and receives at most one copy per expert it takes part in,
 // whatever the replica count, and the home sends one copy of its weights and receives one sum.
 // Each tensor is cut into chunks of ChunkElements() elements that travel one after the other, so a
-// chain of n hops takes about one transfer time plus n - 1 chunk times, not n transfer times.
+// chain of n hops takes about one transfer time plus n - 1 chunk times, not n transfer times (a
+// chain of one holder sends its tensors whole: ChainChunkElements).
 // Reduce partials travel as fp32 whatever the gradient dtype, and the sum is
 // ((g_1 + g_2) + ... + g_n) + home, accumulated in fp32 and stored once: the same bits on every
 // backend and every run (AddIntoHome in host_rows.h sums in this order too).
@@ -69,6 +70,11 @@ inline constexpr int64_t kMaxReplicaChunkBytes = int64_t{1} << 30;
 int64_t ChunkElements(int64_t chunk_bytes);
 // Chunks of a tensor of `numel` elements (at least 1, for an empty tensor too).
 int64_t NumChunks(int64_t numel, int64_t chunk_elements);
+// Elements per chunk along `chain`: `chunk_elements` (ChunkElements) when it has two holders or
+// more, whose hops the chunks pipeline along; a chain of one holder is one hop with nothing to
+// pipeline, and its tensors go whole (chunks of kMaxReplicaChunkBytes / 4 elements at most):
+// chunking it only added messages (measured: docs/transport.md).
+int64_t ChainChunkElements(const ReplicaChain& chain, int64_t chunk_elements);
 
 // Reduce arithmetic on elements [begin, begin + n) of a tensor, partials in fp32:
 //   ChainStart:  partial[j] = slot[begin + j]                      (the first holder)

@@ -1145,7 +1145,14 @@ class ChainOp : public MpiOp {
   struct Hop {
     int32_t group = -1;  // the expert's home group (on its home rank)
     common::ChainPeers peers;
+    int64_t chunk = 1;   // elements per chunk along this chain (ChainChunkElements)
   };
+  // The most chunks of a tensor of `numel` elements on any of `hops`.
+  static int64_t MostChunks(const std::vector<Hop>& hops, int64_t numel) {
+    int64_t most = 0;
+    for (const Hop& h : hops) most = std::max(most, common::NumChunks(numel, h.chunk));
+    return most;
+  }
   // A chunk for a peer. Its data may arrive (or be added to) later: it goes once ready.
   struct Out {
     const void* data = nullptr;
@@ -1347,7 +1354,7 @@ class PrefetchOp : public ChainOp {
       }
       const common::ChainPeers p = common::PrefetchPeers(c, me_);
       if (p.prev < 0 && p.next < 0) continue;
-      hops.push_back(Hop{c.group, p});
+      hops.push_back(Hop{c.group, p, common::ChainChunkElements(c, chunk_)});
       if (p.prev >= 0) counters_.rows_received += nt;
       if (p.next >= 0) counters_.rows_sent += nt;
     }
@@ -1356,10 +1363,11 @@ class PrefetchOp : public ChainOp {
     for (int32_t i = 0; i < nt; ++i) {
       const int64_t numel = home_[static_cast<size_t>(i)].numel();
       const int64_t es = static_cast<int64_t>(DTypeSize(home_[static_cast<size_t>(i)].dtype));
-      const int64_t chunks = common::NumChunks(numel, chunk_);
+      const int64_t chunks = MostChunks(hops, numel);
       for (int64_t k = 0; k < chunks; ++k) {
-        const int64_t begin = k * chunk_, bytes = std::min(chunk_, numel - begin) * es;
         for (const Hop& h : hops) {
+          if (k >= common::NumChunks(numel, h.chunk)) continue;
+          const int64_t begin = k * h.chunk, bytes = std::min(h.chunk, numel - begin) * es;
           if (h.peers.home) {
             const TensorView& src = home_[static_cast<size_t>(h.group) * nt + i];
             Out out;
@@ -1415,7 +1423,7 @@ class ReduceOp : public ChainOp {
       }
       const common::ChainPeers p = common::ReducePeers(c, me_);
       if (p.prev < 0 && p.next < 0) continue;
-      hops.push_back(Hop{c.group, p});
+      hops.push_back(Hop{c.group, p, common::ChainChunkElements(c, chunk_)});
       if (p.prev >= 0) counters_.rows_received += nt;
       if (p.next >= 0) counters_.rows_sent += nt;
     }
@@ -1483,11 +1491,12 @@ class ReduceOp : public ChainOp {
     // then the windows' first receives and what is ready (the first holders' chunks) go.
     for (int32_t i = 0; i < nt; ++i) {
       const int64_t numel = home_[static_cast<size_t>(i)].numel();
-      const int64_t chunks = common::NumChunks(numel, chunk_);
+      const int64_t chunks = MostChunks(hops, numel);
       for (int64_t k = 0; k < chunks; ++k) {
-        const int64_t begin = k * chunk_, n = std::min(chunk_, numel - begin);
         for (size_t j = 0; j < hops.size(); ++j) {
           const Hop& h = hops[j];
+          if (k >= common::NumChunks(numel, h.chunk)) continue;
+          const int64_t begin = k * h.chunk, n = std::min(h.chunk, numel - begin);
           const int64_t offset = at[j * static_cast<size_t>(nt) + static_cast<size_t>(i)];
           float* part = offset < 0 ? nullptr : reinterpret_cast<float*>(staging + offset) + begin;
           In in;

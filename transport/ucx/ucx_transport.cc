@@ -1445,7 +1445,8 @@ class ChainOp : public UcxOp {
         s.mine = p.home ? b.home[static_cast<size_t>(c.group) * nt + i]
                         : b.slots[static_cast<size_t>(p.slot) * nt + i];
         s.numel = s.mine.numel();
-        s.chunks = common::NumChunks(s.numel, chunk_elements_);
+        s.chunk = common::ChainChunkElements(c, chunk_elements_);
+        s.chunks = common::NumChunks(s.numel, s.chunk);
         const int32_t k = static_cast<int32_t>(streams_.size());
         const int64_t wire = s.numel * ElementBytes(s);
         if (p.prev >= 0) {
@@ -1538,6 +1539,7 @@ class ChainOp : public UcxOp {
     bool first = false;              // reduce: the first holder (starts the partial)
     TensorView mine;                 // this rank's tensor: its slot, or the home tensor
     int64_t numel = 0, chunks = 0;
+    int64_t chunk = 1;               // elements per chunk along its chain (ChainChunkElements)
     char* partial = nullptr;         // reduce: fp32 staging of numel elements, or none
     int64_t received = 0, sent = 0;  // chunks
   };
@@ -1573,9 +1575,9 @@ class ChainOp : public UcxOp {
   int64_t ElementBytes(const Stream& s) const {
     return reduce_ ? 4 : static_cast<int64_t>(DTypeSize(s.mine.dtype));
   }
-  int64_t ChunkBegin(int64_t c) const { return c * chunk_elements_; }
+  int64_t ChunkBegin(const Stream& s, int64_t c) const { return c * s.chunk; }
   int64_t ChunkCount(const Stream& s, int64_t c) const {
-    return std::min(chunk_elements_, s.numel - ChunkBegin(c));
+    return std::min(s.chunk, s.numel - ChunkBegin(s, c));
   }
 
   // A chain whose hops are all on this rank (its home holds its only replica).
@@ -1620,7 +1622,7 @@ class ChainOp : public UcxOp {
   absl::Status SendChunk(int32_t k, int64_t c) {
     Stream& s = streams_[static_cast<size_t>(k)];
     Pair& out = outs_[static_cast<size_t>(s.out)];
-    const int64_t begin = ChunkBegin(c), n = ChunkCount(s, c), eb = ElementBytes(s);
+    const int64_t begin = ChunkBegin(s, c), n = ChunkCount(s, c), eb = ElementBytes(s);
     const int64_t bytes = n * eb;
     const char* src;
     if (!reduce_ || (s.first && s.partial == nullptr)) {
@@ -1743,7 +1745,7 @@ class ChainOp : public UcxOp {
                                OpName(kind_), peer, e.chunk, e.bytes, e.tensor, e.expert, e.numel,
                                me_, s.numel, s.tensor, s.expert);
       }
-      const int64_t begin = ChunkBegin(e.chunk);
+      const int64_t begin = ChunkBegin(s, e.chunk);
       if (e.has_data != 0) {
         if (m.size() - at < static_cast<size_t>(e.bytes)) {
           return InvalidArgument("%s: malformed chunks message from rank %d", OpName(kind_), peer);
@@ -1769,7 +1771,7 @@ class ChainOp : public UcxOp {
   absl::Status Arrived(int32_t k, int64_t c) {
     Stream& s = streams_[static_cast<size_t>(k)];
     if (reduce_) {
-      const int64_t begin = ChunkBegin(c), n = ChunkCount(s, c);
+      const int64_t begin = ChunkBegin(s, c), n = ChunkCount(s, c);
       float* partial = reinterpret_cast<float*>(s.partial) + begin;
       if (s.out < 0) {  // the home: stored once
         common::ChainFinish(s.mine, begin, n, partial);
