@@ -652,15 +652,20 @@ class WeightsTest : public moonep::testing::MpiTest,
     const int32_t R = size();
     p_ = MakeProblem(R, 2 * R, std::min(2, 2 * R), 1, 20, 23, -1);
     ASSERT_TRUE(MakePlanOfKind(std::get<1>(GetParam()), p_, 23, &plan_).ok());
-    TransportOptions o;
-    o.max_tokens = p_.max_tokens();
-    o.max_top_k = p_.K;
-    o.max_row_bytes = 4;
-    auto t = CreateTransport(std::get<0>(GetParam()), o);
+    auto t = CreateTransport(std::get<0>(GetParam()), Options());
     ASSERT_TRUE(t.ok()) << t.status();
     t_ = std::move(*t);
     home_.Init(plan_.experts_per_rank);
     slots_.Init(plan_.slots);
+  }
+  // The transport's options, with replica chunks of `chunk_bytes` (0: the default).
+  TransportOptions Options(int64_t chunk_bytes = 0) const {
+    TransportOptions o;
+    o.max_tokens = p_.max_tokens();
+    o.max_top_k = p_.K;
+    o.max_row_bytes = 4;
+    o.replica_chunk_bytes = chunk_bytes;
+    return o;
   }
   ExpertBlocks View() {
     return ExpertBlocks{Blocks::kTensors,
@@ -780,11 +785,7 @@ TEST_P(WeightsTest, TwoReducesInFlightKeepTheirOwnGradients) {
 // neither waits for the other rank's wait to end (both used to pass chunks on only inside their
 // own Test: each rank waited on the op its neighbour was not moving, until the timeout).
 TEST_P(WeightsTest, WeightOpsWaitedInOppositeOrdersOnAlternateRanksComplete) {
-  TransportOptions o;
-  o.max_tokens = p_.max_tokens();
-  o.max_top_k = p_.K;
-  o.max_row_bytes = 4;
-  o.replica_chunk_bytes = 16;
+  TransportOptions o = Options(16);
   o.timeout_ms = 10000;
   auto made = CreateTransport(std::get<0>(GetParam()), o);
   ASSERT_TRUE(made.ok()) << made.status();
@@ -872,12 +873,7 @@ TEST_P(WeightsTest, ChainsPrefetchAndReduceInOrderInEveryChunkSize) {
   // 16 bytes: 4 elements a chunk, so the 24-element tensors go in 6 chunks and the bf16 one in 2;
   // 40: a last chunk shorter than the others; 0: the default (one chunk each here).
   for (const int64_t chunk : {int64_t{0}, int64_t{16}, int64_t{40}}) {
-    TransportOptions o;
-    o.max_tokens = p_.max_tokens();
-    o.max_top_k = p_.K;
-    o.max_row_bytes = 4;
-    o.replica_chunk_bytes = chunk;
-    auto made = CreateTransport(std::get<0>(GetParam()), o);
+    auto made = CreateTransport(std::get<0>(GetParam()), Options(chunk));
     ASSERT_TRUE(made.ok()) << made.status();
     Transport* t = made->get();
     home_.Fill([&](int32_t g, int k, int32_t j) { return home_value(HomeExpert(g), k, j); });
@@ -974,12 +970,7 @@ TEST_P(WeightsTest, ExpertTwiceOnARankIsRefusedOnEveryRank) {
 
 TEST_P(WeightsTest, BadReplicaChunkBytesFailsCreationNamingIt) {
   for (const int64_t chunk : {int64_t{-1}, int64_t{8}, (int64_t{1} << 30) + 1}) {
-    TransportOptions o;
-    o.max_tokens = p_.max_tokens();
-    o.max_top_k = p_.K;
-    o.max_row_bytes = 4;
-    o.replica_chunk_bytes = chunk;
-    auto made = CreateTransport(std::get<0>(GetParam()), o);
+    auto made = CreateTransport(std::get<0>(GetParam()), Options(chunk));
     ASSERT_FALSE(made.ok()) << chunk;
     EXPECT_EQ(made.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(std::string(made.status().message()).find("replica_chunk_bytes"), std::string::npos)

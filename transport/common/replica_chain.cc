@@ -46,42 +46,33 @@ int32_t HolderIndex(const ReplicaChain& chain, int32_t rank) {
                                                         : -1;
 }
 
-}  // namespace
-
-ChainPeers PrefetchPeers(const ReplicaChain& chain, int32_t rank) {
+// The holders in increasing rank, with the home before them (prefetch) or after them (reduce).
+ChainPeers PeersAlong(const ReplicaChain& chain, int32_t rank, bool prefetch) {
   ChainPeers p;
-  const int32_t n = static_cast<int32_t>(chain.holders.size());
   if (rank == chain.home) {
     p.home = true;
-    p.next = chain.holders.front().rank;
+    (prefetch ? p.next : p.prev) = (prefetch ? chain.holders.front() : chain.holders.back()).rank;
     return p;
   }
   const int32_t i = HolderIndex(chain, rank);
   if (i < 0) return p;
+  const int32_t n = static_cast<int32_t>(chain.holders.size());
   p.slot = chain.holders[static_cast<size_t>(i)].slot;
   p.first = i == 0;
   p.last = i == n - 1;
-  p.prev = p.first ? chain.home : chain.holders[static_cast<size_t>(i - 1)].rank;
-  p.next = p.last ? -1 : chain.holders[static_cast<size_t>(i + 1)].rank;
+  p.prev = !p.first ? chain.holders[static_cast<size_t>(i - 1)].rank : prefetch ? chain.home : -1;
+  p.next = !p.last ? chain.holders[static_cast<size_t>(i + 1)].rank : prefetch ? -1 : chain.home;
   return p;
 }
 
+}  // namespace
+
+ChainPeers PrefetchPeers(const ReplicaChain& chain, int32_t rank) {
+  return PeersAlong(chain, rank, /*prefetch=*/true);
+}
+
 ChainPeers ReducePeers(const ReplicaChain& chain, int32_t rank) {
-  ChainPeers p;
-  const int32_t n = static_cast<int32_t>(chain.holders.size());
-  if (rank == chain.home) {
-    p.home = true;
-    p.prev = chain.holders.back().rank;
-    return p;
-  }
-  const int32_t i = HolderIndex(chain, rank);
-  if (i < 0) return p;
-  p.slot = chain.holders[static_cast<size_t>(i)].slot;
-  p.first = i == 0;
-  p.last = i == n - 1;
-  p.prev = p.first ? -1 : chain.holders[static_cast<size_t>(i - 1)].rank;
-  p.next = p.last ? chain.home : chain.holders[static_cast<size_t>(i + 1)].rank;
-  return p;
+  return PeersAlong(chain, rank, /*prefetch=*/false);
 }
 
 int64_t ChunkElements(int64_t chunk_bytes) {

@@ -23,6 +23,7 @@
 // ChainStart / ChainAdd / ChainFinish in the same order (reduce), without ChainPeers.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -75,6 +76,31 @@ int64_t NumChunks(int64_t numel, int64_t chunk_elements);
 // pipeline, and its tensors go whole (chunks of kMaxReplicaChunkBytes / 4 elements at most):
 // chunking it only added messages (measured: docs/transport.md).
 int64_t ChainChunkElements(const ReplicaChain& chain, int64_t chunk_elements);
+
+// The prefetches and reduces in flight on a host transport. A holder passes chunks on from its
+// operation's Test, so every operation's Test also tests these (Progress): chunks then pass through
+// a rank while it waits on anything else of the transport, in whatever order the ranks wait.
+template <typename Op>
+class ChainOpsInFlight {
+ public:
+  void Add(Op* op) { ops_.push_back(op); }
+  void Remove(Op* op) { ops_.erase(std::remove(ops_.begin(), ops_.end(), op), ops_.end()); }
+  // Tests each op in flight but `caller`, once; a call from inside one of those Tests does nothing.
+  // An op's failure stays its own (its caller's Test or Wait returns it).
+  void Progress(const Op* caller) {
+    if (progressing_ || ops_.empty()) return;
+    progressing_ = true;
+    const std::vector<Op*> ops = ops_;  // an op that ends in its Test leaves ops_
+    for (Op* op : ops) {
+      if (op != caller) static_cast<void>(op->Test());
+    }
+    progressing_ = false;
+  }
+
+ private:
+  std::vector<Op*> ops_;
+  bool progressing_ = false;
+};
 
 // Reduce arithmetic on elements [begin, begin + n) of a tensor, partials in fp32:
 //   ChainStart:  partial[j] = slot[begin + j]                      (the first holder)

@@ -297,11 +297,9 @@ class MpiTransport : public Transport {
   // Prefetches and reduces in flight (chains: a holder passes a chunk on from its op's Test).
   // Every op's Test moves the others on too (ProgressChains), so chunks pass through this rank
   // while it waits on a dispatch or on another weight op, whatever order the ranks wait in.
-  void AddChainOp(MpiOp* op) { chain_ops_.push_back(op); }
-  void RemoveChainOp(MpiOp* op) {
-    chain_ops_.erase(std::remove(chain_ops_.begin(), chain_ops_.end(), op), chain_ops_.end());
-  }
-  void ProgressChains(const MpiOp* caller);
+  void AddChainOp(MpiOp* op) { chain_ops_.Add(op); }
+  void RemoveChainOp(MpiOp* op) { chain_ops_.Remove(op); }
+  void ProgressChains(const MpiOp* caller) { chain_ops_.Progress(caller); }
 
  private:
   MpiTransport() = default;
@@ -314,8 +312,7 @@ class MpiTransport : public Transport {
   int64_t timeout_ms_ = 0;
   bool spin_waits_ = false;
   int64_t replica_chunk_elements_ = 1;
-  std::vector<MpiOp*> chain_ops_;
-  bool progressing_chains_ = false;
+  common::ChainOpsInFlight<MpiOp> chain_ops_;
   std::shared_ptr<WorkerPool> host_pool_;  // the dispatch's layouts (null: this thread alone)
   int64_t tag_slots_ = 1, seqs_per_epoch_ = 1, epoch_ = 0;
   int handle_tags_ = 1;  // values of the dispatch bits in a tag (kMaxHandleTags where it fits)
@@ -1235,21 +1232,6 @@ void MpiOp::Ended() {
   if (chain_) transport_->RemoveChainOp(this);
   chain_ = false;
   if (on_end_) std::exchange(on_end_, nullptr)();
-}
-
-void MpiTransport::ProgressChains(const MpiOp* caller) {
-  if (progressing_chains_ || chain_ops_.empty()) return;
-  progressing_chains_ = true;
-  // A copy: an op that ends here leaves chain_ops_. An op's failure stays its own (its caller's
-  // Test or Wait returns it; a failure that poisons the transport fails the caller's op next).
-  const std::vector<MpiOp*> ops = chain_ops_;
-  for (MpiOp* op : ops) {
-    if (op == caller || std::find(chain_ops_.begin(), chain_ops_.end(), op) == chain_ops_.end()) {
-      continue;
-    }
-    static_cast<void>(op->Test());
-  }
-  progressing_chains_ = false;
 }
 
 int32_t ChainOp::LinkOf(int peer) {

@@ -525,15 +525,12 @@ class UcxTransport : public Transport {
   // Prefetches and reduces in flight (chains: a holder passes a chunk on from its op's Test).
   // Every op's Test moves the others on too (ProgressChains), so chunks pass through this rank
   // while it waits on a dispatch or on another weight op, whatever order the ranks wait in.
-  void AddChainOp(UcxOp* op) { chain_ops_.push_back(op); }
-  void RemoveChainOp(UcxOp* op) {
-    chain_ops_.erase(std::remove(chain_ops_.begin(), chain_ops_.end(), op), chain_ops_.end());
-  }
-  void ProgressChains(const UcxOp* caller);
+  void AddChainOp(UcxOp* op) { chain_ops_.Add(op); }
+  void RemoveChainOp(UcxOp* op) { chain_ops_.Remove(op); }
+  void ProgressChains(const UcxOp* caller) { chain_ops_.Progress(caller); }
 
  private:
-  std::vector<UcxOp*> chain_ops_;
-  bool progressing_chains_ = false;
+  common::ChainOpsInFlight<UcxOp> chain_ops_;
 
   friend class UcxOp;
 };
@@ -740,21 +737,6 @@ absl::Status UcxOp::TimeoutStatus() const {
   }
   return Timeout("%s timed out after %d ms on rank %d: rank(s) %s did not take their data",
                  OpName(kind_), timeout_ms_, me_, RankList(unreceived));
-}
-
-void UcxTransport::ProgressChains(const UcxOp* caller) {
-  if (progressing_chains_ || chain_ops_.empty()) return;
-  progressing_chains_ = true;
-  // A copy: an op that ends here leaves chain_ops_. An op's failure stays its own (its caller's
-  // Test or Wait returns it; a failure that poisons the transport fails the caller's op next).
-  const std::vector<UcxOp*> ops = chain_ops_;
-  for (UcxOp* op : ops) {
-    if (op == caller || std::find(chain_ops_.begin(), chain_ops_.end(), op) == chain_ops_.end()) {
-      continue;
-    }
-    static_cast<void>(op->Test());
-  }
-  progressing_chains_ = false;
 }
 
 absl::StatusOr<bool> UcxOp::Test() {
