@@ -968,6 +968,18 @@ TEST_P(WeightsTest, ExpertTwiceOnARankIsRefusedOnEveryRank) {
   EXPECT_TRUE(t_->Reduce(plan_, View()).ok());
 }
 
+// Chunk sizes that differ across ranks would cut a hop's chunks differently on its two sides:
+// creation fails on every rank, naming the option.
+TEST_P(WeightsTest, ReplicaChunkBytesDifferingAcrossRanksFailsCreationEverywhere) {
+  if (size() < 2) GTEST_SKIP() << "needs two ranks";
+  auto made = CreateTransport(std::get<0>(GetParam()), Options(rank() == 0 ? 16 : 0));
+  ASSERT_FALSE(made.ok());
+  EXPECT_EQ(made.status().code(), absl::StatusCode::kInvalidArgument) << made.status();
+  EXPECT_NE(std::string(made.status().message()).find("replica_chunk_bytes differs across ranks"),
+            std::string::npos)
+      << made.status();
+}
+
 TEST_P(WeightsTest, BadReplicaChunkBytesFailsCreationNamingIt) {
   for (const int64_t chunk : {int64_t{-1}, int64_t{8}, (int64_t{1} << 30) + 1}) {
     auto made = CreateTransport(std::get<0>(GetParam()), Options(chunk));

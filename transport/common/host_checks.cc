@@ -181,6 +181,16 @@ absl::Status AgreeOnCreationChecks(MPI_Comm comm, const absl::Status& local, con
   return absl::OkStatus();
 }
 
+absl::Status CheckSharedOptions(MPI_Comm comm, const TransportOptions& options) {
+  int64_t v[2] = {options.replica_chunk_bytes, -options.replica_chunk_bytes};  // max, -min
+  const int rc = MPI_Allreduce(MPI_IN_PLACE, v, 2, MPI_INT64_T, MPI_MAX, comm);
+  if (rc != MPI_SUCCESS) return SystemError("MPI_Allreduce of the shared options failed (%d)", rc);
+  MOONEP_CHECK_ARG(v[0] == -v[1],
+                   "options.replica_chunk_bytes differs across ranks (%d here, from %d to %d): "
+                   "every rank must give the same", options.replica_chunk_bytes, -v[1], v[0]);
+  return absl::OkStatus();
+}
+
 absl::Status CheckRowTensor(const TensorView& v, const char* name, int64_t min_rows, int64_t cols,
                             const char* backend, Device device) {
   MOONEP_CHECK_ARG(v.ndim == 2, "%s: expected a 2-D tensor, got %s", name, v.DebugString());

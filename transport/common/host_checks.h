@@ -56,6 +56,10 @@ std::shared_ptr<WorkerPool> MakeHostPool(int32_t options_threads, int local_rank
 // value wrong on one rank fails every rank instead of leaving the others in a later collective:
 // this rank's own error; else RemoteError(`refused`) when another rank failed; else OK.
 absl::Status AgreeOnCreationChecks(MPI_Comm comm, const absl::Status& local, const char* refused);
+// The options every rank must give alike -- replica_chunk_bytes: the chunks of a replica chain are
+// cut alike on both sides of each hop -- compared over `comm` (collective): InvalidArgument naming
+// the field on every rank where they differ, else OK.
+absl::Status CheckSharedOptions(MPI_Comm comm, const TransportOptions& options);
 // InvalidUsage when MPI was finalized (the caller's MPI_Finalize came before MoonEP's objects were
 // destroyed): no MPI call may be made then, and Open MPI aborts the whole job on one. `what`
 // names the call ("transport mpi destruction", "dispatch").

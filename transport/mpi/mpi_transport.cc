@@ -1563,6 +1563,10 @@ absl::StatusOr<std::unique_ptr<Transport>> MpiTransport::Create(const TransportO
     t->spin_waits_ = common::SpinWaits(local_size);
     if (checked.ok()) t->host_pool_ = common::MakeHostPool(options.host_threads, local_size);
   }
+  {
+    const absl::Status same = common::CheckSharedOptions(t->rows_comm_, options);
+    if (checked.ok()) checked = same;
+  }
   MOONEP_RETURN_IF_ERROR(common::AgreeOnCreationChecks(
       t->rows_comm_, checked, "MPI transport: another rank refused its options or environment"));
   void* attr = nullptr;

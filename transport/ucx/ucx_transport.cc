@@ -1929,6 +1929,8 @@ absl::StatusOr<std::unique_ptr<Transport>> UcxTransport::Create(const TransportO
       checked = InvalidArgument("MOONEP_UCX_EAGER_BYTES differs between ranks (%d to %d bytes); "
                                 "set it alike on every rank", -agreed[1], agreed[0]);
     }
+    const absl::Status same = common::CheckSharedOptions(t->comm_, options);
+    if (checked.ok()) checked = same;
   }
 
   // Every rank sets up locally, then all agree that every rank succeeded before exchanging.
