@@ -980,6 +980,50 @@ TEST_P(WeightsTest, ReplicaChunkBytesDifferingAcrossRanksFailsCreationEverywhere
       << made.status();
 }
 
+// Tensors of 4099 fp32 elements in chunks of 16 bytes: 1025 chunks a hop, past the mpi backend's
+// 256 chunks a peer in flight each way and the ucx backend's one chunk's worth per eager message,
+// with a short last chunk; prefetch bitwise, reduce in the contract's order bitwise.
+TEST_P(WeightsTest, ManyChunksPerHopKeepTheirOrder) {
+  constexpr int64_t kN = 4099;
+  auto made = CreateTransport(std::get<0>(GetParam()), Options(16));
+  ASSERT_TRUE(made.ok()) << made.status();
+  Transport* t = made->get();
+  const int32_t epn = plan_.experts_per_rank, S = plan_.slots;
+  std::vector<std::vector<float>> home(epn, std::vector<float>(kN)), slot(S, std::vector<float>(kN));
+  std::vector<TensorView> hv, sv;
+  for (auto& v : home) hv.push_back(TensorView::Contiguous(v.data(), DType::kFloat32, {kN}));
+  for (auto& v : slot) sv.push_back(TensorView::Contiguous(v.data(), DType::kFloat32, {kN}));
+  const ExpertBlocks blocks{1, hv, sv};
+  for (int32_t g = 0; g < epn; ++g) {
+    for (int64_t j = 0; j < kN; ++j) home[g][j] = OrderSensitive(3, HomeExpert(g), 0, j);
+  }
+  for (auto& v : slot) std::fill(v.begin(), v.end(), -5.0f);
+  ASSERT_TRUE(t->Prefetch(plan_, blocks).ok());
+  for (int32_t s = 0; s < S; ++s) {
+    for (int64_t j = 0; j < kN; ++j) {
+      const float want = SlotExpert(s) < 0 ? -5.0f : OrderSensitive(3, SlotExpert(s), 0, j);
+      ASSERT_EQ(slot[s][j], want) << "slot " << s << " j " << j;
+    }
+  }
+  const auto slot_value = [](int32_t d, int32_t e, int k, int32_t j) {
+    return OrderSensitive(static_cast<uint64_t>(d) + 40, e, k, j);
+  };
+  for (int32_t s = 0; s < S; ++s) {
+    for (int64_t j = 0; j < kN; ++j) {
+      slot[s][j] = SlotExpert(s) < 0 ? 0.0f : slot_value(rank(), SlotExpert(s), 0, static_cast<int32_t>(j));
+    }
+  }
+  ASSERT_TRUE(t->Reduce(plan_, blocks).ok());
+  for (int32_t g = 0; g < epn; ++g) {
+    const int32_t e = HomeExpert(g);
+    for (int64_t j = 0; j < kN; ++j) {
+      const int32_t jj = static_cast<int32_t>(j);
+      ASSERT_EQ(home[g][j], ExpectedChainSum(plan_, e, 0, jj, OrderSensitive(3, e, 0, j), slot_value))
+          << "expert " << e << " j " << j;
+    }
+  }
+}
+
 TEST_P(WeightsTest, BadReplicaChunkBytesFailsCreationNamingIt) {
   for (const int64_t chunk : {int64_t{-1}, int64_t{8}, (int64_t{1} << 30) + 1}) {
     auto made = CreateTransport(std::get<0>(GetParam()), Options(chunk));
