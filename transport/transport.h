@@ -114,8 +114,8 @@ struct TransportOptions {
   int32_t host_threads = 0;
   // Prefetch and reduce move each expert tensor along its replica chain in chunks of this many
   // bytes (reduce partials are fp32; common/replica_chain.h): smaller chunks fill a long chain
-  // sooner, larger ones send fewer messages. 0: 1 MiB; else in [16, 2^30]; the same on every rank
-  // (the host backends check it at creation).
+  // sooner, larger ones send fewer messages. 0: MOONEP_REPLICA_CHUNK_BYTES, else 1 MiB; else in
+  // [16, 2^30]; the same on every rank (the host backends check it at creation).
   int64_t replica_chunk_bytes = 0;
 };
 constexpr int32_t kMaxHostThreads = 64;

@@ -73,6 +73,9 @@ inline int64_t TimeoutMs() {
 // Host threads a transport uses for its per-dispatch layouts and tables (0: automatic;
 // docs/environment.md). Checked: a malformed value fails transport creation naming it.
 MOONEP_CHECKED_INT_PARAM(CheckedHostThreads, "HOST_THREADS", 0, 0, 64)
+// Bytes per chunk of the host transports' replica chains (0: the default, 1 MiB; else [16, 2^30],
+// which common::CheckEnvironment checks; TransportOptions::replica_chunk_bytes, when set, wins).
+MOONEP_CHECKED_INT_PARAM(CheckedReplicaChunkBytes, "REPLICA_CHUNK_BYTES", 0, 0, int64_t{1} << 30)
 // Threads for the CPU executor (0: all cores; above compute::kMaxExecutorThreads, that many).
 // Checked: a negative or malformed value fails CPU executor creation naming it (a negative value
 // used to mean every core, silently).

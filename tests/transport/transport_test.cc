@@ -972,10 +972,11 @@ TEST_P(WeightsTest, ExpertTwiceOnARankIsRefusedOnEveryRank) {
 // creation fails on every rank, naming the option.
 TEST_P(WeightsTest, ReplicaChunkBytesDifferingAcrossRanksFailsCreationEverywhere) {
   if (size() < 2) GTEST_SKIP() << "needs two ranks";
-  auto made = CreateTransport(std::get<0>(GetParam()), Options(rank() == 0 ? 16 : 0));
+  auto made = CreateTransport(std::get<0>(GetParam()), Options(rank() == 0 ? 16 : 32));
   ASSERT_FALSE(made.ok());
   EXPECT_EQ(made.status().code(), absl::StatusCode::kInvalidArgument) << made.status();
-  EXPECT_NE(std::string(made.status().message()).find("replica_chunk_bytes differs across ranks"),
+  EXPECT_NE(std::string(made.status().message()).find("replica_chunk_bytes, else "
+                                                      "MOONEP_REPLICA_CHUNK_BYTES) differs across ranks"),
             std::string::npos)
       << made.status();
 }

@@ -50,7 +50,18 @@ absl::Status CheckOptions(const TransportOptions& o, bool host_rows) {
 absl::Status CheckEnvironment() {
   MOONEP_RETURN_IF_ERROR(param::CheckedTimeoutMs().status());
   MOONEP_RETURN_IF_ERROR(param::CheckedHostThreads().status());
+  MOONEP_RETURN_IF_ERROR(param::CheckedReplicaChunkBytes().status());
+  const int64_t chunk = *param::CheckedReplicaChunkBytes();
+  MOONEP_CHECK_ARG(chunk == 0 || chunk >= kMinReplicaChunkBytes,
+                   "MOONEP_REPLICA_CHUNK_BYTES=%d is not 0 (the default, %d) or in [%d, %d]", chunk,
+                   kDefaultReplicaChunkBytes, kMinReplicaChunkBytes, kMaxReplicaChunkBytes);
   return log::LevelStatus();
+}
+
+int64_t ResolveReplicaChunkBytes(const TransportOptions& options) {
+  if (options.replica_chunk_bytes != 0) return options.replica_chunk_bytes;
+  const absl::StatusOr<int64_t>& env = param::CheckedReplicaChunkBytes();
+  return env.ok() && (*env == 0 || *env >= kMinReplicaChunkBytes) ? *env : 0;
 }
 
 int64_t ResolveTimeoutMs(int64_t options_timeout_ms) {
@@ -182,12 +193,14 @@ absl::Status AgreeOnCreationChecks(MPI_Comm comm, const absl::Status& local, con
 }
 
 absl::Status CheckSharedOptions(MPI_Comm comm, const TransportOptions& options) {
-  int64_t v[2] = {options.replica_chunk_bytes, -options.replica_chunk_bytes};  // max, -min
+  const int64_t chunk = ResolveReplicaChunkBytes(options);
+  int64_t v[2] = {chunk, -chunk};  // max, -min
   const int rc = MPI_Allreduce(MPI_IN_PLACE, v, 2, MPI_INT64_T, MPI_MAX, comm);
   if (rc != MPI_SUCCESS) return SystemError("MPI_Allreduce of the shared options failed (%d)", rc);
   MOONEP_CHECK_ARG(v[0] == -v[1],
-                   "options.replica_chunk_bytes differs across ranks (%d here, from %d to %d): "
-                   "every rank must give the same", options.replica_chunk_bytes, -v[1], v[0]);
+                   "the replica chunk size (options.replica_chunk_bytes, else "
+                   "MOONEP_REPLICA_CHUNK_BYTES) differs across ranks (%d here, from %d to %d): "
+                   "every rank must give the same", chunk, -v[1], v[0]);
   return absl::OkStatus();
 }
 

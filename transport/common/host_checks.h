@@ -32,6 +32,10 @@ absl::Status CheckOptions(const TransportOptions& options, bool host_rows = true
 absl::Status CheckEnvironment();
 // options.timeout_ms, else MOONEP_TIMEOUT_MS (checked by CheckEnvironment), at most kMaxTimeoutMs.
 int64_t ResolveTimeoutMs(int64_t options_timeout_ms);
+// The replica chunk size a transport uses: options.replica_chunk_bytes when set, else
+// MOONEP_REPLICA_CHUNK_BYTES (0 where unset or refused: CheckEnvironment reports it), 0 meaning
+// the default (common::ChunkElements).
+int64_t ResolveReplicaChunkBytes(const TransportOptions& options);
 // Whether a host backend's waits may poll without sleeping: at most one rank per online CPU of
 // this node (`cpus`: sysconf(_SC_NPROCESSORS_ONLN) in the one-argument form; <= 0 when unknown,
 // which answers no). With more ranks than cores a polling rank would hold the core its peer needs.
@@ -56,9 +60,9 @@ std::shared_ptr<WorkerPool> MakeHostPool(int32_t options_threads, int local_rank
 // value wrong on one rank fails every rank instead of leaving the others in a later collective:
 // this rank's own error; else RemoteError(`refused`) when another rank failed; else OK.
 absl::Status AgreeOnCreationChecks(MPI_Comm comm, const absl::Status& local, const char* refused);
-// The options every rank must give alike -- replica_chunk_bytes: the chunks of a replica chain are
-// cut alike on both sides of each hop -- compared over `comm` (collective): InvalidArgument naming
-// the field on every rank where they differ, else OK.
+// The options every rank must give alike -- the replica chunk size (ResolveReplicaChunkBytes): the
+// chunks of a replica chain are cut alike on both sides of each hop -- compared over `comm`
+// (collective): InvalidArgument naming it on every rank where they differ, else OK.
 absl::Status CheckSharedOptions(MPI_Comm comm, const TransportOptions& options);
 // InvalidUsage when MPI was finalized (the caller's MPI_Finalize came before MoonEP's objects were
 // destroyed): no MPI call may be made then, and Open MPI aborts the whole job on one. `what`

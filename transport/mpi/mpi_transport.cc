@@ -1550,7 +1550,7 @@ absl::StatusOr<std::unique_ptr<Transport>> MpiTransport::Create(const TransportO
   std::unique_ptr<MpiTransport> t(new MpiTransport());
   t->options_ = options;
   t->timeout_ms_ = common::ResolveTimeoutMs(options.timeout_ms);
-  t->replica_chunk_elements_ = common::ChunkElements(options.replica_chunk_bytes);
+  t->replica_chunk_elements_ = common::ChunkElements(common::ResolveReplicaChunkBytes(options));
   for (MPI_Comm* c : {&t->rows_comm_, &t->weights_comm_, &t->abort_comm_}) {
     MOONEP_RETURN_IF_ERROR(MpiCheck(MPI_Comm_dup(options.comm, c), "MPI_Comm_dup"));
     MPI_Comm_set_errhandler(*c, MPI_ERRORS_RETURN);

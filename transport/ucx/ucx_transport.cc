@@ -417,7 +417,7 @@ class UcxTransport : public Transport {
   // with it).
   common::BufferPool<std::vector<char>> reduce_staging;
   int64_t eager_bytes() const { return eager_bytes_; }
-  // TransportOptions::replica_chunk_bytes as given (0: the default; common::ChunkElements).
+  // The replica chunk size (common::ResolveReplicaChunkBytes; 0: the default, common::ChunkElements).
   int64_t replica_chunk_bytes() const { return replica_chunk_bytes_; }
   RegistrationStats stats() const {
     RegistrationStats s = stats_;
@@ -471,7 +471,7 @@ class UcxTransport : public Transport {
   int32_t rank_ = 0, size_ = 1;
   int64_t timeout_ms_ = 0;
   int64_t eager_bytes_ = 0;  // MOONEP_UCX_EAGER_BYTES
-  int64_t replica_chunk_bytes_ = 0;  // TransportOptions::replica_chunk_bytes (checked at creation)
+  int64_t replica_chunk_bytes_ = 0;  // ResolveReplicaChunkBytes (checked at creation)
   std::shared_ptr<WorkerPool> host_pool_;  // the dispatch's layouts (null: this thread alone)
   MPI_Comm comm_ = MPI_COMM_NULL;
   ucp_context_h context_ = nullptr;
@@ -1901,7 +1901,7 @@ absl::StatusOr<std::unique_ptr<Transport>> UcxTransport::Create(const TransportO
   t->options_ = options;
   t->timeout_ms_ = common::ResolveTimeoutMs(options.timeout_ms);
   t->eager_bytes_ = checked.ok() ? *EagerReduceBytes() : 0;
-  t->replica_chunk_bytes_ = options.replica_chunk_bytes;
+  t->replica_chunk_bytes_ = common::ResolveReplicaChunkBytes(options);
   auto mpi = [](int rc, const char* what) -> absl::Status {
     if (rc == MPI_SUCCESS) return absl::OkStatus();
     return SystemError("%s failed (MPI error %d)", what, rc);
