@@ -39,8 +39,7 @@ absl::Status CheckOptions(const TransportOptions& o, bool host_rows) {
   MOONEP_CHECK_ARG(o.host_threads >= 0 && o.host_threads <= kMaxHostThreads,
                    "options.host_threads = %d is not in [0, %d]", o.host_threads,
                    kMaxHostThreads);
-  MOONEP_CHECK_ARG(o.replica_chunk_bytes == 0 || (o.replica_chunk_bytes >= kMinReplicaChunkBytes &&
-                                                  o.replica_chunk_bytes <= kMaxReplicaChunkBytes),
+  MOONEP_CHECK_ARG(ValidReplicaChunkBytes(o.replica_chunk_bytes),
                    "options.replica_chunk_bytes = %d is not 0 (the default, %d) or in [%d, %d]",
                    o.replica_chunk_bytes, kDefaultReplicaChunkBytes, kMinReplicaChunkBytes,
                    kMaxReplicaChunkBytes);
@@ -52,7 +51,7 @@ absl::Status CheckEnvironment() {
   MOONEP_RETURN_IF_ERROR(param::CheckedHostThreads().status());
   MOONEP_RETURN_IF_ERROR(param::CheckedReplicaChunkBytes().status());
   const int64_t chunk = *param::CheckedReplicaChunkBytes();
-  MOONEP_CHECK_ARG(chunk == 0 || chunk >= kMinReplicaChunkBytes,
+  MOONEP_CHECK_ARG(ValidReplicaChunkBytes(chunk),
                    "MOONEP_REPLICA_CHUNK_BYTES=%d is not 0 (the default, %d) or in [%d, %d]", chunk,
                    kDefaultReplicaChunkBytes, kMinReplicaChunkBytes, kMaxReplicaChunkBytes);
   return log::LevelStatus();
@@ -61,7 +60,7 @@ absl::Status CheckEnvironment() {
 int64_t ResolveReplicaChunkBytes(const TransportOptions& options) {
   if (options.replica_chunk_bytes != 0) return options.replica_chunk_bytes;
   const absl::StatusOr<int64_t>& env = param::CheckedReplicaChunkBytes();
-  return env.ok() && (*env == 0 || *env >= kMinReplicaChunkBytes) ? *env : 0;
+  return env.ok() && ValidReplicaChunkBytes(*env) ? *env : 0;
 }
 
 int64_t ResolveTimeoutMs(int64_t options_timeout_ms) {

@@ -25,14 +25,4 @@ void ZeroUnfilledRows(const planner::Plan& plan, int32_t d, const TensorView& ro
   zero(end, plan.rank_rows[d]);
 }
 
-void AddIntoHome(const TensorView& home, const std::vector<const char*>& sources) {
-  if (sources.empty()) return;
-  const size_t n = static_cast<size_t>(home.numel());
-  for (size_t j = 0; j < n; ++j) {
-    float acc = LoadAsFloat(sources[0], home.dtype, j);
-    for (size_t i = 1; i < sources.size(); ++i) acc += LoadAsFloat(sources[i], home.dtype, j);
-    StoreFromFloat(home.data, home.dtype, j, acc + LoadAsFloat(home.data, home.dtype, j));
-  }
-}
-
 }  // namespace moonep::transport::common

@@ -1,5 +1,5 @@
-// Row and block operations shared by the host-memory backends (mpi/, ucx/): walking the rows a
-// source fills, zeroing the rows no group fills, and summing replica gradients into their home.
+// Row operations shared by the host-memory backends (mpi/, ucx/): walking the rows a source
+// fills, and zeroing the rows no group fills.
 #pragma once
 
 #include <algorithm>
@@ -41,11 +41,5 @@ void AppendRunBlocks(int64_t row, int64_t count, int64_t row_bytes, int64_t max_
 // null) that no group fills: the gaps between groups, each group's padding, and the rows after the
 // last group up to rank_rows[d].
 void ZeroUnfilledRows(const planner::Plan& plan, int32_t d, const TensorView& rows, float* weights);
-
-// home[j] = ((sources[0][j] + sources[1][j]) + ...) + home[j] for every element of `home` (fp32
-// accumulation, stored once in home's dtype; each source holds home.numel() elements of home's
-// dtype): the order of a replica chain's reduce (replica_chain.h), so reductions agree bit for bit
-// on every backend.
-void AddIntoHome(const TensorView& home, const std::vector<const char*>& sources);
 
 }  // namespace moonep::transport::common

@@ -16,7 +16,7 @@
 // chain of one holder sends its tensors whole: ChainChunkElements).
 // Reduce partials travel as fp32 whatever the gradient dtype, and the sum is
 // ((g_1 + g_2) + ... + g_n) + home, accumulated in fp32 and stored once: the same bits on every
-// backend and every run (AddIntoHome in host_rows.h sums in this order too).
+// backend and every run (the nccl backend's LaunchSumInOrder sums in this order too).
 //
 // A plan with home replicas (Plan::home_replicas, one rank only) has the home rank among the
 // holders: every hop is then local, and the transport does it by copies (prefetch) and
@@ -66,6 +66,12 @@ inline constexpr int64_t kDefaultReplicaChunkBytes = int64_t{1} << 20;
 inline constexpr int64_t kMinReplicaChunkBytes = 16;
 inline constexpr int64_t kMaxReplicaChunkBytes = int64_t{1} << 30;
 
+// Whether `chunk_bytes` is a valid chunk size: 0 (the default) or in [kMin, kMax].
+inline bool ValidReplicaChunkBytes(int64_t chunk_bytes) {
+  return chunk_bytes == 0 ||
+         (chunk_bytes >= kMinReplicaChunkBytes && chunk_bytes <= kMaxReplicaChunkBytes);
+}
+
 // Elements per chunk for a chunk size in bytes (0: the default): chunk_bytes / 4, so a reduce
 // chunk of fp32 partials is chunk_bytes long (a prefetch chunk of a 2-byte dtype half of it).
 int64_t ChunkElements(int64_t chunk_bytes);
@@ -90,8 +96,8 @@ class ChainOpsInFlight {
   void Progress(const Op* caller) {
     if (progressing_ || ops_.empty()) return;
     progressing_ = true;
-    const std::vector<Op*> ops = ops_;  // an op that ends in its Test leaves ops_
-    for (Op* op : ops) {
+    copy_.assign(ops_.begin(), ops_.end());  // an op that ends in its Test leaves ops_
+    for (Op* op : copy_) {
       if (op != caller) static_cast<void>(op->Test());
     }
     progressing_ = false;
@@ -99,6 +105,7 @@ class ChainOpsInFlight {
 
  private:
   std::vector<Op*> ops_;
+  std::vector<Op*> copy_;  // Progress's, kept so that a poll allocates nothing
   bool progressing_ = false;
 };
 

@@ -1169,7 +1169,6 @@ class ChainOp : public MpiOp {
     int64_t bytes = 0;
     const TensorView* view = nullptr;  // reduce: the slot to add, or the home to store into
     int64_t begin = 0, n = 0;          // reduce: the chunk's elements
-    float* partial = nullptr;          // reduce: where the partial arrived (= buf)
     bool home = false;                 // reduce: the chain ends here (ChainFinish)
     int32_t link = -1, out = -1;       // where it goes on (link -1: nowhere)
     bool done = false;                 // arrived
@@ -1486,7 +1485,6 @@ class ReduceOp : public ChainOp {
           in.bytes = n * 4;
           in.begin = begin;
           in.n = n;
-          in.partial = part;
           if (h.peers.home) {
             in.view = &home_[static_cast<size_t>(h.group) * nt + i];
             in.home = true;
@@ -1524,10 +1522,10 @@ class ReduceOp : public ChainOp {
  private:
   void Arrived(const In& in) override {
     if (in.home) {
-      common::ChainFinish(*in.view, in.begin, in.n, in.partial);
+      common::ChainFinish(*in.view, in.begin, in.n, static_cast<const float*>(in.buf));
       return;
     }
-    common::ChainAdd(*in.view, in.begin, in.n, in.partial);
+    common::ChainAdd(*in.view, in.begin, in.n, static_cast<float*>(in.buf));
     Ready(in.link, in.out);
   }
 

@@ -1423,7 +1423,6 @@ class ChainOp : public UcxOp {
         Stream s;
         s.expert = c.expert;
         s.tensor = i;
-        s.first = reduce_ && p.prev < 0;
         s.mine = p.home ? b.home[static_cast<size_t>(c.group) * nt + i]
                         : b.slots[static_cast<size_t>(p.slot) * nt + i];
         s.numel = s.mine.numel();
@@ -1518,7 +1517,6 @@ class ChainOp : public UcxOp {
     int32_t expert = -1, tensor = 0;
     int32_t in = -1, out = -1;       // the pairs it arrives by (ins_) and leaves by (outs_)
     int32_t out_index = 0;           // its place among the out pair's streams (ChunkEntry::stream)
-    bool first = false;              // reduce: the first holder (starts the partial)
     TensorView mine;                 // this rank's tensor: its slot, or the home tensor
     int64_t numel = 0, chunks = 0;
     int64_t chunk = 1;               // elements per chunk along its chain (ChainChunkElements)
@@ -1553,6 +1551,8 @@ class ChainOp : public UcxOp {
     }
     return i;
   }
+  // Reduce: the chain's first holder (nothing comes in; it starts the partial).
+  bool First(const Stream& s) const { return reduce_ && s.in < 0; }
   // Bytes of one element on the wire: the tensor's dtype (prefetch) or fp32 (reduce partials).
   int64_t ElementBytes(const Stream& s) const {
     return reduce_ ? 4 : static_cast<int64_t>(DTypeSize(s.mine.dtype));
@@ -1607,10 +1607,10 @@ class ChainOp : public UcxOp {
     const int64_t begin = ChunkBegin(s, c), n = ChunkCount(s, c), eb = ElementBytes(s);
     const int64_t bytes = n * eb;
     const char* src;
-    if (!reduce_ || (s.first && s.partial == nullptr)) {
+    if (!reduce_ || (First(s) && s.partial == nullptr)) {
       src = static_cast<const char*>(s.mine.data) + begin * eb;  // an fp32 slot is its own partial
     } else {
-      if (s.first) {
+      if (First(s)) {
         common::ChainStart(s.mine, begin, n, reinterpret_cast<float*>(s.partial) + begin);
       }
       src = s.partial + begin * 4;
