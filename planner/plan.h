@@ -38,6 +38,9 @@ bool ParsePolicy(const std::string& name, Policy* policy);
 
 // The largest PlannerConfig::replica_cost_intra / _inter (tokens, like a rank's load).
 inline constexpr int64_t kMaxReplicaCost = int64_t{1} << 52;
+// PlannerConfig::row_cost_intra / _inter are in 1/kRowCostScale tokens; at most kMaxRowCost.
+inline constexpr int64_t kRowCostScale = 1024;
+inline constexpr int64_t kMaxRowCost = int64_t{1} << 40;
 
 struct PlannerConfig {
   int32_t num_ranks = 0;
@@ -92,6 +95,15 @@ struct PlannerConfig {
   // cost. Each in [0, 2^52]; ignored by the other policies.
   int64_t replica_cost_intra = 0;
   int64_t replica_cost_inter = 0;
+  // moonep, when it weighs replicas (above): what one token row sent or received costs, in
+  // 1/kRowCostScale tokens of the fastest rank's compute, inside a node and across nodes (every
+  // row, when flat); each in [0, kMaxRowCost]. The search then adds to a plan's cost the highest
+  // rank row cost (the larger of its intra rows times `intra` and its inter rows times `inter`,
+  // rows counted on each link class as the larger of sent and received), with the rows estimated
+  // from the decisions (docs/planner.md "Rows in the objective"). Both 0: rows are left out.
+  int64_t row_cost_intra = 0;
+  int64_t row_cost_inter = 0;
+  bool weighs_rows() const { return row_cost_intra != 0 || row_cost_inter != 0; }
   bool weighs_replicas() const { return replica_cost_intra != 0 || replica_cost_inter != 0; }
 };
 

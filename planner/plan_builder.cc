@@ -65,6 +65,10 @@ absl::Status ResolveConfig(const PlannerConfig& in, PlannerConfig* out) {
                    "replica_cost_intra must be in [0, 2^52], got %d", in.replica_cost_intra);
   MOONEP_CHECK_ARG(in.replica_cost_inter >= 0 && in.replica_cost_inter <= kMaxReplicaCost,
                    "replica_cost_inter must be in [0, 2^52], got %d", in.replica_cost_inter);
+  MOONEP_CHECK_ARG(in.row_cost_intra >= 0 && in.row_cost_intra <= kMaxRowCost,
+                   "row_cost_intra must be in [0, 2^40], got %d", in.row_cost_intra);
+  MOONEP_CHECK_ARG(in.row_cost_inter >= 0 && in.row_cost_inter <= kMaxRowCost,
+                   "row_cost_inter must be in [0, 2^40], got %d", in.row_cost_inter);
   return absl::OkStatus();
 }
 

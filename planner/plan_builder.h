@@ -80,6 +80,9 @@ struct BuildScratch {
   // is set (the caller's pass over counts summed them); FinalizeHolders sums them otherwise.
   bool home_cols = false;
   int64_t home_own_sum = 0, home_node_sum = 0;
+  // [R] each source's sum of counts, from the same pass, only when the config weighs rows
+  // (PlannerConfig::weighs_rows: moonep's estimate of the rows a plan moves reads it).
+  std::vector<int64_t> row_sums;
   // Set by a caller whose home map is the default one, home(e) = e / (E/R): FinalizeHolders then
   // reads each rank's home group counts as a slice of home_keep.
   bool contiguous_home = false;

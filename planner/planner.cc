@@ -323,7 +323,7 @@ uint64_t AddRows(const int64_t* __restrict counts_signed, int32_t s0, int32_t s1
 // (s + 1) * epn) (the default home map), so a block's home columns are slices of its rows and a
 // node's home experts one range.
 absl::Status SumCountBlocks(const int64_t* counts, const Plan& plan, int32_t B, bool contiguous,
-                            BuildScratch* build) {
+                            bool row_sums, BuildScratch* build) {
   constexpr int64_t kMaxTokens = int64_t{1} << 52;
   const int32_t R = plan.num_ranks, E = plan.num_experts, epn = plan.experts_per_rank;
   const int32_t rpn = plan.ranks_per_node;
@@ -363,6 +363,16 @@ absl::Status SumCountBlocks(const int64_t* counts, const Plan& plan, int32_t B, 
             MOONEP_CHECK_ARG(row[e] >= 0, "counts[%d][%d] = %d is negative", s, e, row[e]);
             MOONEP_CHECK_ARG(row[e] < kMaxTokens, "counts[%d][%d] = %d is not below 2^52", s, e, row[e]);
           }
+        }
+      }
+      // Each source's sum while its row is still in the cache (unsigned: it may wrap here, but a
+      // plan is only made once SumLoads has checked that the whole total is below 2^52).
+      if (row_sums) {
+        for (int32_t s = s0; s < s1; ++s) {
+          const uint64_t* row = reinterpret_cast<const uint64_t*>(counts) + static_cast<size_t>(s) * n;
+          uint64_t sum = 0;
+          for (size_t e = 0; e < n; ++e) sum += row[e];
+          build->row_sums[s] = static_cast<int64_t>(sum);
         }
       }
       // (The totals, row NB, are checked by SumLoads, which reads them next.)
@@ -425,6 +435,7 @@ absl::Status Planner::Decide(absl::Span<const int64_t> expert_totals, Plan* plan
   st.input.plan = plan;
   st.input.totals = expert_totals;
   st.input.counts = nullptr;
+  st.input.row_sums = nullptr;
   st.input.block_prefix = nullptr;
   MOONEP_RETURN_IF_ERROR(SumLoads(c, *plan, st.contiguous_home, &st.input));
   MOONEP_RETURN_IF_ERROR(RunPolicy(c, st.input, &st.scratch, &st.decisions));
@@ -448,7 +459,10 @@ absl::Status Planner::MakePlan(absl::Span<const int64_t> counts, Plan* plan) {
   st.build.block_size = 0;  // not valid until the pass completes
   st.build.home_cols = false;
   st.build.contiguous_home = st.contiguous_home;
-  MOONEP_RETURN_IF_ERROR(SumCountBlocks(counts.data(), *plan, block, st.contiguous_home, &st.build));
+  const bool row_sums = c.policy == Policy::kMoonEP && c.weighs_replicas() && c.weighs_rows();
+  if (row_sums) st.build.row_sums.resize(static_cast<size_t>(R));
+  MOONEP_RETURN_IF_ERROR(
+      SumCountBlocks(counts.data(), *plan, block, st.contiguous_home, row_sums, &st.build));
   st.build.block_size = block;
   st.input.config = &c;
   st.input.plan = plan;
@@ -456,6 +470,7 @@ absl::Status Planner::MakePlan(absl::Span<const int64_t> counts, Plan* plan) {
   // MakePlan).
   st.input.totals = absl::MakeConstSpan(st.build.block_prefix.data() + static_cast<size_t>(NB) * E, E);
   st.input.counts = counts.data();
+  st.input.row_sums = row_sums ? st.build.row_sums.data() : nullptr;
   st.input.block_prefix = st.build.block_prefix.data();
   st.input.block_size = block;
   st.input.block_shift = -1;

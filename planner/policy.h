@@ -90,6 +90,7 @@ struct PolicyInput {
   const Plan* plan = nullptr;             // home, local_experts, home_group filled
   absl::Span<const int64_t> totals;       // [E]
   const int64_t* counts = nullptr;        // [R * E] or null
+  const int64_t* row_sums = nullptr;      // [R] each source's sum of counts (weighing rows) or null
   int64_t total = 0;
   std::vector<int64_t> home_load;         // [R]
   // counts[src][e], or an even split of the total over sources when counts are unknown.
@@ -168,8 +169,14 @@ struct PolicyScratch {
   std::vector<int32_t> weigh_last_holder;
   std::vector<int64_t> weights;
   Decisions weigh_best;
-  struct WeighInterval {  // levels (a, b] and the transfer costs of their ends' plans
-    __int128 a, ta, b, tb;
+  // Rows in the objective (row costs set): each rank's rows [r * 4]: received intra, inter, sent
+  // intra, inter; for the plan with no replica (computed once per plan) and for the plan costed.
+  std::vector<int64_t> weigh_rows_base, weigh_rows;
+  // ... and each expert's replicas by increasing rank (CSR: begin [E + 1]) with their positions.
+  std::vector<int32_t> weigh_rep_begin, weigh_rep_fill, weigh_rep_rank;
+  std::vector<int64_t> weigh_rep_start, weigh_rep_end, weigh_rep_col;
+  struct WeighInterval {  // levels (a, b], the transfer costs of their ends' plans, a's row cost
+    __int128 a, ta, b, tb, ra;
   };
   std::vector<WeighInterval> weigh_intervals;
 };

@@ -504,11 +504,172 @@ struct Levels {
 };
 
 // What a decision set costs when replicas are weighed (PlannerConfig::replica_cost_*): the
-// highest rank level and the highest rank transfer cost, both in tokens of the fastest rank.
+// highest rank level, the highest rank transfer cost and (row costs set) the highest rank row
+// cost, all in tokens of the fastest rank.
 struct WeighedCost {
-  __int128 level = 0, transfers = 0;
-  __int128 total() const { return level + transfers; }
+  __int128 level = 0, transfers = 0, rows = 0;
+  __int128 total() const { return level + transfers + rows; }
 };
+
+// Rows in the objective: the rows a plan moves, from its decisions. Receives are exact: each
+// replicated expert's holders are placed as FinalizePlan places them (a replica on rank d at its
+// own source's first position or after the previous replica, whichever is later, shifted left
+// when the last runs past the end; the home keeps the rest), and a holder receives the positions
+// it computes from other sources, inside its node or across. Sends: a source sends each token it
+// does not compute itself on the class of the link to the expert's home, except the home's own
+// tokens, which go to the replicas that took them (exact there); a replica's other tokens leave
+// their sources as if for the home.
+struct RowEstimate {
+  const PolicyInput& in;
+  int32_t rpn;
+  int32_t Node(int32_t r) const { return rpn > 0 ? r / rpn : r; }
+  int32_t Class(int32_t a, int32_t b) const { return Node(a) != Node(b) ? 1 : 0; }
+  // Positions of e's canonical order from d's own source, [r[0], r[1]), and from d's node,
+  // [r[2], r[3]); `col` is Col(e, d) when known (-1: look it up).
+  void Ranges(int32_t e, int32_t d, int64_t r[4], int64_t col = -1) const {
+    r[0] = col >= 0 ? col : in.Col(e, d);
+    r[1] = r[0] + in.Count(d, e);
+    if (rpn <= 1) {
+      r[2] = r[0];
+      r[3] = r[1];
+      return;
+    }
+    const int32_t lo = d / rpn * rpn, hi = std::min(lo + rpn, in.config->num_ranks);
+    r[2] = in.Col(e, lo);
+    r[3] = in.Col(e, hi);
+  }
+  static int64_t Overlap(int64_t a0, int64_t a1, int64_t b0, int64_t b1) {
+    return std::max<int64_t>(0, std::min(a1, b1) - std::max(a0, b0));
+  }
+  // rows[d * 4 + 0/1] += sign * what holder d, whose own and node ranges are `r` (Ranges), receives
+  // to compute positions [s0, s1) of e: those from other sources of its node (intra) and from
+  // other nodes (inter). Additive over disjoint ranges: the home's receives are those of [0, N)
+  // less those of each replica's range.
+  static void Receive(int32_t d, const int64_t r[4], int64_t s0, int64_t s1, int64_t sign,
+                      int64_t* rows) {
+    const int64_t node = Overlap(s0, s1, r[2], r[3]);
+    rows[static_cast<size_t>(d) * 4] += sign * (node - Overlap(s0, s1, r[0], r[1]));
+    rows[static_cast<size_t>(d) * 4 + 1] += sign * (s1 - s0 - node);
+  }
+  // The plan with no replica: every source sends its tokens of an expert homed elsewhere to the
+  // home. The home's receives from its node's range and its own (O(E) look-ups); a source's sends
+  // from its row's sum less its tokens of the experts homed on its node, intra unless homed on
+  // itself (one pass over the counts, which weighing rows adds to the planner's time).
+  void Base(PolicyScratch* sc) const {
+    const PlannerConfig& c = *in.config;
+    const int32_t R = c.num_ranks, E = c.num_experts;
+    const std::vector<int32_t>& home = in.plan->home;
+    std::vector<int64_t>& rows = sc->weigh_rows_base;
+    rows.assign(static_cast<size_t>(R) * 4, 0);
+    int64_t r[4];
+    for (int32_t e = 0; e < E; ++e) {
+      Ranges(e, home[e], r);
+      Receive(home[e], r, 0, in.totals[e], 1, rows.data());
+    }
+    // The experts homed on each node (each rank, when flat), as CSR.
+    const int32_t nodes = rpn > 0 ? (R + rpn - 1) / rpn : R;
+    std::vector<int32_t>& begin = sc->weigh_rep_begin;
+    std::vector<int32_t>& fill = sc->weigh_rep_fill;
+    std::vector<int32_t>& list = sc->weigh_rep_rank;
+    begin.assign(static_cast<size_t>(nodes) + 1, 0);
+    for (int32_t e = 0; e < E; ++e) ++begin[Node(home[e]) + 1];
+    for (int32_t k = 0; k < nodes; ++k) begin[k + 1] += begin[k];
+    fill.assign(begin.begin(), begin.end() - 1);
+    list.resize(static_cast<size_t>(E));
+    for (int32_t e = 0; e < E; ++e) list[fill[Node(home[e])]++] = e;
+    for (int32_t s = 0; s < R; ++s) {
+      int64_t sum = 0, node = 0, own = 0;
+      if (in.row_sums != nullptr) {
+        sum = in.row_sums[s];
+      } else if (in.counts != nullptr) {
+        const int64_t* row = in.counts + static_cast<size_t>(s) * E;
+        for (int32_t e = 0; e < E; ++e) sum += row[e];
+      } else {
+        for (int32_t e = 0; e < E; ++e) sum += in.Count(s, e);
+      }
+      const int32_t k = Node(s);
+      for (int32_t i = begin[k]; i < begin[k + 1]; ++i) {
+        const int64_t n = in.Count(s, list[i]);
+        node += n;
+        if (home[list[i]] == s) own += n;
+      }
+      rows[static_cast<size_t>(s) * 4 + 2] += node - own;
+      rows[static_cast<size_t>(s) * 4 + 3] += sum - node;
+    }
+  }
+};
+
+// The highest rank row cost of per-rank rows (RowEstimate's layout), in tokens, rounded up.
+__int128 RowCost(const PlannerConfig& c, const std::vector<int64_t>& rows) {
+  __int128 worst = 0;
+  for (size_t r = 0; r < rows.size() / 4; ++r) {
+    const int64_t* k = rows.data() + r * 4;
+    worst = std::max({worst, static_cast<__int128>(std::max(k[0], k[2])) * c.row_cost_intra,
+                      static_cast<__int128>(std::max(k[1], k[3])) * c.row_cost_inter});
+  }
+  return (worst + kRowCostScale - 1) / kRowCostScale;
+}
+
+// The highest rank row cost of `dec` (RowEstimate; sc->weigh_rows_base must hold the rows of the
+// plan with no replica), in tokens of the fastest rank, rounded up.
+__int128 RowCostOf(const PolicyInput& in, const Decisions& dec, PolicyScratch* sc) {
+  const PlannerConfig& c = *in.config;
+  const int32_t R = c.num_ranks, S = c.slots, E = c.num_experts;
+  const RowEstimate est{in, c.ranks_per_node};
+  const std::vector<int32_t>& home = in.plan->home;
+  std::vector<int64_t>& rows = sc->weigh_rows;
+  rows = sc->weigh_rows_base;
+  // Each expert's replicas by increasing rank (CSR over experts).
+  std::vector<int32_t>& begin = sc->weigh_rep_begin;
+  begin.assign(static_cast<size_t>(E) + 1, 0);
+  for (int32_t r = 0; r < R; ++r) {
+    for (int32_t s = 0; s < dec.slots_used[r]; ++s) ++begin[dec.slot_expert[static_cast<size_t>(r) * S + s] + 1];
+  }
+  for (int32_t e = 0; e < E; ++e) begin[e + 1] += begin[e];
+  const size_t n_rep = static_cast<size_t>(begin[E]);
+  std::vector<int32_t>& fill = sc->weigh_rep_fill;
+  fill.assign(begin.begin(), begin.end() - 1);
+  std::vector<int32_t>& rank = sc->weigh_rep_rank;
+  std::vector<int64_t>& start = sc->weigh_rep_start;
+  std::vector<int64_t>& end = sc->weigh_rep_end;
+  std::vector<int64_t>& col = sc->weigh_rep_col;
+  col.resize(n_rep);
+  rank.resize(n_rep);
+  start.resize(n_rep);
+  end.resize(n_rep);
+  for (int32_t r = 0; r < R; ++r) {
+    for (int32_t s = 0; s < dec.slots_used[r]; ++s) {
+      const size_t i = static_cast<size_t>(r) * S + s;
+      const int32_t q = fill[dec.slot_expert[i]]++;
+      rank[q] = r;
+      end[q] = dec.slot_amount[i];  // the amount, until placed
+    }
+  }
+  for (int32_t e = 0; e < E; ++e) {
+    const int32_t q0 = begin[e], n = begin[e + 1] - q0;
+    if (n == 0) continue;
+    const int32_t h = home[e];
+    int64_t cursor = 0;
+    for (int32_t q = q0; q < q0 + n; ++q) {
+      col[q] = in.Col(e, rank[q]);
+      start[q] = std::max(col[q], cursor);
+      cursor = end[q] = start[q] + end[q];
+    }
+    ShiftReplicasLeft(in.totals[e], start.data() + q0, end.data() + q0, n);
+    int64_t hr[4], dr[4];
+    est.Ranges(e, h, hr);
+    for (int32_t q = q0; q < q0 + n; ++q) {
+      const int32_t d = rank[q];
+      est.Ranges(e, d, dr, col[q]);
+      RowEstimate::Receive(h, hr, start[q], end[q], -1, rows.data());
+      RowEstimate::Receive(d, dr, start[q], end[q], 1, rows.data());
+      // d computes its own tokens in its range; the home sends its own tokens in it to d.
+      rows[static_cast<size_t>(d) * 4 + 2 + est.Class(d, h)] -= RowEstimate::Overlap(start[q], end[q], dr[0], dr[1]);
+      rows[static_cast<size_t>(h) * 4 + 2 + est.Class(h, d)] += RowEstimate::Overlap(start[q], end[q], hr[0], hr[1]);
+    }
+  }
+  return RowCost(c, rows);
+}
 
 WeighedCost CostOf(const Levels& lv, const Decisions& dec, PolicyScratch* sc) {
   const PlannerConfig& c = *lv.in.config;
@@ -554,6 +715,7 @@ WeighedCost CostOf(const Levels& lv, const Decisions& dec, PolicyScratch* sc) {
                                static_cast<__int128>(std::max(k[0], k[2])) * c.replica_cost_intra,
                                static_cast<__int128>(std::max(k[1], k[3])) * c.replica_cost_inter});
   }
+  if (c.weighs_rows()) cost.rows = RowCostOf(lv.in, dec, sc);
   return cost;
 }
 
@@ -571,15 +733,30 @@ void WeighReplicas(const PolicyInput& in, PolicyScratch* sc, Decisions* dec) {
   Levels lv(in, sc);
   Decisions& best = sc->weigh_best;
   best = *dec;
+  if (c.weighs_rows()) RowEstimate{in, c.ranks_per_node}.Base(sc);
   const WeighedCost first = CostOf(lv, *dec, sc);
   __int128 best_total = first.total();
   bool replaced = false;
-  // Transfer cost of level L's plan (left in *dec), which becomes the best when it costs less; a
-  // level the slot limit defeats gives false.
-  const auto transfers_at = [&](__int128 L, __int128* t) {
-    if (!TryAll(in, lv.Caps(L), sc, dec)) return false;
-    const WeighedCost cost = CostOf(lv, *dec, sc);
+  // Transfer and row costs of level L's plan (left in *dec), which becomes the best when it costs
+  // less; a level the slot limit defeats gives false. The plan of a level is the cheaper of the
+  // procedure's (TryAll) and the published greedy's on the same capacities: the greedy order
+  // often needs a transfer less on the busiest rank.
+  const auto transfers_at = [&](__int128 L, __int128* t, __int128* rows) {
+    absl::Span<const int64_t> caps = lv.Caps(L);
+    bool ok = TryAll(in, caps, sc, dec);
+    WeighedCost cost;
+    if (ok) cost = CostOf(lv, *dec, sc);
+    if (GreedyFill(in, caps, sc, &sc->alt)) {
+      const WeighedCost g = CostOf(lv, sc->alt, sc);
+      if (!ok || g.total() < cost.total()) {
+        std::swap(*dec, sc->alt);
+        cost = g;
+        ok = true;
+      }
+    }
+    if (!ok) return false;
     *t = cost.transfers;
+    *rows = cost.rows;
     if (cost.total() < best_total) {
       best_total = cost.total();
       best = *dec;
@@ -593,7 +770,8 @@ void WeighReplicas(const PolicyInput& in, PolicyScratch* sc, Decisions* dec) {
                                                       : std::min(c.replica_cost_intra, c.replica_cost_inter);
   const __int128 tolerance = std::max<int64_t>(1, cheaper / 64);
   using Interval = PolicyScratch::WeighInterval;
-  const auto bound = [](const Interval& x) { return x.a + 1 + x.tb; };
+  // Rows cost more as the level rises (about: fewer replicas leave more rows with the hot homes).
+  const auto bound = [](const Interval& x) { return x.a + 1 + x.tb + x.ra; };
   // Min-heap by bound, then by a (std heaps are max-heaps: the comparison is reversed).
   const auto later = [&](const Interval& x, const Interval& y) {
     return bound(x) != bound(y) ? bound(x) > bound(y) : x.a > y.a;
@@ -603,10 +781,10 @@ void WeighReplicas(const PolicyInput& in, PolicyScratch* sc, Decisions* dec) {
   // From the plan's own level: its caps there may be looser than the balanced ones (which keep
   // the floor or ceiling of the mean), and so need fewer replicas at the same level.
   const __int128 top = lv.Top(), a = first.level, b = std::min(top, best_total - 1);
-  __int128 ta = first.transfers, tb = 0, t = 0;
+  __int128 ta = first.transfers, tb = 0, t = 0, ra = first.rows, r = 0, rb = 0;
   if (first.transfers > 0) {
-    if (transfers_at(a, &t)) ta = std::min(ta, t);
-    if (ta > 0 && b > a && transfers_at(b, &tb) && ta > tb) heap.push_back({a, ta, b, tb});
+    if (transfers_at(a, &t, &r) && t < ta) ta = t, ra = r;
+    if (ta > 0 && b > a && transfers_at(b, &tb, &rb) && ta > tb) heap.push_back({a, ta, b, tb, ra});
   }
   while (!heap.empty()) {
     std::pop_heap(heap.begin(), heap.end(), later);
@@ -615,9 +793,10 @@ void WeighReplicas(const PolicyInput& in, PolicyScratch* sc, Decisions* dec) {
     if (bound(iv) >= best_total) break;  // and every interval left
     if (iv.b - iv.a <= tolerance) continue;
     const __int128 mid = iv.a + (iv.b - iv.a) / 2;
-    __int128 tm = iv.ta;  // a level the slot limit defeats: no step starts left of it
-    transfers_at(mid, &tm);
-    for (const Interval& part : {Interval{iv.a, iv.ta, mid, tm}, Interval{mid, tm, iv.b, iv.tb}}) {
+    __int128 tm = iv.ta, rm = iv.ra;  // a level the slot limit defeats: no step starts left of it
+    transfers_at(mid, &tm, &rm);
+    for (const Interval& part :
+         {Interval{iv.a, iv.ta, mid, tm, iv.ra}, Interval{mid, tm, iv.b, iv.tb, rm}}) {
       if (part.ta > part.tb) {
         heap.push_back(part);
         std::push_heap(heap.begin(), heap.end(), later);
@@ -628,7 +807,8 @@ void WeighReplicas(const PolicyInput& in, PolicyScratch* sc, Decisions* dec) {
   // the transfer cost falls to 0 below the best, and not when the first plan's replicas all cross
   // a link that costs nothing but, with speeds, its capacities left a slow rank above `top`: so
   // it is a candidate here, whatever the search did.
-  if (top < best_total) {
+  const __int128 none_rows = c.weighs_rows() ? RowCost(c, sc->weigh_rows_base) : 0;
+  if (top + none_rows < best_total) {
     best.Reset(c.num_ranks, c.num_experts, c.slots, in.totals);
     replaced = true;
   }

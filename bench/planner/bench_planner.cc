@@ -2,7 +2,9 @@
 // policies moonep, moonep-greedy and none, full plans (MakePlan) and decisions only (Decide), and
 // moonep without its cross-check against moonep-greedy (moonep-nocheck), and moonep weighing
 // replicas (moonep-weighed: PlannerConfig::replica_cost_* of 1778 / 6667 tokens, what the
-// simulator's default machine gives for training with fp32 gradients: 400 TFLOP/s, 150 / 40 GB/s).
+// simulator's default machine gives for training with fp32 gradients: 400 TFLOP/s, 150 / 40 GB/s),
+// and weighing rows too (moonep-weighed-rows: PlannerConfig::row_cost_* of 593 / 2222, the same
+// machine's rows of DeepSeek-V3's H = 7168 against its I = 2048).
 // After the Google Benchmark table it prints one summary row per shape with the median CPU time
 // (one thread; CPU time so that other processes on the machine do not count) and the ratio of
 // each policy's median to moonep-greedy's, measured in the same run.
@@ -32,14 +34,19 @@ using bench::Shape;
 using bench::ZipfCounts;
 
 constexpr int64_t kWeighIntra = 1778, kWeighInter = 6667;
+constexpr int64_t kRowIntra = 593, kRowInter = 2222;
 
 void BM_Plan(benchmark::State& state, Shape shape, Policy policy, bool decide_only, bool check,
-             bool weigh) {
+             int weigh) {  // 0: no costs; 1: replica costs; 2: and row costs
   PlannerConfig c;
   c.moonep_check_greedy = check;
-  if (weigh) {
+  if (weigh >= 1) {
     c.replica_cost_intra = kWeighIntra;
     c.replica_cost_inter = kWeighInter;
+  }
+  if (weigh >= 2) {
+    c.row_cost_intra = kRowIntra;
+    c.row_cost_inter = kRowInter;
   }
   c.num_ranks = shape.R;
   c.num_experts = shape.E;
@@ -119,9 +126,9 @@ class RatioReporter : public benchmark::ConsoleReporter {
   }
   void Summary() const {
     std::printf("\nmedians (min over repetitions in brackets), CPU us per plan\n");
-    std::printf("%-18s %-8s %18s %18s %18s %18s %18s %14s %14s %18s\n", "shape", "mode", "moonep_us",
-                "moonep-nocheck_us", "moonep-weighed_us", "greedy_us", "none_us", "moonep/greedy",
-                "weighed/moonep", "sum_counts_us");
+    std::printf("%-18s %-8s %18s %18s %18s %18s %18s %18s %14s %14s %14s %18s\n", "shape", "mode",
+                "moonep_us", "moonep-nocheck_us", "moonep-weighed_us", "weighed-rows_us", "greedy_us",
+                "none_us", "moonep/greedy", "weighed/moonep", "rows/weighed", "sum_counts_us");
     for (const Shape& s : kShapes) {
       for (const char* mode : {"plan", "decide"}) {
         auto find = [](const std::map<std::string, double>& m, const std::string& k) {
@@ -138,11 +145,14 @@ class RatioReporter : public benchmark::ConsoleReporter {
         const double g = find(times_us_, key + "moonep-greedy/" + s.name);
         if (std::isnan(m) && std::isnan(g)) continue;
         const double w = find(times_us_, key + "moonep-weighed/" + s.name);
-        std::printf("%-18s %-8s %18s %18s %18s %18s %18s %14.3f %14.3f %18s\n", s.name, mode,
-                    cell(key + "moonep/" + s.name).c_str(), cell(key + "moonep-nocheck/" + s.name).c_str(),
+        const double wr = find(times_us_, key + "moonep-weighed-rows/" + s.name);
+        std::printf("%-18s %-8s %18s %18s %18s %18s %18s %18s %14.3f %14.3f %14.3f %18s\n", s.name,
+                    mode, cell(key + "moonep/" + s.name).c_str(),
+                    cell(key + "moonep-nocheck/" + s.name).c_str(),
                     cell(key + "moonep-weighed/" + s.name).c_str(),
+                    cell(key + "moonep-weighed-rows/" + s.name).c_str(),
                     cell(key + "moonep-greedy/" + s.name).c_str(),
-                    cell(key + "none/" + s.name).c_str(), m / g, w / m,
+                    cell(key + "none/" + s.name).c_str(), m / g, w / m, wr / w,
                     cell(std::string("sum_counts/") + s.name).c_str());
       }
     }
@@ -189,7 +199,7 @@ int main(int argc, char** argv) {
     for (Policy p : {Policy::kMoonEP, Policy::kMoonEPGreedy, Policy::kNone}) {
       for (bool decide : {false, true}) {
         const std::string name = std::string(decide ? "decide/" : "plan/") + PolicyName(p) + "/" + s.name;
-        benchmark::RegisterBenchmark(name.c_str(), BM_Plan, s, p, decide, true, false)
+        benchmark::RegisterBenchmark(name.c_str(), BM_Plan, s, p, decide, true, 0)
             ->Unit(benchmark::kMicrosecond)
             ->Repetitions(repetitions)
             ->ComputeStatistics("min", MinOf)
@@ -201,13 +211,19 @@ int main(int argc, char** argv) {
   for (const Shape& s : kShapes) {
     for (bool decide : {false, true}) {
       const std::string name = std::string(decide ? "decide/" : "plan/") + "moonep-nocheck/" + s.name;
-      benchmark::RegisterBenchmark(name.c_str(), BM_Plan, s, Policy::kMoonEP, decide, false, false)
+      benchmark::RegisterBenchmark(name.c_str(), BM_Plan, s, Policy::kMoonEP, decide, false, 0)
           ->Unit(benchmark::kMicrosecond)
           ->Repetitions(repetitions)
           ->ComputeStatistics("min", MinOf)
           ->ReportAggregatesOnly(true);
       const std::string weighed = std::string(decide ? "decide/" : "plan/") + "moonep-weighed/" + s.name;
-      benchmark::RegisterBenchmark(weighed.c_str(), BM_Plan, s, Policy::kMoonEP, decide, true, true)
+      benchmark::RegisterBenchmark(weighed.c_str(), BM_Plan, s, Policy::kMoonEP, decide, true, 1)
+          ->Unit(benchmark::kMicrosecond)
+          ->Repetitions(repetitions)
+          ->ComputeStatistics("min", MinOf)
+          ->ReportAggregatesOnly(true);
+      const std::string rows = std::string(decide ? "decide/" : "plan/") + "moonep-weighed-rows/" + s.name;
+      benchmark::RegisterBenchmark(rows.c_str(), BM_Plan, s, Policy::kMoonEP, decide, true, 2)
           ->Unit(benchmark::kMicrosecond)
           ->Repetitions(repetitions)
           ->ComputeStatistics("min", MinOf)

@@ -47,7 +47,8 @@ class _LayerConfig(ctypes.Structure):
                 ("max_inflight", ctypes.c_int), ("layer_id", ctypes.c_int),
                 ("num_threads", ctypes.c_int), ("ranks_per_node", ctypes.c_int),
                 ("eplb_period", ctypes.c_int), ("transport", ctypes.c_char_p),
-                ("replica_cost_intra", ctypes.c_int64), ("replica_cost_inter", ctypes.c_int64)]
+                ("replica_cost_intra", ctypes.c_int64), ("replica_cost_inter", ctypes.c_int64),
+                ("row_cost_intra", ctypes.c_int64), ("row_cost_inter", ctypes.c_int64)]
 
 
 class _StepStats(ctypes.Structure):
@@ -236,11 +237,14 @@ class Layer:
     torch tensors' data_ptr() and torch.cuda.current_stream().cuda_stream).
     replica_cost_intra / replica_cost_inter (tokens, the same on every rank): policy moonep weighs
     replicas, balancing only as far as a replica's transfers cost less than the compute it saves
-    (docs/planner.md, "Weighing replicas"); 0 and 0: perfect balance."""
+    (docs/planner.md, "Weighing replicas"); 0 and 0: perfect balance.
+    row_cost_intra / row_cost_inter (1/1024 tokens a row, the same on every rank; libmoonep 0.3.0):
+    the weighing also counts the rows a plan moves (docs/planner.md, "Rows in the objective")."""
 
     def __init__(self, comm, num_experts, top_k, hidden, intermediate, max_tokens,
                  policy="moonep", slots=-1, max_inflight=1, num_threads=0, device="cpu",
-                 device_index=0, replica_cost_intra=0, replica_cost_inter=0):
+                 device_index=0, replica_cost_intra=0, replica_cost_inter=0, row_cost_intra=0,
+                 row_cost_inter=0):
         if device not in ("cpu", "cuda"):
             raise ValueError("device must be 'cpu' or 'cuda'")
         if policy not in _POLICIES:
@@ -249,6 +253,9 @@ class Layer:
             # A 0.1.0 library reads the config only up to its own fields: it would plan perfect
             # balance whatever the costs say.
             raise ValueError(f"replica costs need libmoonep 0.2.0 or later; the loaded library is "
+                             f"{version() // 10000}.{version() // 100 % 100}.{version() % 100}")
+        if (row_cost_intra or row_cost_inter) and version() < 300:
+            raise ValueError(f"row costs need libmoonep 0.3.0 or later; the loaded library is "
                              f"{version() // 10000}.{version() // 100 % 100}.{version() % 100}")
         c = _LayerConfig(size=ctypes.sizeof(_LayerConfig), magic=_CONFIG_MAGIC,
                          version=version(), num_experts=num_experts, top_k=top_k, hidden=hidden,
@@ -259,7 +266,8 @@ class Layer:
                          max_inflight=max_inflight, layer_id=-1, num_threads=num_threads,
                          ranks_per_node=0, eplb_period=1, transport=None,
                          replica_cost_intra=replica_cost_intra,
-                         replica_cost_inter=replica_cost_inter)
+                         replica_cost_inter=replica_cost_inter, row_cost_intra=row_cost_intra,
+                         row_cost_inter=row_cost_inter)
         h = ctypes.c_void_p()
         _check("moonepLayerCreate", _lib().moonepLayerCreate(comm._h, ctypes.byref(c),
                                                              ctypes.byref(h)))

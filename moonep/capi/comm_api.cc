@@ -127,6 +127,8 @@ absl::Status ReadLayerConfig(const moonepLayerConfig_t* c, runtime::LayerConfig*
   if (MOONEP_HAS_FIELD(eplb_period)) d.eplb_period = c->eplb_period;
   if (MOONEP_HAS_FIELD(replica_cost_intra)) d.replica_cost_intra = c->replica_cost_intra;
   if (MOONEP_HAS_FIELD(replica_cost_inter)) d.replica_cost_inter = c->replica_cost_inter;
+  if (MOONEP_HAS_FIELD(row_cost_intra)) d.row_cost_intra = c->row_cost_intra;
+  if (MOONEP_HAS_FIELD(row_cost_inter)) d.row_cost_inter = c->row_cost_inter;
   if (MOONEP_HAS_FIELD(transport) && c->transport != nullptr) {
     // Read at most 16 bytes: no backend name is longer than 15, and a string without its NUL
     // must not be read past.

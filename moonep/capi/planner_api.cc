@@ -150,6 +150,8 @@ moonepResult_t moonepPlannerCreate(const moonepPlannerConfig_t* config_in, moone
     c.eplb_period = config->eplb_period;
     c.replica_cost_intra = config->replica_cost_intra;
     c.replica_cost_inter = config->replica_cost_inter;
+    c.row_cost_intra = config->row_cost_intra;
+    c.row_cost_inter = config->row_cost_inter;
     MOONEP_ASSIGN_OR_RETURN(auto planner, moonep::planner::Planner::Create(c));
     auto handle = std::make_unique<moonepPlanner>();
     handle->planner = std::move(planner);

@@ -50,6 +50,10 @@ absl::Status CheckLayerConfig(const LayerConfig& c, int32_t num_ranks, bool need
                    "replica_cost_intra is %d; must be in [0, 2^52] (tokens)", c.replica_cost_intra);
   MOONEP_CHECK_ARG(c.replica_cost_inter >= 0 && c.replica_cost_inter <= planner::kMaxReplicaCost,
                    "replica_cost_inter is %d; must be in [0, 2^52] (tokens)", c.replica_cost_inter);
+  MOONEP_CHECK_ARG(c.row_cost_intra >= 0 && c.row_cost_intra <= planner::kMaxRowCost,
+                   "row_cost_intra is %d; must be in [0, 2^40] (1/1024 tokens)", c.row_cost_intra);
+  MOONEP_CHECK_ARG(c.row_cost_inter >= 0 && c.row_cost_inter <= planner::kMaxRowCost,
+                   "row_cost_inter is %d; must be in [0, 2^40] (1/1024 tokens)", c.row_cost_inter);
   MOONEP_CHECK_ARG(c.device == Device::kCpu || c.device == Device::kCuda,
                    "device %d is not a MoonEP device", static_cast<int32_t>(c.device));
   if (c.device == Device::kCuda && !CudaBuilt()) {
@@ -244,6 +248,8 @@ planner::PlannerConfig PlannerConfigFor(const LayerConfig& config, int32_t num_r
   pc.eplb_period = config.eplb_period;
   pc.replica_cost_intra = config.replica_cost_intra;
   pc.replica_cost_inter = config.replica_cost_inter;
+  pc.row_cost_intra = config.row_cost_intra;
+  pc.row_cost_inter = config.row_cost_inter;
   // One rank has no peer to replicate onto: the test policy then routes through the rank's own
   // slots, so prefetch, replica compute and reduce still run (tests, single-GPU checks).
   pc.test_home_replicas = true;
@@ -284,7 +290,7 @@ struct Fingerprint {
   int32_t dtype, grad_dtype, slots, pad_multiple, policy, ranks_per_node, eplb_period, device,
       max_inflight;
   int32_t caller_nccl;  // moonepCommSetNcclComm was called (nccl transport only)
-  int64_t replica_cost_intra, replica_cost_inter;
+  int64_t replica_cost_intra, replica_cost_inter, row_cost_intra, row_cost_inter;
   char transport[16];
   char what[32];  // what is being created ("MoE layer creation", "EP buffer creation")
   char reason[128];  // why this rank's config is invalid (the start of its message)
@@ -314,6 +320,8 @@ absl::Status AgreeOnConfig(Communicator* comm, const LayerConfig& c,
   mine.max_inflight = c.max_inflight;
   mine.replica_cost_intra = c.replica_cost_intra;
   mine.replica_cost_inter = c.replica_cost_inter;
+  mine.row_cost_intra = c.row_cost_intra;
+  mine.row_cost_inter = c.row_cost_inter;
   const std::string backend = TransportBackend(c);
   mine.caller_nccl = backend == "nccl" && comm->has_caller_nccl_comm() ? 1 : 0;
   std::strncpy(mine.transport, backend.c_str(), sizeof(mine.transport) - 1);
@@ -362,6 +370,8 @@ absl::Status AgreeOnConfig(Communicator* comm, const LayerConfig& c,
       {"max_inflight", [](const Fingerprint& f) -> int64_t { return f.max_inflight; }},
       {"replica_cost_intra", [](const Fingerprint& f) -> int64_t { return f.replica_cost_intra; }},
       {"replica_cost_inter", [](const Fingerprint& f) -> int64_t { return f.replica_cost_inter; }},
+      {"row_cost_intra", [](const Fingerprint& f) -> int64_t { return f.row_cost_intra; }},
+      {"row_cost_inter", [](const Fingerprint& f) -> int64_t { return f.row_cost_inter; }},
   };
   for (int r = 1; r < comm->size(); ++r) {
     // A layer on one rank and an EP buffer on another would pair up their transports and fail

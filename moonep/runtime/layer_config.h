@@ -37,6 +37,10 @@ struct LayerConfig {
   // across nodes (planner::PlannerConfig::replica_cost_*; both 0: perfect balance).
   int64_t replica_cost_intra = 0;
   int64_t replica_cost_inter = 0;
+  // moonep, with replica costs set: the cost of one token row sent or received, in 1/1024 tokens
+  // of compute (planner::PlannerConfig::row_cost_*; both 0: rows left out of the weighing).
+  int64_t row_cost_intra = 0;
+  int64_t row_cost_inter = 0;
   // Where x, y, dy, dx, topk_ids, topk_weights, d_topk_weights, weights and gradients live.
   // kCuda: GPU `device_index` of this node (one rank per GPU), the CUDA executor and the NCCL
   // transport; Forward / Backward take the caller's CUDA stream.

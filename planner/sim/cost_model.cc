@@ -84,6 +84,18 @@ void ReplicaCosts(const CostConfig& c, int64_t* intra, int64_t* inter) {
   *inter = tokens(c.inter_gbps);
 }
 
+void RowCosts(const CostConfig& c, int64_t* intra, int64_t* inter) {
+  // A row crosses the link in the dispatch and the combine, forward and (training) backward.
+  const double bytes = (c.training ? 4.0 : 2.0) * static_cast<double>(c.row_bytes());
+  const double token_s = c.flops_per_token() / (c.tflops * 1e12);
+  const auto cost = [&](double gbps) {
+    const double t = std::round(bytes / (gbps * 1e9) / token_s * planner::kRowCostScale);
+    return static_cast<int64_t>(std::clamp(t, 1.0, static_cast<double>(planner::kMaxRowCost)));
+  };
+  *intra = cost(c.intra_gbps);
+  *inter = cost(c.inter_gbps);
+}
+
 StepTime EstimateStepTime(const CostConfig& c, int32_t E, const RankTraffic& tr) {
   const int32_t R = static_cast<int32_t>(tr.load.size());
   const double intra = c.intra_gbps * 1e9, inter = c.inter_gbps * 1e9;

@@ -87,6 +87,11 @@ double StepTimePart(const StepTime& t, size_t part);
 // token, at least 1, at most planner::kMaxReplicaCost.
 void ReplicaCosts(const CostConfig& config, int64_t* intra, int64_t* inter);
 
+// moonep-weighed's PlannerConfig::row_cost_intra / _inter: what one token row costs on a link, in
+// 1/planner::kRowCostScale tokens of compute: its dispatch and combine, forward and (training)
+// backward. Rounded, at least 1, at most planner::kMaxRowCost.
+void RowCosts(const CostConfig& config, int64_t* intra, int64_t* inter);
+
 StepTime EstimateStepTime(const CostConfig& config, int32_t num_experts, const RankTraffic& traffic);
 
 // Step time when every rank computes `max_load` tokens and nothing but counts moves: the lower

@@ -86,6 +86,12 @@ ABSL_FLAG(int64_t, replica_cost_intra, -1,
           "--tflops)");
 ABSL_FLAG(int64_t, replica_cost_inter, -1,
           "moonep-weighed: the same across nodes (-1: from the cost model, at --inter_gbps)");
+ABSL_FLAG(int64_t, row_cost_intra, -1,
+          "moonep-weighed: what one token row sent or received within a node costs (dispatch and "
+          "combine, forward and backward), in 1/1024 tokens of compute (-1: from the cost model, "
+          "at --intra_gbps against --tflops; 0 with --row_cost_inter=0: rows left out)");
+ABSL_FLAG(int64_t, row_cost_inter, -1,
+          "moonep-weighed: the same across nodes (-1: from the cost model, at --inter_gbps)");
 ABSL_FLAG(bool, shadow_from_cost_model, false,
           "fastermoe-shadow decides with this machine's compute rate and inter-node bandwidth "
           "instead of the planner's defaults (which the runtime uses, so counts match it)");
@@ -256,6 +262,8 @@ absl::Status BuildOptions(SimOptions* o) {
   o->shadow_from_cost_model = absl::GetFlag(FLAGS_shadow_from_cost_model);
   o->replica_cost_intra = absl::GetFlag(FLAGS_replica_cost_intra);
   o->replica_cost_inter = absl::GetFlag(FLAGS_replica_cost_inter);
+  o->row_cost_intra = absl::GetFlag(FLAGS_row_cost_intra);
+  o->row_cost_inter = absl::GetFlag(FLAGS_row_cost_inter);
 
   CostConfig& c = o->cost;
   c.tflops = absl::GetFlag(FLAGS_tflops);

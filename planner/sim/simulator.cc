@@ -156,6 +156,11 @@ absl::StatusOr<std::unique_ptr<Simulator>> Simulator::Create(const SimOptions& o
     MOONEP_CHECK_ARG(v >= -1 && v <= planner::kMaxReplicaCost,
                      "%s must be -1 (from the cost model) or in [0, 2^52], got %d", name, v);
   }
+  for (const auto& [name, v] : {std::pair<const char*, int64_t>{"row_cost_intra", o.row_cost_intra},
+                                 {"row_cost_inter", o.row_cost_inter}}) {
+    MOONEP_CHECK_ARG(v >= -1 && v <= planner::kMaxRowCost,
+                     "%s must be -1 (from the cost model) or in [0, 2^40], got %d", name, v);
+  }
   std::vector<SimPolicy> policies = {Policy::kNone};
   for (const SimPolicy& p : o.policies) {
     MOONEP_CHECK_ARG(p.policy != Policy::kTestForceReplicas, "policy test-force-replicas is for tests only");
@@ -185,6 +190,9 @@ absl::StatusOr<std::unique_ptr<Simulator>> Simulator::Create(const SimOptions& o
       ReplicaCosts(o.cost, &c.replica_cost_intra, &c.replica_cost_inter);
       if (o.replica_cost_intra >= 0) c.replica_cost_intra = o.replica_cost_intra;
       if (o.replica_cost_inter >= 0) c.replica_cost_inter = o.replica_cost_inter;
+      RowCosts(o.cost, &c.row_cost_intra, &c.row_cost_inter);
+      if (o.row_cost_intra >= 0) c.row_cost_intra = o.row_cost_intra;
+      if (o.row_cost_inter >= 0) c.row_cost_inter = o.row_cost_inter;
     }
     MOONEP_ASSIGN_OR_RETURN(std::unique_ptr<Planner> planner, Planner::Create(c));
     // EPLB puts (E + R) / R physical experts on every rank (one redundant expert a rank). Each one

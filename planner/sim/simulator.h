@@ -52,6 +52,9 @@ struct SimOptions {
   int64_t snapshot_step = 0;       // step whose per-rank loads are kept for the load plot
   // moonep-weighed's replica costs in tokens; -1: ReplicaCosts of `cost` (each in [0, 2^52]).
   int64_t replica_cost_intra = -1, replica_cost_inter = -1;
+  // moonep-weighed's row costs in 1/planner::kRowCostScale tokens; -1: RowCosts of `cost` (each
+  // in [0, 2^40]; 0 and 0 leave rows out of its objective).
+  int64_t row_cost_intra = -1, row_cost_inter = -1;
   bool shadow_from_cost_model = false;  // fastermoe-shadow: rates from `cost`, not the planner's
                                         // defaults (which the runtime uses)
   int32_t threads = 0;             // policies planned in parallel (0: one per core); each thread

@@ -789,6 +789,24 @@ TEST(PlannerWeighing, RandomShapes) {
           fewer += mine.stats.replicas < plain.stats.replicas;
           ++plans;
         }
+        // Rows in the objective (at the simulator's ratio of a row to a transfer, about 1 : 3000
+        // tokens): the same guarantees in the terms with rows.
+        for (int64_t cost : {mean / 8, mean / 2}) {
+          c.replica_cost_intra = cost;
+          c.replica_cost_inter = 3 * cost;
+          c.row_cost_intra = 600;
+          c.row_cost_inter = 2200;
+          const PlannerConfig resolved = Planner::Create(c).value()->config();
+          const Plan mine = MustPlan(c, counts);
+          const Weighed got = WeighPlan(resolved, mine, false, &counts);
+          PlannerConfig unweighed = c;
+          unweighed.replica_cost_intra = unweighed.replica_cost_inter = 0;
+          EXPECT_LE(got.total(), WeighPlan(resolved, MustPlan(unweighed, counts), false, &counts).total())
+              << sh.R << " " << cost;
+          EXPECT_LE(got.total(), WeighPlan(resolved, mine, true, &counts).total()) << sh.R << " " << cost;
+          ++plans;
+        }
+        c.row_cost_intra = c.row_cost_inter = 0;
         c.replica_cost_intra = c.replica_cost_inter = kMaxReplicaCost;
         EXPECT_EQ(MustPlan(c, counts).stats.replicas, 0);
       }
@@ -815,6 +833,109 @@ TEST(PlannerWeighing, NoReplicaWinsWithSpeedsWhenTheUsedLinkIsFree) {
     EXPECT_EQ(got.total(), 3) << "rpn " << rpn;
     EXPECT_EQ(p.stats.replicas, 0) << "rpn " << rpn;
   }
+}
+
+// ---- Rows in the objective (PlannerConfig::row_cost_*) ---------------------------------------
+
+// Worked by hand: R = 2, flat. Expert 0 (home rank 0) has 100 tokens, all from source 1; expert 1
+// (home rank 1) 10 tokens from source 0. A replica costs 60 tokens, a row 1 token.
+// - No replica: level 100; rank 0 receives 100 rows: 100 + 100 = 200.
+// - Home keeps L of expert 0, rank 1 computes the other 100 - L of its own tokens: level L
+//   (L >= 55), one transfer (60), rank 0 receives L rows and source 1 sends L: L + 60 + L, least
+//   at L = 55: 170.
+// Without rows, that plan costs 55 + 60 = 115 against no replica's 100: no replica.
+TEST(PlannerWeighingRows, HandWorkedCase) {
+  const std::vector<int64_t> counts = {0, 10, 100, 0};
+  PlannerConfig c;
+  c.num_ranks = 2;
+  c.num_experts = 2;
+  c.replica_cost_inter = 60;
+  Plan p = MustPlan(c, counts);
+  EXPECT_EQ(p.stats.replicas, 0);
+  c.row_cost_inter = kRowCostScale;
+  p = MustPlan(c, counts);
+  ASSERT_EQ(p.stats.replicas, 1);
+  EXPECT_EQ(p.slot_expert[1], 0);
+  EXPECT_EQ(p.stats.max_load_after, 55);
+  const PlannerConfig resolved = Planner::Create(c).value()->config();
+  const Weighed got = WeighPlan(resolved, p, false, &counts);
+  EXPECT_EQ(got.level, 55);
+  EXPECT_EQ(got.transfers, 60);
+  EXPECT_EQ(got.rows, 55);
+  EXPECT_EQ(WeighPlan(resolved, p, true, &counts).total(), 200);
+  // Here the estimate is exact: the replica computes only its own rank's tokens.
+  EXPECT_EQ(testing::PlanRows(p, counts, true), testing::PlanRows(p, counts, false));
+  // The intra cost prices nothing on a flat topology.
+  c.row_cost_inter = 0;
+  c.row_cost_intra = kMaxRowCost;
+  EXPECT_EQ(MustPlan(c, counts).stats.replicas, 0);
+}
+
+// The estimate against the rows the plan's pieces move: exact without replicas and in every
+// receive; the sends, and so the highest rank row cost (what the objective uses), close.
+TEST(PlannerWeighingRows, EstimateAgainstThePiecesRows) {
+  std::mt19937_64 rng(7);
+  double worst = 0, sum = 0;
+  int n = 0;
+  for (int rpn : {0, 4, 8}) {
+    for (double zipf : {0.5, 1.2}) {
+      const int R = 32, E = 128;
+      auto counts = MakeCounts(Skew::kZipf, R, E, 1024, 8, zipf, rng);
+      PlannerConfig c;
+      c.num_ranks = R;
+      c.num_experts = E;
+      c.ranks_per_node = rpn;
+      c.row_cost_intra = 600;
+      c.row_cost_inter = 2200;
+      const PlannerConfig resolved = Planner::Create(c).value()->config();
+      PlannerConfig none = c;
+      none.policy = Policy::kNone;
+      const Plan home_only = MustPlan(none, counts);
+      EXPECT_EQ(testing::PlanRows(home_only, counts, true), testing::PlanRows(home_only, counts, false))
+          << "rpn " << rpn;
+      for (int64_t cost : {int64_t{0}, int64_t{200}, int64_t{2000}}) {
+        c.replica_cost_intra = cost;
+        c.replica_cost_inter = 3 * cost;
+        const Plan p = MustPlan(c, counts);
+        const testing::RankRows est = testing::PlanRows(p, counts, true);
+        const testing::RankRows exact = testing::PlanRows(p, counts, false);
+        int64_t sent_est = 0, sent_exact = 0;
+        for (int d = 0; d < R; ++d) {
+          for (int k : {0, 1}) EXPECT_EQ(est[d * 4 + k], exact[d * 4 + k]) << "rank " << d << " receives";
+          sent_est += est[d * 4 + 2] + est[d * 4 + 3];
+          sent_exact += exact[d * 4 + 2] + exact[d * 4 + 3];
+        }
+        EXPECT_EQ(sent_est, sent_exact);  // the same rows, on other links
+        const double a = static_cast<double>(testing::RowCost(resolved, est));
+        const double b = static_cast<double>(testing::RowCost(resolved, exact));
+        const double err = std::abs(a - b) / b;
+        worst = std::max(worst, err);
+        sum += err;
+        ++n;
+        EXPECT_LT(err, 0.05) << "rpn " << rpn << " zipf " << zipf << " cost " << cost << ": estimate "
+                            << a << " exact " << b << " replicas " << p.stats.replicas;
+      }
+    }
+  }
+  std::printf("[weighing rows] %d plans: highest rank row cost, estimate against the pieces' rows: "
+              "mean error %.2f%%, worst %.2f%%\n", n, 100.0 * sum / n, 100.0 * worst);
+}
+
+TEST(PlannerWeighingRows, CostsOutOfRangeAreRefused) {
+  PlannerConfig c;
+  c.num_ranks = 2;
+  c.num_experts = 2;
+  c.row_cost_intra = -1;
+  auto p = Planner::Create(c);
+  ASSERT_FALSE(p.ok());
+  EXPECT_NE(p.status().message().find("row_cost_intra must be in [0, 2^40], got -1"), std::string::npos)
+      << p.status();
+  c.row_cost_intra = 0;
+  c.row_cost_inter = kMaxRowCost + 1;
+  p = Planner::Create(c);
+  ASSERT_FALSE(p.ok());
+  EXPECT_NE(p.status().message().find("row_cost_inter must be in [0, 2^40]"), std::string::npos)
+      << p.status();
 }
 
 TEST(PlannerWeighing, CostsOutOfRangeAreRefused) {

@@ -74,6 +74,9 @@ TEST_F(RuntimeAgreementTest, SimulatorCountsEqualRuntimeStats) {
   cost.tflops = 3;
   int64_t cost_intra = 0, cost_inter = 0;
   sim::ReplicaCosts(cost, &cost_intra, &cost_inter);
+  // Rows weighed too, both sides, at a fixed price: the cost model's (RowCosts) for experts this
+  // narrow (I = kInter) makes a row cost more than the token's compute, and every replica pays.
+  const int64_t row_intra = 64, row_inter = 256;
   std::map<std::string, int64_t> replicas;  // per policy, over the steps
   for (const sim::SimPolicy& sp :
        {sim::SimPolicy(planner::Policy::kNone), sim::SimPolicy(planner::Policy::kMoonEP),
@@ -97,6 +100,8 @@ TEST_F(RuntimeAgreementTest, SimulatorCountsEqualRuntimeStats) {
     if (sp.weighed) {
       config.replica_cost_intra = cost_intra;
       config.replica_cost_inter = cost_inter;
+      config.row_cost_intra = row_intra;
+      config.row_cost_inter = row_inter;
     }
     config.max_tokens = kBaseTokens + 8;
     config.num_threads = 1;
@@ -112,6 +117,8 @@ TEST_F(RuntimeAgreementTest, SimulatorCountsEqualRuntimeStats) {
     pc.eplb_period = 2;
     pc.replica_cost_intra = config.replica_cost_intra;
     pc.replica_cost_inter = config.replica_cost_inter;
+    pc.row_cost_intra = config.row_cost_intra;
+    pc.row_cost_inter = config.row_cost_inter;
     auto planner = planner::Planner::Create(pc);
     ASSERT_TRUE(planner.ok()) << planner.status();
     std::vector<runtime::StepStats> runtime_stats;
@@ -181,6 +188,8 @@ TEST_F(RuntimeAgreementTest, SimulatorCountsEqualRuntimeStats) {
     o.policies = {sp};
     o.eplb_period = 2;
     o.cost = cost;
+    o.row_cost_intra = row_intra;
+    o.row_cost_inter = row_inter;
     o.lower_bound = false;
     o.threads = 1;
     auto simulator = sim::Simulator::Create(o);

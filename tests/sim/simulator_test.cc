@@ -122,6 +122,7 @@ TEST(SimulatorTest, WeighedMoonEPPaysForItsReplicas) {
     o.policies = {Policy::kMoonEP, SimPolicy(Policy::kMoonEP, true)};
     o.detail = DetailChoice::kCounts;
     o.lower_bound = false;
+    o.row_cost_intra = o.row_cost_inter = 0;  // rows out of the objective: its terms are these
     Capture cap;
     auto result = RunCaptured(o, &cap);
     ASSERT_TRUE(result.ok()) << result.status();

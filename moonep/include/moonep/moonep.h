@@ -20,7 +20,7 @@ extern "C" {
 #endif
 
 #define MOONEP_MAJOR 0
-#define MOONEP_MINOR 2
+#define MOONEP_MINOR 3
 #define MOONEP_PATCH 0
 #define MOONEP_VERSION_CODE(X, Y, Z) ((X) * 10000 + (Y) * 100 + (Z))
 #define MOONEP_VERSION MOONEP_VERSION_CODE(MOONEP_MAJOR, MOONEP_MINOR, MOONEP_PATCH)
@@ -124,6 +124,16 @@ typedef struct {
    * relying on them. */
   int64_t replica_cost_intra;
   int64_t replica_cost_inter;
+  /* Added in 0.3.0. moonep, when it weighs replicas (a replica cost above is set): what one token
+   * row sent or received costs (its dispatch and combine, forward and backward), in 1/1024 tokens
+   * of the fastest rank's compute, inside a node and across nodes; each in [0, 2^40]. The search
+   * then adds the highest rank row cost (the larger of intra rows x row_cost_intra and inter rows
+   * x row_cost_inter, each class counting the larger of rows sent and received, estimated from
+   * the plan's decisions) to a plan's cost, so replicas that take rows off a hot home count for
+   * the rows they save; see docs/planner.md "Rows in the objective". Both 0 (default): rows are
+   * left out. A 0.2.0 library reads neither field. */
+  int64_t row_cost_intra;
+  int64_t row_cost_inter;
 } moonepPlannerConfig_t;
 
 /* The smallest config->size accepted: the end of the first version's last field (eplb_period).
@@ -133,7 +143,7 @@ typedef struct {
 #define MOONEP_PLANNER_CONFIG_INITIALIZER                                                     \
   {                                                                                           \
     sizeof(moonepPlannerConfig_t), MOONEP_VERSION, 0, 0, -1, 1, 0, moonepPolicyMoonEP, NULL, \
-        NULL, 0, 0, 1, 0, 0                                                                   \
+        NULL, 0, 0, 1, 0, 0, 0, 0                                                             \
   }
 
 typedef struct {

@@ -259,11 +259,16 @@ typedef struct {
                                  moonepPlannerConfig_t, tokens); must agree on every rank; a
                                  0.1.0 library ignores both (check moonepGetVersion) */
   int64_t replica_cost_inter;
+  int64_t row_cost_intra;     /* added in 0.3.0: moonep weighs the rows a plan moves too (as in
+                                 moonepPlannerConfig_t, 1/1024 tokens); must agree on every
+                                 rank; a 0.2.0 library ignores both */
+  int64_t row_cost_inter;
 } moonepLayerConfig_t;
 
 #define MOONEP_LAYER_CONFIG_INITIALIZER                                                       \
   { sizeof(moonepLayerConfig_t), MOONEP_CONFIG_MAGIC, MOONEP_VERSION, 0, 0, 0, 0, moonepFloat32, \
-    moonepFloat32, -1, 1, moonepPolicyMoonEP, moonepDeviceCpu, 0, 0, 0, 1, -1, 0, 0, 1, NULL, 0, 0 }
+    moonepFloat32, -1, 1, moonepPolicyMoonEP, moonepDeviceCpu, 0, 0, 0, 1, -1, 0, 0, 1, NULL, 0, 0, \
+    0, 0 }
 
 /* [collective] Checks the config and that every rank passed the same one (all fields but
  * max_tokens, max_recv_rows, layer_id, num_threads, device_index): a difference fails on every
@@ -381,7 +386,7 @@ typedef struct moonepEpHandle* moonepEpHandle_t;
  * intermediate (for prefetch/reduce; 0 when unused), dtype, grad_dtype, slots, pad_multiple,
  * policy, device, device_index, max_tokens, max_recv_rows, max_inflight, layer_id (its trace),
  * ranks_per_node, eplb_period, transport, replica_cost_intra and replica_cost_inter (0.2.0: its
- * plans weigh replicas as a layer's do). num_threads is not used (no executor), but is checked
+ * plans weigh replicas as a layer's do), row_cost_intra and row_cost_inter (0.3.0). num_threads is not used (no executor), but is checked
  * like a layer's. Tensors are host memory for moonepDeviceCpu and GPU memory of device_index for
  * moonepDeviceCuda. */
 typedef moonepLayerConfig_t moonepEpBufferConfig_t;

@@ -53,6 +53,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (flags & 8) {  // weigh replicas (sometimes out of range: refused)
     c.replica_cost_intra = static_cast<int64_t>(in.Next() % 16) - 1;
     c.replica_cost_inter = (flags & 16) ? kMaxReplicaCost + (in.Next() % 2) : in.Next() % 64;
+    if (flags & 32) {  // and rows (sometimes out of range: refused)
+      c.row_cost_intra = static_cast<int64_t>(in.Next() % 4096) - 1;
+      c.row_cost_inter = (flags & 64) ? kMaxRowCost + (in.Next() % 2) : in.Next() % 8192;
+    }
   }
   auto planner = Planner::Create(c);
   if (!planner.ok()) return 0;
@@ -71,16 +75,19 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     // Weighing never costs more than no replica at all, nor than the unweighed (balanced) plan,
     // in its own terms: the highest rank level (load in the fastest rank's tokens) plus the highest
-    // rank transfer cost.
+    // rank transfer cost (plus, with row costs, the highest rank row cost).
     if (rc.policy == Policy::kMoonEP && rc.weighs_replicas()) {
       PlannerConfig unweighed = c;
       unweighed.replica_cost_intra = unweighed.replica_cost_inter = 0;
+      unweighed.row_cost_intra = unweighed.row_cost_inter = 0;
       Plan balanced;
       const absl::Status b = (*Planner::Create(unweighed))->MakePlan(counts, &balanced);
       if (!b.ok()) Fail("the unweighed plan failed where the weighed one succeeded", b);
       using moonep::planner::testing::WeighPlan;
-      const int64_t mine = WeighPlan(rc, plan).total();
-      const int64_t ends[2] = {WeighPlan(rc, balanced).total(), WeighPlan(rc, plan, true).total()};
+      // (Unsaturated: costs near their limits take the terms past 2^63.)
+      const __int128 mine = WeighPlan(rc, plan, false, &counts).exact;
+      const __int128 ends[2] = {WeighPlan(rc, balanced, false, &counts).exact,
+                                WeighPlan(rc, plan, true, &counts).exact};
       if (mine > ends[0]) Fail("weighing made a plan costlier than the balanced one", absl::OkStatus());
       if (mine > ends[1]) Fail("weighing made a plan costlier than no replica", absl::OkStatus());
     }
