@@ -4,7 +4,8 @@
 // moved, the time of each phase, and the check of y and every gradient against the fp64
 // reference layer. Usage: mpirun -np 4 moonep-demo [--steps N] [--tokens T] [--experts-per-rank
 // N] [--topk K] [--hidden H] [--inter I] [--zipf S] [--dtype fp32|bf16] [--policy NAME]
-// [--replica-cost TOKENS] (moonep weighs replicas: one transfer costs TOKENS of compute).
+// [--replica-cost TOKENS] (moonep weighs replicas: one transfer costs TOKENS of compute)
+// [--row-cost N] (with --replica-cost: a token row moved costs N/1024 tokens, weighed too).
 #include <mpi.h>
 
 #include <algorithm>
@@ -40,12 +41,14 @@ struct Options {
   DType dtype = DType::kFloat32;
   moonep::planner::Policy policy = moonep::planner::Policy::kMoonEP;
   int64_t replica_cost = 0;  // PlannerConfig::replica_cost_intra and _inter (0: perfect balance)
+  int64_t row_cost = 0;      // PlannerConfig::row_cost_intra and _inter (1/1024 tokens a row)
 };
 
 bool ParseArgs(int argc, char** argv, Options* o, std::string* error) {
   constexpr const char* kUsage =
       "usage: moonep-demo [--steps N] [--tokens T] [--experts-per-rank N] [--topk K] "
-      "[--hidden H] [--inter I] [--zipf S] [--dtype fp32|bf16] [--policy NAME] [--replica-cost TOKENS]";
+      "[--hidden H] [--inter I] [--zipf S] [--dtype fp32|bf16] [--policy NAME] [--replica-cost TOKENS]\n"
+      "  [--row-cost N]";
   // name, target, bounds: the demo checks every step against an fp64 reference of the whole
   // layer on every rank, so its sizes are those of a demonstration, not of a model.
   struct IntFlag {
@@ -60,7 +63,8 @@ bool ParseArgs(int argc, char** argv, Options* o, std::string* error) {
                           {"--topk", 1, 1024, &topk},
                           {"--hidden", 1, 1 << 16, &o->hidden},
                           {"--inter", 1, 1 << 16, &o->inter},
-                          {"--replica-cost", 0, moonep::planner::kMaxReplicaCost, &o->replica_cost}};
+                          {"--replica-cost", 0, moonep::planner::kMaxReplicaCost, &o->replica_cost},
+                          {"--row-cost", 0, moonep::planner::kMaxRowCost, &o->row_cost}};
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--help" || arg == "-h") {
@@ -186,6 +190,7 @@ int Run(int argc, char** argv) {
   config.dtype = dt;
   config.policy = o.policy;
   config.replica_cost_intra = config.replica_cost_inter = o.replica_cost;
+  config.row_cost_intra = config.row_cost_inter = o.row_cost;
   config.max_tokens = T;
   config.num_threads = 1;  // ranks share the cores of one machine here
   auto layer_or = moonep::runtime::MoeLayer::Create(comm.get(), config);
@@ -240,7 +245,9 @@ int Run(int argc, char** argv) {
         R, epn, E, K, static_cast<long>(H), static_cast<long>(I), moonep::DTypeName(dt),
         static_cast<long>(T), o.zipf, moonep::planner::PolicyName(o.policy),
         o.replica_cost > 0 ? (" weighing replicas at " + std::to_string(o.replica_cost) +
-                              " tokens a transfer").c_str() : "");
+                              " tokens a transfer" +
+                              (o.row_cost > 0 ? " and " + std::to_string(o.row_cost) +
+                                                "/1024 tokens a row" : "")).c_str() : "");
     std::printf("%4s  | %-25s | %6s | %-11s | %-38s | %s\n", "", "slowest rank / mean load", "",
                 "MB moved", "ms per phase (slowest rank)", "vs fp64 reference");
     std::printf("%4s  | %11s %13s | %6s | %5s %5s | %5s %5s %5s %5s %6s %6s | %-7s  %-7s %-4s  %s\n",

@@ -502,6 +502,47 @@ TEST(PlannerCApiStructs, ReplicaCostsAreRead) {
       << moonepGetLastThreadError();
 }
 
+// 0.3.0's row costs: read from a 0.3.0 struct, ignored past a 0.2.0 caller's size, and refused out
+// of range. The case is worked by hand in planner_test (PlannerWeighingRows.HandWorkedCase): one
+// replica with rows weighed, none without.
+static_assert(sizeof(void*) != 8 || offsetof(moonepPlannerConfig_t, row_cost_intra) == 96,
+              "moonepPlannerConfig_t: 0.3.0's fields must start where 0.2.0's struct ended");
+TEST(PlannerCApiStructs, RowCostsAreRead) {
+  const std::vector<int64_t> counts = {0, 10, 100, 0};
+  const auto plan = [&](const moonepPlannerConfig_t& config, moonepPlanStats_t* stats) {
+    moonepPlanner_t p = nullptr;
+    const moonepResult_t r = moonepPlannerCreate(&config, &p);
+    if (r != moonepSuccess) return r;
+    EXPECT_EQ(moonepPlannerPlan(p, counts.data(), counts.size()), moonepSuccess)
+        << moonepPlannerGetLastError(p);
+    EXPECT_EQ(moonepPlannerGetStats(p, stats), moonepSuccess);
+    EXPECT_EQ(moonepPlannerDestroy(p), moonepSuccess);
+    return r;
+  };
+  moonepPlannerConfig_t config = MOONEP_PLANNER_CONFIG_INITIALIZER;
+  EXPECT_EQ(config.row_cost_intra, 0);
+  EXPECT_EQ(config.row_cost_inter, 0);
+  config.num_ranks = 2;
+  config.num_experts = 2;
+  config.replica_cost_inter = 60;
+  config.row_cost_inter = 1024;
+  moonepPlanStats_t stats = MOONEP_PLAN_STATS_INITIALIZER;
+  ASSERT_EQ(plan(config, &stats), moonepSuccess) << moonepGetLastThreadError();
+  EXPECT_EQ(stats.replicas, 1);
+  EXPECT_EQ(stats.max_load_after, 55);
+  // A 0.2.0 caller: the row costs are not its fields, and are not read even when what lies there
+  // would be refused.
+  config.row_cost_intra = -7;
+  config.size = offsetof(moonepPlannerConfig_t, row_cost_intra);
+  ASSERT_EQ(plan(config, &stats), moonepSuccess) << moonepGetLastThreadError();
+  EXPECT_EQ(stats.replicas, 0);
+  EXPECT_EQ(stats.max_load_after, 100);
+  config.size = sizeof(config);
+  EXPECT_EQ(plan(config, &stats), moonepInvalidArgument);
+  EXPECT_TRUE(Contains(moonepGetLastThreadError(), "row_cost_intra must be in [0, 2^40], got -7"))
+      << moonepGetLastThreadError();
+}
+
 TEST(PlannerCApiHandles, DistinctPlannersOnManyThreads) {
   // Each thread creates, plans, reads back and destroys its own planners, with failing calls in
   // between; the registry is shared. Every thread must get the reference bytes and its own errors.

@@ -762,6 +762,25 @@ TEST_F(CApiTest, BadConfigsFailOnEveryRank) {
     EXPECT_NE(std::string(moonepGetLastError(comm_)).find("replica_cost_intra"), std::string::npos)
         << moonepGetLastError(comm_);
   }
+  // Row costs (0.3.0): the same, past a 0.2.0 caller's struct (sizeof 136 on LP64).
+  c = Config(moonepPolicyMoonEP);
+  c.row_cost_intra = int64_t{1} << 41;
+  EXPECT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepInvalidArgument);
+  EXPECT_NE(std::string(moonepGetLastError(comm_)).find("row_cost_intra is 2199023255552; must be in [0, 2^40]"),
+            std::string::npos) << moonepGetLastError(comm_);
+  static_assert(sizeof(void*) != 8 || offsetof(moonepLayerConfig_t, row_cost_intra) == 136,
+                "moonepLayerConfig_t: 0.3.0's fields must start where 0.2.0's struct ended");
+  c.size = offsetof(moonepLayerConfig_t, row_cost_intra);
+  ASSERT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepSuccess) << moonepGetLastError(comm_);
+  EXPECT_EQ(moonepLayerDestroy(layer), moonepSuccess);
+  if (size() > 1) {
+    c = Config(moonepPolicyMoonEP);
+    c.replica_cost_intra = 10;
+    c.row_cost_inter = rank() == 0 ? 600 : 601;
+    EXPECT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepInvalidArgument);
+    EXPECT_NE(std::string(moonepGetLastError(comm_)).find("row_cost_inter"), std::string::npos)
+        << moonepGetLastError(comm_);
+  }
   // More executor threads than the executor has: refused at creation (it was capped silently).
   c = Config(moonepPolicyMoonEP);
   c.num_threads = 1025;
