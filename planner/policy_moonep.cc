@@ -577,6 +577,18 @@ struct RowEstimate {
     fill.assign(begin.begin(), begin.end() - 1);
     list.resize(static_cast<size_t>(E));
     for (int32_t e = 0; e < E; ++e) list[fill[Node(home[e])]++] = e;
+    // Without counts (Decide), Count's even split: source s has t / R of each total t, plus one
+    // where s < t % R; `above[s]` counts the totals with t % R > s.
+    int64_t even = 0;
+    std::vector<int64_t>& above = sc->weigh_rows;
+    if (in.counts == nullptr) {
+      above.assign(static_cast<size_t>(R) + 1, 0);
+      for (int32_t e = 0; e < E; ++e) {
+        even += in.totals[e] / R;
+        ++above[in.totals[e] % R];
+      }
+      for (int32_t x = R - 1; x >= 0; --x) above[x] += above[x + 1];  // now: t % R >= x
+    }
     for (int32_t s = 0; s < R; ++s) {
       int64_t sum = 0, node = 0, own = 0;
       if (in.row_sums != nullptr) {
@@ -585,7 +597,7 @@ struct RowEstimate {
         const int64_t* row = in.counts + static_cast<size_t>(s) * E;
         for (int32_t e = 0; e < E; ++e) sum += row[e];
       } else {
-        for (int32_t e = 0; e < E; ++e) sum += in.Count(s, e);
+        sum = even + above[s + 1];
       }
       const int32_t k = Node(s);
       for (int32_t i = begin[k]; i < begin[k + 1]; ++i) {

@@ -921,6 +921,37 @@ TEST(PlannerWeighingRows, EstimateAgainstThePiecesRows) {
               "mean error %.2f%%, worst %.2f%%\n", n, 100.0 * sum / n, 100.0 * worst);
 }
 
+// Decide knows only the totals and takes each source to have an even share of them (its row sums
+// in closed form); MakePlan on counts that are exactly that split reads the rows from the counts.
+// Both must decide the same.
+TEST(PlannerWeighingRows, DecideAgreesWithMakePlanOnEvenCounts) {
+  std::mt19937_64 rng(11);
+  for (int rpn : {0, 4}) {
+    const int R = 16, E = 64;
+    std::vector<int64_t> totals(E);
+    for (int e = 0; e < E; ++e) totals[e] = static_cast<int64_t>(rng() % (e < 4 ? 4000 : 400));
+    std::vector<int64_t> counts(static_cast<size_t>(R) * E);
+    for (int s = 0; s < R; ++s) {
+      for (int e = 0; e < E; ++e) counts[static_cast<size_t>(s) * E + e] = totals[e] / R + (s < totals[e] % R);
+    }
+    PlannerConfig c;
+    c.num_ranks = R;
+    c.num_experts = E;
+    c.ranks_per_node = rpn;
+    c.replica_cost_intra = 100;
+    c.replica_cost_inter = 300;
+    c.row_cost_intra = 600;
+    c.row_cost_inter = 2200;
+    const Plan made = MustPlan(c, counts);
+    auto planner = Planner::Create(c).value();
+    Plan decided;
+    ASSERT_TRUE(planner->Decide(totals, &decided).ok());
+    EXPECT_EQ(decided.alloc, made.alloc) << "rpn " << rpn;
+    EXPECT_EQ(decided.slot_expert, made.slot_expert) << "rpn " << rpn;
+    EXPECT_GT(made.stats.replicas, 0) << "rpn " << rpn;
+  }
+}
+
 TEST(PlannerWeighingRows, CostsOutOfRangeAreRefused) {
   PlannerConfig c;
   c.num_ranks = 2;
