@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue #12 on a machine with several GPUs (one rank per GPU), from a bundle made here with
 #   /work/shared/tools/device-bundle.sh .device build-gpu/bin/{nccl_transport_test,nccl_suite_test,\
-#     runtime_layer_cuda_test,moonep-bench-dispatch} build-gpu/lib/libmoonep.so.0.2.0
+#     runtime_layer_cuda_test,moonep-bench-dispatch} build-gpu/lib/libmoonep.so.0.3.0
 # carried as .device (optionally with NVIDIA nccl-tests' alltoall_perf, built here from its public
 # source, copied into .device/bin: not part of this repository). NVLink multicast stays off
 # (NCCL_NVLS_ENABLE=0). Logs: $OUT/multi.tgz.
