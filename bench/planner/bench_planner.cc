@@ -109,9 +109,10 @@ class RatioReporter : public benchmark::ConsoleReporter {
     for (const Run& run : runs) {
       if (run.error_occurred) continue;
       const bool median = run.run_type == Run::RT_Aggregate && run.aggregate_name == "median";
-      if (run.run_type == Run::RT_Iteration) {
-        // The min over repetitions, from the runs themselves (with one repetition there is no
-        // "min" aggregate).
+      const bool min_aggregate = run.run_type == Run::RT_Aggregate && run.aggregate_name == "min";
+      if (run.run_type == Run::RT_Iteration || min_aggregate) {
+        // The min over repetitions: the "min" aggregate (the benchmarks report aggregates only),
+        // or the runs themselves (with one repetition there is no aggregate).
         const double t = run.GetAdjustedCPUTime() * ToMicros(run.time_unit);
         auto [it, fresh] = min_us_.emplace(run.run_name.function_name, t);
         if (!fresh) it->second = std::min(it->second, t);
