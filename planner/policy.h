@@ -175,8 +175,8 @@ struct PolicyScratch {
   // ... and each expert's replicas by increasing rank (CSR: begin [E + 1]) with their positions.
   std::vector<int32_t> weigh_rep_begin, weigh_rep_fill, weigh_rep_rank;
   std::vector<int64_t> weigh_rep_start, weigh_rep_end, weigh_rep_col;
-  struct WeighInterval {  // levels (a, b], the transfer costs of their ends' plans, a's row cost
-    __int128 a, ta, b, tb, ra;
+  struct WeighInterval {  // levels (a, b] and the transfer costs of their ends' plans
+    __int128 a, ta, b, tb;
   };
   std::vector<WeighInterval> weigh_intervals;
 };
@@ -204,6 +204,14 @@ absl::Status DecideTestForceReplicas(const PolicyInput& in, PolicyScratch* scrat
 // order) and sorted anew when it is not that order.
 bool GreedyFill(const PolicyInput& in, absl::Span<const int64_t> cap, PolicyScratch* sc,
                 Decisions* dec, bool presorted = false);
+
+// The rows a plan moves as moonep's weighing estimates them (docs/planner.md "Rows in the
+// objective"), from the plan's decisions (alloc at each home, slot_expert and slot_alloc) and
+// `counts` ([R * E]; null: an even split of `totals` over the sources, as Decide assumes): per rank
+// [r * 4], rows received inside its node, across nodes, sent inside, across. For tests: the
+// search computes the same from its decisions.
+void EstimatePlanRows(const PlannerConfig& resolved, const Plan& plan, const int64_t* counts,
+                      absl::Span<const int64_t> totals, std::vector<int64_t>* rows);
 
 // Integer speed weights (all 1 without speeds): round(speed / max_speed * 2^20), at least 1.
 void SpeedWeights(const PlannerConfig& resolved, std::vector<int64_t>* weights);

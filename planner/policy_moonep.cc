@@ -622,9 +622,9 @@ __int128 RowCost(const PlannerConfig& c, const std::vector<int64_t>& rows) {
   return (worst + kRowCostScale - 1) / kRowCostScale;
 }
 
-// The highest rank row cost of `dec` (RowEstimate; sc->weigh_rows_base must hold the rows of the
-// plan with no replica), in tokens of the fastest rank, rounded up.
-__int128 RowCostOf(const PolicyInput& in, const Decisions& dec, PolicyScratch* sc) {
+// The rows `dec` moves per rank (RowEstimate; sc->weigh_rows_base must hold the rows of the plan
+// with no replica), in sc->weigh_rows.
+const std::vector<int64_t>& RowsOf(const PolicyInput& in, const Decisions& dec, PolicyScratch* sc) {
   const PlannerConfig& c = *in.config;
   const int32_t R = c.num_ranks, S = c.slots, E = c.num_experts;
   const RowEstimate est{in, c.ranks_per_node};
@@ -680,7 +680,12 @@ __int128 RowCostOf(const PolicyInput& in, const Decisions& dec, PolicyScratch* s
       rows[static_cast<size_t>(h) * 4 + 2 + est.Class(h, d)] += RowEstimate::Overlap(start[q], end[q], hr[0], hr[1]);
     }
   }
-  return RowCost(c, rows);
+  return rows;
+}
+
+// The highest rank row cost of `dec`, in tokens of the fastest rank, rounded up.
+__int128 RowCostOf(const PolicyInput& in, const Decisions& dec, PolicyScratch* sc) {
+  return RowCost(*in.config, RowsOf(in, dec, sc));
 }
 
 WeighedCost CostOf(const Levels& lv, const Decisions& dec, PolicyScratch* sc) {
@@ -733,13 +738,14 @@ WeighedCost CostOf(const Levels& lv, const Decisions& dec, PolicyScratch* sc) {
 
 // Replaces `dec` (the balanced or slot-bound plan) by the plan of least WeighedCost::total found
 // among the plans for levels from its own up to where a level alone costs as much as it, each made
-// by the same procedure with capacities Caps(L). The transfer cost falls, about as a step function,
-// as the level rises, so only each step's lowest level can win: a branch and bound bisects the
-// intervals (a, b] whose ends have different transfer costs, best first by the lower bound
-// a + 1 + T(b) of any level inside, and drops an interval once that bound reaches the best plan's
-// cost or it is at most `tolerance` levels wide (its right end is then within that of the step's
-// start). Every plan made on the way is a candidate, and so is no replica at all. Ties keep the
-// earlier plan.
+// with capacities Caps(L) (the cheaper of the procedure's and moonep-greedy's). The transfer cost
+// falls, about as a step function, as the level rises, so only each step's lowest level can win: a
+// branch and bound bisects the intervals (a, b] whose ends have different transfer costs, best
+// first by the lower bound a + 1 + T(b) of any level inside (rows, when weighed, cost at least 0:
+// they can fall as the level rises too, so they add nothing to the bound), and drops an interval
+// once that bound reaches the best plan's cost or it is at most `tolerance` levels wide (its right
+// end is then within that of the step's start). Every plan made on the way is a candidate, and so
+// is no replica at all. Ties keep the earlier plan.
 void WeighReplicas(const PolicyInput& in, PolicyScratch* sc, Decisions* dec) {
   const PlannerConfig& c = *in.config;
   Levels lv(in, sc);
@@ -749,11 +755,11 @@ void WeighReplicas(const PolicyInput& in, PolicyScratch* sc, Decisions* dec) {
   const WeighedCost first = CostOf(lv, *dec, sc);
   __int128 best_total = first.total();
   bool replaced = false;
-  // Transfer and row costs of level L's plan (left in *dec), which becomes the best when it costs
-  // less; a level the slot limit defeats gives false. The plan of a level is the cheaper of the
+  // Transfer cost of level L's plan (left in *dec), which becomes the best when it costs less; a
+  // level the slot limit defeats gives false. The plan of a level is the cheaper of the
   // procedure's (TryAll) and the published greedy's on the same capacities: the greedy order
   // often needs a transfer less on the busiest rank.
-  const auto transfers_at = [&](__int128 L, __int128* t, __int128* rows) {
+  const auto transfers_at = [&](__int128 L, __int128* t) {
     absl::Span<const int64_t> caps = lv.Caps(L);
     bool ok = TryAll(in, caps, sc, dec);
     WeighedCost cost;
@@ -768,7 +774,6 @@ void WeighReplicas(const PolicyInput& in, PolicyScratch* sc, Decisions* dec) {
     }
     if (!ok) return false;
     *t = cost.transfers;
-    *rows = cost.rows;
     if (cost.total() < best_total) {
       best_total = cost.total();
       best = *dec;
@@ -782,8 +787,7 @@ void WeighReplicas(const PolicyInput& in, PolicyScratch* sc, Decisions* dec) {
                                                       : std::min(c.replica_cost_intra, c.replica_cost_inter);
   const __int128 tolerance = std::max<int64_t>(1, cheaper / 64);
   using Interval = PolicyScratch::WeighInterval;
-  // Rows cost more as the level rises (about: fewer replicas leave more rows with the hot homes).
-  const auto bound = [](const Interval& x) { return x.a + 1 + x.tb + x.ra; };
+  const auto bound = [](const Interval& x) { return x.a + 1 + x.tb; };
   // Min-heap by bound, then by a (std heaps are max-heaps: the comparison is reversed).
   const auto later = [&](const Interval& x, const Interval& y) {
     return bound(x) != bound(y) ? bound(x) > bound(y) : x.a > y.a;
@@ -793,10 +797,10 @@ void WeighReplicas(const PolicyInput& in, PolicyScratch* sc, Decisions* dec) {
   // From the plan's own level: its caps there may be looser than the balanced ones (which keep
   // the floor or ceiling of the mean), and so need fewer replicas at the same level.
   const __int128 top = lv.Top(), a = first.level, b = std::min(top, best_total - 1);
-  __int128 ta = first.transfers, tb = 0, t = 0, ra = first.rows, r = 0, rb = 0;
+  __int128 ta = first.transfers, tb = 0, t = 0;
   if (first.transfers > 0) {
-    if (transfers_at(a, &t, &r) && t < ta) ta = t, ra = r;
-    if (ta > 0 && b > a && transfers_at(b, &tb, &rb) && ta > tb) heap.push_back({a, ta, b, tb, ra});
+    if (transfers_at(a, &t)) ta = std::min(ta, t);
+    if (ta > 0 && b > a && transfers_at(b, &tb) && ta > tb) heap.push_back({a, ta, b, tb});
   }
   while (!heap.empty()) {
     std::pop_heap(heap.begin(), heap.end(), later);
@@ -805,10 +809,9 @@ void WeighReplicas(const PolicyInput& in, PolicyScratch* sc, Decisions* dec) {
     if (bound(iv) >= best_total) break;  // and every interval left
     if (iv.b - iv.a <= tolerance) continue;
     const __int128 mid = iv.a + (iv.b - iv.a) / 2;
-    __int128 tm = iv.ta, rm = iv.ra;  // a level the slot limit defeats: no step starts left of it
-    transfers_at(mid, &tm, &rm);
-    for (const Interval& part :
-         {Interval{iv.a, iv.ta, mid, tm, iv.ra}, Interval{mid, tm, iv.b, iv.tb, rm}}) {
+    __int128 tm = iv.ta;  // a level the slot limit defeats: no step starts left of it
+    transfers_at(mid, &tm);
+    for (const Interval& part : {Interval{iv.a, iv.ta, mid, tm}, Interval{mid, tm, iv.b, iv.tb}}) {
       if (part.ta > part.tb) {
         heap.push_back(part);
         std::push_heap(heap.begin(), heap.end(), later);
@@ -830,6 +833,44 @@ void WeighReplicas(const PolicyInput& in, PolicyScratch* sc, Decisions* dec) {
 }
 
 }  // namespace
+
+void EstimatePlanRows(const PlannerConfig& resolved, const Plan& plan, const int64_t* counts,
+                      absl::Span<const int64_t> totals, std::vector<int64_t>* rows) {
+  const int32_t R = resolved.num_ranks, E = resolved.num_experts, S = resolved.slots;
+  PolicyInput in;
+  in.config = &resolved;
+  in.plan = &plan;
+  in.totals = totals;
+  in.counts = counts;
+  std::vector<int64_t> prefix;  // Col's block prefix, one source a block
+  if (counts != nullptr) {
+    prefix.assign(static_cast<size_t>(R + 1) * E, 0);
+    for (int32_t s = 0; s < R; ++s) {
+      for (int32_t e = 0; e < E; ++e) {
+        const size_t i = static_cast<size_t>(s) * E + e;
+        prefix[i + E] = prefix[i] + counts[i];
+      }
+    }
+    in.block_prefix = prefix.data();
+    in.block_size = 1;
+    in.block_shift = 0;
+  }
+  Decisions dec;
+  dec.Reset(R, E, S, totals);
+  for (int32_t e = 0; e < E; ++e) dec.home_keep[e] = plan.alloc[static_cast<size_t>(e) * R + plan.home[e]];
+  for (int32_t r = 0; r < R; ++r) {
+    for (int32_t s = 0; s < S; ++s) {
+      const size_t i = static_cast<size_t>(r) * S + s;
+      if (plan.slot_expert[i] < 0) continue;
+      const size_t j = static_cast<size_t>(r) * S + dec.slots_used[r]++;
+      dec.slot_expert[j] = plan.slot_expert[i];
+      dec.slot_amount[j] = plan.slot_alloc[i];
+    }
+  }
+  PolicyScratch sc;
+  RowEstimate{in, resolved.ranks_per_node}.Base(&sc);
+  *rows = RowsOf(in, dec, &sc);
+}
 
 absl::Status DecideMoonEP(const PolicyInput& in, PolicyScratch* sc, Decisions* dec) {
   const PlannerConfig& c = *in.config;

@@ -863,57 +863,71 @@ TEST(PlannerWeighingRows, HandWorkedCase) {
   EXPECT_EQ(got.transfers, 60);
   EXPECT_EQ(got.rows, 55);
   EXPECT_EQ(WeighPlan(resolved, p, true, &counts).total(), 200);
-  // Here the estimate is exact: the replica computes only its own rank's tokens.
-  EXPECT_EQ(testing::PlanRows(p, counts, true), testing::PlanRows(p, counts, false));
+  // Here the planner's estimate is exact: the replica computes only its own rank's tokens.
+  std::vector<int64_t> est;
+  EstimatePlanRows(resolved, p, counts.data(), std::vector<int64_t>{100, 10}, &est);
+  EXPECT_EQ(est, testing::PlanRows(p, counts, false));
+  EXPECT_EQ(est, (std::vector<int64_t>{0, 55, 0, 10, 0, 10, 0, 55}));  // flat: every row inter
   // The intra cost prices nothing on a flat topology.
   c.row_cost_inter = 0;
   c.row_cost_intra = kMaxRowCost;
   EXPECT_EQ(MustPlan(c, counts).stats.replicas, 0);
 }
 
-// The estimate against the rows the plan's pieces move: exact without replicas and in every
-// receive; the sends, and so the highest rank row cost (what the objective uses), close.
+// The planner's estimate (EstimatePlanRows, what the search computes from its decisions) against
+// the test's own statement of it (PlanRows with `estimate`, from the plan's pieces) and against the
+// rows the pieces move: equal to the former everywhere, to the latter in every receive (and
+// everywhere without replicas); the highest rank row cost (what the objective uses) close. Plans
+// of every policy, flat and with nodes (one node short), with and without speeds.
 TEST(PlannerWeighingRows, EstimateAgainstThePiecesRows) {
   std::mt19937_64 rng(7);
   double worst = 0, sum = 0;
   int n = 0;
-  for (int rpn : {0, 4, 8}) {
+  for (int rpn : {0, 4, 8, 5}) {
     for (double zipf : {0.5, 1.2}) {
       const int R = 32, E = 128;
       auto counts = MakeCounts(Skew::kZipf, R, E, 1024, 8, zipf, rng);
-      PlannerConfig c;
-      c.num_ranks = R;
-      c.num_experts = E;
-      c.ranks_per_node = rpn;
-      c.row_cost_intra = 600;
-      c.row_cost_inter = 2200;
-      const PlannerConfig resolved = Planner::Create(c).value()->config();
-      PlannerConfig none = c;
-      none.policy = Policy::kNone;
-      const Plan home_only = MustPlan(none, counts);
-      EXPECT_EQ(testing::PlanRows(home_only, counts, true), testing::PlanRows(home_only, counts, false))
-          << "rpn " << rpn;
-      for (int64_t cost : {int64_t{0}, int64_t{200}, int64_t{2000}}) {
-        c.replica_cost_intra = cost;
-        c.replica_cost_inter = 3 * cost;
-        const Plan p = MustPlan(c, counts);
-        const testing::RankRows est = testing::PlanRows(p, counts, true);
-        const testing::RankRows exact = testing::PlanRows(p, counts, false);
-        int64_t sent_est = 0, sent_exact = 0;
-        for (int d = 0; d < R; ++d) {
-          for (int k : {0, 1}) EXPECT_EQ(est[d * 4 + k], exact[d * 4 + k]) << "rank " << d << " receives";
-          sent_est += est[d * 4 + 2] + est[d * 4 + 3];
-          sent_exact += exact[d * 4 + 2] + exact[d * 4 + 3];
+      std::vector<int64_t> totals(E, 0);
+      for (int s = 0; s < R; ++s) {
+        for (int e = 0; e < E; ++e) totals[e] += counts[static_cast<size_t>(s) * E + e];
+      }
+      for (Policy policy : {Policy::kNone, Policy::kMoonEP, Policy::kMoonEPGreedy, Policy::kEplb}) {
+        for (int64_t cost : {int64_t{0}, int64_t{200}, int64_t{2000}}) {
+          if (policy != Policy::kMoonEP && cost > 0) continue;
+          PlannerConfig c;
+          c.num_ranks = R;
+          c.num_experts = E;
+          c.ranks_per_node = rpn;
+          c.policy = policy;
+          c.row_cost_intra = 600;
+          c.row_cost_inter = 2200;
+          c.replica_cost_intra = cost;
+          c.replica_cost_inter = 3 * cost;
+          if (zipf > 1) {
+            for (int d = 0; d < R; ++d) c.speeds.push_back(d % 4 == 0 ? 0.5 : 1.0);
+          }
+          const PlannerConfig resolved = Planner::Create(c).value()->config();
+          const Plan p = MustPlan(c, counts);
+          std::vector<int64_t> planner_est;
+          EstimatePlanRows(resolved, p, counts.data(), totals, &planner_est);
+          const testing::RankRows est = testing::PlanRows(p, counts, true);
+          const testing::RankRows exact = testing::PlanRows(p, counts, false);
+          ASSERT_EQ(planner_est, est) << "rpn " << rpn << " policy " << PolicyName(policy) << " cost " << cost;
+          for (int d = 0; d < R; ++d) {
+            for (int k : {0, 1}) EXPECT_EQ(est[d * 4 + k], exact[d * 4 + k]) << "rank " << d << " receives";
+          }
+          if (p.stats.replicas == 0) {
+            EXPECT_EQ(est, exact) << "rpn " << rpn;
+          }
+          const double a = static_cast<double>(testing::RowCost(resolved, est));
+          const double b = static_cast<double>(testing::RowCost(resolved, exact));
+          const double err = std::abs(a - b) / b;
+          worst = std::max(worst, err);
+          sum += err;
+          ++n;
+          EXPECT_LT(err, 0.05) << "rpn " << rpn << " zipf " << zipf << " cost " << cost << ": estimate "
+                               << a << " exact " << b << " replicas " << p.stats.replicas;
         }
-        EXPECT_EQ(sent_est, sent_exact);  // the same rows, on other links
-        const double a = static_cast<double>(testing::RowCost(resolved, est));
-        const double b = static_cast<double>(testing::RowCost(resolved, exact));
-        const double err = std::abs(a - b) / b;
-        worst = std::max(worst, err);
-        sum += err;
-        ++n;
-        EXPECT_LT(err, 0.05) << "rpn " << rpn << " zipf " << zipf << " cost " << cost << ": estimate "
-                            << a << " exact " << b << " replicas " << p.stats.replicas;
       }
     }
   }
@@ -947,6 +961,14 @@ TEST(PlannerWeighingRows, DecideAgreesWithMakePlanOnEvenCounts) {
     Plan decided;
     ASSERT_TRUE(planner->Decide(totals, &decided).ok());
     EXPECT_EQ(decided.alloc, made.alloc) << "rpn " << rpn;
+    // The estimate on totals alone (an even split, row sums in closed form) is the one on counts
+    // that are that split.
+    std::vector<int64_t> on_totals, on_counts;
+    const PlannerConfig resolved = planner->config();
+    EstimatePlanRows(resolved, made, nullptr, totals, &on_totals);
+    EstimatePlanRows(resolved, made, counts.data(), totals, &on_counts);
+    EXPECT_EQ(on_totals, on_counts) << "rpn " << rpn;
+    EXPECT_EQ(on_counts, testing::PlanRows(made, counts, true)) << "rpn " << rpn;
     EXPECT_EQ(decided.slot_expert, made.slot_expert) << "rpn " << rpn;
     EXPECT_GT(made.stats.replicas, 0) << "rpn " << rpn;
   }
