@@ -696,7 +696,7 @@ WeighedCost CostOf(const Levels& lv, const Decisions& dec, PolicyScratch* sc) {
   std::vector<int64_t>& load = sc->weigh_load;
   std::vector<int32_t>& n = sc->weigh_count;  // [r * 4]: in intra, in inter, out intra, out inter
   std::vector<int32_t>& last = sc->weigh_last_holder;
-  load.assign(R, 0);
+  load.assign(lv.in.home_load.begin(), lv.in.home_load.end());  // each slot's tokens move below
   n.assign(static_cast<size_t>(R) * 4, 0);
   if (last.size() != static_cast<size_t>(c.num_experts)) last.assign(c.num_experts, -1);
   const auto hop = [&](int32_t from, int32_t to) {
@@ -704,7 +704,6 @@ WeighedCost CostOf(const Levels& lv, const Decisions& dec, PolicyScratch* sc) {
     ++n[static_cast<size_t>(from) * 4 + 2 + inter];
     ++n[static_cast<size_t>(to) * 4 + inter];
   };
-  for (int32_t e = 0; e < c.num_experts; ++e) load[home[e]] += dec.home_keep[e];
   // The reduce's hops (transport/common/replica_chain.h): each expert's holders in increasing
   // rank, the highest to the home.
   for (int32_t r = 0; r < R; ++r) {
@@ -712,6 +711,7 @@ WeighedCost CostOf(const Levels& lv, const Decisions& dec, PolicyScratch* sc) {
       const size_t i = static_cast<size_t>(r) * S + s;
       const int32_t e = dec.slot_expert[i];
       load[r] += dec.slot_amount[i];
+      load[home[e]] -= dec.slot_amount[i];  // (Decisions::Move takes them from the home's share)
       if (last[e] >= 0) hop(last[e], r);
       last[e] = r;
     }
@@ -761,7 +761,8 @@ void WeighReplicas(const PolicyInput& in, PolicyScratch* sc, Decisions* dec) {
   // often needs a transfer less on the busiest rank.
   const auto transfers_at = [&](__int128 L, __int128* t) {
     absl::Span<const int64_t> caps = lv.Caps(L);
-    bool ok = TryAll(in, caps, sc, dec);
+    // TryAll without its last fallback, the greedy order, which is the other candidate anyway.
+    bool ok = TryBalance(in, caps, sc, dec, false) || TryBalance(in, caps, sc, dec, true);
     WeighedCost cost;
     if (ok) cost = CostOf(lv, *dec, sc);
     if (GreedyFill(in, caps, sc, &sc->alt)) {
