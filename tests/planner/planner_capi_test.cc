@@ -455,6 +455,19 @@ TEST(PlannerCApiStructs, ConfigSizeAndVersionAreChecked) {
   EXPECT_EQ(moonepPlannerDestroy(p), moonepSuccess);
 }
 
+// Creates a planner from `config`, plans `counts` and reads the stats back; the creation's result.
+moonepResult_t PlanStatsOf(const moonepPlannerConfig_t& config, const std::vector<int64_t>& counts,
+                           moonepPlanStats_t* stats) {
+  moonepPlanner_t p = nullptr;
+  const moonepResult_t r = moonepPlannerCreate(&config, &p);
+  if (r != moonepSuccess) return r;
+  EXPECT_EQ(moonepPlannerPlan(p, counts.data(), counts.size()), moonepSuccess)
+      << moonepPlannerGetLastError(p);
+  EXPECT_EQ(moonepPlannerGetStats(p, stats), moonepSuccess);
+  EXPECT_EQ(moonepPlannerDestroy(p), moonepSuccess);
+  return r;
+}
+
 // 0.2.0's replica costs: read from a 0.2.0 struct (the planner weighs replicas), ignored past a
 // 0.1.0 caller's size, and refused out of range. The case is worked by hand in planner_test
 // (PlannerWeighing.HandWorkedCases): no replica at a cost of 501, three unweighed.
@@ -464,14 +477,7 @@ static_assert(sizeof(void*) != 8 || offsetof(moonepPlannerConfig_t, replica_cost
 TEST(PlannerCApiStructs, ReplicaCostsAreRead) {
   const std::vector<int64_t> counts = {1000, 0, 0, 0,  0, 400, 0, 0,  0, 0, 400, 0,  0, 0, 0, 200};
   const auto plan = [&](const moonepPlannerConfig_t& config, moonepPlanStats_t* stats) {
-    moonepPlanner_t p = nullptr;
-    const moonepResult_t r = moonepPlannerCreate(&config, &p);
-    if (r != moonepSuccess) return r;
-    EXPECT_EQ(moonepPlannerPlan(p, counts.data(), counts.size()), moonepSuccess)
-        << moonepPlannerGetLastError(p);
-    EXPECT_EQ(moonepPlannerGetStats(p, stats), moonepSuccess);
-    EXPECT_EQ(moonepPlannerDestroy(p), moonepSuccess);
-    return r;
+    return PlanStatsOf(config, counts, stats);
   };
   moonepPlannerConfig_t config = MOONEP_PLANNER_CONFIG_INITIALIZER;
   EXPECT_EQ(config.replica_cost_intra, 0);
@@ -510,14 +516,7 @@ static_assert(sizeof(void*) != 8 || offsetof(moonepPlannerConfig_t, row_cost_int
 TEST(PlannerCApiStructs, RowCostsAreRead) {
   const std::vector<int64_t> counts = {0, 10, 100, 0};
   const auto plan = [&](const moonepPlannerConfig_t& config, moonepPlanStats_t* stats) {
-    moonepPlanner_t p = nullptr;
-    const moonepResult_t r = moonepPlannerCreate(&config, &p);
-    if (r != moonepSuccess) return r;
-    EXPECT_EQ(moonepPlannerPlan(p, counts.data(), counts.size()), moonepSuccess)
-        << moonepPlannerGetLastError(p);
-    EXPECT_EQ(moonepPlannerGetStats(p, stats), moonepSuccess);
-    EXPECT_EQ(moonepPlannerDestroy(p), moonepSuccess);
-    return r;
+    return PlanStatsOf(config, counts, stats);
   };
   moonepPlannerConfig_t config = MOONEP_PLANNER_CONFIG_INITIALIZER;
   EXPECT_EQ(config.row_cost_intra, 0);
