@@ -553,8 +553,8 @@ struct RowEstimate {
   }
   // The plan with no replica: every source sends its tokens of an expert homed elsewhere to the
   // home. The home's receives from its node's range and its own (O(E) look-ups); a source's sends
-  // from its row's sum less its tokens of the experts homed on its node, intra unless homed on
-  // itself (one pass over the counts, which weighing rows adds to the planner's time).
+  // from its row's sum (the planner's pass over counts adds it when rows are weighed) less its
+  // tokens of the experts homed on its node, intra unless homed on itself (O(R * E / nodes)).
   void Base(PolicyScratch* sc) const {
     const PlannerConfig& c = *in.config;
     const int32_t R = c.num_ranks, E = c.num_experts;
