@@ -82,10 +82,11 @@ struct PlannerConfig {
   // "Weighing replicas"). The cost of one replica transfer on a rank -- a replica's weights
   // arriving or leaving, its gradients leaving or arriving -- in tokens of the fastest rank's
   // compute: `intra` when the two ranks of the transfer share a node, `inter` otherwise (all, when
-  // flat). The transfers are the reduce's hops along each expert's chain (its holders in increasing
-  // rank, then its home: transport/common/replica_chain.h; the prefetch runs the other way). A
-  // rank's transfer cost is the larger of its intra count times `intra` and its inter count times
-  // `inter`, counting on each link class the larger of hops sent and received.
+  // flat). The transfers are the hops along each expert's chain (transport/common/replica_chain.h):
+  // the prefetch from its home to its holders in increasing rank, the reduce from them, in the same
+  // order, to the home. A rank's transfer cost is the larger of its intra count times `intra` and
+  // its inter count times `inter`, counting on each link class the most hops it sends or receives
+  // in the prefetch or in the reduce.
   // When either is set, moonep searches the plans for caps from the balanced level up to no
   // replicas at all (a heuristic search: a branch and bound that takes the transfer cost to fall
   // with the level) for a low max(rank level) + max(rank transfer cost), a rank's level being its

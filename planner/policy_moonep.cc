@@ -694,25 +694,27 @@ WeighedCost CostOf(const Levels& lv, const Decisions& dec, PolicyScratch* sc) {
   const auto node = [rpn](int32_t r) { return rpn > 0 ? r / rpn : r; };
   const std::vector<int32_t>& home = lv.in.plan->home;
   std::vector<int64_t>& load = sc->weigh_load;
-  std::vector<int32_t>& n = sc->weigh_count;  // [r * 4]: in intra, in inter, out intra, out inter
+  // [r * 8]: the reduce's hops in intra, in inter, out intra, out inter; then the prefetch's.
+  std::vector<int32_t>& n = sc->weigh_count;
   std::vector<int32_t>& last = sc->weigh_last_holder;
   load.assign(lv.in.home_load.begin(), lv.in.home_load.end());  // each slot's tokens move below
-  n.assign(static_cast<size_t>(R) * 4, 0);
+  n.assign(static_cast<size_t>(R) * 8, 0);
   if (last.size() != static_cast<size_t>(c.num_experts)) last.assign(c.num_experts, -1);
-  const auto hop = [&](int32_t from, int32_t to) {
+  const auto hop = [&](int32_t from, int32_t to, int prefetch) {
     const int inter = node(from) != node(to);
-    ++n[static_cast<size_t>(from) * 4 + 2 + inter];
-    ++n[static_cast<size_t>(to) * 4 + inter];
+    ++n[static_cast<size_t>(from) * 8 + 4 * prefetch + 2 + inter];
+    ++n[static_cast<size_t>(to) * 8 + 4 * prefetch + inter];
   };
-  // The reduce's hops (transport/common/replica_chain.h): each expert's holders in increasing
-  // rank, the highest to the home.
+  // The chains' hops (transport/common/replica_chain.h): each expert's holders in increasing
+  // rank; the prefetch from the home to the lowest, the reduce from the highest to the home.
   for (int32_t r = 0; r < R; ++r) {
     for (int32_t s = 0; s < dec.slots_used[r]; ++s) {
       const size_t i = static_cast<size_t>(r) * S + s;
       const int32_t e = dec.slot_expert[i];
       load[r] += dec.slot_amount[i];
       load[home[e]] -= dec.slot_amount[i];  // (Decisions::Move takes them from the home's share)
-      if (last[e] >= 0) hop(last[e], r);
+      if (last[e] >= 0) hop(last[e], r, 0);
+      hop(last[e] >= 0 ? last[e] : home[e], r, 1);
       last[e] = r;
     }
   }
@@ -720,17 +722,19 @@ WeighedCost CostOf(const Levels& lv, const Decisions& dec, PolicyScratch* sc) {
     for (int32_t s = 0; s < dec.slots_used[r]; ++s) {
       const int32_t e = dec.slot_expert[static_cast<size_t>(r) * S + s];
       if (last[e] != r) continue;  // not the highest holder
-      hop(r, home[e]);
+      hop(r, home[e], 0);
       last[e] = -1;
     }
   }
   WeighedCost cost;
   for (int32_t r = 0; r < R; ++r) {
-    const int32_t* k = n.data() + static_cast<size_t>(r) * 4;
+    // Per link class, the most hops the rank sends or receives in the prefetch or the reduce.
+    const int32_t* k = n.data() + static_cast<size_t>(r) * 8;
     cost.level = std::max(cost.level, lv.Level(r, load[r]));
-    cost.transfers = std::max({cost.transfers,
-                               static_cast<__int128>(std::max(k[0], k[2])) * c.replica_cost_intra,
-                               static_cast<__int128>(std::max(k[1], k[3])) * c.replica_cost_inter});
+    cost.transfers = std::max(
+        {cost.transfers,
+         static_cast<__int128>(std::max({k[0], k[2], k[4], k[6]})) * c.replica_cost_intra,
+         static_cast<__int128>(std::max({k[1], k[3], k[5], k[7]})) * c.replica_cost_inter});
   }
   if (c.weighs_rows()) cost.rows = RowCostOf(lv.in, dec, sc);
   return cost;

@@ -701,6 +701,21 @@ TEST(PlannerWeighing, HandWorkedCases) {
   EXPECT_EQ(MustPlan(cfg, counts).stats.replicas, 0);
 }
 
+// The transfer count the objective uses, by hand: R = 3, flat. Expert 0 (home 0) is held by ranks 1
+// and 2, expert 1 (home 1) by rank 0. Prefetch 0 -> 1 -> 2 and 1 -> 0: rank 1 sends two copies.
+// Reduce 1 -> 2 -> 0 and 0 -> 1: no rank sends or receives two. So the prefetch sets the count, 2.
+// With expert 1 held by rank 2 instead: prefetch 0 -> 1 -> 2 and 1 -> 2 (rank 2 receives two), reduce
+// 1 -> 2 -> 0 and 2 -> 1 (rank 2 sends two): 2 either way. Expert 0 alone: 1.
+TEST(PlannerWeighing, TransfersCountThePrefetchAndTheReduce) {
+  const std::vector<int32_t> home = {0, 1, 2};
+  EXPECT_EQ(testing::ChainTransferCost(3, 0, 5, 7, home, {{0, 1}, {0, 2}, {1, 0}}), 14);
+  EXPECT_EQ(testing::ChainTransferCost(3, 0, 5, 7, home, {{0, 1}, {0, 2}, {1, 2}}), 14);
+  EXPECT_EQ(testing::ChainTransferCost(3, 0, 5, 7, home, {{0, 1}, {0, 2}}), 7);
+  // Nodes {0, 1} and {2}: rank 1's two prefetch copies go one inside its node (to 0) and one
+  // across (to 2), so no rank has two hops on one link class: 7, the inter cost.
+  EXPECT_EQ(testing::ChainTransferCost(3, 2, 5, 7, home, {{0, 1}, {0, 2}, {1, 0}}), 7);
+}
+
 // Tiny cases against the exhaustive optimum of the same objective; every plan at most the
 // perfectly balanced plan's cost and the cost of no replica.
 TEST(PlannerWeighing, AgainstBruteForceAndNeverWorseThanEitherEnd) {

@@ -22,30 +22,34 @@ struct Weighed {
   __int128 exact = 0;  // level + transfers + rows unsaturated (extreme costs pass 2^63)
 };
 
-// The highest rank transfer cost of a set of replicas (expert, rank), the reduce moving along each
-// expert's chain: its holders in increasing rank, then its home (transport/common/replica_chain.h).
-// Per rank and link class (intra, inter: the two ranks of a hop on one node or not; every hop is
-// inter when flat), the larger of hops sent and received, times that class's cost.
+// The highest rank transfer cost of a set of replicas (expert, rank), the weights and gradients
+// moving along each expert's chain (transport/common/replica_chain.h): the prefetch from the home
+// to its holders in increasing rank, the reduce from them, in the same order, to the home. Per rank
+// and link class (intra, inter: the two ranks of a hop on one node or not; every hop is inter when
+// flat), the most hops it sends or receives in either, times that class's cost.
 inline __int128 ChainTransferCost(int R, int rpn, int64_t cost_intra, int64_t cost_inter,
                                   const std::vector<int32_t>& home,
                                   std::vector<std::pair<int, int>> replicas) {
   std::sort(replicas.begin(), replicas.end());  // by expert, then rank
-  std::vector<int64_t> k(static_cast<size_t>(R) * 4, 0);  // in intra, in inter, out intra, out inter
-  const auto hop = [&](int from, int to) {
+  // [d][prefetch 0/1][in intra, in inter, out intra, out inter]
+  std::vector<int64_t> k(static_cast<size_t>(R) * 8, 0);
+  const auto hop = [&](int from, int to, int prefetch) {
     const int inter = rpn > 0 ? from / rpn != to / rpn : 1;
-    ++k[static_cast<size_t>(from) * 4 + 2 + inter];
-    ++k[static_cast<size_t>(to) * 4 + inter];
+    ++k[static_cast<size_t>(from) * 8 + 4 * prefetch + 2 + inter];
+    ++k[static_cast<size_t>(to) * 8 + 4 * prefetch + inter];
   };
   for (size_t i = 0; i < replicas.size(); ++i) {
     const int e = replicas[i].first, d = replicas[i].second;
+    const bool first = i == 0 || replicas[i - 1].first != e;
     const bool last = i + 1 == replicas.size() || replicas[i + 1].first != e;
-    hop(d, last ? home[static_cast<size_t>(e)] : replicas[i + 1].second);
+    hop(first ? home[static_cast<size_t>(e)] : replicas[i - 1].second, d, 1);
+    hop(d, last ? home[static_cast<size_t>(e)] : replicas[i + 1].second, 0);
   }
   __int128 transfers = 0;
   for (int d = 0; d < R; ++d) {
-    const int64_t* c = k.data() + static_cast<size_t>(d) * 4;
-    transfers = std::max<__int128>(transfers, static_cast<__int128>(std::max(c[0], c[2])) * cost_intra);
-    transfers = std::max<__int128>(transfers, static_cast<__int128>(std::max(c[1], c[3])) * cost_inter);
+    const int64_t* c = k.data() + static_cast<size_t>(d) * 8;
+    transfers = std::max<__int128>(transfers, static_cast<__int128>(std::max({c[0], c[2], c[4], c[6]})) * cost_intra);
+    transfers = std::max<__int128>(transfers, static_cast<__int128>(std::max({c[1], c[3], c[5], c[7]})) * cost_inter);
   }
   return transfers;
 }
