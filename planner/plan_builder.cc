@@ -826,7 +826,6 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
       h0 = placed->home_col[i];
       h_own = placed->home_own[i];
     } else {
-      int64_t cursor = 0;
       for (int32_t j = first; j < last; ++j) {
         MOONEP_CHECK_ARG(j == first || rrank[j] != rrank[j - 1], "expert %d has two replicas on rank %d",
                          x, rrank[j]);
@@ -834,11 +833,9 @@ absl::Status FinalizeHolders(const PlannerConfig& c, absl::Span<const int64_t> c
         MOONEP_CHECK_ARG(a >= 0, "alloc[%d][%d] = %d is negative", x, rrank[j], a);
         held += a;
         wcol[j] = col_own(x, rrank[j], &wown[j]);
-        wstart[j] = std::max(wcol[j], cursor);
-        wend[j] = wstart[j] + a;
-        cursor = wend[j];
+        wend[j] = a;  // the amount, until laid
       }
-      ShiftReplicasLeft(N, wstart + first, wend + first, last - first);
+      LayReplicas(N, wcol + first, wend + first, wstart + first, wend + first, last - first);
       h0 = col_own(x, h, &h_own);
     }
     MOONEP_CHECK_ARG(held == N, "expert %d: its holders compute %d of its %d tokens", x, held, N);

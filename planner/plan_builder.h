@@ -4,6 +4,7 @@
 // where a token lands.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -38,6 +39,20 @@ inline void ShiftReplicasLeft(int64_t n_tokens, int64_t* start, int64_t* end, in
     }
     limit = start[j];
   }
+}
+
+// The placement rule for one expert's n replicas in increasing rank (FinalizeHolders, the
+// policies' count of local rows, weighing's row estimate): replica j, of amount[j] tokens, starts
+// at its own rank's first position col[j] or where the previous one ends, whichever is later; then
+// ShiftReplicasLeft. `amount` may be `end` (each is read before it is written).
+inline void LayReplicas(int64_t n_tokens, const int64_t* col, const int64_t* amount, int64_t* start,
+                        int64_t* end, int32_t n) {
+  int64_t cursor = 0;
+  for (int32_t j = 0; j < n; ++j) {
+    start[j] = std::max(col[j], cursor);
+    cursor = end[j] = start[j] + amount[j];
+  }
+  ShiftReplicasLeft(n_tokens, start, end, n);
 }
 
 // One decision set's replicas, placed by the rule of FinalizePlan: what FinalizeHolders computes

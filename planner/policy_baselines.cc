@@ -228,21 +228,15 @@ void LocalRows(const PolicyInput& in, const Decisions& a, const Decisions& b, Po
       int64_t* pend = pl.end.data() + q0;
       int64_t* pslot = pl.slot.data() + q0;
       int64_t* pamount = pl.amount.data() + q0;
-      int64_t cursor = 0;
       int32_t n = 0;
       for (int32_t i = head[static_cast<size_t>(k) * E + e]; i >= 0; i = next[i], ++n) {
         const int32_t x = rank[i];
         pr[n] = x;
         pslot[n] = slot[i];
         pamount[n] = amount[i];
-        const int64_t col = lookup(x, &pown[n]);
-        pcol[n] = col;
-        const int64_t st = std::max(col, cursor);
-        cursor = st + amount[i];
-        pstart[n] = st;
-        pend[n] = cursor;
+        pcol[n] = lookup(x, &pown[n]);
       }
-      ShiftReplicasLeft(N, pstart, pend, n);
+      LayReplicas(N, pcol, pamount, pstart, pend, n);
       local[k] += PlacedLocalRows(N, h0, h1, pcol, pown, pstart, pend, n);
       return n;
     };

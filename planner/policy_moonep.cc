@@ -661,13 +661,8 @@ const std::vector<int64_t>& RowsOf(const PolicyInput& in, const Decisions& dec, 
     const int32_t q0 = begin[e], n = begin[e + 1] - q0;
     if (n == 0) continue;
     const int32_t h = home[e];
-    int64_t cursor = 0;
-    for (int32_t q = q0; q < q0 + n; ++q) {
-      col[q] = in.Col(e, rank[q]);
-      start[q] = std::max(col[q], cursor);
-      cursor = end[q] = start[q] + end[q];
-    }
-    ShiftReplicasLeft(in.totals[e], start.data() + q0, end.data() + q0, n);
+    for (int32_t q = q0; q < q0 + n; ++q) col[q] = in.Col(e, rank[q]);
+    LayReplicas(in.totals[e], col.data() + q0, end.data() + q0, start.data() + q0, end.data() + q0, n);
     int64_t hr[4], dr[4];
     est.Ranges(e, h, hr);
     for (int32_t q = q0; q < q0 + n; ++q) {

@@ -69,31 +69,32 @@ double CountsTime(const CostConfig& c, int32_t R, int32_t E) {
   return bytes / ((multi_node ? c.inter_gbps : c.intra_gbps) * 1e9);
 }
 
+// What moving `bytes` over each link class costs in tokens of compute, times `scale`: rounded, at
+// least 1, at most `max`.
+void LinkCosts(const CostConfig& c, double bytes, double scale, int64_t max, int64_t* intra,
+               int64_t* inter) {
+  const double token_s = c.flops_per_token() / (c.tflops * 1e12);
+  const auto cost = [&](double gbps) {
+    const double t = std::round(bytes / (gbps * 1e9) / token_s * scale);
+    return static_cast<int64_t>(std::clamp(t, 1.0, static_cast<double>(max)));
+  };
+  *intra = cost(c.intra_gbps);
+  *inter = cost(c.inter_gbps);
+}
+
 }  // namespace
 
 void ReplicaCosts(const CostConfig& c, int64_t* intra, int64_t* inter) {
   double bytes = 0;
   if (c.training) bytes += static_cast<double>(c.expert_grad_bytes());
   if (!c.training || !c.overlap_prefetch) bytes += static_cast<double>(c.expert_weight_bytes());
-  const double token_s = c.flops_per_token() / (c.tflops * 1e12);
-  const auto tokens = [&](double gbps) {
-    const double t = std::round(bytes / (gbps * 1e9) / token_s);
-    return static_cast<int64_t>(std::clamp(t, 1.0, static_cast<double>(planner::kMaxReplicaCost)));
-  };
-  *intra = tokens(c.intra_gbps);
-  *inter = tokens(c.inter_gbps);
+  LinkCosts(c, bytes, 1.0, planner::kMaxReplicaCost, intra, inter);
 }
 
 void RowCosts(const CostConfig& c, int64_t* intra, int64_t* inter) {
   // A row crosses the link in the dispatch and the combine, forward and (training) backward.
   const double bytes = (c.training ? 4.0 : 2.0) * static_cast<double>(c.row_bytes());
-  const double token_s = c.flops_per_token() / (c.tflops * 1e12);
-  const auto cost = [&](double gbps) {
-    const double t = std::round(bytes / (gbps * 1e9) / token_s * planner::kRowCostScale);
-    return static_cast<int64_t>(std::clamp(t, 1.0, static_cast<double>(planner::kMaxRowCost)));
-  };
-  *intra = cost(c.intra_gbps);
-  *inter = cost(c.inter_gbps);
+  LinkCosts(c, bytes, planner::kRowCostScale, planner::kMaxRowCost, intra, inter);
 }
 
 StepTime EstimateStepTime(const CostConfig& c, int32_t E, const RankTraffic& tr) {
