@@ -85,13 +85,25 @@ def main():
     ry, rdx, rdw, rgg, rgu, rgd = reference(*f64)
     ok = True
     # Perfect balance, then moonep weighing replicas at 30 tokens a transfer (fewer replicas, the
-    # same results), then also the rows a plan moves at 1/4 token a row (libmoonep 0.3.0).
-    for cost, row_cost in ((0, 0), (30, 0), (30, 256)):
+    # same results), then also the rows a plan moves at 1/4 token a row (libmoonep 0.3.0), then
+    # the costs the cost probe measured on these ranks (libmoonep 0.4.0).
+    measured = moonep.measure_costs(comm, num_experts=E, top_k=K, hidden=H, intermediate=I,
+                                    max_tokens=max(tokens), num_threads=1, compute_rows=64,
+                                    link_rows=64, repetitions=3)
+    if rank == 0:
+        print(f"cost probe ({measured['ranks']} ranks): a token {measured['token_seconds'] * 1e6:.3g}"
+              f" us, a row {measured['row_seconds_inter'] * 1e6:.3g} us -> "
+              + ", ".join(f"{k} {measured[k]}" for k in moonep.COST_FIELDS), flush=True)
+    runs = (("perfect balance", {}),
+            ("weighing replicas at 30 tokens", dict(replica_cost_intra=30, replica_cost_inter=30)),
+            ("weighing replicas at 30 tokens and rows at 256/1024",
+             dict(replica_cost_intra=30, replica_cost_inter=30, row_cost_intra=256,
+                  row_cost_inter=256)),
+            ("measured costs", dict(costs=measured)))
+    for what, costs in runs:
         g_gate, g_up, g_down = (np.zeros_like(a) for a in (my_wg, my_wu, my_wd))
         layer = moonep.Layer(comm, num_experts=E, top_k=K, hidden=H, intermediate=I,
-                             max_tokens=max(tokens), num_threads=1, replica_cost_intra=cost,
-                             replica_cost_inter=cost, row_cost_intra=row_cost,
-                             row_cost_inter=row_cost)
+                             max_tokens=max(tokens), num_threads=1, **costs)
         layer.bind(my_wg, my_wu, my_wd, g_gate, g_up, g_down)
         y = layer.forward(x[lo:hi], ids[lo:hi], w[lo:hi])
         dx, dtopk = layer.backward(dy[lo:hi])
@@ -101,9 +113,6 @@ def main():
                   "dWd": rel(g_down, rgd[mine])}
         ok = ok and all(v < 1e-5 for v in errors.values())
         line = " ".join(f"{k} {v:.1e}" for k, v in errors.items())
-        what = f"weighing replicas at {cost} tokens" if cost else "perfect balance"
-        if row_cost:
-            what += f" and rows at {row_cost}/1024"
         print(f"[rank {rank}] numpy MoE layer via MoonEP ({what}): {line} -> "
               f"{'PASS' if all(v < 1e-5 for v in errors.values()) else 'FAIL'}", flush=True)
         if rank == 0:

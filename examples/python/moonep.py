@@ -51,6 +51,24 @@ class _LayerConfig(ctypes.Structure):
                 ("row_cost_intra", ctypes.c_int64), ("row_cost_inter", ctypes.c_int64)]
 
 
+class _CostProbeOptions(ctypes.Structure):
+    _fields_ = [("size", ctypes.c_size_t), ("compute_rows", ctypes.c_int64),
+                ("link_rows", ctypes.c_int64), ("repetitions", ctypes.c_int),
+                ("forward_only", ctypes.c_int)]
+
+
+class _MeasuredCosts(ctypes.Structure):
+    _fields_ = [("size", ctypes.c_size_t), ("token_seconds", ctypes.c_double),
+                ("row_seconds_intra", ctypes.c_double), ("row_seconds_inter", ctypes.c_double),
+                ("intra_measured", ctypes.c_int), ("inter_measured", ctypes.c_int),
+                ("ranks", ctypes.c_int),
+                ("replica_cost_intra", ctypes.c_int64), ("replica_cost_inter", ctypes.c_int64),
+                ("row_cost_intra", ctypes.c_int64), ("row_cost_inter", ctypes.c_int64)]
+
+
+COST_FIELDS = ("replica_cost_intra", "replica_cost_inter", "row_cost_intra", "row_cost_inter")
+
+
 class _StepStats(ctypes.Structure):
     _fields_ = [("size", ctypes.c_size_t), ("magic", ctypes.c_uint), ("version", ctypes.c_uint),
                 ("step", ctypes.c_int64), ("tokens", ctypes.c_int64),
@@ -147,6 +165,10 @@ def _lib():
         getattr(lib, f).argtypes = [ctypes.c_void_p] * 4
     lib.moonepEpTopkWeightGrad.argtypes = [ctypes.c_void_p] * 5
     lib.moonepEpRelease.argtypes = [ctypes.c_void_p] * 2
+    if hasattr(lib, "moonepMeasureCosts"):
+        lib.moonepMeasureCosts.argtypes = [ctypes.c_void_p, ctypes.POINTER(_LayerConfig),
+                                           ctypes.POINTER(_CostProbeOptions),
+                                           ctypes.POINTER(_MeasuredCosts)]
     if hasattr(lib, "moonepEpRefuseDispatch"):
         lib.moonepEpRefuseDispatch.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
     _LIB = lib
@@ -229,6 +251,42 @@ class Comm:
             self._h = None
 
 
+def measure_costs(comm, num_experts, top_k, hidden, intermediate, max_tokens, policy="moonep",
+                  slots=-1, num_threads=0, device="cpu", device_index=0, ranks_per_node=0,
+                  compute_rows=0, link_rows=0, repetitions=0, forward_only=False):
+    """[collective] The cost probe (libmoonep 0.4.0; docs/runtime.md, "Measured costs"): times
+    this rank's executor on one expert of the layer's shape and rows sent between ranks, and
+    returns the same dict on every rank: token_seconds, row_seconds_intra / _inter (0: not
+    measured), intra_measured, inter_measured, ranks, and the four costs of Layer (COST_FIELDS;
+    pass the dict as Layer(costs=...)). The layer arguments are Layer's and must be the same on
+    every rank; 0 for compute_rows, link_rows, repetitions: the defaults (512, 512, 5)."""
+    if version() < 400:
+        raise ValueError(f"measure_costs needs libmoonep 0.4.0 or later; the loaded library is "
+                         f"{version() // 10000}.{version() // 100 % 100}.{version() % 100}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError("device must be 'cpu' or 'cuda'")
+    if policy not in _POLICIES:
+        raise ValueError(f"policy {policy!r} is not one of {sorted(_POLICIES)}")
+    c = _LayerConfig(size=ctypes.sizeof(_LayerConfig), magic=_CONFIG_MAGIC, version=version(),
+                     num_experts=num_experts, top_k=top_k, hidden=hidden,
+                     intermediate=intermediate, dtype=_FLOAT32, grad_dtype=_FLOAT32, slots=slots,
+                     pad_multiple=1, policy=_POLICIES[policy],
+                     device=1 if device == "cuda" else 0, device_index=device_index,
+                     max_tokens=max_tokens, max_recv_rows=0, max_inflight=1, layer_id=-1,
+                     num_threads=num_threads, ranks_per_node=ranks_per_node, eplb_period=1,
+                     transport=None)
+    o = _CostProbeOptions(size=ctypes.sizeof(_CostProbeOptions), compute_rows=compute_rows,
+                          link_rows=link_rows, repetitions=repetitions,
+                          forward_only=1 if forward_only else 0)
+    m = _MeasuredCosts(size=ctypes.sizeof(_MeasuredCosts))
+    _check("moonepMeasureCosts", _lib().moonepMeasureCosts(comm._h, ctypes.byref(c),
+                                                           ctypes.byref(o), ctypes.byref(m)))
+    out = {name: getattr(m, name) for name, _ in _MeasuredCosts._fields_ if name != "size"}
+    out["intra_measured"] = bool(out["intra_measured"])
+    out["inter_measured"] = bool(out["inter_measured"])
+    return out
+
+
 class Layer:
     """A MoE layer over a communicator: forward/backward with MoonEP's executor (fp32 here).
 
@@ -239,12 +297,22 @@ class Layer:
     replicas, balancing only as far as a replica's transfers cost less than the compute it saves
     (docs/planner.md, "Weighing replicas"); 0 and 0: perfect balance.
     row_cost_intra / row_cost_inter (1/1024 tokens a row, the same on every rank; libmoonep 0.3.0):
-    the weighing also counts the rows a plan moves (docs/planner.md, "Rows in the objective")."""
+    the weighing also counts the rows a plan moves (docs/planner.md, "Rows in the objective").
+    costs: a dict from measure_costs (libmoonep 0.4.0), whose four costs are used instead of the
+    four arguments above (passing both is a ValueError)."""
 
     def __init__(self, comm, num_experts, top_k, hidden, intermediate, max_tokens,
                  policy="moonep", slots=-1, max_inflight=1, num_threads=0, device="cpu",
                  device_index=0, replica_cost_intra=0, replica_cost_inter=0, row_cost_intra=0,
-                 row_cost_inter=0):
+                 row_cost_inter=0, costs=None):
+        if costs is not None:
+            if replica_cost_intra or replica_cost_inter or row_cost_intra or row_cost_inter:
+                raise ValueError("pass either costs (from measure_costs) or the cost arguments")
+            missing = [k for k in COST_FIELDS if k not in costs]
+            if missing:
+                raise ValueError(f"costs lacks {missing} (pass what measure_costs returned)")
+            replica_cost_intra, replica_cost_inter, row_cost_intra, row_cost_inter = (
+                int(costs[k]) for k in COST_FIELDS)
         if device not in ("cpu", "cuda"):
             raise ValueError("device must be 'cpu' or 'cuda'")
         if policy not in _POLICIES:

@@ -1,5 +1,6 @@
 // C API level 3: the MoE layer (forward / backward with the built-in executor).
 #include "moonep/capi/runtime_objects.h"
+#include "moonep/runtime/cost_probe.h"
 
 using moonep::DType;
 using moonep::TensorView;
@@ -200,6 +201,60 @@ moonepResult_t moonepLayerGetMemory(moonepLayer_t layer, size_t* layer_bytes,
     if (shared_replica_bytes != nullptr) {
       *shared_replica_bytes = layer->comm->impl->ReplicaBytes();
     }
+    return absl::OkStatus();
+  });
+}
+
+moonepResult_t moonepMeasureCosts(moonepComm_t comm, const moonepLayerConfig_t* config,
+                                  const moonepCostProbeOptions_t* options,
+                                  moonepMeasuredCosts_t* costs) {
+  return GuardOn(comm, "moonepMeasureCosts", [&]() -> absl::Status {
+    MOONEP_RETURN_IF_ERROR(CheckHandle(comm, Kind::kComm, "comm"));
+    moonep::runtime::LayerConfig c;
+    moonep::runtime::CostProbeOptions o;
+    // Arguments that cannot be read still join the probe's first agreement (with an invalid
+    // local verdict) so the other ranks fail instead of waiting.
+    absl::Status read = moonep::capi::ReadLayerConfig(config, &c);
+    if (read.ok() && costs == nullptr) read = moonep::InvalidArgument("costs is NULL");
+    if (read.ok() && costs->size < sizeof(moonepMeasuredCosts_t)) {
+      read = moonep::InvalidArgument(
+          "costs->size = %d is smaller than moonepMeasuredCosts_t (%d bytes): set it to "
+          "sizeof(moonepMeasuredCosts_t)",
+          costs->size, sizeof(moonepMeasuredCosts_t));
+    }
+    if (read.ok() && options != nullptr) {
+      if (options->size < sizeof(moonepCostProbeOptions_t)) {
+        read = moonep::InvalidArgument(
+            "options->size = %d is smaller than moonepCostProbeOptions_t (%d bytes): set it to "
+            "sizeof(moonepCostProbeOptions_t)",
+            options->size, sizeof(moonepCostProbeOptions_t));
+      } else {
+        if (options->compute_rows != 0) o.compute_rows = options->compute_rows;
+        if (options->link_rows != 0) o.link_rows = options->link_rows;
+        if (options->repetitions != 0) o.repetitions = options->repetitions;
+        o.training = options->forward_only == 0;
+      }
+    }
+    if (!read.ok()) {
+      moonep::runtime::LayerConfig invalid;
+      (void)moonep::runtime::AgreeOnConfig(comm->impl.get(), invalid, read, "cost probe");
+      return read;
+    }
+    MOONEP_ASSIGN_OR_RETURN(moonep::runtime::MeasuredCosts m,
+                            moonep::runtime::MeasureCosts(comm->impl.get(), c, o));
+    const size_t size = costs->size;
+    std::memset(costs, 0, sizeof(moonepMeasuredCosts_t));
+    costs->size = size;
+    costs->token_seconds = m.token_seconds;
+    costs->row_seconds_intra = m.row_seconds_intra;
+    costs->row_seconds_inter = m.row_seconds_inter;
+    costs->intra_measured = m.intra_measured ? 1 : 0;
+    costs->inter_measured = m.inter_measured ? 1 : 0;
+    costs->ranks = m.ranks;
+    costs->replica_cost_intra = m.replica_cost_intra;
+    costs->replica_cost_inter = m.replica_cost_inter;
+    costs->row_cost_intra = m.row_cost_intra;
+    costs->row_cost_inter = m.row_cost_inter;
     return absl::OkStatus();
   });
 }

@@ -118,7 +118,11 @@ class Communicator {
   // Routing traces (rank 0 writes; see docs/trace-format.md). Opened from MOONEP_TRACE at
   // creation; SetTracePath("") turns tracing off.
   absl::Status SetTracePath(const std::string& path);
-  TraceWriter* trace() { return trace_.get(); }
+  // Null while tracing is off or paused (PauseTrace).
+  TraceWriter* trace() { return trace_paused_ ? nullptr : trace_.get(); }
+  // Local: while paused, layers and EP buffers record nothing (the cost probe's dispatches, which
+  // have a shape of their own, must not fix or break the trace's shape).
+  void PauseTrace(bool paused) { trace_paused_ = paused; }
 
   // Layer ids for traces, in creation order.
   int32_t NextLayerId() { return next_layer_id_++; }
@@ -201,6 +205,7 @@ class Communicator {
   int32_t next_layer_id_ = 0;
   uint64_t token_ = 0;
   std::unique_ptr<TraceWriter> trace_;
+  bool trace_paused_ = false;
   void* caller_nccl_comm_ = nullptr;
   // Why device layers are refused: the caller's NCCL communicator was revoked or aborted by a
   // failed creation of the NCCL pair (OK: not).

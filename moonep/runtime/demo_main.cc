@@ -5,7 +5,9 @@
 // reference layer. Usage: mpirun -np 4 moonep-demo [--steps N] [--tokens T] [--experts-per-rank
 // N] [--topk K] [--hidden H] [--inter I] [--zipf S] [--dtype fp32|bf16] [--policy NAME]
 // [--replica-cost TOKENS] (moonep weighs replicas: one transfer costs TOKENS of compute)
-// [--row-cost N] (with --replica-cost: a token row moved costs N/1024 tokens, weighed too).
+// [--row-cost N] (with --replica-cost: a token row moved costs N/1024 tokens, weighed too)
+// [--measure-costs ROWS] (both costs measured first on these ranks by the cost probe, timing ROWS
+// rows of compute and of rows sent; docs/runtime.md "Measured costs").
 #include <mpi.h>
 
 #include <algorithm>
@@ -21,6 +23,7 @@
 #include "moonep/core/env.h"
 #include "moonep/reference/reference_moe.h"
 #include "moonep/runtime/communicator.h"
+#include "moonep/runtime/cost_probe.h"
 #include "moonep/runtime/moe_layer.h"
 
 namespace {
@@ -42,13 +45,14 @@ struct Options {
   moonep::planner::Policy policy = moonep::planner::Policy::kMoonEP;
   int64_t replica_cost = 0;  // PlannerConfig::replica_cost_intra and _inter (0: perfect balance)
   int64_t row_cost = 0;      // PlannerConfig::row_cost_intra and _inter (1/1024 tokens a row)
+  int64_t measure_rows = 0;  // > 0: the costs come from the cost probe, with this many rows
 };
 
 bool ParseArgs(int argc, char** argv, Options* o, std::string* error) {
   constexpr const char* kUsage =
       "usage: moonep-demo [--steps N] [--tokens T] [--experts-per-rank N] [--topk K] "
       "[--hidden H] [--inter I] [--zipf S] [--dtype fp32|bf16] [--policy NAME] [--replica-cost TOKENS]\n"
-      "  [--row-cost N]";
+      "  [--row-cost N] [--measure-costs ROWS]";
   // name, target, bounds: the demo checks every step against an fp64 reference of the whole
   // layer on every rank, so its sizes are those of a demonstration, not of a model.
   struct IntFlag {
@@ -64,7 +68,8 @@ bool ParseArgs(int argc, char** argv, Options* o, std::string* error) {
                           {"--hidden", 1, 1 << 16, &o->hidden},
                           {"--inter", 1, 1 << 16, &o->inter},
                           {"--replica-cost", 0, moonep::planner::kMaxReplicaCost, &o->replica_cost},
-                          {"--row-cost", 0, moonep::planner::kMaxRowCost, &o->row_cost}};
+                          {"--row-cost", 0, moonep::planner::kMaxRowCost, &o->row_cost},
+                          {"--measure-costs", 0, 1 << 20, &o->measure_rows}};
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--help" || arg == "-h") {
@@ -107,6 +112,11 @@ bool ParseArgs(int argc, char** argv, Options* o, std::string* error) {
       *error = "unknown option " + arg + "\n" + kUsage;
       return false;
     }
+  }
+  if (o->measure_rows > 0 && (o->replica_cost > 0 || o->row_cost > 0)) {
+    *error = "--measure-costs measures the costs that --replica-cost and --row-cost give: pass "
+             "one or the others";
+    return false;
   }
   o->steps = static_cast<int>(steps);
   o->experts_per_rank = static_cast<int>(epn);
@@ -193,6 +203,27 @@ int Run(int argc, char** argv) {
   config.row_cost_intra = config.row_cost_inter = o.row_cost;
   config.max_tokens = T;
   config.num_threads = 1;  // ranks share the cores of one machine here
+  if (o.measure_rows > 0) {
+    moonep::runtime::CostProbeOptions probe;
+    probe.compute_rows = probe.link_rows = o.measure_rows;
+    auto m = moonep::runtime::MeasureCosts(comm.get(), config, probe);
+    if (!m.ok()) {
+      std::fprintf(stderr, "[rank %d] moonep-demo: %s\n", rank,
+                   std::string(m.status().message()).c_str());
+      return 1;
+    }
+    moonep::runtime::ApplyCosts(*m, &config);
+    // Flat topology: every link is one class (inter), and the probe copies it to intra.
+    o.replica_cost = m->replica_cost_inter;
+    o.row_cost = m->row_cost_inter;
+    if (root) {
+      std::printf("Cost probe (%ld rows, median of %d ranks): a token %.3g us of compute, a row "
+                  "%.3g us one way -> a replica transfer costs %ld tokens, a row %ld/1024\n",
+                  static_cast<long>(o.measure_rows), m->ranks, m->token_seconds * 1e6,
+                  m->row_seconds_inter * 1e6, static_cast<long>(o.replica_cost),
+                  static_cast<long>(o.row_cost));
+    }
+  }
   auto layer_or = moonep::runtime::MoeLayer::Create(comm.get(), config);
   if (!layer_or.ok()) {
     std::fprintf(stderr, "[rank %d] moonep-demo: %s\n", rank,

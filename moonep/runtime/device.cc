@@ -190,6 +190,30 @@ absl::StatusOr<DeviceMemory> DeviceMemory::Allocate(Device device, size_t bytes,
 #endif
 }
 
+absl::Status CopyToDevice(Device device, void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  if (device == Device::kCpu) {
+    std::memcpy(dst, src, bytes);
+    return absl::OkStatus();
+  }
+#ifdef MOONEP_HAVE_CUDA
+  MOONEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+  return absl::OkStatus();
+#else
+  return NotBuilt();
+#endif
+}
+
+absl::Status SynchronizeDevice(Device device) {
+  if (device == Device::kCpu) return absl::OkStatus();
+#ifdef MOONEP_HAVE_CUDA
+  MOONEP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  return absl::OkStatus();
+#else
+  return NotBuilt();
+#endif
+}
+
 const compute::BufferAllocator* DeviceAllocator(Device device) {
 #ifdef MOONEP_HAVE_CUDA
   if (device == Device::kCuda) {

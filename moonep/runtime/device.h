@@ -62,6 +62,13 @@ class DeviceMemory {
   Device device_ = Device::kCpu;
 };
 
+// Copies `bytes` of host memory at `src` to `dst` on `device` (CUDA: synchronous cudaMemcpy; CPU:
+// memcpy).
+absl::Status CopyToDevice(Device device, void* dst, const void* src, size_t bytes);
+// Waits until every queued piece of work of the current GPU is done (CUDA: cudaDeviceSynchronize;
+// nothing for the CPU).
+absl::Status SynchronizeDevice(Device device);
+
 // The allocator of `device` for buffers the compute layer owns (compute::ReplicaBuffer): null for
 // the CPU (host memory), cudaMalloc'd, zeroed memory of the current GPU for CUDA. Null too when
 // CUDA is not built (device cuda is refused earlier, by the config check).

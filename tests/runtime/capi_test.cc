@@ -844,6 +844,87 @@ TEST_F(CApiTest, BadConfigsFailOnEveryRank) {
 
 // One rank's receive capacity too small for a step: every rank fails with OutOfMemory naming that
 // rank, before anything moves, and the layer and the EP buffer stay usable (a step that fits runs).
+// The cost probe through the C API (0.4.0): the struct filled the same on every rank and its costs
+// accepted by moonepLayerCreate; arguments it cannot read on one rank fail every rank at once.
+TEST_F(CApiTest, MeasureCostsFillsTheSameCostsEverywhereAndRefusesBadArguments) {
+  moonepLayerConfig_t c = Config(moonepPolicyMoonEP);
+  moonepCostProbeOptions_t o = {sizeof(moonepCostProbeOptions_t), 32, 32, 2, 0};
+  moonepMeasuredCosts_t m;
+  std::memset(&m, 0xff, sizeof(m));
+  m.size = sizeof(m);
+  ASSERT_EQ(moonepMeasureCosts(comm_, &c, &o, &m), moonepSuccess) << moonepGetLastError(comm_);
+  EXPECT_EQ(m.size, sizeof(m));
+  EXPECT_EQ(m.ranks, size());
+  EXPECT_GT(m.token_seconds, 0);
+  EXPECT_EQ(m.intra_measured, 0);  // flat
+  EXPECT_EQ(m.inter_measured, size() > 1 ? 1 : 0);
+  EXPECT_EQ(m.replica_cost_intra, m.replica_cost_inter);
+  EXPECT_EQ(m.row_cost_intra, m.row_cost_inter);
+  if (size() == 1) {
+    EXPECT_EQ(m.replica_cost_inter + m.row_cost_inter, 0);
+  }
+  const int64_t mine[] = {m.replica_cost_intra, m.replica_cost_inter, m.row_cost_intra,
+                          m.row_cost_inter};
+  std::vector<int64_t> all(4 * size());
+  MPI_Allgather(mine, 4, MPI_INT64_T, all.data(), 4, MPI_INT64_T, MPI_COMM_WORLD);
+  for (int r = 0; r < size(); ++r) {
+    for (int i = 0; i < 4; ++i) EXPECT_EQ(all[4 * r + i], mine[i]) << "rank " << r;
+  }
+  c.replica_cost_intra = m.replica_cost_intra;
+  c.replica_cost_inter = m.replica_cost_inter;
+  c.row_cost_intra = m.row_cost_intra;
+  c.row_cost_inter = m.row_cost_inter;
+  moonepLayer_t layer = nullptr;
+  ASSERT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepSuccess) << moonepGetLastError(comm_);
+  EXPECT_EQ(moonepLayerDestroy(layer), moonepSuccess);
+  // Default options (NULL), forward only through options with zero fields.
+  c = Config(moonepPolicyMoonEP);
+  moonepCostProbeOptions_t fwd = {sizeof(moonepCostProbeOptions_t), 16, 16, 1, 1};
+  EXPECT_EQ(moonepMeasureCosts(comm_, &c, &fwd, &m), moonepSuccess) << moonepGetLastError(comm_);
+
+  // Unreadable arguments on the last rank: moonepInvalidArgument there, moonepRemoteError
+  // naming it on the others, and no wait for the timeout.
+  const int last = size() - 1;
+  struct Case {
+    const char* what;
+    const char* message;
+  };
+  const Case cases[] = {{"costs NULL", "costs is NULL"},
+                        {"costs size", "costs->size = 8 is smaller"},
+                        {"options size", "options->size = 4 is smaller"},
+                        {"config NULL", "config"},
+                        {"rows", "compute_rows is 2097152"}};
+  for (const Case& k : cases) {
+    moonepLayerConfig_t kc = Config(moonepPolicyMoonEP);
+    moonepCostProbeOptions_t ko = o;
+    moonepMeasuredCosts_t km;
+    km.size = sizeof(km);
+    moonepMeasuredCosts_t* out = &km;
+    const moonepLayerConfig_t* config = &kc;
+    if (rank() == last) {
+      const std::string w = k.what;
+      if (w == "costs NULL") out = nullptr;
+      if (w == "costs size") km.size = 8;
+      if (w == "options size") ko.size = 4;
+      if (w == "config NULL") config = nullptr;
+      if (w == "rows") ko.compute_rows = 2 << 20;
+    }
+    const auto start = std::chrono::steady_clock::now();
+    const moonepResult_t r = moonepMeasureCosts(comm_, config, &ko, out);
+    const std::string message = moonepGetLastError(comm_);
+    if (rank() == last) {
+      EXPECT_EQ(r, moonepInvalidArgument) << k.what << ": " << message;
+      EXPECT_NE(message.find(k.message), std::string::npos) << k.what << ": " << message;
+    } else {
+      EXPECT_EQ(r, moonepRemoteError) << k.what << ": " << message;
+      EXPECT_NE(message.find("rank " + std::to_string(last)), std::string::npos) << message;
+    }
+    ExpectWellWithinTimeout(start, k.what);
+  }
+  EXPECT_EQ(moonepMeasureCosts(comm_, &c, nullptr, &m), moonepSuccess)
+      << moonepGetLastError(comm_);
+}
+
 TEST_F(CApiTest, CapacityOverflowOnOneRankFailsEveryRankAndStaysUsable) {
   const int small = size() - 1;
   moonepLayerConfig_t c = Config(moonepPolicyNone);

@@ -346,6 +346,44 @@ MOONEP_API moonepResult_t moonepLayerGetStats(moonepLayer_t layer, moonepStepSta
 MOONEP_API moonepResult_t moonepLayerGetMemory(moonepLayer_t layer, size_t* layer_bytes,
                                                size_t* shared_replica_bytes);
 
+/* Added in 0.4.0: the cost probe (docs/runtime.md, "Measured costs"). Options; NULL or a zero
+ * field: the default. */
+typedef struct {
+  size_t size;           /* sizeof(moonepCostProbeOptions_t) */
+  int64_t compute_rows;  /* rows of the timed expert, at most 2^20; 0: 512 */
+  int64_t link_rows;     /* rows each rank sends its partner, at most 2^20; 0: 512 */
+  int repetitions;       /* timed runs of each measurement, at most 1000; 0: 5 */
+  int forward_only;      /* nonzero: time the forward only, and count weights, not gradients */
+} moonepCostProbeOptions_t;
+
+/* The probe's figures (medians over ranks, the same on every rank) and the costs they give. */
+typedef struct {
+  size_t size;               /* sizeof(moonepMeasuredCosts_t), set by the caller */
+  double token_seconds;      /* one token through one expert (forward + backward unless
+                                forward_only) */
+  double row_seconds_intra;  /* one row of H values one way inside a node; 0: not measured */
+  double row_seconds_inter;  /* across nodes (every link, when flat); 0: not measured */
+  int intra_measured, inter_measured;
+  int ranks;
+  int64_t replica_cost_intra, replica_cost_inter;  /* for moonepLayerConfig_t (tokens) */
+  int64_t row_cost_intra, row_cost_inter;          /* (1/1024 tokens) */
+} moonepMeasuredCosts_t;
+
+/* [collective] Measures what a layer of `config` costs on this communicator's ranks and links,
+ * for its replica_cost_* and row_cost_* fields: each rank times its executor on one expert of the
+ * config's shape, dtype and device, and sends rows of H values to a partner inside its node and
+ * one in the next node over the config's transport, all at once; the medians over ranks give the
+ * costs (formulas in docs/runtime.md). The config must be one moonepLayerCreate accepts, the same
+ * on every rank, and so must the options. Allocates its own buffers (one expert's weights and
+ * gradients, 4 x compute_rows rows, link_rows rows received per rank) and frees them; touches no
+ * layer and writes nothing to the routing trace. A rank whose config or options are bad fails it
+ * on every rank (moonepInvalidArgument there, moonepRemoteError naming it elsewhere); a peer that
+ * does not join fails it with moonepTimeout naming the phase and the peers. Copy the four costs
+ * into the config of the layers it was measured for. */
+MOONEP_API moonepResult_t moonepMeasureCosts(moonepComm_t comm, const moonepLayerConfig_t* config,
+                                             const moonepCostProbeOptions_t* options,
+                                             moonepMeasuredCosts_t* costs);
+
 /* ---------------------------------------------------------------------------------------------
  * Level 2: the EP buffer (DeepEP-style). MoonEP plans and moves rows and expert parameters; the
  * caller computes the experts.

@@ -1,0 +1,365 @@
+#include "moonep/runtime/cost_probe.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "moonep/compute/compute_view.h"
+#include "moonep/compute/executor.h"
+#include "moonep/core/dtype.h"
+#include "moonep/core/status.h"
+#include "moonep/runtime/device.h"
+#include "moonep/runtime/ep_buffer.h"
+#include "planner/plan.h"
+
+namespace moonep::runtime {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double Since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+constexpr int64_t kMaxProbeRows = int64_t{1} << 20;
+constexpr int32_t kMaxRepetitions = 1000;
+
+// The median of `v` (sorted here); the mean of the two middle values for an even count.
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+int64_t RoundClamped(double value, int64_t max) {
+  if (!(value > 0)) return 0;  // NaN and negatives too
+  if (value >= static_cast<double>(max)) return max;
+  return std::llround(value);
+}
+
+// Who sends to whom on one link class: every rank sends to dest[r] (itself where it has no
+// partner of that class, and then measures nothing).
+struct Pairing {
+  std::vector<int32_t> dest;
+  std::vector<char> measures;
+  int64_t max_senders = 0;  // the most ranks sending to one rank
+  bool any = false;
+};
+
+Pairing MakePairing(int32_t R, int32_t rpn, bool intra) {
+  Pairing p;
+  p.dest.resize(R);
+  p.measures.assign(R, 0);
+  const bool flat = rpn <= 0;
+  const int32_t node = flat || rpn >= R ? R : rpn;
+  for (int32_t r = 0; r < R; ++r) {
+    int32_t d = r;
+    if (intra && !flat) {
+      const int32_t base = r / node * node, size = std::min(node, R - base);
+      d = base + (r - base + 1) % size;
+    } else if (!intra && flat) {
+      d = (r + 1) % R;
+    } else if (!intra && node < R) {
+      const int32_t nodes = (R + node - 1) / node;
+      const int32_t next = (r / node + 1) % nodes * node;
+      d = next + r % node % std::min(node, R - next);
+    }
+    p.dest[r] = d;
+    p.measures[r] = d != r;
+    p.any = p.any || d != r;
+  }
+  std::vector<int64_t> in(R, 0);
+  for (int32_t r = 0; r < R; ++r) p.max_senders = std::max(p.max_senders, ++in[p.dest[r]]);
+  return p;
+}
+
+// Small deterministic values (no denormals, no overflow) for the probe's inputs.
+absl::Status Fill(Device device, DType dtype, void* dst, int64_t count, uint32_t seed) {
+  std::vector<char> host(static_cast<size_t>(count) * DTypeSize(dtype));
+  uint32_t x = seed * 2654435761u + 1;
+  for (int64_t i = 0; i < count; ++i) {
+    x = x * 1664525u + 1013904223u;
+    const float v = (static_cast<float>(x >> 8) / 16777216.0f - 0.5f) * 0.1f;
+    StoreFromFloat(host.data(), dtype, i, v);
+  }
+  return CopyToDevice(device, dst, host.data(), host.size());
+}
+
+// This rank's median time of one token through one expert (forward, and backward if training).
+absl::StatusOr<double> TimeCompute(const LayerConfig& config, const CostProbeOptions& options) {
+  const int64_t H = config.hidden, I = config.intermediate, N = options.compute_rows;
+  compute::ExecutorConfig ec;
+  ec.hidden = H;
+  ec.intermediate = I;
+  ec.dtype = config.dtype;
+  ec.max_rows = N;
+  ec.num_threads = config.num_threads;
+  MOONEP_ASSIGN_OR_RETURN(DeviceBackend backend, MakeDeviceBackend(config.device, ec));
+  const size_t d = DTypeSize(config.dtype), gd = DTypeSize(config.grad_dtype);
+  const size_t hi = static_cast<size_t>(H) * static_cast<size_t>(I);
+  const size_t rows_bytes = static_cast<size_t>(N) * static_cast<size_t>(H) * d;
+  MOONEP_ASSIGN_OR_RETURN(DeviceMemory weights,
+                          DeviceMemory::Allocate(config.device, 3 * hi * d, "cost probe weights"));
+  DeviceMemory grads;
+  if (options.training) {
+    MOONEP_ASSIGN_OR_RETURN(
+        grads, DeviceMemory::Allocate(config.device, 3 * hi * gd, "cost probe gradients"));
+  }
+  MOONEP_ASSIGN_OR_RETURN(DeviceMemory rows,
+                          DeviceMemory::Allocate(config.device, 4 * rows_bytes, "cost probe rows"));
+  MOONEP_RETURN_IF_ERROR(Fill(config.device, config.dtype, weights.get(), 3 * hi, 1));
+  MOONEP_RETURN_IF_ERROR(Fill(config.device, config.dtype, rows.get(), 2 * N * H, 2));
+
+  auto tensor = [&](const DeviceMemory& m, size_t offset, DType dtype, int64_t r, int64_t c) {
+    return TensorView::Contiguous(m.get() + offset, dtype, {r, c}, config.device);
+  };
+  compute::GroupView g;
+  g.expert = 0;
+  g.row_count = g.padded_count = N;
+  g.weights = {tensor(weights, 0, config.dtype, H, I), tensor(weights, hi * d, config.dtype, H, I),
+               tensor(weights, 2 * hi * d, config.dtype, I, H)};
+  if (options.training) {
+    g.grads = {tensor(grads, 0, config.grad_dtype, H, I),
+               tensor(grads, hi * gd, config.grad_dtype, H, I),
+               tensor(grads, 2 * hi * gd, config.grad_dtype, I, H)};
+  }
+  compute::ComputeView view;
+  view.hidden = H;
+  view.intermediate = I;
+  view.dtype = config.dtype;
+  view.device = config.device;
+  view.groups.push_back(g);
+  view.total_rows = N;
+  const TensorView x = tensor(rows, 0, config.dtype, N, H);
+  const TensorView dy = tensor(rows, rows_bytes, config.dtype, N, H);
+  const TensorView y = tensor(rows, 2 * rows_bytes, config.dtype, N, H);
+  const TensorView dx = tensor(rows, 3 * rows_bytes, config.dtype, N, H);
+  std::vector<double> samples;
+  for (int32_t rep = 0; rep <= options.repetitions; ++rep) {
+    const auto t = Clock::now();
+    MOONEP_RETURN_IF_ERROR(backend.executor->Forward(view, x, y, {}));
+    if (options.training) MOONEP_RETURN_IF_ERROR(backend.executor->Backward(view, x, dy, dx, {}));
+    MOONEP_RETURN_IF_ERROR(SynchronizeDevice(config.device));
+    if (rep > 0) samples.push_back(Since(t) / static_cast<double>(N));
+  }
+  return Median(std::move(samples));
+}
+
+// Collective: this rank's median time of a row one way on the class `pairing` describes (0 when it
+// has no partner there), from dispatches and combines of `buf`.
+absl::StatusOr<double> TimeLinks(Communicator* comm, EpBuffer* buf, const Pairing& pairing,
+                                 const LayerConfig& config, const CostProbeOptions& options,
+                                 const DeviceMemory& x, const DeviceMemory& ids, const DeviceMemory& out,
+                                 const DeviceMemory& y) {
+  const int64_t N = options.link_rows, H = config.hidden;
+  const int32_t rank = comm->rank();
+  const std::vector<int32_t> host_ids(static_cast<size_t>(N), pairing.dest[rank]);
+  MOONEP_RETURN_IF_ERROR(
+      CopyToDevice(config.device, ids.get(), host_ids.data(), host_ids.size() * sizeof(int32_t)));
+  const float* weights = reinterpret_cast<const float*>(ids.get() + host_ids.size() * 4);
+  const TensorView xv = TensorView::Contiguous(x.get(), config.dtype, {N, H}, config.device);
+  const TensorView outv = TensorView::Contiguous(
+      out.get(), config.dtype, {buf->recv_capacity_rows(), H}, config.device);
+  const TensorView yv = TensorView::Contiguous(y.get(), config.dtype, {N, H}, config.device);
+  std::vector<double> samples;
+  for (int32_t rep = 0; rep <= options.repetitions; ++rep) {
+    auto t = Clock::now();
+    MOONEP_ASSIGN_OR_RETURN(
+        LayerHandle h,
+        buf->Dispatch(N, xv, absl::MakeConstSpan(ids.get<int32_t>(), static_cast<size_t>(N)),
+                      absl::MakeConstSpan(weights, static_cast<size_t>(N))));
+    MOONEP_RETURN_IF_ERROR(SynchronizeDevice(config.device));
+    const StepStats& st = buf->stats();
+    const double dispatch = Since(t) - st.seconds[static_cast<int>(Phase::kCounts)] -
+                            st.seconds[static_cast<int>(Phase::kPlan)];
+    t = Clock::now();
+    MOONEP_RETURN_IF_ERROR(buf->Combine(h, outv, yv));
+    MOONEP_RETURN_IF_ERROR(SynchronizeDevice(config.device));
+    const double combine = Since(t);
+    MOONEP_RETURN_IF_ERROR(buf->Release(h));
+    if (rep > 0) samples.push_back(std::max(0.0, dispatch + combine) / (2.0 * N));
+  }
+  return pairing.measures[rank] ? Median(std::move(samples)) : 0.0;
+}
+
+// What every rank shares at the end.
+struct RankFigures {
+  double token_seconds = 0, row_seconds[2] = {0, 0};  // [intra, inter]; 0: not measured
+};
+
+// The probe's options, as every rank shares them (their equality is checked).
+struct OptionsRecord {
+  int64_t compute_rows, link_rows;
+  int32_t repetitions, training;
+};
+
+}  // namespace
+
+absl::Status CheckCostProbeOptions(const CostProbeOptions& o) {
+  MOONEP_CHECK_ARG(o.compute_rows >= 1 && o.compute_rows <= kMaxProbeRows,
+                   "cost probe: compute_rows is %d; must be in [1, %d]", o.compute_rows,
+                   kMaxProbeRows);
+  MOONEP_CHECK_ARG(o.link_rows >= 1 && o.link_rows <= kMaxProbeRows,
+                   "cost probe: link_rows is %d; must be in [1, %d]", o.link_rows, kMaxProbeRows);
+  MOONEP_CHECK_ARG(o.repetitions >= 1 && o.repetitions <= kMaxRepetitions,
+                   "cost probe: repetitions is %d; must be in [1, %d]", o.repetitions,
+                   kMaxRepetitions);
+  return absl::OkStatus();
+}
+
+MeasuredCosts DeriveCosts(const LayerConfig& config, bool training, double token_seconds,
+                          double row_seconds_intra, bool intra_measured, double row_seconds_inter,
+                          bool inter_measured, int32_t ranks) {
+  MeasuredCosts m;
+  m.token_seconds = token_seconds;
+  m.row_seconds_intra = intra_measured ? row_seconds_intra : 0;
+  m.row_seconds_inter = inter_measured ? row_seconds_inter : 0;
+  m.intra_measured = intra_measured;
+  m.inter_measured = inter_measured;
+  m.ranks = ranks;
+  if (!(token_seconds > 0) || (!intra_measured && !inter_measured)) return m;
+  const double intra = intra_measured ? row_seconds_intra : row_seconds_inter;
+  const double inter = inter_measured ? row_seconds_inter : row_seconds_intra;
+  const double row_bytes =
+      static_cast<double>(config.hidden) * static_cast<double>(DTypeSize(config.dtype));
+  const double transfer_bytes = 3.0 * static_cast<double>(config.hidden) *
+                                static_cast<double>(config.intermediate) *
+                                static_cast<double>(DTypeSize(training ? config.grad_dtype
+                                                                       : config.dtype));
+  const double crossings = training ? 4 : 2;
+  auto replica = [&](double row_s) {
+    return RoundClamped(transfer_bytes * row_s / row_bytes / token_seconds,
+                        planner::kMaxReplicaCost);
+  };
+  auto row = [&](double row_s) {
+    return RoundClamped(planner::kRowCostScale * crossings * row_s / token_seconds,
+                        planner::kMaxRowCost);
+  };
+  m.replica_cost_intra = replica(intra);
+  m.replica_cost_inter = replica(inter);
+  m.row_cost_intra = row(intra);
+  m.row_cost_inter = row(inter);
+  return m;
+}
+
+void ApplyCosts(const MeasuredCosts& costs, LayerConfig* config) {
+  config->replica_cost_intra = costs.replica_cost_intra;
+  config->replica_cost_inter = costs.replica_cost_inter;
+  config->row_cost_intra = costs.row_cost_intra;
+  config->row_cost_inter = costs.row_cost_inter;
+}
+
+absl::StatusOr<MeasuredCosts> MeasureCosts(Communicator* comm, const LayerConfig& config,
+                                           const CostProbeOptions& options) {
+  if (comm == nullptr) return InvalidArgument("cost probe: comm is null");
+  const int32_t R = comm->size();
+  absl::Status local = CheckLayerConfig(config, R, /*need_executor=*/true);
+  if (local.ok()) local = CheckCostProbeOptions(options);
+  if (local.ok()) local = UseDevice(config.device, config.device_index);
+  MOONEP_RETURN_IF_ERROR(AgreeOnConfig(comm, config, local, "cost probe"));
+  // The options decide how many collective steps follow: they must be the same on every rank.
+  {
+    const OptionsRecord mine{options.compute_rows, options.link_rows, options.repetitions,
+                             options.training ? 1 : 0};
+    std::string all;
+    MOONEP_RETURN_IF_ERROR(comm->Allgather(
+        absl::MakeConstSpan(reinterpret_cast<const char*>(&mine), sizeof(mine)), &all,
+        "cost probe (options)"));
+    // Every rank reads the same records, so every rank names the same rank.
+    for (int32_t q = 1; q < R; ++q) {
+      if (std::memcmp(all.data() + static_cast<size_t>(q) * sizeof(mine), all.data(),
+                      sizeof(mine)) != 0) {
+        return InvalidArgument("cost probe: ranks 0 and %d passed different options (every rank "
+                               "must pass the same compute_rows, link_rows, repetitions and "
+                               "training)",
+                               q);
+      }
+    }
+  }
+  ScopedDevice scoped(config.device, config.device_index);
+
+  RankFigures mine;
+  absl::StatusOr<double> token = TimeCompute(config, options);
+  if (token.ok()) mine.token_seconds = *token;
+  MOONEP_RETURN_IF_ERROR(AgreeOnVerdict(comm, token.status(), "cost probe (compute)"));
+
+  const Pairing pairings[2] = {MakePairing(R, config.ranks_per_node, /*intra=*/true),
+                               MakePairing(R, config.ranks_per_node, /*intra=*/false)};
+  if (pairings[0].any || pairings[1].any) {
+    const int64_t N = options.link_rows;
+    LayerConfig ep;
+    ep.num_experts = R;
+    ep.top_k = 1;
+    ep.hidden = config.hidden;
+    ep.dtype = config.dtype;
+    ep.grad_dtype = config.grad_dtype;
+    ep.slots = 1;
+    ep.policy = planner::Policy::kNone;
+    ep.ranks_per_node = config.ranks_per_node;
+    ep.device = config.device;
+    ep.device_index = config.device_index;
+    ep.max_tokens = N;
+    ep.max_recv_rows = N * std::max(pairings[0].max_senders, pairings[1].max_senders);
+    ep.layer_id = 0;  // not from the communicator's sequence: the probe is not a layer
+    ep.num_threads = config.num_threads;
+    ep.transport = TransportBackend(config);
+    ep.timeout_ms = config.timeout_ms;
+    struct Pause {
+      Communicator* comm;
+      explicit Pause(Communicator* c) : comm(c) { comm->PauseTrace(true); }
+      ~Pause() { comm->PauseTrace(false); }
+    } pause(comm);
+    MOONEP_ASSIGN_OR_RETURN(std::unique_ptr<EpBuffer> buf, EpBuffer::Create(comm, ep));
+    const size_t row_bytes = static_cast<size_t>(config.hidden) * DTypeSize(config.dtype);
+    absl::Status alloc;
+    DeviceMemory x, ids, out, y;
+    auto allocate = [&](DeviceMemory* m, size_t bytes, const char* what) {
+      if (!alloc.ok()) return;
+      auto made = DeviceMemory::Allocate(config.device, bytes, what);
+      if (made.ok()) {
+        *m = std::move(*made);
+      } else {
+        alloc = made.status();
+      }
+    };
+    allocate(&x, static_cast<size_t>(N) * row_bytes, "cost probe link rows");
+    allocate(&ids, static_cast<size_t>(N) * 8, "cost probe routing");
+    allocate(&out, static_cast<size_t>(buf->recv_capacity_rows()) * row_bytes,
+             "cost probe received rows");
+    allocate(&y, static_cast<size_t>(N) * row_bytes, "cost probe combined rows");
+    if (alloc.ok()) alloc = Fill(config.device, config.dtype, x.get(), N * config.hidden, 3);
+    if (alloc.ok()) {
+      const std::vector<float> ones(static_cast<size_t>(N), 1.0f);
+      alloc = CopyToDevice(config.device, ids.get() + N * 4, ones.data(), ones.size() * 4);
+    }
+    MOONEP_RETURN_IF_ERROR(AgreeOnVerdict(comm, alloc, "cost probe (link buffers)"));
+    for (int c = 0; c < 2; ++c) {
+      if (!pairings[c].any) continue;
+      MOONEP_ASSIGN_OR_RETURN(mine.row_seconds[c],
+                              TimeLinks(comm, buf.get(), pairings[c], config, options, x, ids,
+                                        out, y));
+    }
+    MOONEP_RETURN_IF_ERROR(buf->Close());
+  }
+
+  std::string all;
+  MOONEP_RETURN_IF_ERROR(comm->Allgather(
+      absl::MakeConstSpan(reinterpret_cast<const char*>(&mine), sizeof(mine)), &all,
+      "cost probe (results)"));
+  std::vector<double> tokens, rows[2];
+  for (int32_t r = 0; r < R; ++r) {
+    RankFigures f;
+    std::memcpy(&f, all.data() + static_cast<size_t>(r) * sizeof(f), sizeof(f));
+    tokens.push_back(f.token_seconds);
+    for (int c = 0; c < 2; ++c) {
+      if (pairings[c].measures[r]) rows[c].push_back(f.row_seconds[c]);
+    }
+  }
+  return DeriveCosts(config, options.training, Median(tokens), Median(rows[0]), !rows[0].empty(),
+                     Median(rows[1]), !rows[1].empty(), R);
+}
+
+}  // namespace moonep::runtime

@@ -1,0 +1,79 @@
+// The cost probe: measures, on the ranks and links a layer will run on, what the moonep planner's
+// weighing needs (PlannerConfig::replica_cost_* and row_cost_*, docs/planner.md "Weighing
+// replicas" and "Rows in the objective"), so that a caller need not work the formulas out from
+// data sheets. Collective over the communicator (docs/runtime.md "Measured costs"):
+//
+//   compute  every rank times its executor (the layer's device and dtype) on one expert of the
+//            layer's shape: `compute_rows` rows forward, and backward too when `training`; a
+//            token's time is the median of `repetitions` runs over the rows.
+//   links    every rank sends `link_rows` rows of H values of the layer's dtype to one partner and
+//            takes them back (a dispatch and a combine of an EP buffer on the layer's transport
+//            backend and device, with the layer's timeout), all ranks at once: inside its node
+//            (the next rank of its node) and across nodes (the rank of the same place in the next
+//            node); with a flat topology every link is one class, taken as inter-node. A row's
+//            time on a class is the median over repetitions of (dispatch + combine) / 2 / rows.
+//
+// Every figure is then the median over the ranks that measured it (the same on every rank; an
+// even count takes the mean of the two middle values), and the planner's costs follow:
+//
+//   replica_cost_c = transfer_bytes * row_seconds_c / row_bytes / token_seconds
+//   row_cost_c     = 1024 * crossings * row_seconds_c / token_seconds
+//
+// with transfer_bytes = 3 * H * I * (grad_dtype bytes when training, else dtype bytes): one
+// expert's gradients (training: the reduce is on the critical path) or weights, and crossings = 4
+// when training (dispatch and combine, forward and backward), else 2. Rounded to the nearest
+// integer and clamped to the planner's ranges. A class no rank could measure (flat: intra; one
+// node: inter) takes the other class's figures; with one rank there is no link and the link
+// costs are 0.
+#pragma once
+
+#include <cstdint>
+
+#include "absl/status/statusor.h"
+#include "moonep/runtime/communicator.h"
+#include "moonep/runtime/layer_config.h"
+
+namespace moonep::runtime {
+
+struct CostProbeOptions {
+  int64_t compute_rows = 512;  // rows of the timed expert, in [1, 2^20]
+  int64_t link_rows = 512;     // rows each rank sends to its partner, in [1, 2^20]
+  int32_t repetitions = 5;     // timed runs of each measurement (after one untimed), in [1, 1000]
+  bool training = true;        // forward and backward (else forward only)
+};
+
+struct MeasuredCosts {
+  // The medians over ranks (seconds). row_seconds_*: one row one way; 0 where not measured.
+  double token_seconds = 0;
+  double row_seconds_intra = 0, row_seconds_inter = 0;
+  bool intra_measured = false, inter_measured = false;
+  int32_t ranks = 0;  // ranks that took part
+  // The planner's costs (LayerConfig / PlannerConfig units).
+  int64_t replica_cost_intra = 0, replica_cost_inter = 0;
+  int64_t row_cost_intra = 0, row_cost_inter = 0;
+};
+
+// Local checks of the options (InvalidArgument naming the field).
+absl::Status CheckCostProbeOptions(const CostProbeOptions& options);
+
+// The planner's costs from measured seconds (the formulas above; unmeasured classes copied from
+// the other class). Pure: every rank derives the same costs from the same medians.
+MeasuredCosts DeriveCosts(const LayerConfig& config, bool training, double token_seconds,
+                          double row_seconds_intra, bool intra_measured, double row_seconds_inter,
+                          bool inter_measured, int32_t ranks);
+
+// Collective: measures and derives as above. The config must pass CheckLayerConfig with an
+// executor (I > 0) and agree on every rank (AgreeOnConfig), and so must the options; a rank whose
+// config or options are bad, or that cannot allocate the probe's buffers, fails the probe on every
+// rank (its own error there, RemoteError naming it on the others). A peer that does not join
+// within the timeout fails it with Timeout naming the phase and the peers. The probe allocates its
+// own buffers (one expert's weights and gradients, 4 x compute_rows rows, and an EP buffer of
+// link_rows rows per rank that it receives from) and frees them before returning; it touches no
+// layer and adds nothing to routing traces.
+absl::StatusOr<MeasuredCosts> MeasureCosts(Communicator* comm, const LayerConfig& config,
+                                           const CostProbeOptions& options = {});
+
+// The config with the measured costs set (replica_cost_* and row_cost_*).
+void ApplyCosts(const MeasuredCosts& costs, LayerConfig* config);
+
+}  // namespace moonep::runtime

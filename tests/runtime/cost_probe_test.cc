@@ -1,0 +1,294 @@
+// The cost probe (moonep/runtime/cost_probe.h): its derivation against docs/planner.md's formulas
+// in closed form, and the collective measurement on 1-4 ranks (flat and with nodes): every rank
+// gets the same figures, the classes measured are the topology's, the costs are the derivation of
+// the medians, a layer made with them runs, routing traces stay untouched, and bad or mismatched
+// input fails every rank without a hang.
+#include <mpi.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "moonep/core/status.h"
+#include "moonep/runtime/communicator.h"
+#include "moonep/runtime/cost_probe.h"
+#include "moonep/runtime/moe_layer.h"
+#include "planner/plan.h"
+#include "tests/harness/mpi_test.h"
+#include "tests/runtime/layer_problem.h"
+
+namespace moonep::testing {
+namespace {
+
+using runtime::Communicator;
+using runtime::CostProbeOptions;
+using runtime::DeriveCosts;
+using runtime::LayerConfig;
+using runtime::MeasureCosts;
+using runtime::MeasuredCosts;
+
+// docs/planner.md: replica_cost = grad_bytes * flop_per_s / (6 * link_bytes_per_s) and
+// row_cost = 1024 * 4 * H * act_bytes / link_bytes_per_s / (18 * H * I / flop_per_s), for
+// training; forward only, weights instead of gradients and 6 * H * I flops a token, 2 crossings.
+TEST(CostProbeDerive, MatchesTheDocumentedFormulas) {
+  LayerConfig c;
+  c.hidden = 7168;
+  c.intermediate = 2048;
+  c.dtype = DType::kBFloat16;
+  c.grad_dtype = DType::kFloat32;
+  const double flops = 400e12, intra = 150e9, inter = 40e9, H = 7168, I = 2048;
+  const double token = 18 * H * I / flops;
+  MeasuredCosts m = DeriveCosts(c, /*training=*/true, token, H * 2 / intra, true, H * 2 / inter,
+                                true, 64);
+  EXPECT_EQ(m.replica_cost_intra, std::llround(4 * flops / (6 * intra)));
+  EXPECT_EQ(m.replica_cost_inter, std::llround(4 * flops / (6 * inter)));
+  EXPECT_EQ(m.replica_cost_intra, 1778);  // the figures docs/planner.md gives
+  EXPECT_EQ(m.replica_cost_inter, 6667);
+  EXPECT_EQ(m.row_cost_intra, 593);
+  EXPECT_EQ(m.row_cost_inter, 2222);
+  EXPECT_EQ(m.ranks, 64);
+
+  const double fwd_token = 6 * H * I / flops;
+  m = DeriveCosts(c, /*training=*/false, fwd_token, H * 2 / intra, true, H * 2 / inter, true, 8);
+  EXPECT_EQ(m.replica_cost_inter, std::llround(3 * H * I * 2 / inter / fwd_token));
+  EXPECT_EQ(m.row_cost_inter, std::llround(1024 * 2 * H * 2 / inter / fwd_token));
+  EXPECT_EQ(m.row_cost_intra, std::llround(1024 * 2 * H * 2 / intra / fwd_token));
+}
+
+TEST(CostProbeDerive, UnmeasuredClassesAndLimits) {
+  LayerConfig c;
+  c.hidden = 64;
+  c.intermediate = 32;
+  // Flat: only inter measured; intra takes its figures.
+  MeasuredCosts m = DeriveCosts(c, true, 1e-6, 0, false, 2e-6, true, 4);
+  EXPECT_FALSE(m.intra_measured);
+  EXPECT_EQ(m.row_seconds_intra, 0);
+  EXPECT_EQ(m.replica_cost_intra, m.replica_cost_inter);
+  EXPECT_EQ(m.row_cost_intra, m.row_cost_inter);
+  EXPECT_EQ(m.row_cost_inter, 1024 * 4 * 2);
+  EXPECT_EQ(m.replica_cost_inter, 3 * 64 * 32 * 4 * 2 / (64 * 4));  // 3HI*4 bytes at 2 us a row
+  // One node: inter takes intra's.
+  m = DeriveCosts(c, true, 1e-6, 3e-6, true, 0, false, 2);
+  EXPECT_EQ(m.row_cost_inter, m.row_cost_intra);
+  EXPECT_EQ(m.row_cost_intra, 1024 * 4 * 3);
+  // No link, or no compute time: no costs.
+  m = DeriveCosts(c, true, 1e-6, 0, false, 0, false, 1);
+  EXPECT_EQ(m.replica_cost_intra + m.replica_cost_inter + m.row_cost_intra + m.row_cost_inter, 0);
+  m = DeriveCosts(c, true, 0, 1e-6, true, 1e-6, true, 2);
+  EXPECT_EQ(m.replica_cost_inter + m.row_cost_inter, 0);
+  // Clamped to the planner's ranges.
+  m = DeriveCosts(c, true, 1e-300, 1.0, true, 1.0, true, 2);
+  EXPECT_EQ(m.replica_cost_inter, planner::kMaxReplicaCost);
+  EXPECT_EQ(m.row_cost_inter, planner::kMaxRowCost);
+}
+
+TEST(CostProbeDerive, OptionsAreChecked) {
+  CostProbeOptions o;
+  EXPECT_TRUE(runtime::CheckCostProbeOptions(o).ok());
+  o.compute_rows = 0;
+  EXPECT_NE(runtime::CheckCostProbeOptions(o).message().find("compute_rows"), std::string::npos);
+  o = {};
+  o.link_rows = (int64_t{1} << 20) + 1;
+  EXPECT_NE(runtime::CheckCostProbeOptions(o).message().find("link_rows"), std::string::npos);
+  o = {};
+  o.repetitions = 0;
+  EXPECT_NE(runtime::CheckCostProbeOptions(o).message().find("repetitions"), std::string::npos);
+}
+
+class CostProbeTest : public MpiTest {
+ protected:
+  void SetUp() override {
+    auto comm = Communicator::FromMpi(MPI_COMM_WORLD);
+    ASSERT_TRUE(comm.ok()) << comm.status();
+    comm_ = std::move(*comm);
+  }
+  void TearDown() override {
+    comm_.reset();
+    MpiTest::TearDown();
+  }
+  LayerConfig Config(int32_t ranks_per_node) const {
+    LayerConfig c;
+    c.num_experts = 2 * size();
+    c.top_k = 2;
+    c.hidden = 64;
+    c.intermediate = 32;
+    c.ranks_per_node = ranks_per_node;
+    c.max_tokens = 64;
+    c.num_threads = 1;
+    return c;
+  }
+  static CostProbeOptions Small() {
+    CostProbeOptions o;
+    o.compute_rows = 64;
+    o.link_rows = 48;
+    o.repetitions = 3;
+    return o;
+  }
+  // Every rank's figures are rank 0's.
+  void ExpectSameOnEveryRank(const MeasuredCosts& m) {
+    const double mine[] = {m.token_seconds,
+                           m.row_seconds_intra,
+                           m.row_seconds_inter,
+                           static_cast<double>(m.replica_cost_intra),
+                           static_cast<double>(m.replica_cost_inter),
+                           static_cast<double>(m.row_cost_intra),
+                           static_cast<double>(m.row_cost_inter),
+                           static_cast<double>(m.intra_measured + 2 * m.inter_measured)};
+    const int n = sizeof(mine) / sizeof(mine[0]);
+    std::vector<double> all(static_cast<size_t>(n) * size());
+    MPI_Allgather(mine, n, MPI_DOUBLE, all.data(), n, MPI_DOUBLE, MPI_COMM_WORLD);
+    for (int r = 1; r < size(); ++r) {
+      for (int i = 0; i < n; ++i) EXPECT_EQ(all[r * n + i], all[i]) << "rank " << r << " field " << i;
+    }
+  }
+  std::unique_ptr<Communicator> comm_;
+};
+
+// Nodes of 2 ranks: intra measured from 2 ranks, inter from 4 (np 1, 2, 3, 4: with 3 the second
+// node is one rank, which measures inter but not intra).
+TEST_F(CostProbeTest, MeasuresTheTopologysClassesAndAgrees) {
+  const LayerConfig config = Config(/*ranks_per_node=*/2);
+  auto m = MeasureCosts(comm_.get(), config, Small());
+  ASSERT_TRUE(m.ok()) << m.status();
+  ExpectSameOnEveryRank(*m);
+  EXPECT_EQ(m->ranks, size());
+  EXPECT_TRUE(std::isfinite(m->token_seconds));
+  EXPECT_GT(m->token_seconds, 0);
+  EXPECT_EQ(m->intra_measured, size() >= 2);
+  EXPECT_EQ(m->inter_measured, size() >= 3);
+  if (m->intra_measured) {
+    EXPECT_GT(m->row_seconds_intra, 0);
+  }
+  if (m->inter_measured) {
+    EXPECT_GT(m->row_seconds_inter, 0);
+  }
+  // The costs are the derivation of the figures.
+  const MeasuredCosts d = DeriveCosts(config, true, m->token_seconds, m->row_seconds_intra,
+                                      m->intra_measured, m->row_seconds_inter,
+                                      m->inter_measured, size());
+  EXPECT_EQ(m->replica_cost_intra, d.replica_cost_intra);
+  EXPECT_EQ(m->replica_cost_inter, d.replica_cost_inter);
+  EXPECT_EQ(m->row_cost_intra, d.row_cost_intra);
+  EXPECT_EQ(m->row_cost_inter, d.row_cost_inter);
+  if (size() == 1) {
+    EXPECT_EQ(m->replica_cost_intra + m->replica_cost_inter + m->row_cost_intra +
+                  m->row_cost_inter,
+              0);
+  }
+  // Forward only measures too (fewer crossings, weights instead of gradients).
+  CostProbeOptions fwd = Small();
+  fwd.training = false;
+  auto f = MeasureCosts(comm_.get(), config, fwd);
+  ASSERT_TRUE(f.ok()) << f.status();
+  ExpectSameOnEveryRank(*f);
+  EXPECT_GT(f->token_seconds, 0);
+}
+
+// Flat: one class, taken as inter; intra copies it.
+TEST_F(CostProbeTest, FlatTopologyMeasuresOneClass) {
+  auto m = MeasureCosts(comm_.get(), Config(/*ranks_per_node=*/0), Small());
+  ASSERT_TRUE(m.ok()) << m.status();
+  ExpectSameOnEveryRank(*m);
+  EXPECT_FALSE(m->intra_measured);
+  EXPECT_EQ(m->inter_measured, size() >= 2);
+  EXPECT_EQ(m->replica_cost_intra, m->replica_cost_inter);
+  EXPECT_EQ(m->row_cost_intra, m->row_cost_inter);
+}
+
+// A layer made with the measured costs weighs with them and matches the fp64 reference; the
+// probe recorded nothing in the routing trace, whose shape stays the layer's.
+TEST_F(CostProbeTest, LayerRunsWithTheMeasuredCostsAndTracesStayTheLayers) {
+  const std::string path = "moonep_cost_probe_trace_" + std::to_string(size()) + ".txt";
+  if (rank() == 0) std::remove(path.c_str());
+  MPI_Barrier(MPI_COMM_WORLD);
+  ASSERT_TRUE(comm_->SetTracePath(path).ok());
+  LayerConfig config = Config(/*ranks_per_node=*/2);
+  auto m = MeasureCosts(comm_.get(), config, Small());
+  ASSERT_TRUE(m.ok()) << m.status();
+  runtime::ApplyCosts(*m, &config);
+  EXPECT_EQ(config.replica_cost_inter, m->replica_cost_inter);
+  EXPECT_EQ(config.row_cost_intra, m->row_cost_intra);
+  config.layer_id = 5;
+  auto layer = runtime::MoeLayer::Create(comm_.get(), config);
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  const int32_t epn = 2;
+  const GlobalProblem g =
+      MakeGlobalProblem(size(), epn, config.top_k, config.hidden, config.intermediate, 40,
+                        DType::kFloat32, 7);
+  RankTensors t = MakeRankTensors(g, rank(), DType::kFloat32);
+  ASSERT_TRUE((*layer)->BindParameters(t.params, t.grads).ok());
+  auto h = RunForward(layer->get(), &t, DType::kFloat32, config.hidden);
+  ASSERT_TRUE(h.ok()) << h.status();
+  ASSERT_TRUE(RunBackward(layer->get(), *h, &t, DType::kFloat32, config.hidden).ok());
+  reference::ForwardResult fr;
+  reference::BackwardResult br;
+  ASSERT_TRUE(ReferenceLayer(g, &fr, &br).ok());
+  const int64_t o = g.offset[rank()], T = t.tokens;
+  EXPECT_LT(RelError(Decode(t.y, DType::kFloat32), fr.y.data() + o * config.hidden,
+                     T * config.hidden),
+            1e-5);
+  EXPECT_LT(RelError(Decode(t.dx, DType::kFloat32), br.dx.data() + o * config.hidden,
+                     T * config.hidden),
+            1e-5);
+  ASSERT_TRUE((*layer)->Close().ok());
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (rank() != 0) return;
+  comm_->SetTracePath("").IgnoreError();
+  std::ifstream in(path);
+  std::string line;
+  ASSERT_TRUE(std::getline(in, line));
+  EXPECT_EQ(line, runtime::TraceHeader(size(), config.num_experts, config.top_k).substr(
+                      0, line.size()));
+  int records = 0;
+  while (std::getline(in, line)) {
+    ++records;
+    EXPECT_EQ(line.rfind("0 5 ", 0), 0u) << line;  // step 0 of layer 5 only
+  }
+  EXPECT_EQ(records, 1);
+  std::remove(path.c_str());
+}
+
+// Bad options on one rank: that rank's error there, RemoteError naming it elsewhere; valid options
+// that differ: the same InvalidArgument on every rank; a bad config: refused. Then the
+// communicator still measures.
+TEST_F(CostProbeTest, BadInputFailsEveryRankAndLeavesTheCommunicatorUsable) {
+  const LayerConfig config = Config(/*ranks_per_node=*/2);
+  const int last = size() - 1;
+  CostProbeOptions o = Small();
+  if (rank() == last) o.repetitions = -1;
+  auto m = MeasureCosts(comm_.get(), config, o);
+  ASSERT_FALSE(m.ok());
+  if (rank() == last) {
+    EXPECT_EQ(ToResult(m.status()), moonepInvalidArgument) << m.status();
+    EXPECT_NE(m.status().message().find("repetitions"), std::string::npos) << m.status();
+  } else {
+    EXPECT_EQ(ToResult(m.status()), moonepRemoteError) << m.status();
+  }
+
+  if (size() > 1) {
+    o = Small();
+    if (rank() == last) o.link_rows = 32;
+    m = MeasureCosts(comm_.get(), config, o);
+    ASSERT_FALSE(m.ok());
+    EXPECT_EQ(ToResult(m.status()), moonepInvalidArgument) << m.status();
+    EXPECT_NE(m.status().message().find("different options"), std::string::npos) << m.status();
+  }
+
+  LayerConfig no_executor = config;
+  no_executor.intermediate = 0;
+  m = MeasureCosts(comm_.get(), no_executor, Small());
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.status().message().find("intermediate"), std::string::npos) << m.status();
+
+  EXPECT_EQ(ToResult(MeasureCosts(nullptr, config, Small()).status()), moonepInvalidArgument);
+
+  m = MeasureCosts(comm_.get(), config, Small());
+  ASSERT_TRUE(m.ok()) << m.status();
+  ExpectSameOnEveryRank(*m);
+}
+
+}  // namespace
+}  // namespace moonep::testing
