@@ -14,6 +14,7 @@
 
 #include "moonep/core/status.h"
 #include "moonep/runtime/communicator.h"
+#include "moonep/runtime/cost_probe.h"
 #include "moonep/runtime/ep_buffer.h"
 #include "moonep/runtime/moe_layer.h"
 #include "tests/harness/mpi_test.h"
@@ -435,6 +436,34 @@ TEST_F(MoeLayerCudaTest, EpBufferOnDeviceMemory) {
     EXPECT_EQ(got_d[ge * block + block - 1], replicas) << "expert " << e;
   }
   ASSERT_TRUE(buf.Release(*h).ok());
+}
+
+// The cost probe on the device: the CUDA executor timed on one expert (bf16), rows over NCCL
+// where there is more than one rank; the same figures on every rank, and a layer made with them.
+TEST_F(MoeLayerCudaTest, CostProbeTimesTheDevice) {
+  LayerConfig config = Config(DType::kBFloat16, planner::Policy::kMoonEP);
+  runtime::CostProbeOptions o;
+  o.compute_rows = 256;
+  o.link_rows = 64;
+  o.repetitions = 3;
+  auto m = runtime::MeasureCosts(comm_.get(), config, o);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_GT(m->token_seconds, 0);
+  EXPECT_EQ(m->inter_measured, size() > 1);
+  double mine[] = {m->token_seconds, m->row_seconds_inter,
+                   static_cast<double>(m->replica_cost_inter), static_cast<double>(m->row_cost_inter)};
+  std::vector<double> all(4 * size());
+  MPI_Allgather(mine, 4, MPI_DOUBLE, all.data(), 4, MPI_DOUBLE, MPI_COMM_WORLD);
+  for (int r = 0; r < size(); ++r) {
+    for (int i = 0; i < 4; ++i) EXPECT_EQ(all[4 * r + i], mine[i]) << "rank " << r;
+  }
+  if (size() == 1) {
+    EXPECT_EQ(m->replica_cost_inter + m->row_cost_inter, 0);
+  }
+  runtime::ApplyCosts(*m, &config);
+  auto layer = MoeLayer::Create(comm_.get(), config);
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  ASSERT_TRUE((*layer)->Close().ok());
 }
 
 TEST_F(MoeLayerCudaTest, HostPointersAreRefused) {
