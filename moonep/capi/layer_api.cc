@@ -216,18 +216,18 @@ moonepResult_t moonepMeasureCosts(moonepComm_t comm, const moonepLayerConfig_t* 
     // local verdict) so the other ranks fail instead of waiting.
     absl::Status read = moonep::capi::ReadLayerConfig(config, &c);
     if (read.ok() && costs == nullptr) read = moonep::InvalidArgument("costs is NULL");
-    if (read.ok() && costs->size < sizeof(moonepMeasuredCosts_t)) {
+    if (read.ok() && costs->size < MOONEP_MEASURED_COSTS_MIN_SIZE) {
       read = moonep::InvalidArgument(
-          "costs->size = %d is smaller than moonepMeasuredCosts_t (%d bytes): set it to "
+          "costs->size = %d is smaller than moonepMeasuredCosts_t's minimum (%d bytes): set it to "
           "sizeof(moonepMeasuredCosts_t)",
-          costs->size, sizeof(moonepMeasuredCosts_t));
+          costs->size, MOONEP_MEASURED_COSTS_MIN_SIZE);
     }
     if (read.ok() && options != nullptr) {
-      if (options->size < sizeof(moonepCostProbeOptions_t)) {
+      if (options->size < MOONEP_COST_PROBE_OPTIONS_MIN_SIZE) {
         read = moonep::InvalidArgument(
-            "options->size = %d is smaller than moonepCostProbeOptions_t (%d bytes): set it to "
-            "sizeof(moonepCostProbeOptions_t)",
-            options->size, sizeof(moonepCostProbeOptions_t));
+            "options->size = %d is smaller than moonepCostProbeOptions_t's minimum (%d bytes): "
+            "set it to sizeof(moonepCostProbeOptions_t)",
+            options->size, MOONEP_COST_PROBE_OPTIONS_MIN_SIZE);
       } else {
         if (options->compute_rows != 0) o.compute_rows = options->compute_rows;
         if (options->link_rows != 0) o.link_rows = options->link_rows;
@@ -242,19 +242,20 @@ moonepResult_t moonepMeasureCosts(moonepComm_t comm, const moonepLayerConfig_t* 
     }
     MOONEP_ASSIGN_OR_RETURN(moonep::runtime::MeasuredCosts m,
                             moonep::runtime::MeasureCosts(comm->impl.get(), c, o));
-    const size_t size = costs->size;
-    std::memset(costs, 0, sizeof(moonepMeasuredCosts_t));
-    costs->size = size;
-    costs->token_seconds = m.token_seconds;
-    costs->row_seconds_intra = m.row_seconds_intra;
-    costs->row_seconds_inter = m.row_seconds_inter;
-    costs->intra_measured = m.intra_measured ? 1 : 0;
-    costs->inter_measured = m.inter_measured ? 1 : 0;
-    costs->ranks = m.ranks;
-    costs->replica_cost_intra = m.replica_cost_intra;
-    costs->replica_cost_inter = m.replica_cost_inter;
-    costs->row_cost_intra = m.row_cost_intra;
-    costs->row_cost_inter = m.row_cost_inter;
+    moonepMeasuredCosts_t out;
+    std::memset(&out, 0, sizeof(out));
+    out.size = costs->size < sizeof(out) ? costs->size : sizeof(out);
+    out.token_seconds = m.token_seconds;
+    out.row_seconds_intra = m.row_seconds_intra;
+    out.row_seconds_inter = m.row_seconds_inter;
+    out.intra_measured = m.intra_measured ? 1 : 0;
+    out.inter_measured = m.inter_measured ? 1 : 0;
+    out.ranks = m.ranks;
+    out.replica_cost_intra = m.replica_cost_intra;
+    out.replica_cost_inter = m.replica_cost_inter;
+    out.row_cost_intra = m.row_cost_intra;
+    out.row_cost_inter = m.row_cost_inter;
+    std::memcpy(costs, &out, out.size);
     return absl::OkStatus();
   });
 }

@@ -123,6 +123,7 @@ class Communicator {
   // Local: while paused, layers and EP buffers record nothing (the cost probe's dispatches, which
   // have a shape of their own, must not fix or break the trace's shape).
   void PauseTrace(bool paused) { trace_paused_ = paused; }
+  bool trace_paused() const { return trace_paused_; }
 
   // Layer ids for traces, in creation order.
   int32_t NextLayerId() { return next_layer_id_++; }

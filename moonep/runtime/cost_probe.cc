@@ -40,52 +40,59 @@ int64_t RoundClamped(double value, int64_t max) {
   return std::llround(value);
 }
 
-// Who sends to whom on one link class: every rank sends to dest[r] (itself where it has no
-// partner of that class, and then measures nothing).
+// Who sends to whom on one link class (ProbePartners), and the most ranks sending to one rank.
 struct Pairing {
   std::vector<int32_t> dest;
-  std::vector<char> measures;
-  int64_t max_senders = 0;  // the most ranks sending to one rank
+  int64_t max_senders = 0;
   bool any = false;
+  bool measures(int32_t r) const { return dest[r] != r; }
 };
 
 Pairing MakePairing(int32_t R, int32_t rpn, bool intra) {
   Pairing p;
-  p.dest.resize(R);
-  p.measures.assign(R, 0);
-  const bool flat = rpn <= 0;
-  const int32_t node = flat || rpn >= R ? R : rpn;
-  for (int32_t r = 0; r < R; ++r) {
-    int32_t d = r;
-    if (intra && !flat) {
-      const int32_t base = r / node * node, size = std::min(node, R - base);
-      d = base + (r - base + 1) % size;
-    } else if (!intra && flat) {
-      d = (r + 1) % R;
-    } else if (!intra && node < R) {
-      const int32_t nodes = (R + node - 1) / node;
-      const int32_t next = (r / node + 1) % nodes * node;
-      d = next + r % node % std::min(node, R - next);
-    }
-    p.dest[r] = d;
-    p.measures[r] = d != r;
-    p.any = p.any || d != r;
-  }
+  p.dest = ProbePartners(R, rpn, intra);
   std::vector<int64_t> in(R, 0);
-  for (int32_t r = 0; r < R; ++r) p.max_senders = std::max(p.max_senders, ++in[p.dest[r]]);
+  for (int32_t r = 0; r < R; ++r) {
+    p.max_senders = std::max(p.max_senders, ++in[p.dest[r]]);
+    p.any = p.any || p.measures(r);
+  }
   return p;
 }
 
-// Small deterministic values (no denormals, no overflow) for the probe's inputs.
-absl::Status Fill(Device device, DType dtype, void* dst, int64_t count, uint32_t seed) {
-  std::vector<char> host(static_cast<size_t>(count) * DTypeSize(dtype));
+// Small deterministic values (no denormals, no overflow) for the probe's inputs: in place on the
+// CPU; through a host chunk of at most 1 MiB on a GPU (the probe's buffers may be large).
+absl::Status Fill(Device device, DType dtype, char* dst, int64_t count, uint32_t seed) {
+  constexpr int64_t kChunk = (int64_t{1} << 20) / 4;
+  const size_t size = DTypeSize(dtype);
+  std::vector<char> host(device == Device::kCpu ? 0 : static_cast<size_t>(kChunk) * size);
   uint32_t x = seed * 2654435761u + 1;
-  for (int64_t i = 0; i < count; ++i) {
-    x = x * 1664525u + 1013904223u;
-    const float v = (static_cast<float>(x >> 8) / 16777216.0f - 0.5f) * 0.1f;
-    StoreFromFloat(host.data(), dtype, i, v);
+  for (int64_t begin = 0; begin < count; begin += kChunk) {
+    const int64_t n = std::min(kChunk, count - begin);
+    char* out = device == Device::kCpu ? dst + static_cast<size_t>(begin) * size : host.data();
+    for (int64_t i = 0; i < n; ++i) {
+      x = x * 1664525u + 1013904223u;
+      StoreFromFloat(out, dtype, i, (static_cast<float>(x >> 8) / 16777216.0f - 0.5f) * 0.1f);
+    }
+    if (device != Device::kCpu) {
+      MOONEP_RETURN_IF_ERROR(CopyToDevice(device, dst + static_cast<size_t>(begin) * size,
+                                          host.data(), static_cast<size_t>(n) * size));
+    }
   }
-  return CopyToDevice(device, dst, host.data(), host.size());
+  return absl::OkStatus();
+}
+
+// Bytes of the probe's buffers in each part (the compute's are freed before the links').
+uint64_t ComputeBytes(const LayerConfig& c, const CostProbeOptions& o) {
+  const uint64_t hi = static_cast<uint64_t>(c.hidden) * static_cast<uint64_t>(c.intermediate);
+  return 3 * hi * (DTypeSize(c.dtype) + (o.training ? DTypeSize(c.grad_dtype) : 0)) +
+         4 * static_cast<uint64_t>(o.compute_rows) * static_cast<uint64_t>(c.hidden) *
+             DTypeSize(c.dtype);
+}
+uint64_t LinkBytes(const LayerConfig& c, const CostProbeOptions& o) {
+  // x, y and the received rows (one sender a rank), and each class's ids and weights.
+  return 3 * static_cast<uint64_t>(o.link_rows) * static_cast<uint64_t>(c.hidden) *
+             DTypeSize(c.dtype) +
+         3 * static_cast<uint64_t>(o.link_rows) * 4;
 }
 
 // This rank's median time of one token through one expert (forward, and backward if training).
@@ -148,41 +155,46 @@ absl::StatusOr<double> TimeCompute(const LayerConfig& config, const CostProbeOpt
   return Median(std::move(samples));
 }
 
-// Collective: this rank's median time of a row one way on the class `pairing` describes (0 when it
-// has no partner there), from dispatches and combines of `buf`.
-absl::StatusOr<double> TimeLinks(Communicator* comm, EpBuffer* buf, const Pairing& pairing,
+// The probe's link buffers: rows to send, received and combined, and the routing of each class
+// (every row to the rank's partner, weight 1).
+struct LinkBuffers {
+  DeviceMemory x, out, y, routing;  // routing: [2][N] ids, then [N] weights
+};
+
+// Collective: this rank's median time of a row one way on link class `c` (0 when it has no partner
+// there), from dispatches and combines of `buf`. Only the collective calls can fail here on the CPU;
+// on a GPU a failed synchronisation is a device error, after which this rank fails the next call
+// of the peers where the transport can (nccl cannot: they time out naming this rank).
+absl::StatusOr<double> TimeLinks(Communicator* comm, EpBuffer* buf, const Pairing& pairing, int c,
                                  const LayerConfig& config, const CostProbeOptions& options,
-                                 const DeviceMemory& x, const DeviceMemory& ids, const DeviceMemory& out,
-                                 const DeviceMemory& y) {
+                                 const LinkBuffers& b) {
   const int64_t N = options.link_rows, H = config.hidden;
-  const int32_t rank = comm->rank();
-  const std::vector<int32_t> host_ids(static_cast<size_t>(N), pairing.dest[rank]);
-  MOONEP_RETURN_IF_ERROR(
-      CopyToDevice(config.device, ids.get(), host_ids.data(), host_ids.size() * sizeof(int32_t)));
-  const float* weights = reinterpret_cast<const float*>(ids.get() + host_ids.size() * 4);
-  const TensorView xv = TensorView::Contiguous(x.get(), config.dtype, {N, H}, config.device);
+  const int32_t* ids = b.routing.get<int32_t>() + c * N;
+  const float* weights = reinterpret_cast<const float*>(b.routing.get<int32_t>() + 2 * N);
+  const TensorView xv = TensorView::Contiguous(b.x.get(), config.dtype, {N, H}, config.device);
   const TensorView outv = TensorView::Contiguous(
-      out.get(), config.dtype, {buf->recv_capacity_rows(), H}, config.device);
-  const TensorView yv = TensorView::Contiguous(y.get(), config.dtype, {N, H}, config.device);
+      b.out.get(), config.dtype, {buf->recv_capacity_rows(), H}, config.device);
+  const TensorView yv = TensorView::Contiguous(b.y.get(), config.dtype, {N, H}, config.device);
   std::vector<double> samples;
   for (int32_t rep = 0; rep <= options.repetitions; ++rep) {
     auto t = Clock::now();
     MOONEP_ASSIGN_OR_RETURN(
-        LayerHandle h,
-        buf->Dispatch(N, xv, absl::MakeConstSpan(ids.get<int32_t>(), static_cast<size_t>(N)),
-                      absl::MakeConstSpan(weights, static_cast<size_t>(N))));
-    MOONEP_RETURN_IF_ERROR(SynchronizeDevice(config.device));
+        LayerHandle h, buf->Dispatch(N, xv, absl::MakeConstSpan(ids, static_cast<size_t>(N)),
+                                     absl::MakeConstSpan(weights, static_cast<size_t>(N))));
+    absl::Status synced = SynchronizeDevice(config.device);
+    if (!synced.ok()) return buf->AbortOperation(transport::OpKind::kCombine, synced);
     const StepStats& st = buf->stats();
     const double dispatch = Since(t) - st.seconds[static_cast<int>(Phase::kCounts)] -
                             st.seconds[static_cast<int>(Phase::kPlan)];
     t = Clock::now();
     MOONEP_RETURN_IF_ERROR(buf->Combine(h, outv, yv));
-    MOONEP_RETURN_IF_ERROR(SynchronizeDevice(config.device));
+    synced = SynchronizeDevice(config.device);
+    if (!synced.ok()) return buf->AbortOperation(transport::OpKind::kCounts, synced);
     const double combine = Since(t);
     MOONEP_RETURN_IF_ERROR(buf->Release(h));
     if (rep > 0) samples.push_back(std::max(0.0, dispatch + combine) / (2.0 * N));
   }
-  return pairing.measures[rank] ? Median(std::move(samples)) : 0.0;
+  return pairing.measures(comm->rank()) ? Median(std::move(samples)) : 0.0;
 }
 
 // What every rank shares at the end.
@@ -197,6 +209,29 @@ struct OptionsRecord {
 };
 
 }  // namespace
+
+std::vector<int32_t> ProbePartners(int32_t R, int32_t ranks_per_node, bool intra) {
+  std::vector<int32_t> dest(static_cast<size_t>(std::max(R, 0)));
+  const bool flat = ranks_per_node <= 0;
+  const int32_t node = flat || ranks_per_node >= R ? R : ranks_per_node;
+  for (int32_t r = 0; r < R; ++r) {
+    int32_t d = r;
+    if (intra && !flat) {
+      const int32_t base = r / node * node, size = std::min(node, R - base);
+      d = base + (r - base + 1) % size;
+    } else if (!intra && flat) {
+      d = (r + 1) % R;
+    } else if (!intra && node < R) {
+      const int32_t nodes = (R + node - 1) / node;
+      const int32_t next = (r / node + 1) % nodes * node;
+      // The same place in the next node; none where that node is shorter, so that no rank
+      // receives from two (which would time a shared link, not one).
+      if (r % node < std::min(node, R - next)) d = next + r % node;
+    }
+    dest[r] = d;
+  }
+  return dest;
+}
 
 absl::Status CheckCostProbeOptions(const CostProbeOptions& o) {
   MOONEP_CHECK_ARG(o.compute_rows >= 1 && o.compute_rows <= kMaxProbeRows,
@@ -281,10 +316,23 @@ absl::StatusOr<MeasuredCosts> MeasureCosts(Communicator* comm, const LayerConfig
   }
   ScopedDevice scoped(config.device, config.device_index);
 
+  // The probe's host buffers against this rank's room and, with every rank's, the node's (as a
+  // layer's creation checks its own), before any of them is allocated.
+  const uint64_t probe_bytes = std::max(ComputeBytes(config, options), LinkBytes(config, options));
+  LayerConfig none = config;  // no layer buffers: only the probe's bytes
+  none.max_tokens = 0;
+  none.max_inflight = 1;
+  MOONEP_RETURN_IF_ERROR(CheckHostBuffers(comm, none, /*capacity=*/0, /*rows_per_handle=*/0,
+                                          /*shared_rows=*/0, probe_bytes,
+                                          "the cost probe's host buffers",
+                                          "cost probe (host memory of the node)", &local));
   RankFigures mine;
-  absl::StatusOr<double> token = TimeCompute(config, options);
-  if (token.ok()) mine.token_seconds = *token;
-  MOONEP_RETURN_IF_ERROR(AgreeOnVerdict(comm, token.status(), "cost probe (compute)"));
+  if (local.ok()) {
+    absl::StatusOr<double> token = TimeCompute(config, options);
+    if (token.ok()) mine.token_seconds = *token;
+    local = token.status();
+  }
+  MOONEP_RETURN_IF_ERROR(AgreeOnVerdict(comm, local, "cost probe (compute)"));
 
   const Pairing pairings[2] = {MakePairing(R, config.ranks_per_node, /*intra=*/true),
                                MakePairing(R, config.ranks_per_node, /*intra=*/false)};
@@ -307,15 +355,17 @@ absl::StatusOr<MeasuredCosts> MeasureCosts(Communicator* comm, const LayerConfig
     ep.num_threads = config.num_threads;
     ep.transport = TransportBackend(config);
     ep.timeout_ms = config.timeout_ms;
+    // Its dispatches have a shape of their own: kept out of the routing trace.
     struct Pause {
       Communicator* comm;
-      explicit Pause(Communicator* c) : comm(c) { comm->PauseTrace(true); }
-      ~Pause() { comm->PauseTrace(false); }
+      bool was;
+      explicit Pause(Communicator* c) : comm(c), was(c->trace_paused()) { comm->PauseTrace(true); }
+      ~Pause() { comm->PauseTrace(was); }
     } pause(comm);
     MOONEP_ASSIGN_OR_RETURN(std::unique_ptr<EpBuffer> buf, EpBuffer::Create(comm, ep));
     const size_t row_bytes = static_cast<size_t>(config.hidden) * DTypeSize(config.dtype);
     absl::Status alloc;
-    DeviceMemory x, ids, out, y;
+    LinkBuffers b;
     auto allocate = [&](DeviceMemory* m, size_t bytes, const char* what) {
       if (!alloc.ok()) return;
       auto made = DeviceMemory::Allocate(config.device, bytes, what);
@@ -325,22 +375,28 @@ absl::StatusOr<MeasuredCosts> MeasureCosts(Communicator* comm, const LayerConfig
         alloc = made.status();
       }
     };
-    allocate(&x, static_cast<size_t>(N) * row_bytes, "cost probe link rows");
-    allocate(&ids, static_cast<size_t>(N) * 8, "cost probe routing");
-    allocate(&out, static_cast<size_t>(buf->recv_capacity_rows()) * row_bytes,
+    allocate(&b.x, static_cast<size_t>(N) * row_bytes, "cost probe link rows");
+    allocate(&b.routing, static_cast<size_t>(N) * 12, "cost probe routing");
+    allocate(&b.out, static_cast<size_t>(buf->recv_capacity_rows()) * row_bytes,
              "cost probe received rows");
-    allocate(&y, static_cast<size_t>(N) * row_bytes, "cost probe combined rows");
-    if (alloc.ok()) alloc = Fill(config.device, config.dtype, x.get(), N * config.hidden, 3);
+    allocate(&b.y, static_cast<size_t>(N) * row_bytes, "cost probe combined rows");
+    if (alloc.ok()) alloc = Fill(config.device, config.dtype, b.x.get(), N * config.hidden, 3);
     if (alloc.ok()) {
-      const std::vector<float> ones(static_cast<size_t>(N), 1.0f);
-      alloc = CopyToDevice(config.device, ids.get() + N * 4, ones.data(), ones.size() * 4);
+      std::vector<int32_t> routing(static_cast<size_t>(N) * 3);
+      const int32_t rank = comm->rank();
+      for (int64_t i = 0; i < N; ++i) {
+        routing[i] = pairings[0].dest[rank];
+        routing[N + i] = pairings[1].dest[rank];
+        const float one = 1.0f;
+        std::memcpy(&routing[2 * N + i], &one, 4);
+      }
+      alloc = CopyToDevice(config.device, b.routing.get(), routing.data(), routing.size() * 4);
     }
     MOONEP_RETURN_IF_ERROR(AgreeOnVerdict(comm, alloc, "cost probe (link buffers)"));
     for (int c = 0; c < 2; ++c) {
       if (!pairings[c].any) continue;
       MOONEP_ASSIGN_OR_RETURN(mine.row_seconds[c],
-                              TimeLinks(comm, buf.get(), pairings[c], config, options, x, ids,
-                                        out, y));
+                              TimeLinks(comm, buf.get(), pairings[c], c, config, options, b));
     }
     MOONEP_RETURN_IF_ERROR(buf->Close());
   }
@@ -355,7 +411,7 @@ absl::StatusOr<MeasuredCosts> MeasureCosts(Communicator* comm, const LayerConfig
     std::memcpy(&f, all.data() + static_cast<size_t>(r) * sizeof(f), sizeof(f));
     tokens.push_back(f.token_seconds);
     for (int c = 0; c < 2; ++c) {
-      if (pairings[c].measures[r]) rows[c].push_back(f.row_seconds[c]);
+      if (pairings[c].measures(r)) rows[c].push_back(f.row_seconds[c]);
     }
   }
   return DeriveCosts(config, options.training, Median(tokens), Median(rows[0]), !rows[0].empty(),

@@ -10,8 +10,9 @@
 //            takes them back (a dispatch and a combine of an EP buffer on the layer's transport
 //            backend and device, with the layer's timeout), all ranks at once: inside its node
 //            (the next rank of its node) and across nodes (the rank of the same place in the next
-//            node); with a flat topology every link is one class, taken as inter-node. A row's
-//            time on a class is the median over repetitions of (dispatch + combine) / 2 / rows.
+//            node; ProbePartners); with a flat topology every link is one class, taken as
+//            inter-node. A row's time on a class is the median over repetitions of
+//            (dispatch + combine) / 2 / rows.
 //
 // Every figure is then the median over the ranks that measured it (the same on every rank; an
 // even count takes the mean of the two middle values), and the planner's costs follow:
@@ -28,6 +29,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "moonep/runtime/communicator.h"
@@ -52,6 +54,13 @@ struct MeasuredCosts {
   int64_t replica_cost_intra = 0, replica_cost_inter = 0;
   int64_t row_cost_intra = 0, row_cost_inter = 0;
 };
+
+// The partner of every rank on one link class: inside its node (the next rank of the node, a
+// ring), or across nodes (the rank at the same place in the next node, the last node wrapping to
+// the first; flat: the next rank); a rank with no partner of that class (alone in its node, or its
+// place past the next node's size) is its own and measures nothing there. No rank has two
+// senders other than itself.
+std::vector<int32_t> ProbePartners(int32_t num_ranks, int32_t ranks_per_node, bool intra);
 
 // Local checks of the options (InvalidArgument naming the field).
 absl::Status CheckCostProbeOptions(const CostProbeOptions& options);

@@ -842,8 +842,6 @@ TEST_F(CApiTest, BadConfigsFailOnEveryRank) {
   EXPECT_EQ(moonepLayerDestroy(layer), moonepSuccess);
 }
 
-// One rank's receive capacity too small for a step: every rank fails with OutOfMemory naming that
-// rank, before anything moves, and the layer and the EP buffer stay usable (a step that fits runs).
 // The cost probe through the C API (0.4.0): the struct filled the same on every rank and its costs
 // accepted by moonepLayerCreate; arguments it cannot read on one rank fail every rank at once.
 TEST_F(CApiTest, MeasureCostsFillsTheSameCostsEverywhereAndRefusesBadArguments) {
@@ -877,10 +875,22 @@ TEST_F(CApiTest, MeasureCostsFillsTheSameCostsEverywhereAndRefusesBadArguments) 
   moonepLayer_t layer = nullptr;
   ASSERT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepSuccess) << moonepGetLastError(comm_);
   EXPECT_EQ(moonepLayerDestroy(layer), moonepSuccess);
-  // Default options (NULL), forward only through options with zero fields.
+  // Forward only, with the default rows and repetitions (zero fields), into a struct of a newer
+  // caller (larger size: this library's fields written, size set to their count, the rest kept).
   c = Config(moonepPolicyMoonEP);
-  moonepCostProbeOptions_t fwd = {sizeof(moonepCostProbeOptions_t), 16, 16, 1, 1};
-  EXPECT_EQ(moonepMeasureCosts(comm_, &c, &fwd, &m), moonepSuccess) << moonepGetLastError(comm_);
+  moonepCostProbeOptions_t fwd = {sizeof(moonepCostProbeOptions_t), 0, 0, 0, 1};
+  struct {
+    moonepMeasuredCosts_t costs;
+    char newer[16];
+  } big;
+  std::memset(&big, 0x5a, sizeof(big));
+  big.costs.size = sizeof(big);
+  ASSERT_EQ(moonepMeasureCosts(comm_, &c, &fwd, &big.costs), moonepSuccess)
+      << moonepGetLastError(comm_);
+  EXPECT_EQ(big.costs.size, sizeof(moonepMeasuredCosts_t));
+  EXPECT_GT(big.costs.token_seconds, 0);
+  EXPECT_EQ(big.costs.ranks, size());
+  for (char b : big.newer) EXPECT_EQ(b, 0x5a);
 
   // Unreadable arguments on the last rank: moonepInvalidArgument there, moonepRemoteError
   // naming it on the others, and no wait for the timeout.
@@ -925,6 +935,8 @@ TEST_F(CApiTest, MeasureCostsFillsTheSameCostsEverywhereAndRefusesBadArguments) 
       << moonepGetLastError(comm_);
 }
 
+// One rank's receive capacity too small for a step: every rank fails with OutOfMemory naming that
+// rank, before anything moves, and the layer and the EP buffer stay usable (a step that fits runs).
 TEST_F(CApiTest, CapacityOverflowOnOneRankFailsEveryRankAndStaysUsable) {
   const int small = size() - 1;
   moonepLayerConfig_t c = Config(moonepPolicyNone);

@@ -98,6 +98,56 @@ TEST(CostProbeDerive, OptionsAreChecked) {
   EXPECT_NE(runtime::CheckCostProbeOptions(o).message().find("repetitions"), std::string::npos);
 }
 
+// Every rank's partner against the topology, for every size and node size up to 17: intra
+// partners share the node, inter partners do not, a rank is its own partner exactly where it has
+// none of that class, and no rank receives from two others (a shared link would be timed).
+TEST(CostProbePartners, LieInTheirClassAndNoRankReceivesTwice) {
+  for (int32_t R = 1; R <= 17; ++R) {
+    for (int32_t rpn = 0; rpn <= R + 1; ++rpn) {
+      const int32_t node = rpn == 0 || rpn >= R ? R : rpn;
+      auto node_of = [&](int32_t r) { return r / node; };
+      const int32_t nodes = (R + node - 1) / node;
+      for (bool intra : {true, false}) {
+        const std::vector<int32_t> d = runtime::ProbePartners(R, rpn, intra);
+        ASSERT_EQ(static_cast<int32_t>(d.size()), R);
+        std::vector<int> senders(R, 0);
+        int measuring = 0;
+        for (int32_t r = 0; r < R; ++r) {
+          ASSERT_GE(d[r], 0);
+          ASSERT_LT(d[r], R);
+          if (d[r] == r) continue;
+          ++measuring;
+          ++senders[d[r]];
+          if (rpn == 0) {
+            EXPECT_FALSE(intra) << "flat: one class, inter";
+          } else if (intra) {
+            EXPECT_EQ(node_of(d[r]), node_of(r)) << R << " " << rpn << " rank " << r;
+          } else {
+            EXPECT_NE(node_of(d[r]), node_of(r)) << R << " " << rpn << " rank " << r;
+          }
+        }
+        for (int32_t r = 0; r < R; ++r) EXPECT_LE(senders[r], 1) << R << " " << rpn << " " << r;
+        // Who measures: intra, every rank of a node of two or more; inter, with two nodes or more
+        // (flat: two ranks or more), at least the places both nodes have.
+        int32_t want = 0;
+        for (int32_t r = 0; r < R; ++r) {
+          const int32_t base = node_of(r) * node, here = std::min(node, R - base);
+          if (intra && rpn > 0) want += here >= 2;
+        }
+        if (intra) {
+          EXPECT_EQ(measuring, want) << R << " " << rpn;
+        } else if (rpn == 0) {
+          EXPECT_EQ(measuring, R >= 2 ? R : 0);
+        } else if (nodes >= 2) {
+          EXPECT_GE(measuring, 2 * std::min(node, R - (nodes - 1) * node)) << R << " " << rpn;
+        } else {
+          EXPECT_EQ(measuring, 0);
+        }
+      }
+    }
+  }
+}
+
 class CostProbeTest : public MpiTest {
  protected:
   void SetUp() override {

@@ -355,6 +355,9 @@ typedef struct {
   int repetitions;       /* timed runs of each measurement, at most 1000; 0: 5 */
   int forward_only;      /* nonzero: time the forward only, and count weights, not gradients */
 } moonepCostProbeOptions_t;
+/* The smallest size accepted (0.4.0's struct; later versions only append fields). */
+#define MOONEP_COST_PROBE_OPTIONS_MIN_SIZE \
+  (offsetof(moonepCostProbeOptions_t, forward_only) + sizeof(int))
 
 /* The probe's figures (medians over ranks, the same on every rank) and the costs they give. */
 typedef struct {
@@ -368,6 +371,10 @@ typedef struct {
   int64_t replica_cost_intra, replica_cost_inter;  /* for moonepLayerConfig_t (tokens) */
   int64_t row_cost_intra, row_cost_inter;          /* (1/1024 tokens) */
 } moonepMeasuredCosts_t;
+/* The smallest size accepted. min(size, the library's sizeof) bytes are written and size is set to
+ * that count, so a newer caller learns which of its fields were filled. */
+#define MOONEP_MEASURED_COSTS_MIN_SIZE \
+  (offsetof(moonepMeasuredCosts_t, row_cost_inter) + sizeof(int64_t))
 
 /* [collective] Measures what a layer of `config` costs on this communicator's ranks and links,
  * for its replica_cost_* and row_cost_* fields: each rank times its executor on one expert of the
@@ -375,7 +382,8 @@ typedef struct {
  * one in the next node over the config's transport, all at once; the medians over ranks give the
  * costs (formulas in docs/runtime.md). The config must be one moonepLayerCreate accepts, the same
  * on every rank, and so must the options. Allocates its own buffers (one expert's weights and
- * gradients, 4 x compute_rows rows, link_rows rows received per rank) and frees them; touches no
+ * gradients, 4 x compute_rows rows, link_rows rows received per rank; host buffers checked against
+ * the node's memory first) and frees them; touches no
  * layer and writes nothing to the routing trace. A rank whose config or options are bad fails it
  * on every rank (moonepInvalidArgument there, moonepRemoteError naming it elsewhere); a peer that
  * does not join fails it with moonepTimeout naming the phase and the peers. Copy the four costs
