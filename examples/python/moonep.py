@@ -263,21 +263,35 @@ def measure_costs(comm, num_experts, top_k, hidden, intermediate, max_tokens, po
     if version() < 400:
         raise ValueError(f"measure_costs needs libmoonep 0.4.0 or later; the loaded library is "
                          f"{version() // 10000}.{version() // 100 % 100}.{version() % 100}")
+    bad = None
     if device not in ("cpu", "cuda"):
-        raise ValueError("device must be 'cpu' or 'cuda'")
-    if policy not in _POLICIES:
-        raise ValueError(f"policy {policy!r} is not one of {sorted(_POLICIES)}")
-    c = _LayerConfig(size=ctypes.sizeof(_LayerConfig), magic=_CONFIG_MAGIC, version=version(),
-                     num_experts=num_experts, top_k=top_k, hidden=hidden,
-                     intermediate=intermediate, dtype=_FLOAT32, grad_dtype=_FLOAT32, slots=slots,
-                     pad_multiple=1, policy=_POLICIES[policy],
-                     device=1 if device == "cuda" else 0, device_index=device_index,
-                     max_tokens=max_tokens, max_recv_rows=0, max_inflight=1, layer_id=-1,
-                     num_threads=num_threads, ranks_per_node=ranks_per_node, eplb_period=1,
-                     transport=None)
-    o = _CostProbeOptions(size=ctypes.sizeof(_CostProbeOptions), compute_rows=compute_rows,
-                          link_rows=link_rows, repetitions=repetitions,
-                          forward_only=1 if forward_only else 0)
+        bad = ValueError("device must be 'cpu' or 'cuda'")
+    elif policy not in _POLICIES:
+        bad = ValueError(f"policy {policy!r} is not one of {sorted(_POLICIES)}")
+    try:
+        c = _LayerConfig(size=ctypes.sizeof(_LayerConfig), magic=_CONFIG_MAGIC, version=version(),
+                         num_experts=num_experts, top_k=top_k, hidden=hidden,
+                         intermediate=intermediate, dtype=_FLOAT32, grad_dtype=_FLOAT32,
+                         slots=slots, pad_multiple=1, policy=_POLICIES.get(policy, -1),
+                         device=1 if device == "cuda" else 0, device_index=device_index,
+                         max_tokens=max_tokens, max_recv_rows=0, max_inflight=1, layer_id=-1,
+                         num_threads=num_threads, ranks_per_node=ranks_per_node, eplb_period=1,
+                         transport=None)
+        o = _CostProbeOptions(size=ctypes.sizeof(_CostProbeOptions), compute_rows=compute_rows,
+                              link_rows=link_rows, repetitions=repetitions,
+                              forward_only=1 if forward_only else 0)
+    except TypeError as e:  # a number that is not an integer
+        bad = bad or ValueError(f"measure_costs: {e}")
+        c = _LayerConfig(size=ctypes.sizeof(_LayerConfig), magic=_CONFIG_MAGIC,
+                         version=version(), policy=-1)
+        o = _CostProbeOptions(size=ctypes.sizeof(_CostProbeOptions))
+    if bad is not None:
+        # The probe is collective: join it with a config MoonEP refuses (policy -1), so that every
+        # rank fails at once instead of waiting for this one.
+        c.policy = -1
+        m = _MeasuredCosts(size=ctypes.sizeof(_MeasuredCosts))
+        _lib().moonepMeasureCosts(comm._h, ctypes.byref(c), ctypes.byref(o), ctypes.byref(m))
+        raise bad
     m = _MeasuredCosts(size=ctypes.sizeof(_MeasuredCosts))
     _check("moonepMeasureCosts", _lib().moonepMeasureCosts(comm._h, ctypes.byref(c),
                                                            ctypes.byref(o), ctypes.byref(m)))

@@ -84,6 +84,23 @@ def main():
 
     expect(ValueError, "policy 'balanced' is not one of",
            lambda: moonep.Layer(comm, E, K, H, I, T, policy="balanced"))
+    # The cost probe: a bad argument on one rank fails every rank at once (the peers' MoonEPError
+    # names the rank), then a good probe runs; costs and cost arguments together are refused.
+    probe = dict(num_experts=E, top_k=K, hidden=H, intermediate=I, max_tokens=T, num_threads=1,
+                 compute_rows=8, link_rows=8, repetitions=1)
+    if rank == R - 1:
+        expect(ValueError, "policy 'balanced' is not one of",
+               lambda: moonep.measure_costs(comm, **dict(probe, policy="balanced")))
+    elif R > 1:
+        expect(moonep.MoonEPError, f"rank {R - 1}", lambda: moonep.measure_costs(comm, **probe))
+    costs = moonep.measure_costs(comm, **probe)
+    if sorted(k for k in costs if k in moonep.COST_FIELDS) != sorted(moonep.COST_FIELDS):
+        failures.append(f"measure_costs returned {sorted(costs)}")
+    expect(ValueError, "pass either costs",
+           lambda: moonep.Layer(comm, E, K, H, I, T, costs=costs, replica_cost_inter=5))
+    expect(ValueError, "costs lacks ['row_cost_inter']",
+           lambda: moonep.Layer(comm, E, K, H, I, T,
+                                costs={k: 1 for k in moonep.COST_FIELDS[:3]}))
     layer = moonep.Layer(comm, num_experts=E, top_k=K, hidden=H, intermediate=I, max_tokens=T,
                          num_threads=1)
 
