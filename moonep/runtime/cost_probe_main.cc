@@ -14,6 +14,7 @@
 #include "moonep/core/env.h"
 #include "moonep/runtime/communicator.h"
 #include "moonep/runtime/cost_probe.h"
+#include "moonep/runtime/tool_args.h"
 
 namespace {
 
@@ -28,11 +29,7 @@ constexpr const char* kUsage =
 
 bool ParseArgs(int argc, char** argv, LayerConfig* c, CostProbeOptions* o, std::string* error) {
   int64_t rpn = 0, threads = 0, reps = o->repetitions, fwd = 0;
-  struct IntFlag {
-    const char* name;
-    int64_t lo, hi;
-    int64_t* value;
-  };
+  using moonep::runtime::IntFlag;
   const IntFlag ints[] = {{"--hidden", 1, 1 << 20, &c->hidden},
                           {"--inter", 1, 1 << 20, &c->intermediate},
                           {"--ranks-per-node", 0, 1 << 20, &rpn},
@@ -41,26 +38,9 @@ bool ParseArgs(int argc, char** argv, LayerConfig* c, CostProbeOptions* o, std::
                           {"--repetitions", 1, 1000, &reps},
                           {"--forward-only", 0, 1, &fwd},
                           {"--threads", 0, 1024, &threads}};
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (arg == "--help" || arg == "-h") {
-      *error = kUsage;
-      return false;
-    }
-    if (i + 1 >= argc) {
-      *error = "missing value after " + arg + "\n" + kUsage;
-      return false;
-    }
-    const std::string v = argv[++i];
-    const IntFlag* flag = nullptr;
-    for (const IntFlag& f : ints) flag = arg == f.name ? &f : flag;
-    if (flag != nullptr) {
-      if (!moonep::env::ParseBase10InRange(v.c_str(), flag->lo, flag->hi, flag->value)) {
-        *error = arg + " " + v + ": expected a whole number in [" + std::to_string(flag->lo) +
-                 ", " + std::to_string(flag->hi) + "]";
-        return false;
-      }
-    } else if (arg == "--dtype" || arg == "--grad-dtype") {
+  auto other = [c](const std::string& arg, const std::string& v, std::string* error) {
+    *error = "";
+    if (arg == "--dtype" || arg == "--grad-dtype") {
       if (v != "fp32" && v != "bf16") {
         *error = arg + " " + v + ": expected fp32 or bf16";
         return false;
@@ -76,10 +56,11 @@ bool ParseArgs(int argc, char** argv, LayerConfig* c, CostProbeOptions* o, std::
     } else if (arg == "--transport") {
       c->transport = v;
     } else {
-      *error = "unknown option " + arg + "\n" + kUsage;
       return false;
     }
-  }
+    return true;
+  };
+  if (!moonep::runtime::ParseToolArgs(argc, argv, ints, kUsage, other, error)) return false;
   c->ranks_per_node = static_cast<int32_t>(rpn);
   c->num_threads = static_cast<int32_t>(threads);
   o->repetitions = static_cast<int32_t>(reps);
@@ -167,12 +148,4 @@ int Run(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  int provided = 0;
-  MPI_Init_thread(&argc, &argv, MPI_THREAD_SERIALIZED, &provided);
-  int rc = Run(argc, argv);
-  int worst = 0;
-  MPI_Allreduce(&rc, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  MPI_Finalize();
-  return worst;
-}
+int main(int argc, char** argv) { return moonep::runtime::RunToolUnderMpi(argc, argv, Run); }

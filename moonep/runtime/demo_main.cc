@@ -25,6 +25,7 @@
 #include "moonep/runtime/communicator.h"
 #include "moonep/runtime/cost_probe.h"
 #include "moonep/runtime/moe_layer.h"
+#include "moonep/runtime/tool_args.h"
 
 namespace {
 
@@ -55,11 +56,7 @@ bool ParseArgs(int argc, char** argv, Options* o, std::string* error) {
       "  [--row-cost N] [--measure-costs ROWS]";
   // name, target, bounds: the demo checks every step against an fp64 reference of the whole
   // layer on every rank, so its sizes are those of a demonstration, not of a model.
-  struct IntFlag {
-    const char* name;
-    int64_t lo, hi;
-    int64_t* value;
-  };
+  using moonep::runtime::IntFlag;
   int64_t steps = o->steps, epn = o->experts_per_rank, topk = o->topk;
   const IntFlag ints[] = {{"--steps", 1, 1000000, &steps},
                           {"--tokens", 1, 1 << 20, &o->tokens},
@@ -70,26 +67,9 @@ bool ParseArgs(int argc, char** argv, Options* o, std::string* error) {
                           {"--replica-cost", 0, moonep::planner::kMaxReplicaCost, &o->replica_cost},
                           {"--row-cost", 0, moonep::planner::kMaxRowCost, &o->row_cost},
                           {"--measure-costs", 0, 1 << 20, &o->measure_rows}};
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (arg == "--help" || arg == "-h") {
-      *error = kUsage;
-      return false;
-    }
-    if (i + 1 >= argc) {
-      *error = "missing value after " + arg + "\n" + kUsage;
-      return false;
-    }
-    const std::string v = argv[++i];
-    const IntFlag* flag = nullptr;
-    for (const IntFlag& f : ints) flag = arg == f.name ? &f : flag;
-    if (flag != nullptr) {
-      if (!moonep::env::ParseBase10InRange(v.c_str(), flag->lo, flag->hi, flag->value)) {
-        *error = arg + " " + v + ": expected a whole number in [" + std::to_string(flag->lo) +
-                 ", " + std::to_string(flag->hi) + "]";
-        return false;
-      }
-    } else if (arg == "--zipf") {
+  auto other = [o](const std::string& arg, const std::string& v, std::string* error) {
+    *error = "";
+    if (arg == "--zipf") {
       char* end = nullptr;
       const double z = std::strtod(v.c_str(), &end);
       if (v.empty() || *end != '\0' || !std::isfinite(z) || z < 0 || z > 100) {
@@ -109,10 +89,11 @@ bool ParseArgs(int argc, char** argv, Options* o, std::string* error) {
         return false;
       }
     } else {
-      *error = "unknown option " + arg + "\n" + kUsage;
       return false;
     }
-  }
+    return true;
+  };
+  if (!moonep::runtime::ParseToolArgs(argc, argv, ints, kUsage, other, error)) return false;
   if (o->measure_rows > 0 && (o->replica_cost > 0 || o->row_cost > 0)) {
     *error = "--measure-costs measures the costs that --replica-cost and --row-cost give: pass "
              "one or the others";
@@ -454,12 +435,4 @@ int Run(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  int provided = 0;
-  MPI_Init_thread(&argc, &argv, MPI_THREAD_SERIALIZED, &provided);
-  int rc = Run(argc, argv);
-  int worst = 0;
-  MPI_Allreduce(&rc, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  MPI_Finalize();
-  return worst;
-}
+int main(int argc, char** argv) { return moonep::runtime::RunToolUnderMpi(argc, argv, Run); }
