@@ -63,7 +63,8 @@ class _MeasuredCosts(ctypes.Structure):
                 ("intra_measured", ctypes.c_int), ("inter_measured", ctypes.c_int),
                 ("ranks", ctypes.c_int),
                 ("replica_cost_intra", ctypes.c_int64), ("replica_cost_inter", ctypes.c_int64),
-                ("row_cost_intra", ctypes.c_int64), ("row_cost_inter", ctypes.c_int64)]
+                ("row_cost_intra", ctypes.c_int64), ("row_cost_inter", ctypes.c_int64),
+                ("compute_rows", ctypes.c_int64), ("link_rows", ctypes.c_int64)]
 
 
 COST_FIELDS = ("replica_cost_intra", "replica_cost_inter", "row_cost_intra", "row_cost_inter")
@@ -259,7 +260,8 @@ def measure_costs(comm, num_experts, top_k, hidden, intermediate, max_tokens, po
     returns the same dict on every rank: token_seconds, row_seconds_intra / _inter (0: not
     measured), intra_measured, inter_measured, ranks, and the four costs of Layer (COST_FIELDS;
     pass the dict as Layer(costs=...)). The layer arguments are Layer's and must be the same on
-    every rank; 0 for compute_rows, link_rows, repetitions: the defaults (512, 512, 5)."""
+    every rank; 0 for compute_rows, link_rows, repetitions: the defaults (512 rows on the CPU, 4096
+    on a GPU; 5 repetitions); compute_rows and link_rows in the dict are the rows timed."""
     if version() < 400:
         raise ValueError(f"measure_costs needs libmoonep 0.4.0 or later; the loaded library is "
                          f"{version() // 10000}.{version() // 100 % 100}.{version() % 100}")

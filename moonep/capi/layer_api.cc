@@ -229,8 +229,8 @@ moonepResult_t moonepMeasureCosts(moonepComm_t comm, const moonepLayerConfig_t* 
             "set it to sizeof(moonepCostProbeOptions_t)",
             options->size, MOONEP_COST_PROBE_OPTIONS_MIN_SIZE);
       } else {
-        if (options->compute_rows != 0) o.compute_rows = options->compute_rows;
-        if (options->link_rows != 0) o.link_rows = options->link_rows;
+        o.compute_rows = options->compute_rows;  // 0: the device's default, as in C++
+        o.link_rows = options->link_rows;
         if (options->repetitions != 0) o.repetitions = options->repetitions;
         o.training = options->forward_only == 0;
       }
@@ -255,6 +255,8 @@ moonepResult_t moonepMeasureCosts(moonepComm_t comm, const moonepLayerConfig_t* 
     out.replica_cost_inter = m.replica_cost_inter;
     out.row_cost_intra = m.row_cost_intra;
     out.row_cost_inter = m.row_cost_inter;
+    out.compute_rows = m.compute_rows;
+    out.link_rows = m.link_rows;
     std::memcpy(costs, &out, out.size);
     return absl::OkStatus();
   });

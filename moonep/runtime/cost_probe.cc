@@ -233,12 +233,15 @@ std::vector<int32_t> ProbePartners(int32_t R, int32_t ranks_per_node, bool intra
   return dest;
 }
 
+int64_t DefaultProbeRows(Device device) { return device == Device::kCpu ? 512 : 4096; }
+
 absl::Status CheckCostProbeOptions(const CostProbeOptions& o) {
-  MOONEP_CHECK_ARG(o.compute_rows >= 1 && o.compute_rows <= kMaxProbeRows,
-                   "cost probe: compute_rows is %d; must be in [1, %d]", o.compute_rows,
+  MOONEP_CHECK_ARG(o.compute_rows >= 0 && o.compute_rows <= kMaxProbeRows,
+                   "cost probe: compute_rows is %d; must be in [0, %d] (0: the default)",
+                   o.compute_rows, kMaxProbeRows);
+  MOONEP_CHECK_ARG(o.link_rows >= 0 && o.link_rows <= kMaxProbeRows,
+                   "cost probe: link_rows is %d; must be in [0, %d] (0: the default)", o.link_rows,
                    kMaxProbeRows);
-  MOONEP_CHECK_ARG(o.link_rows >= 1 && o.link_rows <= kMaxProbeRows,
-                   "cost probe: link_rows is %d; must be in [1, %d]", o.link_rows, kMaxProbeRows);
   MOONEP_CHECK_ARG(o.repetitions >= 1 && o.repetitions <= kMaxRepetitions,
                    "cost probe: repetitions is %d; must be in [1, %d]", o.repetitions,
                    kMaxRepetitions);
@@ -288,11 +291,15 @@ void ApplyCosts(const MeasuredCosts& costs, LayerConfig* config) {
 }
 
 absl::StatusOr<MeasuredCosts> MeasureCosts(Communicator* comm, const LayerConfig& config,
-                                           const CostProbeOptions& options) {
+                                           const CostProbeOptions& given) {
   if (comm == nullptr) return InvalidArgument("cost probe: comm is null");
   const int32_t R = comm->size();
   absl::Status local = CheckLayerConfig(config, R, /*need_executor=*/true);
-  if (local.ok()) local = CheckCostProbeOptions(options);
+  if (local.ok()) local = CheckCostProbeOptions(given);
+  // The defaults by device (the device is agreed below, so every rank resolves them alike).
+  CostProbeOptions options = given;
+  if (options.compute_rows == 0) options.compute_rows = DefaultProbeRows(config.device);
+  if (options.link_rows == 0) options.link_rows = DefaultProbeRows(config.device);
   if (local.ok()) local = UseDevice(config.device, config.device_index);
   MOONEP_RETURN_IF_ERROR(AgreeOnConfig(comm, config, local, "cost probe"));
   // The options decide how many collective steps follow: they must be the same on every rank.
@@ -414,8 +421,11 @@ absl::StatusOr<MeasuredCosts> MeasureCosts(Communicator* comm, const LayerConfig
       if (pairings[c].measures(r)) rows[c].push_back(f.row_seconds[c]);
     }
   }
-  return DeriveCosts(config, options.training, Median(tokens), Median(rows[0]), !rows[0].empty(),
-                     Median(rows[1]), !rows[1].empty(), R);
+  MeasuredCosts m = DeriveCosts(config, options.training, Median(tokens), Median(rows[0]),
+                                !rows[0].empty(), Median(rows[1]), !rows[1].empty(), R);
+  m.compute_rows = options.compute_rows;
+  m.link_rows = options.link_rows;
+  return m;
 }
 
 }  // namespace moonep::runtime

@@ -37,9 +37,14 @@
 
 namespace moonep::runtime {
 
+// The rows the probe times when its options leave them 0: 512 on the CPU, 4096 on a GPU (where a
+// rank's expert groups in a step hold thousands of rows, and fewer run the GEMMs below their rate:
+// docs/runtime.md "Measured costs").
+int64_t DefaultProbeRows(Device device);
+
 struct CostProbeOptions {
-  int64_t compute_rows = 512;  // rows of the timed expert, in [1, 2^20]
-  int64_t link_rows = 512;     // rows each rank sends to its partner, in [1, 2^20]
+  int64_t compute_rows = 0;    // rows of the timed expert, in [0, 2^20]; 0: DefaultProbeRows
+  int64_t link_rows = 0;       // rows each rank sends to its partner, in [0, 2^20]; 0: the same
   int32_t repetitions = 5;     // timed runs of each measurement (after one untimed), in [1, 1000]
   bool training = true;        // forward and backward (else forward only)
 };
@@ -50,6 +55,7 @@ struct MeasuredCosts {
   double row_seconds_intra = 0, row_seconds_inter = 0;
   bool intra_measured = false, inter_measured = false;
   int32_t ranks = 0;  // ranks that took part
+  int64_t compute_rows = 0, link_rows = 0;  // the rows timed (the options', defaults resolved)
   // The planner's costs (LayerConfig / PlannerConfig units).
   int64_t replica_cost_intra = 0, replica_cost_inter = 0;
   int64_t row_cost_intra = 0, row_cost_inter = 0;

@@ -33,8 +33,8 @@ bool ParseArgs(int argc, char** argv, LayerConfig* c, CostProbeOptions* o, std::
   const IntFlag ints[] = {{"--hidden", 1, 1 << 20, &c->hidden},
                           {"--inter", 1, 1 << 20, &c->intermediate},
                           {"--ranks-per-node", 0, 1 << 20, &rpn},
-                          {"--compute-rows", 1, 1 << 20, &o->compute_rows},
-                          {"--link-rows", 1, 1 << 20, &o->link_rows},
+                          {"--compute-rows", 0, 1 << 20, &o->compute_rows},
+                          {"--link-rows", 0, 1 << 20, &o->link_rows},
                           {"--repetitions", 1, 1000, &reps},
                           {"--forward-only", 0, 1, &fwd},
                           {"--threads", 0, 1024, &threads}};
@@ -124,7 +124,7 @@ int Run(int argc, char** argv) {
   // forward GEMMs, as the layer's does (it keeps no pre-activations).
   std::printf("  token      %10.3f us   (%.1f effective %s; median of the ranks, %ld rows)\n",
               m->token_seconds * 1e6, rate >= 1e12 ? rate / 1e12 : rate / 1e9,
-              rate >= 1e12 ? "TFLOP/s" : "GFLOP/s", static_cast<long>(options.compute_rows));
+              rate >= 1e12 ? "TFLOP/s" : "GFLOP/s", static_cast<long>(m->compute_rows));
   const char* names[2] = {"intra-node", "inter-node"};
   const double seconds[2] = {m->row_seconds_intra, m->row_seconds_inter};
   const bool measured[2] = {m->intra_measured, m->inter_measured};
@@ -132,7 +132,7 @@ int Run(int argc, char** argv) {
     if (measured[c]) {
       std::printf("  row %s %8.3f us   (%.2f GB/s one way; %ld rows to a partner)\n", names[c],
                   seconds[c] * 1e6, row_bytes / seconds[c] / 1e9,
-                  static_cast<long>(options.link_rows));
+                  static_cast<long>(m->link_rows));
     } else {
       std::printf("  row %s   not measured (%s)\n", names[c],
                   m->ranks == 1 ? "one rank" : "no two ranks of this class; the other class's "

@@ -853,6 +853,8 @@ TEST_F(CApiTest, MeasureCostsFillsTheSameCostsEverywhereAndRefusesBadArguments) 
   ASSERT_EQ(moonepMeasureCosts(comm_, &c, &o, &m), moonepSuccess) << moonepGetLastError(comm_);
   EXPECT_EQ(m.size, sizeof(m));
   EXPECT_EQ(m.ranks, size());
+  EXPECT_EQ(m.compute_rows, 32);
+  EXPECT_EQ(m.link_rows, 32);
   EXPECT_GT(m.token_seconds, 0);
   EXPECT_EQ(m.intra_measured, 0);  // flat
   EXPECT_EQ(m.inter_measured, size() > 1 ? 1 : 0);
@@ -890,6 +892,8 @@ TEST_F(CApiTest, MeasureCostsFillsTheSameCostsEverywhereAndRefusesBadArguments) 
   EXPECT_EQ(big.costs.size, sizeof(moonepMeasuredCosts_t));
   EXPECT_GT(big.costs.token_seconds, 0);
   EXPECT_EQ(big.costs.ranks, size());
+  EXPECT_EQ(big.costs.compute_rows, 512);  // the CPU's default
+  EXPECT_EQ(big.costs.link_rows, 512);
   for (char b : big.newer) EXPECT_EQ(b, 0x5a);
 
   // Unreadable arguments on the last rank: moonepInvalidArgument there, moonepRemoteError

@@ -88,7 +88,11 @@ TEST(CostProbeDerive, UnmeasuredClassesAndLimits) {
 TEST(CostProbeDerive, OptionsAreChecked) {
   CostProbeOptions o;
   EXPECT_TRUE(runtime::CheckCostProbeOptions(o).ok());
-  o.compute_rows = 0;
+  o.compute_rows = 0;  // the device's default
+  EXPECT_TRUE(runtime::CheckCostProbeOptions(o).ok());
+  EXPECT_EQ(runtime::DefaultProbeRows(Device::kCpu), 512);
+  EXPECT_EQ(runtime::DefaultProbeRows(Device::kCuda), 4096);
+  o.compute_rows = -1;
   EXPECT_NE(runtime::CheckCostProbeOptions(o).message().find("compute_rows"), std::string::npos);
   o = {};
   o.link_rows = (int64_t{1} << 20) + 1;
@@ -205,6 +209,8 @@ TEST_F(CostProbeTest, MeasuresTheTopologysClassesAndAgrees) {
   ASSERT_TRUE(m.ok()) << m.status();
   ExpectSameOnEveryRank(*m);
   EXPECT_EQ(m->ranks, size());
+  EXPECT_EQ(m->compute_rows, 64);
+  EXPECT_EQ(m->link_rows, 48);
   EXPECT_TRUE(std::isfinite(m->token_seconds));
   EXPECT_GT(m->token_seconds, 0);
   EXPECT_EQ(m->intra_measured, size() >= 2);
@@ -237,13 +243,19 @@ TEST_F(CostProbeTest, MeasuresTheTopologysClassesAndAgrees) {
   EXPECT_GT(f->token_seconds, 0);
 }
 
-// Flat: one class, taken as inter; intra copies it.
+// Flat: one class, taken as inter; intra copies it. Rows left 0: the CPU's default.
 TEST_F(CostProbeTest, FlatTopologyMeasuresOneClass) {
-  auto m = MeasureCosts(comm_.get(), Config(/*ranks_per_node=*/0), Small());
+  CostProbeOptions o = Small();
+  o.compute_rows = 0;
+  o.link_rows = 0;
+  o.repetitions = 1;
+  auto m = MeasureCosts(comm_.get(), Config(/*ranks_per_node=*/0), o);
   ASSERT_TRUE(m.ok()) << m.status();
   ExpectSameOnEveryRank(*m);
   EXPECT_FALSE(m->intra_measured);
   EXPECT_EQ(m->inter_measured, size() >= 2);
+  EXPECT_EQ(m->compute_rows, runtime::DefaultProbeRows(Device::kCpu));
+  EXPECT_EQ(m->link_rows, runtime::DefaultProbeRows(Device::kCpu));
   EXPECT_EQ(m->replica_cost_intra, m->replica_cost_inter);
   EXPECT_EQ(m->row_cost_intra, m->row_cost_inter);
 }

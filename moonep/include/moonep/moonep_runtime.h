@@ -350,8 +350,9 @@ MOONEP_API moonepResult_t moonepLayerGetMemory(moonepLayer_t layer, size_t* laye
  * field: the default. */
 typedef struct {
   size_t size;           /* sizeof(moonepCostProbeOptions_t) */
-  int64_t compute_rows;  /* rows of the timed expert, at most 2^20; 0: 512 */
-  int64_t link_rows;     /* rows each rank sends its partner, at most 2^20; 0: 512 */
+  int64_t compute_rows;  /* rows of the timed expert, at most 2^20; 0: 512 on the CPU, 4096 on
+                            a GPU */
+  int64_t link_rows;     /* rows each rank sends its partner, at most 2^20; 0: as compute_rows */
   int repetitions;       /* timed runs of each measurement, at most 1000; 0: 5 */
   int forward_only;      /* nonzero: time the forward only, and count weights, not gradients */
 } moonepCostProbeOptions_t;
@@ -370,11 +371,12 @@ typedef struct {
   int ranks;
   int64_t replica_cost_intra, replica_cost_inter;  /* for moonepLayerConfig_t (tokens) */
   int64_t row_cost_intra, row_cost_inter;          /* (1/1024 tokens) */
+  int64_t compute_rows, link_rows;                 /* the rows timed, defaults resolved */
 } moonepMeasuredCosts_t;
 /* The smallest size accepted. min(size, the library's sizeof) bytes are written and size is set to
  * that count, so a newer caller learns which of its fields were filled. */
 #define MOONEP_MEASURED_COSTS_MIN_SIZE \
-  (offsetof(moonepMeasuredCosts_t, row_cost_inter) + sizeof(int64_t))
+  (offsetof(moonepMeasuredCosts_t, link_rows) + sizeof(int64_t))
 
 /* [collective] Measures what a layer of `config` costs on this communicator's ranks and links,
  * for its replica_cost_* and row_cost_* fields: each rank times its executor on one expert of the
