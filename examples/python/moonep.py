@@ -54,7 +54,7 @@ class _LayerConfig(ctypes.Structure):
 class _CostProbeOptions(ctypes.Structure):
     _fields_ = [("size", ctypes.c_size_t), ("compute_rows", ctypes.c_int64),
                 ("link_rows", ctypes.c_int64), ("repetitions", ctypes.c_int),
-                ("forward_only", ctypes.c_int)]
+                ("forward_only", ctypes.c_int), ("transfer_rows", ctypes.c_int64)]
 
 
 class _MeasuredCosts(ctypes.Structure):
@@ -64,7 +64,9 @@ class _MeasuredCosts(ctypes.Structure):
                 ("ranks", ctypes.c_int),
                 ("replica_cost_intra", ctypes.c_int64), ("replica_cost_inter", ctypes.c_int64),
                 ("row_cost_intra", ctypes.c_int64), ("row_cost_inter", ctypes.c_int64),
-                ("compute_rows", ctypes.c_int64), ("link_rows", ctypes.c_int64)]
+                ("compute_rows", ctypes.c_int64), ("link_rows", ctypes.c_int64),
+                ("transfer_seconds_intra", ctypes.c_double),
+                ("transfer_seconds_inter", ctypes.c_double), ("transfer_rows", ctypes.c_int64)]
 
 
 COST_FIELDS = ("replica_cost_intra", "replica_cost_inter", "row_cost_intra", "row_cost_inter")
@@ -254,14 +256,15 @@ class Comm:
 
 def measure_costs(comm, num_experts, top_k, hidden, intermediate, max_tokens, policy="moonep",
                   slots=-1, num_threads=0, device="cpu", device_index=0, ranks_per_node=0,
-                  compute_rows=0, link_rows=0, repetitions=0, forward_only=False):
+                  compute_rows=0, link_rows=0, repetitions=0, forward_only=False, transfer_rows=0):
     """[collective] The cost probe (libmoonep 0.4.0; docs/runtime.md, "Measured costs"): times
     this rank's executor on one expert of the layer's shape and rows sent between ranks, and
     returns the same dict on every rank: token_seconds, row_seconds_intra / _inter (0: not
     measured), intra_measured, inter_measured, ranks, and the four costs of Layer (COST_FIELDS;
     pass the dict as Layer(costs=...)). The layer arguments are Layer's and must be the same on
     every rank; 0 for compute_rows, link_rows, repetitions: the defaults (512 rows on the CPU, 4096
-    on a GPU; 5 repetitions); compute_rows and link_rows in the dict are the rows timed."""
+    on a GPU; 5 repetitions; transfer_rows: as many as hold one expert's gradients, or weights when
+    forward_only); compute_rows, link_rows and transfer_rows in the dict are the rows timed."""
     if version() < 400:
         raise ValueError(f"measure_costs needs libmoonep 0.4.0 or later; the loaded library is "
                          f"{version() // 10000}.{version() // 100 % 100}.{version() % 100}")
@@ -281,7 +284,8 @@ def measure_costs(comm, num_experts, top_k, hidden, intermediate, max_tokens, po
                          transport=None)
         o = _CostProbeOptions(size=ctypes.sizeof(_CostProbeOptions), compute_rows=compute_rows,
                               link_rows=link_rows, repetitions=repetitions,
-                              forward_only=1 if forward_only else 0)
+                              forward_only=1 if forward_only else 0,
+                              transfer_rows=transfer_rows)
     except TypeError as e:  # a number that is not an integer
         bad = bad or ValueError(f"measure_costs: {e}")
         c = _LayerConfig(size=ctypes.sizeof(_LayerConfig), magic=_CONFIG_MAGIC,

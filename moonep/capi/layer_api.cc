@@ -231,6 +231,7 @@ moonepResult_t moonepMeasureCosts(moonepComm_t comm, const moonepLayerConfig_t* 
       } else {
         o.compute_rows = options->compute_rows;  // 0: the device's default, as in C++
         o.link_rows = options->link_rows;
+        o.transfer_rows = options->transfer_rows;
         if (options->repetitions != 0) o.repetitions = options->repetitions;
         o.training = options->forward_only == 0;
       }
@@ -257,6 +258,9 @@ moonepResult_t moonepMeasureCosts(moonepComm_t comm, const moonepLayerConfig_t* 
     out.row_cost_inter = m.row_cost_inter;
     out.compute_rows = m.compute_rows;
     out.link_rows = m.link_rows;
+    out.transfer_seconds_intra = m.transfer_seconds_intra;
+    out.transfer_seconds_inter = m.transfer_seconds_inter;
+    out.transfer_rows = m.transfer_rows;
     std::memcpy(costs, &out, out.size);
     return absl::OkStatus();
   });

@@ -88,11 +88,11 @@ uint64_t ComputeBytes(const LayerConfig& c, const CostProbeOptions& o) {
          4 * static_cast<uint64_t>(o.compute_rows) * static_cast<uint64_t>(c.hidden) *
              DTypeSize(c.dtype);
 }
+int64_t LinkRowsMax(const CostProbeOptions& o) { return std::max(o.link_rows, o.transfer_rows); }
 uint64_t LinkBytes(const LayerConfig& c, const CostProbeOptions& o) {
   // x, y and the received rows (one sender a rank), and each class's ids and weights.
-  return 3 * static_cast<uint64_t>(o.link_rows) * static_cast<uint64_t>(c.hidden) *
-             DTypeSize(c.dtype) +
-         3 * static_cast<uint64_t>(o.link_rows) * 4;
+  const uint64_t n = static_cast<uint64_t>(LinkRowsMax(o));
+  return 3 * n * static_cast<uint64_t>(c.hidden) * DTypeSize(c.dtype) + 3 * n * 4;
 }
 
 // This rank's median time of one token through one expert (forward, and backward if training).
@@ -158,19 +158,20 @@ absl::StatusOr<double> TimeCompute(const LayerConfig& config, const CostProbeOpt
 // The probe's link buffers: rows to send, received and combined, and the routing of each class
 // (every row to the rank's partner, weight 1).
 struct LinkBuffers {
+  int64_t rows = 0;                 // N: the most rows a dispatch sends
   DeviceMemory x, out, y, routing;  // routing: [2][N] ids, then [N] weights
 };
 
 // Collective: this rank's median time of a row one way on link class `c` (0 when it has no partner
-// there), from dispatches and combines of `buf`. Only the collective calls can fail here on the CPU;
+// there), from dispatches and combines of `N` rows of `buf`. Only the collective calls can fail here on the CPU;
 // on a GPU a failed synchronisation is a device error, after which this rank fails the next call
 // of the peers where the transport can (nccl cannot: they time out naming this rank).
 absl::StatusOr<double> TimeLinks(Communicator* comm, EpBuffer* buf, const Pairing& pairing, int c,
-                                 const LayerConfig& config, const CostProbeOptions& options,
-                                 const LinkBuffers& b) {
-  const int64_t N = options.link_rows, H = config.hidden;
-  const int32_t* ids = b.routing.get<int32_t>() + c * N;
-  const float* weights = reinterpret_cast<const float*>(b.routing.get<int32_t>() + 2 * N);
+                                 int64_t N, const LayerConfig& config,
+                                 const CostProbeOptions& options, const LinkBuffers& b) {
+  const int64_t H = config.hidden;
+  const int32_t* ids = b.routing.get<int32_t>() + c * b.rows;
+  const float* weights = reinterpret_cast<const float*>(b.routing.get<int32_t>() + 2 * b.rows);
   const TensorView xv = TensorView::Contiguous(b.x.get(), config.dtype, {N, H}, config.device);
   const TensorView outv = TensorView::Contiguous(
       b.out.get(), config.dtype, {buf->recv_capacity_rows(), H}, config.device);
@@ -199,12 +200,13 @@ absl::StatusOr<double> TimeLinks(Communicator* comm, EpBuffer* buf, const Pairin
 
 // What every rank shares at the end.
 struct RankFigures {
-  double token_seconds = 0, row_seconds[2] = {0, 0};  // [intra, inter]; 0: not measured
+  double token_seconds = 0;
+  double row_seconds[2] = {0, 0}, transfer_row_seconds[2] = {0, 0};  // [intra, inter]; 0: none
 };
 
 // The probe's options, as every rank shares them (their equality is checked).
 struct OptionsRecord {
-  int64_t compute_rows, link_rows;
+  int64_t compute_rows, link_rows, transfer_rows;
   int32_t repetitions, training;
 };
 
@@ -242,38 +244,41 @@ absl::Status CheckCostProbeOptions(const CostProbeOptions& o) {
   MOONEP_CHECK_ARG(o.link_rows >= 0 && o.link_rows <= kMaxProbeRows,
                    "cost probe: link_rows is %d; must be in [0, %d] (0: the default)", o.link_rows,
                    kMaxProbeRows);
+  MOONEP_CHECK_ARG(o.transfer_rows >= 0 && o.transfer_rows <= kMaxProbeRows,
+                   "cost probe: transfer_rows is %d; must be in [0, %d] (0: the transfer's own)",
+                   o.transfer_rows, kMaxProbeRows);
   MOONEP_CHECK_ARG(o.repetitions >= 1 && o.repetitions <= kMaxRepetitions,
                    "cost probe: repetitions is %d; must be in [1, %d]", o.repetitions,
                    kMaxRepetitions);
   return absl::OkStatus();
 }
 
-MeasuredCosts DeriveCosts(const LayerConfig& config, bool training, double token_seconds,
-                          double row_seconds_intra, bool intra_measured, double row_seconds_inter,
-                          bool inter_measured, int32_t ranks) {
+int64_t TransferRows(const LayerConfig& config, bool training) {
+  const int64_t bytes = 3 * config.hidden * config.intermediate *
+                        static_cast<int64_t>(DTypeSize(training ? config.grad_dtype : config.dtype));
+  const int64_t row_bytes = config.hidden * static_cast<int64_t>(DTypeSize(config.dtype));
+  return std::min((bytes + row_bytes - 1) / row_bytes, kMaxProbeRows);
+}
+
+MeasuredCosts DeriveCosts(bool training, const ProbeFigures& f, int32_t ranks) {
   MeasuredCosts m;
-  m.token_seconds = token_seconds;
-  m.row_seconds_intra = intra_measured ? row_seconds_intra : 0;
-  m.row_seconds_inter = inter_measured ? row_seconds_inter : 0;
-  m.intra_measured = intra_measured;
-  m.inter_measured = inter_measured;
+  m.token_seconds = f.token_seconds;
+  m.row_seconds_intra = f.measured[0] ? f.row_seconds[0] : 0;
+  m.row_seconds_inter = f.measured[1] ? f.row_seconds[1] : 0;
+  m.transfer_seconds_intra = f.measured[0] ? f.transfer_seconds[0] : 0;
+  m.transfer_seconds_inter = f.measured[1] ? f.transfer_seconds[1] : 0;
+  m.intra_measured = f.measured[0];
+  m.inter_measured = f.measured[1];
   m.ranks = ranks;
-  if (!(token_seconds > 0) || (!intra_measured && !inter_measured)) return m;
-  const double intra = intra_measured ? row_seconds_intra : row_seconds_inter;
-  const double inter = inter_measured ? row_seconds_inter : row_seconds_intra;
-  const double row_bytes =
-      static_cast<double>(config.hidden) * static_cast<double>(DTypeSize(config.dtype));
-  const double transfer_bytes = 3.0 * static_cast<double>(config.hidden) *
-                                static_cast<double>(config.intermediate) *
-                                static_cast<double>(DTypeSize(training ? config.grad_dtype
-                                                                       : config.dtype));
+  if (!(f.token_seconds > 0) || (!f.measured[0] && !f.measured[1])) return m;
+  // A class not measured takes the other's figures.
+  const int intra = f.measured[0] ? 0 : 1, inter = f.measured[1] ? 1 : 0;
   const double crossings = training ? 4 : 2;
-  auto replica = [&](double row_s) {
-    return RoundClamped(transfer_bytes * row_s / row_bytes / token_seconds,
-                        planner::kMaxReplicaCost);
+  auto replica = [&](int c) {
+    return RoundClamped(f.transfer_seconds[c] / f.token_seconds, planner::kMaxReplicaCost);
   };
-  auto row = [&](double row_s) {
-    return RoundClamped(planner::kRowCostScale * crossings * row_s / token_seconds,
+  auto row = [&](int c) {
+    return RoundClamped(planner::kRowCostScale * crossings * f.row_seconds[c] / f.token_seconds,
                         planner::kMaxRowCost);
   };
   m.replica_cost_intra = replica(intra);
@@ -300,12 +305,15 @@ absl::StatusOr<MeasuredCosts> MeasureCosts(Communicator* comm, const LayerConfig
   CostProbeOptions options = given;
   if (options.compute_rows == 0) options.compute_rows = DefaultProbeRows(config.device);
   if (options.link_rows == 0) options.link_rows = DefaultProbeRows(config.device);
+  if (options.transfer_rows == 0 && local.ok()) {
+    options.transfer_rows = TransferRows(config, options.training);
+  }
   if (local.ok()) local = UseDevice(config.device, config.device_index);
   MOONEP_RETURN_IF_ERROR(AgreeOnConfig(comm, config, local, "cost probe"));
   // The options decide how many collective steps follow: they must be the same on every rank.
   {
-    const OptionsRecord mine{options.compute_rows, options.link_rows, options.repetitions,
-                             options.training ? 1 : 0};
+    const OptionsRecord mine{options.compute_rows, options.link_rows, options.transfer_rows,
+                             options.repetitions, options.training ? 1 : 0};
     std::string all;
     MOONEP_RETURN_IF_ERROR(comm->Allgather(
         absl::MakeConstSpan(reinterpret_cast<const char*>(&mine), sizeof(mine)), &all,
@@ -315,8 +323,8 @@ absl::StatusOr<MeasuredCosts> MeasureCosts(Communicator* comm, const LayerConfig
       if (std::memcmp(all.data() + static_cast<size_t>(q) * sizeof(mine), all.data(),
                       sizeof(mine)) != 0) {
         return InvalidArgument("cost probe: ranks 0 and %d passed different options (every rank "
-                               "must pass the same compute_rows, link_rows, repetitions and "
-                               "training)",
+                               "must pass the same compute_rows, link_rows, transfer_rows, "
+                               "repetitions and training)",
                                q);
       }
     }
@@ -344,7 +352,7 @@ absl::StatusOr<MeasuredCosts> MeasureCosts(Communicator* comm, const LayerConfig
   const Pairing pairings[2] = {MakePairing(R, config.ranks_per_node, /*intra=*/true),
                                MakePairing(R, config.ranks_per_node, /*intra=*/false)};
   if (pairings[0].any || pairings[1].any) {
-    const int64_t N = options.link_rows;
+    const int64_t N = LinkRowsMax(options);
     LayerConfig ep;
     ep.num_experts = R;
     ep.top_k = 1;
@@ -373,6 +381,7 @@ absl::StatusOr<MeasuredCosts> MeasureCosts(Communicator* comm, const LayerConfig
     const size_t row_bytes = static_cast<size_t>(config.hidden) * DTypeSize(config.dtype);
     absl::Status alloc;
     LinkBuffers b;
+    b.rows = N;
     auto allocate = [&](DeviceMemory* m, size_t bytes, const char* what) {
       if (!alloc.ok()) return;
       auto made = DeviceMemory::Allocate(config.device, bytes, what);
@@ -403,7 +412,11 @@ absl::StatusOr<MeasuredCosts> MeasureCosts(Communicator* comm, const LayerConfig
     for (int c = 0; c < 2; ++c) {
       if (!pairings[c].any) continue;
       MOONEP_ASSIGN_OR_RETURN(mine.row_seconds[c],
-                              TimeLinks(comm, buf.get(), pairings[c], c, config, options, b));
+                              TimeLinks(comm, buf.get(), pairings[c], c, options.link_rows,
+                                        config, options, b));
+      MOONEP_ASSIGN_OR_RETURN(mine.transfer_row_seconds[c],
+                              TimeLinks(comm, buf.get(), pairings[c], c, options.transfer_rows,
+                                        config, options, b));
     }
     MOONEP_RETURN_IF_ERROR(buf->Close());
   }
@@ -412,19 +425,34 @@ absl::StatusOr<MeasuredCosts> MeasureCosts(Communicator* comm, const LayerConfig
   MOONEP_RETURN_IF_ERROR(comm->Allgather(
       absl::MakeConstSpan(reinterpret_cast<const char*>(&mine), sizeof(mine)), &all,
       "cost probe (results)"));
-  std::vector<double> tokens, rows[2];
+  std::vector<double> tokens, rows[2], transfers[2];
   for (int32_t r = 0; r < R; ++r) {
     RankFigures f;
     std::memcpy(&f, all.data() + static_cast<size_t>(r) * sizeof(f), sizeof(f));
     tokens.push_back(f.token_seconds);
     for (int c = 0; c < 2; ++c) {
-      if (pairings[c].measures(r)) rows[c].push_back(f.row_seconds[c]);
+      if (!pairings[c].measures(r)) continue;
+      rows[c].push_back(f.row_seconds[c]);
+      transfers[c].push_back(f.transfer_row_seconds[c]);
     }
   }
-  MeasuredCosts m = DeriveCosts(config, options.training, Median(tokens), Median(rows[0]),
-                                !rows[0].empty(), Median(rows[1]), !rows[1].empty(), R);
+  // A transfer's time: its rows' time scaled to its bytes (the same when transfer_rows holds
+  // exactly the transfer, below it when rounded up to whole rows).
+  const double transfer_rows_exact =
+      3.0 * static_cast<double>(config.intermediate) *
+      static_cast<double>(DTypeSize(options.training ? config.grad_dtype : config.dtype)) /
+      static_cast<double>(DTypeSize(config.dtype));
+  ProbeFigures figures;
+  figures.token_seconds = Median(tokens);
+  for (int c = 0; c < 2; ++c) {
+    figures.measured[c] = !rows[c].empty();
+    figures.row_seconds[c] = Median(rows[c]);
+    figures.transfer_seconds[c] = Median(transfers[c]) * transfer_rows_exact;
+  }
+  MeasuredCosts m = DeriveCosts(options.training, figures, R);
   m.compute_rows = options.compute_rows;
   m.link_rows = options.link_rows;
+  m.transfer_rows = options.transfer_rows;
   return m;
 }
 

@@ -6,18 +6,20 @@
 //   compute  every rank times its executor (the layer's device and dtype) on one expert of the
 //            layer's shape: `compute_rows` rows forward, and backward too when `training`; a
 //            token's time is the median of `repetitions` runs over the rows.
-//   links    every rank sends `link_rows` rows of H values of the layer's dtype to one partner and
-//            takes them back (a dispatch and a combine of an EP buffer on the layer's transport
-//            backend and device, with the layer's timeout), all ranks at once: inside its node
-//            (the next rank of its node) and across nodes (the rank of the same place in the next
-//            node; ProbePartners); with a flat topology every link is one class, taken as
-//            inter-node. A row's time on a class is the median over repetitions of
-//            (dispatch + combine) / 2 / rows.
+//   links    every rank sends rows of H values of the layer's dtype to one partner and takes
+//            them back (a dispatch and a combine of an EP buffer on the layer's transport backend
+//            and device, with the layer's timeout), all ranks at once: inside its node (the next
+//            rank of its node) and across nodes (the rank of the same place in the next node;
+//            ProbePartners); with a flat topology every link is one class, taken as inter-node.
+//            Twice a class: `link_rows` rows, for a row's time, the median over repetitions of
+//            (dispatch + combine) / 2 / rows; and `transfer_rows` rows (by default the bytes of
+//            one expert's transfer, below), for a transfer's time, that per-row time scaled to
+//            transfer_bytes.
 //
 // Every figure is then the median over the ranks that measured it (the same on every rank; an
 // even count takes the mean of the two middle values), and the planner's costs follow:
 //
-//   replica_cost_c = transfer_bytes * row_seconds_c / row_bytes / token_seconds
+//   replica_cost_c = transfer_seconds_c / token_seconds
 //   row_cost_c     = 1024 * crossings * row_seconds_c / token_seconds
 //
 // with transfer_bytes = 3 * H * I * (grad_dtype bytes when training, else dtype bytes): one
@@ -45,17 +47,34 @@ int64_t DefaultProbeRows(Device device);
 struct CostProbeOptions {
   int64_t compute_rows = 0;    // rows of the timed expert, in [0, 2^20]; 0: DefaultProbeRows
   int64_t link_rows = 0;       // rows each rank sends to its partner, in [0, 2^20]; 0: the same
+  // Rows sent to time one expert's transfer, in [0, 2^20]; 0: TransferRows (its own bytes).
+  int64_t transfer_rows = 0;
   int32_t repetitions = 5;     // timed runs of each measurement (after one untimed), in [1, 1000]
   bool training = true;        // forward and backward (else forward only)
 };
 
+// Rows of H values of the dtype that hold one expert's transfer (training: its gradients, else its
+// weights), at most 2^20.
+int64_t TransferRows(const LayerConfig& config, bool training);
+
+// What the probe timed (the medians over ranks), per link class: [0] intra-node, [1] inter-node.
+struct ProbeFigures {
+  double token_seconds = 0;
+  double row_seconds[2] = {0, 0};       // one row one way, link_rows rows to a partner
+  double transfer_seconds[2] = {0, 0};  // one expert's transfer one way
+  bool measured[2] = {false, false};
+};
+
 struct MeasuredCosts {
-  // The medians over ranks (seconds). row_seconds_*: one row one way; 0 where not measured.
+  // The medians over ranks (seconds). row_seconds_*: one row one way; transfer_seconds_*: one
+  // expert's transfer one way; 0 where not measured.
   double token_seconds = 0;
   double row_seconds_intra = 0, row_seconds_inter = 0;
+  double transfer_seconds_intra = 0, transfer_seconds_inter = 0;
   bool intra_measured = false, inter_measured = false;
   int32_t ranks = 0;  // ranks that took part
-  int64_t compute_rows = 0, link_rows = 0;  // the rows timed (the options', defaults resolved)
+  // The rows timed (the options', defaults resolved).
+  int64_t compute_rows = 0, link_rows = 0, transfer_rows = 0;
   // The planner's costs (LayerConfig / PlannerConfig units).
   int64_t replica_cost_intra = 0, replica_cost_inter = 0;
   int64_t row_cost_intra = 0, row_cost_inter = 0;
@@ -73,9 +92,7 @@ absl::Status CheckCostProbeOptions(const CostProbeOptions& options);
 
 // The planner's costs from measured seconds (the formulas above; unmeasured classes copied from
 // the other class). Pure: every rank derives the same costs from the same medians.
-MeasuredCosts DeriveCosts(const LayerConfig& config, bool training, double token_seconds,
-                          double row_seconds_intra, bool intra_measured, double row_seconds_inter,
-                          bool inter_measured, int32_t ranks);
+MeasuredCosts DeriveCosts(bool training, const ProbeFigures& figures, int32_t ranks);
 
 // Collective: measures and derives as above. The config must pass CheckLayerConfig with an
 // executor (I > 0) and agree on every rank (AgreeOnConfig), and so must the options; a rank whose
@@ -83,8 +100,9 @@ MeasuredCosts DeriveCosts(const LayerConfig& config, bool training, double token
 // rank (its own error there, RemoteError naming it on the others). A peer that does not join
 // within the timeout fails it with Timeout naming the phase and the peers. The probe allocates its
 // own buffers (one expert's weights and gradients, 4 x compute_rows rows, and an EP buffer of
-// link_rows rows per rank that it receives from) and frees them before returning; it touches no
-// layer and adds nothing to routing traces.
+// max(link_rows, transfer_rows) rows; host buffers checked against the rank's and the node's
+// memory first) and frees them before returning; it touches no layer and adds nothing to routing
+// traces.
 absl::StatusOr<MeasuredCosts> MeasureCosts(Communicator* comm, const LayerConfig& config,
                                            const CostProbeOptions& options = {});
 

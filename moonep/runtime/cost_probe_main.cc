@@ -2,7 +2,8 @@
 // and prints what it measured and the four costs to set in a layer config. Usage:
 //   mpirun -np N moonep-cost-probe [--hidden H] [--inter I] [--dtype fp32|bf16]
 //     [--grad-dtype fp32|bf16] [--device cpu|cuda] [--ranks-per-node N] [--transport NAME]
-//     [--compute-rows N] [--link-rows N] [--repetitions N] [--forward-only 0|1] [--threads N]
+//     [--compute-rows N] [--link-rows N] [--transfer-rows N] [--repetitions N] [--forward-only 0|1]
+//     [--threads N]
 // CUDA: rank r uses GPU OMPI_COMM_WORLD_LOCAL_RANK (else LOCAL_RANK, else 0).
 #include <mpi.h>
 
@@ -25,7 +26,7 @@ using moonep::runtime::LayerConfig;
 constexpr const char* kUsage =
     "usage: moonep-cost-probe [--hidden H] [--inter I] [--dtype fp32|bf16] [--grad-dtype fp32|bf16]\n"
     "  [--device cpu|cuda] [--ranks-per-node N] [--transport NAME] [--compute-rows N]\n"
-    "  [--link-rows N] [--repetitions N] [--forward-only 0|1] [--threads N]";
+    "  [--link-rows N] [--transfer-rows N] [--repetitions N] [--forward-only 0|1] [--threads N]";
 
 bool ParseArgs(int argc, char** argv, LayerConfig* c, CostProbeOptions* o, std::string* error) {
   int64_t rpn = 0, threads = 0, reps = o->repetitions, fwd = 0;
@@ -35,6 +36,7 @@ bool ParseArgs(int argc, char** argv, LayerConfig* c, CostProbeOptions* o, std::
                           {"--ranks-per-node", 0, 1 << 20, &rpn},
                           {"--compute-rows", 0, 1 << 20, &o->compute_rows},
                           {"--link-rows", 0, 1 << 20, &o->link_rows},
+                          {"--transfer-rows", 0, 1 << 20, &o->transfer_rows},
                           {"--repetitions", 1, 1000, &reps},
                           {"--forward-only", 0, 1, &fwd},
                           {"--threads", 0, 1024, &threads}};
@@ -127,12 +129,20 @@ int Run(int argc, char** argv) {
               rate >= 1e12 ? "TFLOP/s" : "GFLOP/s", static_cast<long>(m->compute_rows));
   const char* names[2] = {"intra-node", "inter-node"};
   const double seconds[2] = {m->row_seconds_intra, m->row_seconds_inter};
+  const double transfer[2] = {m->transfer_seconds_intra, m->transfer_seconds_inter};
+  const double transfer_bytes =
+      3 * H * I *
+      static_cast<double>(moonep::DTypeSize(options.training ? config.grad_dtype : config.dtype));
   const bool measured[2] = {m->intra_measured, m->inter_measured};
   for (int c = 0; c < 2; ++c) {
     if (measured[c]) {
       std::printf("  row %s %8.3f us   (%.2f GB/s one way; %ld rows to a partner)\n", names[c],
                   seconds[c] * 1e6, row_bytes / seconds[c] / 1e9,
                   static_cast<long>(m->link_rows));
+      std::printf("  expert %s %8.3f us   (%.2f GB/s one way; %.1f MB of %s as %ld rows)\n",
+                  names[c], transfer[c] * 1e6, transfer_bytes / transfer[c] / 1e9,
+                  transfer_bytes / 1e6, options.training ? "gradients" : "weights",
+                  static_cast<long>(m->transfer_rows));
     } else {
       std::printf("  row %s   not measured (%s)\n", names[c],
                   m->ranks == 1 ? "one rank" : "no two ranks of this class; the other class's "

@@ -846,7 +846,7 @@ TEST_F(CApiTest, BadConfigsFailOnEveryRank) {
 // accepted by moonepLayerCreate; arguments it cannot read on one rank fail every rank at once.
 TEST_F(CApiTest, MeasureCostsFillsTheSameCostsEverywhereAndRefusesBadArguments) {
   moonepLayerConfig_t c = Config(moonepPolicyMoonEP);
-  moonepCostProbeOptions_t o = {sizeof(moonepCostProbeOptions_t), 32, 32, 2, 0};
+  moonepCostProbeOptions_t o = {sizeof(moonepCostProbeOptions_t), 32, 32, 2, 0, 7};
   moonepMeasuredCosts_t m;
   std::memset(&m, 0xff, sizeof(m));
   m.size = sizeof(m);
@@ -855,6 +855,8 @@ TEST_F(CApiTest, MeasureCostsFillsTheSameCostsEverywhereAndRefusesBadArguments) 
   EXPECT_EQ(m.ranks, size());
   EXPECT_EQ(m.compute_rows, 32);
   EXPECT_EQ(m.link_rows, 32);
+  EXPECT_EQ(m.transfer_rows, 7);
+  EXPECT_EQ(m.transfer_seconds_inter > 0, size() > 1);
   EXPECT_GT(m.token_seconds, 0);
   EXPECT_EQ(m.intra_measured, 0);  // flat
   EXPECT_EQ(m.inter_measured, size() > 1 ? 1 : 0);
@@ -880,7 +882,7 @@ TEST_F(CApiTest, MeasureCostsFillsTheSameCostsEverywhereAndRefusesBadArguments) 
   // Forward only, with the default rows and repetitions (zero fields), into a struct of a newer
   // caller (larger size: this library's fields written, size set to their count, the rest kept).
   c = Config(moonepPolicyMoonEP);
-  moonepCostProbeOptions_t fwd = {sizeof(moonepCostProbeOptions_t), 0, 0, 0, 1};
+  moonepCostProbeOptions_t fwd = {sizeof(moonepCostProbeOptions_t), 0, 0, 0, 1, 0};
   struct {
     moonepMeasuredCosts_t costs;
     char newer[16];
@@ -894,6 +896,7 @@ TEST_F(CApiTest, MeasureCostsFillsTheSameCostsEverywhereAndRefusesBadArguments) 
   EXPECT_EQ(big.costs.ranks, size());
   EXPECT_EQ(big.costs.compute_rows, 512);  // the CPU's default
   EXPECT_EQ(big.costs.link_rows, 512);
+  EXPECT_EQ(big.costs.transfer_rows, 12);  // one expert's fp32 weights (3 x 8 x 4) as rows of 8
   for (char b : big.newer) EXPECT_EQ(b, 0x5a);
 
   // Unreadable arguments on the last rank: moonepInvalidArgument there, moonepRemoteError
@@ -905,7 +908,7 @@ TEST_F(CApiTest, MeasureCostsFillsTheSameCostsEverywhereAndRefusesBadArguments) 
   };
   const Case cases[] = {{"costs NULL", "costs is NULL"},
                         {"costs size", "costs->size = 8 is smaller"},
-                        {"options size", "options->size = 4 is smaller"},
+                        {"options size", "options->size = 36 is smaller"},
                         {"config NULL", "config"},
                         {"rows", "compute_rows is 2097152"}};
   for (const Case& k : cases) {
@@ -919,7 +922,7 @@ TEST_F(CApiTest, MeasureCostsFillsTheSameCostsEverywhereAndRefusesBadArguments) 
       const std::string w = k.what;
       if (w == "costs NULL") out = nullptr;
       if (w == "costs size") km.size = 8;
-      if (w == "options size") ko.size = 4;
+      if (w == "options size") ko.size = MOONEP_COST_PROBE_OPTIONS_MIN_SIZE - 4;
       if (w == "config NULL") config = nullptr;
       if (w == "rows") ko.compute_rows = 2 << 20;
     }

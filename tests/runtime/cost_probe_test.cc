@@ -30,19 +30,28 @@ using runtime::LayerConfig;
 using runtime::MeasureCosts;
 using runtime::MeasuredCosts;
 
+// What the formulas of docs/planner.md give from a flop rate and a bandwidth, as the probe's
+// figures: a token's 18 H I flops (6 H I forward only), a row's H act bytes and a transfer's
+// 3 H I gradient bytes (weight bytes forward only) over the link.
+runtime::ProbeFigures FromRates(double H, double I, double act_bytes, double transfer_bytes,
+                                bool training, double flops, double intra, double inter) {
+  runtime::ProbeFigures f;
+  f.token_seconds = (training ? 18 : 6) * H * I / flops;
+  f.row_seconds[0] = H * act_bytes / intra;
+  f.row_seconds[1] = H * act_bytes / inter;
+  f.transfer_seconds[0] = 3 * H * I * transfer_bytes / intra;
+  f.transfer_seconds[1] = 3 * H * I * transfer_bytes / inter;
+  f.measured[0] = f.measured[1] = true;
+  return f;
+}
+
 // docs/planner.md: replica_cost = grad_bytes * flop_per_s / (6 * link_bytes_per_s) and
 // row_cost = 1024 * 4 * H * act_bytes / link_bytes_per_s / (18 * H * I / flop_per_s), for
 // training; forward only, weights instead of gradients and 6 * H * I flops a token, 2 crossings.
 TEST(CostProbeDerive, MatchesTheDocumentedFormulas) {
-  LayerConfig c;
-  c.hidden = 7168;
-  c.intermediate = 2048;
-  c.dtype = DType::kBFloat16;
-  c.grad_dtype = DType::kFloat32;
   const double flops = 400e12, intra = 150e9, inter = 40e9, H = 7168, I = 2048;
-  const double token = 18 * H * I / flops;
-  MeasuredCosts m = DeriveCosts(c, /*training=*/true, token, H * 2 / intra, true, H * 2 / inter,
-                                true, 64);
+  MeasuredCosts m =
+      DeriveCosts(/*training=*/true, FromRates(H, I, 2, 4, true, flops, intra, inter), 64);
   EXPECT_EQ(m.replica_cost_intra, std::llround(4 * flops / (6 * intra)));
   EXPECT_EQ(m.replica_cost_inter, std::llround(4 * flops / (6 * inter)));
   EXPECT_EQ(m.replica_cost_intra, 1778);  // the figures docs/planner.md gives
@@ -52,35 +61,53 @@ TEST(CostProbeDerive, MatchesTheDocumentedFormulas) {
   EXPECT_EQ(m.ranks, 64);
 
   const double fwd_token = 6 * H * I / flops;
-  m = DeriveCosts(c, /*training=*/false, fwd_token, H * 2 / intra, true, H * 2 / inter, true, 8);
+  m = DeriveCosts(/*training=*/false, FromRates(H, I, 2, 2, false, flops, intra, inter), 8);
   EXPECT_EQ(m.replica_cost_inter, std::llround(3 * H * I * 2 / inter / fwd_token));
   EXPECT_EQ(m.row_cost_inter, std::llround(1024 * 2 * H * 2 / inter / fwd_token));
   EXPECT_EQ(m.row_cost_intra, std::llround(1024 * 2 * H * 2 / intra / fwd_token));
 }
 
 TEST(CostProbeDerive, UnmeasuredClassesAndLimits) {
-  LayerConfig c;
-  c.hidden = 64;
-  c.intermediate = 32;
+  runtime::ProbeFigures f;
+  f.token_seconds = 1e-6;
+  f.row_seconds[1] = 2e-6;
+  f.transfer_seconds[1] = 5e-5;
+  f.measured[1] = true;
   // Flat: only inter measured; intra takes its figures.
-  MeasuredCosts m = DeriveCosts(c, true, 1e-6, 0, false, 2e-6, true, 4);
+  MeasuredCosts m = DeriveCosts(true, f, 4);
   EXPECT_FALSE(m.intra_measured);
   EXPECT_EQ(m.row_seconds_intra, 0);
+  EXPECT_EQ(m.transfer_seconds_intra, 0);
+  EXPECT_EQ(m.transfer_seconds_inter, 5e-5);
   EXPECT_EQ(m.replica_cost_intra, m.replica_cost_inter);
   EXPECT_EQ(m.row_cost_intra, m.row_cost_inter);
   EXPECT_EQ(m.row_cost_inter, 1024 * 4 * 2);
-  EXPECT_EQ(m.replica_cost_inter, 3 * 64 * 32 * 4 * 2 / (64 * 4));  // 3HI*4 bytes at 2 us a row
+  EXPECT_EQ(m.replica_cost_inter, 50);
   // One node: inter takes intra's.
-  m = DeriveCosts(c, true, 1e-6, 3e-6, true, 0, false, 2);
+  f = {};
+  f.token_seconds = 1e-6;
+  f.row_seconds[0] = 3e-6;
+  f.transfer_seconds[0] = 7e-6;
+  f.measured[0] = true;
+  m = DeriveCosts(true, f, 2);
   EXPECT_EQ(m.row_cost_inter, m.row_cost_intra);
   EXPECT_EQ(m.row_cost_intra, 1024 * 4 * 3);
+  EXPECT_EQ(m.replica_cost_inter, 7);
+  // Forward only: 2 crossings.
+  EXPECT_EQ(DeriveCosts(false, f, 2).row_cost_intra, 1024 * 2 * 3);
   // No link, or no compute time: no costs.
-  m = DeriveCosts(c, true, 1e-6, 0, false, 0, false, 1);
+  f = {};
+  f.token_seconds = 1e-6;
+  m = DeriveCosts(true, f, 1);
   EXPECT_EQ(m.replica_cost_intra + m.replica_cost_inter + m.row_cost_intra + m.row_cost_inter, 0);
-  m = DeriveCosts(c, true, 0, 1e-6, true, 1e-6, true, 2);
+  f = FromRates(64, 32, 4, 4, true, 1e12, 1e9, 1e9);
+  f.token_seconds = 0;
+  m = DeriveCosts(true, f, 2);
   EXPECT_EQ(m.replica_cost_inter + m.row_cost_inter, 0);
   // Clamped to the planner's ranges.
-  m = DeriveCosts(c, true, 1e-300, 1.0, true, 1.0, true, 2);
+  f = FromRates(64, 32, 4, 4, true, 1e12, 1e9, 1e9);
+  f.token_seconds = 1e-300;
+  m = DeriveCosts(true, f, 2);
   EXPECT_EQ(m.replica_cost_inter, planner::kMaxReplicaCost);
   EXPECT_EQ(m.row_cost_inter, planner::kMaxRowCost);
 }
@@ -97,6 +124,9 @@ TEST(CostProbeDerive, OptionsAreChecked) {
   o = {};
   o.link_rows = (int64_t{1} << 20) + 1;
   EXPECT_NE(runtime::CheckCostProbeOptions(o).message().find("link_rows"), std::string::npos);
+  o = {};
+  o.transfer_rows = -2;
+  EXPECT_NE(runtime::CheckCostProbeOptions(o).message().find("transfer_rows"), std::string::npos);
   o = {};
   o.repetitions = 0;
   EXPECT_NE(runtime::CheckCostProbeOptions(o).message().find("repetitions"), std::string::npos);
@@ -186,6 +216,8 @@ class CostProbeTest : public MpiTest {
     const double mine[] = {m.token_seconds,
                            m.row_seconds_intra,
                            m.row_seconds_inter,
+                           m.transfer_seconds_intra,
+                           m.transfer_seconds_inter,
                            static_cast<double>(m.replica_cost_intra),
                            static_cast<double>(m.replica_cost_inter),
                            static_cast<double>(m.row_cost_intra),
@@ -211,20 +243,31 @@ TEST_F(CostProbeTest, MeasuresTheTopologysClassesAndAgrees) {
   EXPECT_EQ(m->ranks, size());
   EXPECT_EQ(m->compute_rows, 64);
   EXPECT_EQ(m->link_rows, 48);
+  // One expert's fp32 gradients (3 x 64 x 32 x 4 bytes) as rows of 64 fp32 values.
+  EXPECT_EQ(m->transfer_rows, 96);
+  EXPECT_EQ(runtime::TransferRows(config, /*training=*/true), 96);
   EXPECT_TRUE(std::isfinite(m->token_seconds));
   EXPECT_GT(m->token_seconds, 0);
   EXPECT_EQ(m->intra_measured, size() >= 2);
   EXPECT_EQ(m->inter_measured, size() >= 3);
   if (m->intra_measured) {
     EXPECT_GT(m->row_seconds_intra, 0);
+    EXPECT_GT(m->transfer_seconds_intra, 0);
   }
   if (m->inter_measured) {
     EXPECT_GT(m->row_seconds_inter, 0);
+    EXPECT_GT(m->transfer_seconds_inter, 0);
   }
   // The costs are the derivation of the figures.
-  const MeasuredCosts d = DeriveCosts(config, true, m->token_seconds, m->row_seconds_intra,
-                                      m->intra_measured, m->row_seconds_inter,
-                                      m->inter_measured, size());
+  runtime::ProbeFigures figures;
+  figures.token_seconds = m->token_seconds;
+  figures.row_seconds[0] = m->row_seconds_intra;
+  figures.row_seconds[1] = m->row_seconds_inter;
+  figures.transfer_seconds[0] = m->transfer_seconds_intra;
+  figures.transfer_seconds[1] = m->transfer_seconds_inter;
+  figures.measured[0] = m->intra_measured;
+  figures.measured[1] = m->inter_measured;
+  const MeasuredCosts d = DeriveCosts(true, figures, size());
   EXPECT_EQ(m->replica_cost_intra, d.replica_cost_intra);
   EXPECT_EQ(m->replica_cost_inter, d.replica_cost_inter);
   EXPECT_EQ(m->row_cost_intra, d.row_cost_intra);

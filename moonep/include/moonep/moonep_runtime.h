@@ -355,10 +355,12 @@ typedef struct {
   int64_t link_rows;     /* rows each rank sends its partner, at most 2^20; 0: as compute_rows */
   int repetitions;       /* timed runs of each measurement, at most 1000; 0: 5 */
   int forward_only;      /* nonzero: time the forward only, and count weights, not gradients */
+  int64_t transfer_rows; /* rows sent to time one expert's transfer, at most 2^20; 0: as many as
+                            hold its bytes (its gradients, or its weights when forward_only) */
 } moonepCostProbeOptions_t;
 /* The smallest size accepted (0.4.0's struct; later versions only append fields). */
 #define MOONEP_COST_PROBE_OPTIONS_MIN_SIZE \
-  (offsetof(moonepCostProbeOptions_t, forward_only) + sizeof(int))
+  (offsetof(moonepCostProbeOptions_t, transfer_rows) + sizeof(int64_t))
 
 /* The probe's figures (medians over ranks, the same on every rank) and the costs they give. */
 typedef struct {
@@ -372,11 +374,14 @@ typedef struct {
   int64_t replica_cost_intra, replica_cost_inter;  /* for moonepLayerConfig_t (tokens) */
   int64_t row_cost_intra, row_cost_inter;          /* (1/1024 tokens) */
   int64_t compute_rows, link_rows;                 /* the rows timed, defaults resolved */
+  double transfer_seconds_intra;  /* one expert's transfer one way inside a node; 0: not measured */
+  double transfer_seconds_inter;  /* across nodes */
+  int64_t transfer_rows;          /* the rows that timed it */
 } moonepMeasuredCosts_t;
 /* The smallest size accepted. min(size, the library's sizeof) bytes are written and size is set to
  * that count, so a newer caller learns which of its fields were filled. */
 #define MOONEP_MEASURED_COSTS_MIN_SIZE \
-  (offsetof(moonepMeasuredCosts_t, link_rows) + sizeof(int64_t))
+  (offsetof(moonepMeasuredCosts_t, transfer_rows) + sizeof(int64_t))
 
 /* [collective] Measures what a layer of `config` costs on this communicator's ranks and links,
  * for its replica_cost_* and row_cost_* fields: each rank times its executor on one expert of the
