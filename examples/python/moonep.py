@@ -259,8 +259,9 @@ def measure_costs(comm, num_experts, top_k, hidden, intermediate, max_tokens, po
                   compute_rows=0, link_rows=0, repetitions=0, forward_only=False, transfer_rows=0):
     """[collective] The cost probe (libmoonep 0.4.0; docs/runtime.md, "Measured costs"): times
     this rank's executor on one expert of the layer's shape and rows sent between ranks, and
-    returns the same dict on every rank: token_seconds, row_seconds_intra / _inter (0: not
-    measured), intra_measured, inter_measured, ranks, and the four costs of Layer (COST_FIELDS;
+    returns the same dict on every rank: token_seconds, row_seconds_intra / _inter and
+    transfer_seconds_intra / _inter (0: not measured), intra_measured, inter_measured, ranks, the
+    rows timed, and the four costs of Layer (COST_FIELDS;
     pass the dict as Layer(costs=...)). The layer arguments are Layer's and must be the same on
     every rank; 0 for compute_rows, link_rows, repetitions: the defaults (512 rows on the CPU, 4096
     on a GPU; 5 repetitions; transfer_rows: as many as hold one expert's gradients, or weights when

@@ -43,18 +43,24 @@ int64_t RoundClamped(double value, int64_t max) {
 // Who sends to whom on one link class (ProbePartners), and the most ranks sending to one rank.
 struct Pairing {
   std::vector<int32_t> dest;
-  int64_t max_senders = 0;
+  int64_t max_senders = 0;  // the most ranks sending to one rank (a rank without a partner sends
+                            // nothing: its rows are routed to no expert)
   bool any = false;
   bool measures(int32_t r) const { return dest[r] != r; }
 };
+
+int64_t MaxSenders(const Pairing (&pairings)[2]) {
+  return std::max<int64_t>({pairings[0].max_senders, pairings[1].max_senders, 1});
+}
 
 Pairing MakePairing(int32_t R, int32_t rpn, bool intra) {
   Pairing p;
   p.dest = ProbePartners(R, rpn, intra);
   std::vector<int64_t> in(R, 0);
   for (int32_t r = 0; r < R; ++r) {
+    if (!p.measures(r)) continue;
     p.max_senders = std::max(p.max_senders, ++in[p.dest[r]]);
-    p.any = p.any || p.measures(r);
+    p.any = true;
   }
   return p;
 }
@@ -89,10 +95,16 @@ uint64_t ComputeBytes(const LayerConfig& c, const CostProbeOptions& o) {
              DTypeSize(c.dtype);
 }
 int64_t LinkRowsMax(const CostProbeOptions& o) { return std::max(o.link_rows, o.transfer_rows); }
-uint64_t LinkBytes(const LayerConfig& c, const CostProbeOptions& o) {
-  // x, y and the received rows (one sender a rank), and each class's ids and weights.
+// The link part's host bytes: the rows sent, combined and received (`senders` at most a rank),
+// the routing, and the EP buffer's own (ep_buffer.h: its rows and row weights, and the host
+// transports' staging).
+uint64_t LinkBytes(const LayerConfig& c, const CostProbeOptions& o, int64_t senders) {
   const uint64_t n = static_cast<uint64_t>(LinkRowsMax(o));
-  return 3 * n * static_cast<uint64_t>(c.hidden) * DTypeSize(c.dtype) + 3 * n * 4;
+  const uint64_t cap = n * static_cast<uint64_t>(std::max<int64_t>(senders, 1));
+  const uint64_t row = static_cast<uint64_t>(c.hidden) * DTypeSize(c.dtype);
+  const uint64_t probe = (2 * n + cap) * row + 3 * n * 4;
+  const uint64_t ep = cap * (row + 4) + n * (row + 8) + cap * 8 + std::max(n, cap) * 4;
+  return probe + ep;
 }
 
 // This rank's median time of one token through one expert (forward, and backward if training).
@@ -163,9 +175,9 @@ struct LinkBuffers {
 };
 
 // Collective: this rank's median time of a row one way on link class `c` (0 when it has no partner
-// there), from dispatches and combines of `N` rows of `buf`. Only the collective calls can fail here on the CPU;
-// on a GPU a failed synchronisation is a device error, after which this rank fails the next call
-// of the peers where the transport can (nccl cannot: they time out naming this rank).
+// there), from dispatches and combines of `N` rows of `buf`. Only the collective calls can fail
+// here on the CPU; on a GPU a failed synchronisation is a device error, after which this rank fails
+// the next call of the peers where the transport can (nccl cannot: they time out naming it).
 absl::StatusOr<double> TimeLinks(Communicator* comm, EpBuffer* buf, const Pairing& pairing, int c,
                                  int64_t N, const LayerConfig& config,
                                  const CostProbeOptions& options, const LinkBuffers& b) {
@@ -253,9 +265,16 @@ absl::Status CheckCostProbeOptions(const CostProbeOptions& o) {
   return absl::OkStatus();
 }
 
+double TransferSeconds(double row_seconds, const LayerConfig& config, bool training) {
+  // 3 H I values of the transfer's dtype, as rows of H values of the row dtype.
+  return row_seconds * 3.0 * static_cast<double>(config.intermediate) *
+         static_cast<double>(DTypeSize(training ? config.grad_dtype : config.dtype)) /
+         static_cast<double>(DTypeSize(config.dtype));
+}
+
 int64_t TransferRows(const LayerConfig& config, bool training) {
-  const int64_t bytes = 3 * config.hidden * config.intermediate *
-                        static_cast<int64_t>(DTypeSize(training ? config.grad_dtype : config.dtype));
+  const int64_t size = static_cast<int64_t>(DTypeSize(training ? config.grad_dtype : config.dtype));
+  const int64_t bytes = 3 * config.hidden * config.intermediate * size;
   const int64_t row_bytes = config.hidden * static_cast<int64_t>(DTypeSize(config.dtype));
   return std::min((bytes + row_bytes - 1) / row_bytes, kMaxProbeRows);
 }
@@ -333,7 +352,12 @@ absl::StatusOr<MeasuredCosts> MeasureCosts(Communicator* comm, const LayerConfig
 
   // The probe's host buffers against this rank's room and, with every rank's, the node's (as a
   // layer's creation checks its own), before any of them is allocated.
-  const uint64_t probe_bytes = std::max(ComputeBytes(config, options), LinkBytes(config, options));
+  const Pairing pairings[2] = {MakePairing(R, config.ranks_per_node, /*intra=*/true),
+                               MakePairing(R, config.ranks_per_node, /*intra=*/false)};
+  const bool links = pairings[0].any || pairings[1].any;
+  const uint64_t probe_bytes =
+      std::max(ComputeBytes(config, options),
+               links ? LinkBytes(config, options, MaxSenders(pairings)) : uint64_t{0});
   LayerConfig none = config;  // no layer buffers: only the probe's bytes
   none.max_tokens = 0;
   none.max_inflight = 1;
@@ -349,9 +373,7 @@ absl::StatusOr<MeasuredCosts> MeasureCosts(Communicator* comm, const LayerConfig
   }
   MOONEP_RETURN_IF_ERROR(AgreeOnVerdict(comm, local, "cost probe (compute)"));
 
-  const Pairing pairings[2] = {MakePairing(R, config.ranks_per_node, /*intra=*/true),
-                               MakePairing(R, config.ranks_per_node, /*intra=*/false)};
-  if (pairings[0].any || pairings[1].any) {
+  if (links) {
     const int64_t N = LinkRowsMax(options);
     LayerConfig ep;
     ep.num_experts = R;
@@ -365,7 +387,7 @@ absl::StatusOr<MeasuredCosts> MeasureCosts(Communicator* comm, const LayerConfig
     ep.device = config.device;
     ep.device_index = config.device_index;
     ep.max_tokens = N;
-    ep.max_recv_rows = N * std::max(pairings[0].max_senders, pairings[1].max_senders);
+    ep.max_recv_rows = N * MaxSenders(pairings);
     ep.layer_id = 0;  // not from the communicator's sequence: the probe is not a layer
     ep.num_threads = config.num_threads;
     ep.transport = TransportBackend(config);
@@ -401,8 +423,9 @@ absl::StatusOr<MeasuredCosts> MeasureCosts(Communicator* comm, const LayerConfig
       std::vector<int32_t> routing(static_cast<size_t>(N) * 3);
       const int32_t rank = comm->rank();
       for (int64_t i = 0; i < N; ++i) {
-        routing[i] = pairings[0].dest[rank];
-        routing[N + i] = pairings[1].dest[rank];
+        // -1: a dropped entry (no partner of that class: this rank sends nothing there).
+        routing[i] = pairings[0].measures(rank) ? pairings[0].dest[rank] : -1;
+        routing[N + i] = pairings[1].measures(rank) ? pairings[1].dest[rank] : -1;
         const float one = 1.0f;
         std::memcpy(&routing[2 * N + i], &one, 4);
       }
@@ -438,16 +461,12 @@ absl::StatusOr<MeasuredCosts> MeasureCosts(Communicator* comm, const LayerConfig
   }
   // A transfer's time: its rows' time scaled to its bytes (the same when transfer_rows holds
   // exactly the transfer, below it when rounded up to whole rows).
-  const double transfer_rows_exact =
-      3.0 * static_cast<double>(config.intermediate) *
-      static_cast<double>(DTypeSize(options.training ? config.grad_dtype : config.dtype)) /
-      static_cast<double>(DTypeSize(config.dtype));
   ProbeFigures figures;
   figures.token_seconds = Median(tokens);
   for (int c = 0; c < 2; ++c) {
     figures.measured[c] = !rows[c].empty();
     figures.row_seconds[c] = Median(rows[c]);
-    figures.transfer_seconds[c] = Median(transfers[c]) * transfer_rows_exact;
+    figures.transfer_seconds[c] = TransferSeconds(Median(transfers[c]), config, options.training);
   }
   MeasuredCosts m = DeriveCosts(options.training, figures, R);
   m.compute_rows = options.compute_rows;

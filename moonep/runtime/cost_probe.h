@@ -54,8 +54,11 @@ struct CostProbeOptions {
 };
 
 // Rows of H values of the dtype that hold one expert's transfer (training: its gradients, else its
-// weights), at most 2^20.
+// weights), at most 2^20 (beyond, the time of 2^20 rows is scaled up: TransferSeconds).
 int64_t TransferRows(const LayerConfig& config, bool training);
+// One expert's transfer time from a row's time at transfer_rows: 3 I values of the transfer's
+// dtype per H-value row of the layer's dtype.
+double TransferSeconds(double row_seconds, const LayerConfig& config, bool training);
 
 // What the probe timed (the medians over ranks), per link class: [0] intra-node, [1] inter-node.
 struct ProbeFigures {

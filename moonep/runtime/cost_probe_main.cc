@@ -24,9 +24,10 @@ using moonep::runtime::CostProbeOptions;
 using moonep::runtime::LayerConfig;
 
 constexpr const char* kUsage =
-    "usage: moonep-cost-probe [--hidden H] [--inter I] [--dtype fp32|bf16] [--grad-dtype fp32|bf16]\n"
-    "  [--device cpu|cuda] [--ranks-per-node N] [--transport NAME] [--compute-rows N]\n"
-    "  [--link-rows N] [--transfer-rows N] [--repetitions N] [--forward-only 0|1] [--threads N]";
+    "usage: moonep-cost-probe [--hidden H] [--inter I] [--dtype fp32|bf16]\n"
+    "  [--grad-dtype fp32|bf16] [--device cpu|cuda] [--ranks-per-node N] [--transport NAME]\n"
+    "  [--compute-rows N] [--link-rows N] [--transfer-rows N] [--repetitions N]\n"
+    "  [--forward-only 0|1] [--threads N]";
 
 bool ParseArgs(int argc, char** argv, LayerConfig* c, CostProbeOptions* o, std::string* error) {
   int64_t rpn = 0, threads = 0, reps = o->repetitions, fwd = 0;
@@ -114,8 +115,9 @@ int Run(int argc, char** argv) {
   std::printf("moonep-cost-probe: %d ranks (%s), H=%ld I=%ld %s, gradients %s, device %s, "
               "transport %s, %s\n",
               m->ranks,
-              config.ranks_per_node > 0 ? ("nodes of " + std::to_string(config.ranks_per_node)).c_str()
-                                        : "flat",
+              config.ranks_per_node > 0
+                  ? ("nodes of " + std::to_string(config.ranks_per_node)).c_str()
+                  : "flat",
               static_cast<long>(config.hidden), static_cast<long>(config.intermediate),
               moonep::DTypeName(config.dtype), moonep::DTypeName(config.grad_dtype),
               config.device == moonep::Device::kCuda ? "cuda" : "cpu",
@@ -139,7 +141,7 @@ int Run(int argc, char** argv) {
       std::printf("  row %s %8.3f us   (%.2f GB/s one way; %ld rows to a partner)\n", names[c],
                   seconds[c] * 1e6, row_bytes / seconds[c] / 1e9,
                   static_cast<long>(m->link_rows));
-      std::printf("  expert %s %8.3f us   (%.2f GB/s one way; %.1f MB of %s as %ld rows)\n",
+      std::printf("  expert %s %8.3f us   (%.2f GB/s one way; %.1f MB of %s, timed as %ld rows)\n",
                   names[c], transfer[c] * 1e6, transfer_bytes / transfer[c] / 1e9,
                   transfer_bytes / 1e6, options.training ? "gradients" : "weights",
                   static_cast<long>(m->transfer_rows));

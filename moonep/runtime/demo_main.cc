@@ -7,7 +7,8 @@
 // [--replica-cost TOKENS] (moonep weighs replicas: one transfer costs TOKENS of compute)
 // [--row-cost N] (with --replica-cost: a token row moved costs N/1024 tokens, weighed too)
 // [--measure-costs ROWS] (both costs measured first on these ranks by the cost probe, timing ROWS
-// rows of compute and of rows sent; docs/runtime.md "Measured costs").
+// rows of compute and of rows sent, and one expert's gradients sent; docs/runtime.md "Measured
+// costs").
 #include <mpi.h>
 
 #include <algorithm>
@@ -198,11 +199,12 @@ int Run(int argc, char** argv) {
     o.replica_cost = m->replica_cost_inter;
     o.row_cost = m->row_cost_inter;
     if (root) {
-      std::printf("Cost probe (%ld rows, median of %d ranks): a token %.3g us of compute, a row "
-                  "%.3g us one way -> a replica transfer costs %ld tokens, a row %ld/1024\n",
+      std::printf("Cost probe (%ld rows, median of %d ranks): a token %.3g us of compute, an "
+                  "expert's gradients %.3g us and a row %.3g us one way -> a replica transfer "
+                  "costs %ld tokens, a row %ld/1024\n",
                   static_cast<long>(o.measure_rows), m->ranks, m->token_seconds * 1e6,
-                  m->row_seconds_inter * 1e6, static_cast<long>(o.replica_cost),
-                  static_cast<long>(o.row_cost));
+                  m->transfer_seconds_inter * 1e6, m->row_seconds_inter * 1e6,
+                  static_cast<long>(o.replica_cost), static_cast<long>(o.row_cost));
     }
   }
   auto layer_or = moonep::runtime::MoeLayer::Create(comm.get(), config);

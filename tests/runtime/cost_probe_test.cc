@@ -112,6 +112,27 @@ TEST(CostProbeDerive, UnmeasuredClassesAndLimits) {
   EXPECT_EQ(m.row_cost_inter, planner::kMaxRowCost);
 }
 
+// A transfer is timed as rows of the layer's dtype: how many (capped at 2^20), and the time of the
+// whole transfer from a row's time, bf16 rows carrying fp32 gradients or bf16 weights.
+TEST(CostProbeDerive, TransferRowsAndTheirScaling) {
+  LayerConfig c;
+  c.hidden = 64;
+  c.intermediate = 32;
+  c.dtype = DType::kBFloat16;
+  c.grad_dtype = DType::kFloat32;
+  EXPECT_EQ(runtime::TransferRows(c, /*training=*/true), 3 * 64 * 32 * 4 / (64 * 2));   // 192
+  EXPECT_EQ(runtime::TransferRows(c, /*training=*/false), 3 * 64 * 32 * 2 / (64 * 2));  // 96
+  EXPECT_DOUBLE_EQ(runtime::TransferSeconds(1e-6, c, true), 192e-6);
+  EXPECT_DOUBLE_EQ(runtime::TransferSeconds(1e-6, c, false), 96e-6);
+  c.hidden = 3;
+  c.intermediate = 33;  // 3 x 3 x 33 x 4 bytes in rows of 6 bytes: 198 rows
+  EXPECT_EQ(runtime::TransferRows(c, true), 198);
+  c.hidden = 8;
+  c.intermediate = int64_t{1} << 22;  // 3 x 2^23 rows: capped, and the time scaled past the cap
+  EXPECT_EQ(runtime::TransferRows(c, true), int64_t{1} << 20);
+  EXPECT_DOUBLE_EQ(runtime::TransferSeconds(1e-9, c, true), 1e-9 * 3 * (1 << 22) * 2);
+}
+
 TEST(CostProbeDerive, OptionsAreChecked) {
   CostProbeOptions o;
   EXPECT_TRUE(runtime::CheckCostProbeOptions(o).ok());
@@ -379,6 +400,20 @@ TEST_F(CostProbeTest, BadInputFailsEveryRankAndLeavesTheCommunicatorUsable) {
     m = MeasureCosts(comm_.get(), config, o);
     ASSERT_FALSE(m.ok());
     EXPECT_EQ(ToResult(m.status()), moonepInvalidArgument) << m.status();
+    EXPECT_NE(m.status().message().find("different options"), std::string::npos) << m.status();
+  }
+
+  // transfer_rows: an explicit value equal to the default agrees with 0; another one does not.
+  o = Small();
+  if (rank() == 0) o.transfer_rows = runtime::TransferRows(config, /*training=*/true);
+  m = MeasureCosts(comm_.get(), config, o);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->transfer_rows, runtime::TransferRows(config, true));
+  if (size() > 1) {
+    o = Small();
+    if (rank() == last) o.transfer_rows = 95;
+    m = MeasureCosts(comm_.get(), config, o);
+    ASSERT_FALSE(m.ok());
     EXPECT_NE(m.status().message().find("different options"), std::string::npos) << m.status();
   }
 

@@ -352,11 +352,13 @@ typedef struct {
   size_t size;           /* sizeof(moonepCostProbeOptions_t) */
   int64_t compute_rows;  /* rows of the timed expert, at most 2^20; 0: 512 on the CPU, 4096 on
                             a GPU */
-  int64_t link_rows;     /* rows each rank sends its partner, at most 2^20; 0: as compute_rows */
+  int64_t link_rows;     /* rows each rank sends its partner, at most 2^20; 0: 512 on the CPU,
+                            4096 on a GPU (whatever compute_rows is) */
   int repetitions;       /* timed runs of each measurement, at most 1000; 0: 5 */
   int forward_only;      /* nonzero: time the forward only, and count weights, not gradients */
   int64_t transfer_rows; /* rows sent to time one expert's transfer, at most 2^20; 0: as many as
-                            hold its bytes (its gradients, or its weights when forward_only) */
+                            hold its bytes (its gradients, or its weights when forward_only), at
+                            most 2^20; the time is scaled to the transfer's bytes */
 } moonepCostProbeOptions_t;
 /* The smallest size accepted (0.4.0's struct; later versions only append fields). */
 #define MOONEP_COST_PROBE_OPTIONS_MIN_SIZE \
@@ -389,8 +391,8 @@ typedef struct {
  * one in the next node over the config's transport, all at once; the medians over ranks give the
  * costs (formulas in docs/runtime.md). The config must be one moonepLayerCreate accepts, the same
  * on every rank, and so must the options. Allocates its own buffers (one expert's weights and
- * gradients, 4 x compute_rows rows, link_rows rows received per rank; host buffers checked against
- * the node's memory first) and frees them; touches no
+ * gradients, 4 x compute_rows rows, an EP buffer of max(link_rows, transfer_rows) rows; host
+ * buffers checked against the rank's and the node's memory first) and frees them; touches no
  * layer and writes nothing to the routing trace. A rank whose config or options are bad fails it
  * on every rank (moonepInvalidArgument there, moonepRemoteError naming it elsewhere); a peer that
  * does not join fails it with moonepTimeout naming the phase and the peers. Copy the four costs
