@@ -317,6 +317,8 @@ void ApplyCosts(const MeasuredCosts& costs, LayerConfig* config) {
 absl::StatusOr<MeasuredCosts> MeasureCosts(Communicator* comm, const LayerConfig& config,
                                            const CostProbeOptions& given) {
   if (comm == nullptr) return InvalidArgument("cost probe: comm is null");
+  // The config's GPU while the probe runs; the caller's again afterwards.
+  ScopedDevice scoped(config.device, config.device_index);
   const int32_t R = comm->size();
   absl::Status local = CheckLayerConfig(config, R, /*need_executor=*/true);
   if (local.ok()) local = CheckCostProbeOptions(given);
@@ -348,8 +350,6 @@ absl::StatusOr<MeasuredCosts> MeasureCosts(Communicator* comm, const LayerConfig
       }
     }
   }
-  ScopedDevice scoped(config.device, config.device_index);
-
   // The probe's host buffers against this rank's room and, with every rank's, the node's (as a
   // layer's creation checks its own), before any of them is allocated.
   const Pairing pairings[2] = {MakePairing(R, config.ranks_per_node, /*intra=*/true),
