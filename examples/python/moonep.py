@@ -183,6 +183,40 @@ def _check(function, code):
         raise MoonEPError(function, code, _lib().moonepGetLastThreadError().decode())
 
 
+def _layer_config(what, bad, policy, device="cpu", **fields):
+    """A _LayerConfig of `fields` (the defaults of a CPU float32 layer for the others), and the
+    first error in the arguments (`bad`, or a policy, device or number that is not one). With an
+    error the config is one MoonEP refuses (policy -1): pass it to the collective call anyway, so
+    that every rank fails at once instead of waiting for this one, then raise the error."""
+    if bad is None and policy not in _POLICIES:
+        bad = ValueError(f"policy {policy!r} is not one of {sorted(_POLICIES)}")
+    if bad is None and device not in ("cpu", "cuda"):
+        bad = ValueError("device must be 'cpu' or 'cuda'")
+    values = dict(size=ctypes.sizeof(_LayerConfig), magic=_CONFIG_MAGIC, version=version(),
+                  dtype=_FLOAT32, grad_dtype=_FLOAT32, slots=-1, pad_multiple=1,
+                  policy=_POLICIES.get(policy, -1), device=1 if device == "cuda" else 0,
+                  device_index=0, max_recv_rows=0, max_inflight=1, layer_id=-1, num_threads=0,
+                  ranks_per_node=0, eplb_period=1, transport=None)
+    values.update(fields)
+    try:
+        c = _LayerConfig(**values)
+    except TypeError as e:  # a number that is not an integer
+        bad = bad or ValueError(f"{what}: {e}")
+        c = _LayerConfig(size=ctypes.sizeof(_LayerConfig), magic=_CONFIG_MAGIC,
+                         version=version())
+    if bad is not None:
+        c.policy = -1
+    return c, bad
+
+
+def _version_error(what, needed):
+    if version() >= needed:
+        return None
+    return ValueError(f"{what} need{'s' if what == 'measure_costs' else ''} libmoonep "
+                      f"{needed // 10000}.{needed // 100 % 100}.0 or later; the loaded library is "
+                      f"{version() // 10000}.{version() // 100 % 100}.{version() % 100}")
+
+
 def version():
     v = ctypes.c_int()
     _check("moonepGetVersion", _lib().moonepGetVersion(ctypes.byref(v)))
@@ -266,36 +300,22 @@ def measure_costs(comm, num_experts, top_k, hidden, intermediate, max_tokens, po
     every rank; 0 for compute_rows, link_rows, repetitions: the defaults (512 rows on the CPU, 4096
     on a GPU; 5 repetitions; transfer_rows: as many as hold one expert's gradients, or weights when
     forward_only); compute_rows, link_rows and transfer_rows in the dict are the rows timed."""
-    if version() < 400:
-        raise ValueError(f"measure_costs needs libmoonep 0.4.0 or later; the loaded library is "
-                         f"{version() // 10000}.{version() // 100 % 100}.{version() % 100}")
-    bad = None
-    if device not in ("cpu", "cuda"):
-        bad = ValueError("device must be 'cpu' or 'cuda'")
-    elif policy not in _POLICIES:
-        bad = ValueError(f"policy {policy!r} is not one of {sorted(_POLICIES)}")
+    if version() < 400:  # the library has no moonepMeasureCosts to join
+        raise _version_error("measure_costs", 400)
+    c, bad = _layer_config("measure_costs", None, policy, device, num_experts=num_experts,
+                           top_k=top_k, hidden=hidden, intermediate=intermediate,
+                           max_tokens=max_tokens, slots=slots, num_threads=num_threads,
+                           device_index=device_index, ranks_per_node=ranks_per_node)
     try:
-        c = _LayerConfig(size=ctypes.sizeof(_LayerConfig), magic=_CONFIG_MAGIC, version=version(),
-                         num_experts=num_experts, top_k=top_k, hidden=hidden,
-                         intermediate=intermediate, dtype=_FLOAT32, grad_dtype=_FLOAT32,
-                         slots=slots, pad_multiple=1, policy=_POLICIES.get(policy, -1),
-                         device=1 if device == "cuda" else 0, device_index=device_index,
-                         max_tokens=max_tokens, max_recv_rows=0, max_inflight=1, layer_id=-1,
-                         num_threads=num_threads, ranks_per_node=ranks_per_node, eplb_period=1,
-                         transport=None)
         o = _CostProbeOptions(size=ctypes.sizeof(_CostProbeOptions), compute_rows=compute_rows,
                               link_rows=link_rows, repetitions=repetitions,
                               forward_only=1 if forward_only else 0,
                               transfer_rows=transfer_rows)
-    except TypeError as e:  # a number that is not an integer
+    except TypeError as e:
         bad = bad or ValueError(f"measure_costs: {e}")
-        c = _LayerConfig(size=ctypes.sizeof(_LayerConfig), magic=_CONFIG_MAGIC,
-                         version=version(), policy=-1)
         o = _CostProbeOptions(size=ctypes.sizeof(_CostProbeOptions))
-    if bad is not None:
-        # The probe is collective: join it with a config MoonEP refuses (policy -1), so that every
-        # rank fails at once instead of waiting for this one.
         c.policy = -1
+    if bad is not None:
         m = _MeasuredCosts(size=ctypes.sizeof(_MeasuredCosts))
         _lib().moonepMeasureCosts(comm._h, ctypes.byref(c), ctypes.byref(o), ctypes.byref(m))
         raise bad
@@ -326,37 +346,33 @@ class Layer:
                  policy="moonep", slots=-1, max_inflight=1, num_threads=0, device="cpu",
                  device_index=0, replica_cost_intra=0, replica_cost_inter=0, row_cost_intra=0,
                  row_cost_inter=0, costs=None):
+        bad = None
         if costs is not None:
-            if replica_cost_intra or replica_cost_inter or row_cost_intra or row_cost_inter:
-                raise ValueError("pass either costs (from measure_costs) or the cost arguments")
             missing = [k for k in COST_FIELDS if k not in costs]
-            if missing:
-                raise ValueError(f"costs lacks {missing} (pass what measure_costs returned)")
-            replica_cost_intra, replica_cost_inter, row_cost_intra, row_cost_inter = (
-                int(costs[k]) for k in COST_FIELDS)
-        if device not in ("cpu", "cuda"):
-            raise ValueError("device must be 'cpu' or 'cuda'")
-        if policy not in _POLICIES:
-            raise ValueError(f"policy {policy!r} is not one of {sorted(_POLICIES)}")
-        if (replica_cost_intra or replica_cost_inter) and version() < 200:
+            if replica_cost_intra or replica_cost_inter or row_cost_intra or row_cost_inter:
+                bad = ValueError("pass either costs (from measure_costs) or the cost arguments")
+            elif missing:
+                bad = ValueError(f"costs lacks {missing} (pass what measure_costs returned)")
+            else:
+                replica_cost_intra, replica_cost_inter, row_cost_intra, row_cost_inter = (
+                    costs[k] for k in COST_FIELDS)
+        if bad is None and (replica_cost_intra or replica_cost_inter):
             # A 0.1.0 library reads the config only up to its own fields: it would plan perfect
             # balance whatever the costs say.
-            raise ValueError(f"replica costs need libmoonep 0.2.0 or later; the loaded library is "
-                             f"{version() // 10000}.{version() // 100 % 100}.{version() % 100}")
-        if (row_cost_intra or row_cost_inter) and version() < 300:
-            raise ValueError(f"row costs need libmoonep 0.3.0 or later; the loaded library is "
-                             f"{version() // 10000}.{version() // 100 % 100}.{version() % 100}")
-        c = _LayerConfig(size=ctypes.sizeof(_LayerConfig), magic=_CONFIG_MAGIC,
-                         version=version(), num_experts=num_experts, top_k=top_k, hidden=hidden,
-                         intermediate=intermediate, dtype=_FLOAT32, grad_dtype=_FLOAT32,
-                         slots=slots, pad_multiple=1, policy=_POLICIES[policy],
-                         device=1 if device == "cuda" else 0,
-                         device_index=device_index, max_tokens=max_tokens, max_recv_rows=0,
-                         max_inflight=max_inflight, layer_id=-1, num_threads=num_threads,
-                         ranks_per_node=0, eplb_period=1, transport=None,
-                         replica_cost_intra=replica_cost_intra,
-                         replica_cost_inter=replica_cost_inter, row_cost_intra=row_cost_intra,
-                         row_cost_inter=row_cost_inter)
+            bad = _version_error("replica costs", 200)
+        if bad is None and (row_cost_intra or row_cost_inter):
+            bad = _version_error("row costs", 300)
+        c, bad = _layer_config("Layer", bad, policy, device, num_experts=num_experts, top_k=top_k,
+                               hidden=hidden, intermediate=intermediate, slots=slots,
+                               device_index=device_index, max_tokens=max_tokens,
+                               max_inflight=max_inflight, num_threads=num_threads,
+                               replica_cost_intra=replica_cost_intra,
+                               replica_cost_inter=replica_cost_inter,
+                               row_cost_intra=row_cost_intra, row_cost_inter=row_cost_inter)
+        if bad is not None:
+            h = ctypes.c_void_p()
+            _lib().moonepLayerCreate(comm._h, ctypes.byref(c), ctypes.byref(h))
+            raise bad
         h = ctypes.c_void_p()
         _check("moonepLayerCreate", _lib().moonepLayerCreate(comm._h, ctypes.byref(c),
                                                              ctypes.byref(h)))
@@ -550,27 +566,12 @@ class EpBuffer:
 
     def __init__(self, comm, num_experts, top_k, hidden, max_tokens, intermediate=0,
                  policy="moonep", slots=-1, max_inflight=1, pad_multiple=1):
-        bad = None
-        if policy not in _POLICIES:
-            bad = ValueError(f"policy {policy!r} is not one of {sorted(_POLICIES)}")
-        try:
-            c = _LayerConfig(size=ctypes.sizeof(_LayerConfig), magic=_CONFIG_MAGIC,
-                             version=version(), num_experts=num_experts, top_k=top_k,
-                             hidden=hidden, intermediate=intermediate, dtype=_FLOAT32,
-                             grad_dtype=_FLOAT32, slots=slots, pad_multiple=pad_multiple,
-                             policy=_POLICIES.get(policy, -1), device=0, device_index=0,
-                             max_tokens=max_tokens, max_recv_rows=0, max_inflight=max_inflight,
-                             layer_id=-1, num_threads=1, ranks_per_node=0, eplb_period=1,
-                             transport=None)
-        except TypeError as e:  # a number that is not an integer
-            bad = bad or ValueError(f"EpBuffer: {e}")
-            c = _LayerConfig(size=ctypes.sizeof(_LayerConfig), magic=_CONFIG_MAGIC,
-                             version=version(), policy=-1)
+        c, bad = _layer_config("EpBuffer", None, policy, num_experts=num_experts, top_k=top_k,
+                               hidden=hidden, intermediate=intermediate, slots=slots,
+                               pad_multiple=pad_multiple, max_tokens=max_tokens,
+                               max_inflight=max_inflight, num_threads=1)
         h = ctypes.c_void_p()
         if bad is not None:
-            # Creation is collective: join it with a config MoonEP refuses (policy -1), so that
-            # every rank fails at once instead of waiting for this one.
-            c.policy = -1
             _lib().moonepEpBufferCreate(comm._h, ctypes.byref(c), ctypes.byref(h))
             raise bad
         _check("moonepEpBufferCreate", _lib().moonepEpBufferCreate(comm._h, ctypes.byref(c),

@@ -84,6 +84,16 @@ def main():
 
     expect(ValueError, "policy 'balanced' is not one of",
            lambda: moonep.Layer(comm, E, K, H, I, T, policy="balanced"))
+    # The same on one rank alone: it still joins the creation, so its peers fail at once, naming it.
+    if rank == R - 1:
+        expect(ValueError, "policy 'balanced' is not one of",
+               lambda: moonep.Layer(comm, E, K, H, I, T, policy="balanced"))
+    elif R > 1:
+        expect(moonep.MoonEPError, f"rank {R - 1}", lambda: moonep.Layer(comm, E, K, H, I, T))
+    if rank == R - 1:
+        expect(ValueError, "Layer:", lambda: moonep.Layer(comm, E, K, H, I, T, slots=1.5))
+    elif R > 1:
+        expect(moonep.MoonEPError, f"rank {R - 1}", lambda: moonep.Layer(comm, E, K, H, I, T))
     # The cost probe: a bad argument on one rank fails every rank at once (the peers' MoonEPError
     # names the rank), then a good probe runs; costs and cost arguments together are refused.
     probe = dict(num_experts=E, top_k=K, hidden=H, intermediate=I, max_tokens=T, num_threads=1,
