@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "moonep/compute/compute_view.h"
@@ -250,15 +251,14 @@ std::vector<int32_t> ProbePartners(int32_t R, int32_t ranks_per_node, bool intra
 int64_t DefaultProbeRows(Device device) { return device == Device::kCpu ? 512 : 4096; }
 
 absl::Status CheckCostProbeOptions(const CostProbeOptions& o) {
-  MOONEP_CHECK_ARG(o.compute_rows >= 0 && o.compute_rows <= kMaxProbeRows,
-                   "cost probe: compute_rows is %d; must be in [0, %d] (0: the default)",
-                   o.compute_rows, kMaxProbeRows);
-  MOONEP_CHECK_ARG(o.link_rows >= 0 && o.link_rows <= kMaxProbeRows,
-                   "cost probe: link_rows is %d; must be in [0, %d] (0: the default)", o.link_rows,
-                   kMaxProbeRows);
-  MOONEP_CHECK_ARG(o.transfer_rows >= 0 && o.transfer_rows <= kMaxProbeRows,
-                   "cost probe: transfer_rows is %d; must be in [0, %d] (0: the transfer's own)",
-                   o.transfer_rows, kMaxProbeRows);
+  const std::pair<const char*, int64_t> rows[] = {{"compute_rows", o.compute_rows},
+                                                  {"link_rows", o.link_rows},
+                                                  {"transfer_rows", o.transfer_rows}};
+  for (const auto& [name, value] : rows) {
+    MOONEP_CHECK_ARG(value >= 0 && value <= kMaxProbeRows,
+                     "cost probe: %s is %d; must be in [0, %d] (0: the default)", name, value,
+                     kMaxProbeRows);
+  }
   MOONEP_CHECK_ARG(o.repetitions >= 1 && o.repetitions <= kMaxRepetitions,
                    "cost probe: repetitions is %d; must be in [1, %d]", o.repetitions,
                    kMaxRepetitions);

@@ -203,17 +203,8 @@ TEST(CostProbePartners, LieInTheirClassAndNoRankReceivesTwice) {
   }
 }
 
-class CostProbeTest : public MpiTest {
+class CostProbeTest : public CommunicatorTest {
  protected:
-  void SetUp() override {
-    auto comm = Communicator::FromMpi(MPI_COMM_WORLD);
-    ASSERT_TRUE(comm.ok()) << comm.status();
-    comm_ = std::move(*comm);
-  }
-  void TearDown() override {
-    comm_.reset();
-    MpiTest::TearDown();
-  }
   LayerConfig Config(int32_t ranks_per_node) const {
     LayerConfig c;
     c.num_experts = 2 * size();
@@ -251,7 +242,6 @@ class CostProbeTest : public MpiTest {
       for (int i = 0; i < n; ++i) EXPECT_EQ(all[r * n + i], all[i]) << "rank " << r << " field " << i;
     }
   }
-  std::unique_ptr<Communicator> comm_;
 };
 
 // Nodes of 2 ranks: intra measured from 2 ranks, inter from 4 (np 1, 2, 3, 4: with 3 the second

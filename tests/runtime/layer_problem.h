@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -13,9 +14,26 @@
 #include "moonep/core/status.h"
 #include "moonep/reference/gradient_check.h"
 #include "moonep/reference/reference_moe.h"
+#include "moonep/runtime/communicator.h"
 #include "moonep/runtime/moe_layer.h"
+#include "tests/harness/mpi_test.h"
 
 namespace moonep::testing {
+
+// A multi-rank test with a communicator over MPI_COMM_WORLD in comm_, made for each test.
+class CommunicatorTest : public MpiTest {
+ protected:
+  void SetUp() override {
+    auto comm = runtime::Communicator::FromMpi(MPI_COMM_WORLD);
+    ASSERT_TRUE(comm.ok()) << comm.status();
+    comm_ = std::move(*comm);
+  }
+  void TearDown() override {
+    comm_.reset();
+    MpiTest::TearDown();
+  }
+  std::unique_ptr<runtime::Communicator> comm_;
+};
 
 // Zipf-skewed top-k routing (distinct experts per token, `drop` chance of -1 per entry).
 inline void SkewedRouting(int64_t tokens, int32_t experts, int32_t top_k, double zipf, double drop,

@@ -30,17 +30,8 @@ using runtime::MoeLayer;
 constexpr int32_t kTopK = 3;
 constexpr int64_t kHidden = 16, kInter = 8, kBaseTokens = 24;
 
-class MoeLayerTest : public MpiTest {
+class MoeLayerTest : public CommunicatorTest {
  protected:
-  void SetUp() override {
-    auto comm = Communicator::FromMpi(MPI_COMM_WORLD);
-    ASSERT_TRUE(comm.ok()) << comm.status();
-    comm_ = std::move(*comm);
-  }
-  void TearDown() override {
-    comm_.reset();
-    MpiTest::TearDown();
-  }
 
   // Experts per rank: 4 on one rank so that E >= K, else 2.
   int32_t epn() const { return size() == 1 ? 4 : 2; }
@@ -86,7 +77,6 @@ class MoeLayerTest : public MpiTest {
     }
   }
 
-  std::unique_ptr<Communicator> comm_;
 };
 
 const planner::Policy kPolicies[] = {

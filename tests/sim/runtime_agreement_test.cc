@@ -33,23 +33,13 @@ constexpr int32_t kTopK = 3, kEpn = 4, kRanksPerNode = 2;
 constexpr int64_t kHidden = 16, kInter = 8, kBaseTokens = 40;
 constexpr int kSteps = 3;
 
-class RuntimeAgreementTest : public MpiTest {
+class RuntimeAgreementTest : public CommunicatorTest {
  protected:
-  void SetUp() override {
-    auto comm = Communicator::FromMpi(MPI_COMM_WORLD);
-    ASSERT_TRUE(comm.ok()) << comm.status();
-    comm_ = std::move(*comm);
-  }
-  void TearDown() override {
-    comm_.reset();
-    MpiTest::TearDown();
-  }
   std::vector<int64_t> Gather(int64_t v) {
     std::vector<int64_t> all(size());
     MPI_Allgather(&v, 1, MPI_INT64_T, all.data(), 1, MPI_INT64_T, MPI_COMM_WORLD);
     return all;
   }
-  std::unique_ptr<Communicator> comm_;
 };
 
 struct Capture : sim::StepSink {
