@@ -209,11 +209,12 @@ def _layer_config(what, bad, policy, device="cpu", **fields):
     return c, bad
 
 
-def _version_error(what, needed):
+def _version_error(what_needs, needed):
+    """A ValueError "<what_needs> libmoonep X.Y.0 or later; ..." when the library is older."""
     if version() >= needed:
         return None
-    return ValueError(f"{what} need{'s' if what == 'measure_costs' else ''} libmoonep "
-                      f"{needed // 10000}.{needed // 100 % 100}.0 or later; the loaded library is "
+    return ValueError(f"{what_needs} libmoonep {needed // 10000}.{needed // 100 % 100}.0 or later; "
+                      f"the loaded library is "
                       f"{version() // 10000}.{version() // 100 % 100}.{version() % 100}")
 
 
@@ -301,7 +302,7 @@ def measure_costs(comm, num_experts, top_k, hidden, intermediate, max_tokens, po
     on a GPU; 5 repetitions; transfer_rows: as many as hold one expert's gradients, or weights when
     forward_only); compute_rows, link_rows and transfer_rows in the dict are the rows timed."""
     if version() < 400:  # the library has no moonepMeasureCosts to join
-        raise _version_error("measure_costs", 400)
+        raise _version_error("measure_costs needs", 400)
     c, bad = _layer_config("measure_costs", None, policy, device, num_experts=num_experts,
                            top_k=top_k, hidden=hidden, intermediate=intermediate,
                            max_tokens=max_tokens, slots=slots, num_threads=num_threads,
@@ -359,9 +360,9 @@ class Layer:
         if bad is None and (replica_cost_intra or replica_cost_inter):
             # A 0.1.0 library reads the config only up to its own fields: it would plan perfect
             # balance whatever the costs say.
-            bad = _version_error("replica costs", 200)
+            bad = _version_error("replica costs need", 200)
         if bad is None and (row_cost_intra or row_cost_inter):
-            bad = _version_error("row costs", 300)
+            bad = _version_error("row costs need", 300)
         c, bad = _layer_config("Layer", bad, policy, device, num_experts=num_experts, top_k=top_k,
                                hidden=hidden, intermediate=intermediate, slots=slots,
                                device_index=device_index, max_tokens=max_tokens,

@@ -46,8 +46,8 @@ struct Pairing {
   std::vector<int32_t> dest;
   int64_t max_senders = 0;  // the most ranks sending to one rank (a rank without a partner sends
                             // nothing: its rows are routed to no expert)
-  bool any = false;
   bool measures(int32_t r) const { return dest[r] != r; }
+  bool any() const { return max_senders > 0; }
 };
 
 int64_t MaxSenders(const Pairing (&pairings)[2]) {
@@ -59,9 +59,7 @@ Pairing MakePairing(int32_t R, int32_t rpn, bool intra) {
   p.dest = ProbePartners(R, rpn, intra);
   std::vector<int64_t> in(R, 0);
   for (int32_t r = 0; r < R; ++r) {
-    if (!p.measures(r)) continue;
-    p.max_senders = std::max(p.max_senders, ++in[p.dest[r]]);
-    p.any = true;
+    if (p.measures(r)) p.max_senders = std::max(p.max_senders, ++in[p.dest[r]]);
   }
   return p;
 }
@@ -96,16 +94,37 @@ uint64_t ComputeBytes(const LayerConfig& c, const CostProbeOptions& o) {
              DTypeSize(c.dtype);
 }
 int64_t LinkRowsMax(const CostProbeOptions& o) { return std::max(o.link_rows, o.transfer_rows); }
-// The link part's host bytes: the rows sent, combined and received (`senders` at most a rank),
-// the routing, and the EP buffer's own (ep_buffer.h: its rows and row weights, and the host
-// transports' staging).
-uint64_t LinkBytes(const LayerConfig& c, const CostProbeOptions& o, int64_t senders) {
-  const uint64_t n = static_cast<uint64_t>(LinkRowsMax(o));
-  const uint64_t cap = n * static_cast<uint64_t>(std::max<int64_t>(senders, 1));
-  const uint64_t row = static_cast<uint64_t>(c.hidden) * DTypeSize(c.dtype);
-  const uint64_t probe = (2 * n + cap) * row + 3 * n * 4;
-  const uint64_t ep = cap * (row + 4) + n * (row + 8) + cap * 8 + std::max(n, cap) * 4;
-  return probe + ep;
+
+// The EP buffer that times the links: one expert a rank, top-1, policy none, receiving `rows` rows
+// from each of at most `senders` ranks, on the config's transport, device and timeout.
+LayerConfig ProbeEpConfig(const LayerConfig& config, int32_t R, int64_t rows, int64_t senders) {
+  LayerConfig ep;
+  ep.num_experts = R;
+  ep.top_k = 1;
+  ep.hidden = config.hidden;
+  ep.dtype = config.dtype;
+  ep.grad_dtype = config.grad_dtype;
+  ep.slots = 1;
+  ep.policy = planner::Policy::kNone;
+  ep.ranks_per_node = config.ranks_per_node;
+  ep.device = config.device;
+  ep.device_index = config.device_index;
+  ep.max_tokens = rows;
+  ep.max_recv_rows = rows * senders;
+  ep.layer_id = 0;  // not from the communicator's sequence: the probe is not a layer
+  ep.num_threads = config.num_threads;
+  ep.transport = TransportBackend(config);
+  ep.timeout_ms = config.timeout_ms;
+  return ep;
+}
+
+// The link part's host bytes: the rows sent and combined, the routing, and the EP buffer's own
+// (its received rows, which the combine reads back, and the transport's staging).
+uint64_t LinkBytes(const LayerConfig& ep) {
+  const uint64_t n = static_cast<uint64_t>(ep.max_tokens);
+  const uint64_t row = static_cast<uint64_t>(ep.hidden) * DTypeSize(ep.dtype);
+  return 2 * n * row + 3 * n * 4 +
+         HostBufferBytes(ep, ep.max_recv_rows, /*rows_per_handle=*/1, /*shared_rows=*/0);
 }
 
 // This rank's median time of one token through one expert (forward, and backward if training).
@@ -168,11 +187,11 @@ absl::StatusOr<double> TimeCompute(const LayerConfig& config, const CostProbeOpt
   return Median(std::move(samples));
 }
 
-// The probe's link buffers: rows to send, received and combined, and the routing of each class
-// (every row to the rank's partner, weight 1).
+// The probe's link buffers: rows to send and combined, and the routing of each class (every row
+// to the rank's partner, weight 1). The combine reads back the rows the dispatch received.
 struct LinkBuffers {
-  int64_t rows = 0;                 // N: the most rows a dispatch sends
-  DeviceMemory x, out, y, routing;  // routing: [2][N] ids, then [N] weights
+  int64_t rows = 0;            // N: the most rows a dispatch sends
+  DeviceMemory x, y, routing;  // routing: [2][N] ids, then [N] weights
 };
 
 // Collective: this rank's median time of a row one way on link class `c` (0 when it has no partner
@@ -186,8 +205,6 @@ absl::StatusOr<double> TimeLinks(Communicator* comm, EpBuffer* buf, const Pairin
   const int32_t* ids = b.routing.get<int32_t>() + c * b.rows;
   const float* weights = reinterpret_cast<const float*>(b.routing.get<int32_t>() + 2 * b.rows);
   const TensorView xv = TensorView::Contiguous(b.x.get(), config.dtype, {N, H}, config.device);
-  const TensorView outv = TensorView::Contiguous(
-      b.out.get(), config.dtype, {buf->recv_capacity_rows(), H}, config.device);
   const TensorView yv = TensorView::Contiguous(b.y.get(), config.dtype, {N, H}, config.device);
   std::vector<double> samples;
   for (int32_t rep = 0; rep <= options.repetitions; ++rep) {
@@ -200,6 +217,11 @@ absl::StatusOr<double> TimeLinks(Communicator* comm, EpBuffer* buf, const Pairin
     const StepStats& st = buf->stats();
     const double dispatch = Since(t) - st.seconds[static_cast<int>(Phase::kCounts)] -
                             st.seconds[static_cast<int>(Phase::kPlan)];
+    EpLayout layout;
+    MOONEP_RETURN_IF_ERROR(buf->Layout(h, &layout));
+    // The received rows stand for the experts' outputs (the combine only reads them).
+    const TensorView outv = TensorView::Contiguous(const_cast<void*>(layout.rows), config.dtype,
+                                                   {buf->recv_capacity_rows(), H}, config.device);
     t = Clock::now();
     MOONEP_RETURN_IF_ERROR(buf->Combine(h, outv, yv));
     synced = SynchronizeDevice(config.device);
@@ -354,10 +376,10 @@ absl::StatusOr<MeasuredCosts> MeasureCosts(Communicator* comm, const LayerConfig
   // layer's creation checks its own), before any of them is allocated.
   const Pairing pairings[2] = {MakePairing(R, config.ranks_per_node, /*intra=*/true),
                                MakePairing(R, config.ranks_per_node, /*intra=*/false)};
-  const bool links = pairings[0].any || pairings[1].any;
+  const bool links = pairings[0].any() || pairings[1].any();
+  const LayerConfig ep = ProbeEpConfig(config, R, LinkRowsMax(options), MaxSenders(pairings));
   const uint64_t probe_bytes =
-      std::max(ComputeBytes(config, options),
-               links ? LinkBytes(config, options, MaxSenders(pairings)) : uint64_t{0});
+      std::max(ComputeBytes(config, options), links ? LinkBytes(ep) : uint64_t{0});
   LayerConfig none = config;  // no layer buffers: only the probe's bytes
   none.max_tokens = 0;
   none.max_inflight = 1;
@@ -374,24 +396,7 @@ absl::StatusOr<MeasuredCosts> MeasureCosts(Communicator* comm, const LayerConfig
   MOONEP_RETURN_IF_ERROR(AgreeOnVerdict(comm, local, "cost probe (compute)"));
 
   if (links) {
-    const int64_t N = LinkRowsMax(options);
-    LayerConfig ep;
-    ep.num_experts = R;
-    ep.top_k = 1;
-    ep.hidden = config.hidden;
-    ep.dtype = config.dtype;
-    ep.grad_dtype = config.grad_dtype;
-    ep.slots = 1;
-    ep.policy = planner::Policy::kNone;
-    ep.ranks_per_node = config.ranks_per_node;
-    ep.device = config.device;
-    ep.device_index = config.device_index;
-    ep.max_tokens = N;
-    ep.max_recv_rows = N * MaxSenders(pairings);
-    ep.layer_id = 0;  // not from the communicator's sequence: the probe is not a layer
-    ep.num_threads = config.num_threads;
-    ep.transport = TransportBackend(config);
-    ep.timeout_ms = config.timeout_ms;
+    const int64_t N = ep.max_tokens;
     // Its dispatches have a shape of their own: kept out of the routing trace.
     struct Pause {
       Communicator* comm;
@@ -415,8 +420,6 @@ absl::StatusOr<MeasuredCosts> MeasureCosts(Communicator* comm, const LayerConfig
     };
     allocate(&b.x, static_cast<size_t>(N) * row_bytes, "cost probe link rows");
     allocate(&b.routing, static_cast<size_t>(N) * 12, "cost probe routing");
-    allocate(&b.out, static_cast<size_t>(buf->recv_capacity_rows()) * row_bytes,
-             "cost probe received rows");
     allocate(&b.y, static_cast<size_t>(N) * row_bytes, "cost probe combined rows");
     if (alloc.ok()) alloc = Fill(config.device, config.dtype, b.x.get(), N * config.hidden, 3);
     if (alloc.ok()) {
@@ -433,7 +436,7 @@ absl::StatusOr<MeasuredCosts> MeasureCosts(Communicator* comm, const LayerConfig
     }
     MOONEP_RETURN_IF_ERROR(AgreeOnVerdict(comm, alloc, "cost probe (link buffers)"));
     for (int c = 0; c < 2; ++c) {
-      if (!pairings[c].any) continue;
+      if (!pairings[c].any()) continue;
       MOONEP_ASSIGN_OR_RETURN(mine.row_seconds[c],
                               TimeLinks(comm, buf.get(), pairings[c], c, options.link_rows,
                                         config, options, b));

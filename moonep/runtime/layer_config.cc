@@ -128,8 +128,6 @@ absl::Status CheckRecvCapacity(const LayerConfig& c, int64_t capacity) {
   return absl::OkStatus();
 }
 
-namespace {
-// The bytes CheckHostBuffers checks.
 uint64_t HostBufferBytes(const LayerConfig& c, int64_t capacity, int rows_per_handle,
                          int shared_rows) {
   using Wide = unsigned __int128;  // no overflow for any checked config (each factor < 2^63)
@@ -142,8 +140,6 @@ uint64_t HostBufferBytes(const LayerConfig& c, int64_t capacity, int rows_per_ha
                      shared_rows * cap * row_bytes;
   return total > UINT64_MAX ? UINT64_MAX : static_cast<uint64_t>(total);
 }
-
-}  // namespace
 
 absl::Status CheckHostBuffers(Communicator* comm, const LayerConfig& c, int64_t capacity,
                               int rows_per_handle, int shared_rows, uint64_t extra_bytes,

@@ -125,6 +125,9 @@ absl::Status CheckRecvCapacity(const LayerConfig& config, int64_t capacity_rows)
 // Over either, *local becomes OutOfMemory naming `what` (a rank with a local error already keeps
 // it and counts 0 bytes). Where the exchange fails (Timeout naming `phase`, RemoteError), returns
 // this rank's own error if it had one, else the exchange's: then the creation stops there.
+// The host bytes CheckHostBuffers counts for these buffers (without its extra_bytes), saturating.
+uint64_t HostBufferBytes(const LayerConfig& config, int64_t capacity_rows, int rows_per_handle,
+                         int shared_rows);
 absl::Status CheckHostBuffers(Communicator* comm, const LayerConfig& config,
                               int64_t capacity_rows, int rows_per_handle, int shared_rows,
                               uint64_t extra_bytes, const char* what, const char* phase,
