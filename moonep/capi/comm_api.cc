@@ -75,7 +75,8 @@ absl::Status ReadDType(const moonepDataType_t& dtype, const char* name, DType* o
   return absl::OkStatus();
 }
 
-absl::Status ReadLayerConfig(const moonepLayerConfig_t* c, runtime::LayerConfig* out) {
+absl::Status ReadLayerConfig(const moonepLayerConfig_t* c, int32_t num_ranks,
+                             runtime::LayerConfig* out) {
   if (c == nullptr) return InvalidArgument("config is NULL");
   if (c->magic != MOONEP_CONFIG_MAGIC) {
     return InvalidArgument("config was not initialised with MOONEP_LAYER_CONFIG_INITIALIZER "
@@ -129,6 +130,10 @@ absl::Status ReadLayerConfig(const moonepLayerConfig_t* c, runtime::LayerConfig*
   if (MOONEP_HAS_FIELD(replica_cost_inter)) d.replica_cost_inter = c->replica_cost_inter;
   if (MOONEP_HAS_FIELD(row_cost_intra)) d.row_cost_intra = c->row_cost_intra;
   if (MOONEP_HAS_FIELD(row_cost_inter)) d.row_cost_inter = c->row_cost_inter;
+  if (MOONEP_HAS_FIELD(speeds) && c->speeds != nullptr) {
+    // One per rank of the communicator (CheckLayerConfig checks the values).
+    d.speeds.assign(c->speeds, c->speeds + num_ranks);
+  }
   if (MOONEP_HAS_FIELD(transport) && c->transport != nullptr) {
     // Read at most 16 bytes: no backend name is longer than 15, and a string without its NUL
     // must not be read past.

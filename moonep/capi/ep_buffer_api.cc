@@ -90,7 +90,7 @@ moonepResult_t moonepEpBufferCreate(moonepComm_t comm, const moonepEpBufferConfi
     moonep::runtime::LayerConfig c;
     // Like moonepLayerCreate: a local error still joins the agreement, so the peers fail at once.
     const absl::Status read = buffer == nullptr ? moonep::InvalidArgument("buffer is NULL")
-                                                : moonep::capi::ReadLayerConfig(config, &c);
+                                                : moonep::capi::ReadLayerConfig(config, comm->impl->size(), &c);
     if (!read.ok()) {
       moonep::runtime::LayerConfig invalid;
       (void)moonep::runtime::AgreeOnConfig(comm->impl.get(), invalid, read, "EP buffer creation");

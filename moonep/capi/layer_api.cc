@@ -37,7 +37,7 @@ moonepResult_t moonepLayerCreate(moonepComm_t comm, const moonepLayerConfig_t* c
     // A config that cannot even be read (or nowhere to put the layer) still joins the collective
     // agreement (with an invalid local verdict) so the other ranks fail instead of waiting.
     const absl::Status read = layer == nullptr ? moonep::InvalidArgument("layer is NULL")
-                                               : moonep::capi::ReadLayerConfig(config, &c);
+                                               : moonep::capi::ReadLayerConfig(config, comm->impl->size(), &c);
     if (!read.ok()) {
       moonep::runtime::LayerConfig invalid;
       (void)moonep::runtime::AgreeOnConfig(comm->impl.get(), invalid, read, "MoE layer creation");
@@ -214,7 +214,7 @@ moonepResult_t moonepMeasureCosts(moonepComm_t comm, const moonepLayerConfig_t* 
     moonep::runtime::CostProbeOptions o;
     // Arguments that cannot be read still join the probe's first agreement (with an invalid
     // local verdict) so the other ranks fail instead of waiting.
-    absl::Status read = moonep::capi::ReadLayerConfig(config, &c);
+    absl::Status read = moonep::capi::ReadLayerConfig(config, comm->impl->size(), &c);
     if (read.ok() && costs == nullptr) read = moonep::InvalidArgument("costs is NULL");
     if (read.ok() && costs->size < MOONEP_MEASURED_COSTS_MIN_SIZE) {
       read = moonep::InvalidArgument(
@@ -261,6 +261,15 @@ moonepResult_t moonepMeasureCosts(moonepComm_t comm, const moonepLayerConfig_t* 
     out.transfer_seconds_intra = m.transfer_seconds_intra;
     out.transfer_seconds_inter = m.transfer_seconds_inter;
     out.transfer_rows = m.transfer_rows;
+    out.token_seconds_fastest = m.token_seconds_fastest;
+    out.token_seconds_slowest = m.token_seconds_slowest;
+    // The caller's array: kept as it is, and filled (one speed per rank) where it is set.
+    if (out.size >= offsetof(moonepMeasuredCosts_t, speeds) + sizeof(out.speeds)) {
+      out.speeds = costs->speeds;
+      if (out.speeds != nullptr) {
+        for (size_t r = 0; r < m.speeds.size(); ++r) out.speeds[r] = m.speeds[r];
+      }
+    }
     std::memcpy(costs, &out, out.size);
     return absl::OkStatus();
   });

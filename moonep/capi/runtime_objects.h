@@ -108,8 +108,10 @@ moonepResult_t GuardOn(moonepComm* comm, const char* function, Body&& body) {
   return result;
 }
 
-// A C layer/EP config into the C++ one (fields past config->size take their defaults).
-absl::Status ReadLayerConfig(const moonepLayerConfig_t* config, runtime::LayerConfig* out);
+// A C layer/EP config into the C++ one (fields past config->size take their defaults) for a
+// communicator of num_ranks ranks (config->speeds, when set, holds that many).
+absl::Status ReadLayerConfig(const moonepLayerConfig_t* config, int32_t num_ranks,
+                             runtime::LayerConfig* out);
 
 // E experts of `tensors` (gate [E][H][I], up [E][H][I], down [E][I][H]) as ExpertParams.
 // Views carry `device` (the memory is not inspected; the backend checks it).

@@ -311,6 +311,18 @@ MeasuredCosts DeriveCosts(bool training, const ProbeFigures& f, int32_t ranks) {
   m.intra_measured = f.measured[0];
   m.inter_measured = f.measured[1];
   m.ranks = ranks;
+  m.rank_token_seconds = f.rank_token_seconds;
+  const bool all_timed =
+      !f.rank_token_seconds.empty() && f.token_seconds > 0 &&
+      std::all_of(f.rank_token_seconds.begin(), f.rank_token_seconds.end(),
+                  [](double t) { return std::isfinite(t) && t > 0; });
+  if (all_timed) {
+    const auto [fastest, slowest] =
+        std::minmax_element(f.rank_token_seconds.begin(), f.rank_token_seconds.end());
+    m.token_seconds_fastest = *fastest;
+    m.token_seconds_slowest = *slowest;
+    for (double t : f.rank_token_seconds) m.speeds.push_back(f.token_seconds / t);
+  }
   if (!(f.token_seconds > 0) || (!f.measured[0] && !f.measured[1])) return m;
   // A class not measured takes the other's figures.
   const int intra = f.measured[0] ? 0 : 1, inter = f.measured[1] ? 1 : 0;
@@ -465,6 +477,7 @@ absl::StatusOr<MeasuredCosts> MeasureCosts(Communicator* comm, const LayerConfig
   // A transfer's time: its rows' time scaled to its bytes (the same when transfer_rows holds
   // exactly the transfer, below it when rounded up to whole rows).
   ProbeFigures figures;
+  figures.rank_token_seconds = tokens;
   figures.token_seconds = Median(tokens);
   for (int c = 0; c < 2; ++c) {
     figures.measured[c] = !rows[c].empty();

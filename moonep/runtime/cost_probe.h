@@ -63,6 +63,7 @@ double TransferSeconds(double row_seconds, const LayerConfig& config, bool train
 // What the probe timed (the medians over ranks), per link class: [0] intra-node, [1] inter-node.
 struct ProbeFigures {
   double token_seconds = 0;
+  std::vector<double> rank_token_seconds;  // [R] each rank's own (token_seconds is their median)
   double row_seconds[2] = {0, 0};       // one row one way, link_rows rows to a partner
   double transfer_seconds[2] = {0, 0};  // one expert's transfer one way
   bool measured[2] = {false, false};
@@ -81,6 +82,12 @@ struct MeasuredCosts {
   // The planner's costs (LayerConfig / PlannerConfig units).
   int64_t replica_cost_intra = 0, replica_cost_inter = 0;
   int64_t row_cost_intra = 0, row_cost_inter = 0;
+  // Each rank's own token time, the fastest and the slowest of them, and each rank's speed
+  // relative to the median rank (token_seconds / its time: 0.5 for a rank half as fast), for
+  // LayerConfig::speeds where ranks differ in more than noise. Empty where a rank timed nothing.
+  std::vector<double> rank_token_seconds;
+  double token_seconds_fastest = 0, token_seconds_slowest = 0;
+  std::vector<double> speeds;
 };
 
 // The partner of every rank on one link class: inside its node (the next rank of the node, a
@@ -109,7 +116,9 @@ MeasuredCosts DeriveCosts(bool training, const ProbeFigures& figures, int32_t ra
 absl::StatusOr<MeasuredCosts> MeasureCosts(Communicator* comm, const LayerConfig& config,
                                            const CostProbeOptions& options = {});
 
-// The config with the measured costs set (replica_cost_* and row_cost_*).
+// The config with the measured costs set (replica_cost_* and row_cost_*). The speeds are not
+// applied: whether a rank that measured 3 % faster is faster, or only noise, is the caller's call
+// (docs/runtime.md, "Ranks of different speeds").
 void ApplyCosts(const MeasuredCosts& costs, LayerConfig* config);
 
 }  // namespace moonep::runtime

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "absl/strings/str_format.h"
 #include "moonep/core/dtype.h"
 #include "moonep/core/env.h"
 #include "moonep/runtime/communicator.h"
@@ -129,6 +130,10 @@ int Run(int argc, char** argv) {
   std::printf("  token      %10.3f us   (%.1f effective %s; median of the ranks, %ld rows)\n",
               m->token_seconds * 1e6, rate >= 1e12 ? rate / 1e12 : rate / 1e9,
               rate >= 1e12 ? "TFLOP/s" : "GFLOP/s", static_cast<long>(m->compute_rows));
+  std::printf("  ranks      %10.3f us fastest, %.3f us slowest (speeds %.3f-%.3f of the median)\n",
+              m->token_seconds_fastest * 1e6, m->token_seconds_slowest * 1e6,
+              m->token_seconds / m->token_seconds_slowest,
+              m->token_seconds / m->token_seconds_fastest);
   const char* names[2] = {"intra-node", "inter-node"};
   const double seconds[2] = {m->row_seconds_intra, m->row_seconds_inter};
   const double transfer[2] = {m->transfer_seconds_intra, m->transfer_seconds_inter};
@@ -155,6 +160,10 @@ int Run(int argc, char** argv) {
               "row_cost_inter=%ld\n",
               static_cast<long>(m->replica_cost_intra), static_cast<long>(m->replica_cost_inter),
               static_cast<long>(m->row_cost_intra), static_cast<long>(m->row_cost_inter));
+  // Each rank's speed (LayerConfig::speeds, where ranks differ in more than noise).
+  std::string speeds;
+  for (double v : m->speeds) speeds += (speeds.empty() ? "" : ",") + absl::StrFormat("%.3f", v);
+  std::printf("speeds=%s\n", speeds.c_str());
   return 0;
 }
 

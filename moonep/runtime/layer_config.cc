@@ -1,6 +1,7 @@
 #include "moonep/runtime/layer_config.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -54,6 +55,15 @@ absl::Status CheckLayerConfig(const LayerConfig& c, int32_t num_ranks, bool need
                    "row_cost_intra is %d; must be in [0, 2^40] (1/1024 tokens)", c.row_cost_intra);
   MOONEP_CHECK_ARG(c.row_cost_inter >= 0 && c.row_cost_inter <= planner::kMaxRowCost,
                    "row_cost_inter is %d; must be in [0, 2^40] (1/1024 tokens)", c.row_cost_inter);
+  if (!c.speeds.empty()) {
+    MOONEP_CHECK_ARG(c.speeds.size() == static_cast<size_t>(num_ranks),
+                     "speeds has %d entries; must be empty (all ranks alike) or one per rank (%d)",
+                     c.speeds.size(), num_ranks);
+    for (size_t r = 0; r < c.speeds.size(); ++r) {
+      MOONEP_CHECK_ARG(std::isfinite(c.speeds[r]) && c.speeds[r] > 0,
+                       "speeds[%d] is %g; must be finite and positive", r, c.speeds[r]);
+    }
+  }
   MOONEP_CHECK_ARG(c.device == Device::kCpu || c.device == Device::kCuda,
                    "device %d is not a MoonEP device", static_cast<int32_t>(c.device));
   if (c.device == Device::kCuda && !CudaBuilt()) {
@@ -246,6 +256,7 @@ planner::PlannerConfig PlannerConfigFor(const LayerConfig& config, int32_t num_r
   pc.replica_cost_inter = config.replica_cost_inter;
   pc.row_cost_intra = config.row_cost_intra;
   pc.row_cost_inter = config.row_cost_inter;
+  pc.speeds = config.speeds;
   // One rank has no peer to replicate onto: the test policy then routes through the rank's own
   // slots, so prefetch, replica compute and reduce still run (tests, single-GPU checks).
   pc.test_home_replicas = true;
@@ -278,6 +289,22 @@ absl::Status CheckPlanFitsCapacities(const planner::Plan& plan,
 namespace {
 
 // The fields every rank must agree on, as plain integers (fixed layout on the wire).
+// FNV-1a over the bits of `speeds` (the same values give the same hash on every rank; -0.0 and
+// 0.0 never reach it: speeds are checked positive first, or the rank's verdict is invalid).
+uint64_t SpeedsHash(const std::vector<double>& speeds) {
+  if (speeds.empty()) return 0;
+  uint64_t h = 1469598103934665603ull;
+  for (double s : speeds) {
+    uint64_t bits = 0;
+    std::memcpy(&bits, &s, sizeof(bits));
+    for (int i = 0; i < 8; ++i) {
+      h ^= (bits >> (8 * i)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  }
+  return h;
+}
+
 struct Fingerprint {
   int32_t valid;
   int64_t max_tokens;  // not compared: summed for the receive capacity
@@ -287,6 +314,8 @@ struct Fingerprint {
       max_inflight;
   int32_t caller_nccl;  // moonepCommSetNcclComm was called (nccl transport only)
   int64_t replica_cost_intra, replica_cost_inter, row_cost_intra, row_cost_inter;
+  int64_t speeds_count;   // 0: none
+  uint64_t speeds_hash;   // FNV-1a of the speeds' bits (0 without speeds)
   char transport[16];
   char what[32];  // what is being created ("MoE layer creation", "EP buffer creation")
   char reason[128];  // why this rank's config is invalid (the start of its message)
@@ -318,6 +347,8 @@ absl::Status AgreeOnConfig(Communicator* comm, const LayerConfig& c,
   mine.replica_cost_inter = c.replica_cost_inter;
   mine.row_cost_intra = c.row_cost_intra;
   mine.row_cost_inter = c.row_cost_inter;
+  mine.speeds_count = static_cast<int64_t>(c.speeds.size());
+  mine.speeds_hash = SpeedsHash(c.speeds);
   const std::string backend = TransportBackend(c);
   mine.caller_nccl = backend == "nccl" && comm->has_caller_nccl_comm() ? 1 : 0;
   std::strncpy(mine.transport, backend.c_str(), sizeof(mine.transport) - 1);
@@ -368,6 +399,8 @@ absl::Status AgreeOnConfig(Communicator* comm, const LayerConfig& c,
       {"replica_cost_inter", [](const Fingerprint& f) -> int64_t { return f.replica_cost_inter; }},
       {"row_cost_intra", [](const Fingerprint& f) -> int64_t { return f.row_cost_intra; }},
       {"row_cost_inter", [](const Fingerprint& f) -> int64_t { return f.row_cost_inter; }},
+      {"the number of speeds (0: none)",
+       [](const Fingerprint& f) -> int64_t { return f.speeds_count; }},
   };
   for (int r = 1; r < comm->size(); ++r) {
     // A layer on one rank and an EP buffer on another would pair up their transports and fail
@@ -405,6 +438,13 @@ absl::Status AgreeOnConfig(Communicator* comm, const LayerConfig& c,
             "(every rank must pass the same layer config)",
             what, field.name, first, value, r);
       }
+    }
+  }
+  for (int r = 1; r < comm->size(); ++r) {
+    if (all[r].speeds_hash != all[0].speeds_hash) {
+      return InvalidArgument(
+          "%s: config differs between ranks: speeds (%d values) differ between rank 0 and rank "
+          "%d (every rank must pass the same speeds)", what, all[0].speeds_count, r);
     }
   }
   if (sum_max_tokens != nullptr) {

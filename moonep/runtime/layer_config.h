@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
@@ -41,6 +42,12 @@ struct LayerConfig {
   // of compute (planner::PlannerConfig::row_cost_*; both 0: rows left out of the weighing).
   int64_t row_cost_intra = 0;
   int64_t row_cost_inter = 0;
+  // Each rank's relative compute speed ([R], finite, > 0), or empty: all ranks alike. The planner
+  // then balances time, not tokens: rank d's share of the load is proportional to speeds[d]
+  // (planner::PlannerConfig::speeds), and replica / row costs are in tokens of the fastest rank.
+  // For a slow GPU (throttled, another model) or a rank that does other work; MeasureCosts
+  // measures them (MeasuredCosts::speeds). Must agree on every rank.
+  std::vector<double> speeds;
   // Where x, y, dy, dx, topk_ids, topk_weights, d_topk_weights, weights and gradients live.
   // kCuda: GPU `device_index` of this node (one rank per GPU), the CUDA executor and the NCCL
   // transport; Forward / Backward take the caller's CUDA stream.
@@ -72,7 +79,8 @@ std::string TransportBackend(const LayerConfig& config);
 absl::Status CheckLayerConfig(const LayerConfig& config, int32_t num_ranks, bool need_executor);
 
 // Collective: every rank sends its local verdict and the fields that must agree (all but
-// max_tokens, max_recv_rows, layer_id, num_threads, device_index, timeout_ms). On disagreement
+// max_tokens, max_recv_rows, layer_id, num_threads, device_index, timeout_ms; speeds by their
+// count and a hash of their bits). On disagreement
 // every rank fails with the same message naming the field and the ranks (InvalidArgument on a
 // rank whose own config is bad, RemoteError naming it on the others). On success
 // *sum_max_tokens (if given) gets the sum of every rank's max_tokens (the same on every rank).

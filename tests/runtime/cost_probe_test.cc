@@ -5,6 +5,7 @@
 // input fails every rank without a hang.
 #include <mpi.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -110,6 +111,35 @@ TEST(CostProbeDerive, UnmeasuredClassesAndLimits) {
   m = DeriveCosts(true, f, 2);
   EXPECT_EQ(m.replica_cost_inter, planner::kMaxReplicaCost);
   EXPECT_EQ(m.row_cost_inter, planner::kMaxRowCost);
+}
+
+// Each rank's speed is the median token time over its own; the fastest and slowest are kept. A
+// rank that timed nothing (0) leaves the speeds out rather than dividing by it.
+TEST(CostProbeDerive, SpeedsAreTheMedianOverEachRanksTime) {
+  const runtime::ProbeFigures base = FromRates(64, 32, 4, 4, true, 1e12, 1e9, 1e9);
+  const double t = base.token_seconds;  // the median of the four below
+  runtime::ProbeFigures f = base;
+  f.rank_token_seconds = {t, 2 * t, t, 0.8 * t};
+  MeasuredCosts m = DeriveCosts(true, f, 4);
+  EXPECT_EQ(m.rank_token_seconds, f.rank_token_seconds);
+  ASSERT_EQ(m.speeds.size(), 4u);
+  const double expected[] = {1.0, 0.5, 1.0, 1.25};
+  for (int r = 0; r < 4; ++r) EXPECT_DOUBLE_EQ(m.speeds[r], expected[r]) << "rank " << r;
+  EXPECT_EQ(m.token_seconds_fastest, 0.8 * t);
+  EXPECT_EQ(m.token_seconds_slowest, 2 * t);
+  // The costs stay in tokens of the median rank.
+  const MeasuredCosts same = DeriveCosts(true, base, 4);
+  EXPECT_EQ(m.replica_cost_inter, same.replica_cost_inter);
+  EXPECT_EQ(m.row_cost_intra, same.row_cost_intra);
+  // One rank: speed 1 and no link costs.
+  f = {};
+  f.token_seconds = 3e-6;
+  f.rank_token_seconds = {3e-6};
+  m = DeriveCosts(true, f, 1);
+  EXPECT_EQ(m.speeds, std::vector<double>{1.0});
+  f.rank_token_seconds = {3e-6, 0};
+  EXPECT_TRUE(DeriveCosts(true, f, 2).speeds.empty());
+  EXPECT_EQ(DeriveCosts(true, f, 2).token_seconds_fastest, 0);
 }
 
 // A transfer is timed as rows of the layer's dtype: how many (capped at 2^20), and the time of the
@@ -234,12 +264,22 @@ class CostProbeTest : public CommunicatorTest {
                            static_cast<double>(m.replica_cost_inter),
                            static_cast<double>(m.row_cost_intra),
                            static_cast<double>(m.row_cost_inter),
-                           static_cast<double>(m.intra_measured + 2 * m.inter_measured)};
+                           static_cast<double>(m.intra_measured + 2 * m.inter_measured),
+                           m.token_seconds_fastest,
+                           m.token_seconds_slowest};
     const int n = sizeof(mine) / sizeof(mine[0]);
     std::vector<double> all(static_cast<size_t>(n) * size());
     MPI_Allgather(mine, n, MPI_DOUBLE, all.data(), n, MPI_DOUBLE, MPI_COMM_WORLD);
     for (int r = 1; r < size(); ++r) {
       for (int i = 0; i < n; ++i) EXPECT_EQ(all[r * n + i], all[i]) << "rank " << r << " field " << i;
+    }
+    // Each rank's speed, the same list everywhere.
+    ASSERT_EQ(m.speeds.size(), static_cast<size_t>(size()));
+    std::vector<double> speeds(static_cast<size_t>(size()) * size());
+    MPI_Allgather(m.speeds.data(), size(), MPI_DOUBLE, speeds.data(), size(), MPI_DOUBLE,
+                  MPI_COMM_WORLD);
+    for (int r = 1; r < size(); ++r) {
+      for (int i = 0; i < size(); ++i) EXPECT_EQ(speeds[r * size() + i], speeds[i]) << "rank " << r;
     }
   }
 };
@@ -278,7 +318,26 @@ TEST_F(CostProbeTest, MeasuresTheTopologysClassesAndAgrees) {
   figures.transfer_seconds[1] = m->transfer_seconds_inter;
   figures.measured[0] = m->intra_measured;
   figures.measured[1] = m->inter_measured;
+  figures.rank_token_seconds = m->rank_token_seconds;
   const MeasuredCosts d = DeriveCosts(true, figures, size());
+  EXPECT_EQ(m->speeds, d.speeds);
+  // Every rank timed its own token; the median of those is the token time, and each rank's
+  // speed is that median over its own time.
+  ASSERT_EQ(m->rank_token_seconds.size(), static_cast<size_t>(size()));
+  std::vector<double> sorted = m->rank_token_seconds;
+  std::sort(sorted.begin(), sorted.end());
+  const size_t n = sorted.size();
+  EXPECT_DOUBLE_EQ(m->token_seconds, n % 2 ? sorted[n / 2] : (sorted[n / 2 - 1] + sorted[n / 2]) / 2);
+  EXPECT_EQ(m->token_seconds_fastest, sorted.front());
+  EXPECT_EQ(m->token_seconds_slowest, sorted.back());
+  ASSERT_EQ(m->speeds.size(), n);
+  for (size_t r = 0; r < n; ++r) {
+    EXPECT_DOUBLE_EQ(m->speeds[r], m->token_seconds / m->rank_token_seconds[r]) << "rank " << r;
+  }
+  // The speeds are what a layer config takes.
+  LayerConfig with_speeds = config;
+  with_speeds.speeds = m->speeds;
+  EXPECT_TRUE(runtime::CheckLayerConfig(with_speeds, size(), true).ok());
   EXPECT_EQ(m->replica_cost_intra, d.replica_cost_intra);
   EXPECT_EQ(m->replica_cost_inter, d.replica_cost_inter);
   EXPECT_EQ(m->row_cost_intra, d.row_cost_intra);

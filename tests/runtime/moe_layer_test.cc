@@ -3,18 +3,22 @@
 // their home experts), bit-identical repeats, micro-batch accumulation, config agreement.
 #include <mpi.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_join.h"
 #include "moonep/core/host_memory.h"
 #include "moonep/core/status.h"
 #include "moonep/runtime/communicator.h"
 #include "moonep/runtime/moe_layer.h"
 #include "planner/plan.h"
+#include "planner/planner.h"
 #include "planner/sim/trace.h"
 #include "tests/harness/mpi_test.h"
 #include "tests/runtime/layer_problem.h"
@@ -229,6 +233,110 @@ TEST_F(MoeLayerTest, ConfigMismatchFailsOnEveryRank) {
   if (size() > 1) {
     EXPECT_EQ(comm_->ReplicaBytes(), 0u);
   }
+}
+
+// Speeds reach the planner: the layer's plan is the planner's own for the same counts and speeds;
+// balancing time, it leaves no rank slower (rows over speed) than the plan made without the
+// speeds would; and the step still matches the reference.
+TEST_F(MoeLayerTest, SpeedsBalanceTimeNotTokens) {
+  const DType dtype = DType::kFloat32;
+  LayerConfig config = Config(dtype, planner::Policy::kMoonEP);
+  config.speeds.assign(static_cast<size_t>(size()), 1.0);
+  config.speeds.back() = 3.0;
+  GlobalProblem g = MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kBaseTokens, dtype, 21);
+  auto layer = MoeLayer::Create(comm_.get(), config);
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  RankTensors t = MakeRankTensors(g, rank(), dtype);
+  ASSERT_TRUE((*layer)->BindParameters(t.params, t.grads).ok());
+  auto h = RunForward(layer->get(), &t, dtype, kHidden);
+  ASSERT_TRUE(h.ok()) << h.status();
+  auto plan = (*layer)->PlanOf(*h);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+
+  const int32_t E = config.num_experts;
+  std::vector<int64_t> counts(static_cast<size_t>(size()) * E, 0);
+  for (int32_t r = 0; r < size(); ++r) {
+    for (int64_t tok = g.offset[r]; tok < g.offset[r] + g.tokens[r]; ++tok) {
+      for (int32_t k = 0; k < kTopK; ++k) {
+        const int32_t e = g.p.topk_ids[tok * kTopK + k];
+        if (e >= 0) ++counts[static_cast<size_t>(r) * E + e];
+      }
+    }
+  }
+  auto plan_for = [&](const LayerConfig& c) {
+    auto p = planner::Planner::Create(runtime::PlannerConfigFor(c, size(), epn()));
+    EXPECT_TRUE(p.ok()) << p.status();
+    planner::Plan out;
+    EXPECT_TRUE((*p)->MakePlan(counts, &out).ok());
+    return out;
+  };
+  const planner::Plan want = plan_for(config);
+  EXPECT_EQ(planner::SerializePlan(**plan), planner::SerializePlan(want));
+  LayerConfig unaware = config;
+  unaware.speeds.clear();
+  const planner::Plan tokens_balanced = plan_for(unaware);
+  auto slowest = [&](const planner::Plan& p) {
+    double worst = 0;
+    for (int32_t d = 0; d < size(); ++d) {
+      worst = std::max(worst, static_cast<double>(p.rank_rows[d]) / config.speeds[d]);
+    }
+    return worst;
+  };
+  EXPECT_LE(slowest(want), slowest(tokens_balanced));
+  for (int32_t d = 0; d + 1 < size(); ++d) EXPECT_GE(want.rank_rows.back(), want.rank_rows[d]);
+  if (rank() == 0) {
+    std::printf("speeds: rows %s (over speed %.1f) vs %s without speeds (%.1f)\n",
+                absl::StrJoin(want.rank_rows, ",").c_str(), slowest(want),
+                absl::StrJoin(tokens_balanced.rank_rows, ",").c_str(), slowest(tokens_balanced));
+  }
+  ASSERT_TRUE((*layer)->Release(*h).ok());
+
+  Errors err;
+  StepAndCompare(layer->get(), g, &t, dtype, &err);
+  EXPECT_LT(err.y, 1e-5);
+  EXPECT_LT(err.dx, 1e-5);
+  EXPECT_LT(err.dtopk, 1e-5);
+  EXPECT_LT(err.dw, 1e-5);
+}
+
+// Speeds must agree: given on one rank only, or other values on one rank, fails every rank naming
+// them; a wrong count or value fails where it was passed, the peers remotely.
+TEST_F(MoeLayerTest, SpeedsMustAgreeAndBeValid) {
+  const LayerConfig base = Config(DType::kFloat32, planner::Policy::kMoonEP);
+  auto expect_failure = [&](const LayerConfig& config, bool mine, const char* words) {
+    auto layer = MoeLayer::Create(comm_.get(), config);
+    ASSERT_FALSE(layer.ok());
+    if (mine) {
+      EXPECT_EQ(ToResult(layer.status()), moonepInvalidArgument) << layer.status();
+      EXPECT_NE(std::string(layer.status().message()).find(words), std::string::npos)
+          << layer.status();
+    } else {
+      EXPECT_EQ(ToResult(layer.status()), moonepRemoteError) << layer.status();
+    }
+  };
+  if (size() > 1) {
+    LayerConfig one = base;
+    if (rank() == 1) one.speeds.assign(static_cast<size_t>(size()), 1.0);
+    expect_failure(one, true, "the number of speeds");
+    LayerConfig other = base;
+    other.speeds.assign(static_cast<size_t>(size()), 1.0);
+    if (rank() == size() - 1) other.speeds[0] = 1.5;
+    expect_failure(other, true, "speeds (");
+  }
+  LayerConfig count = base;
+  count.speeds.assign(static_cast<size_t>(size()), 1.0);
+  if (rank() == 0) count.speeds.push_back(1.0);
+  expect_failure(count, rank() == 0, "speeds has");
+  LayerConfig value = base;
+  value.speeds.assign(static_cast<size_t>(size()), 1.0);
+  if (rank() == 0) value.speeds[0] = 0.0;
+  expect_failure(value, rank() == 0, "speeds[0] is 0");
+  if (rank() == 0) value.speeds[0] = std::nan("");
+  expect_failure(value, rank() == 0, "speeds[0] is nan");
+  // Equal speeds on every rank are accepted, as none.
+  LayerConfig same = base;
+  same.speeds.assign(static_cast<size_t>(size()), 2.0);
+  EXPECT_TRUE(MoeLayer::Create(comm_.get(), same).ok());
 }
 
 TEST_F(MoeLayerTest, BadRoutingFailsEverywhereAndLayerStaysUsable) {

@@ -263,12 +263,19 @@ typedef struct {
                                  moonepPlannerConfig_t, 1/1024 tokens); must agree on every
                                  rank; a 0.2.0 library ignores both */
   int64_t row_cost_inter;
+  const double* speeds;       /* added in 0.5.0: NULL (every rank alike) or [R] relative compute
+                                 speeds, finite and > 0, read at creation: the planner balances
+                                 time, not tokens (rank d's share of the load proportional to
+                                 speeds[d]; replica and row costs in tokens of the fastest rank).
+                                 For a slow GPU or a rank that does other work;
+                                 moonepMeasureCosts measures them. Must agree on every rank; a
+                                 0.4.0 library ignores it (check moonepGetVersion) */
 } moonepLayerConfig_t;
 
 #define MOONEP_LAYER_CONFIG_INITIALIZER                                                       \
   { sizeof(moonepLayerConfig_t), MOONEP_CONFIG_MAGIC, MOONEP_VERSION, 0, 0, 0, 0, moonepFloat32, \
     moonepFloat32, -1, 1, moonepPolicyMoonEP, moonepDeviceCpu, 0, 0, 0, 1, -1, 0, 0, 1, NULL, 0, 0, \
-    0, 0 }
+    0, 0, NULL }
 
 /* [collective] Checks the config and that every rank passed the same one (all fields but
  * max_tokens, max_recv_rows, layer_id, num_threads, device_index): a difference fails on every
@@ -379,6 +386,14 @@ typedef struct {
   double transfer_seconds_intra;  /* one expert's transfer one way inside a node; 0: not measured */
   double transfer_seconds_inter;  /* across nodes */
   int64_t transfer_rows;          /* the rows that timed it */
+  /* Added in 0.5.0 (a caller's smaller size leaves them unread and unwritten). Each rank times
+   * its own token: the fastest and the slowest rank's time, and, where the caller sets `speeds`
+   * to an array of R doubles (NULL: not wanted), each rank's speed relative to the median rank,
+   * token_seconds / that rank's time, the same on every rank: moonepLayerConfig_t.speeds takes
+   * them where ranks differ in more than noise (docs/runtime.md, "Ranks of different speeds"). */
+  double token_seconds_fastest;
+  double token_seconds_slowest;
+  double* speeds;                 /* set by the caller (kept as it is) */
 } moonepMeasuredCosts_t;
 /* The smallest size accepted. min(size, the library's sizeof) bytes are written and size is set to
  * that count, so a newer caller learns which of its fields were filled. */
