@@ -15,6 +15,10 @@ absl::Status ValidateCostConfig(const CostConfig& c) {
   // 2^63 and 2^127), and a rate of 1e-300 is a typo, not a machine.
   const auto rate_ok = [](double v) { return v >= 1e-6 && v <= 1e9; };  // false for NaN
   MOONEP_CHECK_ARG(rate_ok(c.tflops), "tflops must be in [1e-6, 1e9], got %g", c.tflops);
+  for (size_t r = 0; r < c.speeds.size(); ++r) {
+    MOONEP_CHECK_ARG(c.speeds[r] >= kMinRankSpeed && c.speeds[r] <= kMaxRankSpeed,
+                     "the speed of rank %d must be in [1e-6, 1e6], got %g", r, c.speeds[r]);
+  }
   MOONEP_CHECK_ARG(c.ranks_per_node >= 0, "ranks_per_node must be >= 0, got %d", c.ranks_per_node);
   MOONEP_CHECK_ARG(rate_ok(c.intra_gbps), "intra_gbps must be in [1e-6, 1e9], got %g", c.intra_gbps);
   MOONEP_CHECK_ARG(rate_ok(c.inter_gbps), "inter_gbps must be in [1e-6, 1e9], got %g", c.inter_gbps);
@@ -30,6 +34,10 @@ absl::Status ValidateCostConfig(const CostConfig& c) {
                    "3 x hidden (%d) x intermediate (%d) x %d bytes: an expert above 2^40 bytes",
                    c.hidden, c.intermediate, std::max(c.weight_bytes, c.grad_bytes));
   return absl::OkStatus();
+}
+
+double CostConfig::max_speed() const {
+  return speeds.empty() ? 1.0 : *std::max_element(speeds.begin(), speeds.end());
 }
 
 void RankTraffic::Reset(int32_t num_ranks) {
@@ -69,11 +77,11 @@ double CountsTime(const CostConfig& c, int32_t R, int32_t E) {
   return bytes / ((multi_node ? c.inter_gbps : c.intra_gbps) * 1e9);
 }
 
-// What moving `bytes` over each link class costs in tokens of compute, times `scale`: rounded, at
-// least 1, at most `max`.
+// What moving `bytes` over each link class costs in tokens of the fastest rank's compute, times
+// `scale`: rounded, at least 1, at most `max`.
 void LinkCosts(const CostConfig& c, double bytes, double scale, int64_t max, int64_t* intra,
                int64_t* inter) {
-  const double token_s = c.flops_per_token() / (c.tflops * 1e12);
+  const double token_s = c.flops_per_token() / c.max_flop_rate();
   const auto cost = [&](double gbps) {
     const double t = std::round(bytes / (gbps * 1e9) / token_s * scale);
     return static_cast<int64_t>(std::clamp(t, 1.0, static_cast<double>(max)));
@@ -103,10 +111,11 @@ StepTime EstimateStepTime(const CostConfig& c, int32_t E, const RankTraffic& tr)
   const double row = static_cast<double>(c.row_bytes());
   const double wbytes = static_cast<double>(c.expert_weight_bytes());
   const double gbytes = static_cast<double>(c.expert_grad_bytes());
-  double rows_time = 0, prefetch_time = 0, reduce_time = 0;
-  int64_t max_rows = 0;  // the GEMMs run over the padded rows
+  double rows_time = 0, prefetch_time = 0, reduce_time = 0, compute_time = 0;
   for (int32_t r = 0; r < R; ++r) {
-    max_rows = std::max({max_rows, tr.load[r], tr.padded[r]});
+    // The GEMMs run over the padded rows, at the rank's own rate.
+    const int64_t rows = std::max(tr.load[r], tr.padded[r]);
+    compute_time = std::max(compute_time, rows * c.flops_per_token() / c.flop_rate(r));
     const double a = std::max(tr.send_intra[r], tr.recv_intra[r]) * row / intra;
     const double b = std::max(tr.send_inter[r], tr.recv_inter[r]) * row / inter;
     rows_time = std::max(rows_time, std::max(a, b));
@@ -122,17 +131,17 @@ StepTime EstimateStepTime(const CostConfig& c, int32_t E, const RankTraffic& tr)
   t.counts = CountsTime(c, R, E);
   t.prefetch = c.overlap_prefetch ? std::max(0.0, prefetch_time - rows_time) : prefetch_time;
   t.dispatch = passes * rows_time;
-  t.compute = max_rows * c.flops_per_token() / (c.tflops * 1e12);
+  t.compute = compute_time;
   t.combine = passes * rows_time;
   t.reduce = c.training ? reduce_time : 0.0;
   t.total = t.counts + t.prefetch + t.dispatch + t.compute + t.combine + t.reduce;
   return t;
 }
 
-StepTime EstimateComputeOnly(const CostConfig& c, int32_t R, int32_t E, int64_t max_load) {
+StepTime EstimateComputeOnly(const CostConfig& c, int32_t R, int32_t E, double max_level) {
   StepTime t;
   t.counts = CountsTime(c, R, E);
-  t.compute = max_load * c.flops_per_token() / (c.tflops * 1e12);
+  t.compute = max_level * c.flops_per_token() / c.max_flop_rate();
   t.total = t.counts + t.compute;
   return t;
 }

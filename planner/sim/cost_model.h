@@ -6,7 +6,7 @@
 //   prefetch  replica weights home -> replica rank: 3*H*I*weight_bytes per replica.
 //   dispatch  token rows after dedup (one row per token and destination rank), H*act_bytes each.
 //   compute   the slowest rank: its rows, each expert group padded to the plan's pad_multiple,
-//             * flops_per_token / rate; flops_per_token = 6*H*I
+//             * flops_per_token / its rate (tflops * its speed); flops_per_token = 6*H*I
 //             forward (three H x I matmuls, 2 flops per multiply-add), x3 for forward+backward.
 //   combine   the same rows back (a destination sums a token's experts it computed before
 //             sending, so combine moves as many rows as dispatch).
@@ -27,6 +27,11 @@
 
 namespace moonep::sim {
 
+// A rank's speed (CostConfig::speeds) is in [1e-6, 1e6]: with the rates' bounds every compute time
+// stays finite.
+inline constexpr double kMinRankSpeed = 1e-6;
+inline constexpr double kMaxRankSpeed = 1e6;
+
 struct CostConfig {
   int32_t hidden = 0;              // H
   int32_t intermediate = 0;        // I (expert FFN width)
@@ -39,6 +44,9 @@ struct CostConfig {
   int32_t grad_bytes = 4;          // bytes per weight-gradient element (fp32)
   bool training = true;            // forward + backward; false: forward only
   bool overlap_prefetch = true;    // prefetch runs under the forward dispatch
+  // [R] each rank's compute speed relative to `tflops` (rank r runs its GEMMs at tflops *
+  // speeds[r]); empty: all 1. Links are not scaled: a slow rank is a throttled GPU.
+  std::vector<double> speeds;
 
   int64_t row_bytes() const { return static_cast<int64_t>(hidden) * act_bytes; }
   int64_t expert_weight_bytes() const { return 3LL * hidden * intermediate * weight_bytes; }
@@ -46,6 +54,12 @@ struct CostConfig {
   double flops_per_token() const {
     return 6.0 * hidden * intermediate * (training ? 3.0 : 1.0);
   }
+  double speed(int32_t rank) const { return speeds.empty() ? 1.0 : speeds[rank]; }
+  double max_speed() const;  // the fastest rank's (1 without speeds)
+  // Rank r's rate in FLOP/s, and the fastest rank's: the planner's levels and its replica and row
+  // costs are in tokens of the fastest rank (PlannerConfig).
+  double flop_rate(int32_t rank) const { return tflops * 1e12 * speed(rank); }
+  double max_flop_rate() const { return tflops * 1e12 * max_speed(); }
 };
 
 absl::Status ValidateCostConfig(const CostConfig& config);
@@ -82,22 +96,25 @@ const std::vector<std::string>& StepTimePartNames();
 double StepTimePart(const StepTime& t, size_t part);
 
 // moonep-weighed's PlannerConfig::replica_cost_intra / _inter: what one replica transfer on a
-// rank costs, in tokens of compute. Training: its gradients (the reduce), plus its weights when the
-// prefetch does not overlap the dispatch; forward only: its weights. Rounded to the nearest
-// token, at least 1, at most planner::kMaxReplicaCost.
+// rank costs, in tokens of compute of the fastest rank (max_flop_rate(), as the planner counts a
+// rank's level; at tflops when no rank is faster than 1). Training: its gradients (the reduce),
+// plus its weights when the prefetch does not overlap the dispatch; forward only: its weights.
+// Rounded to the nearest token, at least 1, at most planner::kMaxReplicaCost.
 void ReplicaCosts(const CostConfig& config, int64_t* intra, int64_t* inter);
 
 // moonep-weighed's PlannerConfig::row_cost_intra / _inter: what one token row costs on a link, in
-// 1/planner::kRowCostScale tokens of compute: its dispatch and combine, forward and (training)
-// backward. Rounded, at least 1, at most planner::kMaxRowCost.
+// 1/planner::kRowCostScale tokens of the fastest rank's compute: its dispatch and combine, forward
+// and (training) backward. Rounded, at least 1, at most planner::kMaxRowCost.
 void RowCosts(const CostConfig& config, int64_t* intra, int64_t* inter);
 
+// config.speeds, when given, has one speed per rank of `traffic`.
 StepTime EstimateStepTime(const CostConfig& config, int32_t num_experts, const RankTraffic& traffic);
 
-// Step time when every rank computes `max_load` tokens and nothing but counts moves: the lower
-// bound's row in the report.
+// Step time when the slowest rank computes for as long as the fastest takes over `max_level`
+// tokens (a rank's level is its load * max_speed() / its speed: its load without speeds) and
+// nothing but counts moves: the lower bound's row in the report.
 StepTime EstimateComputeOnly(const CostConfig& config, int32_t num_ranks, int32_t num_experts,
-                             int64_t max_load);
+                             double max_level);
 
 // A named model and machine: the --preset flag.
 struct Preset {

@@ -52,6 +52,11 @@ ABSL_FLAG(int32_t, grad_bytes, 4, "bytes per weight-gradient element (gradient r
 ABSL_FLAG(bool, training, true, "model forward+backward (3x forward FLOPs, backward comms, "
                                 "gradient reduction); false: forward only");
 ABSL_FLAG(bool, overlap_prefetch, true, "replica prefetch overlaps the forward dispatch");
+ABSL_FLAG(std::string, rank_speeds, "",
+          "each rank's compute speed relative to --tflops: a list of R speeds (1,1,0.7,1), or "
+          "speed@rank items with every other rank at 1 (0.7@3; 0.7@3,0.5@17; 0.8@8-15 for a node); "
+          "moonep, moonep-weighed and moonep-greedy plan with them, and --policies=all adds "
+          "moonep-nospeeds (moonep planned without them); empty: all 1");
 
 // Routing.
 ABSL_FLAG(std::string, routing, "zipf",
@@ -76,7 +81,8 @@ ABSL_FLAG(int32_t, trace_layer, -1,
 ABSL_FLAG(std::string, policies, "all",
           "comma-separated policies: none, moonep, moonep-weighed (moonep weighing replica "
           "transfers against the compute they save, with this machine's rates), moonep-greedy, "
-          "eplb, fastermoe-shadow, or all (none always runs: it is the baseline)");
+          "eplb, fastermoe-shadow, moonep-nospeeds (moonep not told --rank_speeds), or all (every "
+          "one; moonep-nospeeds only with --rank_speeds; none always runs: it is the baseline)");
 ABSL_FLAG(bool, lower_bound, true, "also report the planner's load lower bound");
 ABSL_FLAG(int32_t, slots, -1, "replica slots per rank (-1: E/R)");
 ABSL_FLAG(int32_t, pad_multiple, 1, "each expert group's rows are padded to a multiple of this (GEMM alignment); the padding rows count in the compute time, not in the loads");
@@ -236,22 +242,23 @@ absl::Status BuildOptions(SimOptions* o) {
   }
   o->trace_layer = absl::GetFlag(FLAGS_trace_layer);
 
+  // Resolved against R by Simulator::Create (a trace's R is in its header); parsed here so that
+  // --policies=all knows whether the machine has speeds.
+  absl::StatusOr<RankSpeedsSpec> speeds = ParseRankSpeeds(absl::GetFlag(FLAGS_rank_speeds));
+  if (!speeds.ok()) return moonep::Annotate(speeds.status(), "--rank_speeds");
+  o->rank_speeds = *std::move(speeds);
+
   const std::string policies = absl::GetFlag(FLAGS_policies);
   for (absl::string_view name : absl::StrSplit(policies, ',', absl::SkipWhitespace())) {
     const std::string n(absl::StripAsciiWhitespace(name));
     if (n == "all") {
-      using moonep::planner::Policy;
-      for (SimPolicy p : {SimPolicy(Policy::kMoonEP), SimPolicy(Policy::kMoonEP, true),
-                          SimPolicy(Policy::kMoonEPGreedy), SimPolicy(Policy::kEplb),
-                          SimPolicy(Policy::kFasterMoEShadow)}) {
-        o->policies.push_back(p);
-      }
+      for (const SimPolicy& p : AllPolicies(!o->rank_speeds.all_one())) o->policies.push_back(p);
       continue;
     }
     SimPolicy p;
     if (!ParseSimPolicy(n, &p)) {
       return InvalidArgument("--policies: unknown policy '%s' (known: none, moonep, moonep-weighed, "
-                             "moonep-greedy, eplb, fastermoe-shadow, all)", n);
+                             "moonep-greedy, eplb, fastermoe-shadow, moonep-nospeeds, all)", n);
     }
     o->policies.push_back(p);
   }

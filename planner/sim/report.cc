@@ -62,10 +62,18 @@ std::string FormatSummary(const SimResult& r, const SimOptions& o) {
       DetailNote(r.detail), r.wall_seconds);
   absl::StrAppendFormat(&out,
                         "cost model: H=%d I=%d, %s, %g TFLOP/s per rank, %d ranks/node, intra %g GB/s, "
-                        "inter %g GB/s, prefetch %s dispatch\n\n",
+                        "inter %g GB/s, prefetch %s dispatch\n",
                         c.hidden, c.intermediate, c.training ? "forward+backward" : "forward only",
                         c.tflops, c.ranks_per_node, c.intra_gbps, c.inter_gbps,
                         c.overlap_prefetch ? "overlaps" : "before");
+  if (!c.speeds.empty()) {
+    absl::StrAppendFormat(&out,
+                          "rank speeds %s (the others 1): a rank computes at %g TFLOP/s x its "
+                          "speed; moonep, moonep-weighed and moonep-greedy plan with the speeds, "
+                          "the others without; imb. counts tokens, not time\n",
+                          FormatRankSpeeds(c.speeds), c.tflops);
+  }
+  out += "\n";
   absl::StrAppendFormat(&out, "%-17s %8s %8s %9s %10s %9s %9s %8s |", "policy", "imb.mean", "imb.p99",
                         "replicas", "MB/step", "step ms", "p99 ms", "speedup");
   for (const std::string& part : StepTimePartNames()) absl::StrAppendFormat(&out, " %8s", part);
@@ -84,6 +92,12 @@ std::string FormatSummary(const SimResult& r, const SimOptions& o) {
   }
   if (o.lower_bound) {
     out += "\nlower-bound: the planner's load lower bound with free communication (compute + counts only).\n";
+    if (!c.speeds.empty()) {
+      out += "With rank speeds, its imb. is the least load in tokens (LoadLowerBound without speeds: "
+             "it does not depend on them), and its compute the least time of the slowest rank "
+             "(the total over the sum of the speeds; each expert over its fastest possible "
+             "holders).\n";
+    }
   }
   return out;
 }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <map>
 #include <new>
 #include <set>
@@ -30,7 +31,14 @@ bool ParseDetailChoice(const std::string& name, DetailChoice* detail) {
 }
 
 std::string SimPolicy::Name() const {
-  return weighed ? std::string(planner::PolicyName(policy)) + "-weighed" : planner::PolicyName(policy);
+  std::string name = planner::PolicyName(policy);
+  if (weighed) name += "-weighed";
+  if (without_speeds) name += "-nospeeds";
+  return name;
+}
+
+bool SimPolicy::plans_with_speeds() const {
+  return !without_speeds && (policy == Policy::kMoonEP || policy == Policy::kMoonEPGreedy);
 }
 
 bool ParseSimPolicy(const std::string& name, SimPolicy* policy) {
@@ -38,10 +46,43 @@ bool ParseSimPolicy(const std::string& name, SimPolicy* policy) {
     *policy = SimPolicy(Policy::kMoonEP, true);
     return true;
   }
+  if (name == "moonep-nospeeds") {
+    *policy = SimPolicy::MoonEPWithoutSpeeds();
+    return true;
+  }
   Policy p;
   if (!planner::ParsePolicy(name, &p) || p == Policy::kTestForceReplicas) return false;
   *policy = SimPolicy(p);
   return true;
+}
+
+std::vector<SimPolicy> AllPolicies(bool with_speeds) {
+  std::vector<SimPolicy> all = {Policy::kMoonEP, SimPolicy(Policy::kMoonEP, true),
+                                Policy::kMoonEPGreedy, Policy::kEplb, Policy::kFasterMoEShadow};
+  // Next to moonep, which it is moonep without the speeds of.
+  if (with_speeds) all.insert(all.begin() + 1, SimPolicy::MoonEPWithoutSpeeds());
+  return all;
+}
+
+double SpeedLevelLowerBound(absl::Span<const double> speeds, absl::Span<const int64_t> totals,
+                            int64_t holders) {
+  // In time at speed 1 (tokens / speed), scaled to the fastest rank's tokens at the end. In time L
+  // a rank of speed s computes at most s * L tokens: all ranks together L * sum(speeds), an
+  // expert's holders L times the sum of their speeds, at most that of the `holders` fastest.
+  if (speeds.empty() || holders < 1) return 0;
+  std::vector<double> fastest(speeds.begin(), speeds.end());
+  std::sort(fastest.begin(), fastest.end(), std::greater<double>());
+  double all = 0, top = 0;
+  for (size_t i = 0; i < fastest.size(); ++i) {
+    all += fastest[i];
+    if (static_cast<int64_t>(i) < holders) top += fastest[i];
+  }
+  double total = 0, largest = 0;
+  for (int64_t v : totals) {
+    total += static_cast<double>(v);
+    largest = std::max(largest, static_cast<double>(v));
+  }
+  return std::max(total / all, largest / top) * fastest[0];
 }
 
 absl::Status OutOfMemoryError(const SimOptions& o, bool totals) {
@@ -123,6 +164,15 @@ absl::StatusOr<std::unique_ptr<Simulator>> Simulator::Create(const SimOptions& o
     MOONEP_ASSIGN_OR_RETURN(st.model, RoutingModel::Create(o.routing));
   }
   MOONEP_CHECK_ARG(st.E % st.R == 0, "experts (%d) must be divisible by ranks (%d)", st.E, st.R);
+  if (!o.rank_speeds.empty()) {
+    // Known only now for a trace: R. Every speed 1 is the machine without speeds (the same run).
+    absl::StatusOr<std::vector<double>> speeds = ResolveRankSpeeds(o.rank_speeds, st.R);
+    if (!speeds.ok()) return Annotate(speeds.status(), "--rank_speeds");
+    o.cost.speeds.clear();
+    if (!o.rank_speeds.all_one()) o.cost.speeds = *std::move(speeds);
+  }
+  MOONEP_CHECK_ARG(o.cost.speeds.empty() || o.cost.speeds.size() == static_cast<size_t>(st.R),
+                   "cost model: %d speeds for %d ranks", o.cost.speeds.size(), st.R);
 
   const int64_t counts_size = static_cast<int64_t>(st.R) * st.E;
   switch (o.detail) {
@@ -166,6 +216,8 @@ absl::StatusOr<std::unique_ptr<Simulator>> Simulator::Create(const SimOptions& o
     MOONEP_CHECK_ARG(p.policy != Policy::kTestForceReplicas, "policy test-force-replicas is for tests only");
     MOONEP_CHECK_ARG(!p.weighed || p.policy == Policy::kMoonEP, "only moonep weighs replicas, not %s",
                      planner::PolicyName(p.policy));
+    MOONEP_CHECK_ARG(!p.without_speeds || (p.policy == Policy::kMoonEP && !p.weighed),
+                     "only moonep runs as moonep-nospeeds, not %s", SimPolicy(p.policy, p.weighed).Name());
     if (std::find(policies.begin(), policies.end(), p) == policies.end()) policies.push_back(p);
   }
   for (const SimPolicy& sp : policies) {
@@ -180,6 +232,7 @@ absl::StatusOr<std::unique_ptr<Simulator>> Simulator::Create(const SimOptions& o
     c.row_bytes = o.cost.row_bytes();
     c.expert_bytes = o.cost.expert_weight_bytes();
     c.eplb_period = o.eplb_period;
+    if (sp.plans_with_speeds()) c.speeds = o.cost.speeds;
     // FasterMoE's shadowing rule: the planner's defaults, as the runtime uses them (so counts
     // agree with it), or the machine the cost model describes.
     if (o.shadow_from_cost_model) {
@@ -427,18 +480,28 @@ absl::StatusOr<SimResult> Simulator::Run(StepSink* sink,
       m.detail = st.detail;
       for (int64_t v : st.routing.totals) m.total_tokens += v;
       m.mean_load = static_cast<double>(m.total_tokens) / R;
+      // none's config: it has no speeds, and the least load in tokens does not depend on them
+      // (LoadLowerBound given speeds would leave out the slot limit).
       const PlannerConfig& c = planners[0]->config();
+      // No expert split over more than its home plus R*slots replicas. (The planner refuses
+      // slots < 1, so every rank has a slot.)
+      const int64_t holders = 1 + std::min<int64_t>(R - 1, static_cast<int64_t>(R) * c.slots);
       if (st.routing.has_counts()) {
         m.max_load = planner::LoadLowerBound(c, st.routing.counts);
       } else {
         // LoadLowerBound needs counts[R][E]; with totals only, the same bound for equal speeds:
-        // perfect balance, and no expert split over more than its home plus R*slots replicas.
-        // (The planner refuses slots < 1, so every rank has a slot.)
+        // perfect balance, and each expert over at most `holders` ranks.
         m.max_load = (m.total_tokens + R - 1) / R;
-        const int64_t holders = 1 + std::min<int64_t>(R - 1, static_cast<int64_t>(R) * c.slots);
         for (int64_t v : st.routing.totals) m.max_load = std::max(m.max_load, (v + holders - 1) / holders);
       }
-      const StepTime t = EstimateComputeOnly(o.cost, R, E, m.max_load);
+      // The time does depend on speeds: then the compute is the bound of the slowest rank's level,
+      // which is also at least the busiest rank's load.
+      double max_level = static_cast<double>(m.max_load);
+      if (!o.cost.speeds.empty()) {
+        max_level = std::max(max_level,
+                             SpeedLevelLowerBound(o.cost.speeds, st.routing.totals, holders));
+      }
+      const StepTime t = EstimateComputeOnly(o.cost, R, E, max_level);
       Accumulate(m, t, o.cost, &result.policies.back());
       if (sink) {
         rec.policy = &st.names.back();

@@ -11,8 +11,10 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "planner/plan.h"
 #include "planner/sim/cost_model.h"
+#include "planner/sim/rank_speeds.h"
 #include "planner/sim/routing.h"
 #include "planner/sim/stats.h"
 #include "planner/sim/trace.h"
@@ -24,17 +26,29 @@ enum class DetailChoice : int32_t { kAuto = -1, kTokens = 0, kCounts = 1, kTotal
 bool ParseDetailChoice(const std::string& name, DetailChoice* detail);
 
 // A policy the simulator runs: a planner policy and, for moonep, whether it weighs replicas with
-// costs from the cost model (named "moonep-weighed"; ReplicaCosts).
+// costs from the cost model (named "moonep-weighed"; ReplicaCosts), or plans without the ranks'
+// speeds on a machine that has them ("moonep-nospeeds": what a layer configured without `speeds`
+// does there).
 struct SimPolicy {
   planner::Policy policy = planner::Policy::kNone;
   bool weighed = false;
+  bool without_speeds = false;
   SimPolicy() = default;
-  SimPolicy(planner::Policy p, bool w = false) : policy(p), weighed(w) {}  // NOLINT: implicit
-  bool operator==(const SimPolicy& o) const { return policy == o.policy && weighed == o.weighed; }
+  SimPolicy(planner::Policy p, bool w = false, bool no_speeds = false)  // NOLINT: implicit
+      : policy(p), weighed(w), without_speeds(no_speeds) {}
+  static SimPolicy MoonEPWithoutSpeeds() { return SimPolicy(planner::Policy::kMoonEP, false, true); }
+  bool operator==(const SimPolicy& o) const {
+    return policy == o.policy && weighed == o.weighed && without_speeds == o.without_speeds;
+  }
   std::string Name() const;
+  // The moonep family (moonep, moonep-weighed, moonep-greedy) is given the machine's speeds in its
+  // PlannerConfig, as a layer configured with them would be; the others balance tokens.
+  bool plans_with_speeds() const;
 };
-// Parses a planner policy name (not test-force-replicas) or "moonep-weighed".
+// Parses a planner policy name (not test-force-replicas), "moonep-weighed" or "moonep-nospeeds".
 bool ParseSimPolicy(const std::string& name, SimPolicy* policy);
+// What --policies=all runs besides none: moonep-nospeeds only on a machine with speeds.
+std::vector<SimPolicy> AllPolicies(bool with_speeds);
 
 struct SimOptions {
   RoutingParams routing;           // sizes (R, E, K, T) and the routing model
@@ -48,6 +62,9 @@ struct SimOptions {
   int32_t pad_multiple = 1;
   int32_t eplb_period = 10;
   CostConfig cost;                 // cost.ranks_per_node is also the planner's topology
+  // --rank_speeds. When not empty, Create resolves it against R into cost.speeds, replacing them
+  // (left empty when every speed is 1: the same run as without it).
+  RankSpeedsSpec rank_speeds;
   DetailChoice detail = DetailChoice::kAuto;
   int64_t snapshot_step = 0;       // step whose per-rank loads are kept for the load plot
   // moonep-weighed's replica costs in tokens; -1: ReplicaCosts of `cost` (each in [0, 2^52]).
@@ -117,6 +134,13 @@ struct SimResult {
   std::vector<PolicySummary> policies;      // none first, then the others, then lower-bound
   double wall_seconds = 0;
 };
+
+// A lower bound of the slowest rank's level (its load * max speed / its speed: CostConfig) for
+// any plan of these per-expert totals on ranks of these speeds: every rank's time balanced (the
+// total over the sum of the speeds), and no expert split over more than `holders` ranks, at best
+// the fastest. The lower-bound row's compute time with speeds comes from it.
+double SpeedLevelLowerBound(absl::Span<const double> speeds, absl::Span<const int64_t> totals,
+                            int64_t holders);
 
 // The error of a run that ran out of memory (std::bad_alloc on any thread, or the host's free
 // memory checked ahead): what to lower, which for a trace is the trace itself (its R and E), and

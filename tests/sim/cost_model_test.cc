@@ -3,6 +3,7 @@
 #include <cmath>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "planner/sim/cost_model.h"
@@ -90,6 +91,69 @@ TEST(CostModelTest, PhaseTimesFromTheSlowestRank) {
   EXPECT_DOUBLE_EQ(lb.total, lb.counts + 200 * c.flops_per_token() / 100e12);
 }
 
+// Each rank computes its padded rows at tflops x its speed, and the compute phase is the slowest
+// rank's; the links do not change. Figures worked out by hand: 18 * 1000 * 500 = 9e6 FLOPs a token.
+TEST(CostModelTest, EachRankComputesAtItsSpeed) {
+  CostConfig c = Config();
+  RankTraffic tr;
+  tr.Reset(4);
+  tr.load = {100, 400, 200, 100};
+  tr.padded = {128, 400, 200, 0};  // 0: not known, the load counts
+  tr.send_inter = {0, 0, 30, 0};
+  tr.recv_inter = {0, 0, 0, 30};
+  const StepTime plain = EstimateStepTime(c, 8, tr);
+  EXPECT_DOUBLE_EQ(plain.compute, 400 * 9e6 / 100e12);  // rank 1's 400 rows
+  // Rank times 128 / 1, 400 / 2, 200 / 0.25, 100 / 0.5 rows at 100 TFLOP/s: rank 2's 800.
+  c.speeds = {1, 2, 0.25, 0.5};
+  const StepTime fast_and_slow = EstimateStepTime(c, 8, tr);
+  EXPECT_DOUBLE_EQ(fast_and_slow.compute, 200 * 9e6 / 25e12);
+  EXPECT_DOUBLE_EQ(fast_and_slow.compute, 7.2e-5);
+  EXPECT_DOUBLE_EQ(fast_and_slow.dispatch, plain.dispatch);
+  EXPECT_DOUBLE_EQ(fast_and_slow.combine, plain.combine);
+  EXPECT_DOUBLE_EQ(fast_and_slow.counts, plain.counts);
+  EXPECT_DOUBLE_EQ(fast_and_slow.total - fast_and_slow.compute, plain.total - plain.compute);
+  // The padding counts at the rank's speed: rank 0's 128 rows at 0.1 take 1280.
+  c.speeds = {0.1, 1, 1, 1};
+  EXPECT_DOUBLE_EQ(EstimateStepTime(c, 8, tr).compute, 128 * 9e6 / 10e12);
+  // Every speed 1 is the machine without speeds, to the bit.
+  c.speeds = {1, 1, 1, 1};
+  EXPECT_EQ(EstimateStepTime(c, 8, tr).compute, plain.compute);
+  EXPECT_EQ(EstimateStepTime(c, 8, tr).total, plain.total);
+
+  // The lower bound's row: a level is in tokens of the fastest rank (here 2: 200 TFLOP/s).
+  c.speeds = {1, 2, 0.25, 0.5};
+  EXPECT_DOUBLE_EQ(EstimateComputeOnly(c, 4, 8, 400).compute, 400 * 9e6 / 200e12);
+  c.speeds.clear();
+  EXPECT_DOUBLE_EQ(EstimateComputeOnly(c, 4, 8, 400).compute, 400 * 9e6 / 100e12);
+}
+
+// moonep-weighed's costs are in tokens of the fastest rank's compute, as the planner's levels are
+// (PlannerConfig::replica_cost_intra): a rank twice as fast makes every transfer worth twice the
+// tokens; slow ranks alone change nothing. By hand: a replica's fp32 gradients are 6e6 bytes,
+// 6e-5 s at 100 GB/s and 6e-4 s at 10 GB/s; a token is 9e-8 s at 100 TFLOP/s; a row's dispatch
+// and combine, both passes, 8000 bytes, in 1/1024 tokens.
+TEST(CostModelTest, ReplicaAndRowCostsAreInTokensOfTheFastestRank) {
+  CostConfig c = Config();
+  int64_t intra = 0, inter = 0;
+  for (const std::vector<double>& speeds :
+       {std::vector<double>{}, std::vector<double>{1, 0.5, 0.25, 1}}) {
+    c.speeds = speeds;
+    ReplicaCosts(c, &intra, &inter);
+    EXPECT_EQ(intra, 667);   // 6e-5 / 9e-8 = 666.7
+    EXPECT_EQ(inter, 6667);  // 6e-4 / 9e-8
+    RowCosts(c, &intra, &inter);
+    EXPECT_EQ(intra, 910);   // 8e-8 / 9e-8 * 1024 = 910.2
+    EXPECT_EQ(inter, 9102);
+  }
+  c.speeds = {1, 2, 0.5, 1};  // a token of the fastest rank: 4.5e-8 s
+  ReplicaCosts(c, &intra, &inter);
+  EXPECT_EQ(intra, 1333);
+  EXPECT_EQ(inter, 13333);
+  RowCosts(c, &intra, &inter);
+  EXPECT_EQ(intra, 1820);  // 8e-8 / 4.5e-8 * 1024 = 1820.4
+  EXPECT_EQ(inter, 18204);
+}
+
 TEST(CostModelTest, InvalidConfigNamesTheField) {
   CostConfig c = Config();
   c.inter_gbps = 0;
@@ -116,6 +180,19 @@ TEST(CostModelTest, InvalidConfigNamesTheField) {
         EXPECT_TRUE(ValidateCostConfig(c).ok()) << field << " " << edge;
       }
     }
+  }
+  // A rank's speed likewise, naming the rank.
+  for (double bad : {0.0, -1.0, 1e-7, 2e6, std::nan(""), HUGE_VAL}) {
+    c = Config();
+    c.speeds = {1, bad};
+    s = ValidateCostConfig(c);
+    ASSERT_FALSE(s.ok()) << bad;
+    EXPECT_NE(s.message().find("the speed of rank 1 must be in [1e-6, 1e6]"), std::string::npos)
+        << s.message();
+  }
+  for (double edge : {1e-6, 1e6}) {
+    c.speeds = {edge, 1};
+    EXPECT_TRUE(ValidateCostConfig(c).ok()) << edge;
   }
 }
 

@@ -14,6 +14,7 @@
 #include "gtest/gtest.h"
 #include "moonep/core/status.h"
 #include "planner/eplb.h"
+#include "planner/sim/rank_speeds.h"
 #include "planner/sim/report.h"
 #include "planner/sim/simulator.h"
 #include "planner/sim/trace.h"
@@ -623,6 +624,206 @@ TEST(SimulatorTest, TraceTokensPastInt32) {
   bool deduped = false;
   for (const StepRecord& r : a.rows) deduped = deduped || r.metrics.dispatch_inter < r.metrics.rows_inter;
   EXPECT_TRUE(deduped);
+}
+
+// ---- Ranks of different speeds (--rank_speeds) -------------------------------------------------
+
+RankSpeedsSpec Speeds(const std::string& spec) {
+  absl::StatusOr<RankSpeedsSpec> parsed = ParseRankSpeeds(spec);
+  EXPECT_TRUE(parsed.ok()) << parsed.status();
+  return parsed.ok() ? *parsed : RankSpeedsSpec{};
+}
+
+// Four flat ranks, rank 3 at half speed. moonep told the speeds balances time: the slow rank gets
+// half the tokens of each other one (capacities floor or ceil of 1/7 and 2/7 of the total), and
+// its compute is within the planner's rounding of the lower bound, the total over 3.5 ranks of
+// speed 1. moonep-nospeeds balances tokens, which leaves the slow rank twice the others' time.
+// moonep-weighed with nothing to weigh (costs 0) is moonep: it is told the speeds too.
+TEST(SimulatorSpeedsTest, MoonEPGivesASlowRankHalfTheLoad) {
+  for (DetailChoice d : {DetailChoice::kTokens, DetailChoice::kCounts, DetailChoice::kTotals}) {
+    SimOptions o = SmallOptions();
+    o.routing.num_ranks = 4;
+    o.routing.num_experts = 16;
+    o.routing.topk = 2;
+    o.routing.tokens_per_rank = 512;
+    o.cost.ranks_per_node = 0;
+    o.detail = d;
+    o.steps = 6;
+    o.rank_speeds = Speeds("0.5@3");
+    o.policies = {Policy::kMoonEP, SimPolicy::MoonEPWithoutSpeeds(), SimPolicy(Policy::kMoonEP, true)};
+    o.replica_cost_intra = o.replica_cost_inter = o.row_cost_intra = o.row_cost_inter = 0;
+    const double token_s = o.cost.flops_per_token() / (o.cost.tflops * 1e12);  // at speed 1
+    for (int64_t snapshot : {0, 5}) {  // a run keeps one step's per-rank loads
+      o.snapshot_step = snapshot;
+      Capture cap;
+      auto result = RunCaptured(o, &cap);
+      ASSERT_TRUE(result.ok()) << result.status();
+      ASSERT_EQ(result->policies[1].name, "moonep");
+      ASSERT_EQ(result->policies[2].name, "moonep-nospeeds");
+      const std::vector<int64_t>& with = result->policies[1].snapshot_load;
+      const std::vector<int64_t>& without = result->policies[2].snapshot_load;
+      ASSERT_EQ(with.size(), 4u);
+      for (int r = 0; r < 3; ++r) {
+        EXPECT_LE(std::abs(2 * with[3] - with[r]), 2) << "rank " << r << " step " << snapshot;
+      }
+      EXPECT_LE(*std::max_element(without.begin(), without.end()) -
+                    *std::min_element(without.begin(), without.end()), 1);
+      ASSERT_EQ(cap.rows.size(), 6u * 5);
+      for (size_t i = 0; i < cap.rows.size(); i += 5) {
+        const StepRecord &moonep = cap.rows[i + 1], &nospeeds = cap.rows[i + 2],
+                         &weighed = cap.rows[i + 3], &bound = cap.rows[i + 4];
+        ASSERT_EQ(*bound.policy, "lower-bound");
+        const double total = static_cast<double>(bound.metrics.total_tokens);
+        EXPECT_GE(bound.time.compute, total / 3.5 * token_s * (1 - 1e-12));
+        EXPECT_GE(moonep.time.compute, bound.time.compute * (1 - 1e-12));
+        EXPECT_LE(moonep.time.compute, (total / 3.5 + 2) * token_s) << "step " << i / 5;
+        EXPECT_GE(nospeeds.time.compute, (total / 2 - 2) * token_s) << "step " << i / 5;
+        EXPECT_LT(moonep.time.compute, nospeeds.time.compute) << "step " << i / 5;
+        EXPECT_EQ(weighed.metrics.max_load, moonep.metrics.max_load);
+        EXPECT_EQ(weighed.metrics.replicas, moonep.metrics.replicas);
+        EXPECT_EQ(weighed.time.total, moonep.time.total);
+      }
+    }
+  }
+}
+
+// A machine whose every speed is 1 is the machine without speeds: the same rows to the bit, whether
+// the spec says so (and the report then says nothing of speeds) or the cost model is given speeds
+// of 1 directly (then the planners get them too).
+TEST(SimulatorSpeedsTest, EverySpeedOneIsTheRunWithout) {
+  for (DetailChoice d : {DetailChoice::kTokens, DetailChoice::kCounts, DetailChoice::kTotals}) {
+    SimOptions o = SmallOptions();
+    o.detail = d;
+    o.steps = 4;
+    o.policies = AllPolicies(/*with_speeds=*/false);
+    const std::string without = RunToCsv(o);
+    for (const char* spec : {"1,1,1,1,1,1,1,1", "1@3"}) {
+      o.rank_speeds = Speeds(spec);
+      EXPECT_EQ(RunToCsv(o), without) << spec;
+      auto sim = Simulator::Create(o);
+      ASSERT_TRUE(sim.ok()) << sim.status();
+      EXPECT_TRUE((*sim)->options().cost.speeds.empty());
+    }
+    o.rank_speeds = {};
+    o.cost.speeds.assign(8, 1.0);
+    EXPECT_EQ(RunToCsv(o), without);
+  }
+}
+
+// With speeds: the same rows on any number of threads; none, eplb and fastermoe-shadow plan as
+// without them (only their compute time changes), and so does moonep-nospeeds as moonep; the
+// report names the speeds and what the lower bound is.
+TEST(SimulatorSpeedsTest, SpeedUnawarePoliciesPlanAsBefore) {
+  SimOptions o = SmallOptions();
+  o.policies = AllPolicies(/*with_speeds=*/false);
+  Capture plain;
+  ASSERT_TRUE(RunCaptured(o, &plain).ok());
+  o.rank_speeds = Speeds("0.6@2,0.8@5-6");
+  o.policies = AllPolicies(/*with_speeds=*/true);
+  o.threads = 1;
+  const std::string one = RunToCsv(o);
+  o.threads = 4;
+  EXPECT_EQ(RunToCsv(o), one);
+  EXPECT_EQ(std::count(one.begin(), one.end(), '\n'), 1 + 8 * 12);  // 6 policies, none, bound
+  Capture fast_and_slow;
+  auto result = RunCaptured(o, &fast_and_slow);
+  ASSERT_TRUE(result.ok()) << result.status();
+  ASSERT_EQ(plain.rows.size(), 12u * 7);
+  ASSERT_EQ(fast_and_slow.rows.size(), 12u * 8);
+  for (size_t step = 0; step < 12; ++step) {
+    for (size_t j = 0; j < 7; ++j) {
+      const std::string& name = plain.names[step * 7 + j];
+      const std::string same = name == "moonep" ? "moonep-nospeeds" : name;
+      if (name != "none" && name != "eplb" && name != "fastermoe-shadow" && name != "moonep") continue;
+      const StepRecord* twin = nullptr;
+      for (size_t k = step * 8; k < step * 8 + 8; ++k) {
+        if (fast_and_slow.names[k] == same) twin = &fast_and_slow.rows[k];
+      }
+      ASSERT_NE(twin, nullptr) << same;
+      const PlanMetrics &a = plain.rows[step * 7 + j].metrics, &b = twin->metrics;
+      EXPECT_EQ(a.max_load, b.max_load) << name;
+      EXPECT_EQ(a.replicas, b.replicas) << name;
+      EXPECT_EQ(a.rows_local, b.rows_local) << name;
+      EXPECT_EQ(a.dispatch_inter, b.dispatch_inter) << name;
+      EXPECT_EQ(plain.rows[step * 7 + j].time.dispatch, twin->time.dispatch) << name;
+      EXPECT_GE(twin->time.compute, plain.rows[step * 7 + j].time.compute) << name;  // slower ranks
+    }
+  }
+  const std::string summary = FormatSummary(*result, fast_and_slow.sim->options());
+  EXPECT_NE(summary.find("rank speeds 0.6@2,0.8@5-6 (the others 1)"), std::string::npos) << summary;
+  EXPECT_NE(summary.find("moonep-nospeeds"), std::string::npos);
+  EXPECT_NE(summary.find("With rank speeds, its imb. is the least load in tokens"), std::string::npos);
+  EXPECT_EQ(FormatSummary(*result, o).find("rank speeds"), std::string::npos);  // unresolved options
+}
+
+// A replay resolves the spec against the trace's R: none computes its home loads, the slowest rank
+// (here the slow one with the lighter load) setting the time; a rank past the trace's is an error
+// naming the flag.
+TEST(SimulatorSpeedsTest, ReplayResolvesTheSpecAgainstTheTrace) {
+  const std::string path = ::testing::TempDir() + "/speeds.trace";
+  // R = 2, E = 4: home loads 10 + 6 + 9 + 7 = 32 on rank 0, 8 on rank 1.
+  std::ofstream(path) << FormatTraceHeader(2, 4, 2) << FormatTraceRecord(0, 0, {10, 6, 2, 2, 9, 7, 2, 2});
+  SimOptions o = ReplayOptions(path);
+  o.rank_speeds = Speeds("0.2@1");
+  Capture cap;
+  auto result = RunCaptured(o, &cap);
+  ASSERT_TRUE(result.ok()) << result.status();
+  ASSERT_EQ(cap.names[0], "none");
+  EXPECT_DOUBLE_EQ(cap.rows[0].time.compute, 8 / 0.2 * o.cost.flops_per_token() / (o.cost.tflops * 1e12));
+  o.rank_speeds = Speeds("0.5@2");
+  auto sim = Simulator::Create(o);
+  ASSERT_FALSE(sim.ok());
+  EXPECT_EQ(sim.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(sim.status().message().find("--rank_speeds: rank 2 is out of range: there are 2 ranks"),
+            std::string::npos) << sim.status();
+  o.rank_speeds = Speeds("1,0.5,1");
+  sim = Simulator::Create(o);
+  ASSERT_FALSE(sim.ok());
+  EXPECT_NE(sim.status().message().find("--rank_speeds: 3 speeds for 2 ranks"), std::string::npos)
+      << sim.status();
+}
+
+TEST(SimulatorSpeedsTest, NoSpeedsIsMoonEPOnly) {
+  SimPolicy p;
+  ASSERT_TRUE(ParseSimPolicy("moonep-nospeeds", &p));
+  EXPECT_EQ(p, SimPolicy::MoonEPWithoutSpeeds());
+  EXPECT_EQ(p.Name(), "moonep-nospeeds");
+  EXPECT_FALSE(p.plans_with_speeds());
+  for (SimPolicy with : {SimPolicy(Policy::kMoonEP), SimPolicy(Policy::kMoonEP, true),
+                         SimPolicy(Policy::kMoonEPGreedy)}) {
+    EXPECT_TRUE(with.plans_with_speeds()) << with.Name();
+  }
+  for (SimPolicy without : {Policy::kNone, Policy::kEplb, Policy::kFasterMoEShadow}) {
+    EXPECT_FALSE(without.plans_with_speeds()) << without.Name();
+  }
+  // --policies=all: moonep-nospeeds beside moonep, only on a machine with speeds.
+  const std::vector<SimPolicy> plain = AllPolicies(false), with = AllPolicies(true);
+  EXPECT_EQ(plain.size(), 5u);
+  EXPECT_EQ(std::count(plain.begin(), plain.end(), SimPolicy::MoonEPWithoutSpeeds()), 0);
+  ASSERT_EQ(with.size(), 6u);
+  EXPECT_EQ(with[1], SimPolicy::MoonEPWithoutSpeeds());
+  for (SimPolicy bad : {SimPolicy(Policy::kMoonEPGreedy, false, true), SimPolicy(Policy::kMoonEP, true, true)}) {
+    SimOptions o = SmallOptions();
+    o.policies = {bad};
+    auto sim = Simulator::Create(o);
+    ASSERT_FALSE(sim.ok());
+    EXPECT_NE(sim.status().message().find("only moonep runs as moonep-nospeeds, not moonep-"),
+              std::string::npos) << sim.status();
+  }
+}
+
+// The lower bound of the slowest rank's level, by hand: 700 tokens on speeds summing to 3.5 need
+// 200 of a speed-1 rank's time; an expert of 300 on one holder needs 300; levels are in tokens of
+// the fastest rank (at speed 2, twice the speed-1 time).
+TEST(SimulatorSpeedsTest, LevelLowerBoundByHand) {
+  const std::vector<int64_t> totals = {300, 200, 100, 100};
+  EXPECT_DOUBLE_EQ(SpeedLevelLowerBound({1, 1, 1, 0.5}, totals, 4), 200);
+  EXPECT_DOUBLE_EQ(SpeedLevelLowerBound({1, 1, 1, 0.5}, totals, 2), 200);   // 300 / 2 = 150
+  EXPECT_DOUBLE_EQ(SpeedLevelLowerBound({1, 1, 1, 0.5}, totals, 1), 300);
+  EXPECT_DOUBLE_EQ(SpeedLevelLowerBound({0.5, 2, 1, 0.5}, totals, 4), 700 / 4.0 * 2);
+  EXPECT_DOUBLE_EQ(SpeedLevelLowerBound({0.5, 2, 1, 0.5}, totals, 1), 700 / 4.0 * 2);  // > 300 / 2
+  EXPECT_DOUBLE_EQ(SpeedLevelLowerBound({0.5, 2, 1, 0.5}, {600, 100}, 1), 600 / 2.0 * 2);
+  EXPECT_DOUBLE_EQ(SpeedLevelLowerBound({0.5, 0.5}, {100}, 2), 50);  // 50 tokens each, at speed 0.5
 }
 
 }  // namespace
