@@ -15,6 +15,7 @@ The library is found from $MOONEP_LIBRARY, else build/lib/libmoonep.so next to t
 else the system's libmoonep.so.0.
 """
 import ctypes
+import math
 import os
 
 import numpy as np
@@ -48,7 +49,8 @@ class _LayerConfig(ctypes.Structure):
                 ("num_threads", ctypes.c_int), ("ranks_per_node", ctypes.c_int),
                 ("eplb_period", ctypes.c_int), ("transport", ctypes.c_char_p),
                 ("replica_cost_intra", ctypes.c_int64), ("replica_cost_inter", ctypes.c_int64),
-                ("row_cost_intra", ctypes.c_int64), ("row_cost_inter", ctypes.c_int64)]
+                ("row_cost_intra", ctypes.c_int64), ("row_cost_inter", ctypes.c_int64),
+                ("speeds", ctypes.POINTER(ctypes.c_double))]
 
 
 class _CostProbeOptions(ctypes.Structure):
@@ -66,7 +68,10 @@ class _MeasuredCosts(ctypes.Structure):
                 ("row_cost_intra", ctypes.c_int64), ("row_cost_inter", ctypes.c_int64),
                 ("compute_rows", ctypes.c_int64), ("link_rows", ctypes.c_int64),
                 ("transfer_seconds_intra", ctypes.c_double),
-                ("transfer_seconds_inter", ctypes.c_double), ("transfer_rows", ctypes.c_int64)]
+                ("transfer_seconds_inter", ctypes.c_double), ("transfer_rows", ctypes.c_int64),
+                ("token_seconds_fastest", ctypes.c_double),
+                ("token_seconds_slowest", ctypes.c_double),
+                ("speeds", ctypes.POINTER(ctypes.c_double))]
 
 
 COST_FIELDS = ("replica_cost_intra", "replica_cost_inter", "row_cost_intra", "row_cost_inter")
@@ -209,6 +214,26 @@ def _layer_config(what, bad, policy, device="cpu", **fields):
     return c, bad
 
 
+def _speeds(comm, speeds, bad):
+    """The ctypes array of `speeds` (None: none) for a config on `comm`, and the first error: not
+    one finite positive number per rank, or a library older than 0.5.0 (which would ignore them).
+    With an error the array is None: MoonEP then never reads past a short list."""
+    if speeds is None or bad is not None:
+        return None, bad
+    try:
+        values = [float(v) for v in speeds]
+    except (TypeError, ValueError):
+        return None, ValueError("speeds must be a sequence of numbers, one per rank")
+    if len(values) != comm.size:
+        return None, ValueError(f"speeds has {len(values)} values; the communicator has "
+                                f"{comm.size} ranks (one speed each)")
+    for r, v in enumerate(values):
+        if not (math.isfinite(v) and v > 0):
+            return None, ValueError(f"speeds[{r}] is {v}; must be finite and positive")
+    bad = _version_error("speeds need", 500)
+    return (None, bad) if bad else ((ctypes.c_double * len(values))(*values), None)
+
+
 def _version_error(what_needs, needed):
     """A ValueError "<what_needs> libmoonep X.Y.0 or later; ..." when the library is older."""
     if version() >= needed:
@@ -296,8 +321,10 @@ def measure_costs(comm, num_experts, top_k, hidden, intermediate, max_tokens, po
     this rank's executor on one expert of the layer's shape and rows sent between ranks, and
     returns the same dict on every rank: token_seconds, row_seconds_intra / _inter and
     transfer_seconds_intra / _inter (0: not measured), intra_measured, inter_measured, ranks, the
-    rows timed, and the four costs of Layer (COST_FIELDS;
-    pass the dict as Layer(costs=...)). The layer arguments are Layer's and must be the same on
+    rows timed, the four costs of Layer (COST_FIELDS;
+    pass the dict as Layer(costs=...)), and (libmoonep 0.5.0) token_seconds_fastest / _slowest and
+    speeds, each rank's speed relative to the median rank (for Layer(speeds=...) where ranks
+    differ in more than noise). The layer arguments are Layer's and must be the same on
     every rank; 0 for compute_rows, link_rows, repetitions: the defaults (512 rows on the CPU, 4096
     on a GPU; 5 repetitions; transfer_rows: as many as hold one expert's gradients, or weights when
     forward_only); compute_rows, link_rows and transfer_rows in the dict are the rows timed."""
@@ -320,12 +347,19 @@ def measure_costs(comm, num_experts, top_k, hidden, intermediate, max_tokens, po
         m = _MeasuredCosts(size=ctypes.sizeof(_MeasuredCosts))
         _lib().moonepMeasureCosts(comm._h, ctypes.byref(c), ctypes.byref(o), ctypes.byref(m))
         raise bad
-    m = _MeasuredCosts(size=ctypes.sizeof(_MeasuredCosts))
+    speeds = (ctypes.c_double * comm.size)()
+    m = _MeasuredCosts(size=ctypes.sizeof(_MeasuredCosts), speeds=speeds)
     _check("moonepMeasureCosts", _lib().moonepMeasureCosts(comm._h, ctypes.byref(c),
                                                            ctypes.byref(o), ctypes.byref(m)))
-    out = {name: getattr(m, name) for name, _ in _MeasuredCosts._fields_ if name != "size"}
+    # A 0.4.0 library fills the fields up to transfer_rows (and says so in size).
+    filled = m.size
+    out = {name: getattr(m, name) for name, _ in _MeasuredCosts._fields_
+           if name not in ("size", "speeds")
+           and getattr(_MeasuredCosts, name).offset < filled}
     out["intra_measured"] = bool(out["intra_measured"])
     out["inter_measured"] = bool(out["inter_measured"])
+    if _MeasuredCosts.speeds.offset < filled:
+        out["speeds"] = list(speeds)
     return out
 
 
@@ -341,12 +375,15 @@ class Layer:
     row_cost_intra / row_cost_inter (1/1024 tokens a row, the same on every rank; libmoonep 0.3.0):
     the weighing also counts the rows a plan moves (docs/planner.md, "Rows in the objective").
     costs: a dict from measure_costs (libmoonep 0.4.0), whose four costs are used instead of the
-    four arguments above (passing both is a ValueError)."""
+    four arguments above (passing both is a ValueError).
+    speeds: None (every rank alike) or one relative compute speed per rank, the same on every
+    rank (libmoonep 0.5.0): the planner balances time, not tokens (docs/runtime.md, "Ranks of
+    different speeds"); measure_costs(...)["speeds"] measures them."""
 
     def __init__(self, comm, num_experts, top_k, hidden, intermediate, max_tokens,
                  policy="moonep", slots=-1, max_inflight=1, num_threads=0, device="cpu",
                  device_index=0, replica_cost_intra=0, replica_cost_inter=0, row_cost_intra=0,
-                 row_cost_inter=0, costs=None):
+                 row_cost_inter=0, costs=None, speeds=None):
         bad = None
         if costs is not None:
             missing = [k for k in COST_FIELDS if k not in costs]
@@ -363,7 +400,9 @@ class Layer:
             bad = _version_error("replica costs need", 200)
         if bad is None and (row_cost_intra or row_cost_inter):
             bad = _version_error("row costs need", 300)
-        c, bad = _layer_config("Layer", bad, policy, device, num_experts=num_experts, top_k=top_k,
+        speeds_array, bad = _speeds(comm, speeds, bad)
+        c, bad = _layer_config("Layer", bad, policy, device, speeds=speeds_array,
+                               num_experts=num_experts, top_k=top_k,
                                hidden=hidden, intermediate=intermediate, slots=slots,
                                device_index=device_index, max_tokens=max_tokens,
                                max_inflight=max_inflight, num_threads=num_threads,
@@ -566,8 +605,10 @@ class EpBuffer:
     """
 
     def __init__(self, comm, num_experts, top_k, hidden, max_tokens, intermediate=0,
-                 policy="moonep", slots=-1, max_inflight=1, pad_multiple=1):
-        c, bad = _layer_config("EpBuffer", None, policy, num_experts=num_experts, top_k=top_k,
+                 policy="moonep", slots=-1, max_inflight=1, pad_multiple=1, speeds=None):
+        speeds_array, bad = _speeds(comm, speeds, None)
+        c, bad = _layer_config("EpBuffer", bad, policy, speeds=speeds_array,
+                               num_experts=num_experts, top_k=top_k,
                                hidden=hidden, intermediate=intermediate, slots=slots,
                                pad_multiple=pad_multiple, max_tokens=max_tokens,
                                max_inflight=max_inflight, num_threads=1)

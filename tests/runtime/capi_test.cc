@@ -781,6 +781,35 @@ TEST_F(CApiTest, BadConfigsFailOnEveryRank) {
     EXPECT_NE(std::string(moonepGetLastError(comm_)).find("row_cost_inter"), std::string::npos)
         << moonepGetLastError(comm_);
   }
+  // Speeds (0.5.0): read as one per rank of the communicator and checked, naming the entry;
+  // differing between ranks refused on every rank; past a 0.4.0 caller's struct (sizeof 152 on
+  // LP64) not read at all, even a pointer that would crash.
+  {
+    std::vector<double> speeds(static_cast<size_t>(size()), 1.0);
+    speeds.back() = -2;
+    c = Config(moonepPolicyMoonEP);
+    c.speeds = speeds.data();
+    EXPECT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepInvalidArgument);
+    const std::string want = "speeds[" + std::to_string(size() - 1) + "] is -2";
+    EXPECT_NE(std::string(moonepGetLastError(comm_)).find(want), std::string::npos)
+        << moonepGetLastError(comm_);
+    static_assert(sizeof(void*) != 8 || offsetof(moonepLayerConfig_t, speeds) == 152,
+                  "moonepLayerConfig_t: 0.5.0's fields must start where 0.4.0's struct ended");
+    c.size = offsetof(moonepLayerConfig_t, speeds);
+    c.speeds = reinterpret_cast<const double*>(uintptr_t{16});
+    ASSERT_EQ(moonepLayerCreate(comm_, &c, &layer), moonepSuccess) << moonepGetLastError(comm_);
+    EXPECT_EQ(moonepLayerDestroy(layer), moonepSuccess);
+    if (size() > 1) {
+      std::fill(speeds.begin(), speeds.end(), 1.0 + rank());
+      c = Config(moonepPolicyMoonEP);
+      c.speeds = speeds.data();
+      moonepEpBuffer_t sbuf = nullptr;
+      EXPECT_EQ(moonepEpBufferCreate(comm_, &c, &sbuf), moonepInvalidArgument);
+      EXPECT_NE(std::string(moonepGetLastError(comm_)).find("speeds (" + std::to_string(size()) +
+                                                            " values) differ"),
+                std::string::npos) << moonepGetLastError(comm_);
+    }
+  }
   // More executor threads than the executor has: refused at creation (it was capped silently).
   c = Config(moonepPolicyMoonEP);
   c.num_threads = 1025;
@@ -850,8 +879,25 @@ TEST_F(CApiTest, MeasureCostsFillsTheSameCostsEverywhereAndRefusesBadArguments) 
   moonepMeasuredCosts_t m;
   std::memset(&m, 0xff, sizeof(m));
   m.size = sizeof(m);
+  std::vector<double> speeds(static_cast<size_t>(size()) + 1, -1.0);  // one past the ranks
+  m.speeds = speeds.data();
   ASSERT_EQ(moonepMeasureCosts(comm_, &c, &o, &m), moonepSuccess) << moonepGetLastError(comm_);
   EXPECT_EQ(m.size, sizeof(m));
+  // Each rank's speed: the median token time over its own, one per rank and no more; the
+  // fastest and slowest times around the median.
+  EXPECT_EQ(m.speeds, speeds.data());
+  EXPECT_EQ(speeds.back(), -1.0);
+  speeds.pop_back();
+  for (double v : speeds) EXPECT_GT(v, 0);
+  EXPECT_GT(m.token_seconds_fastest, 0);
+  EXPECT_LE(m.token_seconds_fastest, m.token_seconds);
+  EXPECT_GE(m.token_seconds_slowest, m.token_seconds);
+  EXPECT_DOUBLE_EQ(*std::max_element(speeds.begin(), speeds.end()),
+                   m.token_seconds / m.token_seconds_fastest);
+  std::vector<double> all_speeds(speeds.size() * size());
+  MPI_Allgather(speeds.data(), size(), MPI_DOUBLE, all_speeds.data(), size(), MPI_DOUBLE,
+                MPI_COMM_WORLD);
+  for (size_t i = 0; i < all_speeds.size(); ++i) EXPECT_EQ(all_speeds[i], speeds[i % speeds.size()]);
   EXPECT_EQ(m.ranks, size());
   EXPECT_EQ(m.compute_rows, 32);
   EXPECT_EQ(m.link_rows, 32);
@@ -889,6 +935,7 @@ TEST_F(CApiTest, MeasureCostsFillsTheSameCostsEverywhereAndRefusesBadArguments) 
   } big;
   std::memset(&big, 0x5a, sizeof(big));
   big.costs.size = sizeof(big);
+  big.costs.speeds = nullptr;  // not wanted
   ASSERT_EQ(moonepMeasureCosts(comm_, &c, &fwd, &big.costs), moonepSuccess)
       << moonepGetLastError(comm_);
   EXPECT_EQ(big.costs.size, sizeof(moonepMeasuredCosts_t));
@@ -898,6 +945,17 @@ TEST_F(CApiTest, MeasureCostsFillsTheSameCostsEverywhereAndRefusesBadArguments) 
   EXPECT_EQ(big.costs.link_rows, 512);
   EXPECT_EQ(big.costs.transfer_rows, 12);  // one expert's fp32 weights (3 x 8 x 4) as rows of 8
   for (char b : big.newer) EXPECT_EQ(b, 0x5a);
+  EXPECT_EQ(big.costs.speeds, nullptr);
+  // A 0.4.0 caller's struct: filled up to transfer_rows, size set to that, nothing past it read
+  // or written (its speeds would be a pointer it never set).
+  std::memset(&big, 0x5a, sizeof(big));
+  big.costs.size = MOONEP_MEASURED_COSTS_MIN_SIZE;
+  ASSERT_EQ(moonepMeasureCosts(comm_, &c, &fwd, &big.costs), moonepSuccess)
+      << moonepGetLastError(comm_);
+  EXPECT_EQ(big.costs.size, MOONEP_MEASURED_COSTS_MIN_SIZE);
+  EXPECT_GT(big.costs.token_seconds, 0);
+  const char* past = reinterpret_cast<const char*>(&big.costs) + MOONEP_MEASURED_COSTS_MIN_SIZE;
+  for (const char* b = past; b < reinterpret_cast<const char*>(&big + 1); ++b) EXPECT_EQ(*b, 0x5a);
 
   // Unreadable arguments on the last rank: moonepInvalidArgument there, moonepRemoteError
   // naming it on the others, and no wait for the timeout.

@@ -52,6 +52,28 @@ def barrier():
     mpi.MPI_Barrier(world)
 
 
+def comm_allgather_floats(values):
+    """Every rank's list of floats (the same length on every rank), through Open MPI's library
+    as barrier() does; without it, this rank's list alone."""
+    import ctypes
+    try:
+        mpi = ctypes.CDLL("libmpi.so.40")
+        world = ctypes.addressof(ctypes.c_char.in_dll(mpi, "ompi_mpi_comm_world"))
+        double = ctypes.addressof(ctypes.c_char.in_dll(mpi, "ompi_mpi_double"))
+    except (OSError, ValueError):
+        return [list(values)]
+    n = len(values)
+    size = ctypes.c_int()
+    mpi.MPI_Comm_size.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+    mpi.MPI_Comm_size(world, ctypes.byref(size))
+    mine = (ctypes.c_double * n)(*values)
+    out = (ctypes.c_double * (n * size.value))()
+    mpi.MPI_Allgather.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                  ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    mpi.MPI_Allgather(mine, n, double, out, n, double, world)
+    return [list(out[r * n:(r + 1) * n]) for r in range(size.value)]
+
+
 def library_check():
     """A named library that cannot be loaded is an error, not a fallback to another one."""
     good = os.environ.get("MOONEP_LIBRARY")
@@ -111,6 +133,34 @@ def main():
     expect(ValueError, "costs lacks ['row_cost_inter']",
            lambda: moonep.Layer(comm, E, K, H, I, T,
                                 costs={k: 1 for k in moonep.COST_FIELDS[:3]}))
+    # Speeds (libmoonep 0.5.0): measure_costs gives one per rank, the same on every rank; a wrong
+    # count or value is a ValueError on every rank that passes it (on one rank alone its peers
+    # fail naming it), speeds that differ between ranks fail every rank, good ones make a layer.
+    speeds = costs.get("speeds")
+    if speeds is None or len(speeds) != R or not all(v > 0 for v in speeds):
+        failures.append(f"measure_costs speeds: {speeds}")
+    all_speeds = comm_allgather_floats(speeds or [0.0] * R)
+    if any(row != all_speeds[0] for row in all_speeds):
+        failures.append(f"measure_costs speeds differ between ranks: {all_speeds}")
+    expect(ValueError, f"speeds has {R + 1} values; the communicator has {R} ranks",
+           lambda: moonep.Layer(comm, E, K, H, I, T, speeds=[1.0] * (R + 1)))
+    expect(ValueError, f"speeds has {R + 1} values",
+           lambda: moonep.EpBuffer(comm, E, K, H, T, speeds=[1.0] * (R + 1)))
+    expect(ValueError, "speeds[0] is 0.0; must be finite and positive",
+           lambda: moonep.Layer(comm, E, K, H, I, T, speeds=[0.0] + [1.0] * (R - 1)))
+    expect(ValueError, "speeds must be a sequence of numbers",
+           lambda: moonep.Layer(comm, E, K, H, I, T, speeds=["fast"] * R))
+    if rank == R - 1:
+        expect(ValueError, "speeds[0] is nan",
+               lambda: moonep.Layer(comm, E, K, H, I, T, speeds=[float("nan")] * R))
+    elif R > 1:
+        expect(moonep.MoonEPError, f"rank {R - 1}",
+               lambda: moonep.Layer(comm, E, K, H, I, T, speeds=[1.0] * R))
+    if R > 1:
+        expect(moonep.MoonEPError, "speeds",
+               lambda: moonep.Layer(comm, E, K, H, I, T, speeds=[1.0 + rank] * R))
+    moonep.Layer(comm, E, K, H, I, T, num_threads=1, speeds=[1.0] * (R - 1) + [2.0]).destroy()
+    moonep.EpBuffer(comm, E, K, H, T, speeds=speeds).destroy()
     layer = moonep.Layer(comm, num_experts=E, top_k=K, hidden=H, intermediate=I, max_tokens=T,
                          num_threads=1)
 
