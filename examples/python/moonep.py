@@ -56,7 +56,8 @@ class _LayerConfig(ctypes.Structure):
 class _CostProbeOptions(ctypes.Structure):
     _fields_ = [("size", ctypes.c_size_t), ("compute_rows", ctypes.c_int64),
                 ("link_rows", ctypes.c_int64), ("repetitions", ctypes.c_int),
-                ("forward_only", ctypes.c_int), ("transfer_rows", ctypes.c_int64)]
+                ("forward_only", ctypes.c_int), ("transfer_rows", ctypes.c_int64),
+                ("speeds", ctypes.POINTER(ctypes.c_double))]
 
 
 class _MeasuredCosts(ctypes.Structure):
@@ -70,11 +71,11 @@ class _MeasuredCosts(ctypes.Structure):
                 ("transfer_seconds_intra", ctypes.c_double),
                 ("transfer_seconds_inter", ctypes.c_double), ("transfer_rows", ctypes.c_int64),
                 ("token_seconds_fastest", ctypes.c_double),
-                ("token_seconds_slowest", ctypes.c_double),
-                ("speeds", ctypes.POINTER(ctypes.c_double))]
+                ("token_seconds_slowest", ctypes.c_double)]
 
 
 COST_FIELDS = ("replica_cost_intra", "replica_cost_inter", "row_cost_intra", "row_cost_inter")
+_SPEED_FIELDS = ("token_seconds_fastest", "token_seconds_slowest")
 
 
 class _StepStats(ctypes.Structure):
@@ -220,6 +221,9 @@ def _speeds(comm, speeds, bad):
     With an error the array is None: MoonEP then never reads past a short list."""
     if speeds is None or bad is not None:
         return None, bad
+    if isinstance(speeds, (str, bytes)):
+        return None, ValueError("speeds must be a sequence of numbers, one per rank (or "
+                                "'measured' with costs from measure_costs)")
     try:
         values = [float(v) for v in speeds]
     except (TypeError, ValueError):
@@ -334,11 +338,12 @@ def measure_costs(comm, num_experts, top_k, hidden, intermediate, max_tokens, po
                            top_k=top_k, hidden=hidden, intermediate=intermediate,
                            max_tokens=max_tokens, slots=slots, num_threads=num_threads,
                            device_index=device_index, ranks_per_node=ranks_per_node)
+    speeds = (ctypes.c_double * comm.size)()
     try:
         o = _CostProbeOptions(size=ctypes.sizeof(_CostProbeOptions), compute_rows=compute_rows,
                               link_rows=link_rows, repetitions=repetitions,
                               forward_only=1 if forward_only else 0,
-                              transfer_rows=transfer_rows)
+                              transfer_rows=transfer_rows, speeds=speeds)
     except TypeError as e:
         bad = bad or ValueError(f"measure_costs: {e}")
         o = _CostProbeOptions(size=ctypes.sizeof(_CostProbeOptions))
@@ -347,18 +352,17 @@ def measure_costs(comm, num_experts, top_k, hidden, intermediate, max_tokens, po
         m = _MeasuredCosts(size=ctypes.sizeof(_MeasuredCosts))
         _lib().moonepMeasureCosts(comm._h, ctypes.byref(c), ctypes.byref(o), ctypes.byref(m))
         raise bad
-    speeds = (ctypes.c_double * comm.size)()
-    m = _MeasuredCosts(size=ctypes.sizeof(_MeasuredCosts), speeds=speeds)
+    m = _MeasuredCosts(size=ctypes.sizeof(_MeasuredCosts))
     _check("moonepMeasureCosts", _lib().moonepMeasureCosts(comm._h, ctypes.byref(c),
                                                            ctypes.byref(o), ctypes.byref(m)))
-    # A 0.4.0 library fills the fields up to transfer_rows (and says so in size).
-    filled = m.size
+    # A 0.4.0 library fills the fields up to transfer_rows (and says so in size); it neither
+    # reads the options' speeds nor times each rank.
+    newer = version() >= 500 and m.size == ctypes.sizeof(_MeasuredCosts)
     out = {name: getattr(m, name) for name, _ in _MeasuredCosts._fields_
-           if name not in ("size", "speeds")
-           and getattr(_MeasuredCosts, name).offset < filled}
+           if name != "size" and (newer or name not in _SPEED_FIELDS)}
     out["intra_measured"] = bool(out["intra_measured"])
     out["inter_measured"] = bool(out["inter_measured"])
-    if _MeasuredCosts.speeds.offset < filled:
+    if newer and m.token_seconds_fastest > 0:  # every rank timed (always, on success)
         out["speeds"] = list(speeds)
     return out
 
@@ -377,15 +381,27 @@ class Layer:
     costs: a dict from measure_costs (libmoonep 0.4.0), whose four costs are used instead of the
     four arguments above (passing both is a ValueError).
     speeds: None (every rank alike) or one relative compute speed per rank, the same on every
-    rank (libmoonep 0.5.0): the planner balances time, not tokens (docs/runtime.md, "Ranks of
-    different speeds"); measure_costs(...)["speeds"] measures them."""
+    rank (libmoonep 0.5.0; policies moonep and moonep-greedy): the planner balances time, not
+    tokens (docs/runtime.md, "Ranks of different speeds"). speeds="measured" with
+    costs=measure_costs(...) takes the probe's speeds and its costs scaled to the unit the
+    planner then counts them in (tokens of the fastest rank)."""
 
     def __init__(self, comm, num_experts, top_k, hidden, intermediate, max_tokens,
                  policy="moonep", slots=-1, max_inflight=1, num_threads=0, device="cpu",
                  device_index=0, replica_cost_intra=0, replica_cost_inter=0, row_cost_intra=0,
                  row_cost_inter=0, costs=None, speeds=None):
         bad = None
-        if costs is not None:
+        if isinstance(speeds, str) and speeds == "measured":
+            # The probe's speeds, and its costs in the unit the planner then counts them in:
+            # tokens of the fastest rank, each the median rank's times the largest speed.
+            if costs is None or "speeds" not in costs:
+                bad = ValueError("speeds='measured' takes the speeds from costs: pass "
+                                 "costs=measure_costs(...) (libmoonep 0.5.0)")
+            else:
+                speeds = list(costs["speeds"])
+                fastest = max(speeds)
+                costs = {k: round(costs[k] * fastest) for k in COST_FIELDS if k in costs}
+        if costs is not None and bad is None:
             missing = [k for k in COST_FIELDS if k not in costs]
             if replica_cost_intra or replica_cost_inter or row_cost_intra or row_cost_inter:
                 bad = ValueError("pass either costs (from measure_costs) or the cost arguments")

@@ -89,8 +89,9 @@ moonepResult_t moonepEpBufferCreate(moonepComm_t comm, const moonepEpBufferConfi
     MOONEP_RETURN_IF_ERROR(CheckHandle(comm, Kind::kComm, "comm"));
     moonep::runtime::LayerConfig c;
     // Like moonepLayerCreate: a local error still joins the agreement, so the peers fail at once.
-    const absl::Status read = buffer == nullptr ? moonep::InvalidArgument("buffer is NULL")
-                                                : moonep::capi::ReadLayerConfig(config, comm->impl->size(), &c);
+    const absl::Status read =
+        buffer == nullptr ? moonep::InvalidArgument("buffer is NULL")
+                          : moonep::capi::ReadLayerConfig(config, comm->impl->size(), &c);
     if (!read.ok()) {
       moonep::runtime::LayerConfig invalid;
       (void)moonep::runtime::AgreeOnConfig(comm->impl.get(), invalid, read, "EP buffer creation");

@@ -36,8 +36,9 @@ moonepResult_t moonepLayerCreate(moonepComm_t comm, const moonepLayerConfig_t* c
     moonep::runtime::LayerConfig c;
     // A config that cannot even be read (or nowhere to put the layer) still joins the collective
     // agreement (with an invalid local verdict) so the other ranks fail instead of waiting.
-    const absl::Status read = layer == nullptr ? moonep::InvalidArgument("layer is NULL")
-                                               : moonep::capi::ReadLayerConfig(config, comm->impl->size(), &c);
+    const absl::Status read =
+        layer == nullptr ? moonep::InvalidArgument("layer is NULL")
+                         : moonep::capi::ReadLayerConfig(config, comm->impl->size(), &c);
     if (!read.ok()) {
       moonep::runtime::LayerConfig invalid;
       (void)moonep::runtime::AgreeOnConfig(comm->impl.get(), invalid, read, "MoE layer creation");
@@ -212,6 +213,7 @@ moonepResult_t moonepMeasureCosts(moonepComm_t comm, const moonepLayerConfig_t* 
     MOONEP_RETURN_IF_ERROR(CheckHandle(comm, Kind::kComm, "comm"));
     moonep::runtime::LayerConfig c;
     moonep::runtime::CostProbeOptions o;
+    double* speeds_out = nullptr;  // options->speeds (0.5.0)
     // Arguments that cannot be read still join the probe's first agreement (with an invalid
     // local verdict) so the other ranks fail instead of waiting.
     absl::Status read = moonep::capi::ReadLayerConfig(config, comm->impl->size(), &c);
@@ -234,6 +236,9 @@ moonepResult_t moonepMeasureCosts(moonepComm_t comm, const moonepLayerConfig_t* 
         o.transfer_rows = options->transfer_rows;
         if (options->repetitions != 0) o.repetitions = options->repetitions;
         o.training = options->forward_only == 0;
+        if (options->size >= offsetof(moonepCostProbeOptions_t, speeds) + sizeof(double*)) {
+          speeds_out = options->speeds;
+        }
       }
     }
     if (!read.ok()) {
@@ -263,14 +268,11 @@ moonepResult_t moonepMeasureCosts(moonepComm_t comm, const moonepLayerConfig_t* 
     out.transfer_rows = m.transfer_rows;
     out.token_seconds_fastest = m.token_seconds_fastest;
     out.token_seconds_slowest = m.token_seconds_slowest;
-    // The caller's array: kept as it is, and filled (one speed per rank) where it is set.
-    if (out.size >= offsetof(moonepMeasuredCosts_t, speeds) + sizeof(out.speeds)) {
-      out.speeds = costs->speeds;
-      if (out.speeds != nullptr) {
-        for (size_t r = 0; r < m.speeds.size(); ++r) out.speeds[r] = m.speeds[r];
-      }
-    }
     std::memcpy(costs, &out, out.size);
+    if (speeds_out != nullptr) {
+      // One per rank (MeasureCosts succeeded: every rank timed its token).
+      for (size_t r = 0; r < m.speeds.size(); ++r) speeds_out[r] = m.speeds[r];
+    }
     return absl::OkStatus();
   });
 }

@@ -348,6 +348,19 @@ void ApplyCosts(const MeasuredCosts& costs, LayerConfig* config) {
   config->row_cost_inter = costs.row_cost_inter;
 }
 
+void ApplyCostsAndSpeeds(const MeasuredCosts& costs, LayerConfig* config) {
+  ApplyCosts(costs, config);
+  config->speeds = costs.speeds;
+  if (costs.speeds.empty()) return;
+  const double fastest = *std::max_element(costs.speeds.begin(), costs.speeds.end());
+  for (int64_t* cost : {&config->replica_cost_intra, &config->replica_cost_inter}) {
+    *cost = RoundClamped(static_cast<double>(*cost) * fastest, planner::kMaxReplicaCost);
+  }
+  for (int64_t* cost : {&config->row_cost_intra, &config->row_cost_inter}) {
+    *cost = RoundClamped(static_cast<double>(*cost) * fastest, planner::kMaxRowCost);
+  }
+}
+
 absl::StatusOr<MeasuredCosts> MeasureCosts(Communicator* comm, const LayerConfig& config,
                                            const CostProbeOptions& given) {
   if (comm == nullptr) return InvalidArgument("cost probe: comm is null");

@@ -60,7 +60,8 @@ int64_t TransferRows(const LayerConfig& config, bool training);
 // dtype per H-value row of the layer's dtype.
 double TransferSeconds(double row_seconds, const LayerConfig& config, bool training);
 
-// What the probe timed (the medians over ranks), per link class: [0] intra-node, [1] inter-node.
+// What the probe timed: the medians over ranks, per link class ([0] intra-node, [1] inter-node),
+// and each rank's own token time.
 struct ProbeFigures {
   double token_seconds = 0;
   std::vector<double> rank_token_seconds;  // [R] each rank's own (token_seconds is their median)
@@ -83,8 +84,10 @@ struct MeasuredCosts {
   int64_t replica_cost_intra = 0, replica_cost_inter = 0;
   int64_t row_cost_intra = 0, row_cost_inter = 0;
   // Each rank's own token time, the fastest and the slowest of them, and each rank's speed
-  // relative to the median rank (token_seconds / its time: 0.5 for a rank half as fast), for
-  // LayerConfig::speeds where ranks differ in more than noise. Empty where a rank timed nothing.
+  // relative to the median of those times (token_seconds / its time: 0.5 for a rank half as fast;
+  // for an even count the median is the mean of the two middle times), for LayerConfig::speeds
+  // where ranks differ in more than noise (ApplyCostsAndSpeeds). Empty, and fastest and slowest
+  // 0, where a rank timed 0 or a value that is not finite (never on success: every rank timed).
   std::vector<double> rank_token_seconds;
   double token_seconds_fastest = 0, token_seconds_slowest = 0;
   std::vector<double> speeds;
@@ -116,9 +119,13 @@ MeasuredCosts DeriveCosts(bool training, const ProbeFigures& figures, int32_t ra
 absl::StatusOr<MeasuredCosts> MeasureCosts(Communicator* comm, const LayerConfig& config,
                                            const CostProbeOptions& options = {});
 
-// The config with the measured costs set (replica_cost_* and row_cost_*). The speeds are not
-// applied: whether a rank that measured 3 % faster is faster, or only noise, is the caller's call
-// (docs/runtime.md, "Ranks of different speeds").
+// The config with the measured costs set (replica_cost_* and row_cost_*), in tokens of the median
+// rank, for a layer without speeds.
 void ApplyCosts(const MeasuredCosts& costs, LayerConfig* config);
+// The config with the measured speeds too, and the costs in the unit the planner then counts
+// them in, tokens of the fastest rank: each ApplyCosts' times the largest speed. Whether a rank
+// that measured 3 % faster is faster, or only noise, is the caller's call (docs/runtime.md,
+// "Ranks of different speeds"): this applies them as measured.
+void ApplyCostsAndSpeeds(const MeasuredCosts& costs, LayerConfig* config);
 
 }  // namespace moonep::runtime

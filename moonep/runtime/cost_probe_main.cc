@@ -130,10 +130,13 @@ int Run(int argc, char** argv) {
   std::printf("  token      %10.3f us   (%.1f effective %s; median of the ranks, %ld rows)\n",
               m->token_seconds * 1e6, rate >= 1e12 ? rate / 1e12 : rate / 1e9,
               rate >= 1e12 ? "TFLOP/s" : "GFLOP/s", static_cast<long>(m->compute_rows));
-  std::printf("  ranks      %10.3f us fastest, %.3f us slowest (speeds %.3f-%.3f of the median)\n",
-              m->token_seconds_fastest * 1e6, m->token_seconds_slowest * 1e6,
-              m->token_seconds / m->token_seconds_slowest,
-              m->token_seconds / m->token_seconds_fastest);
+  if (m->token_seconds_fastest > 0) {  // every rank timed its token (always, on success)
+    std::printf("  ranks      %10.3f us fastest, %.3f us slowest (speeds %.3f-%.3f of the "
+                "median)\n",
+                m->token_seconds_fastest * 1e6, m->token_seconds_slowest * 1e6,
+                m->token_seconds / m->token_seconds_slowest,
+                m->token_seconds / m->token_seconds_fastest);
+  }
   const char* names[2] = {"intra-node", "inter-node"};
   const double seconds[2] = {m->row_seconds_intra, m->row_seconds_inter};
   const double transfer[2] = {m->transfer_seconds_intra, m->transfer_seconds_inter};

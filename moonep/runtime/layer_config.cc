@@ -56,6 +56,12 @@ absl::Status CheckLayerConfig(const LayerConfig& c, int32_t num_ranks, bool need
   MOONEP_CHECK_ARG(c.row_cost_inter >= 0 && c.row_cost_inter <= planner::kMaxRowCost,
                    "row_cost_inter is %d; must be in [0, 2^40] (1/1024 tokens)", c.row_cost_inter);
   if (!c.speeds.empty()) {
+    // The other policies plan as if every rank were alike: speeds there would be silently ignored.
+    MOONEP_CHECK_ARG(c.policy == planner::Policy::kMoonEP ||
+                         c.policy == planner::Policy::kMoonEPGreedy,
+                     "speeds are for policies moonep and moonep-greedy; policy %s plans as if "
+                     "every rank were alike (pass no speeds)",
+                     planner::PolicyName(c.policy));
     MOONEP_CHECK_ARG(c.speeds.size() == static_cast<size_t>(num_ranks),
                      "speeds has %d entries; must be empty (all ranks alike) or one per rank (%d)",
                      c.speeds.size(), num_ranks);
@@ -288,7 +294,6 @@ absl::Status CheckPlanFitsCapacities(const planner::Plan& plan,
 
 namespace {
 
-// The fields every rank must agree on, as plain integers (fixed layout on the wire).
 // FNV-1a over the bits of `speeds` (the same values give the same hash on every rank; -0.0 and
 // 0.0 never reach it: speeds are checked positive first, or the rank's verdict is invalid).
 uint64_t SpeedsHash(const std::vector<double>& speeds) {
@@ -305,6 +310,7 @@ uint64_t SpeedsHash(const std::vector<double>& speeds) {
   return h;
 }
 
+// The fields every rank must agree on, as plain integers (fixed layout on the wire).
 struct Fingerprint {
   int32_t valid;
   int64_t max_tokens;  // not compared: summed for the receive capacity

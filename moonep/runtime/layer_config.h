@@ -46,7 +46,9 @@ struct LayerConfig {
   // then balances time, not tokens: rank d's share of the load is proportional to speeds[d]
   // (planner::PlannerConfig::speeds), and replica / row costs are in tokens of the fastest rank.
   // For a slow GPU (throttled, another model) or a rank that does other work; MeasureCosts
-  // measures them (MeasuredCosts::speeds). Must agree on every rank.
+  // measures them (MeasuredCosts::speeds, ApplyCostsAndSpeeds). Policies moonep and
+  // moonep-greedy only (the others plan as if every rank were alike: refused). Must agree on
+  // every rank.
   std::vector<double> speeds;
   // Where x, y, dy, dx, topk_ids, topk_weights, d_topk_weights, weights and gradients live.
   // kCuda: GPU `device_index` of this node (one rank per GPU), the CUDA executor and the NCCL

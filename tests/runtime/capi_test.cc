@@ -875,17 +875,16 @@ TEST_F(CApiTest, BadConfigsFailOnEveryRank) {
 // accepted by moonepLayerCreate; arguments it cannot read on one rank fail every rank at once.
 TEST_F(CApiTest, MeasureCostsFillsTheSameCostsEverywhereAndRefusesBadArguments) {
   moonepLayerConfig_t c = Config(moonepPolicyMoonEP);
-  moonepCostProbeOptions_t o = {sizeof(moonepCostProbeOptions_t), 32, 32, 2, 0, 7};
+  moonepCostProbeOptions_t o = {sizeof(moonepCostProbeOptions_t), 32, 32, 2, 0, 7, nullptr};
   moonepMeasuredCosts_t m;
   std::memset(&m, 0xff, sizeof(m));
   m.size = sizeof(m);
   std::vector<double> speeds(static_cast<size_t>(size()) + 1, -1.0);  // one past the ranks
-  m.speeds = speeds.data();
+  o.speeds = speeds.data();
   ASSERT_EQ(moonepMeasureCosts(comm_, &c, &o, &m), moonepSuccess) << moonepGetLastError(comm_);
   EXPECT_EQ(m.size, sizeof(m));
   // Each rank's speed: the median token time over its own, one per rank and no more; the
   // fastest and slowest times around the median.
-  EXPECT_EQ(m.speeds, speeds.data());
   EXPECT_EQ(speeds.back(), -1.0);
   speeds.pop_back();
   for (double v : speeds) EXPECT_GT(v, 0);
@@ -897,7 +896,9 @@ TEST_F(CApiTest, MeasureCostsFillsTheSameCostsEverywhereAndRefusesBadArguments) 
   std::vector<double> all_speeds(speeds.size() * size());
   MPI_Allgather(speeds.data(), size(), MPI_DOUBLE, all_speeds.data(), size(), MPI_DOUBLE,
                 MPI_COMM_WORLD);
-  for (size_t i = 0; i < all_speeds.size(); ++i) EXPECT_EQ(all_speeds[i], speeds[i % speeds.size()]);
+  for (size_t i = 0; i < all_speeds.size(); ++i) {
+    EXPECT_EQ(all_speeds[i], speeds[i % speeds.size()]);
+  }
   EXPECT_EQ(m.ranks, size());
   EXPECT_EQ(m.compute_rows, 32);
   EXPECT_EQ(m.link_rows, 32);
@@ -928,14 +929,13 @@ TEST_F(CApiTest, MeasureCostsFillsTheSameCostsEverywhereAndRefusesBadArguments) 
   // Forward only, with the default rows and repetitions (zero fields), into a struct of a newer
   // caller (larger size: this library's fields written, size set to their count, the rest kept).
   c = Config(moonepPolicyMoonEP);
-  moonepCostProbeOptions_t fwd = {sizeof(moonepCostProbeOptions_t), 0, 0, 0, 1, 0};
+  moonepCostProbeOptions_t fwd = {sizeof(moonepCostProbeOptions_t), 0, 0, 0, 1, 0, nullptr};
   struct {
     moonepMeasuredCosts_t costs;
     char newer[16];
   } big;
   std::memset(&big, 0x5a, sizeof(big));
   big.costs.size = sizeof(big);
-  big.costs.speeds = nullptr;  // not wanted
   ASSERT_EQ(moonepMeasureCosts(comm_, &c, &fwd, &big.costs), moonepSuccess)
       << moonepGetLastError(comm_);
   EXPECT_EQ(big.costs.size, sizeof(moonepMeasuredCosts_t));
@@ -945,12 +945,14 @@ TEST_F(CApiTest, MeasureCostsFillsTheSameCostsEverywhereAndRefusesBadArguments) 
   EXPECT_EQ(big.costs.link_rows, 512);
   EXPECT_EQ(big.costs.transfer_rows, 12);  // one expert's fp32 weights (3 x 8 x 4) as rows of 8
   for (char b : big.newer) EXPECT_EQ(b, 0x5a);
-  EXPECT_EQ(big.costs.speeds, nullptr);
-  // A 0.4.0 caller's struct: filled up to transfer_rows, size set to that, nothing past it read
-  // or written (its speeds would be a pointer it never set).
+  // 0.4.0 callers' structs: costs filled up to transfer_rows, size set to that, nothing past it
+  // written; options read up to transfer_rows (a speeds pointer past them is never followed).
   std::memset(&big, 0x5a, sizeof(big));
   big.costs.size = MOONEP_MEASURED_COSTS_MIN_SIZE;
-  ASSERT_EQ(moonepMeasureCosts(comm_, &c, &fwd, &big.costs), moonepSuccess)
+  moonepCostProbeOptions_t old_options = fwd;
+  old_options.size = MOONEP_COST_PROBE_OPTIONS_MIN_SIZE;
+  old_options.speeds = reinterpret_cast<double*>(uintptr_t{16});
+  ASSERT_EQ(moonepMeasureCosts(comm_, &c, &old_options, &big.costs), moonepSuccess)
       << moonepGetLastError(comm_);
   EXPECT_EQ(big.costs.size, MOONEP_MEASURED_COSTS_MIN_SIZE);
   EXPECT_GT(big.costs.token_seconds, 0);

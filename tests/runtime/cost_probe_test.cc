@@ -131,6 +131,18 @@ TEST(CostProbeDerive, SpeedsAreTheMedianOverEachRanksTime) {
   const MeasuredCosts same = DeriveCosts(true, base, 4);
   EXPECT_EQ(m.replica_cost_inter, same.replica_cost_inter);
   EXPECT_EQ(m.row_cost_intra, same.row_cost_intra);
+  // Applied with the speeds, the costs count in tokens of the fastest rank (here 1.25 x the
+  // median's); applied alone, in the median rank's.
+  LayerConfig config;
+  runtime::ApplyCosts(m, &config);
+  EXPECT_TRUE(config.speeds.empty());
+  EXPECT_EQ(config.replica_cost_inter, m.replica_cost_inter);
+  runtime::ApplyCostsAndSpeeds(m, &config);
+  EXPECT_EQ(config.speeds, m.speeds);
+  EXPECT_EQ(config.replica_cost_inter, std::llround(m.replica_cost_inter * 1.25));
+  EXPECT_EQ(config.replica_cost_intra, std::llround(m.replica_cost_intra * 1.25));
+  EXPECT_EQ(config.row_cost_intra, std::llround(m.row_cost_intra * 1.25));
+  EXPECT_EQ(config.row_cost_inter, std::llround(m.row_cost_inter * 1.25));
   // One rank: speed 1 and no link costs.
   f = {};
   f.token_seconds = 3e-6;
@@ -327,7 +339,8 @@ TEST_F(CostProbeTest, MeasuresTheTopologysClassesAndAgrees) {
   std::vector<double> sorted = m->rank_token_seconds;
   std::sort(sorted.begin(), sorted.end());
   const size_t n = sorted.size();
-  EXPECT_DOUBLE_EQ(m->token_seconds, n % 2 ? sorted[n / 2] : (sorted[n / 2 - 1] + sorted[n / 2]) / 2);
+  EXPECT_DOUBLE_EQ(m->token_seconds,
+                   n % 2 ? sorted[n / 2] : (sorted[n / 2 - 1] + sorted[n / 2]) / 2);
   EXPECT_EQ(m->token_seconds_fastest, sorted.front());
   EXPECT_EQ(m->token_seconds_slowest, sorted.back());
   ASSERT_EQ(m->speeds.size(), n);

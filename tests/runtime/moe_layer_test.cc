@@ -243,7 +243,8 @@ TEST_F(MoeLayerTest, SpeedsBalanceTimeNotTokens) {
   LayerConfig config = Config(dtype, planner::Policy::kMoonEP);
   config.speeds.assign(static_cast<size_t>(size()), 1.0);
   config.speeds.back() = 3.0;
-  GlobalProblem g = MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kBaseTokens, dtype, 21);
+  GlobalProblem g =
+      MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kBaseTokens, dtype, 21);
   auto layer = MoeLayer::Create(comm_.get(), config);
   ASSERT_TRUE(layer.ok()) << layer.status();
   RankTensors t = MakeRankTensors(g, rank(), dtype);
@@ -263,18 +264,22 @@ TEST_F(MoeLayerTest, SpeedsBalanceTimeNotTokens) {
       }
     }
   }
-  auto plan_for = [&](const LayerConfig& c) {
-    auto p = planner::Planner::Create(runtime::PlannerConfigFor(c, size(), epn()));
+  // The reference planner gets the speeds here, not from PlannerConfigFor (which must pass them).
+  LayerConfig unaware = config;
+  unaware.speeds.clear();
+  EXPECT_EQ(runtime::PlannerConfigFor(config, size(), epn()).speeds, config.speeds);
+  auto plan_for = [&](const std::vector<double>& speeds) {
+    planner::PlannerConfig pc = runtime::PlannerConfigFor(unaware, size(), epn());
+    pc.speeds = speeds;
+    auto p = planner::Planner::Create(pc);
     EXPECT_TRUE(p.ok()) << p.status();
     planner::Plan out;
     EXPECT_TRUE((*p)->MakePlan(counts, &out).ok());
     return out;
   };
-  const planner::Plan want = plan_for(config);
+  const planner::Plan want = plan_for(config.speeds);
   EXPECT_EQ(planner::SerializePlan(**plan), planner::SerializePlan(want));
-  LayerConfig unaware = config;
-  unaware.speeds.clear();
-  const planner::Plan tokens_balanced = plan_for(unaware);
+  const planner::Plan tokens_balanced = plan_for({});
   auto slowest = [&](const planner::Plan& p) {
     double worst = 0;
     for (int32_t d = 0; d < size(); ++d) {
@@ -282,7 +287,11 @@ TEST_F(MoeLayerTest, SpeedsBalanceTimeNotTokens) {
     }
     return worst;
   };
-  EXPECT_LE(slowest(want), slowest(tokens_balanced));
+  if (size() > 1) {
+    EXPECT_LT(slowest(want), slowest(tokens_balanced));
+  } else {
+    EXPECT_EQ(slowest(want), slowest(tokens_balanced));
+  }
   for (int32_t d = 0; d + 1 < size(); ++d) EXPECT_GE(want.rank_rows.back(), want.rank_rows[d]);
   if (rank() == 0) {
     std::printf("speeds: rows %s (over speed %.1f) vs %s without speeds (%.1f)\n",
@@ -333,10 +342,29 @@ TEST_F(MoeLayerTest, SpeedsMustAgreeAndBeValid) {
   expect_failure(value, rank() == 0, "speeds[0] is 0");
   if (rank() == 0) value.speeds[0] = std::nan("");
   expect_failure(value, rank() == 0, "speeds[0] is nan");
-  // Equal speeds on every rank are accepted, as none.
+  // Speeds with a policy that plans as if every rank were alike: refused naming it.
+  LayerConfig eplb = Config(DType::kFloat32, planner::Policy::kEplb);
+  eplb.speeds.assign(static_cast<size_t>(size()), 1.0);
+  expect_failure(eplb, true, "speeds are for policies moonep and moonep-greedy; policy eplb");
+  // Equal speeds on every rank plan as none: the same plan as a layer without them.
   LayerConfig same = base;
   same.speeds.assign(static_cast<size_t>(size()), 2.0);
-  EXPECT_TRUE(MoeLayer::Create(comm_.get(), same).ok());
+  GlobalProblem g =
+      MakeGlobalProblem(size(), epn(), kTopK, kHidden, kInter, kBaseTokens, DType::kFloat32, 5);
+  std::string plans[2];
+  for (int i = 0; i < 2; ++i) {
+    auto layer = MoeLayer::Create(comm_.get(), i == 0 ? same : base);
+    ASSERT_TRUE(layer.ok()) << layer.status();
+    RankTensors t = MakeRankTensors(g, rank(), DType::kFloat32);
+    ASSERT_TRUE((*layer)->BindParameters(t.params, t.grads).ok());
+    auto h = RunForward(layer->get(), &t, DType::kFloat32, kHidden);
+    ASSERT_TRUE(h.ok()) << h.status();
+    auto plan = (*layer)->PlanOf(*h);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    plans[i] = planner::SerializePlan(**plan);
+    ASSERT_TRUE((*layer)->Release(*h).ok());
+  }
+  EXPECT_EQ(plans[0], plans[1]);
 }
 
 TEST_F(MoeLayerTest, BadRoutingFailsEverywhereAndLayerStaysUsable) {

@@ -159,7 +159,15 @@ def main():
     if R > 1:
         expect(moonep.MoonEPError, "speeds",
                lambda: moonep.Layer(comm, E, K, H, I, T, speeds=[1.0 + rank] * R))
+    expect(ValueError, "speeds must be a sequence of numbers",
+           lambda: moonep.Layer(comm, E, K, H, I, T, speeds="12"))
+    expect(ValueError, "speeds='measured' takes the speeds from costs",
+           lambda: moonep.Layer(comm, E, K, H, I, T, speeds="measured"))
+    expect(moonep.MoonEPError, "speeds are for policies moonep and moonep-greedy",
+           lambda: moonep.Layer(comm, E, K, H, I, T, policy="eplb", speeds=[1.0] * R))
     moonep.Layer(comm, E, K, H, I, T, num_threads=1, speeds=[1.0] * (R - 1) + [2.0]).destroy()
+    # The probe's speeds with its costs scaled to tokens of the fastest rank.
+    moonep.Layer(comm, E, K, H, I, T, num_threads=1, costs=costs, speeds="measured").destroy()
     moonep.EpBuffer(comm, E, K, H, T, speeds=speeds).destroy()
     layer = moonep.Layer(comm, num_experts=E, top_k=K, hidden=H, intermediate=I, max_tokens=T,
                          num_threads=1)

@@ -268,8 +268,10 @@ typedef struct {
                                  time, not tokens (rank d's share of the load proportional to
                                  speeds[d]; replica and row costs in tokens of the fastest rank).
                                  For a slow GPU or a rank that does other work;
-                                 moonepMeasureCosts measures them. Must agree on every rank; a
-                                 0.4.0 library ignores it (check moonepGetVersion) */
+                                 moonepMeasureCosts measures them. Policies moonep and
+                                 moonep-greedy only (others: moonepInvalidArgument). Must agree
+                                 on every rank; a 0.4.0 library ignores it (check
+                                 moonepGetVersion) */
 } moonepLayerConfig_t;
 
 #define MOONEP_LAYER_CONFIG_INITIALIZER                                                       \
@@ -366,6 +368,13 @@ typedef struct {
   int64_t transfer_rows; /* rows sent to time one expert's transfer, at most 2^20; 0: as many as
                             hold its bytes (its gradients, or its weights when forward_only), at
                             most 2^20; the time is scaled to the transfer's bytes */
+  double* speeds;        /* added in 0.5.0: NULL (not wanted), or an array of R doubles that a
+                            successful call fills with each rank's speed relative to the median
+                            of the ranks' token times (the median time over the rank's own), the
+                            same on every rank: moonepLayerConfig_t.speeds takes them where ranks
+                            differ in more than noise (docs/runtime.md, "Ranks of different
+                            speeds"). Then multiply the four costs by the largest speed: with
+                            speeds the planner counts them in tokens of the fastest rank. */
 } moonepCostProbeOptions_t;
 /* The smallest size accepted (0.4.0's struct; later versions only append fields). */
 #define MOONEP_COST_PROBE_OPTIONS_MIN_SIZE \
@@ -386,14 +395,11 @@ typedef struct {
   double transfer_seconds_intra;  /* one expert's transfer one way inside a node; 0: not measured */
   double transfer_seconds_inter;  /* across nodes */
   int64_t transfer_rows;          /* the rows that timed it */
-  /* Added in 0.5.0 (a caller's smaller size leaves them unread and unwritten). Each rank times
-   * its own token: the fastest and the slowest rank's time, and, where the caller sets `speeds`
-   * to an array of R doubles (NULL: not wanted), each rank's speed relative to the median rank,
-   * token_seconds / that rank's time, the same on every rank: moonepLayerConfig_t.speeds takes
-   * them where ranks differ in more than noise (docs/runtime.md, "Ranks of different speeds"). */
+  /* Added in 0.5.0 (a caller's smaller size leaves them unwritten): each rank times its own
+   * token; the fastest and the slowest rank's time (token_seconds is the median; each rank's
+   * speed goes to options->speeds where set). */
   double token_seconds_fastest;
   double token_seconds_slowest;
-  double* speeds;                 /* set by the caller (kept as it is) */
 } moonepMeasuredCosts_t;
 /* The smallest size accepted. min(size, the library's sizeof) bytes are written and size is set to
  * that count, so a newer caller learns which of its fields were filled. */
