@@ -875,7 +875,11 @@ TEST_F(CApiTest, BadConfigsFailOnEveryRank) {
 // accepted by moonepLayerCreate; arguments it cannot read on one rank fail every rank at once.
 TEST_F(CApiTest, MeasureCostsFillsTheSameCostsEverywhereAndRefusesBadArguments) {
   moonepLayerConfig_t c = Config(moonepPolicyMoonEP);
-  moonepCostProbeOptions_t o = {sizeof(moonepCostProbeOptions_t), 32, 32, 2, 0, 7, nullptr};
+  moonepCostProbeOptions_t o = MOONEP_COST_PROBE_OPTIONS_INITIALIZER;
+  o.compute_rows = 32;
+  o.link_rows = 32;
+  o.repetitions = 2;
+  o.transfer_rows = 7;
   moonepMeasuredCosts_t m;
   std::memset(&m, 0xff, sizeof(m));
   m.size = sizeof(m);
@@ -929,7 +933,8 @@ TEST_F(CApiTest, MeasureCostsFillsTheSameCostsEverywhereAndRefusesBadArguments) 
   // Forward only, with the default rows and repetitions (zero fields), into a struct of a newer
   // caller (larger size: this library's fields written, size set to their count, the rest kept).
   c = Config(moonepPolicyMoonEP);
-  moonepCostProbeOptions_t fwd = {sizeof(moonepCostProbeOptions_t), 0, 0, 0, 1, 0, nullptr};
+  moonepCostProbeOptions_t fwd = MOONEP_COST_PROBE_OPTIONS_INITIALIZER;
+  fwd.forward_only = 1;
   struct {
     moonepMeasuredCosts_t costs;
     char newer[16];

@@ -376,6 +376,9 @@ typedef struct {
                             speeds"). Then multiply the four costs by the largest speed: with
                             speeds the planner counts them in tokens of the fastest rank. */
 } moonepCostProbeOptions_t;
+/* Every option at its default (0.5.0); set the fields wanted after it. */
+#define MOONEP_COST_PROBE_OPTIONS_INITIALIZER \
+  { sizeof(moonepCostProbeOptions_t), 0, 0, 0, 0, 0, NULL }
 /* The smallest size accepted (0.4.0's struct; later versions only append fields). */
 #define MOONEP_COST_PROBE_OPTIONS_MIN_SIZE \
   (offsetof(moonepCostProbeOptions_t, transfer_rows) + sizeof(int64_t))
