@@ -25,6 +25,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -136,11 +137,7 @@ bool ParseArgs(int argc, char** argv, Options* o, std::string* error) {
   return moonep::runtime::ParseToolArgs(argc, argv, ints, kUsage, other, error);
 }
 
-double MaxOver(double v) {
-  double out = 0;
-  MPI_Allreduce(&v, &out, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-  return out;
-}
+double MaxOver(double v) { return moonep::runtime::MaxOverRanks(v, MPI_COMM_WORLD); }
 
 // Quantile q of `v` (nearest rank).
 double Quantile(std::vector<double> v, double q) {
@@ -160,14 +157,21 @@ struct Arm {
   int64_t slow_rows = 0, other_rows = 0;  // summed over the timed steps, over slow / other ranks
 };
 
-// Elements of `a` that differ from `b` by more than tol * max |b| (over every rank).
-int64_t CountDiffering(const std::vector<float>& a, const std::vector<float>& b, double tol) {
+// Policy none's results of a step, each with its largest magnitude over every rank.
+struct Reference {
+  std::vector<float> values;
   double scale = 0;
-  for (float v : b) scale = std::max(scale, static_cast<double>(std::abs(v)));
-  scale = MaxOver(scale);
+  explicit Reference(std::vector<float> v) : values(std::move(v)) {
+    for (float x : values) scale = std::max(scale, static_cast<double>(std::abs(x)));
+    scale = MaxOver(scale);
+  }
+};
+
+// Elements of `a` that differ from the reference by more than tol times its largest magnitude.
+int64_t CountDiffering(const std::vector<float>& a, const Reference& ref, double tol) {
   int64_t wrong = 0;
   for (size_t i = 0; i < a.size(); ++i) {
-    if (!(std::abs(static_cast<double>(a[i]) - b[i]) <= tol * scale)) ++wrong;
+    if (!(std::abs(static_cast<double>(a[i]) - ref.values[i]) <= tol * ref.scale)) ++wrong;
   }
   return wrong;
 }
@@ -327,9 +331,10 @@ int Run(int argc, char** argv) {
                 static_cast<long>(o.slow_threads), static_cast<long>(o.threads),
                 static_cast<long>(H), static_cast<long>(I), moonep::DTypeName(o.dtype),
                 static_cast<long>(T), K, E, routing->zipf_s, routing->maxvio + 1);
-    std::string list;
-    for (double s : speeds) list += (list.empty() ? "" : ",") + absl::StrFormat("%.3f", s);
-    std::printf("speeds (%s): %s\n", speeds_from.c_str(), list.c_str());
+    std::printf("speeds (%s): %s\n", speeds_from.c_str(),
+                absl::StrJoin(speeds, ",", [](std::string* out, double v) {
+                  absl::StrAppendFormat(out, "%.3f", v);
+                }).c_str());
     std::fflush(stdout);
   }
 
@@ -373,12 +378,13 @@ int Run(int argc, char** argv) {
     }
     // The balanced layers against policy none's results.
     const Arm& none = arms[2];
+    const Reference y(ToFloat(none.y, o.dtype)), dx(ToFloat(none.dx, o.dtype)),
+        dtopk(none.dtopk), grads(none.grads);
     for (int a = 0; a < 2; ++a) {
       const Arm& arm = arms[static_cast<size_t>(a)];
-      wrong += CountDiffering(ToFloat(arm.y, o.dtype), ToFloat(none.y, o.dtype), tol) +
-               CountDiffering(ToFloat(arm.dx, o.dtype), ToFloat(none.dx, o.dtype), tol) +
-               CountDiffering(arm.dtopk, none.dtopk, tol) +
-               CountDiffering(arm.grads, none.grads, tol);
+      wrong += CountDiffering(ToFloat(arm.y, o.dtype), y, tol) +
+               CountDiffering(ToFloat(arm.dx, o.dtype), dx, tol) +
+               CountDiffering(arm.dtopk, dtopk, tol) + CountDiffering(arm.grads, grads, tol);
       checked += static_cast<int64_t>(2 * x.size() / ds + arm.dtopk.size() + arm.grads.size());
     }
   }

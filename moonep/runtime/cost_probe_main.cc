@@ -12,6 +12,7 @@
 #include <string>
 
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "moonep/core/dtype.h"
 #include "moonep/core/env.h"
 #include "moonep/runtime/communicator.h"
@@ -164,9 +165,9 @@ int Run(int argc, char** argv) {
               static_cast<long>(m->replica_cost_intra), static_cast<long>(m->replica_cost_inter),
               static_cast<long>(m->row_cost_intra), static_cast<long>(m->row_cost_inter));
   // Each rank's speed (LayerConfig::speeds, where ranks differ in more than noise).
-  std::string speeds;
-  for (double v : m->speeds) speeds += (speeds.empty() ? "" : ",") + absl::StrFormat("%.3f", v);
-  std::printf("speeds=%s\n", speeds.c_str());
+  std::printf("speeds=%s\n", absl::StrJoin(m->speeds, ",", [](std::string* out, double v) {
+                absl::StrAppendFormat(out, "%.3f", v);
+              }).c_str());
   return 0;
 }
 

@@ -32,7 +32,9 @@ namespace {
 
 using moonep::DType;
 using moonep::TensorView;
+using moonep::runtime::MaxOverRanks;
 using moonep::runtime::Phase;
+using moonep::runtime::SumOverRanks;
 using moonep::transport::OpKind;
 
 struct Options {
@@ -106,17 +108,6 @@ bool ParseArgs(int argc, char** argv, Options* o, std::string* error) {
   return true;
 }
 
-double MaxOver(double v, MPI_Comm comm) {
-  double out = 0;
-  MPI_Allreduce(&v, &out, 1, MPI_DOUBLE, MPI_MAX, comm);
-  return out;
-}
-double SumOver(double v, MPI_Comm comm) {
-  double out = 0;
-  MPI_Allreduce(&v, &out, 1, MPI_DOUBLE, MPI_SUM, comm);
-  return out;
-}
-
 // max |a - b| / max |b| over all ranks.
 double RelErrorAll(const std::vector<double>& got, const std::vector<double>& want, MPI_Comm comm) {
   double num = 0, den = 0;
@@ -124,8 +115,8 @@ double RelErrorAll(const std::vector<double>& got, const std::vector<double>& wa
     num = std::max(num, std::abs(got[i] - want[i]));
     den = std::max(den, std::abs(want[i]));
   }
-  num = MaxOver(num, comm);
-  den = MaxOver(den, comm);
+  num = MaxOverRanks(num, comm);
+  den = MaxOverRanks(den, comm);
   return den > 0 ? num / den : num;
 }
 
@@ -365,14 +356,14 @@ int Run(int argc, char** argv) {
     }
     worst_y = std::max(worst_y, err_y);
     worst_g = std::max(worst_g, err_g);
-    loss = SumOver(loss, comm->mpi_comm());
+    loss = SumOverRanks(loss, comm->mpi_comm());
 
     // Traffic over all ranks: token rows (dispatch, combine and their backward forms) and expert
     // weights (prefetch) + gradients (reduce).
     auto bytes = [&](std::initializer_list<OpKind> kinds, const moonep::runtime::StepStats& s) {
       double b = 0;
       for (OpKind k : kinds) b += static_cast<double>(s.ops[static_cast<int>(k)].bytes_sent);
-      return SumOver(b, comm->mpi_comm()) / 1e6;
+      return SumOverRanks(b, comm->mpi_comm()) / 1e6;
     };
     const double rows_mb = bytes({OpKind::kDispatch, OpKind::kCombine}, fstats) +
                            bytes({OpKind::kCombineBackward, OpKind::kDispatchBackward,
@@ -381,7 +372,7 @@ int Run(int argc, char** argv) {
     auto ms = [&](std::initializer_list<Phase> phases) {
       double s = 0;
       for (Phase p : phases) s += st.seconds[static_cast<int>(p)];
-      return MaxOver(s * 1e3, comm->mpi_comm());
+      return MaxOverRanks(s * 1e3, comm->mpi_comm());
     };
     const double t_plan = ms({Phase::kCounts, Phase::kPlan});
     const double t_disp = ms({Phase::kDispatch});
@@ -389,7 +380,8 @@ int Run(int argc, char** argv) {
     const double t_comb = ms({Phase::kCombine});
     const double t_bwd = ms({Phase::kBackwardDispatch, Phase::kTopkGrad, Phase::kBackwardCompute,
                              Phase::kBackwardCombine, Phase::kReduce});
-    const double t_total = MaxOver((st.forward_seconds + st.backward_seconds) * 1e3, comm->mpi_comm());
+    const double t_total =
+        MaxOverRanks((st.forward_seconds + st.backward_seconds) * 1e3, comm->mpi_comm());
     const double before = st.plan.imbalance_before(), after = st.plan.imbalance_after();
     sum_before += before;
     sum_after += after;

@@ -1,6 +1,6 @@
-// The "--name value" command lines of the runtime's tools (moonep-demo, moonep-cost-probe): whole
-// numbers in stated ranges, and the tool's other flags through a callback; and their main() under
-// MPI. Header-only.
+// The "--name value" command lines of the runtime's tools (moonep-demo, moonep-cost-probe,
+// moonep-bench-speeds): whole numbers in stated ranges, and the tool's other flags through a
+// callback; reductions over ranks; and their main() under MPI. Header-only.
 #pragma once
 
 #include <mpi.h>
@@ -53,6 +53,18 @@ inline bool ParseToolArgs(
     }
   }
   return true;
+}
+
+// The largest / the sum of `v` over the ranks of `comm` (the same on every rank).
+inline double MaxOverRanks(double v, MPI_Comm comm) {
+  double out = 0;
+  MPI_Allreduce(&v, &out, 1, MPI_DOUBLE, MPI_MAX, comm);
+  return out;
+}
+inline double SumOverRanks(double v, MPI_Comm comm) {
+  double out = 0;
+  MPI_Allreduce(&v, &out, 1, MPI_DOUBLE, MPI_SUM, comm);
+  return out;
 }
 
 // main() of an MPI tool: MPI_Init_thread (serialized), run(argc, argv) on every process, and the
